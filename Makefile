@@ -1,0 +1,36 @@
+# gtp-recipes: `make help` lists the targets.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# python3.12 from PATH, else from pyenv's versions folder (pyenv shims refuse when 3.12 is not global).
+PYTHON312 ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12 /usr/bin/python3.12 /usr/local/bin/python3.12; do \
+	$$p -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1 && { echo $$p; break; }; done)
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help setup train test test-fast bench clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+setup: $(STAMP) ## create .venv with python3.12 and install the pinned dependencies (idempotent)
+
+$(STAMP): pyproject.toml
+	@test -n "$(PYTHON312)" || { echo "error: python3.12 not found (on PATH or under ~/.pyenv/versions/3.12*)"; exit 1; }
+	test -x $(PY) || $(PYTHON312) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+train: setup ## train the tiny GPT on the embedded corpus with 2 CPU processes (ARGS='key=value ...')
+	$(PY) train.py $(ARGS)
+
+test: setup ## run unit, multi-process and end-to-end tests on CPU
+	$(PY) -m pytest $(ARGS)
+
+bench: setup ## run the benchmarks and print their tables
+	$(PY) -m benchmarks $(ARGS)
+
+clean: ## remove outputs and caches (keeps .venv)
+	rm -rf outputs multirun .cache .pytest_cache .hypothesis

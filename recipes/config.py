@@ -1,0 +1,195 @@
+"""Typed schemas for every config group, registered in Hydra's ConfigStore.
+
+Each group (``conf/<group>/*.yaml``) is validated against its dataclass at compose time: an
+unknown key or a value of the wrong type fails before any process starts. Field names follow
+Megatron-LM's arguments (``tensor_model_parallel_size``, ``micro_batch_size``, ``lr_warmup_iters``,
+``save_interval``...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    """GPT shape. The tiny default has dims that are not multiples of 16, so GTP padding matters."""
+
+    name: str = "tiny"
+    num_layers: int = 2
+    hidden_size: int = 72
+    num_attention_heads: int = 4
+    ffn_hidden_size: int = 200
+    seq_length: int = 64
+    # SwiGLU: gated fc1 of 2 * ffn_hidden_size rows (gate then up), as megatron's gated_linear_unit.
+    swiglu: bool = False
+    position_embedding_type: str = "learned_absolute"  # learned_absolute | rope
+    make_vocab_size_divisible_by: int = 8
+    init_method_std: float = 0.02
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    share_embeddings_and_output_weights: bool = False
+
+
+@dataclass
+class ParallelismConfig:
+    """Process layout. World size = tp * pp * gtp_remat_size * dp (dp derived when null)."""
+
+    name: str = "dp2"
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    # null: derived as world_size / (tp * pp * gtp_remat_size).
+    data_parallel_size: Optional[int] = None
+    # Processes started on this machine by train.py (ignored when RANK/WORLD_SIZE are set).
+    nproc_per_node: int = 2
+
+
+@dataclass
+class GTPConfig:
+    """Generalized Tensor Parallelism (weight remat over the ``gtp_remat`` group)."""
+
+    name: str = "off"
+    gtp_remat_size: int = 1
+    # null: the quantization recipe's default (none -> 1, fp8 -> 16, mxfp8 -> 32, nvfp4 -> 16).
+    pad_for_alignment: Optional[int] = None
+    quantization: str = "none"  # none | fp8 | mxfp8 | nvfp4
+
+
+@dataclass
+class PrecisionConfig:
+    """Parameter dtype. fp32 on CPU by default."""
+
+    name: str = "fp32"
+    params_dtype: str = "fp32"  # fp32 | bf16
+
+
+@dataclass
+class DataConfig:
+    """Training text.
+
+    ``source``: ``pydoc`` (CPython's bundled documentation text, tokenized on first use and
+    cached), ``indexed`` (existing Megatron .bin/.idx prefixes in ``paths``, tokenized with
+    ``tokenizer``), ``text`` (.txt / .jsonl files in ``paths``, converted on first use), ``mock``
+    (megatron's MockGPTDataset, no files).
+    """
+
+    name: str = "pydoc"
+    source: str = "pydoc"
+    paths: list[str] = field(default_factory=list)
+    # byte: 256 byte values + <eod>; for ``indexed`` data made with another tokenizer set
+    # ``vocab_size`` (and ``eod_id``) to that tokenizer's.
+    tokenizer: str = "byte"
+    vocab_size: Optional[int] = None
+    eod_id: Optional[int] = None
+    jsonl_key: str = "text"
+    split: str = "98,2,0"
+    cache_dir: str = "${oc.env:GTP_RECIPES_CACHE,${hydra:runtime.cwd}/.cache}"
+    micro_batch_size: int = 4
+    global_batch_size: int = 16
+
+
+@dataclass
+class OptimConfig:
+    """Adam with linear warmup then cosine decay (megatron's OptimizerParamScheduler)."""
+
+    name: str = "adam"
+    optimizer: str = "adam"
+    lr: float = 3.0e-3
+    min_lr: float = 3.0e-4
+    lr_warmup_iters: int = 5
+    lr_decay_style: str = "cosine"
+    # null: decay over train.train_iters.
+    lr_decay_iters: Optional[int] = None
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1.0e-8
+    clip_grad: float = 1.0
+
+
+@dataclass
+class CheckpointConfig:
+    """Megatron layout: ``<save>/iter_0000010/`` (torch_dist) + ``latest_checkpointed_iteration.txt``."""
+
+    name: str = "default"
+    save: Optional[str] = "${hydra:runtime.output_dir}/checkpoints"
+    save_interval: int = 20
+    # A checkpoint dir written by a previous run (any layout); null starts from scratch.
+    load: Optional[str] = None
+    # Remove older iter_* dirs once a newer save is complete; null keeps all.
+    keep_last: Optional[int] = None
+    # Save at the last iteration even when it is not a multiple of save_interval.
+    save_at_end: bool = True
+
+
+@dataclass
+class LoggerConfig:
+    """Metric sinks. The local JSONL file is always written; wandb is added by ``logger=wandb``."""
+
+    name: str = "wandb"
+    wandb: bool = True
+    project: str = "gtp-recipes"
+    entity: Optional[str] = None
+    # offline unless set to online (needs WANDB_API_KEY) .
+    mode: str = "offline"
+    run_name: Optional[str] = None
+
+
+@dataclass
+class TrainConfig:
+    """Loop length and bookkeeping."""
+
+    train_iters: int = 60
+    seed: int = 1234
+    log_interval: int = 1
+
+
+@dataclass
+class Config:
+    """The whole run. ``conf/config.yaml``'s defaults list fills the groups."""
+
+    model: ModelConfig = MISSING
+    parallelism: ParallelismConfig = MISSING
+    gtp: GTPConfig = MISSING
+    precision: PrecisionConfig = MISSING
+    data: DataConfig = MISSING
+    optim: OptimConfig = MISSING
+    checkpoint: CheckpointConfig = MISSING
+    logger: LoggerConfig = MISSING
+    train: TrainConfig = field(default_factory=TrainConfig)
+    # Where this job writes (Hydra's output dir); filled in at compose time.
+    output_dir: str = "${hydra:runtime.output_dir}"
+
+
+GROUPS: dict[str, type] = {
+    "model": ModelConfig,
+    "parallelism": ParallelismConfig,
+    "gtp": GTPConfig,
+    "precision": PrecisionConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "checkpoint": CheckpointConfig,
+    "logger": LoggerConfig,
+}
+
+
+def register_configs() -> None:
+    """Register ``Config`` and each group's schema (``<group>/schema``) in Hydra's ConfigStore.
+
+    Group yaml files name ``<group>/schema`` first in their defaults list so they are typed.
+    """
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    for group, node in GROUPS.items():
+        cs.store(group=group, name="schema", node=node)
+
+
+def to_dict(cfg: Any) -> dict:
+    """A resolved plain-dict copy of an OmegaConf config (for checkpoints and logs)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
