@@ -28,7 +28,9 @@ class ModelConfig:
     # SwiGLU: gated fc1 of 2 * ffn_hidden_size rows (gate then up), as megatron's gated_linear_unit.
     swiglu: bool = False
     position_embedding_type: str = "learned_absolute"  # learned_absolute | rope
-    make_vocab_size_divisible_by: int = 8
+    # The vocab is padded to a multiple of lcm(this, tp): the same padded size at every TP that
+    # divides it, so the output layer (padded logits included) is identical across layouts.
+    make_vocab_size_divisible_by: int = 64
     init_method_std: float = 0.02
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0

@@ -1,0 +1,221 @@
+"""Portable GTP weight-remat backend: megatron-core 0.19.2's GTP over plain ``torch.distributed``.
+
+megatron's GTP (``tensor_parallel/generalized_tensor_parallelism.py``) takes its collectives and a
+few helpers from TransformerEngine. Without TE the module imports with ``MagicMock`` stand-ins and
+``gtp_api.HAVE_GTP = False``, yet the local layers (Column/RowParallelLinear,
+VocabParallelEmbedding) still wrap their weights as ``GTPShardedParam`` when the ``gtp_remat``
+group is larger than 1, so the first forward fails.
+
+:func:`install` replaces exactly those stand-ins, in megatron's module namespace, with
+``torch.distributed`` implementations (gloo has ``all_gather_into_tensor`` and
+``reduce_scatter_tensor``) and sets ``HAVE_GTP`` so megatron's GTP-aware paths (checkpoint
+sharding, layer-wise optimizer) run as they do with TE. Everything else is megatron's own:
+``GTPShardedParam``, the padding (``gtp_remat_shard_dim0``, ``_gtp_slice_one_param``),
+``GTP_CONFIG``, the process groups, the mean/sum choice of the wgrad reduce-scatter
+(``_prescale_wgrads_for_mean_rs``) and ``finalize_model_grads``' reduction of replicated grads
+over the ``gtp_remat`` group.
+
+Only unquantized (fp32/bf16) weights are supported: there is no FP8 without TE. The backend runs
+the collectives synchronously (``GTP_CONFIG.weight_prefetch = False``,
+``GTP_CONFIG.async_reduction = False``): same math, no side streams.
+
+On a machine without CUDA, also call ``recipes.cpu_compat.install()``: it redirects the
+``torch.cuda`` stream calls left in megatron's GTP module (the pre-DP-sync fence in
+``finalize_model_grads``) to CPU no-ops.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from unittest.mock import MagicMock
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MEGATRON_VERSION = "0.19.2"
+
+_GTP_MODULE = "megatron.core.tensor_parallel.generalized_tensor_parallelism"
+_GTP_API_MODULE = "megatron.core.tensor_parallel.gtp_api"
+
+# Modules that copy ``gtp_api.HAVE_GTP`` (and the names imported under it) at import time; if they
+# were imported before install() they keep the TE-less values, so refresh them too.
+_HAVE_GTP_COPIES = {
+    "megatron.core.transformer.cuda_graphs": (
+        "GTPChain", "get_ag_stream", "get_rs_stream", "set_cuda_graph_mempool", "wait_async_comms",
+    ),
+    "megatron.core.ssm.mamba_mixer": ("is_gtp_param",),
+}
+
+_INSTALLED = False
+
+
+class _NoQuantizedTensor:
+    """Stand-in for TE's quantized tensor/quantizer classes: no instance ever exists.
+
+    megatron calls ``isinstance(x, QuantizedTensor)`` (``_strip_padding``,
+    ``attach_gtp_to_presharded_module``); ``isinstance`` with a MagicMock as its class raises.
+    """
+
+
+def _gather_along_first_dim(
+    inp, process_group, async_op=False, quantizer=None, output_tensor=None,
+    external_coalescing=False,
+):
+    """torch.distributed twin of TE ``gather_along_first_dim`` (unquantized inputs only).
+
+    Covers ``GTPShardedParam._all_gather_weight``: all-gather the padded dim-0 shards of the
+    ``gtp_remat`` group into ``output_tensor`` (megatron's cached buffer).
+    Returns ``(gathered, work handle or None)``.
+    """
+    if quantizer is not None or external_coalescing:
+        raise NotImplementedError(
+            "gtp.backend: quantized or coalesced (grouped-expert) GTP all-gather needs "
+            "TransformerEngine"
+        )
+    world = torch.distributed.get_world_size(process_group)
+    if world == 1:
+        return inp, None
+    if output_tensor is None:
+        output_tensor = torch.empty(
+            (inp.shape[0] * world, *inp.shape[1:]), dtype=inp.dtype, device=inp.device
+        )
+    # detach: the shard is a Parameter; outside an autograd.Function (grad mode on) gloo's copy
+    # into the output would otherwise be recorded by autograd and rejected.
+    handle = torch.distributed.all_gather_into_tensor(
+        output_tensor, inp.detach().contiguous(), group=process_group, async_op=async_op
+    )
+    return output_tensor, handle
+
+
+def _reduce_scatter_along_first_dim(inp, tp_group, async_op=False, output=None):
+    """torch.distributed twin of TE ``reduce_scatter_along_first_dim`` (SUM, like TE).
+
+    Covers ``GTPShardedParam._reduce_scatter``: megatron has already pre-scaled the wgrad by
+    1/g (mean) or not (``calculate_per_token_loss``: sum) and zero-padded it to the padded dim 0.
+    Returns ``(this rank's shard, work handle or None)``.
+    """
+    world = torch.distributed.get_world_size(tp_group)
+    if world == 1:
+        return inp, None
+    if inp.shape[0] % world:
+        raise ValueError(f"reduce-scatter input dim 0 {inp.shape[0]} not divisible by {world}")
+    if output is None:
+        output = torch.empty(
+            (inp.shape[0] // world, *inp.shape[1:]), dtype=inp.dtype, device=inp.device
+        )
+    handle = torch.distributed.reduce_scatter_tensor(
+        output, inp.detach().contiguous(), group=tp_group, async_op=async_op
+    )
+    return output, handle
+
+
+_dummy_wgrads: dict = {}
+
+
+def _get_dummy_wgrad(shape, dtype, zero=False):
+    """Twin of TE ``module.base.get_dummy_wgrad``: a cached wgrad placeholder per (shape, dtype).
+
+    Covers ``GTPShardedParam._handle_megatron_grad_accum``: the real wgrad already sits in
+    ``main_grad``; autograd receives this placeholder. Allocated zeroed (TE: uninitialized), so a
+    stray accumulation of it can never add garbage.
+    """
+    key = (tuple(shape), dtype)
+    buf = _dummy_wgrads.get(key)
+    if buf is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # TE: always "cuda"
+        buf = _dummy_wgrads[key] = torch.zeros(shape, dtype=dtype, device=device)
+    elif zero:
+        buf.zero_()
+    return buf.detach()
+
+
+def _not_in_fp8_recompute():
+    """Twin of TE ``in_fp8_activation_recompute_phase``: no FP8 activation recompute without TE.
+
+    The MagicMock stand-in returns a truthy mock, which would send ``all_gather_and_prefetch``
+    down the recompute-chain branch.
+    """
+    return False
+
+
+def _nvtx_noop(*args, **kwargs):
+    """Twin of TE ``nvtx_range_push/pop``; the MagicMock would record every call forever."""
+
+
+def check_megatron_version(version: str) -> None:
+    """Raise ``RuntimeError`` unless ``version`` (local suffix ignored) is the supported one."""
+    from packaging.version import Version
+
+    if Version(version).base_version != SUPPORTED_MEGATRON_VERSION:
+        raise RuntimeError(
+            f"gtp.backend patches megatron-core {SUPPORTED_MEGATRON_VERSION} internals; found "
+            f"megatron-core {version}. Re-check generalized_tensor_parallelism.py against this "
+            "version before extending the gate."
+        )
+
+
+def install() -> bool:
+    """Make megatron-core 0.19.2's GTP weight remat run without TransformerEngine.
+
+    Patches, in ``megatron.core.tensor_parallel.generalized_tensor_parallelism``:
+    ``gather_along_first_dim``, ``reduce_scatter_along_first_dim`` (torch.distributed),
+    ``get_dummy_wgrad``, ``in_fp8_activation_recompute_phase``, ``nvtx_range_push/pop`` and the
+    TE quantized classes used in isinstance checks; sets ``GTP_CONFIG.weight_prefetch`` and
+    ``GTP_CONFIG.async_reduction`` to False; sets ``gtp_api.HAVE_GTP = True`` (and refreshes the
+    modules that copied it at import).
+
+    Returns:
+        True when the backend is active after the call; False when TransformerEngine is usable
+        for GTP (megatron's ``HAVE_TE``), in which case nothing is patched and TE stays in charge.
+
+    Raises:
+        RuntimeError: megatron-core is not 0.19.2, or the TE stand-ins are not the expected
+            MagicMocks (something else already replaced them).
+    """
+    global _INSTALLED
+    if _INSTALLED:
+        return True
+    import megatron.core
+
+    check_megatron_version(megatron.core.__version__)
+    gtp = importlib.import_module(_GTP_MODULE)
+    if gtp.HAVE_TE:
+        logger.info("gtp.backend: TransformerEngine is usable for GTP; portable backend not used")
+        return False
+    for name in ("gather_along_first_dim", "reduce_scatter_along_first_dim", "get_dummy_wgrad"):
+        if not isinstance(getattr(gtp, name), MagicMock):
+            raise RuntimeError(f"gtp.backend: {_GTP_MODULE}.{name} is not megatron's TE stand-in")
+
+    gtp.gather_along_first_dim = _gather_along_first_dim
+    gtp.reduce_scatter_along_first_dim = _reduce_scatter_along_first_dim
+    gtp.get_dummy_wgrad = _get_dummy_wgrad
+    gtp.in_fp8_activation_recompute_phase = _not_in_fp8_recompute
+    gtp.nvtx_range_push = gtp.nvtx_range_pop = _nvtx_noop
+    for name in ("QuantizedTensor", "MXFP8TensorStorage", "NVFP4TensorStorage", "MXFP8Quantizer",
+                 "_NVFP4AllGatherAsyncHandle"):
+        setattr(gtp, name, _NoQuantizedTensor)
+    # Synchronous gathers and reduce-scatters: no prefetch chain, no deferred wgrad accumulation
+    # (both need side streams and events); the math is the same.
+    gtp.update_gtp_config(weight_prefetch=False, async_reduction=False)
+
+    # HAVE_GTP gates megatron's GTP-aware checkpoint path (transformer/utils.py
+    # make_sharded_tensors_for_checkpoint, utils.py make_tp_sharded_tensor_for_checkpoint) and the
+    # layer-wise optimizer's replica fold; those read it from gtp_api at call time.
+    api = importlib.import_module(_GTP_API_MODULE)
+    api.HAVE_GTP = True
+    for module_name, names in _HAVE_GTP_COPIES.items():
+        module = sys.modules.get(module_name)
+        if module is not None:
+            module.HAVE_GTP = True
+            for name in names:
+                setattr(module, name, getattr(api, name))
+    _INSTALLED = True
+    return True
+
+
+def is_installed() -> bool:
+    """Whether :func:`install` has activated the backend in this process."""
+    return _INSTALLED

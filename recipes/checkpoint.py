@@ -1,0 +1,257 @@
+"""Save and load Megatron ``torch_dist`` checkpoints that reshard across TP, DP and GTP layouts.
+
+Folder layout (Megatron-LM's)::
+
+    <save>/iter_0000020/                    megatron dist_checkpointing (torch_dist) files
+    <save>/latest_checkpointed_iteration.txt  written only after every rank finished the save
+
+What one checkpoint holds: ``model`` and ``optimizer`` (Adam moments, fp32 main params and
+``step``, sharded like their params), the lr scheduler, ``iteration``, the training state
+(consumed samples, wandb run id), the resolved run config, the layout it was saved at and each
+rank's RNG state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+TRACKER = "latest_checkpointed_iteration.txt"
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded exactly; the message names the file or tensor."""
+
+
+def iter_dir(root: str | os.PathLike, iteration: int) -> Path:
+    """``<root>/iter_0000020`` (Megatron-LM's 7-digit name)."""
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def read_tracker(root: str | os.PathLike) -> int:
+    """The iteration named by ``<root>/latest_checkpointed_iteration.txt``.
+
+    Raises:
+        CheckpointError: the dir or tracker is missing/empty/garbled, or names an iteration whose
+            folder is missing.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint.load={str(root)!r}: no such directory")
+    tracker = root / TRACKER
+    if not tracker.is_file():
+        found = sorted(p.name for p in root.glob("iter_*"))
+        hint = f" (it holds {found} but no complete save)" if found else " (it is empty)"
+        raise CheckpointError(
+            f"checkpoint.load={str(root)!r} has no {TRACKER}{hint}: point it at the 'checkpoints' "
+            f"dir of a run that finished at least one save"
+        )
+    text = tracker.read_text().strip()
+    try:
+        iteration = int(text)
+    except ValueError:
+        raise CheckpointError(f"{tracker}: expected an iteration number, found {text!r}") from None
+    if not iter_dir(root, iteration).is_dir():
+        raise CheckpointError(f"{tracker} names iteration {iteration} but {iter_dir(root, iteration)} is missing")
+    return iteration
+
+
+def check_loadable(root: str | os.PathLike) -> Path:
+    """Cheap pre-launch check that ``root`` holds a complete checkpoint; returns its iter dir.
+
+    Raises:
+        CheckpointError: as :func:`read_tracker`, or the iter dir lacks megatron's metadata.
+    """
+    path = iter_dir(root, read_tracker(root))
+    # megatron 0.19.2 keeps the common state inside .metadata (older versions: common.pt).
+    for name in ("metadata.json", ".metadata"):
+        if not (path / name).is_file():
+            raise CheckpointError(f"{path} is incomplete: {name} is missing")
+    return path
+
+
+def _rng_state() -> dict:
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    return {
+        "random": random.getstate(),
+        "np": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random"])
+    np.random.set_state(state["np"])
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _rng_sharded_object(layout_dict: dict):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    # One entry per global rank; only meaningful when the load layout is identical.
+    return ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
+
+
+def _unwrap(model):
+    """The GPTModel inside megatron's DDP wrapper (its state dict keys have no ``module.``)."""
+    return getattr(model, "module", model)
+
+
+def _sharded_state_dict(model, optimizer, is_loading: bool) -> dict:
+    model_sd = _unwrap(model).sharded_state_dict()
+    return {
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
+    }
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def save_checkpoint(root, iteration: int, model, optimizer, scheduler, common: dict, layout_dict: dict) -> Path:
+    """Save a checkpoint of ``iteration`` under ``root`` (every rank calls this).
+
+    Args:
+        root: the checkpoint dir (``checkpoint.save``).
+        iteration: completed optimizer steps.
+        model: the DDP-wrapped megatron model.
+        optimizer: the megatron optimizer.
+        scheduler: megatron's ``OptimizerParamScheduler``.
+        common: small picklable state identical on every rank (consumed samples, wandb run id,
+            resolved config...).
+        layout_dict: the ``Layout`` the run uses, recorded so a loader knows what wrote it.
+
+    Returns:
+        The iter dir. The tracker file names it only once every rank finished writing.
+    """
+    from megatron.core import dist_checkpointing
+
+    path = iter_dir(root, iteration)
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        # A leftover of an interrupted save of the same iteration is not a checkpoint.
+        if path.exists():
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+    _barrier()
+    state = _sharded_state_dict(model, optimizer, is_loading=False)
+    state.update(
+        iteration=iteration,
+        opt_param_scheduler=scheduler.state_dict(),
+        train_state=common,
+        layout=layout_dict,
+        rng_state=_rng_sharded_object(layout_dict),
+    )
+    dist_checkpointing.save(state, str(path))
+    _barrier()
+    if rank == 0:
+        tmp = Path(root) / (TRACKER + ".tmp")
+        tmp.write_text(f"{iteration}\n")
+        os.replace(tmp, Path(root) / TRACKER)
+    _barrier()
+    return path
+
+
+def remove_old_checkpoints(root, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints (rank 0 only).
+
+    Never removes the one the tracker names, nor anything newer than it (an in-progress save).
+    """
+    current = read_tracker(root)
+    done = sorted(
+        int(p.name[5:]) for p in Path(root).glob("iter_*") if p.name[5:].isdigit() and int(p.name[5:]) <= current
+    )
+    removed = []
+    for it in done[:-keep_last] if keep_last else []:
+        if it != current:
+            shutil.rmtree(iter_dir(root, it))
+            removed.append(iter_dir(root, it))
+    return removed
+
+
+def load_common(root) -> tuple[Path, dict]:
+    """The iter dir and the common (non-sharded) state of the checkpoint the tracker names."""
+    from megatron.core import dist_checkpointing
+
+    path = check_loadable(root)
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(path))
+    except Exception as exc:  # a torn or foreign common.pt
+        raise CheckpointError(f"{path / 'common.pt'} cannot be read: {exc}") from exc
+    for key in ("iteration", "layout", "train_state", "opt_param_scheduler"):
+        if key not in common:
+            raise CheckpointError(f"{path} was not written by gtp-recipes: common state lacks {key!r}")
+    return path, common
+
+
+def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict) -> dict:
+    """Load the checkpoint named by ``root``'s tracker into ``model``/``optimizer``/``scheduler``.
+
+    The checkpoint may have been saved at any layout: dist_checkpointing reshards every tensor.
+    Each rank's RNG state is restored only when the layout is identical (the state is per rank).
+
+    Returns:
+        The checkpoint's common state (``iteration``, ``train_state``, ``layout``...).
+
+    Raises:
+        CheckpointError: incomplete checkpoint, a tensor missing from it, or a shape mismatch
+            (naming the tensor and both shapes).
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    path, common = load_common(root)
+    state = _sharded_state_dict(model, optimizer, is_loading=True)
+    same_layout = common["layout"] == layout_dict
+    if same_layout:
+        state["rng_state"] = _rng_sharded_object(layout_dict)
+    try:
+        # megatron's naming: "unexpected" = requested here but absent from the checkpoint;
+        # "missing" = in the checkpoint but not requested (fine: e.g. another layout's RNG).
+        loaded, _missing, unexpected = dist_checkpointing.load(
+            state, str(path), strict=StrictHandling.RETURN_ALL
+        )
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"cannot load {path}: {exc}") from exc
+    # Unexpected keys are found per rank: agree before anyone raises, so no rank waits alone.
+    flag = torch.tensor([len(unexpected)])
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    if flag.item():
+        detail = sorted(unexpected)[:10] if unexpected else "(reported by another rank)"
+        raise CheckpointError(f"{path} lacks tensors this model needs: {detail}")
+    _unwrap(model).load_state_dict(loaded["model"], strict=True)
+    optimizer.load_state_dict(loaded["optimizer"])
+    scheduler.load_state_dict(common["opt_param_scheduler"])
+    if same_layout:
+        _set_rng_state(loaded["rng_state"])
+    return common
+
+
+def layout_record(layout) -> dict:
+    """The layout as stored in checkpoints: the ``Layout`` fields plus the megatron-core version."""
+    from importlib.metadata import version
+
+    # megatron's package_info.__version__ appends the git hash of the *current* directory.
+    return {**dataclasses.asdict(layout), "megatron_core": version("megatron-core")}

@@ -1,0 +1,109 @@
+"""The train step and loop: micro-batches, gradient sync, clipping, Adam step, lr schedule."""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import torch
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean token loss of one micro-batch, as Megatron-LM's ``pretrain_gpt.loss_func``
+    (without per-token normalization).
+
+    Args:
+        loss_mask: float [micro_batch_size, seq_length], 1 for tokens that count.
+        output_tensor: float [micro_batch_size, seq_length] per-token cross entropy from GPTModel.
+
+    Returns:
+        ``(loss, {"lm loss": loss})``: the scalar megatron's schedule back-propagates.
+    """
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum()
+    # clone: megatron divides the returned loss in place by the number of micro-batches.
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(data_iterator, model):
+    """megatron ``forward_step_func``: one micro-batch through the model."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def _mean_over_data_group(value: torch.Tensor) -> float:
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    value = value.clone()
+    torch.distributed.all_reduce(value, group=group)
+    return (value / torch.distributed.get_world_size(group)).item()
+
+
+def train_step(model, optimizer, scheduler, data_iterator, num_microbatches: int, cfg) -> dict:
+    """One optimizer step over ``num_microbatches`` micro-batches on this rank.
+
+    Returns:
+        ``lm loss`` (mean over the global batch), ``grad-norm`` (before clipping, each logical
+        element once), ``num-zeros``, ``learning-rate`` (the one the step used).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=data_iterator,
+        model=[model],
+        num_microbatches=num_microbatches,
+        seq_length=cfg.model.seq_length,
+        micro_batch_size=cfg.data.micro_batch_size,
+        forward_only=False,
+    )
+    lr = optimizer.param_groups[0]["lr"]
+    ok, grad_norm, num_zeros = optimizer.step()
+    if not ok:
+        raise FloatingPointError("optimizer step skipped (inf/nan in gradients)")
+    scheduler.step(increment=1)
+    local = torch.stack([x["lm loss"] for x in losses]).mean()
+    return {
+        "lm loss": _mean_over_data_group(local),
+        "grad-norm": float(grad_norm),
+        "num-zeros": float(num_zeros or 0),
+        "learning-rate": lr,
+    }
+
+
+def train(state, cfg, logger, save_fn) -> None:
+    """Run iterations ``state.iteration + 1 .. train.train_iters``.
+
+    Args:
+        state: the worker's ``RunState`` (model, optimizer, scheduler, data iterator, counters).
+        cfg: the run config.
+        logger: a ``MetricLogger`` on rank 0, else None.
+        save_fn: ``save_fn(iteration)`` writes a checkpoint (every rank calls it).
+    """
+    d, ck = cfg.data, cfg.checkpoint
+    tokens_per_step = d.global_batch_size * cfg.model.seq_length
+    while state.iteration < cfg.train.train_iters:
+        start = time.perf_counter()
+        metrics = train_step(
+            state.model, state.optimizer, state.scheduler, state.data_iterator,
+            state.num_microbatches, cfg,
+        )
+        state.iteration += 1
+        state.consumed_samples += d.global_batch_size
+        elapsed = time.perf_counter() - start
+        metrics.update({
+            "iteration-time": elapsed,
+            "tokens-per-sec": tokens_per_step / elapsed,
+            "consumed-samples": state.consumed_samples,
+        })
+        if logger is not None and state.iteration % cfg.train.log_interval == 0:
+            logger.log(state.iteration, metrics)
+        last = state.iteration == cfg.train.train_iters
+        if ck.save and ((ck.save_interval and state.iteration % ck.save_interval == 0)
+                        or (last and ck.save_at_end)):
+            save_fn(state.iteration)

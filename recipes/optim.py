@@ -1,0 +1,57 @@
+"""Megatron's optimizer (Adam, fp32 main params) and its lr scheduler from the config."""
+
+from __future__ import annotations
+
+
+def build_optimizer(cfg, ddp_model):
+    """Adam through megatron's ``get_megatron_optimizer`` (non-distributed, fp32 grads).
+
+    Returns a ``MegatronOptimizer`` whose ``step()`` returns ``(success, grad_norm, num_zeros)``
+    with the grad norm counted over each logical element once (megatron filters TP and GTP
+    duplicates in ``MegatronOptimizer.get_main_grads_for_grad_norm``).
+    """
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    o = cfg.optim
+    bf16 = cfg.precision.params_dtype == "bf16"
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        bf16=bf16,
+        params_dtype=ddp_model.config.params_dtype,
+        use_distributed_optimizer=False,
+        log_num_zeros_in_grad=True,
+    )
+    return get_megatron_optimizer(config, [ddp_model])
+
+
+def build_scheduler(cfg, optimizer):
+    """megatron's ``OptimizerParamScheduler``: linear warmup over ``lr_warmup_iters`` then
+    ``lr_decay_style`` decay to ``min_lr`` at ``lr_decay_iters`` (default ``train_iters``).
+
+    Units are iterations (``step(1)`` once per optimizer step), as in Megatron-LM with
+    ``--lr-warmup-iters``.
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    o, t = cfg.optim, cfg.train
+    decay = o.lr_decay_iters or t.train_iters
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=o.lr_warmup_iters,
+        lr_decay_steps=decay,
+        lr_decay_style=o.lr_decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=decay,
+        wd_incr_style="constant",
+    )

@@ -1,0 +1,177 @@
+"""One training process: ``python -m recipes.worker RESOLVED_CONFIG.yaml``.
+
+Started by ``train.py`` through torch's elastic launcher (or run directly under torchrun/Slurm,
+with RANK/WORLD_SIZE/MASTER_ADDR set). Reads the resolved config that ``train.py`` wrote; never
+runs Hydra.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+RESOLVED_CONFIG = "resolved_config.yaml"
+
+
+@dataclass
+class RunState:
+    """What the loop needs and the checkpoint restores."""
+
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    data_iterator: Any
+    num_microbatches: int
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+def init_distributed() -> None:
+    """Join the process group from torchrun-style env vars (gloo on CPU, nccl on CUDA)."""
+    if not torch.distributed.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.distributed.init_process_group(backend)
+
+
+def set_seed(seed: int) -> None:
+    """Seed python, numpy, torch and megatron's model-parallel RNG tracker (Megatron-LM's
+    ``_set_random_seed`` with pipeline rank 0). Identical on every rank, so CPU initialization
+    draws the same logical weights at every layout."""
+    from megatron.core import tensor_parallel
+
+    random.seed(seed)
+    np.random.seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+
+
+def setup(cfg, layout):
+    """Process groups, GTP backend, model, DDP, optimizer, scheduler (no data, no checkpoint)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+
+    from recipes import cpu_compat, gtp_setup
+    from recipes.model import build_model
+    from recipes.optim import build_optimizer, build_scheduler
+
+    cpu_compat.install()
+    gtp_setup.before_model(cfg, layout)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tensor_model_parallel_size,
+        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        gtp_remat_size=layout.gtp_remat_size,
+    )
+    set_seed(cfg.train.seed)
+    from recipes.data import build_tokenizer
+
+    tokenizer = build_tokenizer(cfg.data)
+    model, config = build_model(cfg, layout, tokenizer.vocab_size)
+    gtp_setup.after_model(model, layout)
+    ddp = DistributedDataParallel(
+        config,
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False),
+        model,
+    )
+    gtp_setup.after_ddp(ddp, layout)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    optimizer = build_optimizer(cfg, ddp)
+    scheduler = build_scheduler(cfg, optimizer)
+    return tokenizer, ddp, optimizer, scheduler
+
+
+def run(cfg) -> None:
+    """Train as configured, on the process group this process belongs to."""
+    from megatron.core import parallel_state
+
+    from recipes import checkpoint
+    from recipes.config import to_dict
+    from recipes.data import build_train_iterator
+    from recipes.metrics import MetricLogger, new_run_id
+    from recipes.validate import validate
+
+    init_distributed()
+    layout = validate(cfg, torch.distributed.get_world_size())
+    tokenizer, model, optimizer, scheduler = setup(cfg, layout)
+    layout_rec = checkpoint.layout_record(layout)
+    rank = torch.distributed.get_rank()
+
+    train_state = {"consumed_samples": 0, "wandb_run_id": None}
+    iteration, resumed_from = 0, None
+    if cfg.checkpoint.load:
+        common = checkpoint.load_checkpoint(cfg.checkpoint.load, model, optimizer, scheduler, layout_rec)
+        iteration, train_state, resumed_from = common["iteration"], dict(common["train_state"]), common["layout"]
+    run_id = train_state.get("wandb_run_id") or new_run_id()
+    train_state["wandb_run_id"] = run_id
+
+    dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    dp_rank, dp_size = torch.distributed.get_rank(dp_group), torch.distributed.get_world_size(dp_group)
+    data_iterator = build_train_iterator(cfg, train_state["consumed_samples"], dp_rank, dp_size,
+                                         tokenizer=tokenizer)
+    state = RunState(
+        model, optimizer, scheduler, data_iterator,
+        num_microbatches=cfg.data.global_batch_size // (cfg.data.micro_batch_size * dp_size),
+        iteration=iteration, consumed_samples=train_state["consumed_samples"],
+    )
+
+    config_dict = to_dict(cfg)
+    logger = MetricLogger(cfg, cfg.output_dir, run_id, config_dict) if rank == 0 else None
+    if logger is not None:
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"> layout {layout.describe()}, parameters on rank 0: {n_params}, "
+              f"wandb run {run_id}", flush=True)
+        if resumed_from is not None:
+            logger.event("resume", iteration=iteration, from_layout=resumed_from, layout=layout_rec,
+                         load=str(cfg.checkpoint.load))
+        else:
+            logger.event("start", iteration=0, layout=layout_rec)
+
+    def save(it: int) -> None:
+        common = {"consumed_samples": state.consumed_samples, "wandb_run_id": run_id,
+                  "config": config_dict}
+        path = checkpoint.save_checkpoint(cfg.checkpoint.save, it, model, optimizer, scheduler,
+                                          common, layout_rec)
+        if rank == 0:
+            if cfg.checkpoint.keep_last:
+                checkpoint.remove_old_checkpoints(cfg.checkpoint.save, cfg.checkpoint.keep_last)
+            logger.event("save", iteration=it, path=str(path))
+            print(f"> saved checkpoint at iteration {it} to {path}", flush=True)
+
+    from recipes.loop import train
+
+    try:
+        train(state, cfg, logger, save)
+    finally:
+        if logger is not None:
+            logger.close()
+    torch.distributed.barrier()
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+def main(argv=None) -> None:
+    """Entry point: load the resolved config and run."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        raise SystemExit(f"usage: python -m recipes.worker {RESOLVED_CONFIG}")
+    cfg = OmegaConf.load(argv[0])
+    record(run)(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Run a test function on N CPU processes joined in one gloo process group.
+
+    from multiproc import run_distributed
+
+    def _body(x):                      # module level, so it pickles
+        return torch.distributed.get_rank() * x
+
+    assert run_distributed(_body, 2, 10) == [0, 10]
+
+Each rank is a fresh ``spawn``-ed interpreter with ``torch.distributed`` initialized (gloo, a free
+TCP port, MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK set) and its world size asserted
+before ``fn(*args)`` runs. Return values must pickle; they are sent back as plain pickles (tensors
+are copied, not shared). A rank that raises makes :func:`run_distributed` raise
+:class:`DistributedTestError` carrying each failing rank's traceback; ranks still blocked in a
+collective are terminated. Nothing outlives ``timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_mod
+import socket
+import time
+import traceback
+
+# Ranks still running this long after another rank failed are assumed blocked and terminated.
+_GRACE_AFTER_FAILURE_S = 10.0
+
+
+class DistributedTestError(RuntimeError):
+    """One or more ranks failed (exception, crash or timeout)."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, args, timeout, results):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+    )
+    try:
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        assert dist.get_world_size() == world_size, (dist.get_world_size(), world_size)
+        value = fn(*args)
+        payload = (rank, True, pickle.dumps(value))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the parent
+        payload = (rank, False, traceback.format_exc())
+    results.put(payload)
+    try:
+        import torch.distributed as dist
+
+        if payload[1] and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - teardown problems do not hide the result
+        pass
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 120) -> list:
+    """Run ``fn(*args)`` on ``world_size`` gloo ranks; return the results ordered by rank.
+
+    Args:
+        fn: a picklable (module-level) callable.
+        world_size: number of processes.
+        args: picklable positional arguments passed to every rank.
+        timeout: seconds for the whole run, process start-up included.
+
+    Raises:
+        DistributedTestError: a rank raised (its traceback is in the message), died without
+            reporting, or the run exceeded ``timeout``.
+    """
+    assert world_size >= 1, world_size
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, rank, world_size, port, args, timeout, results),
+                    name=f"rank{rank}")
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    outcome: dict[int, tuple[bool, object]] = {}
+    deadline = time.monotonic() + timeout
+    failed_at = None
+    try:
+        while len(outcome) < world_size:
+            now = time.monotonic()
+            if now > deadline or (failed_at and now > failed_at + _GRACE_AFTER_FAILURE_S):
+                break
+            try:
+                rank, ok, data = results.get(timeout=0.2)
+                outcome[rank] = (ok, data)
+                if not ok and failed_at is None:
+                    failed_at = time.monotonic()
+            except queue_mod.Empty:
+                # A rank that died without reporting (segfault, os._exit) never will.
+                for rank, proc in enumerate(procs):
+                    if rank not in outcome and proc.exitcode not in (None, 0):
+                        outcome[rank] = (False, f"rank {rank} died with exit code {proc.exitcode}")
+                        failed_at = failed_at or time.monotonic()
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if len(outcome) == world_size else 0.1)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        results.close()
+
+    errors = [f"--- rank {r} ---\n{data}" for r, (ok, data) in sorted(outcome.items()) if not ok]
+    missing = [r for r in range(world_size) if r not in outcome]
+    if errors or missing:
+        head = f"{fn.__name__} on {world_size} ranks:"
+        if missing:
+            why = "terminated after another rank failed" if errors else f"timed out ({timeout}s)"
+            head += f" ranks {missing} did not finish ({why})."
+        raise DistributedTestError("\n".join([head, *errors]))
+    return [pickle.loads(outcome[r][1]) for r in range(world_size)]

@@ -1,0 +1,482 @@
+"""gtp.backend (portable GTP weight remat over torch.distributed) and gtp.alignment.
+
+Multi-process tests run a tiny GPTModel (local spec, fp32, CPU init, hidden 72, ffn 200, vocab
+272) on 4 gloo ranks. Dims were chosen so that GTP padding is non-zero and, at g4/a32, a rank
+holds only padding (linear_proj/linear_fc2: L=72 -> 32,32,8,0 rows; vocab: L=272 -> 96,96,80,0).
+The vocab is a multiple of 8*tp for tp in {1, 2}, so megatron adds no vocab padding and every
+layout computes over the same logits.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+import torch
+
+from multiproc import run_distributed
+
+WORLD = 4
+VOCAB = 272
+SEQ = 32
+GLOBAL_BATCH = 16
+MICRO_BATCHES = 2
+STEPS = 3
+LR = 1e-3
+
+# (tp, g, pad_for_alignment); the first is the reference, (2, 1, 1) the g=1 baseline at TP=2.
+LAYOUTS = [(1, 1, 1), (1, 2, 16), (1, 4, 32), (2, 1, 1), (2, 2, 16), (1, 2, 1)]
+
+# fp32 tolerances for "GTP changes no math". Layouts differ only in the order of floating-point
+# reductions: the GEMMs see the same gathered weight bit for bit (test_backend_is_what_ran), but
+# a wgrad is summed over a different set of ranks (reduce-scatter over g, then the DP all-reduce
+# over dp/g, instead of one all-reduce over dp, with the 1/g and 1/dp scalings applied at other
+# points), TP=2 splits GEMM reductions and the vocab softmax, and the grad norm sums squares in
+# another order. Each reduction adds a relative error of a few fp32 ulps (~1e-7).
+# - loss (~5.6, fp32 ulp 4.8e-7): measured max diff 0 -> 1e-5 (~20 ulp).
+# - grad norm (~0.8): measured max relative diff 4e-7 -> 1e-5.
+# - weights after 3 Adam steps: Adam's update is lr * m/sqrt(v), so a gradient's relative error
+#   enters the update unamplified, except where an element's grads nearly cancel across steps
+#   (m ~ 0): there a 1e-7 relative error in g moves the update by a visible fraction of lr.
+#   Measured: GTP vs g=1 at the same TP <= 3.8e-6 -> 1e-5; tp2 vs tp1 3.6e-5 (0.036 lr, the same
+#   with and without GTP: it comes from TP's split GEMMs) -> 1e-4 = 0.1 lr. Adam is invariant to
+#   a uniform gradient scale, so the grad-norm check is the one that catches a wrong 1/g factor.
+LOSS_ATOL = 1e-5
+GRAD_NORM_RTOL = 1e-5
+WEIGHT_ATOL_SAME_TP = 1e-5
+WEIGHT_ATOL = 1e-4
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers that run inside the worker processes.
+# --------------------------------------------------------------------------------------------
+def _build(tp, g, pad, calculate_per_token_loss=False):
+    """(model, ddp, config) for one layout, after (re)initializing megatron's process groups."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel as DDP
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import gtp_api
+    from megatron.core.transformer import TransformerConfig
+
+    from gtp import alignment, backend
+    from recipes import cpu_compat
+
+    cpu_compat.install()
+    assert backend.install() is True
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, gtp_remat_size=g)
+    # The recipe order: megatron's hook, then our alignment override, then the model.
+    gtp_api.configure_gtp_remat_from_recipe(calculate_per_token_loss=calculate_per_token_loss)
+    alignment.apply_pad_for_alignment(pad)
+    tensor_parallel.model_parallel_cuda_manual_seed(123)
+    cfg = TransformerConfig(
+        num_layers=2, hidden_size=72, num_attention_heads=4, ffn_hidden_size=200,
+        use_cpu_initialization=True, tensor_model_parallel_size=tp, params_dtype=torch.float32,
+        gtp_weight_remat_size=g, hidden_dropout=0.0, attention_dropout=0.0,
+        calculate_per_token_loss=calculate_per_token_loss,
+    )
+    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(),
+                     vocab_size=VOCAB, max_sequence_length=64)
+    ddp = DDP(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    if g > 1:
+        gtp_api.classify_gtp_remat_chains([ddp])
+        assert alignment.check_pad_applied(model, pad) > 0
+    cfg.finalize_model_grads_func = finalize_model_grads
+    cfg.no_sync_func = ddp.no_sync
+    return model, ddp, cfg
+
+
+def _gtp_mod():
+    from megatron.core.tensor_parallel import generalized_tensor_parallelism
+
+    return generalized_tensor_parallelism
+
+
+def _gather_gtp(p):
+    """All-gather a GTP shard with plain torch.distributed (independent of the backend)."""
+    out = torch.empty((p.shape[0] * p.group.size(), *p.shape[1:]), dtype=p.dtype)
+    torch.distributed.all_gather_into_tensor(out, p.detach().contiguous(), group=p.group)
+    return out
+
+
+def _logical_full(model):
+    """{name: the full logical tensor}: GTP shards gathered, padding stripped, TP gathered.
+
+    Also returns the largest |value| found in any GTP padding row (must stay 0).
+    """
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    full, pad_max = {}, 0.0
+    for name, p in model.named_parameters():
+        t = p.detach()
+        if _gtp_mod().is_gtp_param(p):
+            gathered = _gather_gtp(p)
+            logical = p._unsharded_shape[0]
+            if logical < gathered.shape[0]:
+                pad_max = max(pad_max, gathered[logical:].abs().max().item())
+            t = gathered[:logical]
+        if getattr(p, "tensor_model_parallel", False) and tp_group.size() > 1:
+            parts = [torch.empty_like(t) for _ in range(tp_group.size())]
+            torch.distributed.all_gather(parts, t.contiguous(), group=tp_group)
+            t = torch.cat(parts, dim=p.partition_dim)
+        full[name] = t.clone()
+    return full, pad_max
+
+
+@torch.no_grad()
+def _load_logical(model, full):
+    """Set every param to its slice of ``full`` (TP split, then megatron's GTP pad + shard)."""
+    from megatron.core import parallel_state as ps
+
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    for name, p in model.named_parameters():
+        t = full[name]
+        if getattr(p, "tensor_model_parallel", False) and tp > 1:
+            t = t.chunk(tp, dim=p.partition_dim)[tp_rank]
+        if _gtp_mod().is_gtp_param(p):
+            t = torch.nn.functional.pad(t, (0, 0, 0, p.pad_length))
+            rows = p.shape[0]
+            t = t[p.group.rank() * rows:(p.group.rank() + 1) * rows]
+        p.copy_(t)
+
+
+def _batch(step):
+    """This rank's micro-batches of the global batch of ``step`` (same for every layout)."""
+    from megatron.core import parallel_state as ps
+
+    gen = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=gen)
+    # Data-distribution group: replicate DP x gtp_remat (GTP peers read different samples).
+    dp = ps.get_data_parallel_world_size(with_gtp_remat=True)
+    dp_rank = ps.get_data_parallel_rank(with_gtp_remat=True)
+    per_rank = GLOBAL_BATCH // dp
+    mine = tokens[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    return [(m[:, :-1], m[:, 1:]) for m in mine.chunk(MICRO_BATCHES)]
+
+
+def _train_step(ddp, opt, step):
+    """One megatron step; returns (global mean lm loss, grad norm, replicated-grad spread)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    micro = iter(_batch(step))
+
+    def forward_step(data_iterator, model):
+        tokens, labels = next(data_iterator)
+        pos = torch.arange(SEQ).unsqueeze(0).expand_as(tokens)
+        out = model(tokens, pos, None, labels=labels)
+
+        def loss_func(o):
+            loss = o.float().mean()
+            return loss, {"lm loss": loss.detach().clone()}  # megatron divides loss in place
+
+        return out, loss_func
+
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=micro, model=[ddp],
+        num_microbatches=MICRO_BATCHES, seq_length=SEQ,
+        micro_batch_size=GLOBAL_BATCH // ps.get_data_parallel_world_size() // MICRO_BATCHES,
+        forward_only=False,
+    )
+    # finalize_model_grads reduced replicated (non-GTP) grads over the gtp_remat group: every
+    # GTP peer must now hold the same grad for them.
+    spread = 0.0
+    gtp_group = ps.get_gtp_weight_remat_group()
+    for p in ddp.module.parameters():
+        if gtp_group.size() > 1 and not _gtp_mod().is_gtp_param(p):
+            parts = [torch.empty_like(p.main_grad) for _ in range(gtp_group.size())]
+            torch.distributed.all_gather(parts, p.main_grad.contiguous(), group=gtp_group)
+            spread = max(spread, max((q - parts[0]).abs().max().item() for q in parts))
+    _, grad_norm, _ = opt.step()
+    loss = torch.stack([d["lm loss"] for d in losses]).mean().reshape(1)
+    dp_group = ps.get_data_parallel_group(with_gtp_remat=True)
+    torch.distributed.all_reduce(loss, group=dp_group)
+    return loss.item() / dp_group.size(), grad_norm, spread
+
+
+def _invariance_worker():
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    rank = torch.distributed.get_rank()
+    assert torch.distributed.get_world_size() == WORLD
+    reference = None
+    report = {}
+    for tp, g, pad in LAYOUTS:
+        model, ddp, _ = _build(tp, g, pad)
+        if reference is None:
+            reference, _ = _logical_full(model)  # megatron's own init of the (tp1, g1) model
+        _load_logical(model, reference)
+        start, pad_max0 = _logical_full(model)
+        assert pad_max0 == 0.0
+        assert all(torch.equal(start[k], reference[k]) for k in reference), "load is not exact"
+        opt = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=LR, clip_grad=1.0, bf16=False, fp16=False),
+            [ddp],
+        )
+        history = [_train_step(ddp, opt, step) for step in range(STEPS)]
+        final, pad_max = _logical_full(model)
+        report[(tp, g, pad)] = {
+            "loss": [h[0] for h in history], "grad_norm": [h[1] for h in history],
+            "spread": max(h[2] for h in history), "pad_max": pad_max,
+            "final": final if rank == 0 else None,
+            "n_gtp": sum(_gtp_mod().is_gtp_param(p) for p in model.parameters()),
+        }
+    return report
+
+
+def _counting(fn, counter, key):
+    def wrapped(*args, **kwargs):
+        counter[key] += 1
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def _backend_worker():
+    """For each GTP layout, against an identically seeded g=1 model at the same TP."""
+    from megatron.core.tensor_parallel import gtp_api
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint  # noqa: F401
+
+    from gtp import alignment, backend
+
+    assert torch.distributed.get_world_size() == WORLD
+    gtp = _gtp_mod()
+    out = {}
+    for tp, g, pad in [(1, 2, 16), (1, 4, 32), (2, 2, 16)]:
+        ref_model, _, _ = _build(tp, 1, pad)
+        ref = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
+        model, ddp, _ = _build(tp, g, pad)
+        assert gtp.gather_along_first_dim is backend._gather_along_first_dim
+        assert gtp_api.HAVE_GTP and not gtp.HAVE_TE
+        assert not gtp.GTP_CONFIG.weight_prefetch and not gtp.GTP_CONFIG.async_reduction
+        checked, empty_shards = 0, 0
+        for name, p in model.named_parameters():
+            if not gtp.is_gtp_param(p):
+                assert torch.equal(p, ref[name]), name
+                continue
+            # What the GEMM sees in forward and backward: the unsharded weight, bit for bit.
+            fwd = p.all_gather_and_prefetch(fwd=True)
+            assert fwd.shape == ref[name].shape and torch.equal(fwd, ref[name]), name
+            bwd = p.all_gather_and_prefetch_bwd()
+            assert torch.equal(bwd, ref[name]), name
+            lo, hi = alignment.logical_rows(ref[name].shape[0], g, pad, p.group.rank())
+            empty_shards += hi == lo
+            # wgrad reduce-scatter: rank r contributes (r + 1) * G, so this rank's padded slice
+            # of G times g (g + 1) / 2 (sum, calculate_per_token_loss) or (g + 1) / 2 (mean).
+            full_grad = torch.randn(ref[name].shape, generator=torch.Generator().manual_seed(7))
+            want = torch.nn.functional.pad(full_grad, (0, 0, 0, p.pad_length))
+            want = want[p.group.rank() * p.shape[0]:(p.group.rank() + 1) * p.shape[0]]
+            for per_token, factor in ((False, (g + 1) / 2), (True, g * (g + 1) / 2)):
+                gtp.update_gtp_config(calculate_per_token_loss=per_token)
+                p.main_grad.zero_()
+                dummy = p.wgrad_reduce_scatter(full_grad * (p.group.rank() + 1))
+                assert dummy.shape == p.main_grad.shape
+                torch.testing.assert_close(p.main_grad, want * factor, rtol=1e-6, atol=1e-6)
+            gtp.update_gtp_config(calculate_per_token_loss=False)
+            checked += 1
+        ddp.zero_grad_buffer()
+
+        # One forward/backward through the model: every GTP collective goes through the backend.
+        counts = {"ag": 0, "rs": 0}
+        gtp.gather_along_first_dim = _counting(backend._gather_along_first_dim, counts, "ag")
+        gtp.reduce_scatter_along_first_dim = _counting(
+            backend._reduce_scatter_along_first_dim, counts, "rs")
+        try:
+            tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+            pos = torch.arange(SEQ).unsqueeze(0).expand_as(tokens)
+            ddp(tokens, pos, None, labels=tokens).mean().backward()
+        finally:
+            gtp.gather_along_first_dim = backend._gather_along_first_dim
+            gtp.reduce_scatter_along_first_dim = backend._reduce_scatter_along_first_dim
+        # Each shard's logical rows got a gradient; its padding rows got exactly zero.
+        grads_nonzero, pad_grad_max = True, 0.0
+        for p in model.parameters():
+            if gtp.is_gtp_param(p):
+                lo, hi = alignment.logical_rows(p._unsharded_shape[0], g, pad, p.group.rank())
+                grads_nonzero &= hi == lo or bool(p.main_grad[:hi - lo].abs().sum() > 0)
+                pad_grad_max = max(pad_grad_max, p.main_grad[hi - lo:].abs().max().item()
+                                   if hi - lo < p.shape[0] else 0.0)
+
+        # The GTP-aware checkpoint path is on: linear_proj (row-parallel, TP on dim 1) gets a
+        # separate GTP axis on dim 0, so its global dim 0 is the padded g * shard, not the shard.
+        sd = model.sharded_state_dict()
+        proj = next(v for k, v in sd.items() if k.endswith("self_attention.linear_proj.weight"))
+        proj_param = model.decoder.layers[0].self_attention.linear_proj.weight
+        ckpt_rows = proj.global_shape[-2]
+
+        # check_pad_applied refuses a model built with another alignment.
+        mismatch_errors = 0
+        for other in (pad * 2, 0):
+            try:
+                alignment.check_pad_applied(model, other)
+            except RuntimeError:
+                mismatch_errors += 1
+        gtp.update_gtp_config(pad_for_alignment=pad * 2)
+        try:
+            alignment.check_pad_applied(model, pad * 2)
+        except RuntimeError:
+            mismatch_errors += 1
+        gtp.update_gtp_config(pad_for_alignment=pad)
+
+        n_gtp = sum(gtp.is_gtp_param(p) for p in model.parameters())
+        out[(tp, g, pad)] = {
+            "checked": checked, "n_gtp": n_gtp, "empty_shards": empty_shards, "counts": counts,
+            "grads_nonzero": grads_nonzero, "pad_grad_max": pad_grad_max,
+            "mismatch_errors": mismatch_errors,
+            "ckpt_rows": ckpt_rows, "proj_padded_rows": proj_param.shape[0] * g,
+        }
+    return out
+
+
+def _all_workers():
+    """Both multi-process checks in one 4-rank world (one interpreter start-up per rank)."""
+    return {"backend": _backend_worker(), "invariance": _invariance_worker()}
+
+
+# --------------------------------------------------------------------------------------------
+# Multi-process tests (one shared 4-rank run).
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def world_results():
+    results = run_distributed(_all_workers, WORLD, timeout=300)
+    assert len(results) == WORLD
+    return results
+
+
+def _max_weight_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.multiprocess
+def test_backend_is_what_ran(world_results):
+    assert len(world_results) == WORLD
+    results = [r["backend"] for r in world_results]
+    for layout in [(1, 2, 16), (1, 4, 32), (2, 2, 16)]:
+        for r in (r[layout] for r in results):
+            assert r["checked"] == r["n_gtp"] > 0, (layout, r)
+            # forward: one all-gather per GTP weight; backward: one per weight except the
+            # embedding (its wgrad needs no weight); one reduce-scatter per weight.
+            assert r["counts"] == {"ag": 2 * r["n_gtp"] - 1, "rs": r["n_gtp"]}, (layout, r)
+            assert r["grads_nonzero"] and r["pad_grad_max"] == 0.0, (layout, r)
+            assert r["ckpt_rows"] == r["proj_padded_rows"], (layout, r)
+            assert r["mismatch_errors"] == 3, (layout, r)
+    # g4/a32 leaves the last GTP rank with nothing but padding in linear_proj, linear_fc2
+    # (L=72 -> 32,32,8,0) and the vocab tensors (L=272 -> 96,96,80,0).
+    assert sum(r[(1, 4, 32)]["empty_shards"] for r in results) > 0
+
+
+@pytest.mark.multiprocess
+def test_loss_grad_norm_and_weights_match_across_layouts(world_results):
+    assert len(world_results) == WORLD
+    results = [r["invariance"] for r in world_results]
+    rank0 = results[0]
+    ref = rank0[LAYOUTS[0]]
+    lines = []
+    for layout in LAYOUTS[1:]:
+        got = rank0[layout]
+        loss_diff = max(abs(a - b) for a, b in zip(got["loss"], ref["loss"]))
+        gn_diff = max(abs(a - b) / b for a, b in zip(got["grad_norm"], ref["grad_norm"]))
+        w_diff = _max_weight_diff(got["final"], ref["final"])
+        same_tp = rank0[(layout[0], 1, 1)]
+        w_diff_same_tp = _max_weight_diff(got["final"], same_tp["final"])
+        lines.append(f"{layout}: loss {loss_diff:.2e} grad_norm(rel) {gn_diff:.2e} "
+                     f"weights {w_diff:.2e} (vs g1 at tp{layout[0]}: {w_diff_same_tp:.2e})")
+        assert loss_diff <= LOSS_ATOL, lines[-1]
+        assert gn_diff <= GRAD_NORM_RTOL, lines[-1]
+        assert w_diff <= WEIGHT_ATOL, lines[-1]
+        assert w_diff_same_tp <= WEIGHT_ATOL_SAME_TP, lines[-1]
+        for r in results:
+            assert r[layout]["n_gtp"] > 0 or layout[1] == 1, layout
+            # Replicated grads identical on GTP peers; padding rows never become non-zero.
+            assert r[layout]["spread"] == 0.0, (layout, r[layout]["spread"])
+            assert r[layout]["pad_max"] == 0.0, (layout, r[layout]["pad_max"])
+    # Training moved: the comparison is not between untouched weights.
+    assert ref["loss"][-1] < ref["loss"][0]
+    assert all(math.isfinite(x) for x in ref["grad_norm"])
+    print("\n" + "\n".join(lines))
+
+
+# --------------------------------------------------------------------------------------------
+# Single-process tests.
+# --------------------------------------------------------------------------------------------
+def test_install_refuses_other_megatron_versions():
+    from gtp import backend
+
+    backend.check_megatron_version("0.19.2")
+    backend.check_megatron_version("0.19.2+9040d3f")
+    for bad in ("0.19.1", "0.20.0", "0.19.3rc1"):
+        with pytest.raises(RuntimeError, match=bad.replace("+", r"\+")):
+            backend.check_megatron_version(bad)
+
+
+def test_install_stands_aside_when_transformer_engine_is_usable(monkeypatch):
+    from unittest.mock import MagicMock
+
+    from gtp import backend
+
+    gtp = _gtp_mod()
+    monkeypatch.setattr(backend, "_INSTALLED", False)
+    monkeypatch.setattr(gtp, "HAVE_TE", True)
+    assert backend.install() is False
+    assert isinstance(gtp.gather_along_first_dim, MagicMock)
+    assert not backend.is_installed()
+
+
+def test_resolve_pad_for_alignment():
+    from gtp.alignment import resolve_pad_for_alignment
+
+    assert [resolve_pad_for_alignment(None, q) for q in ("none", "fp8", "mxfp8", "nvfp4")] == [
+        1, 16, 32, 16]
+    assert resolve_pad_for_alignment(0, "mxfp8") == 0
+    assert resolve_pad_for_alignment(128, "none") == 128
+    with pytest.raises(ValueError, match=r">= 0.*got -1"):
+        resolve_pad_for_alignment(-1, "none")
+    with pytest.raises(ValueError, match=r"'fp16'.*fp8.*mxfp8.*none.*nvfp4"):
+        resolve_pad_for_alignment(None, "fp16")
+    with pytest.raises(ValueError, match="fp4"):
+        resolve_pad_for_alignment(16, "fp4")
+
+
+@pytest.mark.parametrize(
+    "dim0,g,pad,want_pad,want_shard,rows",
+    [
+        (192, 4, 16, 0, 48, [48, 48, 48, 48]),
+        (192, 4, 32, 64, 64, [64, 64, 64, 0]),
+        (1152, 4, 128, 384, 384, [384, 384, 384, 0]),
+        (776, 2, 16, 24, 400, [400, 376]),
+        (10, 2, 3, 2, 6, [6, 4]),
+        (108, 2, 16, 20, 64, [64, 44]),
+        (72, 4, 32, 56, 32, [32, 32, 8, 0]),
+        (100, 4, 0, 0, 25, [25, 25, 25, 25]),
+    ],
+)
+def test_padding_table_matches_megatron(monkeypatch, dim0, g, pad, want_pad, want_shard, rows):
+    from gtp.alignment import logical_rows, shard_layout
+
+    assert shard_layout(dim0, g, pad) == (want_pad, want_shard)
+    assert [hi - lo for lo, hi in (logical_rows(dim0, g, pad, r) for r in range(g))] == rows
+    gtp = _gtp_mod()
+    monkeypatch.setattr(gtp.GTP_CONFIG, "pad_for_alignment", pad)
+    group = types.SimpleNamespace(size=lambda: g)
+    assert gtp.gtp_remat_shard_dim0(dim0, group) == (want_shard, want_pad)
+
+
+def test_validate_gtp_dims():
+    from gtp.alignment import shard_layout, validate_gtp_dims
+
+    validate_gtp_dims([72, 216, 200, 272], 4, 1)
+    validate_gtp_dims([72, 216, 200], 2, 0)
+    with pytest.raises(ValueError, match=r"gtp_remat_size=4.*\[10, 30\]"):
+        validate_gtp_dims([72, 10, 200, 30], 4, 0)
+    with pytest.raises(ValueError, match="-3"):
+        validate_gtp_dims([72], 2, -3)
+    with pytest.raises(ValueError, match="gtp_remat_size"):
+        shard_layout(10, 4, 0)

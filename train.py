@@ -1,0 +1,32 @@
+"""Train a Megatron Core GPT as configured by conf/ (Hydra).
+
+    python train.py                                   # tiny GPT, embedded corpus, 2 CPU processes
+    python train.py parallelism=tp2 gtp=off checkpoint.load=outputs/.../checkpoints
+    python train.py -m parallelism=tp1,tp2            # one job (and worker group) per value
+"""
+
+import sys
+
+import hydra
+
+from recipes.config import register_configs
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg) -> None:
+    from recipes.checkpoint import CheckpointError
+    from recipes.launch import run
+    from recipes.validate import ConfigError
+
+    try:
+        run(cfg)
+    except (ConfigError, CheckpointError) as exc:
+        # Bad input: say what and stop before any process starts.
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
