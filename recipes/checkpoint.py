@@ -62,13 +62,28 @@ def read_tracker(root: str | os.PathLike) -> int:
     return iteration
 
 
-def check_loadable(root: str | os.PathLike) -> Path:
+def check_loadable(root: str | os.PathLike, iteration: int | None = None) -> Path:
     """Cheap pre-launch check that ``root`` holds a complete checkpoint; returns its iter dir.
 
+    Args:
+        root: the checkpoint dir.
+        iteration: a specific saved iteration; None: the one the tracker names.
+
     Raises:
-        CheckpointError: as :func:`read_tracker`, or the iter dir lacks megatron's metadata.
+        CheckpointError: as :func:`read_tracker`, the iteration was never completed (newer than
+            the tracker) or is missing, or the iter dir lacks megatron's metadata.
     """
-    path = iter_dir(root, read_tracker(root))
+    latest = read_tracker(root)
+    if iteration is None:
+        iteration = latest
+    elif iteration > latest or not iter_dir(root, iteration).is_dir():
+        saved = sorted(int(p.name[5:]) for p in Path(root).glob("iter_*") if p.name[5:].isdigit()
+                       and int(p.name[5:]) <= latest)
+        raise CheckpointError(
+            f"checkpoint.load_iteration={iteration}: no complete save of it in {root}; "
+            f"complete iterations there: {saved}"
+        )
+    path = iter_dir(root, iteration)
     # megatron 0.19.2 keeps the common state inside .metadata (older versions: common.pt).
     for name in ("metadata.json", ".metadata"):
         if not (path / name).is_file():
@@ -189,11 +204,11 @@ def remove_old_checkpoints(root, keep_last: int) -> list[Path]:
     return removed
 
 
-def load_common(root) -> tuple[Path, dict]:
-    """The iter dir and the common (non-sharded) state of the checkpoint the tracker names."""
+def load_common(root, iteration: int | None = None) -> tuple[Path, dict]:
+    """The iter dir and the common (non-sharded) state of a checkpoint (default: the tracker's)."""
     from megatron.core import dist_checkpointing
 
-    path = check_loadable(root)
+    path = check_loadable(root, iteration)
     try:
         common = dist_checkpointing.load_common_state_dict(str(path))
     except Exception as exc:  # a torn or foreign common.pt
@@ -204,8 +219,10 @@ def load_common(root) -> tuple[Path, dict]:
     return path, common
 
 
-def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict) -> dict:
-    """Load the checkpoint named by ``root``'s tracker into ``model``/``optimizer``/``scheduler``.
+def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
+                    iteration: int | None = None) -> dict:
+    """Load a checkpoint of ``root`` (the tracker's, or ``iteration``) into ``model``,
+    ``optimizer`` and ``scheduler``.
 
     The checkpoint may have been saved at any layout: dist_checkpointing reshards every tensor.
     Each rank's RNG state is restored only when the layout is identical (the state is per rank).
@@ -220,7 +237,7 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict) -> dic
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    path, common = load_common(root)
+    path, common = load_common(root, iteration)
     state = _sharded_state_dict(model, optimizer, is_loading=True)
     same_layout = common["layout"] == layout_dict
     if same_layout:

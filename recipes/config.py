@@ -122,6 +122,8 @@ class CheckpointConfig:
     save_interval: int = 20
     # A checkpoint dir written by a previous run (any layout); null starts from scratch.
     load: Optional[str] = None
+    # Load this iteration instead of the tracker's latest (Megatron-LM's --ckpt-step).
+    load_iteration: Optional[int] = None
     # Remove older iter_* dirs once a newer save is complete; null keeps all.
     keep_last: Optional[int] = None
     # Save at the last iteration even when it is not a multiple of save_interval.

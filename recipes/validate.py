@@ -7,6 +7,7 @@ Every error names the bad value and what would be valid. :func:`validate` runs i
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 
@@ -80,14 +81,24 @@ def resolve_layout(cfg, world_size: int) -> Layout:
         raise ConfigError(
             f"parallelism.pipeline_model_parallel_size={pp} is not supported yet: use 1"
         )
+    # The GTP fields are checked whatever gtp_remat_size is: a typo must not wait for g > 1.
+    from gtp.alignment import RECIPE_DEFAULT_PAD, resolve_pad_for_alignment
+
+    try:
+        resolved_pad = resolve_pad_for_alignment(gtp.pad_for_alignment, gtp.quantization)
+    except ValueError as exc:
+        key = "quantization" if gtp.quantization not in RECIPE_DEFAULT_PAD else "pad_for_alignment"
+        raise ConfigError(f"gtp.{key}={gtp[key]!r} is invalid: {exc}") from None
     model_parallel = tp * pp * g
     if world_size % model_parallel != 0:
         valid = sorted({d for d in range(1, world_size + 1) if world_size % d == 0})
+        want_dp = par.data_parallel_size or 1
         raise ConfigError(
             f"world size {world_size} is not divisible by tensor_model_parallel_size={tp} x "
             f"pipeline_model_parallel_size={pp} x gtp_remat_size={g} = {model_parallel}; with "
-            f"{world_size} processes tp * pp * gtp_remat_size must be one of {valid} (or change "
-            f"parallelism.nproc_per_node)"
+            f"{world_size} processes tp * pp * gtp_remat_size must be one of {valid}, or run "
+            f"tp * pp * gtp_remat_size * dp processes: e.g. "
+            f"parallelism.nproc_per_node={model_parallel * want_dp} (dp{want_dp})"
         )
     dp = world_size // model_parallel
     if par.data_parallel_size is not None and par.data_parallel_size != dp:
@@ -95,14 +106,8 @@ def resolve_layout(cfg, world_size: int) -> Layout:
             f"parallelism.data_parallel_size={par.data_parallel_size} does not match world size "
             f"{world_size} / (tp {tp} x pp {pp} x gtp_remat_size {g}) = {dp}; set it to {dp} or null"
         )
-    pad = 0
-    if g > 1:
-        from gtp.alignment import resolve_pad_for_alignment
-
-        try:
-            pad = resolve_pad_for_alignment(gtp.pad_for_alignment, gtp.quantization)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+    # Without GTP nothing is padded: the layout (and the checkpoint's record of it) says 0.
+    pad = resolved_pad if g > 1 else 0
     return Layout(world_size, tp, pp, g, dp, pad)
 
 
@@ -134,13 +139,21 @@ def validate(cfg, world_size: int) -> Layout:
         raise ConfigError(f"data.source={d.source!r}: valid are {_SOURCES}")
     _positive("data.micro_batch_size", d.micro_batch_size)
     _positive("data.global_batch_size", d.global_batch_size)
-    per_step = d.micro_batch_size * layout.data_parallel_size
+    # Batches are split over the full data group, dp x gtp_remat_size: GTP peers read different
+    # micro-batches (megatron's get_data_parallel_group(with_gtp_remat=True)).
+    data_group = layout.data_parallel_size * layout.gtp_remat_size
+    per_step = d.micro_batch_size * data_group
     if d.global_batch_size % per_step != 0:
+        group = (f"data group size {data_group} (dp {layout.data_parallel_size} x gtp_remat_size "
+                 f"{layout.gtp_remat_size}: GTP peers read different micro-batches)"
+                 if layout.gtp_remat_size > 1 else f"data-parallel size {data_group}")
         raise ConfigError(
             f"data.global_batch_size={d.global_batch_size} must be a multiple of "
-            f"data.micro_batch_size={d.micro_batch_size} x data-parallel size "
-            f"{layout.data_parallel_size} (= {per_step}) for layout {layout.describe()}"
+            f"data.micro_batch_size={d.micro_batch_size} x {group} (= {per_step}) for layout "
+            f"{layout.describe()}"
         )
+    if layout.gtp_remat_size > 1:
+        _check_gtp_dims(cfg, layout)
     if o.optimizer != "adam":
         raise ConfigError(f"optim.optimizer={o.optimizer!r}: valid is 'adam'")
     if o.lr_decay_style not in _DECAY:
@@ -162,5 +175,92 @@ def validate(cfg, world_size: int) -> Layout:
     if ck.load is not None:
         from recipes.checkpoint import check_loadable
 
-        check_loadable(ck.load)
+        check_loadable(ck.load, ck.load_iteration)
+    _announce_quantization(cfg, layout)
     return layout
+
+
+def gtp_weight_dims(cfg, tensor_model_parallel_size: int) -> dict[str, int]:
+    """``{parameter name: TP-local dim 0}`` of every weight megatron shards over the GTP group.
+
+    megatron-core 0.19.2 wraps the ``weight`` of every ``VocabParallelEmbedding``,
+    ``ColumnParallelLinear`` and ``RowParallelLinear`` (``tensor_parallel/layers.py``,
+    ``wrap_module_params_gtp``); never biases, norms or the position embedding. GTP slices the
+    TP-local dim 0:
+
+    - ``embedding.word_embeddings`` / ``output_layer`` (vocab rows): padded vocab / tp; the output
+      layer has no weight of its own when embeddings and output weights are shared;
+    - ``linear_qkv`` (column-parallel): (heads + 2 * query groups) * kv_channels / tp = 3 * hidden / tp;
+    - ``linear_fc1`` (column-parallel): ffn / tp, twice that with SwiGLU (gate and up rows);
+    - ``linear_proj``, ``linear_fc2`` (row-parallel, TP splits dim 1): hidden, whatever the TP.
+
+    Names are those of ``GPTModel.named_parameters()`` (``recipes.gtp_setup.after_model`` checks
+    the built model against this table). The vocab rows are left out when the tokenizer cannot be
+    built from the config (other checks report that).
+    """
+    m, tp = cfg.model, tensor_model_parallel_size
+    dims: dict[str, int] = {}
+    try:
+        from recipes.data import build_tokenizer
+        from recipes.model import padded_vocab_size
+
+        vocab = padded_vocab_size(build_tokenizer(cfg.data).vocab_size,
+                                  m.make_vocab_size_divisible_by, tp) // tp
+    except ValueError:
+        vocab = None
+    if vocab is not None:
+        dims["embedding.word_embeddings.weight"] = vocab
+    for i in range(m.num_layers):
+        layer = f"decoder.layers.{i}"
+        dims[f"{layer}.self_attention.linear_qkv.weight"] = 3 * m.hidden_size // tp
+        dims[f"{layer}.self_attention.linear_proj.weight"] = m.hidden_size
+        dims[f"{layer}.mlp.linear_fc1.weight"] = (2 if m.swiglu else 1) * m.ffn_hidden_size // tp
+        dims[f"{layer}.mlp.linear_fc2.weight"] = m.hidden_size
+    if vocab is not None and not m.share_embeddings_and_output_weights:
+        dims["output_layer.weight"] = vocab
+    return dims
+
+
+def _check_gtp_dims(cfg, layout: Layout) -> None:
+    """Every GTP-sharded TP-local dim 0 must shard over gtp_remat_size (pad 0 needs divisibility)."""
+    from gtp.alignment import validate_gtp_dims
+
+    g, pad = layout.gtp_remat_size, layout.pad_for_alignment
+    dims = gtp_weight_dims(cfg, layout.tensor_model_parallel_size)
+    try:
+        validate_gtp_dims(dims.values(), g, pad)
+    except ValueError as exc:
+        bad = sorted({_short(name): dim for name, dim in dims.items() if dim % g}.items())
+        named = ", ".join(f"{name} dim 0 = {dim}" for name, dim in bad)
+        raise ConfigError(
+            f"gtp.pad_for_alignment={pad} with gtp_remat_size={g} at "
+            f"tensor_model_parallel_size={layout.tensor_model_parallel_size}: {named} "
+            f"(TP-local rows) not divisible by {g}. {exc}"
+        ) from None
+
+
+def _short(name: str) -> str:
+    """``decoder.layers.3.mlp.linear_fc1.weight`` -> ``linear_fc1``."""
+    parts = name.split(".")
+    return parts[-2] if parts[-1] == "weight" else name
+
+
+def _announce_quantization(cfg, layout: Layout) -> None:
+    """One line, once per launch (not again in each worker), when a quantized recipe is chosen:
+    on CPU it only picks the GTP alignment; nothing is quantized."""
+    quant = cfg.gtp.quantization
+    if quant == "none":
+        return
+    dist = sys.modules.get("torch.distributed")
+    if (dist is not None and dist.is_available() and dist.is_initialized()) or \
+            int(os.environ.get("RANK", "0")) != 0:
+        return  # a worker: the launching process already said it
+    if layout.gtp_remat_size == 1:
+        effect = "has no effect: GTP is off (gtp_remat_size=1)"
+    elif cfg.gtp.pad_for_alignment is not None:
+        effect = f"has no effect: gtp.pad_for_alignment={cfg.gtp.pad_for_alignment} is explicit"
+    else:
+        effect = f"only sets the GTP alignment (pad_for_alignment={layout.pad_for_alignment})"
+    print(f"> note: gtp.quantization={quant} {effect}; on CPU (megatron's local layers, no "
+          f"TransformerEngine) nothing is quantized: weights and GEMMs stay "
+          f"{cfg.precision.params_dtype}", flush=True)

@@ -112,7 +112,8 @@ def run(cfg) -> None:
     train_state = {"consumed_samples": 0, "wandb_run_id": None}
     iteration, resumed_from = 0, None
     if cfg.checkpoint.load:
-        common = checkpoint.load_checkpoint(cfg.checkpoint.load, model, optimizer, scheduler, layout_rec)
+        common = checkpoint.load_checkpoint(cfg.checkpoint.load, model, optimizer, scheduler,
+                                            layout_rec, cfg.checkpoint.load_iteration)
         iteration, train_state, resumed_from = common["iteration"], dict(common["train_state"]), common["layout"]
     run_id = train_state.get("wandb_run_id") or new_run_id()
     train_state["wandb_run_id"] = run_id

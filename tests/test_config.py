@@ -1,0 +1,91 @@
+"""Config composition (Hydra compose API) and pre-launch validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from recipes.config import register_configs
+from recipes.validate import ConfigError, validate
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+register_configs()
+
+
+def make_cfg(*overrides: str):
+    """Compose conf/ like train.py does, with the Hydra-only interpolations filled in."""
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("config", overrides=["output_dir=/tmp/unused", "checkpoint.save=null",
+                                           "data.cache_dir=/tmp/unused", *overrides])
+    return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (Path(CONF) / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group", ["model", "parallelism", "precision", "data", "optim",
+                                   "checkpoint", "logger", "gtp"])
+def test_every_group_option_composes_and_is_typed(group):
+    assert options(group), f"conf/{group} has no options"
+    for option in options(group):
+        cfg = make_cfg(f"{group}={option}")
+        assert cfg[group].name == option
+
+
+def test_default_config_is_the_tiny_model_on_two_processes():
+    cfg = make_cfg()
+    layout = validate(cfg, cfg.parallelism.nproc_per_node)
+    assert (cfg.model.hidden_size, cfg.model.ffn_hidden_size) == (72, 200)
+    assert cfg.model.hidden_size % 16 and cfg.model.ffn_hidden_size % 16
+    assert (layout.world_size, layout.tensor_model_parallel_size, layout.data_parallel_size) == (2, 1, 2)
+
+
+def test_unknown_key_fails_at_compose_time():
+    with pytest.raises(ConfigCompositionException, match="bogus"):
+        make_cfg("model.bogus=1")
+
+
+def test_wrong_type_fails_at_compose_time():
+    with pytest.raises(ConfigCompositionException, match="hidden_size"):
+        make_cfg("model.hidden_size=abc")
+
+
+def test_data_parallel_size_is_derived_from_world_size():
+    cfg = make_cfg("parallelism=tp2", "parallelism.nproc_per_node=4")
+    layout = validate(cfg, 4)
+    assert (layout.tensor_model_parallel_size, layout.data_parallel_size) == (2, 2)
+
+
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        (["parallelism=tp2"], 3, r"world size 3 is not divisible by tensor_model_parallel_size=2"),
+        (["parallelism.pipeline_model_parallel_size=2"], 2, r"pipeline_model_parallel_size=2 is not supported"),
+        (["parallelism.tensor_model_parallel_size=0"], 2, r"tensor_model_parallel_size=0 is invalid"),
+        (["parallelism.data_parallel_size=4"], 2, r"data_parallel_size=4 does not match"),
+        (["parallelism=tp4", "model.ffn_hidden_size=202"], 4, r"model.ffn_hidden_size=202 must be divisible by 4"),
+        (["data.global_batch_size=10"], 2, r"global_batch_size=10 must be a multiple of"),
+        (["precision.params_dtype=fp16"], 2, r"precision.params_dtype='fp16'"),
+        (["optim.min_lr=1.0"], 2, r"optim.min_lr=1.0 must lie in"),
+        (["data.source=hdf5"], 2, r"data.source='hdf5'"),
+        (["checkpoint.keep_last=0"], 2, r"checkpoint.keep_last=0"),
+    ],
+)
+def test_bad_values_are_named_with_what_is_valid(overrides, world, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(make_cfg(*overrides), world)
+
+
+def test_missing_checkpoint_dir_is_refused(tmp_path):
+    with pytest.raises(Exception, match="no such directory"):
+        validate(make_cfg(f"checkpoint.load={tmp_path}/nope"), 2)
+
+
+def test_empty_checkpoint_dir_is_refused(tmp_path):
+    with pytest.raises(Exception, match="has no latest_checkpointed_iteration.txt.*empty"):
+        validate(make_cfg(f"checkpoint.load={tmp_path}"), 2)
