@@ -59,6 +59,9 @@ class GTPConfig:
     # null: the quantization recipe's default (none -> 1, fp8 -> 16, mxfp8 -> 32, nvfp4 -> 16).
     pad_for_alignment: Optional[int] = None
     quantization: str = "none"  # none | fp8 | mxfp8 | nvfp4
+    # How GTP weights are written: "logical" (gtp/'s fix: padding never reaches disk, loads at
+    # any layout) or "stock" (megatron-core 0.19.2's padded layout; for comparisons and tests).
+    checkpoint_layout: str = "logical"
 
 
 @dataclass
