@@ -239,6 +239,7 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
 
     path, common = load_common(root, iteration)
     state = _sharded_state_dict(model, optimizer, is_loading=True)
+    check_shapes(state, path)
     same_layout = common["layout"] == layout_dict
     if same_layout:
         state["rng_state"] = _rng_sharded_object(layout_dict)
@@ -264,6 +265,41 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
     if same_layout:
         _set_rng_state(loaded["rng_state"])
     return common
+
+
+def check_shapes(sharded_state: dict, path) -> None:
+    """Compare every requested tensor's global shape with the checkpoint's, before loading.
+
+    Tensors megatron marks ``allow_shape_mismatch`` (vocab rows padded per TP) are skipped.
+    Every rank reads the same metadata and so raises the same error.
+
+    Raises:
+        CheckpointError: naming the first tensors whose shapes differ (both shapes) or that the
+            checkpoint lacks.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    try:
+        stored = dist_checkpointing.load_tensors_metadata(str(path))
+    except Exception as exc:
+        raise CheckpointError(f"{path}/.metadata cannot be read: {exc}") from exc
+    wrong, absent = [], []
+    for sh in nested_values(sharded_state):
+        if not isinstance(sh, ShardedTensor) or sh.allow_shape_mismatch:
+            continue
+        if sh.key not in stored:
+            absent.append(sh.key)
+        elif tuple(stored[sh.key].global_shape) != tuple(sh.global_shape):
+            wrong.append(f"{sh.key}: checkpoint {tuple(stored[sh.key].global_shape)}, "
+                         f"this model {tuple(sh.global_shape)}")
+    if wrong:
+        raise CheckpointError(
+            f"{path} holds a differently shaped model: " + "; ".join(sorted(set(wrong))[:5])
+            + " (check model.* against the checkpoint's run config)")
+    if absent:
+        raise CheckpointError(f"{path} lacks tensors this model needs: {sorted(set(absent))[:10]}")
 
 
 def layout_record(layout) -> dict:

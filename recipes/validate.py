@@ -161,9 +161,12 @@ def validate(cfg, world_size: int) -> Layout:
     if not (0 <= o.min_lr <= o.lr):
         raise ConfigError(f"optim.min_lr={o.min_lr} must lie in [0, optim.lr={o.lr}]")
     _positive("train.train_iters", t.train_iters)
-    if o.lr_warmup_iters < 0 or o.lr_warmup_iters > t.train_iters:
+    decay = o.lr_decay_iters or t.train_iters
+    # megatron's OptimizerParamScheduler asserts warmup < decay steps.
+    if o.lr_warmup_iters < 0 or o.lr_warmup_iters >= decay:
         raise ConfigError(
-            f"optim.lr_warmup_iters={o.lr_warmup_iters} must lie in [0, train.train_iters={t.train_iters}]"
+            f"optim.lr_warmup_iters={o.lr_warmup_iters} must lie in [0, {decay}) "
+            f"(optim.lr_decay_iters, default train.train_iters={t.train_iters})"
         )
     if cfg.logger.mode not in _LOGGER_MODES:
         raise ConfigError(f"logger.mode={cfg.logger.mode!r}: valid are {_LOGGER_MODES}")

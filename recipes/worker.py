@@ -13,9 +13,16 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+import warnings
+
 import numpy as np
 import torch
 from omegaconf import OmegaConf
+
+# megatron and torch.distributed.checkpoint warn at import and on every save about optional
+# GPU packages (apex, TE) and deprecations that do not apply on this path; keep the log readable.
+for _module in ("megatron", "torch.distributed", "torch.utils.cpp_extension"):
+    warnings.filterwarnings("ignore", module=_module)
 
 RESOLVED_CONFIG = "resolved_config.yaml"
 

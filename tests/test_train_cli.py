@@ -1,0 +1,54 @@
+"""train.py as a user runs it: multirun, and bad input refused with a clear message."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from recipes.metrics import read_metrics
+
+
+def test_multirun_gives_each_job_its_own_workers_and_dir(train_run, tmp_path):
+    proc = train_run(tmp_path, "parallelism=tp1,tp2", "train.train_iters=2",
+                     "checkpoint.save_interval=0", "checkpoint.save_at_end=false", multirun=True)
+    jobs = sorted(p.parent for p in tmp_path.glob("*/metrics.jsonl"))
+    assert len(jobs) == 2, (jobs, proc.stdout[-3000:])
+    layouts = []
+    for job in jobs:
+        rows, events = read_metrics(job)
+        assert [r["iteration"] for r in rows] == [1, 2]
+        layouts.append(events[0]["layout"])
+    assert sorted((l["tensor_model_parallel_size"], l["world_size"]) for l in layouts) == [(1, 1), (2, 2)]
+
+
+def _no_worker_started(out: Path):
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_unknown_key_is_refused(train_run, tmp_path):
+    proc = train_run(tmp_path, "model.hidden_sise=96", rc=1)
+    assert "hidden_sise" in proc.stdout
+    _no_worker_started(tmp_path)
+
+
+def test_impossible_world_size_is_refused_before_launch(train_run, tmp_path):
+    proc = train_run(tmp_path, "parallelism=tp2", "parallelism.nproc_per_node=3", rc=2)
+    assert "error: world size 3 is not divisible by tensor_model_parallel_size=2" in proc.stdout
+    _no_worker_started(tmp_path)
+
+
+def test_empty_checkpoint_dir_is_refused_before_launch(train_run, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = train_run(tmp_path / "out", f"checkpoint.load={empty}", rc=2)
+    assert f"checkpoint.load='{empty}' has no latest_checkpointed_iteration.txt" in proc.stdout
+    _no_worker_started(tmp_path / "out")
+
+
+def test_checkpoint_of_another_model_shape_names_tensor_and_shapes(train_run, tmp_path):
+    src = tmp_path / "src"
+    train_run(src, "train.train_iters=2")
+    proc = train_run(tmp_path / "dst", "model.hidden_size=96", f"checkpoint.load={src}/checkpoints",
+                     rc=1)
+    assert "holds a differently shaped model" in proc.stdout
+    assert "decoder.final_layernorm.weight: checkpoint (72,), this model (96,)" in proc.stdout
