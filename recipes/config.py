@@ -105,7 +105,7 @@ class OptimConfig:
     optimizer: str = "adam"
     lr: float = 3.0e-3
     min_lr: float = 3.0e-4
-    lr_warmup_iters: int = 5
+    lr_warmup_iters: int = 10
     lr_decay_style: str = "cosine"
     # null: decay over train.train_iters.
     lr_decay_iters: Optional[int] = None
@@ -122,7 +122,7 @@ class CheckpointConfig:
 
     name: str = "default"
     save: Optional[str] = "${hydra:runtime.output_dir}/checkpoints"
-    save_interval: int = 20
+    save_interval: int = 50
     # A checkpoint dir written by a previous run (any layout); null starts from scratch.
     load: Optional[str] = None
     # Load this iteration instead of the tracker's latest (Megatron-LM's --ckpt-step).
@@ -150,7 +150,7 @@ class LoggerConfig:
 class TrainConfig:
     """Loop length and bookkeeping."""
 
-    train_iters: int = 60
+    train_iters: int = 200
     seed: int = 1234
     log_interval: int = 1
 
