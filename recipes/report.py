@@ -283,9 +283,13 @@ def draw(jobs: list[Job], out: Path, title: str | None = None, logy: bool = Fals
 
     summaries = [summary(j, jobs[0]) for j in jobs]
     n = len(jobs)
+    # Panels, then the legend (one line per job, plus the resume marker) and the table below
+    # them, so that long labels never cover a curve.
+    ncol = 1 if n <= 4 else 2
+    legend_h = 0.22 * (math.ceil((n + 1) / ncol)) + 0.2
     table_h = 0.28 * (n + 1) + 0.2
-    fig = plt.figure(figsize=(14, 5.2 + table_h))
-    grid = fig.add_gridspec(2, 2, height_ratios=[5.2, table_h], hspace=0.25, wspace=0.18)
+    fig = plt.figure(figsize=(14, 5.2 + legend_h + table_h))
+    grid = fig.add_gridspec(3, 2, height_ratios=[5.2, legend_h, table_h], hspace=0.3, wspace=0.18)
     axes = {GRAD_NORM: fig.add_subplot(grid[0, 0]), LM_LOSS: fig.add_subplot(grid[0, 1])}
     colors = plt.get_cmap("tab10" if n <= 10 else "tab20")
     color_of = {id(job): colors(i % colors.N) for i, job in enumerate(jobs)}
@@ -323,7 +327,7 @@ def draw(jobs: list[Job], out: Path, title: str | None = None, logy: bool = Fals
                     ax.plot([it, pts[0][0]], [src, pts[0][1]], color=color, lw=1.2, ls="--")
                 y = src if src is not None else (pts[0][1] if pts else None)
                 if y is not None:
-                    ax.plot([it], [y], marker="o", ms=10, mfc="none", mec=color, mew=2,
+                    ax.plot([it], [y], ls="none", marker="o", ms=10, mfc="none", mec=color, mew=2,
                             label=None if key in resume_marked else "resume point")
                     resume_marked.add(key)
                     ax.annotate(f"resume from {describe_layout(seg.resume.get('from_layout'))}",
@@ -337,9 +341,12 @@ def draw(jobs: list[Job], out: Path, title: str | None = None, logy: bool = Fals
         ax.grid(True, alpha=0.3)
     if logy:
         axes[GRAD_NORM].set_yscale("log")
-    axes[LM_LOSS].legend(fontsize=7, loc="upper right")
+    lax = fig.add_subplot(grid[1, :])
+    lax.axis("off")
+    handles, labels = axes[LM_LOSS].get_legend_handles_labels()
+    lax.legend(handles, labels, loc="center", ncol=ncol, fontsize=8, frameon=False)
 
-    tax = fig.add_subplot(grid[1, :])
+    tax = fig.add_subplot(grid[2, :])
     tax.axis("off")
     table = tax.table(
         cellText=[[_fmt(k, s[k]) for k, _ in _COLUMNS] for s in summaries],

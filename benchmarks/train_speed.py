@@ -1,0 +1,275 @@
+"""Training speed and per-rank parameter memory at GTP degree g=1 vs g=2 (and g=4), on CPU.
+
+    python -m benchmarks.train_speed                          # tiny and gpt125m, g 1 2, 2 repeats
+    python -m benchmarks.train_speed --models tiny --g 1 2 4  # world size 4 (max g)
+    python -m benchmarks.train_speed --repeats 3 --out outputs/bench
+
+Every g runs at the same world size (``--world``, default the largest g) and the same global
+batch, so g=1 is tp1 x dp<world> and g=2 is tp1 x gtp2 x dp<world/2>: the same math, GTP trading
+parameter memory for an all-gather per weight in forward and backward and a reduce-scatter per
+weight gradient. Each measurement is one launch of a worker group (torch's elastic launcher, as
+``train.py``) that builds the model, optimizer and data through ``recipes.worker.setup``, runs
+``--warmup`` untimed and ``--iters`` timed ``recipes.loop.train_step`` calls (barrier before and
+after each), and reports every rank's parameter bytes (GTP shards include their padding rows) and
+Adam-state bytes. Launches are interleaved (g1 g2 g1 g2 ...) so that drifting machine load hits
+every case alike; the table shows medians over repeats of each launch's median step time.
+
+Cases: ``tiny`` (2 layers, hidden 72; data=mock, micro batch 4, global batch 16) and ``gpt125m``
+(12 layers, hidden 768, ffn 3072, byte vocab: ~85M parameters; seq 64, micro batch 1, global
+batch = world size, so one micro-batch per rank). Figures depend on the machine and its load;
+there is no threshold. Output: the table on stdout and ``<out>/results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# model case -> (config overrides, timed iterations, warmup iterations); {world} is filled in.
+CASES: dict[str, tuple[list[str], int, int]] = {
+    "tiny": (["model=tiny", "data=mock"], 10, 2),
+    "gpt125m": (["model=gpt125m", "model.seq_length=64", "data=mock", "data.micro_batch_size=1",
+                 "data.global_batch_size={world}"], 3, 1),
+}
+DEFAULT_PAD = 16
+
+
+# --------------------------------------------------------------------------------------------
+# Worker side: one rank of one launch.
+# --------------------------------------------------------------------------------------------
+def _worker(cfg_path: str, out_path: str) -> None:
+    import torch
+    from megatron.core import parallel_state
+    from omegaconf import OmegaConf
+
+    from recipes.data import build_train_iterator
+    from recipes.loop import train_step
+    from recipes.validate import validate
+    from recipes.worker import init_distributed, setup
+
+    threads = int(os.environ.get("BENCH_THREADS", "0"))
+    if threads > 0:
+        torch.set_num_threads(threads)
+    cfg = OmegaConf.load(cfg_path)
+    init_distributed()
+    layout = validate(cfg, torch.distributed.get_world_size())
+    tokenizer, model, optimizer, scheduler = setup(cfg, layout)
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    dp_rank, dp_size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+    data = build_train_iterator(cfg, 0, dp_rank, dp_size, tokenizer=tokenizer)
+    num_micro = cfg.data.global_batch_size // (cfg.data.micro_batch_size * dp_size)
+    times, losses = [], []
+    for _ in range(cfg.bench.warmup + cfg.bench.iters):
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        metrics = train_step(model, optimizer, scheduler, data, num_micro, cfg)
+        torch.distributed.barrier()
+        times.append(time.perf_counter() - start)
+        losses.append(metrics["lm loss"])
+
+    def nbytes(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+    inner = getattr(optimizer, "optimizer", optimizer)
+    mine = {
+        "rank": torch.distributed.get_rank(),
+        "param_bytes": nbytes(model.parameters()),
+        "param_numel": sum(p.numel() for p in model.parameters()),
+        "optimizer_state_bytes": sum(nbytes(s.values()) for s in inner.state.values()),
+        "step_times": times[cfg.bench.warmup:],
+    }
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, mine)
+    if torch.distributed.get_rank() == 0:
+        Path(out_path).write_text(json.dumps({
+            "layout": layout.describe(), "ranks": every, "losses": losses,
+            "tokens_per_step": cfg.data.global_batch_size * cfg.model.seq_length,
+        }))
+    torch.distributed.barrier()
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher side.
+# --------------------------------------------------------------------------------------------
+def compose_config(model: str, g: int, world: int, pad: int, run_dir: Path, cache: Path):
+    """The resolved run config of one case (Hydra compose, as train.py would build it)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from recipes.config import register_configs
+
+    register_configs()
+    overrides, iters, warmup = CASES[model]
+    gtp = ["gtp=off"] if g == 1 else ["gtp=tp2_align16", f"gtp.gtp_remat_size={g}",
+                                      f"gtp.pad_for_alignment={pad}"]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[
+            *(o.format(world=world) for o in overrides), *gtp,
+            "parallelism=dp2", f"parallelism.nproc_per_node={world}",
+            "checkpoint=none", "logger=none", f"output_dir={run_dir}",
+            f"data.cache_dir={cache}", f"train.train_iters={warmup + iters}",
+            "optim.lr_warmup_iters=0",
+        ])
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    plain["bench"] = {"iters": iters, "warmup": warmup}
+    return OmegaConf.create(plain)
+
+
+def launch(cfg, run_dir: Path, world: int) -> dict:
+    """Run one worker group; return rank 0's result dict (or ``{"error": ...}``)."""
+    from omegaconf import OmegaConf
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from recipes.validate import validate
+
+    validate(cfg, world)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg_path, out_path = run_dir / "config.yaml", run_dir / "result.json"
+    cfg_path.write_text(OmegaConf.to_yaml(cfg))
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5,
+        start_method="spawn",
+    )
+    log = run_dir / "log.txt"
+    try:
+        with open(log, "w") as f:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            old_out, old_err = os.dup(1), os.dup(2)
+            os.dup2(f.fileno(), 1)
+            os.dup2(f.fileno(), 2)
+            try:
+                elastic_launch(config, sys.executable)(
+                    "-m", "benchmarks.train_speed", "--worker", str(cfg_path), str(out_path))
+            finally:
+                os.dup2(old_out, 1)
+                os.dup2(old_err, 2)
+                os.close(old_out)
+                os.close(old_err)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        return {"error": f"rank {rank} failed (exit {failure.exitcode}); see {log}"}
+    return json.loads(out_path.read_text())
+
+
+def _median_step(result: dict) -> float:
+    return statistics.median(result["ranks"][0]["step_times"])
+
+
+def summarize(model: str, g: int, results: list[dict]) -> dict:
+    ok = [r for r in results if "error" not in r]
+    if not ok:
+        return {"model": model, "g": g, "error": results[0]["error"] if results else "no run"}
+    step = statistics.median(_median_step(r) for r in ok)
+    ranks = ok[0]["ranks"]
+    return {
+        "model": model, "g": g, "layout": ok[0]["layout"], "runs": len(ok),
+        "median_step_s": step, "tokens_per_sec": ok[0]["tokens_per_step"] / step,
+        "step_s_per_run": [_median_step(r) for r in ok],
+        "param_bytes_per_rank": [r["param_bytes"] for r in ranks],
+        "optimizer_state_bytes_per_rank": [r["optimizer_state_bytes"] for r in ranks],
+        "final_loss": ok[0]["losses"][-1],
+    }
+
+
+def _mib(values) -> str:
+    return " / ".join(f"{v / 2**20:.3f}" if v < 2**20 * 10 else f"{v / 2**20:.1f}" for v in values)
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ["model", "g", "layout", "tokens/s", "step ms", "vs g1", "param MiB per rank",
+            "Adam state MiB per rank"]
+    base = {r["model"]: r["tokens_per_sec"] for r in rows if r.get("g") == 1 and "error" not in r}
+    cells = [head]
+    for r in rows:
+        if "error" in r:
+            cells.append([r["model"], str(r["g"]), "error: " + r["error"], "", "", "", "", ""])
+            continue
+        ratio = r["tokens_per_sec"] / base[r["model"]] if r["model"] in base else None
+        cells.append([
+            r["model"], str(r["g"]), r["layout"], f"{r['tokens_per_sec']:.0f}",
+            f"{1000 * r['median_step_s']:.1f}", f"{ratio:.2f}x" if ratio else "-",
+            _mib(r["param_bytes_per_rank"]), _mib(r["optimizer_state_bytes_per_rank"]),
+        ])
+    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.train_speed",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--g", nargs="+", type=int, default=[1, 2], help="GTP degrees")
+    parser.add_argument("--world", type=int, default=None, help="processes (default: max g)")
+    parser.add_argument("--pad", type=int, default=DEFAULT_PAD, help="pad_for_alignment at g>1")
+    parser.add_argument("--repeats", type=int, default=2, help="launches per case (interleaved)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per rank (default: CPU cores / world, at least 1)")
+    parser.add_argument("--out", default=None, help="output dir (default outputs/benchmarks/...)")
+    parser.add_argument("--worker", nargs=2, metavar=("CONFIG", "RESULT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        _worker(*args.worker)
+        return 0
+
+    world = args.world or max(args.g)
+    bad = [g for g in args.g if g < 1 or world % g]
+    if bad:
+        parser.error(f"--g {bad}: every GTP degree must divide the world size {world}")
+    out = Path(args.out or REPO / "outputs" / "benchmarks" / time.strftime("%Y-%m-%d_%H-%M-%S")
+               / "train_speed").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // world)
+    os.environ["BENCH_THREADS"] = str(threads)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    print(f"> train_speed: models {args.models}, g {args.g}, world {world}, {threads} torch "
+          f"thread(s) per rank, {args.repeats} interleaved repeats; writing {out}", flush=True)
+
+    raw: dict[tuple[str, int], list[dict]] = {}
+    for model in args.models:
+        for rep in range(args.repeats):
+            for g in args.g:  # interleaved: g1 g2 g1 g2 ...
+                run_dir = out / "runs" / f"{model}_g{g}_r{rep}"
+                cfg = compose_config(model, g, world, args.pad, run_dir, out / "cache")
+                t0 = time.perf_counter()
+                result = launch(cfg, run_dir, world)
+                raw.setdefault((model, g), []).append(result)
+                what = result.get("error") or (
+                    f"median step {1000 * _median_step(result):.1f} ms, final loss "
+                    f"{result['losses'][-1]:.4f}")
+                print(f"  {model} g={g} run {rep + 1}/{args.repeats}: {what} "
+                      f"({time.perf_counter() - t0:.0f}s with start-up)", flush=True)
+    rows = [summarize(model, g, raw[(model, g)]) for model in args.models for g in args.g]
+    table = format_table(rows)
+    print(table, flush=True)
+    (out / "results.json").write_text(json.dumps({
+        "benchmark": "train_speed", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+                    "python": platform.python_version(), "torch_threads_per_rank": threads},
+        "world_size": world, "pad_for_alignment": args.pad, "repeats": args.repeats,
+        "summary": rows,
+        "runs": {f"{m}_g{g}": v for (m, g), v in raw.items()},
+    }, indent=2))
+    print(f"> wrote {out / 'results.json'}", flush=True)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""recipes.report on synthetic metric logs: job discovery, segments, resume chains, PNG, table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipes.report import ReportError, find_job_dirs, load_job, main, report
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def layout(tp=1, g=1, dp=2, pad=0):
+    return {"world_size": tp * g * dp, "tensor_model_parallel_size": tp,
+            "pipeline_model_parallel_size": 1, "gtp_remat_size": g, "data_parallel_size": dp,
+            "pad_for_alignment": pad, "megatron_core": "0.19.2"}
+
+
+def row(it, loss, gn=1.0, tps=1000.0):
+    return {"iteration": it, "lm loss": loss, "grad-norm": gn, "num-zeros": 0.0,
+            "learning-rate": 1e-3, "iteration-time": 0.1, "tokens-per-sec": tps,
+            "consumed-samples": 16 * it}
+
+
+def write_job(job_dir: Path, records, overrides=()):
+    job_dir.mkdir(parents=True)
+    with open(job_dir / "metrics.jsonl", "w") as f:
+        for rec in records:
+            f.write(json.dumps(rec) + "\n")
+    (job_dir / ".hydra").mkdir()
+    (job_dir / ".hydra" / "overrides.yaml").write_text(
+        "".join(f"- {o}\n" for o in overrides))
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    return make_sweep(tmp_path)
+
+
+def make_sweep(tmp_path: Path) -> Path:
+    """A multirun dir: job 0 trains 1..10 at dp2 and saves; job 1 at gtp2 trains 1..10; job 2
+    resumes job 0's iteration 6 checkpoint at gtp2 and trains 7..10."""
+    root = tmp_path / "multirun" / "10-00-00"
+    common = ["train.train_iters=10", "logger=none"]
+    a = root / "0_gtp=off"
+    write_job(a, [{"event": "start", "iteration": 0, "layout": layout()}]
+              + [row(i, 6 - 0.3 * i, 2.0 / i, tps=500 if i == 1 else 1000) for i in range(1, 11)]
+              + [{"event": "save", "iteration": 10, "path": str(a / "checkpoints/iter_0000010")}],
+              ["gtp=off", *common])
+    write_job(root / "1_gtp=tp2_align16",
+              [{"event": "start", "iteration": 0, "layout": layout(g=2, dp=1, pad=16)}]
+              + [row(i, 6 - 0.3 * i + 1e-7, 2.0 / i, tps=800) for i in range(1, 11)],
+              ["gtp=tp2_align16", *common])
+    write_job(root / "2_resume",
+              [{"event": "resume", "iteration": 6, "from_layout": layout(),
+                "layout": layout(g=2, dp=1, pad=16), "load": str(a / "checkpoints")}]
+              + [row(i, 6 - 0.3 * i, 2.0 / i) for i in range(7, 11)],
+              ["gtp=tp2_align16", f"checkpoint.load={a}/checkpoints", *common])
+    return root
+
+
+def test_finds_every_job_below_a_sweep_dir_in_job_order(sweep, tmp_path):
+    (sweep / "10_late").mkdir()
+    (sweep / "10_late" / "metrics.jsonl").write_text(json.dumps(row(1, 5.0)) + "\n")
+    names = [d.name for d in find_job_dirs([sweep])]
+    assert names == ["0_gtp=off", "1_gtp=tp2_align16", "2_resume", "10_late"]
+    # Job dirs given directly, a duplicate, and a metrics.jsonl path.
+    got = find_job_dirs([sweep / "2_resume", sweep / "0_gtp=off" / "metrics.jsonl", sweep / "2_resume"])
+    assert [d.name for d in got] == ["2_resume", "0_gtp=off"]
+    with pytest.raises(ReportError, match="no metrics.jsonl"):
+        find_job_dirs([tmp_path / "multirun" / "10-00-00" / "0_gtp=off" / ".hydra"])
+    with pytest.raises(ReportError, match="no such file"):
+        find_job_dirs([tmp_path / "nope"])
+
+
+def test_png_and_table(sweep, tmp_path):
+    png, table, summaries = report([sweep], tmp_path / "out" / "r.png")
+    assert png == tmp_path / "out" / "r.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    # Labels: the overrides that differ between jobs (common ones and checkpoint paths dropped),
+    # and where a job resumed from.
+    assert [s["job"] for s in summaries] == [
+        "gtp=off", "gtp=tp2_align16", "gtp=tp2_align16 (resumed at 6 from gtp=off)"]
+    first, gtp, resumed = summaries
+    assert (first["job"], first["layout"], first["final_iteration"]) == ("gtp=off", "tp1 x dp2", 10)
+    assert first["final_lm_loss"] == pytest.approx(3.0)
+    assert first["final_grad_norm"] == pytest.approx(0.2)
+    # The first iteration of a start is left out of the mean speed.
+    assert first["mean_tokens_per_sec"] == pytest.approx(1000.0)
+    assert gtp["layout"] == "tp1 x gtp2(pad 16) x dp1"
+    assert gtp["max_loss_diff_vs_first"] == pytest.approx(1e-7, rel=1e-3)
+    assert resumed["resumes"] == 1 and resumed["final_iteration"] == 10
+    lines = table.splitlines()
+    assert lines[0].split()[:4] == ["job", "layout", "iter", "lm"]
+    assert len(lines) == 2 + 3
+    assert "tp1 x gtp2(pad 16) x dp1" in lines[3] and "3.0000" in lines[2]
+
+
+def test_resume_segments_and_parent_link(sweep):
+    from recipes.report import _parent_of
+
+    jobs = [load_job(d) for d in find_job_dirs([sweep])]
+    resumed = jobs[2]
+    assert len(resumed.segments) == 1 and resumed.segments[0].resume["iteration"] == 6
+    assert _parent_of(resumed.segments[0].resume["load"], jobs) is jobs[0]
+    assert jobs[0].value_at("lm loss", 6) == pytest.approx(6 - 1.8)
+
+
+def test_one_dir_written_by_two_runs_splits_into_segments(tmp_path):
+    job = tmp_path / "job"
+    write_job(job, [{"event": "start", "iteration": 0, "layout": layout()}]
+              + [row(i, 5.0 - i * 0.1) for i in range(1, 9)]
+              + [{"event": "resume", "iteration": 4, "from_layout": layout(),
+                  "layout": layout(tp=2, dp=1), "load": str(job / "checkpoints")}]
+              + [row(i, 5.0 - i * 0.1) for i in range(5, 11)])
+    loaded = load_job(job)
+    assert [len(s.rows) for s in loaded.segments] == [8, 6]
+    assert loaded.segments[1].resume["iteration"] == 4
+    assert loaded.layout["tensor_model_parallel_size"] == 2  # the latest run's layout
+    png, _, summaries = report([job], tmp_path / "j.png")
+    assert png.exists() and summaries[0]["final_iteration"] == 10
+
+
+def test_cli_writes_into_the_sweep_dir_by_default(sweep, capsys):
+    assert main([str(sweep)]) == 0
+    out = capsys.readouterr().out
+    assert (sweep / "report.png").is_file()
+    assert f"> wrote {sweep / 'report.png'}" in out and "gtp=tp2_align16" in out
+    assert main([str(sweep / "missing")]) == 2
+
+
+def test_module_entry_point(sweep, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "recipes.report", str(sweep), "-o",
+                           str(tmp_path / "cli.png"), "--logy"], cwd=REPO, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
+    assert proc.returncode == 0, proc.stdout
+    assert (tmp_path / "cli.png").is_file()
+
+
+def test_a_run_that_went_on_where_the_previous_stopped_is_its_own_segment(tmp_path):
+    job = tmp_path / "job"
+    write_job(job, [{"event": "start", "iteration": 0, "layout": layout()}]
+              + [row(i, 5.0) for i in range(1, 5)]
+              + [{"event": "resume", "iteration": 4, "from_layout": layout(),
+                  "layout": layout(g=2, dp=1, pad=16), "load": str(job / "checkpoints")}]
+              + [row(i, 4.0) for i in range(5, 9)])
+    loaded = load_job(job)
+    assert [[r["iteration"] for r in s.rows] for s in loaded.segments] == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert [s.resume is not None for s in loaded.segments] == [False, True]
