@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from recipes import faults
+
 TRACKER = "latest_checkpointed_iteration.txt"
 log = logging.getLogger(__name__)
 
@@ -88,7 +90,39 @@ def check_loadable(root: str | os.PathLike, iteration: int | None = None) -> Pat
     for name in ("metadata.json", ".metadata"):
         if not (path / name).is_file():
             raise CheckpointError(f"{path} is incomplete: {name} is missing")
+    _check_storage(path)
     return path
+
+
+def _check_storage(path: Path) -> None:
+    """Every item the checkpoint's metadata lists lies inside its data file.
+
+    Cheap (one stat per file) and done before any tensor is read, so a truncated or missing
+    ``.distcp`` file fails the load before it changes anything.
+
+    Raises:
+        CheckpointError: naming the file, its size, what should be there and one tensor in it.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - a torn .metadata
+        raise CheckpointError(f"{path / '.metadata'} cannot be read: {exc}") from exc
+    needed: dict[str, tuple[int, str]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        end = info.offset + info.length
+        if end > needed.get(info.relative_path, (-1, ""))[0]:
+            needed[info.relative_path] = (end, index.fqn)
+    for name, (end, fqn) in sorted(needed.items()):
+        file = path / name
+        size = file.stat().st_size if file.is_file() else None
+        if size is None or size < end:
+            state = "is missing" if size is None else f"has {size} bytes"
+            raise CheckpointError(
+                f"{file} {state}, but the checkpoint's metadata places data up to byte {end} "
+                f"in it (e.g. tensor {fqn!r}): the checkpoint is truncated or incomplete"
+            )
 
 
 def _rng_state() -> dict:
@@ -143,6 +177,23 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
+def _use_in_process_results_queue() -> None:
+    """Keep megatron's torch_dist writer from starting a multiprocessing Manager server.
+
+    ``filesystem_async.get_write_results_queue`` (megatron-core 0.19.2) creates a spawned
+    ``Manager().Queue()`` per rank on the first save, for results that only cross processes in
+    async saves. Our saves are synchronous (the writer threads run in this process), so a
+    thread-safe ``queue.Queue`` does the same job; and the Manager server would outlive a killed
+    rank, holding its stdout open and keeping the job's launcher waiting.
+    """
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save_checkpoint(root, iteration: int, model, optimizer, scheduler, common: dict, layout_dict: dict) -> Path:
     """Save a checkpoint of ``iteration`` under ``root`` (every rank calls this).
 
@@ -163,21 +214,29 @@ def save_checkpoint(root, iteration: int, model, optimizer, scheduler, common: d
 
     path = iter_dir(root, iteration)
     rank = torch.distributed.get_rank()
+    _use_in_process_results_queue()
+    state = _sharded_state_dict(model, optimizer, is_loading=False)
+    ensure_disk_space(root, expected_checkpoint_bytes(state))
     if rank == 0:
         # A leftover of an interrupted save of the same iteration is not a checkpoint.
         if path.exists():
             shutil.rmtree(path)
         path.mkdir(parents=True)
     _barrier()
-    state = _sharded_state_dict(model, optimizer, is_loading=False)
+    from gtp.checkpoint import METADATA_KEY, layout_metadata
+
     state.update(
         iteration=iteration,
         opt_param_scheduler=scheduler.state_dict(),
         train_state=common,
         layout=layout_dict,
         rng_state=_rng_sharded_object(layout_dict),
+        # How GTP weights are laid out in this file (gtp/checkpoint.py documents the format);
+        # built before save, which applies the sharded factories in place.
+        **{METADATA_KEY: layout_metadata(model, state["model"])},
     )
     dist_checkpointing.save(state, str(path))
+    faults.maybe_fail("save", iteration, rank)
     _barrier()
     if rank == 0:
         tmp = Path(root) / (TRACKER + ".tmp")
@@ -185,6 +244,54 @@ def save_checkpoint(root, iteration: int, model, optimizer, scheduler, common: d
         os.replace(tmp, Path(root) / TRACKER)
     _barrier()
     return path
+
+
+# Checkpoint files add metadata and alignment to the raw tensor bytes; ask for this much more.
+SPACE_MARGIN = 1.10
+SPACE_SLACK_BYTES = 16 << 20
+
+
+def expected_checkpoint_bytes(sharded_state: dict) -> int:
+    """Bytes the tensors of one save will take, summed over all ranks (a collective).
+
+    Counts each tensor's main replica only (``replica_id`` all zeros), as the writer does.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import is_main_replica
+
+    local = 0
+    for item in nested_values(sharded_state):
+        data = getattr(item, "data", None)
+        if isinstance(data, torch.Tensor) and is_main_replica(getattr(item, "replica_id", 0)):
+            local += data.numel() * data.element_size()
+    total = torch.tensor([local], dtype=torch.int64)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(total)
+    return int(total.item())
+
+
+def ensure_disk_space(root, needed_bytes: int, free_bytes: int | None = None) -> None:
+    """Refuse to start a save that cannot fit, instead of leaving a half-written checkpoint.
+
+    Args:
+        root: the checkpoint dir (or the nearest existing parent is measured).
+        needed_bytes: tensor bytes of the save (:func:`expected_checkpoint_bytes`).
+        free_bytes: free bytes to assume (tests); default: measured with ``shutil.disk_usage``.
+
+    Raises:
+        CheckpointError: naming the dir, the free and the needed space.
+    """
+    target = Path(root)
+    while not target.exists() and target != target.parent:
+        target = target.parent
+    free = shutil.disk_usage(target).free if free_bytes is None else free_bytes
+    needed = int(needed_bytes * SPACE_MARGIN) + SPACE_SLACK_BYTES
+    if free < needed:
+        raise CheckpointError(
+            f"not enough disk space to save a checkpoint in {root}: {free / 2**20:.1f} MiB free, "
+            f"about {needed / 2**20:.1f} MiB needed; free space or set checkpoint.save elsewhere "
+            f"(checkpoint.keep_last=K removes older saves)"
+        )
 
 
 def remove_old_checkpoints(root, keep_last: int) -> list[Path]:
@@ -236,29 +343,44 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
+    # torch DCP's CheckpointException derives from BaseException, not Exception.
+    from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
 
     path, common = load_common(root, iteration)
+    # A legacy GTP checkpoint (megatron-core 0.19.2's padded layout) is converted once into
+    # <root>/gtp_converted/ and loaded from there; its RNG states are not carried over.
+    from gtp import checkpoint as gtp_checkpoint, legacy
+
+    try:
+        path, converted = legacy.prepare_load(path, common, layout_dict,
+                                              stock_writer=not gtp_checkpoint.is_installed())
+    except legacy.LegacyCheckpointError as exc:
+        raise CheckpointError(str(exc)) from exc
     state = _sharded_state_dict(model, optimizer, is_loading=True)
     check_shapes(state, path)
-    same_layout = common["layout"] == layout_dict
+    same_layout = common["layout"] == layout_dict and not converted
     if same_layout:
         state["rng_state"] = _rng_sharded_object(layout_dict)
+    failure = None
     try:
-        # megatron's naming: "unexpected" = requested here but absent from the checkpoint;
-        # "missing" = in the checkpoint but not requested (fine: e.g. another layout's RNG).
-        loaded, _missing, unexpected = dist_checkpointing.load(
-            state, str(path), strict=StrictHandling.RETURN_ALL
-        )
-    except CheckpointError:
-        raise
-    except Exception as exc:
-        raise CheckpointError(f"cannot load {path}: {exc}") from exc
-    # Unexpected keys are found per rank: agree before anyone raises, so no rank waits alone.
-    flag = torch.tensor([len(unexpected)])
+        # megatron's naming: "unexpected" = requested here but absent from the checkpoint (an
+        # error, raised before any tensor is read); "missing" = in the checkpoint but not
+        # requested (fine: e.g. another layout's RNG).
+        loaded = dist_checkpointing.load(state, str(path), strict=StrictHandling.RAISE_UNEXPECTED)
+    except (Exception, DCPCheckpointException) as exc:  # noqa: BLE001 - reported below
+        failure = exc
+    # A rank can fail alone (its own tensors, a file only it reads): agree before anyone
+    # raises, so no rank waits alone in a later collective.
+    flag = torch.tensor([0 if failure is None else 1])
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     if flag.item():
-        detail = sorted(unexpected)[:10] if unexpected else "(reported by another rank)"
-        raise CheckpointError(f"{path} lacks tensors this model needs: {detail}")
+        if failure is None:
+            raise CheckpointError(f"cannot load {path}: loading failed on another rank")
+        what = ("lacks tensors this model needs" if "unexpected" in str(failure).lower()
+                else "cannot be loaded")
+        detail = str(failure)
+        detail = detail if len(detail) <= 2000 else detail[:2000] + " ..."
+        raise CheckpointError(f"{path} {what}: {detail}") from failure
     _unwrap(model).load_state_dict(loaded["model"], strict=True)
     optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(common["opt_param_scheduler"])

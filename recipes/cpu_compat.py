@@ -205,6 +205,48 @@ class _DropCpuRngWarning(logging.Filter):
         return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
 
 
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+@contextlib.contextmanager
+def _cpu_tensors_report_cuda_types():
+    """While active, ``tensor.type()`` (no argument) of a CPU float tensor answers the CUDA
+    name, e.g. ``'torch.cuda.BFloat16Tensor'``; everything else is unchanged."""
+    original = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = original(self)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _patch_float16_optimizer_init():
+    """``Float16OptimizerWithFloat16Params.__init__`` sorts params by ``param.type()`` and accepts
+    only ``torch.cuda.{Half,BFloat16,Float}Tensor``; run it with CPU tensors reporting those
+    names, so bf16 runs get megatron's fp32 main params on CPU too."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params as cls
+
+    original = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        with _cpu_tensors_report_cuda_types():
+            original(self, *args, **kwargs)
+
+    __init__.__wrapped__ = original
+    cls.__init__ = __init__
+
+
 def _patch_rng_state_functions():
     random = importlib.import_module("megatron.core.tensor_parallel.random")
     logging.getLogger(random.__name__).addFilter(_DropCpuRngWarning())
@@ -238,6 +280,7 @@ def install(force: bool = False) -> bool:
         module = importlib.import_module(name)
         module.torch = proxy
     _patch_rng_state_functions()
+    _patch_float16_optimizer_init()
     for name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
         importlib.import_module(name).clip_grad_by_total_norm_fp32 = (
             _clip_grad_by_total_norm_fp32_cpu

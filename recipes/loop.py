@@ -7,6 +7,8 @@ from functools import partial
 
 import torch
 
+from recipes import faults
+
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Mean token loss of one micro-batch, as Megatron-LM's ``pretrain_gpt.loss_func``
@@ -95,6 +97,7 @@ def train(state, cfg, logger, save_fn) -> None:
         )
         state.iteration += 1
         state.consumed_samples += d.global_batch_size
+        faults.maybe_fail("train", state.iteration, torch.distributed.get_rank())
         elapsed = time.perf_counter() - start
         metrics.update({
             "iteration-time": elapsed,

@@ -168,6 +168,9 @@ def validate(cfg, world_size: int) -> Layout:
             f"optim.lr_warmup_iters={o.lr_warmup_iters} must lie in [0, {decay}) "
             f"(optim.lr_decay_iters, default train.train_iters={t.train_iters})"
         )
+    if cfg.gtp.get("checkpoint_layout", "logical") not in ("logical", "stock"):
+        raise ConfigError(f"gtp.checkpoint_layout={cfg.gtp.checkpoint_layout!r}: valid are "
+                          f"('logical', 'stock')")
     if cfg.logger.mode not in _LOGGER_MODES:
         raise ConfigError(f"logger.mode={cfg.logger.mode!r}: valid are {_LOGGER_MODES}")
     ck = cfg.checkpoint

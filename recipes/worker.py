@@ -87,6 +87,11 @@ def setup(cfg, layout):
     tokenizer = build_tokenizer(cfg.data)
     model, config = build_model(cfg, layout, tokenizer.vocab_size)
     gtp_setup.after_model(model, layout)
+    if config.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        # As Megatron-LM: bf16 weights, inputs cast on entry and logits/loss returned in fp32.
+        model = Float16Module(config, model)
     ddp = DistributedDataParallel(
         config,
         DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False),

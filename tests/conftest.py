@@ -27,20 +27,21 @@ def train_run(data_cache):
     """``train_run(out_dir, *overrides, rc=0)``: run ``train.py`` into ``out_dir``.
 
     Returns the ``CompletedProcess`` (stdout and stderr merged into ``.stdout``); asserts the exit
-    code is ``rc``.
+    code is ``rc`` (None: any). ``env`` adds environment variables.
     """
 
-    def run(out_dir: Path, *overrides: str, rc: int = 0, multirun: bool = False, timeout=600):
+    def run(out_dir: Path, *overrides: str, rc: int | None = 0, multirun: bool = False,
+            timeout=600, env: dict | None = None):
         args = [sys.executable, str(REPO / "train.py")]
         if multirun:
             args += ["-m", f"hydra.sweep.dir={out_dir}"]
         else:
             args += [f"hydra.run.dir={out_dir}"]
         args += FAST + [f"data.cache_dir={data_cache}", *overrides]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true", **(env or {})}
         proc = subprocess.run(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, timeout=timeout)
-        assert proc.returncode == rc, (
+        assert rc is None or proc.returncode == rc, (
             f"train.py {' '.join(overrides)} exited {proc.returncode}, expected {rc}:\n"
             + proc.stdout[-6000:]
         )

@@ -74,6 +74,7 @@ def test_data_parallel_size_is_derived_from_world_size():
         (["optim.min_lr=1.0"], 2, r"optim.min_lr=1.0 must lie in"),
         (["data.source=hdf5"], 2, r"data.source='hdf5'"),
         (["checkpoint.keep_last=0"], 2, r"checkpoint.keep_last=0"),
+        (["gtp.checkpoint_layout=padded"], 2, r"gtp.checkpoint_layout='padded'"),
     ],
 )
 def test_bad_values_are_named_with_what_is_valid(overrides, world, message):

@@ -140,9 +140,10 @@ def _compare_checkpoints(a, b):
             else:
                 yield f"{prefix}{k}", v
 
-    # The recorded layout differs by design (it says who wrote the file).
-    fa = {k: v for k, v in flat(ta) if not k.startswith("layout/")}
-    fb = {k: v for k, v in flat(tb) if not k.startswith("layout/")}
+    # The recorded layouts differ by design (they say who wrote the file).
+    writer = ("layout/", "gtp_layout/")
+    fa = {k: v for k, v in flat(ta) if not k.startswith(writer)}
+    fb = {k: v for k, v in flat(tb) if not k.startswith(writer)}
     problems = [] if fa.keys() == fb.keys() else [f"keys differ: {sorted(fa.keys() ^ fb.keys())[:5]}"]
     n_moments = sum("exp_avg" in k for k in fa)
     for k in sorted(fa.keys() & fb.keys()):

@@ -52,3 +52,15 @@ def test_checkpoint_of_another_model_shape_names_tensor_and_shapes(train_run, tm
                      rc=1)
     assert "holds a differently shaped model" in proc.stdout
     assert "decoder.final_layernorm.weight: checkpoint (72,), this model (96,)" in proc.stdout
+
+
+def test_bf16_trains_and_resumes_at_another_layout(train_run, tmp_path):
+    """bf16 weights with megatron's fp32 main params (Float16Module + Float16Optimizer) on CPU,
+    saved under GTP (logical layout) and resumed at tp2 without GTP."""
+    train_run(tmp_path / "a", "precision=bf16", "gtp=tp2_align16", "train.train_iters=2",
+              "checkpoint.save_interval=2")
+    train_run(tmp_path / "b", "precision=bf16", "parallelism=tp2", "train.train_iters=3",
+              f"checkpoint.load={tmp_path}/a/checkpoints")
+    rows, _ = read_metrics(tmp_path / "b")
+    assert [r["iteration"] for r in rows] == [3]
+    assert 0 < rows[0]["grad-norm"] < 100 and rows[0]["lm loss"] < 6

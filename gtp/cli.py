@@ -1,0 +1,243 @@
+"""``python -m gtp``: inspect, compare and convert checkpoints whatever layout wrote them.
+
+Commands (CKPT: a checkpoint root holding ``latest_checkpointed_iteration.txt``, or an
+``iter_XXXXXXX`` dir)::
+
+    python -m gtp inspect CKPT [--layout SPEC]
+        Saving layout, format, and for each tensor: logical shape, stored shape, GTP layout
+        (TP-local rows L, padding, column/row-parallel, gated) and whether it is stored in the
+        legacy padded layout of megatron-core 0.19.2. Exit 0, or 2 when the checkpoint cannot
+        be read exactly (the message says what is ambiguous).
+
+    python -m gtp compare CKPT_A CKPT_B [--layout-a SPEC] [--layout-b SPEC]
+        Compare the logical tensors (model and optimizer; legacy ones reconstructed), the
+        iteration and the optimizer step bit for bit. Exit 0 equal, 1 different (names the first
+        differing tensor and row), 2 error.
+
+    python -m gtp convert SRC DST [--layout SPEC]
+        Write SRC as a logical checkpoint under the root DST (loads at any layout, also into
+        stock megatron-core without GTP). Exit 0, or 2 on error.
+
+SPEC gives the saving layout of a checkpoint that does not record it, e.g.
+``tp=2,gtp=2,pad=16,hidden_size=72,ffn_hidden_size=200,swiglu=false,padded_vocab_size=320``
+(keys: :data:`gtp.legacy.LAYOUT_KEYS`).
+
+Runs in one process without torchrun: reading tensor data needs ``torch.distributed``, so the
+commands start (and end) a 1-process gloo group when none exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import warnings
+
+EQUAL, DIFFERENT, ERROR = 0, 1, 2
+
+
+def _quiet() -> None:
+    """megatron / torch warn at import about optional GPU packages; keep the output readable."""
+    for module in ("megatron", "torch", "torch.distributed", "torch.utils.cpp_extension"):
+        warnings.filterwarnings("ignore", module=module)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    for name in ("megatron", "torch.utils.cpp_extension", "torch.distributed"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
+def _fmt_shape(shape) -> str:
+    return str(tuple(int(d) for d in shape))
+
+
+def _gtp_text(info) -> str:
+    spec = info.gtp
+    if spec is None:
+        return "-"
+    kind = "row-parallel" if spec.tp_axis == 1 else "column-parallel"
+    extra = ", gated" if spec.gated else ""
+    extra += ", singleton _w/_v" if spec.singleton_local_shards else ""
+    return f"GTP {kind} L={spec.L}{extra}"
+
+
+def cmd_inspect(args, out=sys.stdout) -> int:
+    from gtp import legacy
+
+    analysis = legacy.analyze(args.ckpt, args.layout)
+    common = analysis.common
+    print(f"checkpoint: {analysis.path}", file=out)
+    print(f"iteration: {common.get('iteration')}", file=out)
+    print(f"format: {analysis.describe()}", file=out)
+    rec = common.get("layout")
+    if rec is not None:
+        print(f"recorded layout: {rec}", file=out)
+    conv = common.get(legacy.CONVERTED_KEY)
+    if conv:
+        print(f"converted by {conv.get('converted_by')} from {conv.get('source')} "
+              f"(saved at {conv.get('saved_layout')})", file=out)
+    if analysis.layout is not None and analysis.layout.g > 1 and analysis.layout.pad_for_alignment:
+        print(f"padding: pad_for_alignment={analysis.layout.pad_for_alignment} "
+              f"(alignment {analysis.layout.pad_for_alignment * analysis.layout.g} rows)", file=out)
+    for note in analysis.notes:
+        print(f"note: {note}", file=out)
+    rows = []
+    for key in _ordered(analysis.tensors):
+        info = analysis.tensors[key]
+        if info.legacy:
+            flag = f"LEGACY stored {_fmt_shape(info.stored_shape)}"
+        elif info.gtp is not None and analysis.format == "stock" and analysis.layout \
+                and analysis.layout.g > 1:
+            flag = "stock, same rows as logical"
+        else:
+            flag = "-"
+        rows.append((key, _fmt_shape(info.logical_shape), _gtp_text(info), flag))
+    widths = [max(len(r[i]) for r in rows + [("tensor", "logical shape", "layout", "legacy")])
+              for i in range(4)]
+    header = ("tensor", "logical shape", "layout", "legacy")
+    for r in [header, *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip(), file=out)
+    n_legacy = sum(i.legacy for i in analysis.tensors.values())
+    print(f"{len(rows)} tensors, {n_legacy} stored in the legacy padded layout", file=out)
+    return 0
+
+
+def _ordered(keys):
+    model = sorted(k for k in keys if not k.startswith("optimizer."))
+    opt = sorted(k for k in keys if k.startswith("optimizer."))
+    return model + opt
+
+
+_INT_VIEW = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def _bits(t):
+    import torch
+
+    t = t.detach().contiguous()
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    return t.view(getattr(torch, _INT_VIEW[t.element_size()]))
+
+
+def _where(index: tuple, shape: tuple) -> str:
+    """Human text for an element index: (layer l,) row r[, column c]."""
+    if len(shape) == 1:
+        return f"element {index[0]}"
+    parts = [f"axis{i} {v}" if len(shape) > 3 else f"layer {v}" for i, v in enumerate(index[:-2])]
+    parts.append(f"row {index[-2]}")
+    return ", ".join(parts)
+
+
+def first_difference(a, b):
+    """None when ``a`` and ``b`` are equal bit for bit, else a description of the first
+    difference: ``(where, detail)``."""
+    import torch
+
+    if tuple(a.shape) != tuple(b.shape):
+        return "shape", f"shapes differ: {_fmt_shape(a.shape)} vs {_fmt_shape(b.shape)}"
+    if a.dtype != b.dtype:
+        return "dtype", f"dtypes differ: {a.dtype} vs {b.dtype}"
+    diff = _bits(a) != _bits(b)
+    if not bool(diff.any()):
+        return None
+    index = tuple(int(i) for i in torch.nonzero(diff)[0])
+    n = int(diff.sum())
+    rows = int(diff.reshape(-1, a.shape[-1]).any(dim=1).sum()) if a.dim() >= 2 else n
+    where = _where(index, tuple(a.shape))
+    col = f", column {index[-1]}" if a.dim() >= 2 else ""
+    detail = (f"first difference at {where}{col}: {a[index].item()!r} vs {b[index].item()!r} "
+              f"({n} elements in {rows} rows differ)")
+    return where, detail
+
+
+def cmd_compare(args, out=sys.stdout) -> int:
+    from gtp import legacy
+
+    an_a, ta = legacy.read_logical(args.ckpt_a, args.layout_a)
+    an_b, tb = legacy.read_logical(args.ckpt_b, args.layout_b)
+    print(f"A: {an_a.path}: {an_a.describe()}", file=out)
+    print(f"B: {an_b.path}: {an_b.describe()}", file=out)
+    only_a, only_b = sorted(ta.keys() - tb.keys()), sorted(tb.keys() - ta.keys())
+    if only_a or only_b:
+        print(f"DIFFERENT: tensors only in A: {only_a[:10]}; only in B: {only_b[:10]}", file=out)
+        return DIFFERENT
+    for key in _ordered(ta):
+        found = first_difference(ta[key], tb[key])
+        if found is not None:
+            where, detail = found
+            print(f"DIFFERENT: first differing tensor {key} at {where}: {detail}", file=out)
+            return DIFFERENT
+    state = []
+    for name, get in (("iteration", lambda c: c.get("iteration")),
+                      ("optimizer step", lambda c: _step(c))):
+        va, vb = get(an_a.common), get(an_b.common)
+        if va != vb:
+            print(f"DIFFERENT: tensors equal, but {name} {va!r} (A) != {vb!r} (B)", file=out)
+            return DIFFERENT
+        state.append(f"{name} {va}")
+    n_opt = sum(k.startswith("optimizer.") for k in ta)
+    print(f"EQUAL: {len(ta)} logical tensors ({len(ta) - n_opt} model, {n_opt} optimizer) bit for "
+          f"bit; {', '.join(state)}", file=out)
+    return EQUAL
+
+
+def _step(common):
+    import torch
+
+    step = ((common.get("optimizer") or {}).get("state") or {}).get("common_step")
+    if isinstance(step, torch.Tensor):
+        return step.item()
+    return step
+
+
+def cmd_convert(args, out=sys.stdout) -> int:
+    from gtp import legacy
+
+    path = legacy.convert(args.src, args.dst, args.layout)
+    analysis = legacy.analyze(path)
+    print(f"wrote {path}: {analysis.describe()}", file=out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m gtp",
+        description="Inspect, compare and convert megatron checkpoints across parallel layouts "
+                    "(GTP legacy padded checkpoints of megatron-core 0.19.2 included).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="saving layout and logical shape of every tensor")
+    p.add_argument("ckpt")
+    p.add_argument("--layout", default=None, help="saving layout, e.g. tp=2,gtp=2,pad=16")
+    p.set_defaults(func=cmd_inspect)
+    p = sub.add_parser("compare", help="compare two checkpoints' logical tensors bit for bit "
+                                       "(exit 0 equal, 1 different, 2 error)")
+    p.add_argument("ckpt_a")
+    p.add_argument("ckpt_b")
+    p.add_argument("--layout-a", default=None)
+    p.add_argument("--layout-b", default=None)
+    p.set_defaults(func=cmd_compare)
+    p = sub.add_parser("convert", help="write a checkpoint in the logical layout")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--layout", default=None)
+    p.set_defaults(func=cmd_convert)
+    return parser
+
+
+def main(argv=None, out=None) -> int:
+    """Run the CLI; returns the exit code (errors: message on stderr, code 2)."""
+    _quiet()
+    out = out or sys.stdout
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: usage errors exit 2 already
+        return int(exc.code or 0)
+    try:
+        return args.func(args, out=out)
+    except Exception as exc:  # noqa: BLE001 - every failure is an error exit with its reason
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return ERROR

@@ -1,0 +1,48 @@
+"""Fault injection for reliability tests, enabled only by an environment variable.
+
+``GTP_RECIPES_FAULT=ACTION:POINT:ITERATION:RANK`` makes global rank RANK, at POINT of
+ITERATION, either ``kill`` itself with SIGKILL (a crashed node: no cleanup, no error file) or
+``raise`` a RuntimeError (a bug). POINTs:
+
+- ``train``: after the optimizer step of ITERATION;
+- ``save``: in the save of ITERATION, after this rank wrote its checkpoint files and before
+  the save is complete on every rank (the tracker file is not updated yet).
+
+Unset (the default), :func:`maybe_fail` does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+ENV = "GTP_RECIPES_FAULT"
+ACTIONS = ("kill", "raise")
+POINTS = ("train", "save")
+
+
+def parse(spec: str) -> tuple[str, str, int, int]:
+    """Parse ``ACTION:POINT:ITERATION:RANK``.
+
+    Raises:
+        ValueError: naming the bad spec and the valid form.
+    """
+    parts = spec.split(":")
+    if len(parts) != 4 or parts[0] not in ACTIONS or parts[1] not in POINTS \
+            or not parts[2].isdigit() or not parts[3].isdigit():
+        raise ValueError(f"{ENV}={spec!r}: expected ACTION:POINT:ITERATION:RANK with ACTION in "
+                         f"{ACTIONS}, POINT in {POINTS}, e.g. 'kill:save:4:1'")
+    return parts[0], parts[1], int(parts[2]), int(parts[3])
+
+
+def maybe_fail(point: str, iteration: int, rank: int) -> None:
+    """Fail here if ``GTP_RECIPES_FAULT`` names this point, iteration and rank."""
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    action, where, at, who = parse(spec)
+    if (where, at, who) != (point, iteration, rank):
+        return
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError(f"injected fault ({ENV}={spec}) on rank {rank} at {point} of iteration {iteration}")

@@ -1,0 +1,779 @@
+"""gtp/checkpoint.py: the logical checkpoint layout, across every layout pair, on CPU.
+
+One 4-process gloo world hosts every layout in turn (megatron's process groups are rebuilt for
+each; the data-parallel size fills the rest: tp1 alone runs as dp4, tp2 x g2 as dp1). Each layout
+of {gtp off, tp2, g2/a16, g4/a32, tp2 x g2/a16, g2/a1} builds the tiny SwiGLU GPT through
+``recipes.worker.setup`` (the recipe's own model, DDP, megatron optimizer and scheduler), sets
+every weight and Adam moment to a golden, and saves through ``recipes.checkpoint``; then each
+layout loads every checkpoint into a model pre-filled with a sentinel and compares.
+
+The goldens are built independently of the code under test: each parameter's *full logical*
+tensor holds ``k*1024 + row + col/256`` (``k``: the parameter's index in sorted name order; 23
+significant bits, exact in fp32), ``exp_avg = golden + 0.5``, ``exp_avg_sq = golden * 2``,
+``step = 7``. A rank's expected local tensor is cut from the full one by plain slicing: TP chunk
+(gated fc1: gate rows then up rows of the TP rank, the file order ``[W; V]``), then megatron's GTP
+tail padding with zeros and the rank's ``shard``-row slice. Comparisons are exact (torch.equal),
+padding rows included (they must come back zero).
+
+Dims (hidden 72, ffn 200, SwiGLU fc1 400 rows, vocab 257 -> 320) make the padded branches run:
+g4/a32 leaves GTP rank 3 of linear_proj/linear_fc2 (L=72 -> 32,32,8,0) with only padding, and the
+gated fc1 shards straddle the gate/up boundary (g4/a32: L=400 -> 128,128,128,16; tp2 x g2/a16:
+L=200 -> 112,88).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from multiproc import run_distributed
+from recipes.config import register_configs
+
+pytestmark = pytest.mark.multiprocess
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = str(REPO / "conf")
+register_configs()
+
+WORLD = 4
+SENTINEL = -999.0
+STEP = 7.0
+# name: (tp, g, pad_for_alignment)
+LAYOUTS = {
+    "off": (1, 1, None),
+    "tp2": (2, 1, None),
+    "g2a16": (1, 2, 16),
+    "g4a32": (1, 4, 32),
+    "tp2g2a16": (2, 2, 16),
+    "g2a1": (1, 2, 1),
+}
+
+
+def make_cfg(model: str, tp: int, g: int, pad, nproc: int, checkpoint_layout: str = "logical",
+             *extra: str) -> str:
+    """The composed, resolved run config (YAML) of one layout."""
+    overrides = [
+        "output_dir=/tmp/unused", "checkpoint.save=null", "data.cache_dir=/tmp/unused",
+        f"model={model}", f"parallelism.tensor_model_parallel_size={tp}",
+        f"parallelism.nproc_per_node={nproc}", f"gtp.gtp_remat_size={g}",
+        f"gtp.pad_for_alignment={'null' if pad is None else pad}",
+        f"gtp.checkpoint_layout={checkpoint_layout}", *extra,
+    ]
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    return OmegaConf.to_yaml(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)))
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers that run inside the worker processes (independent of gtp/checkpoint.py).
+# --------------------------------------------------------------------------------------------
+def _build(cfg_yaml: str):
+    """(model, optimizer, scheduler, layout record) at the config's layout, fresh groups."""
+    from megatron.core import parallel_state
+
+    from recipes import checkpoint, worker
+    from recipes.validate import validate
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    cfg = OmegaConf.create(cfg_yaml)
+    layout = validate(cfg, torch.distributed.get_world_size())
+    _, model, optimizer, scheduler = worker.setup(cfg, layout)
+    return model, optimizer, scheduler, checkpoint.layout_record(layout), cfg
+
+
+def _is_gtp(p) -> bool:
+    return bool(getattr(p, "is_gtp_weight_remat", False))
+
+
+def _gated(name: str, cfg) -> bool:
+    return bool(cfg.model.swiglu) and ".mlp.linear_fc1." in name
+
+
+def _full_shape(p) -> tuple:
+    from megatron.core import parallel_state as ps
+
+    shape = list(p.shape)
+    if _is_gtp(p):
+        shape[0] = p._unsharded_shape[0]
+    if getattr(p, "tensor_model_parallel", False):
+        shape[p.partition_dim] *= ps.get_tensor_model_parallel_world_size()
+    return tuple(shape)
+
+
+def _golden_full(k: int, shape: tuple) -> torch.Tensor:
+    if len(shape) == 2:
+        assert shape[0] < 1024 and shape[1] < 256, shape
+        rows = torch.arange(shape[0], dtype=torch.float32)[:, None]
+        cols = torch.arange(shape[1], dtype=torch.float32)[None, :]
+        return k * 1024 + rows + cols / 256
+    assert len(shape) == 1 and shape[0] < 1024, shape
+    return k * 1024 + torch.arange(shape[0], dtype=torch.float32)
+
+
+def _local(full: torch.Tensor, p, name: str, cfg) -> torch.Tensor:
+    """This rank's piece of a full logical tensor: TP slice, then GTP pad + shard."""
+    from megatron.core import parallel_state as ps
+
+    tp, k = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    t = full
+    if _gated(name, cfg):
+        n = t.shape[0] // 2
+        h = n // tp
+        t = torch.cat([t[k * h:(k + 1) * h], t[n + k * h:n + (k + 1) * h]])
+    elif getattr(p, "tensor_model_parallel", False):
+        t = t.chunk(tp, dim=p.partition_dim)[k]
+    if _is_gtp(p):
+        g, r, s = p.group.size(), p.group.rank(), p.shape[0]
+        padded = torch.zeros((s * g, *t.shape[1:]), dtype=t.dtype)
+        padded[:t.shape[0]] = t
+        t = padded[r * s:(r + 1) * s]
+    assert t.shape == p.shape, (name, t.shape, p.shape)
+    return t
+
+
+def _goldens(model, cfg) -> dict:
+    """{name: (param, expected param, expected exp_avg, expected exp_avg_sq)} on this rank."""
+    named = sorted(model.module.named_parameters())
+    out = {}
+    for k, (name, p) in enumerate(named, start=1):
+        full = _golden_full(k, _full_shape(p))
+        out[name] = (p, _local(full, p, name, cfg), _local(full + 0.5, p, name, cfg),
+                     _local(full * 2, p, name, cfg))
+    return out
+
+
+def _opt_states(optimizer):
+    """(torch optimizer, param) for every param of megatron's (chained) optimizer."""
+    for co in getattr(optimizer, "chained_optimizers", [optimizer]):
+        co.init_state_fn(co.optimizer, co.config)
+        for group in co.optimizer.param_groups:
+            for p in group["params"]:
+                yield co.optimizer, p
+
+
+@torch.no_grad()
+def _set_golden(model, optimizer, cfg) -> dict:
+    """Fill weights and Adam state with the goldens; returns coverage counts for this rank."""
+    gold = _goldens(model, cfg)
+    by_id = {id(v[0]): v for v in gold.values()}
+    for p, want, _, _ in gold.values():
+        p.copy_(want)
+    for opt, p in _opt_states(optimizer):
+        _, _, m, v = by_id[id(p)]
+        opt.state[p]["exp_avg"].copy_(m)
+        opt.state[p]["exp_avg_sq"].copy_(v)
+        opt.state[p]["step"] = torch.tensor(STEP)
+    counts = {"gtp": 0, "padded": 0, "empty": 0, "straddle": 0}
+    for name, (p, _, _, _) in gold.items():
+        if not _is_gtp(p):
+            continue
+        L, s, r = p._unsharded_shape[0], p.shape[0], p.group.rank()
+        lo, hi = min(r * s, L), min((r + 1) * s, L)
+        counts["gtp"] += 1
+        counts["padded"] += p.pad_length > 0
+        counts["empty"] += lo == hi
+        counts["straddle"] += _gated(name, cfg) and lo < L // 2 < hi
+    return counts
+
+
+@torch.no_grad()
+def _fill_sentinel(model, optimizer) -> None:
+    for p in model.parameters():
+        p.fill_(SENTINEL)
+    for opt, p in _opt_states(optimizer):
+        opt.state[p]["exp_avg"].fill_(SENTINEL)
+        opt.state[p]["exp_avg_sq"].fill_(SENTINEL)
+        opt.state[p]["step"] = torch.tensor(SENTINEL)
+
+
+def _diff(what: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
+    if got.shape == want.shape and torch.equal(got, want):
+        return None
+    if got.shape != want.shape:
+        return f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    bad = got != want
+    return (f"{what}: {int(bad.sum())}/{got.numel()} elements differ, max |diff| "
+            f"{(got - want).abs().max().item():g}")
+
+
+@torch.no_grad()
+def _check(model, optimizer, cfg) -> tuple[int, list[str]]:
+    """(tensors compared, problems) of weights, exp_avg, exp_avg_sq and step vs the goldens."""
+    gold = _goldens(model, cfg)
+    names = {id(v[0]): n for n, v in gold.items()}
+    problems, n = [], 0
+    for name, (p, want, _, _) in gold.items():
+        problems.append(_diff(f"{name} weight", p.detach(), want))
+        n += 1
+    for opt, p in _opt_states(optimizer):
+        name = names[id(p)]
+        _, _, m, v = gold[name]
+        st = opt.state[p]
+        problems.append(_diff(f"{name} exp_avg", st["exp_avg"], m))
+        problems.append(_diff(f"{name} exp_avg_sq", st["exp_avg_sq"], v))
+        if float(st["step"]) != STEP:
+            problems.append(f"{name} step {float(st['step'])}")
+        n += 3
+    return n, [x for x in problems if x]
+
+
+def _decode_rows(t: torch.Tensor, k: int) -> list[int | None]:
+    """The full-tensor row index each local row holds (golden ``k``), None for zeros/garbage."""
+    out = []
+    for v in t[:, 0].tolist():
+        row = v - k * 1024
+        out.append(int(row) if v != 0 and row == int(row) and 0 <= row < 1024 else None)
+    return out
+
+
+def _runs(rows: list) -> list:
+    """[(first, last) runs of consecutive rows, or (None, count) of unknown rows]."""
+    runs = []
+    for r in rows:
+        if runs and r is not None and runs[-1][0] is not None and runs[-1][1] + 1 == r:
+            runs[-1] = (runs[-1][0], r)
+        elif runs and r is None and runs[-1][0] is None:
+            runs[-1] = (None, runs[-1][1] + 1)
+        else:
+            runs.append((r, r) if r is not None else (None, 1))
+    return runs
+
+
+def _fc1_rows(model, cfg) -> dict:
+    """Rows (decoded) the layer-0 fc1 weight shard and its exp_avg hold on this rank."""
+    from megatron.core import parallel_state as ps
+
+    named = sorted(model.module.named_parameters())
+    k, (name, p) = next((k, np_) for k, np_ in enumerate(named, start=1)
+                        if np_[0] == "decoder.layers.0.mlp.linear_fc1.weight")
+    g = p.group if _is_gtp(p) else None
+    return {
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "gtp_rank": g.rank() if g is not None else 0,
+        "L": p._unsharded_shape[0] if g is not None else p.shape[0],
+        "pad": getattr(p, "pad_length", 0),
+        "rows": _runs(_decode_rows(p.detach(), k)),
+    }
+
+
+def _matrix_worker(root: str, cfgs: dict, plain: dict) -> dict:
+    """Save every layout, load every checkpoint at every layout; plus the asymmetric case."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from gtp import checkpoint as gtp_checkpoint
+    from recipes import checkpoint
+
+    assert torch.distributed.get_world_size() == WORLD
+    root = Path(root)
+    out = {"coverage": {}, "loads": {}, "metadata": {}, "timing": {}}
+    t0 = time.time()
+    for name, cfg_yaml in cfgs.items():
+        model, opt, sched, record, cfg = _build(cfg_yaml)
+        assert gtp_checkpoint.is_installed()
+        out["coverage"][name] = _set_golden(model, opt, cfg)
+        checkpoint.save_checkpoint(root / name, 1, model, opt, sched, {"consumed_samples": 0},
+                                   record)
+    out["timing"]["save"] = time.time() - t0
+
+    t0 = time.time()
+    for name, cfg_yaml in cfgs.items():
+        model, opt, sched, record, cfg = _build(cfg_yaml)
+        for src in cfgs:
+            _fill_sentinel(model, opt)
+            common = checkpoint.load_checkpoint(root / src, model, opt, sched, record)
+            out["loads"][(src, name)] = _check(model, opt, cfg)
+            if name == "off":
+                out["metadata"][src] = common.get(gtp_checkpoint.METADATA_KEY)
+    out["timing"]["load"] = time.time() - t0
+
+    # The file of every layout holds the same full tensors as the non-GTP one (same goldens).
+    t0 = time.time()
+    ref = dist_checkpointing.load_plain_tensors(str(root / "off" / "iter_0000001"))
+    ref = {k: v for k, v in ref.items() if isinstance(v, torch.Tensor)}
+    disk = {}
+    for name in cfgs:
+        got = dist_checkpointing.load_plain_tensors(str(root / name / "iter_0000001"))
+        got = {k: v for k, v in got.items() if isinstance(v, torch.Tensor)}
+        problems = [] if got.keys() == ref.keys() else [f"keys differ: {sorted(got.keys() ^ ref.keys())[:5]}"]
+        problems += [p for k in sorted(got.keys() & ref.keys())
+                     if (p := _diff(k, got[k], ref[k]))]
+        disk[name] = (len(got), problems)
+    out["disk"] = disk
+    out["timing"]["disk"] = time.time() - t0
+
+    # The asymmetric case: a plain (non-SwiGLU) tp2 checkpoint read into tp2 x g2/a16.
+    t0 = time.time()
+    model, opt, sched, record, cfg = _build(plain["tp2"])
+    _set_golden(model, opt, cfg)
+    checkpoint.save_checkpoint(root / "plain_tp2", 1, model, opt, sched, {"consumed_samples": 0},
+                               record)
+    model, opt, sched, record, cfg = _build(plain["tp2g2a16"])
+    asym = {}
+    for mode in ("stock", "logical"):
+        gtp_checkpoint.configure(mode)
+        _fill_sentinel(model, opt)
+        checkpoint.load_checkpoint(root / "plain_tp2", model, opt, sched, record)
+        asym[mode] = {"check": _check(model, opt, cfg), "fc1": _fc1_rows(model, cfg)}
+    out["asym"] = asym
+    # What a stock-layout save records about itself.
+    gtp_checkpoint.configure("stock")
+    checkpoint.save_checkpoint(root / "plain_tp2g2a16_stock", 1, model, opt, sched, {}, record)
+    gtp_checkpoint.configure("logical")
+    out["stock_metadata"] = dist_checkpointing.load_common_state_dict(
+        str(root / "plain_tp2g2a16_stock" / "iter_0000001"))[gtp_checkpoint.METADATA_KEY]
+    out["timing"]["asym"] = time.time() - t0
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The matrix run (one 4-process world).
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    root = tmp_path_factory.mktemp("layouts")
+    cfgs = {name: make_cfg("tiny_swiglu", tp, g, pad, WORLD) for name, (tp, g, pad) in LAYOUTS.items()}
+    plain = {"tp2": make_cfg("tiny", 2, 1, None, WORLD),
+             "tp2g2a16": make_cfg("tiny", 2, 2, 16, WORLD)}
+    t0 = time.time()
+    results = run_distributed(_matrix_worker, WORLD, str(root), cfgs, plain, timeout=900)
+    assert len(results) == WORLD
+    print(f"\nmatrix run: {time.time() - t0:.0f}s, rank 0 phases {results[0]['timing']}")
+    return root, results
+
+
+def test_every_layout_pair_restores_weights_and_moments_exactly(matrix):
+    _, results = matrix
+    n_pairs = 0
+    for rank, res in enumerate(results):
+        assert set(res["loads"]) == {(s, d) for s in LAYOUTS for d in LAYOUTS}
+        for (src, dst), (n, problems) in sorted(res["loads"].items()):
+            assert n > 50, (src, dst, n)
+            assert not problems, f"rank {rank}: save {src} -> load {dst}: {problems[:6]}"
+            n_pairs += 1
+    assert n_pairs == WORLD * len(LAYOUTS) ** 2
+
+
+def test_padded_branches_ran(matrix):
+    _, results = matrix
+    total = {name: {k: sum(r["coverage"][name][k] for r in results) for k in
+                    ("gtp", "padded", "empty", "straddle")} for name in LAYOUTS}
+    assert total["off"]["gtp"] == total["tp2"]["gtp"] == 0
+    for name in ("g2a16", "g4a32", "tp2g2a16", "g2a1"):
+        assert total[name]["gtp"] > 0, (name, total[name])
+    for name in ("g2a16", "g4a32", "tp2g2a16"):
+        assert total[name]["padded"] > 0, (name, total[name])
+    # g4/a32: GTP rank 3 of linear_proj / linear_fc2 (2 layers each) holds only padding.
+    assert total["g4a32"]["empty"] == 4, total["g4a32"]
+    # SwiGLU fc1 shards straddling gate and up (2 layers; summed over the 4 ranks, so DP
+    # replicas count too): g4/a32 rank 1 (rows 128-256 of 400; dp1), tp2 x g2/a16 GTP rank 0
+    # of each TP rank (rows 0-112 of 200; dp1), g2/a16 rank 0 (rows 0-224 of 400; dp2).
+    assert total["g4a32"]["straddle"] == 2 and total["tp2g2a16"]["straddle"] == 4, total
+    assert total["g2a16"]["straddle"] == 4, total
+
+
+def test_file_of_every_layout_equals_the_non_gtp_file(matrix):
+    """The logical layout: a GTP checkpoint holds exactly what the non-GTP model writes."""
+    _, results = matrix
+    for name, (n, problems) in results[0]["disk"].items():
+        assert n > 50 and not problems, (name, problems[:5])
+
+
+def test_checkpoint_records_its_layout(matrix):
+    _, results = matrix
+    meta = results[0]["metadata"]
+    for name, (tp, g, pad) in LAYOUTS.items():
+        m = meta[name]
+        assert m["gtp_format"] == "logical-v1", (name, m)
+        assert (m["tp"], m["gtp_remat_size"], m["pad_for_alignment"]) == (tp, g, pad or 0), m
+        assert m["megatron_core"] == "0.19.2"
+        if g == 1:
+            assert m["tensors"] == {}, m
+            continue
+        fc1 = m["tensors"]["decoder.layers.mlp.linear_fc1.weight"]
+        assert fc1["gated"] and fc1["tp_axis"] == 0 and fc1["L"] == 400 // tp
+        assert fc1["global_shape"] == [400, 72]
+        assert fc1["params"] == [f"decoder.layers.{i}.mlp.linear_fc1.weight" for i in (0, 1)]
+        proj = m["tensors"]["decoder.layers.self_attention.linear_proj.weight"]
+        assert proj["tp_axis"] == 1 and proj["L"] == 72 and not proj["gated"]
+        assert proj["global_shape"] == [72, 72]
+        assert set(m["tensors"]) == {
+            "embedding.word_embeddings.weight", "output_layer.weight",
+            "decoder.layers.self_attention.linear_qkv.weight",
+            "decoder.layers.self_attention.linear_proj.weight",
+            "decoder.layers.mlp.linear_fc1.weight", "decoder.layers.mlp.linear_fc2.weight",
+        }
+    assert meta["g4a32"]["tensors"]["decoder.layers.mlp.linear_fc2.weight"]["pad"] == 56
+    assert meta["tp2g2a16"]["tensors"]["decoder.layers.mlp.linear_fc1.weight"]["pad"] == 24
+
+
+def test_stock_layout_checkpoint_says_so(matrix):
+    """checkpoint_layout=stock: megatron 0.19.2's padded layout, tagged for the legacy reader."""
+    _, results = matrix
+    meta = results[0]["stock_metadata"]
+    assert meta["gtp_format"] == "stock-0.19.2"
+    assert (meta["tp"], meta["gtp_remat_size"], meta["pad_for_alignment"]) == (2, 2, 16)
+    fc1 = meta["tensors"]["decoder.layers.mlp.linear_fc1.weight"]
+    assert (fc1["L"], fc1["pad"], fc1["shard_rows"], fc1["tp_axis"], fc1["gated"]) == (
+        100, 28, 64, 0, False)
+    proj = meta["tensors"]["decoder.layers.self_attention.linear_proj.weight"]
+    assert (proj["L"], proj["pad"], proj["shard_rows"], proj["tp_axis"]) == (72, 24, 48, 1)
+    assert proj["global_shape"] == [72, 72]
+
+
+def test_asymmetric_load_discriminates_stock_from_logical(matrix):
+    """tp2 (no GTP) checkpoint -> tp2 x g2/a16 model. fc1 (plain GELU MLP): TP-local L=100,
+    pad 28, shard 64. Each row of the checkpoint holds its own index, so the rows a rank got
+    can be read back. Stock 0.19.2 reads the rows of TP rank 1 shifted by the pad; gtp/ reads
+    them exactly."""
+    _, results = matrix
+    fc1 = {(r["asym"]["stock"]["fc1"]["tp_rank"], r["asym"]["stock"]["fc1"]["gtp_rank"]):
+           r["asym"] for r in results}
+    assert sorted(fc1) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    lines = []
+    for (tp_rank, gtp_rank), asym in sorted(fc1.items()):
+        stock, logical = asym["stock"]["fc1"], asym["logical"]["fc1"]
+        assert (stock["L"], stock["pad"]) == (100, 28)
+        lo = tp_rank * 100 + min(gtp_rank * 64, 100)
+        hi = tp_rank * 100 + min((gtp_rank + 1) * 64, 100)
+        wanted = [(lo, hi - 1)] + ([(None, 64 - (hi - lo))] if hi - lo < 64 else [])
+        lines.append(f"tp{tp_rank}/g{gtp_rank}: wants {wanted}, stock got {stock['rows']}, "
+                     f"logical got {logical['rows']}")
+        assert logical["rows"] == wanted, lines[-1]
+    print("\n" + "\n".join(lines))
+    # Stock 0.19.2 (spec section 3, measured): the loader's padded offsets put TP rank 1's
+    # shards 28 rows (the pad) late, and GTP rank 1 of TP rank 0 reads TP rank 1's first rows
+    # (zeros would be right there: they are padding).
+    assert fc1[(0, 0)]["stock"]["fc1"]["rows"] == [(0, 63)]
+    assert fc1[(0, 1)]["stock"]["fc1"]["rows"] == [(64, 127)]
+    assert fc1[(1, 0)]["stock"]["fc1"]["rows"] == [(128, 191)]
+    assert fc1[(1, 1)]["stock"]["fc1"]["rows"] == [(192, 199), (None, 56)]
+    # So the full check fails on stock (weights and moments alike, on the ranks of TP rank 1
+    # and on GTP rank 1 of TP rank 0) and passes everywhere with gtp/.
+    stock_problems = [p for r in results for p in r["asym"]["stock"]["check"][1]]
+    print("stock: " + "\n       ".join(stock_problems[:8]))
+    for what in ("linear_fc1.weight weight", "linear_fc1.weight exp_avg",
+                 "linear_fc1.weight exp_avg_sq", "linear_qkv.weight weight"):
+        assert any(f"decoder.layers.0.mlp.{what}" in p or f"self_attention.{what}" in p
+                   for p in stock_problems), what
+    for rank, r in enumerate(results):
+        n, problems = r["asym"]["logical"]["check"]
+        assert n > 50 and not problems, (rank, problems[:5])
+
+
+# --------------------------------------------------------------------------------------------
+# Stock megatron-core (no gtp/ patch, no GTP backend) reads our GTP checkpoints.
+# --------------------------------------------------------------------------------------------
+STOCK_WORLD = 2
+
+
+def _stock_reader_worker(root: str, cfgs: dict, sources: list) -> dict:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gtp_api
+
+    from gtp import backend
+    from gtp import checkpoint as gtp_checkpoint
+    from recipes import checkpoint
+
+    assert torch.distributed.get_world_size() == STOCK_WORLD
+    out = {}
+    for name, cfg_yaml in cfgs.items():
+        model, opt, sched, record, cfg = _build(cfg_yaml)
+        # Nothing of gtp/ is active: megatron-core 0.19.2 as shipped (CPU redirects aside).
+        assert not gtp_checkpoint.is_installed() and not backend.is_installed()
+        assert not gtp_api.HAVE_GTP
+        for src in sources:
+            _fill_sentinel(model, opt)
+            checkpoint.load_checkpoint(Path(root) / src, model, opt, sched, record)
+            out[(src, name)] = _check(model, opt, cfg)
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_stock_megatron_loads_gtp_checkpoints_into_non_gtp_models(matrix):
+    root, _ = matrix
+    cfgs = {name: make_cfg("tiny_swiglu", tp, 1, None, STOCK_WORLD, "stock")
+            for name, tp in (("tp1", 1), ("tp2", 2))}
+    sources = ["g2a16", "g4a32", "tp2g2a16", "g2a1"]
+    results = run_distributed(_stock_reader_worker, STOCK_WORLD, str(root), cfgs, sources,
+                              timeout=600)
+    for rank, res in enumerate(results):
+        assert len(res) == len(sources) * len(cfgs)
+        for (src, dst), (n, problems) in sorted(res.items()):
+            assert n > 50 and not problems, f"rank {rank}: {src} -> stock {dst}: {problems[:5]}"
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input: a clear error naming the tensor or file, and nothing loaded.
+# --------------------------------------------------------------------------------------------
+def _untouched(model, optimizer) -> list[str]:
+    """Names of weights / moments that no longer hold the sentinel everywhere."""
+    bad = [n for n, p in model.module.named_parameters() if not bool((p == SENTINEL).all())]
+    for opt, p in _opt_states(optimizer):
+        st = opt.state[p]
+        if not (bool((st["exp_avg"] == SENTINEL).all()) and float(st["step"]) == SENTINEL):
+            bad.append(f"moment of {tuple(p.shape)}")
+    return bad
+
+
+def _bad_input_worker(root: str, good: str, cfgs: dict) -> dict:
+    import shutil
+
+    from megatron.core import parallel_state
+
+    from recipes import checkpoint
+    from recipes.checkpoint import CheckpointError
+
+    assert torch.distributed.get_world_size() == STOCK_WORLD
+    root, rank = Path(root), torch.distributed.get_rank()
+
+    # Bad checkpoints, each written at g2/a16 (2 ranks) or derived from a good one.
+    for case in ("wide", "vocab"):  # hidden 80 instead of 72; 384 vocab rows instead of 320
+        model, opt, sched, record, cfg = _build(cfgs[case])
+        _set_golden(model, opt, cfg)
+        checkpoint.save_checkpoint(root / case, 1, model, opt, sched, {}, record)
+    model, opt, sched, record, cfg = _build(cfgs["g2a16"])
+    checkpoint.save_checkpoint(root / "no_moments", 1, model, opt, sched, {}, record)  # fresh Adam
+    _set_golden(model, opt, cfg)
+    for co in opt.chained_optimizers:  # the output layer's moments missing
+        for group in co.optimizer.param_groups:
+            for p in group["params"]:
+                if p is model.module.output_layer.weight:
+                    co.optimizer.state[p].clear()
+    checkpoint.save_checkpoint(root / "fewer_moments", 1, model, opt, sched, {}, record)
+    if rank == 0:
+        shutil.copytree(good, root / "truncated")
+        data = root / "truncated" / "iter_0000001" / "__1_0.distcp"
+        with open(data, "r+b") as f:
+            f.truncate(data.stat().st_size // 2)
+    torch.distributed.barrier()
+
+    out = {}
+    for case in ("wide", "vocab", "no_moments", "fewer_moments", "truncated"):
+        _fill_sentinel(model, opt)
+        try:
+            checkpoint.load_checkpoint(root / case, model, opt, sched, record)
+            error = None
+        except CheckpointError as exc:
+            error = str(exc)
+        out[case] = {"error": error, "changed": _untouched(model, opt)}
+    # And the good one still loads (the failures left nothing behind).
+    _fill_sentinel(model, opt)
+    checkpoint.load_checkpoint(Path(good), model, opt, sched, record)
+    out["good"] = _check(model, opt, cfg)
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(matrix, tmp_path_factory):
+    root, _ = matrix
+    cfgs = {"g2a16": make_cfg("tiny_swiglu", 1, 2, 16, STOCK_WORLD),
+            "wide": make_cfg("tiny_swiglu", 1, 2, 16, STOCK_WORLD, "logical",
+                             "model.hidden_size=80"),
+            "vocab": make_cfg("tiny_swiglu", 1, 2, 16, STOCK_WORLD, "logical",
+                              "model.make_vocab_size_divisible_by=128")}
+    out_root = tmp_path_factory.mktemp("bad")
+    results = run_distributed(_bad_input_worker, STOCK_WORLD, str(out_root),
+                              str(root / "g2a16"), cfgs, timeout=600)
+    return out_root, results
+
+
+def _errors(results, case):
+    errors = [r[case]["error"] for r in results]
+    for rank, r in enumerate(results):
+        assert r[case]["error"], f"rank {rank}: loading {case} did not fail"
+        assert not r[case]["changed"], f"rank {rank}: {case}: changed {r[case]['changed'][:5]}"
+    return errors
+
+
+def test_other_model_shape_is_refused_naming_the_tensor(bad_inputs):
+    _, results = bad_inputs
+    for err in _errors(results, "wide"):
+        assert "differently shaped model" in err or "Global shape mismatch" in err, err
+        assert "(2, 80)" in err and "(2, 72)" in err, err
+
+
+def test_other_vocab_size_is_refused_for_gtp_weights(bad_inputs):
+    """Only the GTP-sharded embedding and output layer differ (384 vs 320 rows). Stock megatron
+    marks them allow_shape_mismatch and would load the overlap; the logical layout refuses."""
+    _, results = bad_inputs
+    for err in _errors(results, "vocab"):
+        assert "Global shape mismatch" in err, err
+        assert "embedding.word_embeddings.weight" in err or "output_layer.weight" in err, err
+        assert "384" in err and "320" in err, err
+
+
+def test_truncated_tensor_file_is_refused_naming_it(bad_inputs):
+    root, results = bad_inputs
+    for err in _errors(results, "truncated"):
+        assert "__1_0.distcp" in err and "truncated" in err, err
+
+
+def test_truncated_file_is_caught_before_launch(bad_inputs):
+    from recipes.checkpoint import CheckpointError, check_loadable
+
+    root, _ = bad_inputs
+    with pytest.raises(CheckpointError, match=r"__1_0\.distcp has \d+ bytes.*tensor '"):
+        check_loadable(root / "truncated")
+
+
+def test_checkpoint_without_optimizer_state_is_refused(bad_inputs):
+    _, results = bad_inputs
+    for err in _errors(results, "no_moments"):
+        assert "lacks tensors" in err and "optimizer.state.exp_avg." in err, err
+
+
+def test_checkpoint_with_another_optimizer_param_set_is_refused(bad_inputs):
+    _, results = bad_inputs
+    for err in _errors(results, "fewer_moments"):
+        assert "lacks tensors" in err, err
+        assert "optimizer.state.exp_avg.output_layer.weight" in err, err
+        assert "optimizer.state.exp_avg.embedding" not in err, err
+
+
+def test_good_checkpoint_loads_after_the_failures(bad_inputs):
+    _, results = bad_inputs
+    for rank, r in enumerate(results):
+        n, problems = r["good"]
+        assert n > 50 and not problems, (rank, problems[:5])
+
+
+# --------------------------------------------------------------------------------------------
+# Single-process unit tests of gtp/checkpoint.py's pieces.
+# --------------------------------------------------------------------------------------------
+@pytest.fixture
+def patched():
+    """gtp.checkpoint installed for the test, uninstalled after (the pytest process is shared)."""
+    from gtp import checkpoint as gtp_checkpoint
+
+    was = gtp_checkpoint.is_installed()
+    gtp_checkpoint.install()
+    try:
+        yield gtp_checkpoint
+    finally:
+        if not was:
+            gtp_checkpoint.uninstall()
+
+
+def test_install_replaces_megatron_functions_everywhere_and_uninstall_restores():
+    import megatron.core.dist_checkpointing.optimizer as dopt
+    import megatron.core.optimizer.optimizer as mopt
+    import megatron.core.tensor_parallel.layers as layers
+    import megatron.core.transformer.mlp as mlp
+    import megatron.core.utils as mutils
+
+    from gtp import checkpoint as gtp_checkpoint
+
+    gtp_checkpoint.uninstall()
+    originals = (mutils.make_tp_sharded_tensor_for_checkpoint, mlp.apply_swiglu_sharded_factory,
+                 dopt.get_param_id_to_sharded_param_map)
+    assert all(f.__module__.startswith("megatron.core") for f in originals)
+    gtp_checkpoint.configure("logical")
+    try:
+        assert gtp_checkpoint.is_installed()
+        for module in (mutils, layers):
+            assert module.make_tp_sharded_tensor_for_checkpoint is \
+                gtp_checkpoint.make_tp_sharded_tensor_for_checkpoint
+        assert mlp.apply_swiglu_sharded_factory is gtp_checkpoint.apply_swiglu_sharded_factory
+        for module in (dopt, mopt):
+            assert module.get_param_id_to_sharded_param_map is \
+                gtp_checkpoint.get_param_id_to_sharded_param_map
+        gtp_checkpoint.install()  # idempotent
+    finally:
+        gtp_checkpoint.configure("stock")
+    assert not gtp_checkpoint.is_installed()
+    assert (mutils.make_tp_sharded_tensor_for_checkpoint, mlp.apply_swiglu_sharded_factory,
+            dopt.get_param_id_to_sharded_param_map) == originals
+    assert layers.make_tp_sharded_tensor_for_checkpoint is originals[0]
+    assert mopt.get_param_id_to_sharded_param_map is originals[2]
+    with pytest.raises(ValueError, match="checkpoint_layout='padded'.*logical.*stock"):
+        gtp_checkpoint.configure("padded")
+
+
+def _spec(L, tp, tp_rank, g, gtp_rank, a, tp_axis=0, gated=False, cols=3, prepend=((0, 1, 2),)):
+    from gtp.checkpoint import LogicalSpec
+    from gtp.layout import TensorLayout
+
+    layout = TensorLayout(L=L, tp=tp, tp_rank=tp_rank, g=g, gtp_rank=gtp_rank,
+                          pad_for_alignment=a, tp_axis=tp_axis, gated=gated)
+    return LogicalSpec(layout, prepend, cols)
+
+
+def test_factory_pieces_of_the_spec_worked_case():
+    """Spec section 3: tp=2, g=2, L=10, a=3 (pad 2, shard 6). Hand-computed: TP rank k, GTP
+    rank r holds logical rows [6r, min(6r+6, 10)) of TP shard k, i.e. full rows 10k + those."""
+    from gtp.checkpoint import _make_factory
+
+    want = {(0, 0): (0, 6), (0, 1): (6, 4), (1, 0): (10, 6), (1, 1): (16, 4)}
+    for (k, r), (offset, rows) in want.items():
+        spec = _spec(10, 2, k, 2, r, 3)
+        shard = torch.arange(6 * 3, dtype=torch.float32).reshape(6, 3) + 100
+        factory = _make_factory(shard, "w", spec, replica_id=(0, 0, 0))
+        assert factory.live_param is shard and factory.data is shard
+        (piece,) = factory.build()
+        assert piece.global_shape == (2, 20, 3) and piece.global_offset == (1, offset, 0)
+        assert piece.axis_fragmentations is None and not piece.allow_shape_mismatch
+        assert piece.data.shape == (1, rows, 3)
+        assert piece.data.data_ptr() == shard.data_ptr()  # a view: no copy
+        merged = factory.merge_fn([piece.data.clone()])
+        assert torch.equal(merged[:rows], shard[:rows]) and not merged[rows:].any()
+
+
+def test_factory_all_padding_shard_and_row_parallel():
+    from gtp.checkpoint import _make_factory
+
+    # L=72, g=4, a=32: rank 3 holds only padding -> one empty piece at the end of the tensor.
+    spec = _spec(72, 1, 0, 4, 3, 32, tp_axis=1, cols=5)
+    (piece,) = _make_factory(torch.ones(32, 5), "w", spec, 0).build()
+    assert piece.data.shape == (1, 0, 5)
+    assert piece.global_shape == (2, 72, 5) and piece.global_offset == (1, 72, 0)
+    # Row-parallel at tp2: the TP split stays on dim 1.
+    spec = _spec(72, 2, 1, 4, 2, 32, tp_axis=1, cols=5)
+    (piece,) = _make_factory(torch.ones(32, 5), "w", spec, 0).build()
+    assert piece.global_shape == (2, 72, 10) and piece.global_offset == (1, 64, 5)
+    assert piece.data.shape == (1, 8, 5)
+
+
+def test_factory_gated_fc1_straddling_gate_and_up():
+    """tp2 x g2/a16, L=200 (gate 100 + up 100 rows per TP rank), pad 24, shard 112: GTP rank 0
+    of TP rank 1 holds gate rows 0-99 and up rows 0-11 of TP rank 1; the file is
+    [W_0; W_1; V_0; V_1] (400 rows): gate at 100, up at 300."""
+    from gtp.checkpoint import _make_factory
+
+    spec = _spec(200, 2, 1, 2, 0, 16, gated=True, cols=2)
+    shard = torch.arange(112 * 2, dtype=torch.float32).reshape(112, 2)
+    gate, up = _make_factory(shard, "fc1", spec, 0).build()
+    assert (gate.global_offset, gate.data.shape) == ((1, 100, 0), (1, 100, 2))
+    assert (up.global_offset, up.data.shape) == ((1, 300, 0), (1, 12, 2))
+    assert gate.global_shape == up.global_shape == (2, 400, 2)
+    spec = _spec(200, 2, 1, 2, 1, 16, gated=True, cols=2)  # rank 1: up rows 12-99 only
+    (up,) = _make_factory(shard, "fc1", spec, 0).build()
+    assert (up.global_offset, up.data.shape) == ((1, 312, 0), (1, 88, 2))
+
+
+def test_optimizer_lookup_uses_the_back_link_and_refuses_a_miss(patched):
+    """megatron's lookup matches by id(entry.data) and skips a miss silently; ours follows the
+    entry's back-link and raises, naming the param."""
+    import megatron.core.dist_checkpointing.optimizer as dopt
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    stock = patched._ORIGINALS["get_param_id_to_sharded_param_map"]
+    a, b = torch.nn.Parameter(torch.ones(4, 3)), torch.nn.Parameter(torch.ones(6, 3))
+    b._debug_name = "decoder.layers.0.mlp.linear_fc2.weight"
+    entry_a = ShardedTensor.from_rank_offsets("a", a)
+    # An entry whose data is a new tensor (as a trimmed view or a dequantized copy would be).
+    spec = _spec(6, 1, 0, 1, 0, 0, cols=3, prepend=())
+    entry_b = patched._make_factory(b, "b", spec, 0)
+    entry_b.data = b.detach().clone()
+    assert set(stock({"a": entry_a, "b": entry_b}, [a, b])) == {0}  # b silently dropped
+    assert set(dopt.get_param_id_to_sharded_param_map({"a": entry_a, "b": entry_b}, [a, b])) == {0, 1}
+    with pytest.raises(patched.GTPCheckpointError, match=r"1 optimizer params.*linear_fc2.*\(6, 3\)"):
+        dopt.get_param_id_to_sharded_param_map({"a": entry_a}, [a, b])

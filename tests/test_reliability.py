@@ -1,0 +1,119 @@
+"""Crash-safe checkpoints, no hangs, retention, deterministic resume, disk space."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from recipes import checkpoint
+from recipes.checkpoint import CheckpointError
+from recipes.metrics import read_metrics
+
+COMMON = ["train.train_iters=6", "optim.lr_warmup_iters=1", "checkpoint.save_interval=2"]
+
+
+def metrics(run_dir) -> dict:
+    return {r["iteration"]: r for r in read_metrics(run_dir)[0]}
+
+
+def same(a: dict, b: dict) -> bool:
+    keys = ("lm loss", "grad-norm", "learning-rate", "consumed-samples", "num-zeros")
+    return all(a[k] == b[k] for k in keys)
+
+
+@pytest.fixture(scope="module")
+def crashed(train_run, tmp_path_factory):
+    """A run whose rank 1 is SIGKILLed in the middle of saving iteration 4."""
+    out = tmp_path_factory.mktemp("crash") / "a"
+    proc = train_run(out, *COMMON, rc=1, env={"GTP_RECIPES_FAULT": "kill:save:4:1"})
+    return out, proc
+
+
+def test_kill_during_save_fails_the_job_and_keeps_the_last_complete_checkpoint(crashed):
+    out, proc = crashed
+    assert re.search(r"error: worker rank 1 failed \(exit code -9\)", proc.stdout), proc.stdout[-2000:]
+    root = out / "checkpoints"
+    assert checkpoint.read_tracker(root) == 2, "the tracker must still name the last complete save"
+    # The interrupted save's files exist but nothing points at them.
+    assert (root / "iter_0000004").is_dir()
+
+
+def test_resume_after_crash_is_exact_and_deterministic(crashed, train_run, tmp_path):
+    out, _ = crashed
+    before = metrics(out)
+    assert sorted(before) == [1, 2, 3, 4], "the crashed run logged iterations 1-4"
+    resumed = []
+    for name in ("b1", "b2"):
+        train_run(tmp_path / name, *COMMON, f"checkpoint.load={out}/checkpoints")
+        resumed.append(metrics(tmp_path / name))
+    assert sorted(resumed[0]) == [3, 4, 5, 6]
+    # Same layout, RNG and data position restored: bit-identical figures.
+    for it in (3, 4, 5, 6):
+        assert same(resumed[0][it], resumed[1][it]), it
+    for it in (3, 4):
+        assert same(resumed[0][it], before[it]), it
+    # The resumed job rewrote iteration 4 from scratch and completed it.
+    assert checkpoint.read_tracker(tmp_path / "b1" / "checkpoints") == 6
+
+
+def test_worker_error_ends_the_job_fast_with_that_rank_error_first(train_run, tmp_path):
+    start = time.monotonic()
+    proc = train_run(tmp_path, "train.train_iters=200", "optim.lr_warmup_iters=1",
+                     "checkpoint.save_interval=0", "checkpoint.save_at_end=false", rc=1,
+                     env={"GTP_RECIPES_FAULT": "raise:train:2:1"})
+    wall = time.monotonic() - start
+    tail = proc.stdout[proc.stdout.index("error: worker rank"):]
+    assert tail.startswith("error: worker rank 1 failed"), tail[:500]
+    assert "injected fault" in tail.splitlines()[1], tail[:500]
+    # Rank 0 sat in a gloo collective waiting for rank 1: the launcher must end it well within
+    # the 198 remaining iterations' time. The whole job (start-up included) stays under 120 s.
+    assert wall < 120, wall
+    rows, _ = read_metrics(tmp_path)
+    assert [r["iteration"] for r in rows] == [1, 2][: len(rows)]
+
+
+def test_keep_last_removes_only_older_complete_checkpoints(train_run, tmp_path):
+    train_run(tmp_path, "train.train_iters=4", "optim.lr_warmup_iters=1",
+              "checkpoint.save_interval=1", "checkpoint.keep_last=2")
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.glob("iter_*")) == ["iter_0000003", "iter_0000004"]
+    assert checkpoint.read_tracker(root) == 4
+
+
+def test_retention_never_touches_the_tracked_or_an_in_progress_save(tmp_path):
+    for it in (1, 2, 3, 4, 5):
+        checkpoint.iter_dir(tmp_path, it).mkdir()
+    (tmp_path / checkpoint.TRACKER).write_text("4\n")  # 5 is being written
+    removed = checkpoint.remove_old_checkpoints(tmp_path, keep_last=1)
+    assert sorted(p.name for p in removed) == ["iter_0000001", "iter_0000002", "iter_0000003"]
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000004", "iter_0000005"]
+
+
+def test_save_that_cannot_fit_is_refused_before_writing(tmp_path):
+    with pytest.raises(CheckpointError, match=r"not enough disk space .* 1\.0 MiB free, about 126\.\d MiB needed"):
+        checkpoint.ensure_disk_space(tmp_path / "ckpt", 100 << 20, free_bytes=1 << 20)
+    assert not (tmp_path / "ckpt").exists()
+    checkpoint.ensure_disk_space(tmp_path / "ckpt", 1 << 20, free_bytes=1 << 30)
+
+
+def test_damaged_checkpoints_are_named(train_run, tmp_path):
+    src = tmp_path / "src"
+    train_run(src, "train.train_iters=2", "optim.lr_warmup_iters=1", "checkpoint.save_interval=1")
+    root = src / "checkpoints"
+    # A tracker naming an iteration that is not there.
+    (root / checkpoint.TRACKER).write_text("7\n")
+    with pytest.raises(CheckpointError, match="names iteration 7 but .*iter_0000007 is missing"):
+        checkpoint.check_loadable(root)
+    (root / checkpoint.TRACKER).write_text("2\n")
+    # A missing .metadata.
+    (root / "iter_0000001" / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match=r"iter_0000001 is incomplete: \.metadata is missing"):
+        checkpoint.check_loadable(root, 1)
+    # A truncated tensor file.
+    data = sorted((root / "iter_0000002").glob("*.distcp"))[0]
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=re.escape(data.name) + r" has \d+ bytes.*truncated"):
+        checkpoint.check_loadable(root)
