@@ -59,7 +59,26 @@ _PREFIX_NAME = "text_document"
 # --------------------------------------------------------------------------------------------
 
 
-class ByteTokenizer:
+class _TokenizerBase:
+    """What megatron's GPTDataset reads from a tokenizer: ``vocab_size``, ``eod``, ``pad`` and a
+    ``unique_identifiers`` dict (part of its index-cache key)."""
+
+    vocab_size: int
+    eod: int
+    pad: int = NO_PAD_ID
+
+    @property
+    def unique_identifiers(self) -> dict:
+        return {"class": type(self).__name__, "vocab_size": self.vocab_size, "eod": self.eod,
+                "pad": self.pad}
+
+    @property
+    def eos(self) -> int:
+        """Alias of ``eod`` (some megatron code asks for ``eos``)."""
+        return self.eod
+
+
+class ByteTokenizer(_TokenizerBase):
     """Bytes as tokens: ids 0..255 are the bytes of the UTF-8 text, ``eod`` = 256.
 
     ``vocab_size`` = 257 (the model pads it to ``make_vocab_size_divisible_by``).
@@ -74,20 +93,6 @@ class ByteTokenizer:
 
     vocab_size: int = 257
     eod: int = 256
-    pad: int = NO_PAD_ID
-
-    def __init__(self) -> None:
-        self.unique_identifiers = {
-            "class": type(self).__name__,
-            "vocab_size": self.vocab_size,
-            "eod": self.eod,
-            "pad": self.pad,
-        }
-
-    @property
-    def eos(self) -> int:
-        """Alias of ``eod`` (some megatron code asks for ``eos``)."""
-        return self.eod
 
     def tokenize(self, text: Union[str, bytes]) -> list[int]:
         """UTF-8 bytes of ``text`` (or the given bytes) as ids in [0, 255]; no ``eod`` is added."""
@@ -117,7 +122,7 @@ class ByteTokenizer:
         return numpy.frombuffer(data, dtype=numpy.uint8).astype(numpy.uint16)
 
 
-class ExternalTokenizer:
+class ExternalTokenizer(_TokenizerBase):
     """Stand-in for the tokenizer that made ``source=indexed`` data: only what megatron's GPTDataset
     reads (``vocab_size``, ``eod``, ``pad`` = -1, ``unique_identifiers``). It cannot (de)tokenize."""
 
@@ -128,18 +133,6 @@ class ExternalTokenizer:
             )
         self.vocab_size = int(vocab_size)
         self.eod = int(eod)
-        self.pad = NO_PAD_ID
-        self.unique_identifiers = {
-            "class": type(self).__name__,
-            "vocab_size": self.vocab_size,
-            "eod": self.eod,
-            "pad": self.pad,
-        }
-
-    @property
-    def eos(self) -> int:
-        """Alias of ``eod``."""
-        return self.eod
 
     def tokenize(self, text: str) -> list[int]:
         """Not available: raises NotImplementedError."""

@@ -5,23 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+from compose import CONF, make_cfg
 from hydra.errors import ConfigCompositionException
-from omegaconf import OmegaConf
 
-from recipes.config import register_configs
 from recipes.validate import ConfigError, validate
-
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
-register_configs()
-
-
-def make_cfg(*overrides: str):
-    """Compose conf/ like train.py does, with the Hydra-only interpolations filled in."""
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose("config", overrides=["output_dir=/tmp/unused", "checkpoint.save=null",
-                                           "data.cache_dir=/tmp/unused", *overrides])
-    return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
 
 
 def options(group: str) -> list[str]:

@@ -8,23 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+from compose import CONF, make_cfg
 
-from recipes.config import register_configs
 from recipes.validate import ConfigError, gtp_weight_dims, validate
 
 REPO = Path(__file__).resolve().parents[1]
-CONF = str(REPO / "conf")
-register_configs()
-
-
-def make_cfg(*overrides: str):
-    """Compose conf/ like train.py does, with the Hydra-only interpolations filled in."""
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose("config", overrides=["output_dir=/tmp/unused", "checkpoint.save=null",
-                                           "data.cache_dir=/tmp/unused", *overrides])
-    return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
 
 
 # option -> (processes it needs, gtp_remat_size, resolved pad_for_alignment, quantization)
