@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 ENV = "GTP_RECIPES_FAULT"
 ACTIONS = ("kill", "raise")
@@ -43,6 +44,8 @@ def maybe_fail(point: str, iteration: int, rank: int) -> None:
     action, where, at, who = parse(spec)
     if (where, at, who) != (point, iteration, rank):
         return
+    # The wall-clock time of the fault, so tests can bound how fast the job ends after it.
+    print(f"> injected fault {spec} at unix time {time.time():.3f}", flush=True)
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     raise RuntimeError(f"injected fault ({ENV}={spec}) on rank {rank} at {point} of iteration {iteration}")

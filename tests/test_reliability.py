@@ -59,18 +59,23 @@ def test_resume_after_crash_is_exact_and_deterministic(crashed, train_run, tmp_p
     assert checkpoint.read_tracker(tmp_path / "b1" / "checkpoints") == 6
 
 
+# A worker that raises or dies must end the job within this many seconds (measured from the fault
+# to the launcher's exit): the elastic agent polls every 0.5 s, then stops the other workers.
+FAILURE_EXIT_BOUND_S = 30
+
+
 def test_worker_error_ends_the_job_fast_with_that_rank_error_first(train_run, tmp_path):
-    start = time.monotonic()
     proc = train_run(tmp_path, "train.train_iters=200", "optim.lr_warmup_iters=1",
                      "checkpoint.save_interval=0", "checkpoint.save_at_end=false", rc=1,
                      env={"GTP_RECIPES_FAULT": "raise:train:2:1"})
-    wall = time.monotonic() - start
+    ended = time.time()
+    fault_at = float(re.search(r"injected fault \S+ at unix time ([\d.]+)", proc.stdout).group(1))
     tail = proc.stdout[proc.stdout.index("error: worker rank"):]
     assert tail.startswith("error: worker rank 1 failed"), tail[:500]
     assert "injected fault" in tail.splitlines()[1], tail[:500]
-    # Rank 0 sat in a gloo collective waiting for rank 1: the launcher must end it well within
-    # the 198 remaining iterations' time. The whole job (start-up included) stays under 120 s.
-    assert wall < 120, wall
+    # Rank 0 sat in a gloo collective waiting for rank 1; it must not keep the job alive.
+    assert ended - fault_at < FAILURE_EXIT_BOUND_S, ended - fault_at
+    print(f"job ended {ended - fault_at:.1f} s after the fault")
     rows, _ = read_metrics(tmp_path)
     assert [r["iteration"] for r in rows] == [1, 2][: len(rows)]
 
