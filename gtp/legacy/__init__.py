@@ -1,0 +1,57 @@
+"""Read GTP checkpoints written in megatron-core 0.19.2's padded layout ("legacy"/"stock").
+
+Stock 0.19.2 writes every GTP-sharded weight in a padded, TP-shifted layout that upstream can read
+only into the exact layout that wrote it (:mod:`gtp.legacy.rowmaps`). This package reconstructs
+the **logical** tensors (what the non-GTP model at the same TP writes) from the plain stored
+tensors with the layout math of :mod:`gtp.layout`, so a legacy file loads at any layout.
+
+Entry points:
+
+* :func:`checkpoint_format` - "logical" or "stock" from the common state (the one place that
+  knows the format tag written by :mod:`gtp.checkpoint`).
+* :func:`analyze` - resolve the saving layout and, for every tensor, its logical shape and
+  whether its stored layout differs (no tensor data is read; :mod:`gtp.legacy.analysis` says
+  where the layout comes from).
+* :func:`read_logical` - the logical tensors of any checkpoint (legacy ones reconstructed).
+* :func:`convert` - write a legacy checkpoint as a normal logical one (non-GTP layout record).
+* :func:`prepare_load` - the hook of ``recipes.checkpoint.load_checkpoint``: converts a legacy
+  checkpoint once into ``<root>/gtp_converted/`` and returns the directory to load.
+
+Modules: ``format`` (format tag, error), ``specs`` (layout keys, tensor specs, key and dim
+helpers), ``rowmaps`` (logical row -> stored row), ``messages`` (error message pieces),
+``analysis`` and ``stock_layout`` (:func:`analyze`), ``reading`` (:func:`read_logical`),
+``conversion`` (:func:`convert`), ``loading`` (:func:`prepare_load`).
+"""
+
+from gtp.legacy.analysis import analyze, is_legacy, resolve_iter_dir
+from gtp.legacy.conversion import CONVERTED_KEY, convert
+from gtp.legacy.format import FORMAT_STOCK, METADATA_KEY, LegacyCheckpointError, checkpoint_format
+from gtp.legacy.loading import CONVERTED_DIR, prepare_load
+from gtp.legacy.reading import read_logical
+from gtp.legacy.specs import (
+    LAYOUT_KEYS,
+    Analysis,
+    SavedLayout,
+    TensorInfo,
+    _split_key,
+    parse_layout,
+)
+
+__all__ = [
+    "CONVERTED_DIR",
+    "LAYOUT_KEYS",
+    "Analysis",
+    "LegacyCheckpointError",
+    "SavedLayout",
+    "TensorInfo",
+    "analyze",
+    "checkpoint_format",
+    "convert",
+    "is_legacy",
+    "parse_layout",
+    "prepare_load",
+    "read_logical",
+    "resolve_iter_dir",
+]
+# Also re-exported (used by gtp.cli and the tests): CONVERTED_KEY, FORMAT_STOCK, METADATA_KEY,
+# _split_key.

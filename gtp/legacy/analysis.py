@@ -1,0 +1,192 @@
+"""Resolve how a checkpoint was written and what each of its tensors is logically (:func:`analyze`).
+
+Where the saving layout comes from, first match wins per item:
+
+1. a layout the caller passes (``layout=``: a mapping, see :data:`gtp.legacy.LAYOUT_KEYS`);
+2. the checkpoint's ``gtp_layout`` record (:mod:`gtp.checkpoint`'s per-tensor metadata);
+3. the checkpoint's ``layout`` record and its saved run config (``train_state.config``:
+   ``model.*`` dims, the vocabulary from ``data.*``), as every gtp-recipes checkpoint has;
+4. dims implied by tensors GTP never pads (biases, norms, ``in_features``), and, when ``tp`` /
+   ``gtp_remat_size`` / ``pad_for_alignment`` are unknown, every layout of a small grid that
+   explains every stored shape. If those layouts do not all read the same rows, or a tensor's
+   logical size stays open, :class:`LegacyCheckpointError` names the tensor, its stored shape and
+   the layouts that could explain it, and says how to pass the layout.
+
+A layout that does not explain a stored shape is refused the same way: nothing is ever read
+under a guessed layout.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, Optional
+
+from gtp.legacy.format import METADATA_KEY, TRACKER, LegacyCheckpointError, checkpoint_format
+from gtp.legacy.messages import _LAYOUT_HELP
+from gtp.legacy.specs import (
+    _PLAIN,
+    Analysis,
+    SavedLayout,
+    TensorInfo,
+    TensorSpec,
+    _Checkpoint,
+    _config_layout,
+    _dims_problems,
+    _infer_dims,
+    _kind,
+    _split_key,
+    _strip_suffix,
+    parse_layout,
+)
+from gtp.legacy.stock_layout import _analyze_stock
+
+
+def resolve_iter_dir(path) -> Path:
+    """A checkpoint iter dir from a checkpoint root (its tracker's iteration) or an iter dir.
+
+    Raises:
+        LegacyCheckpointError: neither (names what is missing).
+    """
+    path = Path(path)
+    if (path / TRACKER).is_file():
+        text = (path / TRACKER).read_text().strip()
+        try:
+            it = int(text)
+        except ValueError:
+            raise LegacyCheckpointError(f"{path / TRACKER}: not an iteration number: {text!r}") from None
+        path = path / f"iter_{it:07d}"
+    if not (path / "metadata.json").is_file():
+        raise LegacyCheckpointError(
+            f"{path}: not a megatron torch_dist checkpoint (no metadata.json); pass a checkpoint "
+            f"root holding {TRACKER} or an iter_XXXXXXX dir")
+    return path
+
+
+def _stored_shapes(path: Path) -> dict:
+    from megatron.core import dist_checkpointing
+
+    meta = dist_checkpointing.load_tensors_metadata(str(path))
+    return {k: tuple(v.global_shape) for k, v in meta.items()}
+
+
+def analyze(ckpt, layout=None, common: Optional[Mapping] = None) -> Analysis:
+    """Resolve how ``ckpt`` was written and what each of its tensors is logically.
+
+    Reads only the common state and the tensor metadata (no tensor data). Works in one process
+    without ``torch.distributed``.
+
+    Args:
+        ckpt: a checkpoint root (with ``latest_checkpointed_iteration.txt``) or an iter dir.
+        layout: the saving layout, overriding what the checkpoint records (see
+            :func:`parse_layout`); needed only for checkpoints that record too little.
+        common: the checkpoint's common state when already loaded (read from ``ckpt`` otherwise).
+
+    Returns:
+        An :class:`Analysis`; ``.legacy`` is True when some GTP weight's stored rows differ from
+        its logical rows.
+
+    Raises:
+        LegacyCheckpointError: the layout is unknown and the stored shapes leave a tensor
+            ambiguous, or the given/recorded layout does not explain a stored shape (the message
+            names the tensor, its stored shape and the layouts that could explain it).
+    """
+    ck = _read_checkpoint(ckpt, layout, common)
+    if ck.format == "logical":
+        return _analyze_logical(ck)
+    return _analyze_stock(ck)
+
+
+def is_legacy(ckpt, layout=None) -> bool:
+    """Whether ``ckpt`` holds GTP weights in stock 0.19.2's padded layout (see :func:`analyze`)."""
+    return analyze(ckpt, layout).legacy
+
+
+# --------------------------------------------------------------------------------------------
+# What the checkpoint records
+# --------------------------------------------------------------------------------------------
+def _read_checkpoint(ckpt, layout, common: Optional[Mapping]) -> _Checkpoint:
+    """Common state, stored shapes, layout items by source, model dims and GTP weights.
+
+    Raises:
+        LegacyCheckpointError: the given/recorded dims contradict the stored tensors.
+    """
+    from megatron.core import dist_checkpointing
+
+    path = resolve_iter_dir(ckpt)
+    if common is None:
+        common = dist_checkpointing.load_common_state_dict(str(path))
+    common = dict(common)
+    shapes = _stored_shapes(path)
+    fmt = checkpoint_format(common)
+    user = parse_layout(layout)
+    meta = common.get(METADATA_KEY) or {}
+
+    items, sources = _layout_items(common, user, meta)
+    inferred = _infer_dims(shapes)
+    problems = _dims_problems(items, inferred, "recorded" if not user else "given")
+    if problems:
+        raise LegacyCheckpointError(
+            f"{path}: the layout does not match the stored tensors: {'; '.join(problems)}; "
+            + _LAYOUT_HELP)
+    dims = {**inferred, **items}
+    source = " + ".join(sources) if sources else "nothing recorded"
+    gtp_bases, unknown = _gtp_weights(shapes, meta.get("tensors") or {})
+    return _Checkpoint(path, common, fmt, shapes, meta, items, source, dims, gtp_bases, unknown)
+
+
+def _layout_items(common: dict, user: dict, meta: Mapping) -> tuple[dict, list]:
+    """Layout items (first source wins per item) and the names of their sources."""
+    items: dict = {}
+    sources = []
+    if user:
+        items.update(user)
+        sources.append("given by the caller")
+    if meta:
+        for src_key, k in (("tp", "tensor_model_parallel_size"), ("gtp_remat_size", "gtp_remat_size"),
+                           ("pad_for_alignment", "pad_for_alignment")):
+            if meta.get(src_key) is not None:
+                items.setdefault(k, int(meta[src_key]))
+        sources.append(f"{METADATA_KEY} record")
+    cfg_items, cfg_src = _config_layout(common)
+    if cfg_items:
+        for k, v in cfg_items.items():
+            items.setdefault(k, v)
+        sources.append(cfg_src)
+    return items, sources
+
+
+def _gtp_weights(shapes: Mapping[str, tuple], meta_tensors: Mapping) -> tuple[dict, list]:
+    """GTP keys (model keys; optimizer keys follow their model key): ``{base key: {suffix:
+    stored shape}}``, and the model keys not known to be GTP-sharded or not."""
+    model_keys = sorted(k for k in shapes if not _split_key(k)[0])
+    gtp_bases: dict[str, dict] = {}  # base key -> {suffix: stored shape}
+    unknown = []
+    for key in model_keys:
+        base, suffix = _strip_suffix(key)
+        if base in meta_tensors or _kind(key):
+            gtp_bases.setdefault(base, {})[suffix] = shapes[key]
+        elif not _PLAIN.search(key):
+            unknown.append(key)
+    return gtp_bases, unknown
+
+
+# --------------------------------------------------------------------------------------------
+# Logical checkpoints
+# --------------------------------------------------------------------------------------------
+def _analyze_logical(ck: _Checkpoint) -> Analysis:
+    """A logical checkpoint: every tensor as stored, GTP weights tagged with their recorded spec."""
+    items, shapes = ck.items, ck.shapes
+    lay = None
+    if all(k in items for k in ("tensor_model_parallel_size", "gtp_remat_size")):
+        lay = SavedLayout(items["tensor_model_parallel_size"], items["gtp_remat_size"],
+                          items.get("pad_for_alignment", 0))
+    infos = {k: TensorInfo(k, shapes[k], shapes[k]) for k in shapes}
+    for base, sub in ck.gtp_bases.items():
+        rec = ck.meta_tensors.get(base)
+        for suffix in sub:
+            spec = TensorSpec(base, rec["L"], rec["tp_axis"], rec.get("gated", False),
+                              rec.get("singleton_local_shards", False)) if rec else None
+            for k in shapes:
+                if _split_key(k)[1] == base + suffix:
+                    infos[k].gtp, infos[k].base = spec, base
+    return Analysis(ck.path, ck.common, ck.format, lay, ck.source, False, infos, [])

@@ -1,0 +1,47 @@
+"""What a checkpoint records about its GTP format, and the error the legacy reader raises.
+
+:func:`checkpoint_format` is the one place that knows the format tag written by
+:mod:`gtp.checkpoint`.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+# gtp/checkpoint.py's common-state key and format tags (one source of truth).
+from gtp.checkpoint import GTP_FORMAT_LOGICAL as FORMAT_LOGICAL
+from gtp.checkpoint import GTP_FORMAT_STOCK as FORMAT_STOCK
+from gtp.checkpoint import METADATA_KEY
+
+# megatron's tracker file in a checkpoint root: the latest iteration.
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+class LegacyCheckpointError(ValueError):
+    """A checkpoint whose tensors cannot be read exactly; the message says what is ambiguous or
+    inconsistent and how to pass the layout."""
+
+
+def checkpoint_format(common: Mapping) -> str:
+    """``"logical"`` or ``"stock"``: how the checkpoint's GTP weights are laid out on disk.
+
+    Reads the ``gtp_layout`` record that :mod:`gtp.checkpoint` adds to the common state
+    (``gtp_format``: ``"logical-v1"`` or ``"stock-0.19.2"``). A checkpoint without it predates that
+    record (or was written by megatron itself): "stock". Whether a stock checkpoint is actually
+    padded depends on its GTP degree (:func:`gtp.legacy.is_legacy`).
+
+    Raises:
+        LegacyCheckpointError: an unknown ``gtp_format`` tag.
+    """
+    meta = common.get(METADATA_KEY)
+    if not meta:
+        return "stock"
+    tag = meta.get("gtp_format")
+    if tag == FORMAT_LOGICAL:
+        return "logical"
+    if tag == FORMAT_STOCK:
+        return "stock"
+    raise LegacyCheckpointError(
+        f"unknown {METADATA_KEY}.gtp_format {tag!r} (known: {FORMAT_LOGICAL!r}, {FORMAT_STOCK!r}); "
+        "this checkpoint was written by a newer gtp/"
+    )

@@ -1,0 +1,333 @@
+"""The vocabulary of the legacy reader: layout keys, tensor specs, the analysis result, and the
+helpers that classify checkpoint keys and derive model dims.
+
+A user layout (:func:`parse_layout`) and the gtp-recipes records (:func:`_config_layout`) give
+the saving layout and model dims; :func:`_spec_for` turns them into a GTP weight's
+:class:`TensorSpec`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from gtp.legacy.format import LegacyCheckpointError
+
+# What a user may pass as ``layout`` (aliases in parentheses):
+#   tensor_model_parallel_size (tp), gtp_remat_size (gtp, g), pad_for_alignment (pad, a),
+#   hidden_size, ffn_hidden_size, swiglu, num_attention_heads, num_query_groups, kv_channels,
+#   qkv_rows (global out_features of linear_qkv), padded_vocab_size (vocab).
+LAYOUT_KEYS = (
+    "tensor_model_parallel_size", "gtp_remat_size", "pad_for_alignment", "hidden_size",
+    "ffn_hidden_size", "swiglu", "num_attention_heads", "num_query_groups", "kv_channels",
+    "qkv_rows", "padded_vocab_size",
+)
+_ALIASES = {"tp": "tensor_model_parallel_size", "gtp": "gtp_remat_size", "g": "gtp_remat_size",
+            "pad": "pad_for_alignment", "a": "pad_for_alignment", "vocab": "padded_vocab_size"}
+
+# Grid searched when the checkpoint records no layout.
+_GRID_TP = (1, 2, 4, 8, 16)
+_GRID_G = (1, 2, 4, 8)
+_GRID_A = (0, 1, 2, 4, 8, 16, 32, 64, 128)
+
+_OPT_PREFIX = re.compile(r"^(optimizer\.state\.[^.]+\.)(.+)$")
+# GTP-sharded weights of megatron's GPT model (local spec): kind per key pattern.
+_GTP_PATTERNS = (
+    (re.compile(r"(^|\.)embedding\.word_embeddings\.weight$"), "vocab"),
+    (re.compile(r"(^|\.)output_layer\.weight$"), "vocab"),
+    (re.compile(r"(^|\.)linear_qkv\.weight$"), "qkv"),
+    (re.compile(r"(^|\.)linear_proj\.weight$"), "proj"),
+    (re.compile(r"(^|\.)linear_fc1\.weight(_w|_v)?$"), "fc1"),
+    (re.compile(r"(^|\.)linear_fc2\.weight$"), "fc2"),
+)
+# Tensors GTP never shards (megatron wraps only Column/RowParallelLinear and
+# VocabParallelEmbedding weights).
+_PLAIN = re.compile(r"(\.bias|norm_weight|norm_bias|norm\.weight|position_embeddings\.weight)$")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One GTP weight's checkpoint key (without megatron's ``_w``/``_v`` suffix) and its shape."""
+
+    key: str
+    L: Optional[int]  # logical TP-local dim 0 (None: unknown)
+    tp_axis: int
+    gated: bool = False
+    singleton_local_shards: bool = False
+    kind: str = ""
+
+
+@dataclass(frozen=True)
+class SavedLayout:
+    """The parallel layout a checkpoint was written at (only what the stored layout depends on)."""
+
+    tp: int
+    g: int
+    pad_for_alignment: int
+
+    def describe(self) -> str:
+        if self.g == 1:
+            return f"tp{self.tp} (no GTP)"
+        return f"tp{self.tp} x gtp{self.g} (pad_for_alignment={self.pad_for_alignment})"
+
+
+@dataclass
+class TensorInfo:
+    """What :func:`analyze` says about one stored tensor.
+
+    Attributes:
+        key: checkpoint key as stored (optimizer tensors: ``optimizer.state.<name>.<key>``).
+        stored_shape: global shape on disk.
+        logical_shape: shape of the logical tensor (what a non-GTP model at any TP reads).
+        gtp: the key's GTP spec, None for tensors GTP never shards.
+        legacy: the stored rows differ from the logical ones (padding and/or shifted rows).
+        out_key: key of the logical tensor (differs from ``key`` only for singleton gated halves,
+            which keep their suffix).
+    """
+
+    key: str
+    stored_shape: tuple
+    logical_shape: tuple
+    gtp: Optional[TensorSpec] = None
+    legacy: bool = False
+    rowmap: Any = field(default=None, repr=False)  # {out_suffix: [(src_suffix, src_row)...]}
+    base: str = ""
+
+
+@dataclass
+class Analysis:
+    """Result of :func:`analyze`: the checkpoint's format, saving layout and tensors."""
+
+    path: Path
+    common: dict
+    format: str  # "logical" | "stock"
+    layout: Optional[SavedLayout]
+    layout_source: str
+    legacy: bool
+    tensors: dict  # stored key -> TensorInfo
+    notes: list = field(default_factory=list)
+
+    def describe(self) -> str:
+        lay = self.layout.describe() if self.layout else "unknown"
+        kind = ("legacy padded GTP layout (megatron-core 0.19.2)" if self.legacy else
+                "logical layout" if self.format == "logical" else
+                "stock layout, nothing padded or shifted")
+        return f"{kind}; saved at {lay} [{self.layout_source}]"
+
+
+@dataclass
+class _Checkpoint:
+    """What :func:`gtp.legacy.analyze` knows of a checkpoint before resolving its saving layout."""
+
+    path: Path
+    common: dict
+    format: str  # "logical" | "stock"
+    shapes: dict  # stored key -> global shape
+    meta: dict  # the gtp_layout record ({} when absent)
+    items: dict  # layout items, the first source wins per item
+    source: str  # where the items come from
+    dims: dict  # model dims: inferred from the stored shapes, overridden by the items
+    gtp_bases: dict  # base key of a GTP weight -> {suffix: stored shape}
+    unknown: list  # model keys neither known GTP weights nor known plain tensors
+
+    @property
+    def meta_tensors(self) -> dict:
+        return self.meta.get("tensors") or {}
+
+    def as_stored(self, lay: Optional[SavedLayout], source: str, notes: list) -> Analysis:
+        """Every tensor read as stored (nothing padded or shifted)."""
+        infos = {k: TensorInfo(k, self.shapes[k], self.shapes[k]) for k in self.shapes}
+        return Analysis(self.path, self.common, self.format, lay, source, False, infos, notes)
+
+
+def parse_layout(text_or_mapping) -> dict:
+    """A user layout as a dict of :data:`LAYOUT_KEYS` (aliases accepted).
+
+    Accepts a mapping or a string ``"tp=2,gtp=2,pad=16,swiglu=true"``.
+
+    Raises:
+        LegacyCheckpointError: unknown key or a value that is not an int / bool.
+    """
+    if text_or_mapping is None:
+        return {}
+    if isinstance(text_or_mapping, str):
+        items = []
+        for part in filter(None, (p.strip() for p in text_or_mapping.split(","))):
+            if "=" not in part:
+                raise LegacyCheckpointError(f"layout item {part!r}: expected key=value")
+            k, v = part.split("=", 1)
+            items.append((k.strip(), v.strip()))
+    else:
+        items = list(dict(text_or_mapping).items())
+    out = {}
+    for k, v in items:
+        name = _ALIASES.get(k, k)
+        if name not in LAYOUT_KEYS:
+            raise LegacyCheckpointError(
+                f"unknown layout key {k!r}; valid: {list(LAYOUT_KEYS)} (aliases {_ALIASES})")
+        if name == "swiglu":
+            if isinstance(v, str):
+                if v.lower() not in ("true", "false", "1", "0"):
+                    raise LegacyCheckpointError(f"layout swiglu={v!r}: expected true or false")
+                v = v.lower() in ("true", "1")
+            out[name] = bool(v)
+        else:
+            try:
+                out[name] = int(v)
+            except (TypeError, ValueError):
+                raise LegacyCheckpointError(f"layout {k}={v!r}: expected an integer") from None
+            if out[name] < (0 if name == "pad_for_alignment" else 1):
+                raise LegacyCheckpointError(f"layout {k}={v!r} out of range")
+    return out
+
+
+def _get(d, *path):
+    for p in path:
+        if not isinstance(d, Mapping) or p not in d:
+            return None
+        d = d[p]
+    return d
+
+
+def _vocab_from_config(cfg: Mapping, tp: int) -> Optional[int]:
+    """Padded vocab rows of a gtp-recipes run config (recipes.model.padded_vocab_size)."""
+    try:
+        from omegaconf import OmegaConf
+
+        from recipes.data import build_tokenizer
+        from recipes.model import padded_vocab_size
+
+        vocab = build_tokenizer(OmegaConf.create(dict(cfg["data"]))).vocab_size
+        return padded_vocab_size(vocab, int(cfg["model"]["make_vocab_size_divisible_by"]), tp)
+    except Exception:  # noqa: BLE001 - not a gtp-recipes config: the vocab stays unknown
+        return None
+
+
+def _config_layout(common: Mapping) -> tuple[dict, str]:
+    """Layout items recorded by gtp-recipes (``layout`` record, run config)."""
+    out, src = {}, []
+    rec = common.get("layout")
+    if isinstance(rec, Mapping):
+        for k in ("tensor_model_parallel_size", "gtp_remat_size", "pad_for_alignment"):
+            if rec.get(k) is not None:
+                out[k] = int(rec[k])
+        if out:
+            src.append("layout record")
+    cfg = _get(common, "train_state", "config")
+    if isinstance(cfg, Mapping):
+        m = cfg.get("model") or {}
+        for k in ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                  "kv_channels"):
+            if m.get(k) is not None:
+                out.setdefault(k, int(m[k]))
+        if m.get("swiglu") is not None:
+            out.setdefault("swiglu", bool(m["swiglu"]))
+        par, gtp_cfg = cfg.get("parallelism") or {}, cfg.get("gtp") or {}
+        if par.get("tensor_model_parallel_size") is not None:
+            out.setdefault("tensor_model_parallel_size", int(par["tensor_model_parallel_size"]))
+        if gtp_cfg.get("gtp_remat_size") is not None:
+            out.setdefault("gtp_remat_size", int(gtp_cfg["gtp_remat_size"]))
+        if "pad_for_alignment" not in out and out.get("gtp_remat_size", 1) > 1:
+            try:
+                from gtp.alignment import resolve_pad_for_alignment
+
+                out["pad_for_alignment"] = resolve_pad_for_alignment(
+                    gtp_cfg.get("pad_for_alignment"), gtp_cfg.get("quantization", "none"))
+            except Exception:  # noqa: BLE001
+                pass
+        if "tensor_model_parallel_size" in out:
+            vocab = _vocab_from_config(cfg, out["tensor_model_parallel_size"])
+            if vocab is not None:
+                out["padded_vocab_size"] = vocab
+        src.append("run config")
+    return out, " + ".join(src)
+
+
+def _kind(key: str) -> Optional[str]:
+    for pattern, kind in _GTP_PATTERNS:
+        if pattern.search(key):
+            return kind
+    return None
+
+
+def _split_key(key: str) -> tuple[str, str]:
+    """(optimizer prefix or "", model key)."""
+    m = _OPT_PREFIX.match(key)
+    return (m.group(1), m.group(2)) if m else ("", key)
+
+
+def _strip_suffix(model_key: str) -> tuple[str, str]:
+    for suf in ("_w", "_v"):
+        if model_key.endswith(".weight" + suf):
+            return model_key[: -len(suf)], suf
+    return model_key, ""
+
+
+def _infer_dims(shapes: Mapping[str, tuple]) -> dict:
+    """Model dims implied by tensors GTP never pads (biases, norms, in_features)."""
+    out: dict = {}
+    model = {k: v for k, v in shapes.items() if not _split_key(k)[0]}
+    for key, shape in model.items():
+        kind = _kind(key)
+        if kind == "qkv" and len(shape) >= 2:
+            out.setdefault("hidden_size", shape[-1])
+        elif kind == "fc2" and len(shape) >= 2:
+            out.setdefault("ffn_hidden_size", shape[-1])
+        elif key.endswith("linear_qkv.bias"):
+            out.setdefault("qkv_rows", shape[-1])
+        elif key.endswith("linear_fc1.bias"):
+            out["_fc1_bias_rows"] = shape[-1]
+        elif key.endswith("final_layernorm.weight"):
+            out.setdefault("hidden_size", shape[-1])
+    ffn, fc1b = out.get("ffn_hidden_size"), out.pop("_fc1_bias_rows", None)
+    if ffn and fc1b in (ffn, 2 * ffn):
+        out["swiglu"] = fc1b == 2 * ffn
+    return out
+
+
+def _dims_problems(given: Mapping, inferred: Mapping, source: str) -> list[str]:
+    return [
+        f"{k}={given[k]} ({source}) but the stored tensors imply {k}={inferred[k]}"
+        for k in ("hidden_size", "ffn_hidden_size", "qkv_rows", "swiglu")
+        if k in given and k in inferred and given[k] != inferred[k]
+    ]
+
+
+def _logical_rows_global(kind: str, dims: Mapping) -> Optional[int]:
+    """Global logical dim 0 (all TP ranks) of a GTP weight kind, from model dims."""
+    if kind == "vocab":
+        return dims.get("padded_vocab_size")
+    if kind in ("proj", "fc2"):
+        return dims.get("hidden_size")
+    if kind == "fc1":
+        ffn = dims.get("ffn_hidden_size")
+        if ffn is None or dims.get("swiglu") is None:
+            return None
+        return ffn * (2 if dims["swiglu"] else 1)
+    if kind == "qkv":
+        if dims.get("qkv_rows"):
+            return dims["qkv_rows"]
+        hidden, heads = dims.get("hidden_size"), dims.get("num_attention_heads")
+        if hidden is None:
+            return None
+        groups = dims.get("num_query_groups")
+        if groups is None or heads is None:
+            return 3 * hidden if groups is None else None
+        kv = dims.get("kv_channels") or hidden // heads
+        return (heads + 2 * groups) * kv
+    return None
+
+
+def _spec_for(base: str, kind: str, dims: Mapping, tp: int, singleton: bool) -> TensorSpec:
+    rows = _logical_rows_global(kind, dims)
+    tp_axis = 1 if kind in ("proj", "fc2") else 0
+    L = None
+    if rows is not None:
+        if tp_axis == 1:
+            L = rows
+        elif rows % tp == 0:
+            L = rows // tp
+    gated = kind == "fc1" and bool(dims.get("swiglu"))
+    return TensorSpec(base, L, tp_axis, gated, singleton and gated, kind)
