@@ -9,6 +9,7 @@ Slurm across nodes), runs this process as that rank.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import uuid
 from pathlib import Path
@@ -55,11 +56,36 @@ def launch_local(config_path: Path, nproc: int) -> None:
     try:
         elastic_launch(config, sys.executable)("-m", "recipes.worker", str(config_path))
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        print(f"\nerror: worker rank {rank} failed (exit code {failure.exitcode}):", file=sys.stderr)
-        print(failure.message if isinstance(failure.message, str) else failure.message.get(
-            "message", failure.message), file=sys.stderr)
+        failures = sorted(exc.failures.items(), key=lambda item: _failure_order(*item))
+        for i, (rank, failure) in enumerate(failures):
+            head = "error" if i == 0 else "then"
+            print(f"\n{head}: worker rank {rank} failed (exit code {failure.exitcode}):",
+                  file=sys.stderr)
+            print(_failure_message(failure), file=sys.stderr)
         raise SystemExit(1) from None
+
+
+# Errors a rank raises because *another* rank went away: they are consequences, not causes.
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def _failure_message(failure) -> str:
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", message)
+    if failure.exitcode < 0 and not failure.error_file_data:
+        return f"killed by signal {-failure.exitcode} (no Python error: the process died)"
+    return str(message)
+
+
+def _failure_order(rank: int, failure) -> tuple:
+    """Sort key putting the root cause first: a rank that died of a signal other than the
+    launcher's own SIGTERM, then a rank that raised an error other than a lost peer, then ranks
+    the launcher stopped or that lost their peer; ties by time, then rank."""
+    no_error = failure.exitcode < 0 and not failure.error_file_data
+    died = no_error and failure.exitcode != -signal.SIGTERM
+    consequence = (no_error and not died) or any(s in str(failure.message) for s in _PEER_LOST)
+    return (0 if died else 2 if consequence else 1, failure.timestamp, rank)
 
 
 def run(cfg) -> None:

@@ -122,3 +122,21 @@ def test_damaged_checkpoints_are_named(train_run, tmp_path):
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
     with pytest.raises(CheckpointError, match=re.escape(data.name) + r" has \d+ bytes.*truncated"):
         checkpoint.check_loadable(root)
+
+
+def test_root_cause_is_reported_first_whatever_the_timing():
+    """A killed rank comes before a rank that then lost its peer, even if the latter's error file
+    is older; a raising rank comes before ranks the launcher stopped or that lost their peer."""
+    from types import SimpleNamespace as F
+
+    from recipes.launch import _failure_order
+
+    killed = F(exitcode=-9, error_file_data=None, message="Signal 9", timestamp=20)
+    peer = F(exitcode=1, error_file_data={"m": 1}, timestamp=10,
+             message="RuntimeError: gloo Read error: Connection reset by peer")
+    stopped = F(exitcode=-15, error_file_data=None, message="Signal 15", timestamp=5)
+    raised = F(exitcode=1, error_file_data={"m": 1}, message="RuntimeError: boom", timestamp=8)
+    order = lambda fs: [r for r, f in sorted(fs.items(), key=lambda i: _failure_order(*i))]
+    assert order({0: peer, 1: killed}) == [1, 0]
+    assert order({0: stopped, 1: raised, 2: peer}) == [1, 0, 2]
+    assert order({0: peer, 1: raised})[0] == 1
