@@ -1,7 +1,14 @@
-"""Run every registered benchmark: ``python -m benchmarks [--only NAME ...] [--out DIR] [ARGS]``.
+"""Run the registered benchmarks: ``python -m benchmarks [NAME ...] [--quick] [--out DIR]``.
+
+    python -m benchmarks                      # all of them (make bench)
+    python -m benchmarks checkpoint           # only the checkpoint save/load benchmark
+    python -m benchmarks --quick              # tiny model, 2 repeats each
+    python -m benchmarks train_speed -- --g 1 2   # arguments after -- go to every benchmark
 
 Add a benchmark by appending ``(name, module)`` to :data:`BENCHMARKS`; the module needs a
-``main(argv) -> int`` that accepts ``--out DIR``. Arguments after ``--`` go to every benchmark.
+``main(argv) -> int`` that accepts ``--out DIR``, ``--quick`` and ``--repeats N``. Each writes
+into ``<out>/<name>/`` (``results.json`` and its printed table); ``<out>`` defaults to
+``outputs/benchmarks/<time>``.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from pathlib import Path
 # (name, module with main(argv)); run in this order.
 BENCHMARKS: list[tuple[str, str]] = [
     ("train_speed", "benchmarks.train_speed"),
+    ("checkpoint", "benchmarks.checkpoint_io"),
 ]
 
 
@@ -24,9 +32,16 @@ def main(argv=None) -> int:
     if "--" in argv:
         at = argv.index("--")
         argv, extra = argv[:at], argv[at + 1:]
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
-    parser.add_argument("--only", nargs="+", choices=[n for n, _ in BENCHMARKS],
-                        help="run only these benchmarks")
+    names = [n for n, _ in BENCHMARKS]
+    parser = argparse.ArgumentParser(prog="python -m benchmarks",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("names", nargs="*", metavar="NAME",
+                        help=f"benchmarks to run (default all): {', '.join(names)}")
+    parser.add_argument("--only", nargs="+", choices=names, help="same as NAME ...")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny model and 2 repeats in every benchmark (a minute or two each)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="interleaved repeats per case, passed to every benchmark")
     parser.add_argument("--out", default=None,
                         help="output root (default outputs/benchmarks/<time>); each benchmark "
                              "writes into <out>/<name>/")
@@ -36,14 +51,21 @@ def main(argv=None) -> int:
         for name, module in BENCHMARKS:
             print(f"{name:16s} python -m {module}")
         return 0
+    unknown = [n for n in args.names if n not in names]
+    if unknown:
+        parser.error(f"unknown benchmark(s) {unknown}; choose from {names}")
+    selected = set(args.names) | set(args.only or [])
+    passed = [*(["--quick"] if args.quick else []),
+              *(["--repeats", str(args.repeats)] if args.repeats else [])]
     root = Path(args.out or Path("outputs") / "benchmarks" / time.strftime("%Y-%m-%d_%H-%M-%S"))
     status = 0
     for name, module in BENCHMARKS:
-        if args.only and name not in args.only:
+        if selected and name not in selected:
             continue
         print(f"=== {name} ({module}) ===", flush=True)
-        rc = importlib.import_module(module).main(["--out", str(root / name), *extra])
+        rc = importlib.import_module(module).main(["--out", str(root / name), *passed, *extra])
         status = status or rc
+    print(f"> results under {root}", flush=True)
     return status
 
 

@@ -1,7 +1,8 @@
-"""Training speed and per-rank parameter memory at GTP degree g=1 vs g=2 (and g=4), on CPU.
+"""Training speed and per-rank memory at GTP degree g=1, g=2 and g=4, on CPU.
 
-    python -m benchmarks.train_speed                          # tiny and gpt125m, g 1 2, 2 repeats
-    python -m benchmarks.train_speed --models tiny --g 1 2 4  # world size 4 (max g)
+    python -m benchmarks.train_speed                          # tiny and gpt125m, g 1 2 4, 2 repeats
+    python -m benchmarks.train_speed --quick                  # tiny only
+    python -m benchmarks.train_speed --models tiny --g 1 2    # world size 2 (max g)
     python -m benchmarks.train_speed --repeats 3 --out outputs/bench
 
 Every g runs at the same world size (``--world``, default the largest g) and the same global
@@ -10,9 +11,12 @@ parameter memory for an all-gather per weight in forward and backward and a redu
 weight gradient. Each measurement is one launch of a worker group (torch's elastic launcher, as
 ``train.py``) that builds the model, optimizer and data through ``recipes.worker.setup``, runs
 ``--warmup`` untimed and ``--iters`` timed ``recipes.loop.train_step`` calls (barrier before and
-after each), and reports every rank's parameter bytes (GTP shards include their padding rows) and
-Adam-state bytes. Launches are interleaved (g1 g2 g1 g2 ...) so that drifting machine load hits
-every case alike; the table shows medians over repeats of each launch's median step time.
+after each), and reports every rank's parameter bytes (GTP shards include their padding rows),
+Adam-state bytes and resident memory: ``ru_maxrss`` (the process's lifetime peak, imports
+included: a fresh process per launch) and the RSS increase during the timed steps (sampled
+every 1 ms, ``benchmarks.memory``). Launches are interleaved (g1 g2 g4 g1 g2 g4 ...) so that
+drifting machine load hits every case alike; the table shows medians over repeats of each
+launch's median step time.
 
 Cases: ``tiny`` (2 layers, hidden 72; data=mock, micro batch 4, global batch 16) and ``gpt125m``
 (12 layers, hidden 768, ffn 3072, byte vocab: ~85M parameters; seq 64, micro batch 1, global
@@ -26,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -56,6 +61,8 @@ def _worker(cfg_path: str, out_path: str) -> None:
     from recipes.validate import validate
     from recipes.worker import init_distributed, setup
 
+    from benchmarks.memory import PeakRSS, max_rss
+
     threads = int(os.environ.get("BENCH_THREADS", "0"))
     if threads > 0:
         torch.set_num_threads(threads)
@@ -68,24 +75,39 @@ def _worker(cfg_path: str, out_path: str) -> None:
     data = build_train_iterator(cfg, 0, dp_rank, dp_size, tokenizer=tokenizer)
     num_micro = cfg.data.global_batch_size // (cfg.data.micro_batch_size * dp_size)
     times, losses = [], []
-    for _ in range(cfg.bench.warmup + cfg.bench.iters):
+    sampler = PeakRSS()
+    for i in range(cfg.bench.warmup + cfg.bench.iters):
+        if i == cfg.bench.warmup:
+            sampler.start()
         torch.distributed.barrier()
         start = time.perf_counter()
         metrics = train_step(model, optimizer, scheduler, data, num_micro, cfg)
         torch.distributed.barrier()
         times.append(time.perf_counter() - start)
         losses.append(metrics["lm loss"])
+    sampler.stop()
 
     def nbytes(tensors):
         return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+    from math import prod
+
+    from megatron.core.tensor_parallel.generalized_tensor_parallelism import is_gtp_param
 
     inner = getattr(optimizer, "optimizer", optimizer)
     mine = {
         "rank": torch.distributed.get_rank(),
         "param_bytes": nbytes(model.parameters()),
         "param_numel": sum(p.numel() for p in model.parameters()),
+        # Logical elements this rank's TP slice holds (GTP shards counted unsharded, unpadded):
+        # at tp1 the model's parameter count.
+        "logical_param_numel": sum(prod(p._unsharded_shape) if is_gtp_param(p) else p.numel()
+                                   for p in model.parameters()),
         "optimizer_state_bytes": sum(nbytes(s.values()) for s in inner.state.values()),
         "step_times": times[cfg.bench.warmup:],
+        "max_rss": max_rss(),
+        "rss_before_steps": sampler.base,
+        "rss_peak_steps": sampler.peak,
     }
     every = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(every, mine)
@@ -126,8 +148,9 @@ def compose_config(model: str, g: int, world: int, pad: int, run_dir: Path, cach
     return OmegaConf.create(plain)
 
 
-def launch(cfg, run_dir: Path, world: int) -> dict:
-    """Run one worker group; return rank 0's result dict (or ``{"error": ...}``)."""
+def launch(cfg, run_dir: Path, world: int, module: str = "benchmarks.train_speed") -> dict:
+    """Run one worker group of ``python -m MODULE --worker CONFIG RESULT``; return rank 0's
+    result dict (or ``{"error": ...}``). Each launch is a fresh set of processes."""
     from omegaconf import OmegaConf
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -153,7 +176,7 @@ def launch(cfg, run_dir: Path, world: int) -> dict:
             os.dup2(f.fileno(), 2)
             try:
                 elastic_launch(config, sys.executable)(
-                    "-m", "benchmarks.train_speed", "--worker", str(cfg_path), str(out_path))
+                    "-m", module, "--worker", str(cfg_path), str(out_path))
             finally:
                 os.dup2(old_out, 1)
                 os.dup2(old_err, 2)
@@ -177,10 +200,15 @@ def summarize(model: str, g: int, results: list[dict]) -> dict:
     ranks = ok[0]["ranks"]
     return {
         "model": model, "g": g, "layout": ok[0]["layout"], "runs": len(ok),
+        "model_parameters": ranks[0].get("logical_param_numel"),
         "median_step_s": step, "tokens_per_sec": ok[0]["tokens_per_step"] / step,
         "step_s_per_run": [_median_step(r) for r in ok],
         "param_bytes_per_rank": [r["param_bytes"] for r in ranks],
         "optimizer_state_bytes_per_rank": [r["optimizer_state_bytes"] for r in ranks],
+        "peak_rss_bytes_per_rank": [r.get("max_rss") for r in ranks],
+        "rss_increase_during_steps_per_rank": [
+            r["rss_peak_steps"] - r["rss_before_steps"] if "rss_peak_steps" in r else None
+            for r in ranks],
         "final_loss": ok[0]["losses"][-1],
     }
 
@@ -191,21 +219,22 @@ def _mib(values) -> str:
 
 def format_table(rows: list[dict]) -> str:
     head = ["model", "g", "layout", "tokens/s", "step ms", "vs g1", "param MiB per rank",
-            "Adam state MiB per rank"]
+            "Adam state MiB per rank", "peak RSS MiB per rank"]
     base = {r["model"]: r["tokens_per_sec"] for r in rows if r.get("g") == 1 and "error" not in r}
     cells = [head]
     for r in rows:
         if "error" in r:
-            cells.append([r["model"], str(r["g"]), "error: " + r["error"], "", "", "", "", ""])
+            cells.append([r["model"], str(r["g"]), "error: " + r["error"], "", "", "", "", "", ""])
             continue
         ratio = r["tokens_per_sec"] / base[r["model"]] if r["model"] in base else None
         cells.append([
             r["model"], str(r["g"]), r["layout"], f"{r['tokens_per_sec']:.0f}",
             f"{1000 * r['median_step_s']:.1f}", f"{ratio:.2f}x" if ratio else "-",
             _mib(r["param_bytes_per_rank"]), _mib(r["optimizer_state_bytes_per_rank"]),
+            " / ".join(f"{v / 2**20:.0f}" for v in r["peak_rss_bytes_per_rank"] if v),
         ])
     widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -214,10 +243,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.train_speed",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(CASES), choices=list(CASES))
-    parser.add_argument("--g", nargs="+", type=int, default=[1, 2], help="GTP degrees")
+    parser.add_argument("--g", nargs="+", type=int, default=[1, 2, 4], help="GTP degrees")
+    parser.add_argument("--quick", action="store_true", help="tiny model only (2 repeats)")
     parser.add_argument("--world", type=int, default=None, help="processes (default: max g)")
     parser.add_argument("--pad", type=int, default=DEFAULT_PAD, help="pad_for_alignment at g>1")
-    parser.add_argument("--repeats", type=int, default=2, help="launches per case (interleaved)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="launches per case (interleaved; default 2)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per rank (default: CPU cores / world, at least 1)")
     parser.add_argument("--out", default=None, help="output dir (default outputs/benchmarks/...)")
@@ -227,6 +258,9 @@ def main(argv=None) -> int:
         _worker(*args.worker)
         return 0
 
+    if args.quick and args.models == list(CASES):
+        args.models = ["tiny"]
+    args.repeats = args.repeats or 2
     world = args.world or max(args.g)
     bad = [g for g in args.g if g < 1 or world % g]
     if bad:
@@ -258,15 +292,22 @@ def main(argv=None) -> int:
                       f"({time.perf_counter() - t0:.0f}s with start-up)", flush=True)
     rows = [summarize(model, g, raw[(model, g)]) for model in args.models for g in args.g]
     table = format_table(rows)
+    params = {r["model"]: r.get("model_parameters") for r in rows if r.get("model_parameters")}
+    print(f"train_speed: {os.cpu_count()} CPU cores, world {world}, parameters "
+          + ", ".join(f"{m} {n / 1e6:.2f}M" for m, n in params.items()), flush=True)
     print(table, flush=True)
     (out / "results.json").write_text(json.dumps({
         "benchmark": "train_speed", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version(), "torch_threads_per_rank": threads},
+        "command": " ".join(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv]),
+        "model_parameters": params,
         "world_size": world, "pad_for_alignment": args.pad, "repeats": args.repeats,
         "summary": rows,
         "runs": {f"{m}_g{g}": v for (m, g), v in raw.items()},
     }, indent=2))
+    (out / "table.txt").write_text(table + "\n")
+    shutil.rmtree(out / "cache", ignore_errors=True)  # mock-data index cache, rebuilt per run
     print(f"> wrote {out / 'results.json'}", flush=True)
     return 1 if any("error" in r for r in rows) else 0
 
