@@ -33,9 +33,10 @@ from unittest.mock import MagicMock
 
 import torch
 
+from gtp.version import check_megatron_version
+
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MEGATRON_VERSION = "0.19.2"
 
 _GTP_MODULE = "megatron.core.tensor_parallel.generalized_tensor_parallelism"
 _GTP_API_MODULE = "megatron.core.tensor_parallel.gtp_api"
@@ -145,18 +146,6 @@ def _nvtx_noop(*args, **kwargs):
     """Twin of TE ``nvtx_range_push/pop``; the MagicMock would record every call forever."""
 
 
-def check_megatron_version(version: str) -> None:
-    """Raise ``RuntimeError`` unless ``version`` (local suffix ignored) is the supported one."""
-    from packaging.version import Version
-
-    if Version(version).base_version != SUPPORTED_MEGATRON_VERSION:
-        raise RuntimeError(
-            f"gtp.backend patches megatron-core {SUPPORTED_MEGATRON_VERSION} internals; found "
-            f"megatron-core {version}. Re-check generalized_tensor_parallelism.py against this "
-            "version before extending the gate."
-        )
-
-
 def install() -> bool:
     """Make megatron-core 0.19.2's GTP weight remat run without TransformerEngine.
 
@@ -180,7 +169,8 @@ def install() -> bool:
         return True
     import megatron.core
 
-    check_megatron_version(megatron.core.__version__)
+    check_megatron_version(megatron.core.__version__,
+                           "gtp.backend patches generalized_tensor_parallelism internals")
     gtp = importlib.import_module(_GTP_MODULE)
     if gtp.HAVE_TE:
         logger.info("gtp.backend: TransformerEngine is usable for GTP; portable backend not used")

@@ -404,9 +404,10 @@ def install() -> None:
         return
     import megatron.core
 
-    from gtp.backend import check_megatron_version
+    from gtp.version import check_megatron_version
 
-    check_megatron_version(megatron.core.__version__)
+    check_megatron_version(megatron.core.__version__,
+                           "gtp.checkpoint patches the sharded-state-dict functions")
     for mod in _IMPORT_FIRST:
         importlib.import_module(mod)
     for name, (home, new) in _TARGETS.items():

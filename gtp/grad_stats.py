@@ -26,7 +26,8 @@ import importlib
 
 import torch
 
-SUPPORTED_MEGATRON_VERSION = "0.19.2"
+from gtp.version import check_megatron_version
+
 
 # Modules that bound ``count_zeros_fp32`` by name at import time (``from .clip_grads import ...``).
 _COUNT_ZEROS_USERS = (
@@ -112,18 +113,6 @@ def _copy_gtp_attributes(destination, source):
         setattr(destination, LOGICAL_ROWS_ATTR, rows)
 
 
-def check_megatron_version(version: str) -> None:
-    """Raise ``RuntimeError`` unless ``version`` (local suffix ignored) is the supported one."""
-    from packaging.version import Version
-
-    if Version(version).base_version != SUPPORTED_MEGATRON_VERSION:
-        raise RuntimeError(
-            f"gtp.grad_stats patches megatron-core {SUPPORTED_MEGATRON_VERSION}'s "
-            f"count_zeros_fp32; found megatron-core {version}. Re-check optimizer/clip_grads.py "
-            "before extending the gate."
-        )
-
-
 def install() -> None:
     """Make megatron's ``num-zeros`` skip GTP padding rows (idempotent). Install before the
     optimizer is built (the fp32 master copies of bf16 params are tagged at construction)."""
@@ -133,7 +122,8 @@ def install() -> None:
     import megatron.core
     from megatron.core import tensor_parallel
 
-    check_megatron_version(megatron.core.__version__)
+    check_megatron_version(megatron.core.__version__,
+                           "gtp.grad_stats patches optimizer.clip_grads.count_zeros_fp32")
     modules = [importlib.import_module(name) for name in _COUNT_ZEROS_USERS]
     _original_count_zeros = modules[0].count_zeros_fp32
     for module in modules:

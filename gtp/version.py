@@ -1,0 +1,23 @@
+"""The one megatron-core version whose internals gtp/'s patches were written against."""
+
+from __future__ import annotations
+
+SUPPORTED_MEGATRON_VERSION = "0.19.2"
+
+
+def check_megatron_version(version: str, patched: str = "gtp/ patches megatron-core internals") -> None:
+    """Raise ``RuntimeError`` unless ``version`` (local suffix such as ``+abc123`` ignored) is
+    :data:`SUPPORTED_MEGATRON_VERSION`.
+
+    Args:
+        version: megatron-core's version string.
+        patched: what the caller patches, for the message.
+    """
+    from packaging.version import Version
+
+    if Version(version).base_version != SUPPORTED_MEGATRON_VERSION:
+        raise RuntimeError(
+            f"{patched} (written for megatron-core {SUPPORTED_MEGATRON_VERSION}); found "
+            f"megatron-core {version}. Re-check the patched functions against this version "
+            "before extending the gate."
+        )
