@@ -14,7 +14,6 @@ rank's RNG state.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import shutil
 from pathlib import Path
@@ -24,7 +23,6 @@ import torch
 from recipes import faults
 
 TRACKER = "latest_checkpointed_iteration.txt"
-log = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
@@ -151,7 +149,7 @@ def _set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _rng_sharded_object(layout_dict: dict):
+def _rng_sharded_object():
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
@@ -230,7 +228,7 @@ def save_checkpoint(root, iteration: int, model, optimizer, scheduler, common: d
         opt_param_scheduler=scheduler.state_dict(),
         train_state=common,
         layout=layout_dict,
-        rng_state=_rng_sharded_object(layout_dict),
+        rng_state=_rng_sharded_object(),
         # How GTP weights are laid out in this file (gtp/checkpoint.py documents the format);
         # built before save, which applies the sharded factories in place.
         **{METADATA_KEY: layout_metadata(model, state["model"])},
@@ -360,7 +358,7 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
     check_shapes(state, path)
     same_layout = common["layout"] == layout_dict and not converted
     if same_layout:
-        state["rng_state"] = _rng_sharded_object(layout_dict)
+        state["rng_state"] = _rng_sharded_object()
     failure = None
     try:
         # megatron's naming: "unexpected" = requested here but absent from the checkpoint (an

@@ -113,6 +113,7 @@ def run(cfg) -> None:
     from recipes.config import to_dict
     from recipes.data import build_train_iterator
     from recipes.metrics import MetricLogger, new_run_id
+    from recipes.model import count_parameters
     from recipes.validate import validate
 
     init_distributed()
@@ -143,7 +144,7 @@ def run(cfg) -> None:
     config_dict = to_dict(cfg)
     logger = MetricLogger(cfg, cfg.output_dir, run_id, config_dict) if rank == 0 else None
     if logger is not None:
-        n_params = sum(p.numel() for p in model.parameters())
+        n_params = count_parameters(model)
         print(f"> layout {layout.describe()}, parameters on rank 0: {n_params}, "
               f"wandb run {run_id}", flush=True)
         if resumed_from is not None:
