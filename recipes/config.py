@@ -131,6 +131,9 @@ class CheckpointConfig:
     keep_last: Optional[int] = None
     # Save at the last iteration even when it is not a multiple of save_interval.
     save_at_end: bool = True
+    # Write checkpoints in the background (megatron's async torch_dist save): training goes on
+    # while the files are written; the tracker names a save once every rank's write is done.
+    async_save: bool = False
 
 
 @dataclass

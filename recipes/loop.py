@@ -78,7 +78,7 @@ def train_step(model, optimizer, scheduler, data_iterator, num_microbatches: int
     }
 
 
-def train(state, cfg, logger, save_fn) -> None:
+def train(state, cfg, logger, save_fn, poll_fn=None) -> None:
     """Run iterations ``state.iteration + 1 .. train.train_iters``.
 
     Args:
@@ -86,6 +86,8 @@ def train(state, cfg, logger, save_fn) -> None:
         cfg: the run config.
         logger: a ``MetricLogger`` on rank 0, else None.
         save_fn: ``save_fn(iteration)`` writes a checkpoint (every rank calls it).
+        poll_fn: called on every rank after every iteration (finalizes a background save whose
+            files are all written); None: nothing.
     """
     d, ck = cfg.data, cfg.checkpoint
     tokens_per_step = d.global_batch_size * cfg.model.seq_length
@@ -106,6 +108,8 @@ def train(state, cfg, logger, save_fn) -> None:
         })
         if logger is not None and state.iteration % cfg.train.log_interval == 0:
             logger.log(state.iteration, metrics)
+        if poll_fn is not None:
+            poll_fn()
         last = state.iteration == cfg.train.train_iters
         if ck.save and ((ck.save_interval and state.iteration % ck.save_interval == 0)
                         or (last and ck.save_at_end)):

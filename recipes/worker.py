@@ -153,21 +153,29 @@ def run(cfg) -> None:
         else:
             logger.event("start", iteration=0, layout=layout_rec)
 
-    def save(it: int) -> None:
-        common = {"consumed_samples": state.consumed_samples, "wandb_run_id": run_id,
-                  "config": config_dict}
-        path = checkpoint.save_checkpoint(cfg.checkpoint.save, it, model, optimizer, scheduler,
-                                          common, layout_rec)
+    async_saves = checkpoint.AsyncSaves() if cfg.checkpoint.async_save else None
+
+    def saved(it: int, path) -> None:
         if rank == 0:
             if cfg.checkpoint.keep_last:
                 checkpoint.remove_old_checkpoints(cfg.checkpoint.save, cfg.checkpoint.keep_last)
             logger.event("save", iteration=it, path=str(path))
             print(f"> saved checkpoint at iteration {it} to {path}", flush=True)
 
+    def save(it: int) -> None:
+        common = {"consumed_samples": state.consumed_samples, "wandb_run_id": run_id,
+                  "config": config_dict}
+        path = checkpoint.iter_dir(cfg.checkpoint.save, it)
+        checkpoint.save_checkpoint(cfg.checkpoint.save, it, model, optimizer, scheduler,
+                                   common, layout_rec, async_saves=async_saves,
+                                   on_done=lambda: saved(it, path))
+
     from recipes.loop import train
 
     try:
-        train(state, cfg, logger, save)
+        train(state, cfg, logger, save, poll_fn=async_saves.poll if async_saves else None)
+        if async_saves is not None:
+            async_saves.wait()
     finally:
         if logger is not None:
             logger.close()
