@@ -176,6 +176,51 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
+class _ForkedWriterResults:
+    """The writers' results queue of asynchronous saves.
+
+    megatron's forked writer ``put``s one item (its write results, or the exception it raised)
+    and the training process ``get_nowait``s it when it finalizes the save. A fork-context pipe
+    carries it; a daemon thread here drains the pipe as items arrive, so a writer never blocks
+    on a full pipe (a plain ``multiprocessing.Queue`` would: its writer joins its feeder thread
+    at exit, and nothing reads before the writer has exited).
+    """
+
+    # After the writer exited, what it sent is in the pipe; allow the drain thread this long.
+    GRACE_S = 10.0
+
+    def __init__(self):
+        import multiprocessing
+        import queue
+        import threading
+
+        self._recv, self._send = multiprocessing.get_context("fork").Pipe(duplex=False)
+        self._items: queue.Queue = queue.Queue()
+        threading.Thread(target=self._drain, name="async-save-results", daemon=True).start()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self._items.put(self._recv.recv())
+            except (EOFError, OSError):
+                return
+
+    def put(self, item) -> None:
+        """In the writer process: send ``item`` (picklable)."""
+        self._send.send(item)
+
+    def get_nowait(self):
+        """In the training process, once the writer has exited.
+
+        Raises:
+            queue.Empty: the writer sent nothing (it died); megatron reports the save failed.
+        """
+        return self._items.get(timeout=self.GRACE_S)
+
+
+_RESULTS_QUEUES: dict = {}
+
+
 def _use_in_process_results_queue(async_save: bool = False) -> None:
     """Keep megatron's torch_dist writer from starting a multiprocessing Manager server.
 
@@ -184,20 +229,17 @@ def _use_in_process_results_queue(async_save: bool = False) -> None:
     server would outlive a killed rank, holding its stdout open and keeping the job's launcher
     waiting. Synchronous saves write in this process, so a thread-safe ``queue.Queue`` does the
     job. Asynchronous saves write in a process forked from this one (megatron's
-    ``TemporalAsyncCaller``), so their queue is a fork-context ``multiprocessing`` queue, a pipe
-    that dies with this process.
+    ``TemporalAsyncCaller``): their queue is a :class:`_ForkedWriterResults`, a pipe that dies
+    with this process. Set before every save (the kind of the save decides).
     """
-    import multiprocessing
-    import multiprocessing.queues
     import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    current = getattr(filesystem_async, "_results_queue", None)
-    if async_save and not isinstance(current, multiprocessing.queues.Queue):
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Queue()
-    elif current is None:
-        filesystem_async._results_queue = queue.Queue()
+    kind = "async" if async_save else "sync"
+    if kind not in _RESULTS_QUEUES:  # one of each per process
+        _RESULTS_QUEUES[kind] = _ForkedWriterResults() if async_save else queue.Queue()
+    filesystem_async._results_queue = _RESULTS_QUEUES[kind]
 
 
 class AsyncSaves:
