@@ -404,7 +404,7 @@ def install() -> None:
         return
     import megatron.core
 
-    from gtp.version import check_megatron_version
+    from mcore_compat.version import check_megatron_version
 
     check_megatron_version(megatron.core.__version__,
                            "gtp.checkpoint patches the sharded-state-dict functions")

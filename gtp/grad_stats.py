@@ -26,7 +26,7 @@ import importlib
 
 import torch
 
-from gtp.version import check_megatron_version
+from mcore_compat.version import check_megatron_version
 
 
 # Modules that bound ``count_zeros_fp32`` by name at import time (``from .clip_grads import ...``).

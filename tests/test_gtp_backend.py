@@ -63,7 +63,7 @@ def _build(tp, g, pad, calculate_per_token_loss=False):
     from megatron.core.transformer import TransformerConfig
 
     from gtp import alignment, backend
-    from recipes import cpu_compat
+    from mcore_compat import cpu as cpu_compat
 
     cpu_compat.install()
     assert backend.install() is True

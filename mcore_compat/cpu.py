@@ -150,7 +150,7 @@ class _CpuTorch(types.ModuleType):
             return fn(*args, **kwargs)
 
         wrapper.__name__ = fn.__name__
-        wrapper.__doc__ = f"{fn.__name__} with CUDA devices mapped to CPU (recipes.cpu_compat)."
+        wrapper.__doc__ = f"{fn.__name__} with CUDA devices mapped to CPU (mcore_compat.cpu)."
         return wrapper
 
     def __getattr__(self, name):
