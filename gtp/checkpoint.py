@@ -190,8 +190,10 @@ class LogicalGTPFactory(ShardedTensorFactory):
     def __post_init__(self):
         # The merge fills this factory's own ``data`` (the live param or optimizer tensor) in
         # place; megatron's ``dataclasses.replace(factory, data=...)`` runs this again, so the
-        # optimizer's copy merges into its own tensor.
-        if self.spec is not None:
+        # optimizer's copy merges into its own tensor. ``without_data()`` (megatron's
+        # ``load_preprocess`` drops the factories' data before loading) keeps the merge target:
+        # it is the live tensor, not a copy.
+        if self.spec is not None and self.data is not None:
             self.merge_fn = functools.partial(_merge_pieces, self.spec, target=self.data)
 
 
@@ -291,7 +293,7 @@ def _merge_pieces(spec: LogicalSpec, loaded, target: Optional[torch.Tensor] = No
             ``target`` itself: pieces that the reader already read into their rows of ``target``
             (the pieces :func:`_build_pieces` made are views of it) are left as they are, others
             are copied in, and only the padding rows are zeroed. No new shard is allocated.
-            Otherwise (no target, e.g. a factory ``without_data``) a new zero-filled shard is
+            Otherwise (no target: a factory built without data) a new zero-filled shard is
             returned.
     """
     pieces = spec.pieces()

@@ -813,10 +813,11 @@ def test_factory_merge_fills_the_live_shard_in_place():
     """Load: the reader fills the pieces (views of the live shard); merge zeroes only the
     padding rows and returns the live shard itself. Pieces read into other tensors are copied
     into it; an optimizer tensor (megatron's ``dataclasses.replace(factory, data=...)``) merges
-    into its own tensor; a factory without data still returns a new zero-padded shard."""
+    into its own tensor, also after megatron's ``without_data()``; without a target the merge
+    returns a new zero-padded shard."""
     import dataclasses
 
-    from gtp.checkpoint import _make_factory
+    from gtp.checkpoint import _make_factory, _merge_pieces
 
     spec = _spec(200, 2, 1, 2, 1, 16, gated=True, cols=2)  # up rows 12-99 (88 rows), pad 24
     want = torch.zeros(112, 2)
@@ -836,6 +837,10 @@ def test_factory_merge_fills_the_live_shard_in_place():
     optim_factory = dataclasses.replace(factory, data=moment)
     check(optim_factory.merge_fn([want[:88].clone().view(1, 88, 2)]), moment)
 
-    fresh = factory.without_data().merge_fn([want[:88].clone().view(1, 88, 2)])
+    # megatron's load_preprocess drops the factories' data before it loads and merges.
+    live.data.fill_(SENTINEL)
+    check(factory.without_data().merge_fn([want[:88].clone().view(1, 88, 2)]), live)
+
+    fresh = _merge_pieces(spec, [want[:88].clone().view(1, 88, 2)])  # no target: a new shard
     assert fresh.data_ptr() not in (live.data_ptr(), moment.data_ptr())
     assert torch.equal(fresh, want)
