@@ -162,11 +162,47 @@ def _unwrap(model):
     return getattr(model, "module", model)
 
 
+def optimizer_metadata(optimizer) -> dict:
+    """The ``metadata`` megatron's ``sharded_state_dict`` takes: the distributed optimizer's
+    checkpoint format (``distrib_optim_sharding_type``) when it is one, else empty."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer):
+            # The one layout-changing format (recipes.validate refuses the others).
+            return {"distrib_optim_sharding_type": "fully_reshardable"}
+    return {}
+
+
+def _model_sharded_state_dict(model) -> dict:
+    """The model's sharded state dict; with virtual pipeline stages one sub-dict per chunk
+    (``chunk0``, ``chunk1``...). Only the ShardedTensor keys reach the file (global layer
+    numbers), so the nesting does not tie a checkpoint to a chunk count."""
+    from recipes.model import model_chunks
+
+    chunks = model_chunks(model)
+    if len(chunks) == 1:
+        return _unwrap(chunks[0]).sharded_state_dict()
+    return {f"chunk{i}": _unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def _load_model_state(model, loaded: dict) -> None:
+    from recipes.model import model_chunks
+
+    chunks = model_chunks(model)
+    if len(chunks) == 1:
+        _unwrap(chunks[0]).load_state_dict(loaded, strict=True)
+        return
+    for i, chunk in enumerate(chunks):
+        _unwrap(chunk).load_state_dict(loaded[f"chunk{i}"], strict=True)
+
+
 def _sharded_state_dict(model, optimizer, is_loading: bool) -> dict:
-    model_sd = _unwrap(model).sharded_state_dict()
+    model_sd = _model_sharded_state_dict(model)
     return {
         "model": model_sd,
-        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
+        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                  metadata=optimizer_metadata(optimizer)),
     }
 
 
@@ -379,7 +415,7 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
         detail = str(failure)
         detail = detail if len(detail) <= 2000 else detail[:2000] + " ..."
         raise CheckpointError(f"{path} {what}: {detail}") from failure
-    _unwrap(model).load_state_dict(loaded["model"], strict=True)
+    _load_model_state(model, loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(common["opt_param_scheduler"])
     if same_layout:

@@ -44,6 +44,10 @@ PATCHED_MODULES: dict[str, str] = {
     "megatron.core.dist_checkpointing.exchange_utils": "current_device()",
     "megatron.core.transformer.utils": "get_default_causal_mask: torch.ones(device=\"cuda\")",
     "megatron.core.pipeline_parallel.schedules": "forward_backward_no_pipelining: cuda tensors",
+    "megatron.core.pipeline_parallel.p2p_communication": (
+        "P2PCommunicator._communicate: receive buffers and shape tensors on current_device(); "
+        "synchronize()"
+    ),
     "megatron.core.tensor_parallel.generalized_tensor_parallelism": (
         "wait_for_gtp_grad_reduction_on_current_stream (finalize_model_grads under GTP): "
         "current_stream(); GTPShardedParam AG/RS streams and events"
@@ -232,19 +236,22 @@ def _cpu_tensors_report_cuda_types():
 
 
 def _patch_float16_optimizer_init():
-    """``Float16OptimizerWithFloat16Params.__init__`` sorts params by ``param.type()`` and accepts
-    only ``torch.cuda.{Half,BFloat16,Float}Tensor``; run it with CPU tensors reporting those
-    names, so bf16 runs get megatron's fp32 main params on CPU too."""
-    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params as cls
+    """``Float16OptimizerWithFloat16Params.__init__`` and ``DistributedOptimizer.__init__``
+    (``_build_model_and_main_param_groups``) sort params by ``param.type()`` and accept only
+    ``torch.cuda.{Half,BFloat16,Float}Tensor``; run them with CPU tensors reporting those
+    names, so bf16 runs and the distributed optimizer get megatron's fp32 main params on CPU too."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
-    original = cls.__init__
+    for cls in (Float16OptimizerWithFloat16Params, DistributedOptimizer):
+        original = cls.__init__
 
-    def __init__(self, *args, **kwargs):
-        with _cpu_tensors_report_cuda_types():
-            original(self, *args, **kwargs)
+        def __init__(self, *args, _original=original, **kwargs):
+            with _cpu_tensors_report_cuda_types():
+                _original(self, *args, **kwargs)
 
-    __init__.__wrapped__ = original
-    cls.__init__ = __init__
+        __init__.__wrapped__ = original
+        cls.__init__ = __init__
 
 
 def _patch_rng_state_functions():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from typing import Optional
 
 
 class ConfigError(ValueError):
@@ -29,17 +30,28 @@ class Layout:
     gtp_remat_size: int
     data_parallel_size: int
     pad_for_alignment: int
+    # Model chunks per pipeline stage (interleaved schedule); None: one.
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    # megatron's DistributedOptimizer and its checkpoint format (None without it).
+    use_distributed_optimizer: bool = False
+    distrib_optim_sharding_type: Optional[str] = None
 
     def describe(self) -> str:
-        """A short human-readable form, e.g. ``tp2 x gtp2(pad 16) x dp1 (world 4)``."""
+        """A short human-readable form, e.g. ``tp2 x pp2 x gtp2(pad 16) x dp1 (world 8)``."""
         gtp = (
             f" x gtp{self.gtp_remat_size}(pad {self.pad_for_alignment})"
             if self.gtp_remat_size > 1
             else ""
         )
+        pp = ""
+        if self.pipeline_model_parallel_size > 1:
+            vpp = self.virtual_pipeline_model_parallel_size
+            pp = f" x pp{self.pipeline_model_parallel_size}" + (f"(vpp {vpp})" if vpp else "")
+        opt = (f", distributed optimizer ({self.distrib_optim_sharding_type})"
+               if self.use_distributed_optimizer else "")
         return (
-            f"tp{self.tensor_model_parallel_size}{gtp} x dp{self.data_parallel_size}"
-            f" (world {self.world_size})"
+            f"tp{self.tensor_model_parallel_size}{pp}{gtp} x dp{self.data_parallel_size}"
+            f" (world {self.world_size}){opt}"
         )
 
 
@@ -77,10 +89,17 @@ def resolve_layout(cfg, world_size: int) -> Layout:
         ("world size", world_size),
     ):
         _positive(name, value)
-    if pp != 1:
-        raise ConfigError(
-            f"parallelism.pipeline_model_parallel_size={pp} is not supported yet: use 1"
-        )
+    vpp = par.get("virtual_pipeline_model_parallel_size")
+    if vpp is not None:
+        _positive("parallelism.virtual_pipeline_model_parallel_size", vpp)
+        if pp == 1:
+            raise ConfigError(
+                f"parallelism.virtual_pipeline_model_parallel_size={vpp} needs "
+                f"parallelism.pipeline_model_parallel_size > 1 (it is 1): set "
+                f"pipeline_model_parallel_size=2 or more, or virtual_pipeline_model_parallel_size=null"
+            )
+        if vpp == 1:
+            vpp = None  # one chunk per stage: megatron's plain 1F1B
     # The GTP fields are checked whatever gtp_remat_size is: a typo must not wait for g > 1.
     from gtp.alignment import RECIPE_DEFAULT_PAD, resolve_pad_for_alignment
 
@@ -108,7 +127,40 @@ def resolve_layout(cfg, world_size: int) -> Layout:
         )
     # Without GTP nothing is padded: the layout (and the checkpoint's record of it) says 0.
     pad = resolved_pad if g > 1 else 0
-    return Layout(world_size, tp, pp, g, dp, pad)
+    distopt, sharding = _distributed_optimizer(cfg)
+    return Layout(world_size, tp, pp, g, dp, pad, vpp, distopt, sharding)
+
+
+# megatron-core 0.19.2 DistributedOptimizer checkpoint formats (metadata
+# "distrib_optim_sharding_type") and whether a checkpoint in it loads at another layout.
+DISTRIB_OPTIM_FORMATS = {
+    "fully_reshardable": "model-space tensors, any DP/TP/PP layout (and the non-distributed optimizer)",
+    "dp_reshardable": "flat bucket buffers: reshards over DP only",
+    "dp_zero_gather_scatter": "deprecated: one object per TP x PP rank",
+    "fully_sharded_model_space": "deprecated flattened ranges; not with GTP's logical layout",
+    "fully_sharded_bucket_space": "deprecated bucket buffers",
+    "fsdp_dtensor": "Megatron-FSDP only",
+}
+RESHARDABLE_DISTRIB_OPTIM_FORMATS = ("fully_reshardable",)
+
+
+def _distributed_optimizer(cfg) -> tuple[bool, Optional[str]]:
+    """``(use_distributed_optimizer, its checkpoint format or None)``.
+
+    Raises:
+        ConfigError: a format that cannot change layout, or an unknown one.
+    """
+    o = cfg.optim
+    if not o.get("use_distributed_optimizer", False):
+        return False, None
+    fmt = o.get("distrib_optim_sharding_type", "fully_reshardable")
+    if fmt not in RESHARDABLE_DISTRIB_OPTIM_FORMATS:
+        why = DISTRIB_OPTIM_FORMATS.get(fmt, "not a megatron-core 0.19.2 format")
+        raise ConfigError(
+            f"optim.distrib_optim_sharding_type={fmt!r} ({why}) cannot be resumed at another "
+            f"parallel layout; use {RESHARDABLE_DISTRIB_OPTIM_FORMATS[0]!r}"
+        )
+    return True, fmt
 
 
 def validate(cfg, world_size: int) -> Layout:
@@ -125,6 +177,7 @@ def validate(cfg, world_size: int) -> Layout:
     tp = layout.tensor_model_parallel_size
     for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length"):
         _positive(f"model.{name}", m[name])
+    _check_pipeline_split(cfg, layout)
     for name, value, div in (
         ("model.num_attention_heads", m.num_attention_heads, tp),
         ("model.ffn_hidden_size", m.ffn_hidden_size, tp),
@@ -184,6 +237,36 @@ def validate(cfg, world_size: int) -> Layout:
         check_loadable(ck.load, ck.load_iteration)
     _announce_quantization(cfg, layout)
     return layout
+
+
+def _check_pipeline_split(cfg, layout: Layout) -> None:
+    """megatron splits ``num_layers`` evenly over pp x vpp model chunks (no uneven split here);
+    the interleaved schedule also needs the micro-batch count to be a multiple of pp."""
+    pp, vpp = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size
+    if pp == 1:
+        return
+    chunks = pp * (vpp or 1)
+    n = cfg.model.num_layers
+    if n % chunks != 0:
+        what = (f"pipeline_model_parallel_size={pp} x virtual_pipeline_model_parallel_size={vpp}"
+                if vpp else f"pipeline_model_parallel_size={pp}")
+        ok = sorted({c for c in range(1, n + 1) if n % c == 0})
+        raise ConfigError(
+            f"model.num_layers={n} is not divisible by {what} = {chunks} (each model chunk gets "
+            f"num_layers / {chunks} layers): use a chunk count among {ok}, or set "
+            f"model.num_layers to a multiple of {chunks}"
+        )
+    if vpp:
+        d = cfg.data
+        data_group = layout.data_parallel_size * layout.gtp_remat_size
+        micro = d.global_batch_size // max(1, d.micro_batch_size * data_group)
+        if micro % pp != 0:
+            raise ConfigError(
+                f"the interleaved pipeline schedule (virtual_pipeline_model_parallel_size={vpp}) "
+                f"needs the number of micro-batches per step ({micro} = data.global_batch_size "
+                f"{d.global_batch_size} / (micro_batch_size {d.micro_batch_size} x data group "
+                f"{data_group})) to be a multiple of pipeline_model_parallel_size={pp}"
+            )
 
 
 def gtp_weight_dims(cfg, tensor_model_parallel_size: int) -> dict[str, int]:
