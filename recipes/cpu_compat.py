@@ -254,6 +254,26 @@ def _patch_float16_optimizer_init():
         cls.__init__ = __init__
 
 
+def _patch_tied_embedding_setup():
+    """``LanguageModule.setup_embeddings_and_output_layer`` moves the tied embedding/output weight
+    with ``weight.data.cuda()`` before its first-to-last-stage all-reduce (pipeline parallelism
+    with shared embeddings); run it with ``Tensor.cuda`` returning the CPU tensor itself."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule as cls
+
+    original = cls.setup_embeddings_and_output_layer
+
+    def setup_embeddings_and_output_layer(self, *args, **kwargs):
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *a, **k: t
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    setup_embeddings_and_output_layer.__wrapped__ = original
+    cls.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
 def _patch_rng_state_functions():
     random = importlib.import_module("megatron.core.tensor_parallel.random")
     logging.getLogger(random.__name__).addFilter(_DropCpuRngWarning())
@@ -288,6 +308,7 @@ def install(force: bool = False) -> bool:
         module.torch = proxy
     _patch_rng_state_functions()
     _patch_float16_optimizer_init()
+    _patch_tied_embedding_setup()
     for name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
         importlib.import_module(name).clip_grad_by_total_norm_fp32 = (
             _clip_grad_by_total_norm_fp32_cpu
