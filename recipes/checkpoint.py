@@ -390,8 +390,18 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
                                               stock_writer=not gtp_checkpoint.is_installed())
     except legacy.LegacyCheckpointError as exc:
         raise CheckpointError(str(exc)) from exc
+    from recipes import optim_checkpoint
+
+    try:
+        mine = optim_checkpoint.kind_of(optimizer)
+        saved = optim_checkpoint.saved_kind(common.get("optimizer", {}))
+    except optim_checkpoint.OptimizerCheckpointError as exc:
+        raise CheckpointError(f"{path}: {exc}") from exc
+    optim_checkpoint.prepare_for_load(optimizer)
     state = _sharded_state_dict(model, optimizer, is_loading=True)
-    check_shapes(state, path)
+    stored = check_shapes(state, path, skip_prefixes=("optimizer.state.param.",
+                                                      "optimizer.state.fp32_param."))
+    dropped = optim_checkpoint.prepare_request(state["optimizer"], stored, mine, saved)
     same_layout = common["layout"] == layout_dict and not converted
     if same_layout:
         state["rng_state"] = _rng_sharded_object()
@@ -416,18 +426,26 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
         detail = detail if len(detail) <= 2000 else detail[:2000] + " ..."
         raise CheckpointError(f"{path} {what}: {detail}") from failure
     _load_model_state(model, loaded["model"])
-    optimizer.load_state_dict(loaded["optimizer"])
+    # Weights first: a distributed optimizer resumed from a plain fp32 run takes its main
+    # params from them.
+    optimizer.load_state_dict(optim_checkpoint.finish_load(
+        optimizer, loaded["optimizer"], common["optimizer"], mine, saved, dropped))
     scheduler.load_state_dict(common["opt_param_scheduler"])
     if same_layout:
         _set_rng_state(loaded["rng_state"])
     return common
 
 
-def check_shapes(sharded_state: dict, path) -> None:
+def check_shapes(sharded_state: dict, path, skip_prefixes: tuple = ()) -> dict:
     """Compare every requested tensor's global shape with the checkpoint's, before loading.
 
-    Tensors megatron marks ``allow_shape_mismatch`` (vocab rows padded per TP) are skipped.
+    Tensors megatron marks ``allow_shape_mismatch`` (vocab rows padded per TP) are skipped, and
+    absent keys starting with one of ``skip_prefixes`` (main params, which
+    ``recipes.optim_checkpoint`` maps between optimizer kinds) are not reported.
     Every rank reads the same metadata and so raises the same error.
+
+    Returns:
+        The checkpoint's tensor metadata (``{key: metadata}``).
 
     Raises:
         CheckpointError: naming the first tensors whose shapes differ (both shapes) or that the
@@ -446,7 +464,8 @@ def check_shapes(sharded_state: dict, path) -> None:
         if not isinstance(sh, ShardedTensor) or sh.allow_shape_mismatch:
             continue
         if sh.key not in stored:
-            absent.append(sh.key)
+            if not sh.key.startswith(skip_prefixes):
+                absent.append(sh.key)
         elif tuple(stored[sh.key].global_shape) != tuple(sh.global_shape):
             wrong.append(f"{sh.key}: checkpoint {tuple(stored[sh.key].global_shape)}, "
                          f"this model {tuple(sh.global_shape)}")
@@ -456,6 +475,7 @@ def check_shapes(sharded_state: dict, path) -> None:
             + " (check model.* against the checkpoint's run config)")
     if absent:
         raise CheckpointError(f"{path} lacks tensors this model needs: {sorted(set(absent))[:10]}")
+    return stored
 
 
 def layout_record(layout) -> dict:

@@ -32,6 +32,9 @@ PATCHED_MODULES: dict[str, str] = {
     "megatron.core.distributed.distributed_data_parallel": "DDP: current_device(), streams",
     "megatron.core.distributed.finalize_model_grads": "finalize_model_grads: token count on cuda",
     "megatron.core.optimizer.optimizer": "FP32Optimizer.__init__: torch.tensor(device='cuda')",
+    "megatron.core.optimizer.distrib_optimizer": (
+        "DistributedOptimizer: buffers on current_device() (get_parameter_state_dp_zero...)"
+    ),
     "megatron.core.optimizer.clip_grads": (
         "get_grad_norm_fp32 / clip_grad_by_total_norm_fp32 / count_zeros_fp32: device='cuda'"
     ),
@@ -254,24 +257,40 @@ def _patch_float16_optimizer_init():
         cls.__init__ = __init__
 
 
-def _patch_tied_embedding_setup():
-    """``LanguageModule.setup_embeddings_and_output_layer`` moves the tied embedding/output weight
-    with ``weight.data.cuda()`` before its first-to-last-stage all-reduce (pipeline parallelism
-    with shared embeddings); run it with ``Tensor.cuda`` returning the CPU tensor itself."""
-    from megatron.core.models.common.language_module.language_module import LanguageModule as cls
+@contextlib.contextmanager
+def _tensor_cuda_returns_self():
+    """While active, ``tensor.cuda()`` returns the CPU tensor itself."""
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda t, *args, **kwargs: t
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
 
-    original = cls.setup_embeddings_and_output_layer
 
-    def setup_embeddings_and_output_layer(self, *args, **kwargs):
-        cuda = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda t, *a, **k: t
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            torch.Tensor.cuda = cuda
+# Methods that move a tensor with ``tensor.cuda()`` (a Tensor method, out of reach of the module
+# proxy), run with ``tensor.cuda()`` returning the CPU tensor.
+TENSOR_CUDA_METHODS = {
+    "megatron.core.models.common.language_module.language_module.LanguageModule."
+    "setup_embeddings_and_output_layer": "tied embedding/output weight before its PP all-reduce",
+    "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.get_parameter_state_dp_zero":
+        "distributed optimizer shards gathered for the fully_reshardable checkpoint format",
+}
 
-    setup_embeddings_and_output_layer.__wrapped__ = original
-    cls.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+def _patch_tensor_cuda_methods():
+    for path in TENSOR_CUDA_METHODS:
+        module_name, cls_name, method = path.rsplit(".", 2)
+        cls = getattr(importlib.import_module(module_name), cls_name)
+        original = getattr(cls, method)
+
+        def wrapper(*args, _original=original, **kwargs):
+            with _tensor_cuda_returns_self():
+                return _original(*args, **kwargs)
+
+        wrapper.__wrapped__ = original
+        wrapper.__name__ = method
+        setattr(cls, method, wrapper)
 
 
 def _patch_rng_state_functions():
@@ -308,7 +327,7 @@ def install(force: bool = False) -> bool:
         module.torch = proxy
     _patch_rng_state_functions()
     _patch_float16_optimizer_init()
-    _patch_tied_embedding_setup()
+    _patch_tensor_cuda_methods()
     for name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
         importlib.import_module(name).clip_grad_by_total_norm_fp32 = (
             _clip_grad_by_total_norm_fp32_cpu

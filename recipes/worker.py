@@ -110,6 +110,10 @@ def setup(cfg, layout):
         gtp_setup.after_ddp(chunk, layout)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [chunk.no_sync for chunk in ddp] if len(ddp) > 1 else ddp[0].no_sync
+    if layout.use_distributed_optimizer:
+        from recipes import optim_checkpoint
+
+        optim_checkpoint.install()
     optimizer = build_optimizer(cfg, ddp)
     scheduler = build_scheduler(cfg, optimizer)
     ddp = ddp if len(ddp) > 1 else ddp[0]
