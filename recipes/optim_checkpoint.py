@@ -216,7 +216,7 @@ def install() -> None:
     import megatron.core
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from gtp.version import check_megatron_version
+    from mcore_compat.version import check_megatron_version
 
     check_megatron_version(megatron.core.__version__,
                            "recipes.optim_checkpoint patches DistributedOptimizer state loading")
