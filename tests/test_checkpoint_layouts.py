@@ -366,16 +366,19 @@ def _matrix_worker(root: str, cfgs: dict, plain: dict, pp_cfgs: dict | None = No
 # each param's main param and moments: the golden is cut the same way (flatten, then slice).
 # --------------------------------------------------------------------------------------------
 def _global_names(model) -> dict:
-    """{id(param): global name} for this rank's chunks."""
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    """{id(param): global name} for this rank's chunks. The layer offset is computed here, not
+    taken from megatron: chunk v of stage p holds layers from (v * pp + p) * num_layers / (pp * vpp)."""
+    from megatron.core import parallel_state as ps
 
     from recipes.model import model_chunks
 
     out = {}
-    for chunk in model_chunks(model):
+    chunks = model_chunks(model)
+    pp, p_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    for v, chunk in enumerate(chunks):
         gpt = chunk.module
         gpt = getattr(gpt, "module", gpt)  # Float16Module
-        offset = get_transformer_layer_offset(gpt.config, vp_stage=gpt.vp_stage)
+        offset = (v * pp + p_rank) * (gpt.config.num_layers // (pp * len(chunks)))
         for name, p in gpt.named_parameters():
             if name.startswith("decoder.layers."):
                 parts = name.split(".")
@@ -466,6 +469,7 @@ def _pp_phase(root: Path, cfgs: dict) -> dict:
     from recipes import checkpoint
 
     out = {"loads": {}, "filled": {}, "records": {}}
+    out["negative"] = _pp_negative_controls(root, cfgs)
     for name, cfg_yaml in cfgs.items():
         model, opt, sched, record, cfg = _build(cfg_yaml)
         out["filled"][name] = _pp_fill(model, opt, cfg, sentinel=False)
@@ -478,6 +482,57 @@ def _pp_phase(root: Path, cfgs: dict) -> dict:
             _pp_fill(model, opt, cfg, sentinel=True)
             checkpoint.load_checkpoint(root / src, model, opt, sched, record)
             out["loads"][(src, name)] = _pp_check(model, opt, cfg)
+    return out
+
+
+def _pp_negative_controls(root: Path, cfgs: dict) -> dict:
+    """The checks above must catch (1) a layer loaded at the wrong pipeline offset (stage 1 of
+    pp2 reading layer 0 instead of layer 1: megatron's sharded keys follow ``layer_number``)
+    and (2) a distributed-optimizer bucket left out of a save."""
+    from megatron.core import parallel_state as ps
+
+    from recipes import checkpoint
+    from recipes.checkpoint import CheckpointError
+
+    out = {}
+    # (1) tp1 checkpoint -> pp2 model whose last stage numbers its layers from 0.
+    model, opt, sched, record, cfg = _build(cfgs["tp1"])
+    _pp_fill(model, opt, cfg, sentinel=False)
+    checkpoint.save_checkpoint(root / "neg_tp1", 1, model, opt, sched, {}, record)
+    model, opt, sched, record, cfg = _build(cfgs["pp2"])
+    _pp_fill(model, opt, cfg, sentinel=True)
+    layers = model.module.module.decoder.layers
+    shift = ps.get_pipeline_model_parallel_rank() * len(layers)
+    for layer in layers:
+        layer.layer_number -= shift
+    checkpoint.load_checkpoint(root / "neg_tp1", model, opt, sched, record)
+    for layer in layers:
+        layer.layer_number += shift
+    out["wrong_offset"] = _pp_check(model, opt, cfg)[1]
+    # (2) distributed optimizer (pp2 x dp2): the first bucket's params' state is not saved.
+    model, opt, sched, record, cfg = _build(cfgs["pp2dp2do"])
+    _pp_fill(model, opt, cfg, sentinel=False)
+    (dist,) = opt.chained_optimizers
+    first_bucket = list(dist.gbuf_ranges[0].values())[0][0]["param_map"]
+    original = dist.sharded_state_dict
+
+    def without_first_bucket(model_sd, is_loading=False, **kwargs):
+        sd = original(model_sd, is_loading, **kwargs)
+        order = [p for i in range(len(dist.gbuf_ranges)) for p in dist.buffers[i].param_index_map]
+        for idx, p in enumerate(order):
+            if p in first_bucket:
+                sd["param_state"].pop(idx, None)
+        return sd
+
+    dist.sharded_state_dict = without_first_bucket
+    checkpoint.save_checkpoint(root / "neg_dropped", 1, model, opt, sched, {}, record)
+    dist.sharded_state_dict = original
+    _pp_fill(model, opt, cfg, sentinel=True)
+    try:
+        checkpoint.load_checkpoint(root / "neg_dropped", model, opt, sched, record)
+        out["dropped_bucket"] = None
+    except CheckpointError as exc:
+        out["dropped_bucket"] = str(exc)
     return out
 
 
@@ -945,3 +1000,33 @@ def test_pipeline_and_distributed_optimizer_pairs_restore_everything(matrix):
     # Each distributed-optimizer rank holds part of the optimizer state, never all of it.
     for name in ("pp2dp2do", "g2a16dp2do"):
         assert all(r["pp"]["filled"][name] > 0 for r in results), name
+
+
+def test_wrong_layer_offset_and_dropped_optimizer_bucket_are_caught(matrix):
+    """Negative controls: the pipeline check fails on a layer read at the wrong stage offset
+    (only on the last stage, whose layer 1 then holds layer 0), and a save missing one
+    distributed-optimizer bucket's state is refused at load, naming a missing moment."""
+    _, results = matrix
+    for rank, res in enumerate(results):
+        neg = res["pp"]["negative"]
+        wrong = neg["wrong_offset"]
+        last_stage = rank >= 2  # pp2 x dp2: ranks 2, 3 hold stage 1
+        if last_stage:
+            assert any(p.startswith("decoder.layers.1.") and "weight" in p for p in wrong), wrong
+            assert any("decoder.layers.1." in p and "exp_avg" in p for p in wrong), wrong
+        else:
+            assert not wrong, (rank, wrong[:3])
+        err = neg["dropped_bucket"]
+        assert err is not None and "lacks tensors" in err and "optimizer.state." in err, err
+
+
+def test_checkpoint_records_pipeline_and_optimizer(matrix):
+    records = matrix[1][0]["pp"]["records"]
+    assert records["tp2pp2"]["pipeline_model_parallel_size"] == 2
+    assert records["tp2pp2"]["tensor_model_parallel_size"] == 2
+    assert records["tp2pp2"]["virtual_pipeline_model_parallel_size"] is None
+    assert records["tp1"]["pipeline_model_parallel_size"] == 1
+    assert not records["tp1"]["use_distributed_optimizer"]
+    do = records["g2a16dp2do"]
+    assert do["use_distributed_optimizer"] and do["distrib_optim_sharding_type"] == "fully_reshardable"
+    assert (do["gtp_remat_size"], do["data_parallel_size"], do["pad_for_alignment"]) == (2, 2, 16)
