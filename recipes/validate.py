@@ -240,8 +240,7 @@ def validate(cfg, world_size: int) -> Layout:
 
 
 def _check_pipeline_split(cfg, layout: Layout) -> None:
-    """megatron splits ``num_layers`` evenly over pp x vpp model chunks (no uneven split here);
-    the interleaved schedule also needs the micro-batch count to be a multiple of pp."""
+    """megatron splits ``num_layers`` evenly over pp x vpp model chunks (no uneven split here)."""
     pp, vpp = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size
     if pp == 1:
         return
@@ -257,16 +256,12 @@ def _check_pipeline_split(cfg, layout: Layout) -> None:
             f"model.num_layers to a multiple of {chunks}"
         )
     if vpp:
-        d = cfg.data
-        data_group = layout.data_parallel_size * layout.gtp_remat_size
-        micro = d.global_batch_size // max(1, d.micro_batch_size * data_group)
-        if micro % pp != 0:
-            raise ConfigError(
-                f"the interleaved pipeline schedule (virtual_pipeline_model_parallel_size={vpp}) "
-                f"needs the number of micro-batches per step ({micro} = data.global_batch_size "
-                f"{d.global_batch_size} / (micro_batch_size {d.micro_batch_size} x data group "
-                f"{data_group})) to be a multiple of pipeline_model_parallel_size={pp}"
-            )
+        # The model chunks build and train, but the first iteration's lm loss differs from the
+        # pp1 run of the same weights (not yet explained): refuse rather than train wrong.
+        raise ConfigError(
+            f"parallelism.virtual_pipeline_model_parallel_size={vpp}: the interleaved schedule is "
+            f"not supported yet; set it to null (plain 1F1B over pipeline_model_parallel_size={pp})"
+        )
 
 
 def gtp_weight_dims(cfg, tensor_model_parallel_size: int) -> dict[str, int]:

@@ -57,6 +57,8 @@ def test_data_parallel_size_is_derived_from_world_size():
         (["parallelism=pp2", "parallelism.virtual_pipeline_model_parallel_size=2"], 2,
          r"num_layers=2 is not divisible by pipeline_model_parallel_size=2 x "
          r"virtual_pipeline_model_parallel_size=2 = 4"),
+        (["parallelism=pp2", "model.num_layers=4", "parallelism.virtual_pipeline_model_parallel_size=2"],
+         2, r"virtual_pipeline_model_parallel_size=2: the interleaved schedule is not supported yet"),
         (["parallelism.virtual_pipeline_model_parallel_size=2"], 2,
          r"virtual_pipeline_model_parallel_size=2 needs parallelism.pipeline_model_parallel_size > 1"),
         (["parallelism=tp2pp2"], 6, r"world size 6 is not divisible by tensor_model_parallel_size=2 x "
