@@ -1,4 +1,5 @@
-"""Save and load Megatron ``torch_dist`` checkpoints that reshard across TP, DP and GTP layouts.
+"""Save and load Megatron ``torch_dist`` checkpoints that reshard across TP, PP, DP and GTP layouts
+and between megatron's plain and distributed optimizer.
 
 Folder layout (Megatron-LM's)::
 

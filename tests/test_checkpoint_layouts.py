@@ -55,20 +55,20 @@ LAYOUTS = {
 }
 
 
-# The pipeline / distributed-optimizer matrix (bf16, tied embeddings): name -> (model, tp, g,
-# pad, extra overrides); data-parallel size = 4 / (tp * pp * g).
-_BF16_TIED = ("precision=bf16", "model.share_embeddings_and_output_weights=true")
+# The pipeline / distributed-optimizer matrix (bf16): name -> (model, tp, g, pad, extra
+# overrides); data-parallel size = 4 / (tp * pp * g). (Tied embeddings under PP: the e2e tests.)
+_BF16 = ("precision=bf16",)
 _DISTOPT = ("optim.use_distributed_optimizer=true",)
 PP_LAYOUTS = {
-    "tp1": ("tiny_swiglu", 1, 1, None, _BF16_TIED),
-    "pp2": ("tiny_swiglu", 1, 1, None, (*_BF16_TIED, "parallelism.pipeline_model_parallel_size=2")),
+    "tp1": ("tiny_swiglu", 1, 1, None, _BF16),
+    "pp2": ("tiny_swiglu", 1, 1, None, (*_BF16, "parallelism.pipeline_model_parallel_size=2")),
     "tp2pp2": ("tiny_swiglu", 2, 1, None,
-               (*_BF16_TIED, "parallelism.pipeline_model_parallel_size=2")),
+               (*_BF16, "parallelism.pipeline_model_parallel_size=2")),
     "pp2g2a16": ("tiny_swiglu", 1, 2, 16,
-                 (*_BF16_TIED, "parallelism.pipeline_model_parallel_size=2")),
+                 (*_BF16, "parallelism.pipeline_model_parallel_size=2")),
     "pp2dp2do": ("tiny_swiglu", 1, 1, None,
-                 (*_BF16_TIED, *_DISTOPT, "parallelism.pipeline_model_parallel_size=2")),
-    "g2a16dp2do": ("tiny_swiglu", 1, 2, 16, (*_BF16_TIED, *_DISTOPT)),
+                 (*_BF16, *_DISTOPT, "parallelism.pipeline_model_parallel_size=2")),
+    "g2a16dp2do": ("tiny_swiglu", 1, 2, 16, (*_BF16, *_DISTOPT)),
 }
 
 
@@ -361,7 +361,7 @@ def _matrix_worker(root: str, cfgs: dict, plain: dict, pp_cfgs: dict | None = No
 # Under PP a rank holds some layers under local names (decoder.layers.0 of stage 1 is layer 1);
 # the golden index k comes from the *global* name (megatron's layer offset), so a layer loaded
 # onto the wrong stage fails. The tied output weight on the last stage is a copy of the
-# embedding (same golden). Weights are bf16 (golden rounded); the fp32 main params, exp_avg,
+# embedding (same golden; tied models only). Weights are bf16 (golden rounded); the fp32 main params, exp_avg,
 # exp_avg_sq hold the exact golden. With the distributed optimizer a rank holds a flat slice of
 # each param's main param and moments: the golden is cut the same way (flatten, then slice).
 # --------------------------------------------------------------------------------------------

@@ -61,6 +61,9 @@ def test_data_parallel_size_is_derived_from_world_size():
          2, r"virtual_pipeline_model_parallel_size=2: the interleaved schedule is not supported yet"),
         (["parallelism.virtual_pipeline_model_parallel_size=2"], 2,
          r"virtual_pipeline_model_parallel_size=2 needs parallelism.pipeline_model_parallel_size > 1"),
+        (["parallelism=pp2", "gtp=tp2_align16", "model.share_embeddings_and_output_weights=true"], 4,
+         r"share_embeddings_and_output_weights=true with GTP \(gtp_remat_size=2\) and "
+         r"pipeline_model_parallel_size=2 is not supported"),
         (["parallelism=tp2pp2"], 6, r"world size 6 is not divisible by tensor_model_parallel_size=2 x "
          r"pipeline_model_parallel_size=2 x gtp_remat_size=1 = 4"),
         (["optim.use_distributed_optimizer=true", "optim.distrib_optim_sharding_type=dp_reshardable"],
