@@ -83,7 +83,7 @@ def test_first_resumed_iteration_continues_the_run_it_loaded(chain, before, afte
     prev, _ = _rows(chain[before])
     got, events = _rows(chain[after])
     it = link + 1  # resumed from iteration `link`
-    assert sorted(got) == [it, it + 1], (after, sorted(got))
+    assert min(got) == it, (after, sorted(got))
     resume = [e for e in events if e["event"] == "resume"]
     assert resume and resume[0]["iteration"] == link
     assert got[it]["learning-rate"] == prev[it]["learning-rate"]
