@@ -21,9 +21,8 @@ from pathlib import Path
 
 import torch
 
+from gtp.records import TRACKER
 from recipes import faults
-
-TRACKER = "latest_checkpointed_iteration.txt"
 
 
 class CheckpointError(RuntimeError):
@@ -158,11 +157,6 @@ def _rng_sharded_object():
     return ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
 
 
-def _unwrap(model):
-    """The GPTModel inside megatron's DDP wrapper (its state dict keys have no ``module.``)."""
-    return getattr(model, "module", model)
-
-
 def optimizer_metadata(optimizer) -> dict:
     """The ``metadata`` megatron's ``sharded_state_dict`` takes: the distributed optimizer's
     checkpoint format (``distrib_optim_sharding_type``) when it is one, else empty."""
@@ -179,23 +173,27 @@ def _model_sharded_state_dict(model) -> dict:
     """The model's sharded state dict; with virtual pipeline stages one sub-dict per chunk
     (``chunk0``, ``chunk1``...). Only the ShardedTensor keys reach the file (global layer
     numbers), so the nesting does not tie a checkpoint to a chunk count."""
+    from megatron.core.utils import unwrap_model
+
     from recipes.model import model_chunks
 
     chunks = model_chunks(model)
     if len(chunks) == 1:
-        return _unwrap(chunks[0]).sharded_state_dict()
-    return {f"chunk{i}": _unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+        return unwrap_model(chunks[0]).sharded_state_dict()
+    return {f"chunk{i}": unwrap_model(c).sharded_state_dict() for i, c in enumerate(chunks)}
 
 
 def _load_model_state(model, loaded: dict) -> None:
+    from megatron.core.utils import unwrap_model
+
     from recipes.model import model_chunks
 
     chunks = model_chunks(model)
     if len(chunks) == 1:
-        _unwrap(chunks[0]).load_state_dict(loaded, strict=True)
+        unwrap_model(chunks[0]).load_state_dict(loaded, strict=True)
         return
     for i, chunk in enumerate(chunks):
-        _unwrap(chunk).load_state_dict(loaded[f"chunk{i}"], strict=True)
+        unwrap_model(chunk).load_state_dict(loaded[f"chunk{i}"], strict=True)
 
 
 def _sharded_state_dict(model, optimizer, is_loading: bool) -> dict:
@@ -378,6 +376,7 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
+    from megatron.core.utils import unwrap_model
     # torch DCP's CheckpointException derives from BaseException, not Exception.
     from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
 
