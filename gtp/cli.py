@@ -74,6 +74,8 @@ def cmd_inspect(args, out=sys.stdout) -> int:
     rec = common.get("layout")
     if rec is not None:
         print(f"recorded layout: {rec}", file=out)
+        print(f"parallelism: {describe_parallelism(rec)}", file=out)
+        print(f"optimizer: {describe_optimizer(rec, common)}", file=out)
     conv = common.get(legacy.CONVERTED_KEY)
     if conv:
         print(f"converted by {conv.get('converted_by')} from {conv.get('source')} "
@@ -102,6 +104,34 @@ def cmd_inspect(args, out=sys.stdout) -> int:
     n_legacy = sum(i.legacy for i in analysis.tensors.values())
     print(f"{len(rows)} tensors, {n_legacy} stored in the legacy padded layout", file=out)
     return 0
+
+
+def describe_parallelism(rec: dict) -> str:
+    """``tp2 x pp2 (vpp -) x gtp2 (pad 16) x dp1, world 4`` from a recorded layout (records
+    written before pipeline parallelism lack pp/vpp: pp1)."""
+    g = rec.get("gtp_remat_size", 1)
+    gtp = f"gtp{g} (pad {rec.get('pad_for_alignment', 0)})" if g > 1 else "gtp1"
+    vpp = rec.get("virtual_pipeline_model_parallel_size")
+    return (f"tp{rec.get('tensor_model_parallel_size', '?')} x "
+            f"pp{rec.get('pipeline_model_parallel_size', 1)} (vpp {vpp or '-'}) x {gtp} x "
+            f"dp{rec.get('data_parallel_size', '?')}, world {rec.get('world_size', '?')}")
+
+
+def optimizer_format(common: dict) -> str | None:
+    """The distributed optimizer's checkpoint format in ``common`` (``param_state_sharding_type``),
+    None for megatron's non-distributed optimizer."""
+    node = common.get("optimizer") or {}
+    if node and all(isinstance(k, int) for k in node):
+        node = node[min(node)]
+    return node.get("param_state_sharding_type") if isinstance(node, dict) else None
+
+
+def describe_optimizer(rec: dict, common: dict) -> str:
+    """``distributed Adam (DistributedOptimizer, format fully_reshardable)`` or ``Adam``."""
+    fmt = optimizer_format(common)
+    if fmt is None and not rec.get("use_distributed_optimizer"):
+        return "Adam (megatron's non-distributed optimizer; moments per model tensor)"
+    return f"distributed Adam (megatron's DistributedOptimizer, format {fmt})"
 
 
 def _ordered(keys):
@@ -160,6 +190,7 @@ def cmd_compare(args, out=sys.stdout) -> int:
     an_b, tb = legacy.read_logical(args.ckpt_b, args.layout_b)
     print(f"A: {an_a.path}: {an_a.describe()}", file=out)
     print(f"B: {an_b.path}: {an_b.describe()}", file=out)
+    ta, tb = _main_params_alike(ta, tb)
     only_a, only_b = sorted(ta.keys() - tb.keys()), sorted(tb.keys() - ta.keys())
     if only_a or only_b:
         print(f"DIFFERENT: tensors only in A: {only_a[:10]}; only in B: {only_b[:10]}", file=out)
@@ -184,10 +215,39 @@ def cmd_compare(args, out=sys.stdout) -> int:
     return EQUAL
 
 
+MAIN_PARAM = "optimizer.state.param."  # megatron's DistributedOptimizer (fully_reshardable)
+FP32_PARAM = "optimizer.state.fp32_param."  # megatron's non-distributed bf16 optimizer
+
+
+def _main_params_alike(ta: dict, tb: dict) -> tuple[dict, dict]:
+    """Name the fp32 main params alike whichever optimizer wrote them: ``fp32_param`` keys become
+    ``param`` keys; when only one side has main params and the other was an fp32 run (its
+    main params are its weights), the weights stand in for them."""
+    import torch
+
+    def renamed(t):
+        return {(MAIN_PARAM + k[len(FP32_PARAM):] if k.startswith(FP32_PARAM) else k): v
+                for k, v in t.items()}
+
+    ta, tb = renamed(ta), renamed(tb)
+    for one, other in ((ta, tb), (tb, ta)):
+        for key in [k for k in other if k.startswith(MAIN_PARAM) and k not in one]:
+            weight = one.get(key[len(MAIN_PARAM):])
+            if weight is not None and weight.dtype == torch.float32:
+                one[key] = weight
+    return ta, tb
+
+
 def _step(common):
     import torch
 
-    step = ((common.get("optimizer") or {}).get("state") or {}).get("common_step")
+    opt = common.get("optimizer") or {}
+    if opt.get("param_state_sharding_type"):  # distributed optimizer: step in each param group
+        steps = {g.get("step") for g in opt.get("optimizer", {}).get("param_groups", [])}
+        return float(steps.pop()) if len(steps) == 1 else sorted(steps)
+    if "state" not in opt:  # bf16: megatron's Float16 optimizer nests torch's state dict
+        opt = opt.get("optimizer") or {}
+    step = (opt.get("state") or {}).get("common_step")
     if isinstance(step, torch.Tensor):
         return step.item()
     return step

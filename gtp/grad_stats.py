@@ -37,6 +37,12 @@ _COUNT_ZEROS_USERS = (
 )
 # Set on GTP params' full-shape copies (fp32 master params): logical rows of this rank's shard.
 LOGICAL_ROWS_ATTR = "_gtp_logical_rows"
+# Set on flat 1-D slices of GTP params (megatron's DistributedOptimizer shards, their fp32 main
+# copies): index in the slice where the padding rows begin (its length when none).
+PAD_FROM_ATTR = "_gtp_flat_padding_from"
+# id(GTP param) -> start of its last flat view (distributed optimizer: the fp32 main copy is
+# cloned from that view right after it is tagged).
+_LAST_FLAT_START: dict[int, int] = {}
 
 _original_count_zeros = None
 _original_copy_gtp_attributes = None
@@ -62,7 +68,14 @@ def logical_rows_in_shard(param) -> int | None:
 
 
 def padding_zeros(param, grad) -> int:
-    """Zeros in the padding rows of ``grad`` (the gradient of GTP shard ``param``); 0 otherwise."""
+    """Zeros in the padding rows of ``grad`` (the gradient of GTP shard ``param``, or of a flat
+    distributed-optimizer slice of one); 0 otherwise."""
+    pad_from = getattr(param, PAD_FROM_ATTR, None)
+    if pad_from is not None:
+        if grad is None or grad.numel() != param.numel() or pad_from >= grad.numel():
+            return 0
+        pad = grad.detach().reshape(-1)[pad_from:]
+        return pad.numel() - int(torch.count_nonzero(pad))
     rows = logical_rows_in_shard(param)
     if rows is None or grad is None or grad.dim() == 0 or grad.shape[0] != param.shape[0] \
             or rows >= grad.shape[0]:
@@ -106,11 +119,27 @@ def _count_zeros_logical(parameters, grad_stats_parallel_group, use_decoupled_gr
 
 
 def _copy_gtp_attributes(destination, source):
-    """megatron's ``copy_gtp_attributes`` plus the logical row count of a same-shape copy."""
+    """megatron's ``copy_gtp_attributes`` plus where the padding lies in the copy: the logical
+    row count of a same-shape copy; for a flat 1-D slice (``DistributedOptimizer``: a view of
+    the param's ``[start, end)`` elements, then its fp32 clone) the index where padding starts."""
     _original_copy_gtp_attributes(destination, source)
     rows = logical_rows_in_shard(source)
-    if rows is not None and tuple(destination.shape) == tuple(source.shape):
+    if rows is None:
+        return
+    if tuple(destination.shape) == tuple(source.shape):
         setattr(destination, LOGICAL_ROWS_ATTR, rows)
+        return
+    if destination.dim() != 1 or source.dim() != 2:
+        return
+    if destination.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
+        start = destination.storage_offset() - source.storage_offset()
+        _LAST_FLAT_START[id(source)] = start
+    elif id(source) in _LAST_FLAT_START:
+        start = _LAST_FLAT_START[id(source)]
+    else:
+        return
+    logical = rows * source.shape[1]
+    setattr(destination, PAD_FROM_ATTR, max(0, min(destination.numel(), logical - start)))
 
 
 def install() -> None:

@@ -32,6 +32,9 @@ PATCHED_MODULES: dict[str, str] = {
     "megatron.core.distributed.distributed_data_parallel": "DDP: current_device(), streams",
     "megatron.core.distributed.finalize_model_grads": "finalize_model_grads: token count on cuda",
     "megatron.core.optimizer.optimizer": "FP32Optimizer.__init__: torch.tensor(device='cuda')",
+    "megatron.core.optimizer.distrib_optimizer": (
+        "DistributedOptimizer: buffers on current_device() (get_parameter_state_dp_zero...)"
+    ),
     "megatron.core.optimizer.clip_grads": (
         "get_grad_norm_fp32 / clip_grad_by_total_norm_fp32 / count_zeros_fp32: device='cuda'"
     ),
@@ -44,6 +47,10 @@ PATCHED_MODULES: dict[str, str] = {
     "megatron.core.dist_checkpointing.exchange_utils": "current_device()",
     "megatron.core.transformer.utils": "get_default_causal_mask: torch.ones(device=\"cuda\")",
     "megatron.core.pipeline_parallel.schedules": "forward_backward_no_pipelining: cuda tensors",
+    "megatron.core.pipeline_parallel.p2p_communication": (
+        "P2PCommunicator._communicate: receive buffers and shape tensors on current_device(); "
+        "synchronize()"
+    ),
     "megatron.core.tensor_parallel.generalized_tensor_parallelism": (
         "wait_for_gtp_grad_reduction_on_current_stream (finalize_model_grads under GTP): "
         "current_stream(); GTPShardedParam AG/RS streams and events"
@@ -232,19 +239,58 @@ def _cpu_tensors_report_cuda_types():
 
 
 def _patch_float16_optimizer_init():
-    """``Float16OptimizerWithFloat16Params.__init__`` sorts params by ``param.type()`` and accepts
-    only ``torch.cuda.{Half,BFloat16,Float}Tensor``; run it with CPU tensors reporting those
-    names, so bf16 runs get megatron's fp32 main params on CPU too."""
-    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params as cls
+    """``Float16OptimizerWithFloat16Params.__init__`` and ``DistributedOptimizer.__init__``
+    (``_build_model_and_main_param_groups``) sort params by ``param.type()`` and accept only
+    ``torch.cuda.{Half,BFloat16,Float}Tensor``; run them with CPU tensors reporting those
+    names, so bf16 runs and the distributed optimizer get megatron's fp32 main params on CPU too."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
-    original = cls.__init__
+    for cls in (Float16OptimizerWithFloat16Params, DistributedOptimizer):
+        original = cls.__init__
 
-    def __init__(self, *args, **kwargs):
-        with _cpu_tensors_report_cuda_types():
-            original(self, *args, **kwargs)
+        def __init__(self, *args, _original=original, **kwargs):
+            with _cpu_tensors_report_cuda_types():
+                _original(self, *args, **kwargs)
 
-    __init__.__wrapped__ = original
-    cls.__init__ = __init__
+        __init__.__wrapped__ = original
+        cls.__init__ = __init__
+
+
+@contextlib.contextmanager
+def _tensor_cuda_returns_self():
+    """While active, ``tensor.cuda()`` returns the CPU tensor itself."""
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda t, *args, **kwargs: t
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
+# Methods that move a tensor with ``tensor.cuda()`` (a Tensor method, out of reach of the module
+# proxy), run with ``tensor.cuda()`` returning the CPU tensor.
+TENSOR_CUDA_METHODS = {
+    "megatron.core.models.common.language_module.language_module.LanguageModule."
+    "setup_embeddings_and_output_layer": "tied embedding/output weight before its PP all-reduce",
+    "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.get_parameter_state_dp_zero":
+        "distributed optimizer shards gathered for the fully_reshardable checkpoint format",
+}
+
+
+def _patch_tensor_cuda_methods():
+    for path in TENSOR_CUDA_METHODS:
+        module_name, cls_name, method = path.rsplit(".", 2)
+        cls = getattr(importlib.import_module(module_name), cls_name)
+        original = getattr(cls, method)
+
+        def wrapper(*args, _original=original, **kwargs):
+            with _tensor_cuda_returns_self():
+                return _original(*args, **kwargs)
+
+        wrapper.__wrapped__ = original
+        wrapper.__name__ = method
+        setattr(cls, method, wrapper)
 
 
 def _patch_rng_state_functions():
@@ -281,6 +327,7 @@ def install(force: bool = False) -> bool:
         module.torch = proxy
     _patch_rng_state_functions()
     _patch_float16_optimizer_init()
+    _patch_tensor_cuda_methods()
     for name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
         importlib.import_module(name).clip_grad_by_total_norm_fp32 = (
             _clip_grad_by_total_norm_fp32_cpu

@@ -1,4 +1,5 @@
-"""Save and load Megatron ``torch_dist`` checkpoints that reshard across TP, DP and GTP layouts.
+"""Save and load Megatron ``torch_dist`` checkpoints that reshard across TP, PP, DP and GTP layouts
+and between megatron's plain and distributed optimizer.
 
 Folder layout (Megatron-LM's)::
 
@@ -21,9 +22,8 @@ from pathlib import Path
 
 import torch
 
+from gtp.records import TRACKER
 from recipes import faults
-
-TRACKER = "latest_checkpointed_iteration.txt"
 
 
 class CheckpointError(RuntimeError):
@@ -158,16 +158,51 @@ def _rng_sharded_object():
     return ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
 
 
-def _unwrap(model):
-    """The GPTModel inside megatron's DDP wrapper (its state dict keys have no ``module.``)."""
-    return getattr(model, "module", model)
+def optimizer_metadata(optimizer) -> dict:
+    """The ``metadata`` megatron's ``sharded_state_dict`` takes: the distributed optimizer's
+    checkpoint format (``distrib_optim_sharding_type``) when it is one, else empty."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer):
+            # The one layout-changing format (recipes.validate refuses the others).
+            return {"distrib_optim_sharding_type": "fully_reshardable"}
+    return {}
+
+
+def _model_sharded_state_dict(model) -> dict:
+    """The model's sharded state dict; with virtual pipeline stages one sub-dict per chunk
+    (``chunk0``, ``chunk1``...). Only the ShardedTensor keys reach the file (global layer
+    numbers), so the nesting does not tie a checkpoint to a chunk count."""
+    from megatron.core.utils import unwrap_model
+
+    from recipes.model import model_chunks
+
+    chunks = model_chunks(model)
+    if len(chunks) == 1:
+        return unwrap_model(chunks[0]).sharded_state_dict()
+    return {f"chunk{i}": unwrap_model(c).sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def _load_model_state(model, loaded: dict) -> None:
+    from megatron.core.utils import unwrap_model
+
+    from recipes.model import model_chunks
+
+    chunks = model_chunks(model)
+    if len(chunks) == 1:
+        unwrap_model(chunks[0]).load_state_dict(loaded, strict=True)
+        return
+    for i, chunk in enumerate(chunks):
+        unwrap_model(chunk).load_state_dict(loaded[f"chunk{i}"], strict=True)
 
 
 def _sharded_state_dict(model, optimizer, is_loading: bool) -> dict:
-    model_sd = _unwrap(model).sharded_state_dict()
+    model_sd = _model_sharded_state_dict(model)
     return {
         "model": model_sd,
-        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
+        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                  metadata=optimizer_metadata(optimizer)),
     }
 
 
@@ -466,6 +501,7 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
+    from megatron.core.utils import unwrap_model
     # torch DCP's CheckpointException derives from BaseException, not Exception.
     from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
 
@@ -479,8 +515,18 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
                                               stock_writer=not gtp_checkpoint.is_installed())
     except legacy.LegacyCheckpointError as exc:
         raise CheckpointError(str(exc)) from exc
+    from recipes import optim_checkpoint
+
+    try:
+        mine = optim_checkpoint.kind_of(optimizer)
+        saved = optim_checkpoint.saved_kind(common.get("optimizer", {}))
+    except optim_checkpoint.OptimizerCheckpointError as exc:
+        raise CheckpointError(f"{path}: {exc}") from exc
+    optim_checkpoint.prepare_for_load(optimizer)
     state = _sharded_state_dict(model, optimizer, is_loading=True)
-    check_shapes(state, path)
+    stored = check_shapes(state, path, skip_prefixes=("optimizer.state.param.",
+                                                      "optimizer.state.fp32_param."))
+    dropped = optim_checkpoint.prepare_request(state["optimizer"], stored, mine, saved)
     same_layout = common["layout"] == layout_dict and not converted
     if same_layout:
         state["rng_state"] = _rng_sharded_object()
@@ -504,19 +550,27 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
         detail = str(failure)
         detail = detail if len(detail) <= 2000 else detail[:2000] + " ..."
         raise CheckpointError(f"{path} {what}: {detail}") from failure
-    _unwrap(model).load_state_dict(loaded["model"], strict=True)
-    optimizer.load_state_dict(loaded["optimizer"])
+    _load_model_state(model, loaded["model"])
+    # Weights first: a distributed optimizer resumed from a plain fp32 run takes its main
+    # params from them.
+    optimizer.load_state_dict(optim_checkpoint.finish_load(
+        optimizer, loaded["optimizer"], common["optimizer"], mine, saved, dropped))
     scheduler.load_state_dict(common["opt_param_scheduler"])
     if same_layout:
         _set_rng_state(loaded["rng_state"])
     return common
 
 
-def check_shapes(sharded_state: dict, path) -> None:
+def check_shapes(sharded_state: dict, path, skip_prefixes: tuple = ()) -> dict:
     """Compare every requested tensor's global shape with the checkpoint's, before loading.
 
-    Tensors megatron marks ``allow_shape_mismatch`` (vocab rows padded per TP) are skipped.
+    Tensors megatron marks ``allow_shape_mismatch`` (vocab rows padded per TP) are skipped, and
+    absent keys starting with one of ``skip_prefixes`` (main params, which
+    ``recipes.optim_checkpoint`` maps between optimizer kinds) are not reported.
     Every rank reads the same metadata and so raises the same error.
+
+    Returns:
+        The checkpoint's tensor metadata (``{key: metadata}``).
 
     Raises:
         CheckpointError: naming the first tensors whose shapes differ (both shapes) or that the
@@ -535,7 +589,8 @@ def check_shapes(sharded_state: dict, path) -> None:
         if not isinstance(sh, ShardedTensor) or sh.allow_shape_mismatch:
             continue
         if sh.key not in stored:
-            absent.append(sh.key)
+            if not sh.key.startswith(skip_prefixes):
+                absent.append(sh.key)
         elif tuple(stored[sh.key].global_shape) != tuple(sh.global_shape):
             wrong.append(f"{sh.key}: checkpoint {tuple(stored[sh.key].global_shape)}, "
                          f"this model {tuple(sh.global_shape)}")
@@ -545,6 +600,7 @@ def check_shapes(sharded_state: dict, path) -> None:
             + " (check model.* against the checkpoint's run config)")
     if absent:
         raise CheckpointError(f"{path} lacks tensors this model needs: {sorted(set(absent))[:10]}")
+    return stored
 
 
 def layout_record(layout) -> dict:

@@ -44,6 +44,8 @@ class ParallelismConfig:
     name: str = "dp2"
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    # Model chunks per pipeline stage (megatron's interleaved 1F1B schedule); null: one chunk.
+    virtual_pipeline_model_parallel_size: Optional[int] = None
     # null: derived as world_size / (tp * pp * gtp_remat_size).
     data_parallel_size: Optional[int] = None
     # Processes started on this machine by train.py (ignored when RANK/WORLD_SIZE are set).
@@ -114,6 +116,11 @@ class OptimConfig:
     adam_beta2: float = 0.95
     adam_eps: float = 1.0e-8
     clip_grad: float = 1.0
+    # megatron's DistributedOptimizer (ZeRO-1): Adam state and fp32 main params sharded over DP.
+    use_distributed_optimizer: bool = False
+    # Its checkpoint format (megatron's metadata["distrib_optim_sharding_type"]); only formats
+    # that survive a DP/TP/PP change are accepted: fully_reshardable.
+    distrib_optim_sharding_type: str = "fully_reshardable"
 
 
 @dataclass

@@ -40,31 +40,53 @@ def before_model(cfg, layout) -> None:
 def after_model(model, layout) -> None:
     """Verify the built model's GTP shards carry the resolved alignment, and that the weights
     megatron sharded are exactly those pre-launch validation checked
-    (``recipes.validate.gtp_weight_dims``); rank 0 prints what it verified."""
+    (``recipes.model.gtp_weight_dims``); rank 0 prints what it verified."""
     if layout.gtp_remat_size == 1:
         return
     import torch
     from megatron.core.tensor_parallel.generalized_tensor_parallelism import is_gtp_param
 
     from gtp import alignment
-    from recipes.validate import gtp_weight_dims
+    from recipes.model import gtp_weight_dims
 
     checked = alignment.check_pad_applied(model, layout.pad_for_alignment)
     built = {name: p._unsharded_shape[0] for name, p in model.named_parameters() if is_gtp_param(p)}
     cfg = _STATE.get("cfg")
     if cfg is not None:
-        expected = gtp_weight_dims(cfg, layout.tensor_model_parallel_size)
+        expected = _stage_share(gtp_weight_dims(cfg, layout.tensor_model_parallel_size), model, cfg)
         if built != expected:
             diff = sorted(set(built.items()) ^ set(expected.items()))
             raise RuntimeError(
                 "GTP-sharded weights (name, TP-local dim 0) differ from what pre-launch validation "
-                f"checked (recipes.validate.gtp_weight_dims): {diff}"
+                f"checked (recipes.model.gtp_weight_dims): {diff}"
             )
     if torch.distributed.get_rank() == 0:
         pad_rows = sum(p.pad_length for p in model.parameters() if is_gtp_param(p))
         print(f"> GTP: {checked} weights sharded over gtp_remat_size={layout.gtp_remat_size}, "
               f"pad_for_alignment={layout.pad_for_alignment} verified on the built model "
               f"({pad_rows} padding rows in all)", flush=True)
+
+
+def _stage_share(dims: dict, chunk, cfg) -> dict:
+    """The entries of ``gtp_weight_dims`` (whole model) that pipeline chunk ``chunk`` holds,
+    under its local names: its ``decoder.layers.0..n-1`` (all layers have the same dims), the
+    embedding on the first stage, the output layer on the last one (a copy of the tied embedding
+    there when the embedding lives on another stage)."""
+    n = len(chunk.decoder.layers)
+    out = {}
+    for name, dim in dims.items():
+        if name.startswith("decoder.layers."):
+            if int(name.split(".")[2]) < n:
+                out[name] = dim
+        elif name.startswith("embedding."):
+            if chunk.pre_process:
+                out[name] = dim
+        elif chunk.post_process:
+            out[name] = dim
+    tied = cfg.model.share_embeddings_and_output_weights
+    if tied and chunk.post_process and not chunk.pre_process:
+        out["output_layer.weight"] = dims["embedding.word_embeddings.weight"]
+    return out
 
 
 def after_ddp(ddp_model, layout) -> None:

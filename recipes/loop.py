@@ -35,30 +35,55 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"])
 
 
-def _mean_over_data_group(value: torch.Tensor) -> float:
+def _mean_over_data_group(value: torch.Tensor) -> torch.Tensor:
     from megatron.core import parallel_state
 
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     value = value.clone()
     torch.distributed.all_reduce(value, group=group)
-    return (value / torch.distributed.get_world_size(group)).item()
+    return value / torch.distributed.get_world_size(group)
+
+
+def _lm_loss(losses: list) -> float:
+    """The global batch's ``lm loss``, the same on every rank.
+
+    Only the last pipeline stage computes it (megatron's schedules return an empty list on the
+    others); it is averaged over the data-parallel group there and then sent to every rank (a
+    MAX over the world: the last-stage ranks hold the same value, the others -inf), so rank 0
+    logs it, as Megatron-LM's last rank reports it.
+    """
+    from megatron.core import parallel_state
+
+    if losses:
+        local = _mean_over_data_group(torch.stack([x["lm loss"] for x in losses]).mean())
+    else:
+        local = torch.tensor(float("-inf"))
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        local = local.reshape(1).float()
+        torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX)
+    return float(local.reshape(()).item())
 
 
 def train_step(model, optimizer, scheduler, data_iterator, num_microbatches: int, cfg) -> dict:
     """One optimizer step over ``num_microbatches`` micro-batches on this rank.
 
     Returns:
-        ``lm loss`` (mean over the global batch), ``grad-norm`` (before clipping, each logical
+        ``lm loss`` (mean over the global batch, from the last pipeline stage), ``grad-norm`` (before clipping, each logical
         element once), ``num-zeros``, ``learning-rate`` (the one the step used).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    model.zero_grad_buffer()
+    from recipes.model import model_chunks
+
+    chunks = model_chunks(model)
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    # pp1: no pipelining; pp > 1: 1F1B; with vpp: interleaved 1F1B (one data iterator per chunk).
     losses = get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=data_iterator,
-        model=[model],
+        model=chunks,
         num_microbatches=num_microbatches,
         seq_length=cfg.model.seq_length,
         micro_batch_size=cfg.data.micro_batch_size,
@@ -69,9 +94,8 @@ def train_step(model, optimizer, scheduler, data_iterator, num_microbatches: int
     if not ok:
         raise FloatingPointError("optimizer step skipped (inf/nan in gradients)")
     scheduler.step(increment=1)
-    local = torch.stack([x["lm loss"] for x in losses]).mean()
     return {
-        "lm loss": _mean_over_data_group(local),
+        "lm loss": _lm_loss(losses),
         "grad-norm": float(grad_norm),
         "num-zeros": float(num_zeros or 0),
         "learning-rate": lr,

@@ -7,7 +7,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# ``precision.params_dtype`` values and their torch dtypes.
+PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -41,12 +42,52 @@ def padded_vocab_of_config(cfg, tp: int) -> int:
     return padded_vocab_size(vocab, int(cfg["model"]["make_vocab_size_divisible_by"]), tp)
 
 
+def gtp_weight_dims(cfg, tensor_model_parallel_size: int) -> dict[str, int]:
+    """``{parameter name: TP-local dim 0}`` of every weight megatron shards over the GTP group.
+
+    megatron-core 0.19.2 wraps the ``weight`` of every ``VocabParallelEmbedding``,
+    ``ColumnParallelLinear`` and ``RowParallelLinear`` (``megatron.core.tensor_parallel.layers``,
+    its ``wrap_module_params_gtp`` calls); never biases, norms or the position embedding. GTP slices the
+    TP-local dim 0:
+
+    - ``embedding.word_embeddings`` / ``output_layer`` (vocab rows): padded vocab / tp; the output
+      layer has no weight of its own when embeddings and output weights are shared;
+    - ``linear_qkv`` (column-parallel): (heads + 2 * query groups) * kv_channels / tp = 3 * hidden / tp;
+    - ``linear_fc1`` (column-parallel): ffn / tp, twice that with SwiGLU (gate and up rows);
+    - ``linear_proj``, ``linear_fc2`` (row-parallel, TP splits dim 1): hidden, whatever the TP.
+
+    Names are those of ``GPTModel.named_parameters()`` (``recipes.gtp_setup.after_model`` checks
+    the built model against this table). The vocab rows are left out when the tokenizer cannot be
+    built from the config (other checks report that).
+    """
+    m, tp = cfg.model, tensor_model_parallel_size
+    dims: dict[str, int] = {}
+    try:
+        from recipes.data import build_tokenizer
+
+        vocab = padded_vocab_size(build_tokenizer(cfg.data).vocab_size,
+                                  m.make_vocab_size_divisible_by, tp) // tp
+    except ValueError:
+        vocab = None
+    if vocab is not None:
+        dims["embedding.word_embeddings.weight"] = vocab
+    for i in range(m.num_layers):
+        layer = f"decoder.layers.{i}"
+        dims[f"{layer}.self_attention.linear_qkv.weight"] = 3 * m.hidden_size // tp
+        dims[f"{layer}.self_attention.linear_proj.weight"] = m.hidden_size
+        dims[f"{layer}.mlp.linear_fc1.weight"] = (2 if m.swiglu else 1) * m.ffn_hidden_size // tp
+        dims[f"{layer}.mlp.linear_fc2.weight"] = m.hidden_size
+    if vocab is not None and not m.share_embeddings_and_output_weights:
+        dims["output_layer.weight"] = vocab
+    return dims
+
+
 def transformer_config(cfg, layout):
     """megatron ``TransformerConfig`` for ``cfg.model`` at ``layout`` (a ``recipes.validate.Layout``)."""
     from megatron.core.transformer import TransformerConfig
 
     m = cfg.model
-    dtype = _DTYPES[cfg.precision.params_dtype]
+    dtype = PARAMS_DTYPES[cfg.precision.params_dtype]
     ffn = m.ffn_hidden_size
     kwargs = dict(
         num_layers=m.num_layers,
@@ -58,6 +99,7 @@ def transformer_config(cfg, layout):
         attention_dropout=m.attention_dropout,
         tensor_model_parallel_size=layout.tensor_model_parallel_size,
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
         # CPU init draws the full weight from one seed and slices it, so every layout starts
         # from the same logical weights.
         use_cpu_initialization=True,
@@ -77,34 +119,84 @@ def transformer_config(cfg, layout):
     return TransformerConfig(**kwargs)
 
 
-def build_model(cfg, layout, vocab_size: int):
-    """Build the GPT model on this rank (after ``parallel_state`` is initialized).
+def _gpt(cfg, config, vocab: int, pre: bool, post: bool, vp_stage, tied: bool):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=vocab,
+        max_sequence_length=cfg.model.seq_length,
+        pre_process=pre,
+        post_process=post,
+        position_embedding_type=cfg.model.position_embedding_type,
+        share_embeddings_and_output_weights=tied,
+        vp_stage=vp_stage,
+    )
+
+
+def _draw_like_layers_before(cfg, config, vocab: int, num_layers: int) -> None:
+    """Advance the RNGs (torch's and megatron's tracker) exactly as building the embedding and
+    the first ``num_layers`` layers of the whole model does: build that prefix (one pipeline
+    stage, no output layer) and drop it. Only random draws matter; sizes and order are the
+    pp1 model's, so each layer gets the weights it gets at pp1."""
+    import dataclasses
+
+    prefix = dataclasses.replace(config, num_layers=num_layers, pipeline_model_parallel_size=1,
+                                 virtual_pipeline_model_parallel_size=None)
+    # Untied: a tied embedding would wait for its output-layer peer in megatron's all-reduce.
+    _gpt(cfg, prefix, vocab, True, False, None, False)
+
+
+def build_model(cfg, layout, vocab_size: int, reseed=lambda: None):
+    """Build this rank's model chunks (after ``parallel_state`` is initialized).
+
+    Under pipeline parallelism each chunk holds megatron's share of the layers
+    (``transformer_layer.get_transformer_layer_offset``: ``num_layers / (pp * vpp)`` per chunk,
+    chunk ``v`` of stage ``p`` starting at layer ``(v * pp + p) * that``); the embedding lives on
+    the first chunk of stage 0, the output layer and loss on the last chunk of the last stage.
 
     Args:
         cfg: the run config; ``cfg.model`` gives the shape.
         layout: the resolved ``recipes.validate.Layout``.
         vocab_size: the tokenizer's vocabulary size (padded here for TP).
+        reseed: re-seeds every RNG with the run's seed (called before each chunk under pipeline
+            parallelism).
 
     Returns:
-        ``(model, transformer_config)``: a ``megatron.core.models.gpt.GPTModel`` on CPU.
+        ``(chunks, transformer_config)``: a list of ``megatron.core.models.gpt.GPTModel`` on CPU,
+        one per virtual pipeline stage (one without vpp).
     """
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     config = transformer_config(cfg, layout)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=padded_vocab_size(
-            vocab_size, cfg.model.make_vocab_size_divisible_by, layout.tensor_model_parallel_size
-        ),
-        max_sequence_length=cfg.model.seq_length,
-        position_embedding_type=cfg.model.position_embedding_type,
-        share_embeddings_and_output_weights=cfg.model.share_embeddings_and_output_weights,
-    )
-    return model, config
+    vpp = layout.virtual_pipeline_model_parallel_size
+    vocab = padded_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by,
+                              layout.tensor_model_parallel_size)
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        if layout.pipeline_model_parallel_size > 1:
+            # Same initial weights at every layout: replay the draws of the layers before this
+            # chunk, from the run's seed, as the pp1 model would have made them.
+            reseed()
+            offset = get_transformer_layer_offset(config, vp_stage=stage)
+            if offset:
+                _draw_like_layers_before(cfg, config, vocab, offset)
+        chunks.append(_gpt(cfg, config, vocab, pre, post, stage,
+                           cfg.model.share_embeddings_and_output_weights))
+    return chunks, config
+
+
+def model_chunks(model) -> list:
+    """The list of model chunks of ``model`` (one DDP-wrapped model or a list of them)."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
 def count_parameters(model) -> int:
     """Number of parameters held by this rank (GTP shards count their padded rows)."""
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for chunk in model_chunks(model) for p in chunk.parameters())

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+# lr decay styles of megatron's OptimizerParamScheduler that ``optim.lr_decay_style`` may take.
+LR_DECAY_STYLES = ("cosine", "linear", "constant")
 
-def build_optimizer(cfg, ddp_model):
-    """Adam through megatron's ``get_megatron_optimizer`` (non-distributed, fp32 grads).
+
+def build_optimizer(cfg, ddp_chunks):
+    """Adam through megatron's ``get_megatron_optimizer`` (fp32 grads), megatron's
+    ``DistributedOptimizer`` when ``optim.use_distributed_optimizer`` (Adam state and fp32 main
+    params sharded over the data-parallel group; the DDP chunks must have been built with
+    ``use_distributed_optimizer=True``).
+
+    Args:
+        cfg: the run config.
+        ddp_chunks: the DDP-wrapped model chunks of this rank (a list; one without vpp).
 
     Returns a ``MegatronOptimizer`` whose ``step()`` returns ``(success, grad_norm, num_zeros)``
     with the grad norm counted over each logical element once (megatron filters TP and GTP
-    duplicates in ``MegatronOptimizer.get_main_grads_for_grad_norm``).
+    duplicates and the pipeline copy of a tied embedding in
+    ``MegatronOptimizer.get_main_grads_for_grad_norm``, and reduces over the model-parallel
+    group, plus the data-parallel group with the distributed optimizer).
     """
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -24,11 +36,11 @@ def build_optimizer(cfg, ddp_model):
         adam_eps=o.adam_eps,
         clip_grad=o.clip_grad,
         bf16=bf16,
-        params_dtype=ddp_model.config.params_dtype,
-        use_distributed_optimizer=False,
+        params_dtype=ddp_chunks[0].config.params_dtype,
+        use_distributed_optimizer=bool(o.get("use_distributed_optimizer", False)),
         log_num_zeros_in_grad=True,
     )
-    return get_megatron_optimizer(config, [ddp_model])
+    return get_megatron_optimizer(config, list(ddp_chunks))
 
 
 def build_scheduler(cfg, optimizer):

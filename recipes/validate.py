@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from typing import Optional
 
 
 class ConfigError(ValueError):
@@ -29,24 +30,29 @@ class Layout:
     gtp_remat_size: int
     data_parallel_size: int
     pad_for_alignment: int
+    # Model chunks per pipeline stage (interleaved schedule); None: one.
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    # megatron's DistributedOptimizer and its checkpoint format (None without it).
+    use_distributed_optimizer: bool = False
+    distrib_optim_sharding_type: Optional[str] = None
 
     def describe(self) -> str:
-        """A short human-readable form, e.g. ``tp2 x gtp2(pad 16) x dp1 (world 4)``."""
+        """A short human-readable form, e.g. ``tp2 x pp2 x gtp2(pad 16) x dp1 (world 8)``."""
         gtp = (
             f" x gtp{self.gtp_remat_size}(pad {self.pad_for_alignment})"
             if self.gtp_remat_size > 1
             else ""
         )
+        pp = ""
+        if self.pipeline_model_parallel_size > 1:
+            vpp = self.virtual_pipeline_model_parallel_size
+            pp = f" x pp{self.pipeline_model_parallel_size}" + (f"(vpp {vpp})" if vpp else "")
+        opt = (f", distributed optimizer ({self.distrib_optim_sharding_type})"
+               if self.use_distributed_optimizer else "")
         return (
-            f"tp{self.tensor_model_parallel_size}{gtp} x dp{self.data_parallel_size}"
-            f" (world {self.world_size})"
+            f"tp{self.tensor_model_parallel_size}{pp}{gtp} x dp{self.data_parallel_size}"
+            f" (world {self.world_size}){opt}"
         )
-
-
-_DTYPES = ("fp32", "bf16")
-_SOURCES = ("pydoc", "text", "indexed", "mock")
-_DECAY = ("cosine", "linear", "constant")
-_LOGGER_MODES = ("offline", "online", "disabled")
 
 
 def world_size_from_env(cfg) -> int:
@@ -77,10 +83,17 @@ def resolve_layout(cfg, world_size: int) -> Layout:
         ("world size", world_size),
     ):
         _positive(name, value)
-    if pp != 1:
-        raise ConfigError(
-            f"parallelism.pipeline_model_parallel_size={pp} is not supported yet: use 1"
-        )
+    vpp = par.get("virtual_pipeline_model_parallel_size")
+    if vpp is not None:
+        _positive("parallelism.virtual_pipeline_model_parallel_size", vpp)
+        if pp == 1:
+            raise ConfigError(
+                f"parallelism.virtual_pipeline_model_parallel_size={vpp} needs "
+                f"parallelism.pipeline_model_parallel_size > 1 (it is 1): set "
+                f"pipeline_model_parallel_size=2 or more, or virtual_pipeline_model_parallel_size=null"
+            )
+        if vpp == 1:
+            vpp = None  # one chunk per stage: megatron's plain 1F1B
     # The GTP fields are checked whatever gtp_remat_size is: a typo must not wait for g > 1.
     from gtp.alignment import RECIPE_DEFAULT_PAD, resolve_pad_for_alignment
 
@@ -108,7 +121,40 @@ def resolve_layout(cfg, world_size: int) -> Layout:
         )
     # Without GTP nothing is padded: the layout (and the checkpoint's record of it) says 0.
     pad = resolved_pad if g > 1 else 0
-    return Layout(world_size, tp, pp, g, dp, pad)
+    distopt, sharding = _distributed_optimizer(cfg)
+    return Layout(world_size, tp, pp, g, dp, pad, vpp, distopt, sharding)
+
+
+# megatron-core 0.19.2 DistributedOptimizer checkpoint formats (metadata
+# "distrib_optim_sharding_type") and whether a checkpoint in it loads at another layout.
+DISTRIB_OPTIM_FORMATS = {
+    "fully_reshardable": "model-space tensors, any DP/TP/PP layout (and the non-distributed optimizer)",
+    "dp_reshardable": "flat bucket buffers: reshards over DP only",
+    "dp_zero_gather_scatter": "deprecated: one object per TP x PP rank",
+    "fully_sharded_model_space": "deprecated flattened ranges; not with GTP's logical layout",
+    "fully_sharded_bucket_space": "deprecated bucket buffers",
+    "fsdp_dtensor": "Megatron-FSDP only",
+}
+RESHARDABLE_DISTRIB_OPTIM_FORMATS = ("fully_reshardable",)
+
+
+def _distributed_optimizer(cfg) -> tuple[bool, Optional[str]]:
+    """``(use_distributed_optimizer, its checkpoint format or None)``.
+
+    Raises:
+        ConfigError: a format that cannot change layout, or an unknown one.
+    """
+    o = cfg.optim
+    if not o.get("use_distributed_optimizer", False):
+        return False, None
+    fmt = o.get("distrib_optim_sharding_type", "fully_reshardable")
+    if fmt not in RESHARDABLE_DISTRIB_OPTIM_FORMATS:
+        why = DISTRIB_OPTIM_FORMATS.get(fmt, "not a megatron-core 0.19.2 format")
+        raise ConfigError(
+            f"optim.distrib_optim_sharding_type={fmt!r} ({why}) cannot be resumed at another "
+            f"parallel layout; use {RESHARDABLE_DISTRIB_OPTIM_FORMATS[0]!r}"
+        )
+    return True, fmt
 
 
 def validate(cfg, world_size: int) -> Layout:
@@ -120,11 +166,18 @@ def validate(cfg, world_size: int) -> Layout:
     Raises:
         ConfigError: the first problem found, naming the key, its value and what is valid.
     """
+    from gtp.records import CHECKPOINT_LAYOUTS
+    from recipes.data import SOURCES
+    from recipes.metrics import LOGGER_MODES
+    from recipes.model import PARAMS_DTYPES
+    from recipes.optim import LR_DECAY_STYLES
+
     layout = resolve_layout(cfg, world_size)
     m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
     tp = layout.tensor_model_parallel_size
     for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length"):
         _positive(f"model.{name}", m[name])
+    _check_pipeline_split(cfg, layout)
     for name, value, div in (
         ("model.num_attention_heads", m.num_attention_heads, tp),
         ("model.ffn_hidden_size", m.ffn_hidden_size, tp),
@@ -133,10 +186,11 @@ def validate(cfg, world_size: int) -> Layout:
         if value % div != 0:
             raise ConfigError(f"{name}={value} must be divisible by {div} (tensor_model_parallel_size={tp})"
                               if div == tp else f"{name}={value} must be divisible by model.num_attention_heads={div}")
-    if cfg.precision.params_dtype not in _DTYPES:
-        raise ConfigError(f"precision.params_dtype={cfg.precision.params_dtype!r}: valid are {_DTYPES}")
-    if d.source not in _SOURCES:
-        raise ConfigError(f"data.source={d.source!r}: valid are {_SOURCES}")
+    if cfg.precision.params_dtype not in PARAMS_DTYPES:
+        raise ConfigError(f"precision.params_dtype={cfg.precision.params_dtype!r}: valid are "
+                          f"{tuple(PARAMS_DTYPES)}")
+    if d.source not in SOURCES:
+        raise ConfigError(f"data.source={d.source!r}: valid are {SOURCES}")
     _positive("data.micro_batch_size", d.micro_batch_size)
     _positive("data.global_batch_size", d.global_batch_size)
     # Batches are split over the full data group, dp x gtp_remat_size: GTP peers read different
@@ -154,10 +208,19 @@ def validate(cfg, world_size: int) -> Layout:
         )
     if layout.gtp_remat_size > 1:
         _check_gtp_dims(cfg, layout)
+        if layout.pipeline_model_parallel_size > 1 and m.share_embeddings_and_output_weights:
+            # megatron hands the last stage's copy of the tied weight to the output layer as a
+            # GTP shard, which ColumnParallelLinear refuses (its rows are the padded shard's).
+            raise ConfigError(
+                "model.share_embeddings_and_output_weights=true with GTP "
+                f"(gtp_remat_size={layout.gtp_remat_size}) and pipeline_model_parallel_size="
+                f"{layout.pipeline_model_parallel_size} is not supported: set "
+                "model.share_embeddings_and_output_weights=false, gtp=off or pp 1"
+            )
     if o.optimizer != "adam":
         raise ConfigError(f"optim.optimizer={o.optimizer!r}: valid is 'adam'")
-    if o.lr_decay_style not in _DECAY:
-        raise ConfigError(f"optim.lr_decay_style={o.lr_decay_style!r}: valid are {_DECAY}")
+    if o.lr_decay_style not in LR_DECAY_STYLES:
+        raise ConfigError(f"optim.lr_decay_style={o.lr_decay_style!r}: valid are {LR_DECAY_STYLES}")
     if not (0 <= o.min_lr <= o.lr):
         raise ConfigError(f"optim.min_lr={o.min_lr} must lie in [0, optim.lr={o.lr}]")
     _positive("train.train_iters", t.train_iters)
@@ -168,11 +231,11 @@ def validate(cfg, world_size: int) -> Layout:
             f"optim.lr_warmup_iters={o.lr_warmup_iters} must lie in [0, {decay}) "
             f"(optim.lr_decay_iters, default train.train_iters={t.train_iters})"
         )
-    if cfg.gtp.get("checkpoint_layout", "logical") not in ("logical", "stock"):
+    if cfg.gtp.get("checkpoint_layout", "logical") not in CHECKPOINT_LAYOUTS:
         raise ConfigError(f"gtp.checkpoint_layout={cfg.gtp.checkpoint_layout!r}: valid are "
-                          f"('logical', 'stock')")
-    if cfg.logger.mode not in _LOGGER_MODES:
-        raise ConfigError(f"logger.mode={cfg.logger.mode!r}: valid are {_LOGGER_MODES}")
+                          f"{CHECKPOINT_LAYOUTS}")
+    if cfg.logger.mode not in LOGGER_MODES:
+        raise ConfigError(f"logger.mode={cfg.logger.mode!r}: valid are {LOGGER_MODES}")
     ck = cfg.checkpoint
     if ck.save_interval < 0:
         raise ConfigError(f"checkpoint.save_interval={ck.save_interval} must be >= 0 (0: never)")
@@ -186,45 +249,29 @@ def validate(cfg, world_size: int) -> Layout:
     return layout
 
 
-def gtp_weight_dims(cfg, tensor_model_parallel_size: int) -> dict[str, int]:
-    """``{parameter name: TP-local dim 0}`` of every weight megatron shards over the GTP group.
-
-    megatron-core 0.19.2 wraps the ``weight`` of every ``VocabParallelEmbedding``,
-    ``ColumnParallelLinear`` and ``RowParallelLinear`` (``tensor_parallel/layers.py``,
-    ``wrap_module_params_gtp``); never biases, norms or the position embedding. GTP slices the
-    TP-local dim 0:
-
-    - ``embedding.word_embeddings`` / ``output_layer`` (vocab rows): padded vocab / tp; the output
-      layer has no weight of its own when embeddings and output weights are shared;
-    - ``linear_qkv`` (column-parallel): (heads + 2 * query groups) * kv_channels / tp = 3 * hidden / tp;
-    - ``linear_fc1`` (column-parallel): ffn / tp, twice that with SwiGLU (gate and up rows);
-    - ``linear_proj``, ``linear_fc2`` (row-parallel, TP splits dim 1): hidden, whatever the TP.
-
-    Names are those of ``GPTModel.named_parameters()`` (``recipes.gtp_setup.after_model`` checks
-    the built model against this table). The vocab rows are left out when the tokenizer cannot be
-    built from the config (other checks report that).
-    """
-    m, tp = cfg.model, tensor_model_parallel_size
-    dims: dict[str, int] = {}
-    try:
-        from recipes.data import build_tokenizer
-        from recipes.model import padded_vocab_size
-
-        vocab = padded_vocab_size(build_tokenizer(cfg.data).vocab_size,
-                                  m.make_vocab_size_divisible_by, tp) // tp
-    except ValueError:
-        vocab = None
-    if vocab is not None:
-        dims["embedding.word_embeddings.weight"] = vocab
-    for i in range(m.num_layers):
-        layer = f"decoder.layers.{i}"
-        dims[f"{layer}.self_attention.linear_qkv.weight"] = 3 * m.hidden_size // tp
-        dims[f"{layer}.self_attention.linear_proj.weight"] = m.hidden_size
-        dims[f"{layer}.mlp.linear_fc1.weight"] = (2 if m.swiglu else 1) * m.ffn_hidden_size // tp
-        dims[f"{layer}.mlp.linear_fc2.weight"] = m.hidden_size
-    if vocab is not None and not m.share_embeddings_and_output_weights:
-        dims["output_layer.weight"] = vocab
-    return dims
+def _check_pipeline_split(cfg, layout: Layout) -> None:
+    """megatron splits ``num_layers`` evenly over pp x vpp model chunks (no uneven split here)."""
+    pp, vpp = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size
+    if pp == 1:
+        return
+    chunks = pp * (vpp or 1)
+    n = cfg.model.num_layers
+    if n % chunks != 0:
+        what = (f"pipeline_model_parallel_size={pp} x virtual_pipeline_model_parallel_size={vpp}"
+                if vpp else f"pipeline_model_parallel_size={pp}")
+        ok = sorted({c for c in range(1, n + 1) if n % c == 0})
+        raise ConfigError(
+            f"model.num_layers={n} is not divisible by {what} = {chunks} (each model chunk gets "
+            f"num_layers / {chunks} layers): use a chunk count among {ok}, or set "
+            f"model.num_layers to a multiple of {chunks}"
+        )
+    if vpp:
+        # The model chunks build and train, but the first iteration's lm loss differs from the
+        # pp1 run of the same weights (not yet explained): refuse rather than train wrong.
+        raise ConfigError(
+            f"parallelism.virtual_pipeline_model_parallel_size={vpp}: the interleaved schedule is "
+            f"not supported yet; set it to null (plain 1F1B over pipeline_model_parallel_size={pp})"
+        )
 
 
 def _check_gtp_dims(cfg, layout: Layout) -> None:
@@ -232,6 +279,8 @@ def _check_gtp_dims(cfg, layout: Layout) -> None:
     from gtp.alignment import validate_gtp_dims
 
     g, pad = layout.gtp_remat_size, layout.pad_for_alignment
+    from recipes.model import gtp_weight_dims
+
     dims = gtp_weight_dims(cfg, layout.tensor_model_parallel_size)
     try:
         validate_gtp_dims(dims.values(), g, pad)

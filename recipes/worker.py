@@ -62,7 +62,13 @@ def set_seed(seed: int) -> None:
 
 
 def setup(cfg, layout):
-    """Process groups, GTP backend, model, DDP, optimizer, scheduler (no data, no checkpoint)."""
+    """Process groups, GTP backend, model, DDP, optimizer, scheduler (no data, no checkpoint).
+
+    Returns:
+        ``(tokenizer, model, optimizer, scheduler)``; ``model`` is the DDP-wrapped GPTModel, or
+        a list of them (one per virtual pipeline stage) with
+        ``virtual_pipeline_model_parallel_size``.
+    """
     from megatron.core import parallel_state
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -80,29 +86,38 @@ def setup(cfg, layout):
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tensor_model_parallel_size,
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
         gtp_remat_size=layout.gtp_remat_size,
     )
     set_seed(cfg.train.seed)
     from recipes.data import build_tokenizer
 
     tokenizer = build_tokenizer(cfg.data)
-    model, config = build_model(cfg, layout, tokenizer.vocab_size)
-    gtp_setup.after_model(model, layout)
+    chunks, config = build_model(cfg, layout, tokenizer.vocab_size,
+                                 reseed=lambda: set_seed(cfg.train.seed))
+    for chunk in chunks:
+        gtp_setup.after_model(chunk, layout)
     if config.bf16:
         from megatron.core.transformer.module import Float16Module
 
         # As Megatron-LM: bf16 weights, inputs cast on entry and logits/loss returned in fp32.
-        model = Float16Module(config, model)
-    ddp = DistributedDataParallel(
-        config,
-        DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False),
-        model,
-    )
-    gtp_setup.after_ddp(ddp, layout)
+        chunks = [Float16Module(config, chunk) for chunk in chunks]
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=layout.use_distributed_optimizer)
+    # As Megatron-LM: only the first chunk's buffer is bucketed (interleaved schedule).
+    ddp = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+           for i, chunk in enumerate(chunks)]
+    for chunk in ddp:
+        gtp_setup.after_ddp(chunk, layout)
     config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = ddp.no_sync
+    config.no_sync_func = [chunk.no_sync for chunk in ddp] if len(ddp) > 1 else ddp[0].no_sync
+    if layout.use_distributed_optimizer:
+        from recipes import optim_checkpoint
+
+        optim_checkpoint.install()
     optimizer = build_optimizer(cfg, ddp)
     scheduler = build_scheduler(cfg, optimizer)
+    ddp = ddp if len(ddp) > 1 else ddp[0]
     return tokenizer, ddp, optimizer, scheduler
 
 
@@ -134,8 +149,12 @@ def run(cfg) -> None:
 
     dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     dp_rank, dp_size = torch.distributed.get_rank(dp_group), torch.distributed.get_world_size(dp_group)
-    data_iterator = build_train_iterator(cfg, train_state["consumed_samples"], dp_rank, dp_size,
-                                         tokenizer=tokenizer)
+    # Every pipeline stage (and virtual stage) reads the same micro-batches: the first uses the
+    # tokens, the last the labels and loss mask.
+    vpp = layout.virtual_pipeline_model_parallel_size
+    iterators = [build_train_iterator(cfg, train_state["consumed_samples"], dp_rank, dp_size,
+                                      tokenizer=tokenizer) for _ in range(vpp or 1)]
+    data_iterator = iterators if vpp else iterators[0]
     state = RunState(
         model, optimizer, scheduler, data_iterator,
         num_microbatches=cfg.data.global_batch_size // (cfg.data.micro_batch_size * dp_size),

@@ -55,6 +55,23 @@ LAYOUTS = {
 }
 
 
+# The pipeline / distributed-optimizer matrix (bf16): name -> (model, tp, g, pad, extra
+# overrides); data-parallel size = 4 / (tp * pp * g). (Tied embeddings under PP: the e2e tests.)
+_BF16 = ("precision=bf16",)
+_DISTOPT = ("optim.use_distributed_optimizer=true",)
+PP_LAYOUTS = {
+    "tp1": ("tiny_swiglu", 1, 1, None, _BF16),
+    "pp2": ("tiny_swiglu", 1, 1, None, (*_BF16, "parallelism.pipeline_model_parallel_size=2")),
+    "tp2pp2": ("tiny_swiglu", 2, 1, None,
+               (*_BF16, "parallelism.pipeline_model_parallel_size=2")),
+    "pp2g2a16": ("tiny_swiglu", 1, 2, 16,
+                 (*_BF16, "parallelism.pipeline_model_parallel_size=2")),
+    "pp2dp2do": ("tiny_swiglu", 1, 1, None,
+                 (*_BF16, *_DISTOPT, "parallelism.pipeline_model_parallel_size=2")),
+    "g2a16dp2do": ("tiny_swiglu", 1, 2, 16, (*_BF16, *_DISTOPT)),
+}
+
+
 def make_cfg(model: str, tp: int, g: int, pad, nproc: int, checkpoint_layout: str = "logical",
              *extra: str) -> str:
     """The composed, resolved run config (YAML) of one layout."""
@@ -263,8 +280,9 @@ def _fc1_rows(model, cfg) -> dict:
     }
 
 
-def _matrix_worker(root: str, cfgs: dict, plain: dict) -> dict:
-    """Save every layout, load every checkpoint at every layout; plus the asymmetric case."""
+def _matrix_worker(root: str, cfgs: dict, plain: dict, pp_cfgs: dict | None = None) -> dict:
+    """Save every layout, load every checkpoint at every layout; plus the asymmetric case, then
+    the pipeline / distributed-optimizer matrix (:func:`_pp_phase`) in the same world."""
     from megatron.core import dist_checkpointing, parallel_state
 
     from gtp import checkpoint as gtp_checkpoint
@@ -329,7 +347,197 @@ def _matrix_worker(root: str, cfgs: dict, plain: dict) -> dict:
     out["stock_metadata"] = dist_checkpointing.load_common_state_dict(
         str(root / "plain_tp2g2a16_stock" / "iter_0000001"))[gtp_checkpoint.METADATA_KEY]
     out["timing"]["asym"] = time.time() - t0
+    if pp_cfgs:
+        t0 = time.time()
+        out["pp"] = _pp_phase(root / "pp", pp_cfgs)
+        out["timing"]["pp"] = time.time() - t0
     parallel_state.destroy_model_parallel()
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Pipeline parallelism and the distributed optimizer (bf16 weights, fp32 main params).
+#
+# Under PP a rank holds some layers under local names (decoder.layers.0 of stage 1 is layer 1);
+# the golden index k comes from the *global* name (megatron's layer offset), so a layer loaded
+# onto the wrong stage fails. The tied output weight on the last stage is a copy of the
+# embedding (same golden; tied models only). Weights are bf16 (golden rounded); the fp32 main params, exp_avg,
+# exp_avg_sq hold the exact golden. With the distributed optimizer a rank holds a flat slice of
+# each param's main param and moments: the golden is cut the same way (flatten, then slice).
+# --------------------------------------------------------------------------------------------
+def _global_names(model) -> dict:
+    """{id(param): global name} for this rank's chunks. The layer offset is computed here, not
+    taken from megatron: chunk v of stage p holds layers from (v * pp + p) * num_layers / (pp * vpp)."""
+    from megatron.core import parallel_state as ps
+
+    from recipes.model import model_chunks
+
+    out = {}
+    chunks = model_chunks(model)
+    pp, p_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    for v, chunk in enumerate(chunks):
+        gpt = chunk.module
+        gpt = getattr(gpt, "module", gpt)  # Float16Module
+        offset = (v * pp + p_rank) * (gpt.config.num_layers // (pp * len(chunks)))
+        for name, p in gpt.named_parameters():
+            if name.startswith("decoder.layers."):
+                parts = name.split(".")
+                parts[2] = str(int(parts[2]) + offset)
+                name = ".".join(parts)
+            elif name == "output_layer.weight" and gpt.share_embeddings_and_output_weights:
+                name = "embedding.word_embeddings.weight"
+            out[id(p)] = (name, p)
+    return out
+
+
+def _pp_goldens(model, cfg) -> dict:
+    """{id(param): (param, global name, (weight, exp_avg, exp_avg_sq) goldens local to this
+    rank)} (exact fp32; padding rows zero)."""
+    names = _global_names(model)
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, sorted({n for n, _ in names.values()}))
+    index = {n: k for k, n in enumerate(sorted(set().union(*every)), start=1)}
+    assert len(index) < 64, len(index)  # k * 1024 + 1023 + 255/256 exact in fp32
+    out = {}
+    for pid, (name, p) in names.items():
+        full = _golden_full(index[name], _full_shape(p))
+        out[pid] = (p, name, tuple(_local(t, p, name, cfg) for t in (full, full + 0.5, full * 2)))
+    return out
+
+
+def _main_entries(optimizer):
+    """(torch optimizer, model param, fp32 main param, flat slice of the param or None)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for co in getattr(optimizer, "chained_optimizers", [optimizer]):
+        co.init_state_fn(co.optimizer, co.config)
+        if isinstance(co, DistributedOptimizer):
+            for gbuf_range_maps in co.gbuf_ranges:
+                for maps in gbuf_range_maps.values():
+                    for m in maps:
+                        for p, rng in m["param_map"].items():
+                            gi, go = co.model_param_group_index_map[p]
+                            main = co.optimizer.param_groups[gi]["params"][go]
+                            yield co.optimizer, p, main, slice(rng["param"].start, rng["param"].end)
+        else:
+            for model_group, main_group in zip(co.float16_groups, co.fp32_from_float16_groups):
+                for p, main in zip(model_group, main_group):
+                    yield co.optimizer, p, main, None
+
+
+def _cut(t: torch.Tensor, sl) -> torch.Tensor:
+    return t if sl is None else t.reshape(-1)[sl]
+
+
+@torch.no_grad()
+def _pp_fill(model, optimizer, cfg, sentinel: bool) -> int:
+    gold = _pp_goldens(model, cfg)
+    for p, _, (want, _, _) in gold.values():
+        p.copy_(torch.full_like(p, SENTINEL) if sentinel else want)
+    n = 0
+    for opt, p, main, sl in _main_entries(optimizer):
+        want, m, v = gold[id(p)][2]
+        st = opt.state[main]
+        for key, value in (("main", want), ("exp_avg", m), ("exp_avg_sq", v)):
+            dst = main if key == "main" else st[key]
+            dst.copy_(torch.full_like(dst, SENTINEL) if sentinel else _cut(value, sl))
+        st["step"] = torch.tensor(SENTINEL if sentinel else STEP)
+        n += 1
+    return n
+
+
+@torch.no_grad()
+def _pp_check(model, optimizer, cfg) -> tuple[int, list[str]]:
+    gold = _pp_goldens(model, cfg)
+    problems, n = [], 0
+    for p, name, (want, _, _) in gold.values():
+        problems.append(_diff(f"{name} weight", p.detach(), want.to(p.dtype)))
+        n += 1
+    for opt, p, main, sl in _main_entries(optimizer):
+        _, name, (want, m, v) = gold[id(p)]
+        st = opt.state[main]
+        problems.append(_diff(f"{name} fp32 main param", main.detach(), _cut(want, sl)))
+        problems.append(_diff(f"{name} exp_avg", st["exp_avg"], _cut(m, sl)))
+        problems.append(_diff(f"{name} exp_avg_sq", st["exp_avg_sq"], _cut(v, sl)))
+        if float(st["step"]) != STEP:
+            problems.append(f"{name} step {float(st['step'])}")
+        n += 4
+    return n, [x for x in problems if x]
+
+
+def _pp_phase(root: Path, cfgs: dict) -> dict:
+    from recipes import checkpoint
+
+    out = {"loads": {}, "filled": {}, "records": {}}
+    out["negative"] = _pp_negative_controls(root, cfgs)
+    for name, cfg_yaml in cfgs.items():
+        model, opt, sched, record, cfg = _build(cfg_yaml)
+        out["filled"][name] = _pp_fill(model, opt, cfg, sentinel=False)
+        checkpoint.save_checkpoint(root / name, 1, model, opt, sched, {"consumed_samples": 0},
+                                   record)
+        out["records"][name] = record
+    for name, cfg_yaml in cfgs.items():
+        model, opt, sched, record, cfg = _build(cfg_yaml)
+        for src in cfgs:
+            _pp_fill(model, opt, cfg, sentinel=True)
+            checkpoint.load_checkpoint(root / src, model, opt, sched, record)
+            out["loads"][(src, name)] = _pp_check(model, opt, cfg)
+    return out
+
+
+def _pp_negative_controls(root: Path, cfgs: dict) -> dict:
+    """The checks above must catch (1) a layer loaded at the wrong pipeline offset (stage 1 of
+    pp2 reading layer 0 instead of layer 1: megatron's sharded keys follow ``layer_number``)
+    and (2) a distributed-optimizer bucket whose state a save lost."""
+    from megatron.core import parallel_state as ps
+
+    from recipes import checkpoint
+    from recipes.checkpoint import CheckpointError
+
+    out = {}
+    # (1) tp1 checkpoint -> pp2 model whose last stage numbers its layers from 0.
+    model, opt, sched, record, cfg = _build(cfgs["tp1"])
+    _pp_fill(model, opt, cfg, sentinel=False)
+    checkpoint.save_checkpoint(root / "neg_tp1", 1, model, opt, sched, {}, record)
+    model, opt, sched, record, cfg = _build(cfgs["pp2"])
+    _pp_fill(model, opt, cfg, sentinel=True)
+    layers = model.module.module.decoder.layers
+    shift = ps.get_pipeline_model_parallel_rank() * len(layers)
+    for layer in layers:
+        layer.layer_number -= shift
+    try:
+        checkpoint.load_checkpoint(root / "neg_tp1", model, opt, sched, record)
+        out["wrong_offset"] = {"error": None, "problems": _pp_check(model, opt, cfg)[1]}
+    except CheckpointError as exc:
+        out["wrong_offset"] = {"error": str(exc), "problems": _pp_check(model, opt, cfg)[1]}
+    finally:
+        for layer in layers:
+            layer.layer_number += shift
+    # (2) distributed optimizer (pp2 x dp2): the first bucket's state is lost in the save
+    # (written as zeros: megatron's save validation refuses a save that omits the keys).
+    model, opt, sched, record, cfg = _build(cfgs["pp2dp2do"])
+    _pp_fill(model, opt, cfg, sentinel=False)
+    (dist,) = opt.chained_optimizers
+    first_bucket = list(dist.gbuf_ranges[0].values())[0][0]["param_map"]
+    original = dist.sharded_state_dict
+
+    def losing_first_bucket(model_sd, is_loading=False, **kwargs):
+        sd = original(model_sd, is_loading, **kwargs)
+        order = [p for i in range(len(dist.gbuf_ranges)) for p in dist.buffers[i].param_index_map]
+        for idx, p in enumerate(order):
+            if p in first_bucket:
+                for entry in sd["param_state"][idx].values():
+                    entry.data.zero_()
+        return sd
+
+    dist.sharded_state_dict = losing_first_bucket
+    try:
+        checkpoint.save_checkpoint(root / "neg_dropped", 1, model, opt, sched, {}, record)
+    finally:
+        dist.sharded_state_dict = original
+    _pp_fill(model, opt, cfg, sentinel=True)
+    checkpoint.load_checkpoint(root / "neg_dropped", model, opt, sched, record)
+    out["dropped_bucket"] = _pp_check(model, opt, cfg)[1]
     return out
 
 
@@ -342,8 +550,10 @@ def matrix(tmp_path_factory):
     cfgs = {name: make_cfg("tiny_swiglu", tp, g, pad, WORLD) for name, (tp, g, pad) in LAYOUTS.items()}
     plain = {"tp2": make_cfg("tiny", 2, 1, None, WORLD),
              "tp2g2a16": make_cfg("tiny", 2, 2, 16, WORLD)}
+    pp_cfgs = {name: make_cfg(model, tp, g, pad, WORLD, "logical", *extra)
+               for name, (model, tp, g, pad, extra) in PP_LAYOUTS.items()}
     t0 = time.time()
-    results = run_distributed(_matrix_worker, WORLD, str(root), cfgs, plain, timeout=900)
+    results = run_distributed(_matrix_worker, WORLD, str(root), cfgs, plain, pp_cfgs, timeout=1200)
     assert len(results) == WORLD
     print(f"\nmatrix run: {time.time() - t0:.0f}s, rank 0 phases {results[0]['timing']}")
     return root, results
@@ -844,3 +1054,86 @@ def test_factory_merge_fills_the_live_shard_in_place():
     fresh = _merge_pieces(spec, [want[:88].clone().view(1, 88, 2)])  # no target: a new shard
     assert fresh.data_ptr() not in (live.data_ptr(), moment.data_ptr())
     assert torch.equal(fresh, want)
+
+
+# --------------------------------------------------------------------------------------------
+# Pipeline parallelism and the distributed optimizer.
+# --------------------------------------------------------------------------------------------
+def test_pipeline_and_distributed_optimizer_pairs_restore_everything(matrix):
+    """Every save/load pair of PP_LAYOUTS: bf16 weights, fp32 main params, exp_avg, exp_avg_sq
+    and step equal the goldens, on every rank, padding rows zero."""
+    _, results = matrix
+    for rank, res in enumerate(results):
+        pp = res["pp"]
+        assert set(pp["loads"]) == {(s, d) for s in PP_LAYOUTS for d in PP_LAYOUTS}
+        for (src, dst), (n, problems) in sorted(pp["loads"].items()):
+            assert n > 20, (src, dst, n)
+            assert not problems, f"rank {rank}: save {src} -> load {dst}: {problems[:6]}"
+    # Each distributed-optimizer rank holds part of the optimizer state, never all of it.
+    for name in ("pp2dp2do", "g2a16dp2do"):
+        assert all(r["pp"]["filled"][name] > 0 for r in results), name
+
+
+def test_wrong_layer_offset_and_dropped_optimizer_bucket_are_caught(matrix):
+    """Negative controls. A pp2 model whose last stage numbers its layers from 0 (a wrong layer
+    offset) asks for layer 0 twice and layer 1 never: the load is refused (megatron's sharding
+    validation, reported by rank 0; the others report the failure of another rank) and nothing
+    is loaded: the weights still hold the sentinel, so the pipeline check fails everywhere. A
+    distributed-optimizer save whose first bucket's state was lost (zeros) is found by the
+    check on every rank."""
+    _, results = matrix
+    for rank, res in enumerate(results):
+        neg = res["pp"]["negative"]
+        wrong = neg["wrong_offset"]
+        assert wrong["error"], (rank, wrong)
+        if rank == 0:
+            assert "Invalid access pattern" in wrong["error"], wrong["error"]
+            assert "decoder.layers." in wrong["error"], wrong["error"]
+        assert any("weight" in p for p in wrong["problems"]), (rank, wrong["problems"][:3])
+        dropped = neg["dropped_bucket"]
+        assert any("exp_avg" in p for p in dropped), (rank, dropped[:3])
+        assert any("fp32 main param" in p for p in dropped), (rank, dropped[:3])
+
+
+def test_checkpoint_records_pipeline_and_optimizer(matrix):
+    records = matrix[1][0]["pp"]["records"]
+    assert records["tp2pp2"]["pipeline_model_parallel_size"] == 2
+    assert records["tp2pp2"]["tensor_model_parallel_size"] == 2
+    assert records["tp2pp2"]["virtual_pipeline_model_parallel_size"] is None
+    assert records["tp1"]["pipeline_model_parallel_size"] == 1
+    assert not records["tp1"]["use_distributed_optimizer"]
+    do = records["g2a16dp2do"]
+    assert do["use_distributed_optimizer"] and do["distrib_optim_sharding_type"] == "fully_reshardable"
+    assert (do["gtp_remat_size"], do["data_parallel_size"], do["pad_for_alignment"]) == (2, 2, 16)
+
+
+def _cli(*argv):
+    import io
+
+    from gtp.cli import main
+
+    out = io.StringIO()
+    return main([str(a) for a in argv], out=out), out.getvalue()
+
+
+def test_inspect_shows_pipeline_and_optimizer(matrix):
+    root = matrix[0] / "pp"
+    rc, out = _cli("inspect", root / "tp2pp2")
+    assert rc == 0, out
+    assert "parallelism: tp2 x pp2 (vpp -) x gtp1 x dp1, world 4" in out, out
+    assert "optimizer: Adam (megatron's non-distributed optimizer" in out, out
+    rc, out = _cli("inspect", root / "g2a16dp2do")
+    assert rc == 0, out
+    assert "parallelism: tp1 x pp1 (vpp -) x gtp2 (pad 16) x dp2, world 4" in out, out
+    assert "optimizer: distributed Adam (megatron's DistributedOptimizer, format " \
+           "fully_reshardable)" in out, out
+
+
+@pytest.mark.parametrize("other", ["pp2", "tp2pp2", "pp2dp2do", "g2a16dp2do"])
+def test_compare_equal_across_pipeline_and_optimizer_kinds(matrix, other):
+    """Same goldens at every layout: the files hold the same logical tensors (fp32 main params
+    named alike whichever optimizer wrote them) and the same step."""
+    root = matrix[0] / "pp"
+    rc, out = _cli("compare", root / "tp1", root / other)
+    assert rc == 0, out
+    assert "EQUAL:" in out and "optimizer step 7.0" in out, out

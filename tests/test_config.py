@@ -52,7 +52,23 @@ def test_data_parallel_size_is_derived_from_world_size():
     "overrides, world, message",
     [
         (["parallelism=tp2"], 3, r"world size 3 is not divisible by tensor_model_parallel_size=2"),
-        (["parallelism.pipeline_model_parallel_size=2"], 2, r"pipeline_model_parallel_size=2 is not supported"),
+        (["parallelism=pp2", "model.num_layers=3"], 2,
+         r"model.num_layers=3 is not divisible by pipeline_model_parallel_size=2 = 2"),
+        (["parallelism=pp2", "parallelism.virtual_pipeline_model_parallel_size=2"], 2,
+         r"num_layers=2 is not divisible by pipeline_model_parallel_size=2 x "
+         r"virtual_pipeline_model_parallel_size=2 = 4"),
+        (["parallelism=pp2", "model.num_layers=4", "parallelism.virtual_pipeline_model_parallel_size=2"],
+         2, r"virtual_pipeline_model_parallel_size=2: the interleaved schedule is not supported yet"),
+        (["parallelism.virtual_pipeline_model_parallel_size=2"], 2,
+         r"virtual_pipeline_model_parallel_size=2 needs parallelism.pipeline_model_parallel_size > 1"),
+        (["parallelism=pp2", "gtp=tp2_align16", "model.share_embeddings_and_output_weights=true"], 4,
+         r"share_embeddings_and_output_weights=true with GTP \(gtp_remat_size=2\) and "
+         r"pipeline_model_parallel_size=2 is not supported"),
+        (["parallelism=tp2pp2"], 6, r"world size 6 is not divisible by tensor_model_parallel_size=2 x "
+         r"pipeline_model_parallel_size=2 x gtp_remat_size=1 = 4"),
+        (["optim.use_distributed_optimizer=true", "optim.distrib_optim_sharding_type=dp_reshardable"],
+         2, r"distrib_optim_sharding_type='dp_reshardable' \(flat bucket buffers.*cannot be resumed at "
+         r"another parallel layout; use 'fully_reshardable'"),
         (["parallelism.tensor_model_parallel_size=0"], 2, r"tensor_model_parallel_size=0 is invalid"),
         (["parallelism.data_parallel_size=4"], 2, r"data_parallel_size=4 does not match"),
         (["parallelism=tp4", "model.ffn_hidden_size=202"], 4, r"model.ffn_hidden_size=202 must be divisible by 4"),

@@ -1,0 +1,242 @@
+"""Optimizer checkpoints across optimizer kinds: megatron's plain (non-distributed) optimizer and
+its ``DistributedOptimizer`` in the ``fully_reshardable`` format read each other's files.
+
+Both write the Adam moments as model-space tensors under the same keys
+(``optimizer.state.exp_avg.<model key>``, ``optimizer.state.exp_avg_sq.<model key>``), so every
+layout change (TP, PP, DP, GTP) is megatron's ordinary resharding. They differ in:
+
+* the fp32 main params: ``optimizer.state.param.<key>`` (distributed, always written) vs
+  ``optimizer.state.fp32_param.<key>`` (plain, bf16 runs only; fp32 runs have none: the main
+  param is the model weight);
+* the non-tensor part: the distributed optimizer keeps the hyper-parameters and ``step`` under
+  ``optimizer.param_groups`` (``step`` in each group) next to ``param_state`` /
+  ``param_state_sharding_type``; the plain one keeps ``param_groups`` and
+  ``state.common_step`` (wrapped in ``optimizer`` for bf16, with ``fp32_from_fp16_params``).
+
+:func:`prepare_request` renames or drops the main-param requests the file cannot answer (before
+the load) and :func:`finish_load` rebuilds the non-tensor part in the form the running optimizer's
+``load_state_dict`` takes (after it). Same kind: both do nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PLAIN = "adam"
+DISTRIBUTED = "distributed_adam"
+
+
+class OptimizerCheckpointError(RuntimeError):
+    """An optimizer checkpoint this optimizer cannot take exactly."""
+
+
+def _single(optimizer):
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(chained) != 1:
+        raise OptimizerCheckpointError(
+            f"changing optimizer kind needs one megatron optimizer per rank, found {len(chained)}")
+    return chained[0]
+
+
+def kind_of(optimizer) -> str:
+    """``"distributed_adam"`` for megatron's DistributedOptimizer, else ``"adam"``."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    return DISTRIBUTED if any(isinstance(o, DistributedOptimizer) for o in chained) else PLAIN
+
+
+def saved_kind(common_optimizer) -> str:
+    """The kind that wrote ``common_optimizer`` (the ``optimizer`` entry of a checkpoint's
+    common state).
+
+    Raises:
+        OptimizerCheckpointError: a distributed-optimizer format that does not change layout.
+    """
+    node = common_optimizer
+    if isinstance(node, dict) and node and all(isinstance(k, int) for k in node):
+        node = node[min(node)]  # chained optimizers: one entry each, same kind
+    fmt = node.get("param_state_sharding_type") if isinstance(node, dict) else None
+    if fmt is None:
+        return PLAIN
+    if fmt != "fully_reshardable":
+        raise OptimizerCheckpointError(
+            f"the checkpoint's distributed optimizer state is in megatron's {fmt!r} format, which "
+            f"cannot be loaded at another layout or optimizer; only 'fully_reshardable' can")
+    return DISTRIBUTED
+
+
+def prepare_for_load(optimizer) -> None:
+    """Give a distributed optimizer that never stepped its Adam state and ``step`` (megatron's
+    ``DistributedOptimizer.state_dict`` needs one ``step``; the load overwrites all of it)."""
+    if kind_of(optimizer) != DISTRIBUTED:
+        return
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        opt.init_state_fn(opt.optimizer, opt.config)
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                opt.optimizer.state[p].setdefault("step", torch.tensor(0.0))
+
+
+def _main_param_entries(opt_request, mine: str):
+    """``[(container, key, entry)]`` of the main-param requests in an optimizer sharded state
+    dict of kind ``mine``."""
+    out = []
+    if mine == DISTRIBUTED:
+        for state in (opt_request.get("param_state") or {}).values():
+            if "param" in state:
+                out.append((state, "param", state["param"]))
+    else:
+        for group in opt_request.get("fp32_from_fp16_params") or []:
+            for i, entry in enumerate(group):
+                out.append((group, i, entry))
+    return out
+
+
+def prepare_request(opt_request: dict, stored_keys, mine: str, saved: str) -> list:
+    """Point the main-param requests of ``opt_request`` at what a ``saved``-kind file holds.
+
+    ``optimizer.state.param.K`` <-> ``optimizer.state.fp32_param.K``; a distributed optimizer's
+    main param that the file does not hold (a plain fp32 run) is dropped from the request and
+    taken from the loaded model weight by :func:`finish_load`.
+
+    Args:
+        opt_request: the running optimizer's sharded state dict (modified in place).
+        stored_keys: the checkpoint's tensor keys.
+        mine, saved: the running and the saving optimizer kind.
+
+    Returns:
+        The indices of ``param_state`` whose main param was dropped.
+    """
+    if mine == saved:
+        return []
+    src, dst = (("optimizer.state.param.", "optimizer.state.fp32_param.") if mine == DISTRIBUTED
+                else ("optimizer.state.fp32_param.", "optimizer.state.param."))
+    dropped = []
+    for container, key, entry in _main_param_entries(opt_request, mine):
+        if not entry.key.startswith(src):
+            continue
+        new = dst + entry.key[len(src):]
+        if new in stored_keys:
+            entry.key = new
+        elif mine == DISTRIBUTED:
+            del container[key]
+        else:
+            raise OptimizerCheckpointError(
+                f"the checkpoint holds no fp32 main param for {entry.key[len(src):]!r} "
+                f"(neither {entry.key!r} nor {new!r})")
+    if mine == DISTRIBUTED:
+        dropped = [i for i, state in opt_request["param_state"].items() if "param" not in state]
+    return dropped
+
+
+def _groups_by_identity(groups: list) -> dict:
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    def ident(group):
+        return tuple(group.get(k, group.get(f"pre_{k}")) for k in param_group_identifier_keys)
+
+    return {ident(g): g for g in groups}, ident
+
+
+def _hyper(groups: list, own_groups: list) -> list:
+    """The file's param groups (hyper-parameters) in the running optimizer's group order, each
+    with this optimizer's own ``params``."""
+    by_id, ident = _groups_by_identity(groups)
+    out = []
+    for own in own_groups:
+        saved = by_id.get(ident(own))
+        if saved is None:
+            raise OptimizerCheckpointError(
+                f"no param group of the checkpoint matches this optimizer's group "
+                f"{ident(own)} (lr/weight-decay settings differ)")
+        out.append({k: v for k, v in saved.items() if k not in ("params", "step")}
+                   | {"params": own["params"]})
+    return out
+
+
+def finish_load(optimizer, loaded: dict, common: dict, mine: str, saved: str,
+                dropped: list) -> dict:
+    """The state dict the running optimizer's ``load_state_dict`` takes.
+
+    Args:
+        optimizer: the running megatron optimizer (its model weights already loaded).
+        loaded: ``dist_checkpointing.load``'s ``optimizer`` entry (the request's tensors).
+        common: the checkpoint's common ``optimizer`` entry.
+        mine, saved, dropped: as :func:`prepare_request`.
+    """
+    if mine == saved:
+        return loaded
+    opt = _single(optimizer)
+    if mine == PLAIN:  # file: distributed optimizer
+        groups = common["optimizer"]["param_groups"]
+        steps = {g["step"] for g in groups if "step" in g}
+        if len(steps) != 1:
+            raise OptimizerCheckpointError(f"the checkpoint's param groups hold steps {steps}")
+        bf16 = "fp32_from_fp16_params" in loaded
+        own = opt.optimizer.state_dict()["param_groups"]
+        inner = {"state": dict(loaded["optimizer"]["state"] if bf16 else loaded["state"]),
+                 "param_groups": _hyper(groups, own)}
+        inner["state"]["common_step"] = torch.tensor(float(steps.pop()))
+        if bf16:
+            return {**loaded, "optimizer": inner}
+        return inner
+    # mine == DISTRIBUTED, file: plain optimizer
+    node = common if "param_groups" in common else common["optimizer"]  # fp32 / bf16
+    groups, state = node["param_groups"], node.get("state", {})
+    step = state.get("common_step")
+    if step is None:
+        raise OptimizerCheckpointError("the checkpoint's optimizer state has no common_step")
+    own = opt.optimizer.state_dict()["param_groups"]
+    hyper = [g | {"step": float(step)} for g in _hyper(groups, own)]
+    param_state = dict(loaded["param_state"])
+    if dropped:
+        params = _params_in_fully_reshardable_order(opt)
+        for i in dropped:
+            param_state[i] = {**param_state[i], "param": params[i].detach()}
+    return {"optimizer": {"param_groups": hyper}, "param_state": param_state,
+            "param_state_sharding_type": "fully_reshardable"}
+
+
+_PATCHED = False
+
+
+def install() -> None:
+    """Fix megatron-core 0.19.2's distributed-optimizer load without TransformerEngine/apex
+    (idempotent; refused on another version).
+
+    There torch's Adam keeps ``step`` in each param's state, and
+    ``DistributedOptimizer._set_main_param_and_optimizer_states`` copies every state tensor from
+    the loaded entry, which never holds ``step`` (megatron restores it from the param groups):
+    ``KeyError: 'step'``. The wrapper hands it the param's current (already restored) step.
+    """
+    global _PATCHED
+    if _PATCHED:
+        return
+    import megatron.core
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from mcore_compat.version import check_megatron_version
+
+    check_megatron_version(megatron.core.__version__,
+                           "recipes.optim_checkpoint patches DistributedOptimizer state loading")
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main = self.optimizer.param_groups[group_index]["params"][group_order]
+            step = self.optimizer.state[main].get("step")
+            if step is not None:
+                tensors = {**tensors, "step": step}
+        return original(self, model_param, tensors)
+
+    _set_main_param_and_optimizer_states.__wrapped__ = original
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+    _PATCHED = True
+
+
+def _params_in_fully_reshardable_order(opt) -> list:
+    """The model params in the order of megatron's ``sharded_param_state_fully_reshardable``
+    (``param_state`` indices): buffer by buffer, ``param_index_map`` order."""
+    return [p for i in range(len(opt.gbuf_ranges)) for p in opt.buffers[i].param_index_map]

@@ -1,0 +1,115 @@
+"""End to end through train.py: pipeline parallelism and the distributed optimizer resume at
+other layouts.
+
+A chain of runs of the tiny SwiGLU GPT. Each run resumes from the previous run's checkpoint of the
+iteration before its last, trains two iterations and saves every iteration, so each link
+compares the first resumed iteration with the previous run, which trained that iteration
+without interruption:
+
+    pp2 x gtp2/a16 (4 proc) -> tp2, GTP off (2) -> dp2 + distributed optimizer (2)
+      -> plain tp2 (2) -> tp2 x pp2 (4) -> tp1 x dp2 (2)
+
+So: pp2 -> pp1 (GTP inside each stage -> GTP off), plain -> distributed optimizer and back,
+pp1 -> pp2, tp2 x pp2 -> tp1 x dp2. ``learning-rate`` and ``consumed-samples`` are exact,
+``lm loss`` and ``grad-norm`` within relative 1e-5 (layouts differ only in reduction order).
+
+With tied embedding/output weights (the tiny GPT; the tied weight lives on both pipeline
+stages): pp2 (2 iterations) -> tp1, and one-iteration runs at tp1 and at dp2 with the
+distributed optimizer, whose iteration-1 ``grad-norm`` and ``num-zeros`` equal the pp2 run's
+(each logical element counted once, the tied weight once).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from recipes.metrics import read_metrics
+
+pytestmark = pytest.mark.e2e
+
+RTOL = 1e-5
+COMMON = ["optim.lr_warmup_iters=2", "optim.lr_decay_iters=8", "logger=none",
+          "checkpoint.save_interval=1"]
+SWIGLU = ["model=tiny_swiglu"]
+TIED = ["model=tiny", "model.share_embeddings_and_output_weights=true"]
+DISTOPT = "optim.use_distributed_optimizer=true"
+CHAIN = [
+    ("pp2g2a16", ["parallelism=pp2", "gtp=tp2_align16", "parallelism.nproc_per_node=4"]),
+    ("tp2_off", ["parallelism=tp2", "gtp=off"]),
+    ("dp2_distopt", ["parallelism=dp2", DISTOPT]),
+    ("tp2_plain", ["parallelism=tp2"]),
+    ("tp2pp2", ["parallelism=tp2pp2"]),
+    ("tp1dp2", ["parallelism=dp2"]),
+]
+FIRST_ITERATION = {"tied_tp1_it1": ["parallelism=tp1"],
+                   "tied_dp2_distopt_it1": ["parallelism=dp2", DISTOPT]}
+
+
+@pytest.fixture(scope="module")
+def chain(train_run, tmp_path_factory):
+    root = tmp_path_factory.mktemp("pp_resume")
+    dirs = {}
+    prev = None
+    for i, (name, overrides) in enumerate(CHAIN):
+        d = root / name
+        load = [] if prev is None else [f"checkpoint.load={prev}/checkpoints",
+                                        f"checkpoint.load_iteration={i}"]
+        train_run(d, *COMMON, *SWIGLU, *overrides, f"train.train_iters={i + 2}", *load)
+        dirs[name], prev = d, d
+    dirs["tied_pp2"] = root / "tied_pp2"
+    train_run(dirs["tied_pp2"], *COMMON, *TIED, "parallelism=pp2", "train.train_iters=2")
+    dirs["tied_tp1"] = root / "tied_tp1"
+    train_run(dirs["tied_tp1"], *COMMON, *TIED, "parallelism=tp1", "train.train_iters=2",
+              f"checkpoint.load={dirs['tied_pp2']}/checkpoints", "checkpoint.load_iteration=1")
+    for name, overrides in FIRST_ITERATION.items():
+        dirs[name] = root / name
+        train_run(dirs[name], *COMMON, *TIED, *overrides, "train.train_iters=1")
+    return dirs
+
+
+def _rows(run_dir):
+    rows, events = read_metrics(run_dir)
+    return {r["iteration"]: r for r in rows}, events
+
+
+LINKS = [(CHAIN[i - 1][0], CHAIN[i][0], i) for i in range(1, len(CHAIN))]
+LINKS.append(("tied_pp2", "tied_tp1", 1))
+
+
+@pytest.mark.parametrize("before, after, link", LINKS, ids=[f"{b}->{a}" for b, a, _ in LINKS])
+def test_first_resumed_iteration_continues_the_run_it_loaded(chain, before, after, link):
+    prev, _ = _rows(chain[before])
+    got, events = _rows(chain[after])
+    it = link + 1  # resumed from iteration `link`
+    assert min(got) == it, (after, sorted(got))
+    resume = [e for e in events if e["event"] == "resume"]
+    assert resume and resume[0]["iteration"] == link
+    assert got[it]["learning-rate"] == prev[it]["learning-rate"]
+    assert got[it]["consumed-samples"] == prev[it]["consumed-samples"]
+    for key in ("lm loss", "grad-norm"):
+        assert math.isclose(got[it][key], prev[it][key], rel_tol=RTOL, abs_tol=0), (
+            f"{before} -> {after}, iteration {it}, {key}: {got[it][key]!r} vs {prev[it][key]!r}")
+
+
+def test_resume_records_pipeline_and_optimizer_layouts(chain):
+    _, events = _rows(chain["tp2_plain"])
+    (resume,) = [e for e in events if e["event"] == "resume"]
+    src, dst = resume["from_layout"], resume["layout"]
+    assert src["use_distributed_optimizer"] and src["distrib_optim_sharding_type"] == "fully_reshardable"
+    assert not dst["use_distributed_optimizer"] and dst["distrib_optim_sharding_type"] is None
+    _, events = _rows(chain["tp1dp2"])
+    (resume,) = [e for e in events if e["event"] == "resume"]
+    assert resume["from_layout"]["pipeline_model_parallel_size"] == 2
+    assert resume["layout"]["pipeline_model_parallel_size"] == 1
+
+
+def test_iteration_one_grad_norm_and_num_zeros_equal_across_pp_and_distributed_optimizer(chain):
+    ref, _ = _rows(chain["tied_pp2"])
+    for name in FIRST_ITERATION:
+        got, _ = _rows(chain[name])
+        assert got[1]["num-zeros"] == ref[1]["num-zeros"], (name, got[1], ref[1])
+        for key in ("grad-norm", "lm loss"):
+            assert math.isclose(got[1][key], ref[1][key], rel_tol=RTOL, abs_tol=0), (
+                name, key, got[1][key], ref[1][key])
