@@ -153,6 +153,11 @@ class TrainConfig:
     train_iters: int = 200
     seed: int = 1234
     log_interval: int = 1
+    # Validation loss ("lm loss validation") every eval_interval iterations (0: only at the
+    # end) and at the end of training, over eval_iters global batches of data.split's
+    # validation share (0: no validation).
+    eval_interval: int = 50
+    eval_iters: int = 2
 
 
 @dataclass

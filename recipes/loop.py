@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from functools import partial
 
@@ -78,8 +79,46 @@ def train_step(model, optimizer, scheduler, data_iterator, num_microbatches: int
     }
 
 
+def evaluate(model, validation, cfg) -> dict:
+    """Validation loss over ``validation`` (a ``recipes.data.ValidationBatches``), forward only,
+    as Megatron-LM's ``training.evaluate``: the model in eval mode, no gradients, the same loss
+    as training averaged over every micro-batch of the global batches and over the data group.
+
+    Returns:
+        ``{"lm loss validation": loss, "lm loss validation ppl": exp(min(20, loss))}`` (Megatron-LM's
+        names; the exponent is clamped at 20 as in its ``evaluate_and_print_results``).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model.eval()
+    try:
+        with torch.no_grad():
+            losses = get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(validation),
+                model=[model],
+                num_microbatches=len(validation),
+                seq_length=cfg.model.seq_length,
+                micro_batch_size=cfg.data.micro_batch_size,
+                forward_only=True,
+            )
+    finally:
+        model.train()
+    loss = _mean_over_data_group(torch.stack([x["lm loss"] for x in losses]).mean())
+    return {"lm loss validation": loss, "lm loss validation ppl": math.exp(min(20.0, loss))}
+
+
+def eval_due(iteration: int, cfg) -> bool:
+    """Validation runs every ``train.eval_interval`` iterations and at ``train.train_iters``."""
+    t = cfg.train
+    if not t.get("eval_iters", 0):
+        return False
+    return iteration == t.train_iters or bool(t.eval_interval and iteration % t.eval_interval == 0)
+
+
 def train(state, cfg, logger, save_fn) -> None:
-    """Run iterations ``state.iteration + 1 .. train.train_iters``.
+    """Run iterations ``state.iteration + 1 .. train.train_iters``, with validation where
+    :func:`eval_due` (its metrics join that iteration's row).
 
     Args:
         state: the worker's ``RunState`` (model, optimizer, scheduler, data iterator, counters).
@@ -104,7 +143,10 @@ def train(state, cfg, logger, save_fn) -> None:
             "tokens-per-sec": tokens_per_step / elapsed,
             "consumed-samples": state.consumed_samples,
         })
-        if logger is not None and state.iteration % cfg.train.log_interval == 0:
+        validated = state.validation is not None and eval_due(state.iteration, cfg)
+        if validated:
+            metrics.update(evaluate(state.model, state.validation, cfg))
+        if logger is not None and (validated or state.iteration % cfg.train.log_interval == 0):
             logger.log(state.iteration, metrics)
         last = state.iteration == cfg.train.train_iters
         if ck.save and ((ck.save_interval and state.iteration % ck.save_interval == 0)

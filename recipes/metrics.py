@@ -1,7 +1,8 @@
 """Per-iteration metrics on rank 0: a local JSONL file, wandb, and a progress line.
 
 Names follow Megatron-LM: ``lm loss``, ``grad-norm``, ``learning-rate``, ``iteration-time``
-(seconds), ``num-zeros``, ``tokens-per-sec``, ``consumed-samples``; the step is ``iteration``.
+(seconds), ``num-zeros``, ``tokens-per-sec``, ``consumed-samples``, ``lm loss validation`` and
+``lm loss validation ppl`` (on validation iterations); the step is ``iteration``.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ class MetricLogger:
         if self.run is not None:
             self.run.log(metrics, step=iteration)
         print(format_progress(iteration, self.train_iters, metrics), flush=True)
+        if "lm loss validation" in metrics:
+            print(format_validation(iteration, metrics), flush=True)
 
     def close(self) -> None:
         """Flush and finish the wandb run."""
@@ -89,6 +92,14 @@ def format_progress(iteration: int, total: int, m: dict) -> str:
         f"lm loss: {m['lm loss']:.6E} | grad norm: {m['grad-norm']:.4f} | "
         f"num zeros: {m['num-zeros']:.0f}"
     )
+
+
+def format_validation(iteration: int, m: dict) -> str:
+    """Megatron-LM's validation line (``evaluate_and_print_results``), framed by dashes."""
+    line = (f" validation loss at iteration {iteration} | lm loss value: "
+            f"{m['lm loss validation']:.6E} | lm loss PPL: {m['lm loss validation ppl']:.6E} |")
+    rule = "-" * len(line)
+    return f"{rule}\n{line}\n{rule}"
 
 
 def read_metrics(output_dir: str | os.PathLike) -> tuple[list[dict], list[dict]]:

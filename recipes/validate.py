@@ -56,6 +56,16 @@ def world_size_from_env(cfg) -> int:
     return int(cfg.parallelism.nproc_per_node)
 
 
+def _has_validation_share(split) -> bool:
+    """True when ``data.split`` (``"train,valid,test"`` weights) gives validation a weight > 0;
+    a malformed split is left to the data pipeline's own error."""
+    try:
+        weights = [float(w) for w in str(split).replace("/", ",").split(",")]
+    except ValueError:
+        return True
+    return len(weights) > 1 and weights[1] > 0
+
+
 def _positive(name: str, value) -> None:
     if value is None or int(value) < 1:
         raise ConfigError(f"{name}={value} is invalid: it must be an integer >= 1")
@@ -161,6 +171,13 @@ def validate(cfg, world_size: int) -> Layout:
     if not (0 <= o.min_lr <= o.lr):
         raise ConfigError(f"optim.min_lr={o.min_lr} must lie in [0, optim.lr={o.lr}]")
     _positive("train.train_iters", t.train_iters)
+    for name in ("eval_interval", "eval_iters"):
+        if t.get(name, 0) < 0:
+            raise ConfigError(f"train.{name}={t[name]} must be >= 0")
+    if t.get("eval_iters", 0) and not _has_validation_share(d.split):
+        raise ConfigError(f"train.eval_iters={t.eval_iters} needs a validation share in "
+                          f"data.split={d.split!r} (train,valid,test weights, e.g. '98,2,0'), "
+                          f"or train.eval_iters=0")
     decay = o.lr_decay_iters or t.train_iters
     # megatron's OptimizerParamScheduler asserts warmup < decay steps.
     if o.lr_warmup_iters < 0 or o.lr_warmup_iters >= decay:

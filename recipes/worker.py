@@ -38,6 +38,8 @@ class RunState:
     num_microbatches: int
     iteration: int = 0
     consumed_samples: int = 0
+    # recipes.data.ValidationBatches, or None without validation.
+    validation: Any = None
 
 
 def init_distributed() -> None:
@@ -111,7 +113,7 @@ def run(cfg) -> None:
 
     from recipes import checkpoint
     from recipes.config import to_dict
-    from recipes.data import build_train_iterator
+    from recipes.data import build_iterators
     from recipes.metrics import MetricLogger, new_run_id
     from recipes.model import count_parameters
     from recipes.validate import validate
@@ -133,12 +135,13 @@ def run(cfg) -> None:
 
     dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     dp_rank, dp_size = torch.distributed.get_rank(dp_group), torch.distributed.get_world_size(dp_group)
-    data_iterator = build_train_iterator(cfg, train_state["consumed_samples"], dp_rank, dp_size,
-                                         tokenizer=tokenizer)
+    data_iterator, validation = build_iterators(cfg, train_state["consumed_samples"], dp_rank,
+                                                dp_size, tokenizer=tokenizer)
     state = RunState(
         model, optimizer, scheduler, data_iterator,
         num_microbatches=cfg.data.global_batch_size // (cfg.data.micro_batch_size * dp_size),
         iteration=iteration, consumed_samples=train_state["consumed_samples"],
+        validation=validation,
     )
 
     config_dict = to_dict(cfg)
