@@ -144,6 +144,9 @@ class LoggerConfig:
     # offline unless set to online (needs WANDB_API_KEY) .
     mode: str = "offline"
     run_name: Optional[str] = None
+    # Also log the grad norm per layer type (grad-norm/embedding, /attention, /mlp, /norms,
+    # /output) and per transformer layer (grad-norm/layer-<i>), each logical element once.
+    grad_norm_detail: bool = False
 
 
 @dataclass

@@ -50,7 +50,9 @@ def train_step(model, optimizer, scheduler, data_iterator, num_microbatches: int
 
     Returns:
         ``lm loss`` (mean over the global batch), ``grad-norm`` (before clipping, each logical
-        element once), ``num-zeros``, ``learning-rate`` (the one the step used).
+        element once), ``num-zeros``, ``learning-rate`` (the one the step used) and, with
+        ``logger.grad_norm_detail``, ``grad-norm/<layer type>`` and ``grad-norm/layer-<i>``
+        (:func:`gtp.grad_stats.grad_norms_by_part`).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -66,6 +68,13 @@ def train_step(model, optimizer, scheduler, data_iterator, num_microbatches: int
         forward_only=False,
     )
     lr = optimizer.param_groups[0]["lr"]
+    detail = {}
+    if cfg.logger.get("grad_norm_detail", False):
+        from gtp.grad_stats import grad_norms_by_part
+
+        # Before the step: it clips the gradients in place.
+        detail = grad_norms_by_part(model.named_parameters(), cfg.model.num_layers,
+                                    optimizer.get_grad_stats_parallel_group())
     ok, grad_norm, num_zeros = optimizer.step()
     if not ok:
         raise FloatingPointError("optimizer step skipped (inf/nan in gradients)")
@@ -76,6 +85,7 @@ def train_step(model, optimizer, scheduler, data_iterator, num_microbatches: int
         "grad-norm": float(grad_norm),
         "num-zeros": float(num_zeros or 0),
         "learning-rate": lr,
+        **detail,
     }
 
 
