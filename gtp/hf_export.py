@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 # The byte tokenizer of recipes (256 byte values + <eod>) when the run recorded no vocab size.
 BYTE_VOCAB_SIZE = 257
@@ -38,15 +37,6 @@ BYTE_EOD_ID = 256
 
 class ExportError(ValueError):
     """The checkpoint cannot be exported (names what is missing or which architecture)."""
-
-
-def _progress(items: Iterable, total: int, desc: str) -> Iterable:
-    """tqdm over ``items`` when stderr is a terminal, else ``items`` unchanged."""
-    if not sys.stderr.isatty():
-        return items
-    from tqdm import tqdm
-
-    return tqdm(items, total=total, desc=desc, unit="tensor")
 
 
 def _vocab(train_state: dict, data: dict) -> tuple[int, int | None]:
@@ -209,6 +199,7 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None) -> 
     from megatron.core import dist_checkpointing
 
     from gtp import legacy
+    from gtp.progress import progress
 
     analysis, tensors = legacy.read_logical(ckpt, layout)
     common = dist_checkpointing.load_common_state_dict(str(analysis.path))
@@ -228,7 +219,8 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None) -> 
         raise ExportError(f"{analysis.path} lacks tensor {exc} needed for {_CLASSES[arch]}") from exc
     hf_cls = getattr(transformers, _CLASSES[arch])
     model = hf_cls(config)
-    state = {k: v.contiguous() for k, v in _progress(state.items(), len(state), "export")}
+    state = {k: v.contiguous()
+             for k, v in progress(state.items(), "export", total=len(state), unit="tensor")}
     model.load_state_dict(state, strict=True)
     if config.tie_word_embeddings:
         model.tie_weights()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
@@ -101,10 +102,15 @@ class MetricLogger:
         output_dir: the job's output dir.
         plan: from :func:`plan_wandb_run`.
         config: resolved config dict stored in the wandb run.
+        resumed_from: the iteration of the checkpoint loaded (shown on the progress line).
     """
 
-    def __init__(self, cfg, output_dir: str, plan: dict, config: dict):
+    def __init__(self, cfg, output_dir: str, plan: dict, config: dict,
+                 resumed_from: int | None = None):
         self.train_iters = cfg.train.train_iters
+        self.resumed_from = resumed_from
+        self._start = time.perf_counter()
+        self._first_iteration = resumed_from
         self.path = Path(output_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", buffering=1)
@@ -180,7 +186,14 @@ class MetricLogger:
             self.run.log({**metrics, "iteration": iteration}, step=self.step)
             self._write_step(self.step)
         self.step += 1
-        print(format_progress(iteration, self.train_iters, metrics), flush=True)
+        now = time.perf_counter()
+        if self._first_iteration is None:
+            self._first_iteration = iteration - 1
+        done = iteration - self._first_iteration
+        # The rest at the mean pace of this job's iterations so far (validation included).
+        remaining = (now - self._start) / done * (self.train_iters - iteration) if done > 0 else None
+        print(format_progress(iteration, self.train_iters, metrics, now - self._start, remaining,
+                              self.resumed_from), flush=True)
         if "lm loss validation" in metrics:
             print(format_validation(iteration, metrics), flush=True)
 
@@ -191,10 +204,26 @@ class MetricLogger:
             self.run.finish()
 
 
-def format_progress(iteration: int, total: int, m: dict) -> str:
-    """One Megatron-style progress line."""
+def format_duration(seconds: float) -> str:
+    """``H:MM:SS`` for a duration in seconds (rounded down)."""
+    seconds = max(0, int(seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def format_progress(iteration: int, total: int, m: dict, elapsed_s: float | None = None,
+                    remaining_s: float | None = None, resumed_from: int | None = None) -> str:
+    """One Megatron-style progress line; with ``elapsed_s``/``remaining_s`` (seconds) the
+    job's elapsed time and the estimate of the rest, with ``resumed_from`` the iteration the job
+    resumed from."""
+    resumed = f" (resumed from {resumed_from})" if resumed_from is not None else ""
+    timing = ""
+    if elapsed_s is not None:
+        timing = f"elapsed: {format_duration(elapsed_s)} | "
+        if remaining_s is not None:
+            timing += f"remaining: {format_duration(remaining_s)} | "
     return (
-        f" iteration {iteration:6d}/{total} | consumed samples {m['consumed-samples']:8d} | "
+        f" iteration {iteration:6d}/{total}{resumed} | {timing}"
+        f"consumed samples {m['consumed-samples']:8d} | "
         f"elapsed time per iteration (ms): {1000 * m['iteration-time']:8.1f} | "
         f"tokens/s: {m['tokens-per-sec']:9.0f} | learning rate: {m['learning-rate']:.4E} | "
         f"lm loss: {m['lm loss']:.6E} | grad norm: {m['grad-norm']:.4f} | "

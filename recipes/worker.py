@@ -147,7 +147,9 @@ def run(cfg) -> None:
     )
 
     config_dict = to_dict(cfg)
-    logger = MetricLogger(cfg, cfg.output_dir, plan, config_dict) if rank == 0 else None
+    logger = MetricLogger(cfg, cfg.output_dir, plan, config_dict,
+                          resumed_from=iteration if resumed_from is not None else None) \
+        if rank == 0 else None
     if logger is not None:
         n_params = count_parameters(model)
         fork = (f" (fork of {plan['parent']['run_id']} at iteration {plan['parent']['iteration']})"

@@ -132,6 +132,11 @@ def test_hf_export_logits_equal_megatron(world, tmp_path, name):
     assert megatron.shape == (2, 64, 320) and hf.shape == (2, 64, VOCAB)
     diff = (hf - megatron[..., :VOCAB]).abs().max().item()
     assert diff <= LOGITS_ATOL, (name, diff)
+    # It generates through transformers (greedy: the argmax of the same logits).
+    prompt = res[name]["tokens"][:1, :8]
+    generated = model.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=256)
+    assert generated.shape == (1, 11) and torch.equal(generated[0, :8], prompt[0])
+    assert generated[0, 8].item() == hf[0, 7].argmax().item()
 
 
 def test_grad_norm_detail_is_layout_invariant_and_adds_up_to_the_total(world):

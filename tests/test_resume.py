@@ -18,6 +18,7 @@ moves these figures by orders of magnitude more. Learning rate and consumed samp
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -105,6 +106,12 @@ def test_validation_every_interval_and_equal_after_resume(runs):
         assert got[it]["lm loss validation ppl"] == pytest.approx(math.exp(v), rel=1e-12)
     assert a[8]["lm loss validation"] < a[2]["lm loss validation"]
     assert "validation loss at iteration 8 | lm loss value:" in runs["c_stdout"]
+
+
+def test_progress_line_shows_resume_elapsed_and_remaining(runs):
+    line = re.compile(r" iteration +7/8 \(resumed from 6\) \| elapsed: \d+:\d\d:\d\d \| "
+                      r"remaining: \d+:\d\d:\d\d \| consumed samples +112 \|")
+    assert line.search(runs["c_stdout"]), runs["c_stdout"][-3000:]
 
 
 def test_wandb_one_run_per_lineage_and_no_dropped_step(runs):
