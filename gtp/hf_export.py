@@ -111,8 +111,8 @@ def _gpt2(t: dict, m: dict, vocab: int, eod) -> tuple[Any, dict]:
         sd["lm_head.weight"] = t["output_layer.weight"][:vocab]
     for i in range(layers):
         p = f"transformer.h.{i}."
-        qkv_w = torch_cat(_split_qkv(t[L + "self_attention.linear_qkv.weight"][i], heads, heads, d))
-        qkv_b = torch_cat(_split_qkv(t[L + "self_attention.linear_qkv.bias"][i], heads, heads, d))
+        qkv_w = _cat(_split_qkv(t[L + "self_attention.linear_qkv.weight"][i], heads, heads, d))
+        qkv_b = _cat(_split_qkv(t[L + "self_attention.linear_qkv.bias"][i], heads, heads, d))
         sd.update({
             p + "ln_1.weight": t[L + "self_attention.linear_qkv.layer_norm_weight"][i],
             p + "ln_1.bias": t[L + "self_attention.linear_qkv.layer_norm_bias"][i],
@@ -171,7 +171,8 @@ def _llama(t: dict, m: dict, vocab: int, eod) -> tuple[Any, dict]:
     return config, sd
 
 
-def torch_cat(parts):
+def _cat(parts):
+    """Rows of ``parts`` one after another (dim 0)."""
     import torch
 
     return torch.cat(parts, dim=0)
@@ -184,7 +185,8 @@ _CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
 def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None) -> Path:
     """Write ``ckpt`` (a checkpoint root or ``iter_*`` dir of gtp-recipes, any layout) as a
     transformers model directory ``out_dir`` (``config.json``, ``model.safetensors``,
-    ``generation_config.json``), fp32 as stored for fp32 runs (the checkpoint's dtype).
+    ``generation_config.json``, and ``gtp_recipes_export.json`` naming the source checkpoint,
+    iteration and class), in the checkpoint's dtype (fp32 for fp32 runs).
 
     Returns:
         ``out_dir`` as a Path.
