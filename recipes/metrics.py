@@ -58,7 +58,8 @@ def plan_wandb_run(cfg, train_state: dict | None, loaded_iteration: int | None) 
         loaded_iteration: the iteration loaded, None when nothing was loaded.
 
     Returns:
-        ``{"run_id": str, "resume": bool, "parent": None | {"run_id", "iteration", "step"}}``;
+        ``{"run_id": str, "resume": bool, "parent": None | {"run_id", "iteration", "step"}}``
+        (a continued run also carries ``saved_step``, its wandb step at the checkpoint);
         ``parent["step"]`` is the parent's wandb step at that iteration (None if unknown).
     """
     import torch
@@ -72,7 +73,8 @@ def plan_wandb_run(cfg, train_state: dict | None, loaded_iteration: int | None) 
 
             ck = cfg.checkpoint
             if _same_dir(ck.load, ck.save) and loaded_iteration == read_tracker(ck.load):
-                plan.update(run_id=parent_id, resume=True)
+                plan.update(run_id=parent_id, resume=True,
+                            saved_step=train_state.get("wandb_step"))
             else:
                 plan["parent"] = {"run_id": parent_id, "iteration": loaded_iteration,
                                   "step": train_state.get("wandb_step")}
@@ -121,7 +123,10 @@ class MetricLogger:
         # The next wandb step: after this run id's last logged step, or after a fork's parent.
         self.step = 0
         if plan["resume"]:
-            self.step = self._read_steps().get(self.run_id, -1) + 1
+            # At least past the checkpoint's own row, should wandb_steps.json be gone.
+            saved = plan.get("saved_step")
+            self.step = max(self._read_steps().get(self.run_id, -1),
+                            -1 if saved is None else saved) + 1
         elif parent is not None and parent["step"] is not None:
             self.step = max(0, parent["step"] + 1)
         if cfg.logger.wandb:

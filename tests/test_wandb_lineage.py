@@ -33,7 +33,7 @@ def test_continue_only_from_the_latest_checkpoint_into_its_own_dir(tmp_path):
     fresh = plan_wandb_run(_cfg(None, ck, tmp_path), None, None)
     assert fresh["parent"] is None and not fresh["resume"] and len(fresh["run_id"]) == 8
     same = plan_wandb_run(_cfg(ck, ck, tmp_path), state, 8)
-    assert same == {"run_id": "parent01", "resume": True, "parent": None}
+    assert same == {"run_id": "parent01", "resume": True, "parent": None, "saved_step": 7}
     for load_iteration, save in ((4, ck), (8, tmp_path / "elsewhere")):
         fork = plan_wandb_run(_cfg(ck, save, tmp_path), state, load_iteration)
         assert not fork["resume"] and fork["run_id"] != "parent01"
