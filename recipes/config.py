@@ -154,6 +154,9 @@ class LoggerConfig:
     # offline unless set to online (needs WANDB_API_KEY) .
     mode: str = "offline"
     run_name: Optional[str] = None
+    # Also log the grad norm per layer type (grad-norm/embedding, /attention, /mlp, /norms,
+    # /output) and per transformer layer (grad-norm/layer-<i>), each logical element once.
+    grad_norm_detail: bool = False
 
 
 @dataclass
@@ -163,6 +166,11 @@ class TrainConfig:
     train_iters: int = 200
     seed: int = 1234
     log_interval: int = 1
+    # Validation loss ("lm loss validation") every eval_interval iterations (0: only at the
+    # end) and at the end of training, over eval_iters global batches of data.split's
+    # validation share (0: no validation).
+    eval_interval: int = 50
+    eval_iters: int = 2
 
 
 @dataclass
