@@ -44,6 +44,9 @@ PATCHED_MODULES: dict[str, str] = {
     "megatron.core.dist_checkpointing.exchange_utils": "current_device()",
     "megatron.core.transformer.utils": "get_default_causal_mask: torch.ones(device=\"cuda\")",
     "megatron.core.pipeline_parallel.schedules": "forward_backward_no_pipelining: cuda tensors",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding": (
+        "RotaryEmbedding.get_emb (RoPE): inv_freq.to(torch.cuda.current_device())"
+    ),
     "megatron.core.tensor_parallel.generalized_tensor_parallelism": (
         "wait_for_gtp_grad_reduction_on_current_stream (finalize_model_grads under GTP): "
         "current_stream(); GTPShardedParam AG/RS streams and events"

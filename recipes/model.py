@@ -1,4 +1,5 @@
-"""Build megatron-core's GPTModel (local, non-TransformerEngine layer spec) from the config."""
+"""Build megatron-core's GPTModel from the config: GPT-2-style or Llama-style blocks, megatron's
+local layer spec, and padded vocabulary rows that never reach the loss."""
 
 from __future__ import annotations
 
@@ -34,7 +35,11 @@ def transformer_config(cfg, layout):
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.get("num_query_groups"),
         ffn_hidden_size=ffn,
+        normalization=m.get("normalization", "LayerNorm"),
+        layernorm_epsilon=m.get("layernorm_epsilon", 1e-5),
+        add_bias_linear=m.get("add_bias_linear", True),
         init_method_std=m.init_method_std,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
@@ -59,6 +64,46 @@ def transformer_config(cfg, layout):
     return TransformerConfig(**kwargs)
 
 
+def layer_spec(cfg):
+    """megatron's local (non-TransformerEngine) GPT layer spec for ``cfg.model``'s norm."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(normalization=cfg.model.get("normalization", "LayerNorm"))
+
+
+def mask_padded_vocab(model, vocab_size: int, padded_size: int) -> None:
+    """Keep padded vocabulary rows out of the softmax: their logits become ``-inf``.
+
+    A forward hook on ``model.output_layer`` (a ``ColumnParallelLinear`` over the padded
+    vocabulary) fills the logit columns of rows ``>= vocab_size`` with ``-inf`` before
+    megatron's ``tensor_parallel.vocab_parallel_cross_entropy`` (``GPTModel._postprocess``) sees
+    them: ``exp(-inf) = 0`` drops them from the partition function and their gradient is zero,
+    so the loss and every gradient are the same at any padded size (any TP, any
+    ``make_vocab_size_divisible_by``). Works in fp32 and bf16 (``-inf`` exists in both).
+
+    Args:
+        model: the ``GPTModel`` (its ``output_layer`` yields ``(logits [s, b, padded/tp], bias)``,
+            or the full padded width when the output is gathered).
+        vocab_size: real (tokenizer) vocabulary rows.
+        padded_size: rows of the whole padded output layer.
+    """
+    from megatron.core import parallel_state
+
+    if vocab_size >= padded_size:
+        return
+
+    def hook(module, args, output):
+        logits, bias = output
+        width = logits.shape[-1]
+        first = 0 if width == padded_size else parallel_state.get_tensor_model_parallel_rank() * width
+        real = max(0, min(width, vocab_size - first))
+        if real == width:
+            return output
+        return logits.masked_fill(torch.arange(width) >= real, float("-inf")), bias
+
+    model.output_layer.register_forward_hook(hook)
+
+
 def build_model(cfg, layout, vocab_size: int):
     """Build the GPT model on this rank (after ``parallel_state`` is initialized).
 
@@ -71,19 +116,26 @@ def build_model(cfg, layout, vocab_size: int):
         ``(model, transformer_config)``: a ``megatron.core.models.gpt.GPTModel`` on CPU.
     """
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    m = cfg.model
     config = transformer_config(cfg, layout)
+    padded = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by,
+                               layout.tensor_model_parallel_size)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=padded_vocab_size(
-            vocab_size, cfg.model.make_vocab_size_divisible_by, layout.tensor_model_parallel_size
-        ),
-        max_sequence_length=cfg.model.seq_length,
-        position_embedding_type=cfg.model.position_embedding_type,
-        share_embeddings_and_output_weights=cfg.model.share_embeddings_and_output_weights,
+        transformer_layer_spec=layer_spec(cfg),
+        vocab_size=padded,
+        max_sequence_length=m.seq_length,
+        position_embedding_type=m.position_embedding_type,
+        rotary_base=m.get("rotary_base", 10000),
+        rotary_percent=m.get("rotary_percent", 1.0),
+        rope_scaling=m.get("rope_scaling", False),
+        rope_scaling_factor=m.get("rope_scaling_factor", 8.0),
+        share_embeddings_and_output_weights=m.share_embeddings_and_output_weights,
     )
+    # Checkpoints record the real vocabulary (recipes.checkpoint refuses another one).
+    model.real_vocab_size = vocab_size
+    mask_padded_vocab(model, vocab_size, padded)
     return model, config
 
 

@@ -125,6 +125,7 @@ def validate(cfg, world_size: int) -> Layout:
     tp = layout.tensor_model_parallel_size
     for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length"):
         _positive(f"model.{name}", m[name])
+    _check_model_options(m, tp)
     for name, value, div in (
         ("model.num_attention_heads", m.num_attention_heads, tp),
         ("model.ffn_hidden_size", m.ffn_hidden_size, tp),
@@ -186,17 +187,42 @@ def validate(cfg, world_size: int) -> Layout:
     return layout
 
 
+_NORMS = ("LayerNorm", "RMSNorm")
+_POSITIONS = ("learned_absolute", "rope", "none")
+
+
+def _check_model_options(m, tp: int) -> None:
+    """Norm, positions and grouped-query attention (megatron asserts these later, less clearly)."""
+    if m.get("normalization", "LayerNorm") not in _NORMS:
+        raise ConfigError(f"model.normalization={m.normalization!r}: valid are {_NORMS}")
+    if m.position_embedding_type not in _POSITIONS:
+        raise ConfigError(f"model.position_embedding_type={m.position_embedding_type!r}: "
+                          f"valid are {_POSITIONS}")
+    groups = m.get("num_query_groups")
+    if groups is None:
+        return
+    _positive("model.num_query_groups", groups)
+    if m.num_attention_heads % groups:
+        raise ConfigError(f"model.num_query_groups={groups} must divide "
+                          f"model.num_attention_heads={m.num_attention_heads}")
+    if groups % tp:
+        raise ConfigError(
+            f"model.num_query_groups={groups} must be divisible by tensor_model_parallel_size={tp}"
+            f" (each TP rank holds whole K/V groups); valid tensor_model_parallel_size values: "
+            f"{[d for d in range(1, groups + 1) if groups % d == 0]}")
+
+
 def gtp_weight_dims(cfg, tensor_model_parallel_size: int) -> dict[str, int]:
     """``{parameter name: TP-local dim 0}`` of every weight megatron shards over the GTP group.
 
     megatron-core 0.19.2 wraps the ``weight`` of every ``VocabParallelEmbedding``,
     ``ColumnParallelLinear`` and ``RowParallelLinear`` (``tensor_parallel/layers.py``,
     ``wrap_module_params_gtp``); never biases, norms or the position embedding. GTP slices the
-    TP-local dim 0:
+    TP-local dim 0 (the table is ``recipes.shapes.parameter_shapes``):
 
     - ``embedding.word_embeddings`` / ``output_layer`` (vocab rows): padded vocab / tp; the output
       layer has no weight of its own when embeddings and output weights are shared;
-    - ``linear_qkv`` (column-parallel): (heads + 2 * query groups) * kv_channels / tp = 3 * hidden / tp;
+    - ``linear_qkv`` (column-parallel): (heads + 2 * query groups) * kv_channels / tp;
     - ``linear_fc1`` (column-parallel): ffn / tp, twice that with SwiGLU (gate and up rows);
     - ``linear_proj``, ``linear_fc2`` (row-parallel, TP splits dim 1): hidden, whatever the TP.
 
@@ -204,27 +230,20 @@ def gtp_weight_dims(cfg, tensor_model_parallel_size: int) -> dict[str, int]:
     the built model against this table). The vocab rows are left out when the tokenizer cannot be
     built from the config (other checks report that).
     """
+    from recipes.shapes import parameter_shapes, tp_local_shape
+
     m, tp = cfg.model, tensor_model_parallel_size
-    dims: dict[str, int] = {}
     try:
         from recipes.data import build_tokenizer
         from recipes.model import padded_vocab_size
 
         vocab = padded_vocab_size(build_tokenizer(cfg.data).vocab_size,
-                                  m.make_vocab_size_divisible_by, tp) // tp
+                                  m.make_vocab_size_divisible_by, tp)
     except ValueError:
         vocab = None
-    if vocab is not None:
-        dims["embedding.word_embeddings.weight"] = vocab
-    for i in range(m.num_layers):
-        layer = f"decoder.layers.{i}"
-        dims[f"{layer}.self_attention.linear_qkv.weight"] = 3 * m.hidden_size // tp
-        dims[f"{layer}.self_attention.linear_proj.weight"] = m.hidden_size
-        dims[f"{layer}.mlp.linear_fc1.weight"] = (2 if m.swiglu else 1) * m.ffn_hidden_size // tp
-        dims[f"{layer}.mlp.linear_fc2.weight"] = m.hidden_size
-    if vocab is not None and not m.share_embeddings_and_output_weights:
-        dims["output_layer.weight"] = vocab
-    return dims
+    vocab_rows = ("embedding.word_embeddings.weight", "output_layer.weight")
+    return {p.name: tp_local_shape(p, tp)[0] for p in parameter_shapes(m, vocab or tp)
+            if p.gtp and (vocab is not None or p.name not in vocab_rows)}
 
 
 def _check_gtp_dims(cfg, layout: Layout) -> None:
