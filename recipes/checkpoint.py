@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from recipes import faults
+from recipes import faults, vocab
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -162,8 +162,10 @@ def _unwrap(model):
     return getattr(model, "module", model)
 
 
-def _sharded_state_dict(model, optimizer, is_loading: bool) -> dict:
+def _sharded_state_dict(model, optimizer, is_loading: bool, adapt=None) -> dict:
     model_sd = _unwrap(model).sharded_state_dict()
+    if adapt is not None:
+        adapt(model_sd)  # before the optimizer's entries are derived from the model's
     return {
         "model": model_sd,
         "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
@@ -229,6 +231,8 @@ def save_checkpoint(root, iteration: int, model, optimizer, scheduler, common: d
         train_state=common,
         layout=layout_dict,
         rng_state=_rng_sharded_object(),
+        # The real (unpadded) vocabulary: a load with another tokenizer is refused.
+        **{vocab.RECORD_KEY: vocab.real_vocab_size(model)},
         # How GTP weights are laid out in this file (gtp/checkpoint.py documents the format);
         # built before save, which applies the sharded factories in place.
         **{METADATA_KEY: layout_metadata(model, state["model"])},
@@ -330,14 +334,17 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
     ``optimizer`` and ``scheduler``.
 
     The checkpoint may have been saved at any layout: dist_checkpointing reshards every tensor.
-    Each rank's RNG state is restored only when the layout is identical (the state is per rank).
+    At another padded vocabulary size the real vocabulary rows load exactly and the padding rows
+    are zero (``recipes.vocab``). Each rank's RNG state is restored only when the layout is
+    identical (the state is per rank).
 
     Returns:
         The checkpoint's common state (``iteration``, ``train_state``, ``layout``...).
 
     Raises:
-        CheckpointError: incomplete checkpoint, a tensor missing from it, or a shape mismatch
-            (naming the tensor and both shapes).
+        CheckpointError: incomplete checkpoint, another real vocabulary size (both named, before
+            any tensor is read), a tensor missing from it, or a shape mismatch (naming the
+            tensor and both shapes).
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -345,6 +352,9 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
     from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
 
     path, common = load_common(root, iteration)
+    message = vocab.refusal(common.get(vocab.RECORD_KEY), vocab.real_vocab_size(model), path)
+    if message:
+        raise CheckpointError(message)
     # A legacy GTP checkpoint (megatron-core 0.19.2's padded layout) is converted once into
     # <root>/gtp_converted/ and loaded from there; its RNG states are not carried over.
     from gtp import checkpoint as gtp_checkpoint, legacy
@@ -354,8 +364,19 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
                                               stock_writer=not gtp_checkpoint.is_installed())
     except legacy.LegacyCheckpointError as exc:
         raise CheckpointError(str(exc)) from exc
-    state = _sharded_state_dict(model, optimizer, is_loading=True)
-    check_shapes(state, path)
+    stored = _stored_shapes(path)
+    real = vocab.real_vocab_size(model)
+
+    def adapt(model_sd):
+        if real is None:
+            return
+        try:
+            vocab.adapt_to_stored_rows(model_sd, stored, real, path)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
+
+    state = _sharded_state_dict(model, optimizer, is_loading=True, adapt=adapt)
+    check_shapes(state, path, stored)
     same_layout = common["layout"] == layout_dict and not converted
     if same_layout:
         state["rng_state"] = _rng_sharded_object()
@@ -387,7 +408,18 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
     return common
 
 
-def check_shapes(sharded_state: dict, path) -> None:
+def _stored_shapes(path) -> dict:
+    """``{key: global shape}`` of every tensor in the checkpoint at ``path``."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        stored = dist_checkpointing.load_tensors_metadata(str(path))
+    except Exception as exc:
+        raise CheckpointError(f"{path}/.metadata cannot be read: {exc}") from exc
+    return {key: tuple(sh.global_shape) for key, sh in stored.items()}
+
+
+def check_shapes(sharded_state: dict, path, stored: dict | None = None) -> None:
     """Compare every requested tensor's global shape with the checkpoint's, before loading.
 
     Tensors megatron marks ``allow_shape_mismatch`` (vocab rows padded per TP) are skipped.
@@ -397,22 +429,19 @@ def check_shapes(sharded_state: dict, path) -> None:
         CheckpointError: naming the first tensors whose shapes differ (both shapes) or that the
             checkpoint lacks.
     """
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    try:
-        stored = dist_checkpointing.load_tensors_metadata(str(path))
-    except Exception as exc:
-        raise CheckpointError(f"{path}/.metadata cannot be read: {exc}") from exc
+    if stored is None:
+        stored = _stored_shapes(path)
     wrong, absent = [], []
     for sh in nested_values(sharded_state):
         if not isinstance(sh, ShardedTensor) or sh.allow_shape_mismatch:
             continue
         if sh.key not in stored:
             absent.append(sh.key)
-        elif tuple(stored[sh.key].global_shape) != tuple(sh.global_shape):
-            wrong.append(f"{sh.key}: checkpoint {tuple(stored[sh.key].global_shape)}, "
+        elif tuple(stored[sh.key]) != tuple(sh.global_shape):
+            wrong.append(f"{sh.key}: checkpoint {tuple(stored[sh.key])}, "
                          f"this model {tuple(sh.global_shape)}")
     if wrong:
         raise CheckpointError(

@@ -169,6 +169,9 @@ class TrainConfig:
     train_iters: int = 200
     seed: int = 1234
     log_interval: int = 1
+    # Validate the config for its world size and print the layout and per-rank sizes
+    # (recipes/dry_run.py); builds nothing heavy and starts no process.
+    dry_run: bool = False
 
 
 @dataclass

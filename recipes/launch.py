@@ -89,8 +89,14 @@ def _failure_order(rank: int, failure) -> tuple:
 
 
 def run(cfg) -> None:
-    """Validate ``cfg``, write it resolved, and run the job (local launch or as one rank)."""
+    """Validate ``cfg``, write it resolved, and run the job (local launch or as one rank);
+    with ``train.dry_run`` only validate and print the dry-run report."""
     layout = validate(cfg, world_size_from_env(cfg))
+    if cfg.train.get("dry_run", False):
+        from recipes.dry_run import report
+
+        print(report(cfg, layout), flush=True)
+        return
     config_path = write_resolved_config(cfg, cfg.output_dir)
     print(f"> job output dir: {cfg.output_dir}\n> layout: {layout.describe()}", flush=True)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

@@ -183,6 +183,7 @@ def validate(cfg, world_size: int) -> Layout:
         from recipes.checkpoint import check_loadable
 
         check_loadable(ck.load, ck.load_iteration)
+        _check_checkpoint_vocab(cfg)
     _announce_quantization(cfg, layout)
     return layout
 
@@ -210,6 +211,23 @@ def _check_model_options(m, tp: int) -> None:
             f"model.num_query_groups={groups} must be divisible by tensor_model_parallel_size={tp}"
             f" (each TP rank holds whole K/V groups); valid tensor_model_parallel_size values: "
             f"{[d for d in range(1, groups + 1) if groups % d == 0]}")
+
+
+def _check_checkpoint_vocab(cfg) -> None:
+    """The checkpoint to load was trained with this run's real vocabulary size."""
+    from recipes import vocab
+    from recipes.checkpoint import CheckpointError, load_common
+
+    try:
+        from recipes.data import build_tokenizer
+
+        current = build_tokenizer(cfg.data).vocab_size
+    except ValueError:
+        return  # the data checks report it
+    path, common = load_common(cfg.checkpoint.load, cfg.checkpoint.load_iteration)
+    message = vocab.refusal(common.get(vocab.RECORD_KEY), current, path)
+    if message:
+        raise CheckpointError(message)
 
 
 def gtp_weight_dims(cfg, tensor_model_parallel_size: int) -> dict[str, int]:
