@@ -24,9 +24,18 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
-def transformer_config(cfg, layout):
-    """megatron ``TransformerConfig`` for ``cfg.model`` at ``layout`` (a ``recipes.validate.Layout``)."""
+def transformer_config(cfg, layout, use_te: bool | None = None):
+    """megatron ``TransformerConfig`` for ``cfg.model`` at ``layout`` (a ``recipes.validate.Layout``).
+
+    ``use_te``: TransformerEngine layers and the quantization recipe's FP8/FP4 fields
+    (``recipes.te``); None: when TransformerEngine is importable.
+    """
     from megatron.core.transformer import TransformerConfig
+
+    from recipes import te
+
+    if use_te is None:
+        use_te = te.transformer_engine_usable()
 
     m = cfg.model
     dtype = _DTYPES[cfg.precision.params_dtype]
@@ -59,16 +68,10 @@ def transformer_config(cfg, layout):
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
     )
+    kwargs.update(te.config_fields(cfg.gtp.quantization, use_te))
     if layout.gtp_remat_size > 1:
         kwargs["gtp_weight_remat_size"] = layout.gtp_remat_size
     return TransformerConfig(**kwargs)
-
-
-def layer_spec(cfg):
-    """megatron's local (non-TransformerEngine) GPT layer spec for ``cfg.model``'s norm."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    return get_gpt_layer_local_spec(normalization=cfg.model.get("normalization", "LayerNorm"))
 
 
 def mask_padded_vocab(model, vocab_size: int, padded_size: int) -> None:
@@ -117,13 +120,16 @@ def build_model(cfg, layout, vocab_size: int):
     """
     from megatron.core.models.gpt import GPTModel
 
+    from recipes import te
+
     m = cfg.model
-    config = transformer_config(cfg, layout)
+    use_te = te.transformer_engine_usable()
+    config = transformer_config(cfg, layout, use_te)
     padded = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by,
                                layout.tensor_model_parallel_size)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(cfg),
+        transformer_layer_spec=te.layer_spec(m, use_te),
         vocab_size=padded,
         max_sequence_length=m.seq_length,
         position_embedding_type=m.position_embedding_type,

@@ -290,7 +290,8 @@ def _short(name: str) -> str:
 
 def _announce_quantization(cfg, layout: Layout) -> None:
     """One line, once per launch (not again in each worker), when a quantized recipe is chosen:
-    on CPU it only picks the GTP alignment; nothing is quantized."""
+    what it quantizes with TransformerEngine (``recipes.te``), or, without it, that it only
+    picks the GTP alignment."""
     quant = cfg.gtp.quantization
     if quant == "none":
         return
@@ -304,6 +305,13 @@ def _announce_quantization(cfg, layout: Layout) -> None:
         effect = f"has no effect: gtp.pad_for_alignment={cfg.gtp.pad_for_alignment} is explicit"
     else:
         effect = f"only sets the GTP alignment (pad_for_alignment={layout.pad_for_alignment})"
-    print(f"> note: gtp.quantization={quant} {effect}; on CPU (megatron's local layers, no "
-          f"TransformerEngine) nothing is quantized: weights and GEMMs stay "
+    from recipes import te
+
+    if te.transformer_engine_usable():
+        fields = ", ".join(f"{k}={v}" for k, v in te.config_fields(quant, True).items())
+        print(f"> gtp.quantization={quant}: TransformerEngine layers with {fields} "
+              f"(GTP pad_for_alignment={layout.pad_for_alignment})", flush=True)
+        return
+    print(f"> note: gtp.quantization={quant} {effect}; without TransformerEngine (megatron's "
+          f"local layers) nothing is quantized: weights and GEMMs stay "
           f"{cfg.precision.params_dtype}", flush=True)
