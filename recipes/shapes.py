@@ -115,7 +115,7 @@ def tp_local_shape(p: ParamShape, tp: int) -> tuple[int, ...]:
 def local_shape(p: ParamShape, tp: int, g: int, pad_for_alignment: int) -> tuple[tuple[int, ...], int]:
     """``(shape on one rank, GTP padding rows)`` at ``tp`` x GTP degree ``g``.
 
-    A GTP weight's TP-local dim 0 is padded (``gtp.alignment.shard_layout``, megatron's
+    A GTP weight's TP-local dim 0 is padded (``gtp.layout.gtp_padding``, megatron's
     ``gtp_remat_shard_dim0`` math) and split over ``g`` ranks; every rank holds the same shape.
 
     Raises:
@@ -124,7 +124,7 @@ def local_shape(p: ParamShape, tp: int, g: int, pad_for_alignment: int) -> tuple
     shape = tp_local_shape(p, tp)
     if not (p.gtp and g > 1):
         return shape, 0
-    from gtp.alignment import shard_layout
+    from gtp.layout import gtp_padding
 
-    pad_length, rows = shard_layout(shape[0], g, pad_for_alignment)
+    pad_length, rows = gtp_padding(shape[0], g, pad_for_alignment)
     return (rows, *shape[1:]), pad_length
