@@ -8,7 +8,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# ``precision.params_dtype`` values and their torch dtypes.
+PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -42,6 +43,39 @@ def padded_vocab_of_config(cfg, tp: int) -> int:
     return padded_vocab_size(vocab, int(cfg["model"]["make_vocab_size_divisible_by"]), tp)
 
 
+def gtp_weight_dims(cfg, tensor_model_parallel_size: int) -> dict[str, int]:
+    """``{parameter name: TP-local dim 0}`` of every weight megatron shards over the GTP group.
+
+    megatron-core 0.19.2 wraps the ``weight`` of every ``VocabParallelEmbedding``,
+    ``ColumnParallelLinear`` and ``RowParallelLinear`` (``megatron.core.tensor_parallel.layers``,
+    its ``wrap_module_params_gtp`` calls); never biases, norms or the position embedding. GTP
+    slices the TP-local dim 0 (the table is ``recipes.shapes.parameter_shapes``):
+
+    - ``embedding.word_embeddings`` / ``output_layer`` (vocab rows): padded vocab / tp; the output
+      layer has no weight of its own when embeddings and output weights are shared;
+    - ``linear_qkv`` (column-parallel): (heads + 2 * query groups) * kv_channels / tp;
+    - ``linear_fc1`` (column-parallel): ffn / tp, twice that with SwiGLU (gate and up rows);
+    - ``linear_proj``, ``linear_fc2`` (row-parallel, TP splits dim 1): hidden, whatever the TP.
+
+    Names are those of ``GPTModel.named_parameters()`` (``recipes.gtp_setup.after_model`` checks
+    the built model against this table). The vocab rows are left out when the tokenizer cannot be
+    built from the config (other checks report that).
+    """
+    from recipes.shapes import parameter_shapes, tp_local_shape
+
+    m, tp = cfg.model, tensor_model_parallel_size
+    try:
+        from recipes.data import build_tokenizer
+
+        vocab = padded_vocab_size(build_tokenizer(cfg.data).vocab_size,
+                                  m.make_vocab_size_divisible_by, tp)
+    except ValueError:
+        vocab = None
+    vocab_rows = ("embedding.word_embeddings.weight", "output_layer.weight")
+    return {p.name: tp_local_shape(p, tp)[0] for p in parameter_shapes(m, vocab or tp)
+            if p.gtp and (vocab is not None or p.name not in vocab_rows)}
+
+
 def transformer_config(cfg, layout, use_te: bool | None = None):
     """megatron ``TransformerConfig`` for ``cfg.model`` at ``layout`` (a ``recipes.validate.Layout``).
 
@@ -56,7 +90,7 @@ def transformer_config(cfg, layout, use_te: bool | None = None):
         use_te = te.transformer_engine_usable()
 
     m = cfg.model
-    dtype = _DTYPES[cfg.precision.params_dtype]
+    dtype = PARAMS_DTYPES[cfg.precision.params_dtype]
     ffn = m.ffn_hidden_size
     kwargs = dict(
         num_layers=m.num_layers,
