@@ -34,6 +34,27 @@ class DistributedTestError(RuntimeError):
     """One or more ranks failed (exception, crash or timeout)."""
 
 
+def reset_model_parallel() -> None:
+    """Destroy megatron's parallel state and every process group but the world.
+
+    A world reused across many layouts would otherwise keep every layout's gloo groups (megatron's
+    ``destroy_model_parallel`` only drops its references), each with its own I/O threads that
+    keep waking up: hundreds of them slow every later collective.
+    """
+    import gc
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from torch.distributed import distributed_c10d as c10d
+
+    gc.collect()  # the last layout's model and optimizer hold their groups
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    for group in list(c10d._world.pg_map):
+        if group is not c10d.GroupMember.WORLD:
+            dist.destroy_process_group(group)
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

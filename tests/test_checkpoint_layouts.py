@@ -32,7 +32,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from multiproc import run_distributed
+from multiproc import reset_model_parallel, run_distributed
 from recipes.config import register_configs
 
 pytestmark = pytest.mark.multiprocess
@@ -96,13 +96,10 @@ def make_cfg(model: str, tp: int, g: int, pad, nproc: int, checkpoint_layout: st
 # --------------------------------------------------------------------------------------------
 def _build(cfg_yaml: str):
     """(model, optimizer, scheduler, layout record) at the config's layout, fresh groups."""
-    from megatron.core import parallel_state
-
     from recipes import checkpoint, worker
     from recipes.validate import validate
 
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    reset_model_parallel()
     cfg = OmegaConf.create(cfg_yaml)
     layout = validate(cfg, torch.distributed.get_world_size())
     _, model, optimizer, scheduler = worker.setup(cfg, layout)
