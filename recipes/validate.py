@@ -206,6 +206,18 @@ def validate(cfg, world_size: int) -> Layout:
             f"data.micro_batch_size={d.micro_batch_size} x {group} (= {per_step}) for layout "
             f"{layout.describe()}"
         )
+    pp, vpp = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size
+    micro_batches = d.global_batch_size // per_step
+    if vpp and micro_batches % pp != 0:
+        # megatron's interleaved schedule runs micro-batches in groups of pp per model chunk
+        # (schedules.forward_backward_pipelining_with_interleaving refuses a partial group).
+        raise ConfigError(
+            f"parallelism.virtual_pipeline_model_parallel_size={vpp}: the interleaved schedule "
+            f"needs the micro-batches per step (data.global_batch_size={d.global_batch_size} / "
+            f"{per_step} = {micro_batches}) to be a multiple of "
+            f"pipeline_model_parallel_size={pp}: set data.global_batch_size to a multiple of "
+            f"{per_step * pp}"
+        )
     if layout.gtp_remat_size > 1:
         _check_gtp_dims(cfg, layout)
         if layout.pipeline_model_parallel_size > 1 and m.share_embeddings_and_output_weights:
