@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "error: python3.12 not found (on PATH or under ~/.pyenv/versions/3.12*)"; exit 1; }
 	test -x $(PY) || $(PYTHON312) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,hf]'
 	touch $(STAMP)
 
 train: setup ## train the tiny GPT on the embedded corpus with 2 CPU processes (ARGS='key=value ...')

@@ -3,15 +3,19 @@
     python train.py                                   # tiny GPT, embedded corpus, 2 CPU processes
     python train.py parallelism=tp2 gtp=off checkpoint.load=outputs/.../checkpoints
     python train.py -m parallelism=tp1,tp2            # one job (and worker group) per value
+    python train.py -m hydra/launcher=slurm parallelism=tp1,tp2   # one Slurm job per value
 """
 
 import sys
+import warnings
 
 import hydra
 
 from recipes.config import register_configs
 
 register_configs()
+# conf/hydra/launcher/submitit_local.yaml is meant to be typed by the plugin's schema of that name.
+warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigStore schema")
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

@@ -51,13 +51,13 @@ What a :class:`LogicalGTPFactory` does:
   ``exp_avg``/``exp_avg_sq``, fp32 main copies) into the pieces of
   :func:`gtp.layout.logical_pieces`, each a ``ShardedTensor`` with explicit ``global_shape`` /
   ``global_offset`` and ``axis_fragmentations=None`` (unequal pieces), never
-  ``allow_shape_mismatch``. Pieces are views of the tensor (no copy); layer axes (layer-stacked
+  ``allow_shape_mismatch``. Pieces share the tensor's memory (no copy, see ``_rows``); layer axes (layer-stacked
   keys) are leading size-1 dims of the piece rather than ``prepend_axis_num``, which megatron's
   irregular-sharding path (``CheckpointableShardedTensor``) does not support. ``step`` is saved by
   megatron as ``common_step``.
-* load: ``merge`` returns a tensor of the padded shard shape with the loaded logical rows in
-  place and every padding row zero.
-* The parameter itself is never touched: GTP gathers keep using the untrimmed padded buffer.
+* load: the pieces are views of the live tensor, so megatron's reader fills the logical rows in
+  place; ``merge`` then zeroes the padding rows and returns that same tensor (no new shard).
+* The parameter keeps its padded shape: GTP gathers keep using the untrimmed padded buffer.
 
 Metadata format (``layout_metadata``; stored by ``recipes/checkpoint.py`` under the common-state
 key :data:`METADATA_KEY` = ``"gtp_layout"``)::
@@ -189,6 +189,15 @@ class LogicalGTPFactory(ShardedTensorFactory):
     live_param: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)
     spec: Optional[LogicalSpec] = None
 
+    def __post_init__(self):
+        # The merge fills this factory's own ``data`` (the live param or optimizer tensor) in
+        # place; megatron's ``dataclasses.replace(factory, data=...)`` runs this again, so the
+        # optimizer's copy merges into its own tensor. ``without_data()`` (megatron's
+        # ``load_preprocess`` drops the factories' data before loading) keeps the merge target:
+        # it is the live tensor, not a copy.
+        if self.spec is not None and self.data is not None:
+            self.merge_fn = functools.partial(_merge_pieces, self.spec, target=self.data)
+
 
 def _prepended(spec: LogicalSpec) -> tuple[list[int], list[int]]:
     n = len(spec.prepend_offsets)
@@ -216,7 +225,7 @@ def _build_pieces(spec: LogicalSpec, key: str, data: torch.Tensor, replica_id, f
     cols, col0 = spec.global_cols()
     out = []
     for piece in spec.pieces():
-        part = data if (piece.lo, piece.hi) == (0, data.shape[0]) else data[piece.lo:piece.hi]
+        part = data if (piece.lo, piece.hi) == (0, data.shape[0]) else _rows(data, piece.lo, piece.hi)
         # Layer axes go into the local shape (a view with leading 1s), not prepend_axis_num:
         # megatron sends irregular ShardedTensors through CheckpointableShardedTensor, which
         # ignores prepend_axis_num (its chunk would have fewer dims than its offset).
@@ -231,12 +240,78 @@ def _build_pieces(spec: LogicalSpec, key: str, data: torch.Tensor, replica_id, f
     return out
 
 
-def _merge_pieces(spec: LogicalSpec, loaded):
-    """The factory's merge_fn: the padded shard, logical rows loaded, padding rows zero."""
+def _rows(data: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Rows ``lo:hi`` of ``data`` without a copy, in a tensor megatron's writer will not clone.
+
+    megatron's torch_dist writer (``FileSystemWriterAsync.prepare_write_data``, its
+    ``_clone_or_dequantize_if_needed``) clones every CPU tensor whose storage is larger than the
+    tensor, because ``torch.save`` writes whole storages: a plain ``data[lo:hi]`` would be copied
+    (the padded shard's size again in memory during the save). A CPU tensor is instead aliased
+    through numpy into a tensor whose storage is exactly these rows (same memory; the alias
+    keeps ``data`` alive). Other devices are copied to the host by the writer anyway.
+
+    Args:
+        data: a 2-D (rows, cols) shard, any dtype.
+        lo, hi: row range, ``0 <= lo <= hi <= rows``.
+
+    Returns:
+        A (hi - lo, cols) tensor sharing ``data``'s memory.
+    """
+    view = data.detach()[lo:hi]
+    if view.device.type != "cpu" or not view.is_contiguous() or view.numel() == 0:
+        return view
+    raw = data.detach().view(torch.uint8).numpy()[lo:hi]  # bytes of the rows, no copy
+    return torch.from_numpy(raw).view(data.dtype)
+
+
+def _padding_rows(spec: LogicalSpec, shard_rows: int) -> list[tuple[int, int]]:
+    """Row ranges of the shard that no logical piece covers (its padding), in order."""
+    out, at = [], 0
+    for piece in sorted(spec.pieces(), key=lambda p: p.lo):
+        if piece.lo > at:
+            out.append((at, piece.lo))
+        at = max(at, piece.hi)
+    if at < shard_rows:
+        out.append((at, shard_rows))
+    return out
+
+
+def _aliases_rows(target: torch.Tensor, ten: torch.Tensor, lo: int, hi: int) -> bool:
+    """Whether ``ten`` is exactly rows ``lo:hi`` of the contiguous ``target`` in memory."""
+    row_bytes = target.shape[1] * target.element_size()
+    return (ten.device == target.device and ten.dtype == target.dtype and ten.is_contiguous()
+            and ten.numel() == (hi - lo) * target.shape[1]
+            and ten.data_ptr() == target.data_ptr() + lo * row_bytes)
+
+
+def _merge_pieces(spec: LogicalSpec, loaded, target: Optional[torch.Tensor] = None):
+    """The factory's merge_fn: the padded shard, logical rows loaded, padding rows zero.
+
+    Args:
+        spec: the weight's :class:`LogicalSpec`.
+        loaded: one tensor per piece of ``spec.pieces()``, in order (``(1,)*n + (rows, cols)``).
+        target: the factory's ``data`` (live param or optimizer tensor, ``spec.shard_shape``).
+            When it is a contiguous tensor of that shape and the loaded dtype, the result is
+            ``target`` itself: pieces that the reader already read into their rows of ``target``
+            (the pieces :func:`_build_pieces` made are views of it) are left as they are, others
+            are copied in, and only the padding rows are zeroed. No new shard is allocated.
+            Otherwise (no target: a factory built without data) a new zero-filled shard is
+            returned.
+    """
     pieces = spec.pieces()
     if len(loaded) != len(pieces):
         raise GTPCheckpointError(f"expected {len(pieces)} loaded pieces, got {len(loaded)}")
     ref = loaded[0]
+    if (target is not None and tuple(target.shape) == spec.shard_shape and target.dtype == ref.dtype
+            and target.device == ref.device and target.is_contiguous()):
+        out = target.detach()
+        with torch.no_grad():
+            for piece, ten in zip(pieces, loaded):
+                if not _aliases_rows(out, ten, piece.lo, piece.hi):
+                    out[piece.lo:piece.hi].copy_(ten.reshape(piece.rows, spec.local_cols))
+            for lo, hi in _padding_rows(spec, out.shape[0]):
+                out[lo:hi].zero_()
+        return out
     out = torch.zeros(spec.shard_shape, dtype=ref.dtype, device=ref.device)
     for piece, ten in zip(pieces, loaded):
         out[piece.lo:piece.hi] = ten.reshape(piece.rows, spec.local_cols)

@@ -18,6 +18,11 @@ Commands (CKPT: a checkpoint root holding ``latest_checkpointed_iteration.txt``,
         Write SRC as a logical checkpoint under the root DST (loads at any layout, also into
         stock megatron-core without GTP). Exit 0, or 2 on error.
 
+    python -m gtp export CKPT OUT [--layout SPEC]
+        Write CKPT as a Hugging Face transformers model directory OUT (config.json +
+        model.safetensors): GPT models as GPT2LMHeadModel, Llama-family ones as
+        LlamaForCausalLM (:mod:`gtp.hf_export`). Needs the ``hf`` extra. Exit 0, or 2 on error.
+
 SPEC gives the saving layout of a checkpoint that does not record it, e.g.
 ``tp=2,gtp=2,pad=16,hidden_size=72,ffn_hidden_size=200,swiglu=false,padded_vocab_size=320``
 (keys: :data:`gtp.legacy.LAYOUT_KEYS`).
@@ -29,6 +34,7 @@ commands start (and end) a 1-process gloo group when none exists.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -262,10 +268,20 @@ def cmd_convert(args, out=sys.stdout) -> int:
     return 0
 
 
+def cmd_export(args, out=sys.stdout) -> int:
+    from gtp import hf_export
+
+    path = hf_export.export(args.ckpt, args.out, args.layout)
+    meta = json.loads((path / "gtp_recipes_export.json").read_text())
+    print(f"wrote {path}: {meta['architecture']}, vocab {meta['vocab_size']}, iteration "
+          f"{meta['iteration']} of {meta['source']}", file=out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m gtp",
-        description="Inspect, compare and convert megatron checkpoints across parallel layouts "
+        description="Inspect, compare, convert and export megatron checkpoints across parallel layouts "
                     "(GTP legacy padded checkpoints of megatron-core 0.19.2 included).")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="saving layout and logical shape of every tensor")
@@ -284,6 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst")
     p.add_argument("--layout", default=None)
     p.set_defaults(func=cmd_convert)
+    p = sub.add_parser("export", help="write a Hugging Face transformers model directory")
+    p.add_argument("ckpt")
+    p.add_argument("out")
+    p.add_argument("--layout", default=None)
+    p.set_defaults(func=cmd_export)
     return parser
 
 

@@ -167,3 +167,92 @@ def install() -> None:
 def is_installed() -> bool:
     """Whether :func:`install` has patched this process."""
     return _original_count_zeros is not None
+
+
+# Layer types of :func:`grad_norms_by_part`, in a fixed order (the first match of a name wins).
+LAYER_TYPES = ("embedding", "output", "norms", "attention", "mlp")
+
+
+def layer_type(name: str) -> str:
+    """The layer type of a GPTModel parameter name (``module.`` wrappers allowed):
+    ``embedding`` (word and position embeddings), ``output`` (output_layer), ``norms`` (every
+    LayerNorm/RMSNorm, the final one included), ``attention`` (self_attention's linears),
+    ``mlp`` (the MLP's linears).
+
+    Raises:
+        ValueError: a name matching none of them.
+    """
+    if ".embedding." in f".{name}":
+        return "embedding"
+    if "output_layer." in name:
+        return "output"
+    if "layernorm" in name or "layer_norm" in name or ".norm." in name:
+        return "norms"
+    if ".self_attention." in name:
+        return "attention"
+    if ".mlp." in name:
+        return "mlp"
+    raise ValueError(f"parameter {name!r} is of no known layer type {LAYER_TYPES}")
+
+
+def _layer_index(name: str, offset: int) -> int | None:
+    parts = name.split(".")
+    if "layers" in parts:
+        i = parts.index("layers")
+        if i + 1 < len(parts) and parts[i + 1].isdigit():
+            return int(parts[i + 1]) + offset
+    return None
+
+
+def grad_norms_by_part(chunks, num_layers: int, group) -> dict:
+    """L2 norms of the reduced gradients (``main_grad``) per layer type and per transformer layer,
+    each logical element counted once at any layout, as megatron's total ``grad-norm``
+    (``optimizer.clip_grads.get_grad_norm_fp32`` over ``get_main_grads_for_grad_norm``): shared
+    params, TP duplicates and GTP duplicates are skipped, GTP padding rows are left out, and the
+    squares are summed over ``group`` (the optimizer's ``get_grad_stats_parallel_group()``).
+    Collective over ``group``: every rank of it calls this with its own parameters.
+
+    Call it after the backward pass and gradient reduction, before the optimizer step (which
+    clips gradients in place).
+
+    Args:
+        chunks: ``[(named_parameters, layer_offset), ...]``, one pair per model chunk of this
+            rank: the chunk's ``named_parameters()`` and the global index of its first
+            transformer layer (0 without pipeline parallelism).
+        num_layers: transformer layers of the whole model.
+        group: the gradient-statistics process group (it spans the pipeline stages too).
+
+    Returns:
+        ``{"grad-norm/<type>": float}`` for each of :data:`LAYER_TYPES` and
+        ``{"grad-norm/layer-<i>": float}`` for ``i`` in ``range(num_layers)`` (0-based).
+    """
+    from megatron.core.tensor_parallel import (
+        param_is_not_gtp_duplicate,
+        param_is_not_tensor_parallel_duplicate,
+    )
+    from megatron.core.transformer.module import param_is_not_shared
+
+    sums = torch.zeros(len(LAYER_TYPES) + num_layers, dtype=torch.float64)
+    for named_params, layer_offset in chunks:
+        for name, param in named_params:
+            grad = getattr(param, "main_grad", None)
+            if grad is None:
+                grad = param.grad
+            if grad is None:
+                continue
+            if not (param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param)
+                    and param_is_not_gtp_duplicate(param)):
+                continue
+            rows = logical_rows_in_shard(param)
+            if rows is not None and grad.dim() > 0 and grad.shape[0] == param.shape[0]:
+                grad = grad[:rows]
+            square = grad.detach().double().square().sum()
+            sums[LAYER_TYPES.index(layer_type(name))] += square
+            layer = _layer_index(name, layer_offset)
+            if layer is not None:
+                sums[len(LAYER_TYPES) + layer] += square
+    torch.distributed.all_reduce(sums, group=group)
+    norms = sums.sqrt().tolist()
+    out = {f"grad-norm/{t}": norms[i] for i, t in enumerate(LAYER_TYPES)}
+    out.update({f"grad-norm/layer-{i}": norms[len(LAYER_TYPES) + i] for i in range(num_layers)})
+    return out

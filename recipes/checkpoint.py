@@ -15,6 +15,7 @@ rank's RNG state.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -210,24 +211,137 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
-def _use_in_process_results_queue() -> None:
+class _ForkedWriterResults:
+    """The writers' results queue of asynchronous saves.
+
+    megatron's forked writer ``put``s one item (its write results, or the exception it raised)
+    and the training process ``get_nowait``s it when it finalizes the save. A fork-context pipe
+    carries it; a daemon thread here drains the pipe as items arrive, so a writer never blocks
+    on a full pipe (a plain ``multiprocessing.Queue`` would: its writer joins its feeder thread
+    at exit, and nothing reads before the writer has exited).
+    """
+
+    # After the writer exited, what it sent is in the pipe; allow the drain thread this long.
+    GRACE_S = 10.0
+
+    def __init__(self):
+        import multiprocessing
+        import queue
+        import threading
+
+        self._recv, self._send = multiprocessing.get_context("fork").Pipe(duplex=False)
+        self._items: queue.Queue = queue.Queue()
+        threading.Thread(target=self._drain, name="async-save-results", daemon=True).start()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self._items.put(self._recv.recv())
+            except (EOFError, OSError):
+                return
+
+    def put(self, item) -> None:
+        """In the writer process: send ``item`` (picklable)."""
+        self._send.send(item)
+
+    def get_nowait(self):
+        """In the training process, once the writer has exited.
+
+        Raises:
+            queue.Empty: the writer sent nothing (it died); megatron reports the save failed.
+        """
+        return self._items.get(timeout=self.GRACE_S)
+
+
+_RESULTS_QUEUES: dict = {}
+
+
+def _use_in_process_results_queue(async_save: bool = False) -> None:
     """Keep megatron's torch_dist writer from starting a multiprocessing Manager server.
 
     ``filesystem_async.get_write_results_queue`` (megatron-core 0.19.2) creates a spawned
-    ``Manager().Queue()`` per rank on the first save, for results that only cross processes in
-    async saves. Our saves are synchronous (the writer threads run in this process), so a
-    thread-safe ``queue.Queue`` does the same job; and the Manager server would outlive a killed
-    rank, holding its stdout open and keeping the job's launcher waiting.
+    ``Manager().Queue()`` per rank on the first save, for the writers' results; the Manager
+    server would outlive a killed rank, holding its stdout open and keeping the job's launcher
+    waiting. Synchronous saves write in this process, so a thread-safe ``queue.Queue`` does the
+    job. Asynchronous saves write in a process forked from this one (megatron's
+    ``TemporalAsyncCaller``): their queue is a :class:`_ForkedWriterResults`, a pipe that dies
+    with this process. Set before every save (the kind of the save decides).
     """
     import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if getattr(filesystem_async, "_results_queue", None) is None:
-        filesystem_async._results_queue = queue.Queue()
+    kind = "async" if async_save else "sync"
+    if kind not in _RESULTS_QUEUES:  # one of each per process
+        _RESULTS_QUEUES[kind] = _ForkedWriterResults() if async_save else queue.Queue()
+    filesystem_async._results_queue = _RESULTS_QUEUES[kind]
 
 
-def save_checkpoint(root, iteration: int, model, optimizer, scheduler, common: dict, layout_dict: dict) -> Path:
+class AsyncSaves:
+    """The checkpoint saves still being written in the background (``checkpoint.async_save``).
+
+    megatron's ``AsyncCallsQueue`` (``dist_checkpointing.strategies.async_utils``, non-persistent:
+    each save forks one writer process per rank, whose copy-on-write memory is the snapshot of
+    the state at the save, so training goes on changing the live tensors). A save is complete
+    only once every rank's writer has finished: then megatron's finalize steps (the global
+    ``.metadata``) run on every rank, and after them this save's tracker update. At most one save
+    is in flight: scheduling a new one first waits for the previous.
+
+    Every method is a collective: every rank calls it at the same point.
+    """
+
+    def __init__(self):
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self._queue = AsyncCallsQueue(persistent=False)
+
+    def schedule(self, request) -> None:
+        """Start writing megatron's ``AsyncRequest`` (after the previous save is finalized)."""
+        self.wait()
+        self._queue.schedule_async_request(request)
+
+    def poll(self) -> None:
+        """Finalize the save in flight if every rank's writer has finished (does not wait)."""
+        if self._queue.get_num_unfinalized_calls():
+            self._queue.maybe_finalize_async_calls(blocking=False)
+
+    def wait(self) -> None:
+        """Wait for the save in flight, then finalize it.
+
+        Raises:
+            megatron's ``CheckpointException`` (a ``BaseException``): a rank's writer failed or
+                died; the tracker still names the previous checkpoint.
+        """
+        if self._queue.get_num_unfinalized_calls():
+            self._queue.maybe_finalize_async_calls(blocking=True)
+
+    @property
+    def pending(self) -> int:
+        """Saves scheduled but not finalized yet (0 or 1)."""
+        return self._queue.get_num_unfinalized_calls()
+
+
+def _write_in_background(write_fn, iteration: int, rank: int, *args, **kwargs) -> None:
+    """The forked writer: the ``async_write`` fault point, then megatron's write."""
+    faults.maybe_fail("async_write", iteration, rank)
+    write_fn(*args, **kwargs)
+
+
+def _finish_save(root, iteration: int, rank: int, on_done=None) -> None:
+    """Every rank wrote its files: point the tracker at ``iteration`` (a collective)."""
+    faults.maybe_fail("save", iteration, rank)
+    _barrier()
+    if rank == 0:
+        tmp = Path(root) / (TRACKER + ".tmp")
+        tmp.write_text(f"{iteration}\n")
+        os.replace(tmp, Path(root) / TRACKER)
+    _barrier()
+    if on_done is not None:
+        on_done()
+
+
+def save_checkpoint(root, iteration: int, model, optimizer, scheduler, common: dict,
+                    layout_dict: dict, async_saves: AsyncSaves | None = None, on_done=None) -> Path:
     """Save a checkpoint of ``iteration`` under ``root`` (every rank calls this).
 
     Args:
@@ -239,6 +353,10 @@ def save_checkpoint(root, iteration: int, model, optimizer, scheduler, common: d
         common: small picklable state identical on every rank (consumed samples, wandb run id,
             resolved config...).
         layout_dict: the ``Layout`` the run uses, recorded so a loader knows what wrote it.
+        async_saves: None: write now and return when the checkpoint is complete. Else the
+            tensors are written in the background (megatron's async torch_dist save) and the
+            save completes in a later ``async_saves.poll()`` / ``wait()``.
+        on_done: called on every rank right after the tracker names this checkpoint.
 
     Returns:
         The iter dir. The tracker file names it only once every rank finished writing.
@@ -247,7 +365,9 @@ def save_checkpoint(root, iteration: int, model, optimizer, scheduler, common: d
 
     path = iter_dir(root, iteration)
     rank = torch.distributed.get_rank()
-    _use_in_process_results_queue()
+    if async_saves is not None:
+        async_saves.wait()  # the previous save completes (or fails) before this one starts
+    _use_in_process_results_queue(async_saves is not None)
     state = _sharded_state_dict(model, optimizer, is_loading=False)
     ensure_disk_space(root, expected_checkpoint_bytes(state))
     if rank == 0:
@@ -268,14 +388,19 @@ def save_checkpoint(root, iteration: int, model, optimizer, scheduler, common: d
         # built before save, which applies the sharded factories in place.
         **{METADATA_KEY: layout_metadata(model, state["model"])},
     )
-    dist_checkpointing.save(state, str(path))
-    faults.maybe_fail("save", iteration, rank)
-    _barrier()
-    if rank == 0:
-        tmp = Path(root) / (TRACKER + ".tmp")
-        tmp.write_text(f"{iteration}\n")
-        os.replace(tmp, Path(root) / TRACKER)
-    _barrier()
+    finish = functools.partial(_finish_save, root, iteration, rank, on_done)
+    if async_saves is None:
+        dist_checkpointing.save(state, str(path))
+        finish()
+        return path
+    # megatron's own async path ("mcore"; the "nvrx" default needs nvidia-resiliency-ext).
+    request = dist_checkpointing.save(state, str(path), async_sharded_save=True,
+                                      async_strategy="mcore")
+    if request.async_fn is not None:
+        request = request._replace(async_fn=functools.partial(
+            _write_in_background, request.async_fn, iteration, rank))
+    request.add_finalize_fn(finish)
+    async_saves.schedule(request)
     return path
 
 

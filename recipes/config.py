@@ -138,6 +138,9 @@ class CheckpointConfig:
     keep_last: Optional[int] = None
     # Save at the last iteration even when it is not a multiple of save_interval.
     save_at_end: bool = True
+    # Write checkpoints in the background (megatron's async torch_dist save): training goes on
+    # while the files are written; the tracker names a save once every rank's write is done.
+    async_save: bool = False
 
 
 @dataclass
@@ -151,6 +154,9 @@ class LoggerConfig:
     # offline unless set to online (needs WANDB_API_KEY) .
     mode: str = "offline"
     run_name: Optional[str] = None
+    # Also log the grad norm per layer type (grad-norm/embedding, /attention, /mlp, /norms,
+    # /output) and per transformer layer (grad-norm/layer-<i>), each logical element once.
+    grad_norm_detail: bool = False
 
 
 @dataclass
@@ -160,6 +166,11 @@ class TrainConfig:
     train_iters: int = 200
     seed: int = 1234
     log_interval: int = 1
+    # Validation loss ("lm loss validation") every eval_interval iterations (0: only at the
+    # end) and at the end of training, over eval_iters global batches of data.split's
+    # validation share (0: no validation).
+    eval_interval: int = 50
+    eval_iters: int = 2
 
 
 @dataclass

@@ -6,7 +6,10 @@ ITERATION, either ``kill`` itself with SIGKILL (a crashed node: no cleanup, no e
 
 - ``train``: after the optimizer step of ITERATION;
 - ``save``: in the save of ITERATION, after this rank wrote its checkpoint files and before
-  the save is complete on every rank (the tracker file is not updated yet).
+  the save is complete on every rank (the tracker file is not updated yet);
+- ``async_write``: in the background writer process of an asynchronous save of ITERATION
+  (``checkpoint.async_save=true``), before it writes its files: ``kill`` kills the writer, not
+  the training process, which learns of it when it finalizes the save.
 
 Unset (the default), :func:`maybe_fail` does nothing.
 """
@@ -19,7 +22,7 @@ import time
 
 ENV = "GTP_RECIPES_FAULT"
 ACTIONS = ("kill", "raise")
-POINTS = ("train", "save")
+POINTS = ("train", "save", "async_write")
 
 
 def parse(spec: str) -> tuple[str, str, int, int]:

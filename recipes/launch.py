@@ -2,8 +2,8 @@
 
 :func:`run` validates the whole config in the Hydra process, writes the resolved config into the
 job's output dir, then either starts ``nproc_per_node`` workers on this machine with torch's
-elastic launcher (torchrun's library API) or, when RANK/WORLD_SIZE are already set (torchrun or
-Slurm across nodes), runs this process as that rank.
+elastic launcher (torchrun's library API) or, when RANK/WORLD_SIZE are already set (torchrun, or
+a task of a submitit job: Slurm across nodes), runs this process as that rank.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ def write_resolved_config(cfg, output_dir: str) -> Path:
     """Write ``cfg`` with every interpolation resolved to ``<output_dir>/resolved_config.yaml``."""
     path = Path(output_dir) / RESOLVED_CONFIG
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    # Every task of a submitit job writes the same file: a temporary name per process.
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(OmegaConf.to_yaml(cfg, resolve=True))
     os.replace(tmp, path)
     return path
@@ -88,11 +89,46 @@ def _failure_order(rank: int, failure) -> tuple:
     return (0 if died else 2 if consequence else 1, failure.timestamp, rank)
 
 
+def rank_env_from_submitit() -> dict | None:
+    """torchrun-style variables for this process when it is a task of a submitit job (Slurm, or
+    submitit's local executor), else None.
+
+    From ``submitit.JobEnvironment()``: ``RANK`` = global_rank, ``LOCAL_RANK`` = local_rank,
+    ``WORLD_SIZE`` = num_tasks (nodes x tasks_per_node), ``MASTER_ADDR`` = the job's first host
+    and ``MASTER_PORT`` = a port derived from the job id (the same on every task, different for
+    jobs sharing a node).
+    """
+    if not any(k.startswith("SUBMITIT_") for k in os.environ):
+        return None
+    import submitit
+
+    try:
+        env = submitit.JobEnvironment()
+    except RuntimeError:
+        return None
+    job_id = str(env.job_id)
+    digits = "".join(c for c in job_id if c.isdigit()) or "0"
+    return {
+        "RANK": str(env.global_rank),
+        "LOCAL_RANK": str(env.local_rank),
+        "WORLD_SIZE": str(env.num_tasks),
+        "MASTER_ADDR": env.hostnames[0],
+        "MASTER_PORT": str(20000 + int(digits[-6:]) % 20000),
+    }
+
+
 def run(cfg) -> None:
-    """Validate ``cfg``, write it resolved, and run the job (local launch or as one rank)."""
+    """Validate ``cfg``, write it resolved, and run the job (local launch or as one rank).
+
+    Under a submitit launcher (``hydra/launcher=slurm`` or ``submitit_local``) every task of the
+    job calls this and runs as its global rank (:func:`rank_env_from_submitit`)."""
+    submitit_env = rank_env_from_submitit()
+    if submitit_env is not None:
+        os.environ.update(submitit_env)
     layout = validate(cfg, world_size_from_env(cfg))
     config_path = write_resolved_config(cfg, cfg.output_dir)
-    print(f"> job output dir: {cfg.output_dir}\n> layout: {layout.describe()}", flush=True)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"> job output dir: {cfg.output_dir}\n> layout: {layout.describe()}", flush=True)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         from recipes.worker import run as run_worker
 

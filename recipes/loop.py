@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from functools import partial
 
@@ -64,12 +65,23 @@ def _lm_loss(losses: list) -> float:
     return float(local.reshape(()).item())
 
 
+def _layer_offset(chunk) -> int:
+    """Global index of ``chunk``'s first transformer layer (megatron's 1-based, global
+    ``TransformerLayer.layer_number``); 0 for a chunk without layers."""
+    from megatron.core.utils import unwrap_model
+
+    layers = unwrap_model(chunk).decoder.layers
+    return layers[0].layer_number - 1 if len(layers) else 0
+
+
 def train_step(model, optimizer, scheduler, data_iterator, num_microbatches: int, cfg) -> dict:
     """One optimizer step over ``num_microbatches`` micro-batches on this rank.
 
     Returns:
-        ``lm loss`` (mean over the global batch, from the last pipeline stage), ``grad-norm`` (before clipping, each logical
-        element once), ``num-zeros``, ``learning-rate`` (the one the step used).
+        ``lm loss`` (mean over the global batch, from the last pipeline stage), ``grad-norm``
+        (before clipping, each logical element once), ``num-zeros``, ``learning-rate`` (the one
+        the step used) and, with ``logger.grad_norm_detail``, ``grad-norm/<layer type>`` and
+        ``grad-norm/layer-<i>`` (:func:`gtp.grad_stats.grad_norms_by_part`).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -90,6 +102,14 @@ def train_step(model, optimizer, scheduler, data_iterator, num_microbatches: int
         forward_only=False,
     )
     lr = optimizer.param_groups[0]["lr"]
+    detail = {}
+    if cfg.logger.get("grad_norm_detail", False):
+        from gtp.grad_stats import grad_norms_by_part
+
+        # Before the step: it clips the gradients in place.
+        detail = grad_norms_by_part([(c.named_parameters(), _layer_offset(c)) for c in chunks],
+                                    cfg.model.num_layers,
+                                    optimizer.get_grad_stats_parallel_group())
     ok, grad_norm, num_zeros = optimizer.step()
     if not ok:
         raise FloatingPointError("optimizer step skipped (inf/nan in gradients)")
@@ -99,17 +119,65 @@ def train_step(model, optimizer, scheduler, data_iterator, num_microbatches: int
         "grad-norm": float(grad_norm),
         "num-zeros": float(num_zeros or 0),
         "learning-rate": lr,
+        **detail,
     }
 
 
-def train(state, cfg, logger, save_fn) -> None:
-    """Run iterations ``state.iteration + 1 .. train.train_iters``.
+def evaluate(model, validation, cfg) -> dict:
+    """Validation loss over ``validation`` (a ``recipes.data.ValidationBatches``), forward only,
+    as Megatron-LM's ``training.evaluate``: the model in eval mode, no gradients, the same loss
+    as training averaged over every micro-batch of the global batches and over the data group.
+
+    Returns:
+        ``{"lm loss validation": loss, "lm loss validation ppl": exp(min(20, loss))}`` (Megatron-LM's
+        names; the exponent is clamped at 20 as in its ``evaluate_and_print_results``).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from recipes.model import model_chunks
+
+    chunks = model_chunks(model)
+    for chunk in chunks:
+        chunk.eval()
+    try:
+        with torch.no_grad():
+            # One pass over the same batches per model chunk (interleaved pipeline stages).
+            iterators = [iter(validation) for _ in chunks]
+            losses = get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iterators if len(chunks) > 1 else iterators[0],
+                model=chunks,
+                num_microbatches=len(validation),
+                seq_length=cfg.model.seq_length,
+                micro_batch_size=cfg.data.micro_batch_size,
+                forward_only=True,
+            )
+    finally:
+        for chunk in chunks:
+            chunk.train()
+    loss = _lm_loss(losses)
+    return {"lm loss validation": loss, "lm loss validation ppl": math.exp(min(20.0, loss))}
+
+
+def eval_due(iteration: int, cfg) -> bool:
+    """Validation runs every ``train.eval_interval`` iterations and at ``train.train_iters``."""
+    t = cfg.train
+    if not t.get("eval_iters", 0):
+        return False
+    return iteration == t.train_iters or bool(t.eval_interval and iteration % t.eval_interval == 0)
+
+
+def train(state, cfg, logger, save_fn, poll_fn=None) -> None:
+    """Run iterations ``state.iteration + 1 .. train.train_iters``, with validation where
+    :func:`eval_due` (its metrics join that iteration's row).
 
     Args:
         state: the worker's ``RunState`` (model, optimizer, scheduler, data iterator, counters).
         cfg: the run config.
         logger: a ``MetricLogger`` on rank 0, else None.
         save_fn: ``save_fn(iteration)`` writes a checkpoint (every rank calls it).
+        poll_fn: called on every rank after every iteration (finalizes a background save whose
+            files are all written); None: nothing.
     """
     d, ck = cfg.data, cfg.checkpoint
     tokens_per_step = d.global_batch_size * cfg.model.seq_length
@@ -128,8 +196,13 @@ def train(state, cfg, logger, save_fn) -> None:
             "tokens-per-sec": tokens_per_step / elapsed,
             "consumed-samples": state.consumed_samples,
         })
-        if logger is not None and state.iteration % cfg.train.log_interval == 0:
+        validated = state.validation is not None and eval_due(state.iteration, cfg)
+        if validated:
+            metrics.update(evaluate(state.model, state.validation, cfg))
+        if logger is not None and (validated or state.iteration % cfg.train.log_interval == 0):
             logger.log(state.iteration, metrics)
+        if poll_fn is not None:
+            poll_fn()
         last = state.iteration == cfg.train.train_iters
         if ck.save and ((ck.save_interval and state.iteration % ck.save_interval == 0)
                         or (last and ck.save_at_end)):

@@ -1,13 +1,15 @@
 """Per-iteration metrics on rank 0: a local JSONL file, wandb, and a progress line.
 
 Names follow Megatron-LM: ``lm loss``, ``grad-norm``, ``learning-rate``, ``iteration-time``
-(seconds), ``num-zeros``, ``tokens-per-sec``, ``consumed-samples``; the step is ``iteration``.
+(seconds), ``num-zeros``, ``tokens-per-sec``, ``consumed-samples``, ``lm loss validation`` and
+``lm loss validation ppl`` (on validation iterations); the step is ``iteration``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
@@ -30,49 +32,176 @@ def new_run_id() -> str:
     return box[0]
 
 
+# Beside the checkpoints: the last wandb step each run id logged, so a continued run resumes
+# its step counter past rows logged after the last save (a crash loses no point).
+WANDB_STEPS_FILE = "wandb_steps.json"
+
+
+def _same_dir(a, b) -> bool:
+    return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
+
+
+def plan_wandb_run(cfg, train_state: dict | None, loaded_iteration: int | None) -> dict:
+    """Decide which wandb run this job writes; the same answer on every rank (collective under
+    torch.distributed: rank 0 decides and broadcasts).
+
+    * no checkpoint loaded: a new run;
+    * the latest checkpoint of ``checkpoint.load`` loaded and saved on into the same directory
+      (``checkpoint.save``): the checkpoint's run continues (same id);
+    * otherwise (``checkpoint.load_iteration`` before the latest, another save directory, every
+      sweep job with its own output dir): a fork, a new run whose parent is the checkpoint's run
+      at ``loaded_iteration``.
+
+    Args:
+        cfg: the run config (``checkpoint``).
+        train_state: the loaded checkpoint's train state (``wandb_run_id``, ``wandb_step``), None
+            when nothing was loaded.
+        loaded_iteration: the iteration loaded, None when nothing was loaded.
+
+    Returns:
+        ``{"run_id": str, "resume": bool, "parent": None | {"run_id", "iteration", "step"}}``
+        (a continued run also carries ``saved_step``, its wandb step at the checkpoint);
+        ``parent["step"]`` is the parent's wandb step at that iteration (None if unknown).
+    """
+    import torch
+
+    plan = None
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        parent_id = (train_state or {}).get("wandb_run_id")
+        plan = {"run_id": None, "resume": False, "parent": None}
+        if parent_id is not None:
+            from recipes.checkpoint import read_tracker
+
+            ck = cfg.checkpoint
+            if _same_dir(ck.load, ck.save) and loaded_iteration == read_tracker(ck.load):
+                plan.update(run_id=parent_id, resume=True,
+                            saved_step=train_state.get("wandb_step"))
+            else:
+                plan["parent"] = {"run_id": parent_id, "iteration": loaded_iteration,
+                                  "step": train_state.get("wandb_step")}
+    if torch.distributed.is_initialized():
+        box = [plan]
+        torch.distributed.broadcast_object_list(box, src=0)
+        plan = box[0]
+    if plan["run_id"] is None:
+        plan["run_id"] = new_run_id()
+    return plan
+
+
 class MetricLogger:
     """Writes ``<output_dir>/metrics.jsonl`` and, when ``logger.wandb``, one wandb run.
 
     Only construct it on global rank 0 (exactly one wandb run per job).
 
+    wandb's x axis is the ``iteration`` field (``define_metric("*", step_metric="iteration")``),
+    not wandb's own step: the step only counts rows and never goes back, so a run continued from
+    its last checkpoint logs the iterations a crash repeated as new rows instead of rows a wandb
+    server drops (it keeps only steps above the last it holds). The last step of each run id is
+    kept in ``<checkpoint.save>/wandb_steps.json``; a fork starts its steps after the parent's
+    branch point.
+
     Args:
-        cfg: the run config (``logger`` group).
+        cfg: the run config (``logger``, ``checkpoint.save``, ``train.train_iters``).
         output_dir: the job's output dir.
-        run_id: the wandb run id; the same id on resume continues the same run and chart.
+        plan: from :func:`plan_wandb_run`.
         config: resolved config dict stored in the wandb run.
+        resumed_from: the iteration of the checkpoint loaded (shown on the progress line).
     """
 
-    def __init__(self, cfg, output_dir: str, run_id: str, config: dict):
+    def __init__(self, cfg, output_dir: str, plan: dict, config: dict,
+                 resumed_from: int | None = None):
         self.train_iters = cfg.train.train_iters
+        self.resumed_from = resumed_from
+        self._start = time.perf_counter()
+        self._first_iteration = resumed_from
         self.path = Path(output_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", buffering=1)
         self.run = None
+        self.run_id = plan["run_id"]
+        self._steps_path = Path(cfg.checkpoint.save) / WANDB_STEPS_FILE if cfg.checkpoint.save else None
+        parent = plan["parent"]
+        # The next wandb step: after this run id's last logged step, or after a fork's parent.
+        self.step = 0
+        if plan["resume"]:
+            # At least past the checkpoint's own row, should wandb_steps.json be gone.
+            saved = plan.get("saved_step")
+            self.step = max(self._read_steps().get(self.run_id, -1),
+                            -1 if saved is None else saved) + 1
+        elif parent is not None and parent["step"] is not None:
+            self.step = max(0, parent["step"] + 1)
         if cfg.logger.wandb:
             import wandb
 
             os.environ.setdefault("WANDB_SILENT", "true")
-            self.run = wandb.init(
-                project=cfg.logger.project,
-                entity=cfg.logger.entity,
-                name=cfg.logger.run_name,
-                id=run_id,
-                resume="allow",
-                mode=cfg.logger.mode,
-                dir=str(output_dir),
-                config=config,
-            )
+            kwargs = dict(project=cfg.logger.project, entity=cfg.logger.entity,
+                          name=cfg.logger.run_name, id=self.run_id, mode=cfg.logger.mode,
+                          dir=str(output_dir), config=config)
+            if plan["resume"]:
+                kwargs["resume"] = "allow"
+            elif parent is not None:
+                kwargs["config"] = {**config, "parent_run_id": parent["run_id"],
+                                    "parent_iteration": parent["iteration"]}
+                if parent["step"] is not None and parent["step"] >= 0:
+                    kwargs["fork_from"] = f"{parent['run_id']}?_step={parent['step']}"
+            try:
+                self.run = wandb.init(**kwargs)
+            except Exception as exc:  # noqa: BLE001 - a server without forking still gets the run
+                if "fork_from" not in kwargs:
+                    raise
+                print(f"> wandb refused fork_from ({exc}); starting run {self.run_id} with "
+                      f"parent_run_id/parent_iteration in its config only", flush=True)
+                kwargs.pop("fork_from")
+                self.run = wandb.init(**kwargs)
+            self.run.define_metric("iteration")
+            self.run.define_metric("*", step_metric="iteration")
+            # Online, a resumed run's server knows its last step.
+            self.step = max(self.step, int(self.run.step or 0))
+
+    def _read_steps(self) -> dict:
+        if self._steps_path is None or not self._steps_path.exists():
+            return {}
+        try:
+            return json.loads(self._steps_path.read_text())
+        except ValueError:
+            return {}
+
+    def _write_step(self, step: int) -> None:
+        if self._steps_path is None:
+            return
+        steps = self._read_steps()
+        steps[self.run_id] = step
+        self._steps_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._steps_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(steps))
+        os.replace(tmp, self._steps_path)
+
+    @property
+    def last_step(self) -> int:
+        """The wandb step of the last logged row (-1 before any)."""
+        return self.step - 1
 
     def event(self, kind: str, **fields) -> None:
         """Record a non-metric event (``start``, ``resume``, ``save``) in the JSONL file."""
         self._file.write(json.dumps({"event": kind, **fields}) + "\n")
 
     def log(self, iteration: int, metrics: dict) -> None:
-        """Record ``metrics`` at step ``iteration`` and print a progress line."""
+        """Record ``metrics`` at ``iteration`` and print a progress line."""
         self._file.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
         if self.run is not None:
-            self.run.log(metrics, step=iteration)
-        print(format_progress(iteration, self.train_iters, metrics), flush=True)
+            self.run.log({**metrics, "iteration": iteration}, step=self.step)
+            self._write_step(self.step)
+        self.step += 1
+        now = time.perf_counter()
+        if self._first_iteration is None:
+            self._first_iteration = iteration - 1
+        done = iteration - self._first_iteration
+        # The rest at the mean pace of this job's iterations so far (validation included).
+        remaining = (now - self._start) / done * (self.train_iters - iteration) if done > 0 else None
+        print(format_progress(iteration, self.train_iters, metrics, now - self._start, remaining,
+                              self.resumed_from), flush=True)
+        if "lm loss validation" in metrics:
+            print(format_validation(iteration, metrics), flush=True)
 
     def close(self) -> None:
         """Flush and finish the wandb run."""
@@ -81,15 +210,39 @@ class MetricLogger:
             self.run.finish()
 
 
-def format_progress(iteration: int, total: int, m: dict) -> str:
-    """One Megatron-style progress line."""
+def format_duration(seconds: float) -> str:
+    """``H:MM:SS`` for a duration in seconds (rounded down)."""
+    seconds = max(0, int(seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def format_progress(iteration: int, total: int, m: dict, elapsed_s: float | None = None,
+                    remaining_s: float | None = None, resumed_from: int | None = None) -> str:
+    """One Megatron-style progress line; with ``elapsed_s``/``remaining_s`` (seconds) the
+    job's elapsed time and the estimate of the rest, with ``resumed_from`` the iteration the job
+    resumed from."""
+    resumed = f" (resumed from {resumed_from})" if resumed_from is not None else ""
+    timing = ""
+    if elapsed_s is not None:
+        timing = f"elapsed: {format_duration(elapsed_s)} | "
+        if remaining_s is not None:
+            timing += f"remaining: {format_duration(remaining_s)} | "
     return (
-        f" iteration {iteration:6d}/{total} | consumed samples {m['consumed-samples']:8d} | "
+        f" iteration {iteration:6d}/{total}{resumed} | {timing}"
+        f"consumed samples {m['consumed-samples']:8d} | "
         f"elapsed time per iteration (ms): {1000 * m['iteration-time']:8.1f} | "
         f"tokens/s: {m['tokens-per-sec']:9.0f} | learning rate: {m['learning-rate']:.4E} | "
         f"lm loss: {m['lm loss']:.6E} | grad norm: {m['grad-norm']:.4f} | "
         f"num zeros: {m['num-zeros']:.0f}"
     )
+
+
+def format_validation(iteration: int, m: dict) -> str:
+    """Megatron-LM's validation line (``evaluate_and_print_results``), framed by dashes."""
+    line = (f" validation loss at iteration {iteration} | lm loss value: "
+            f"{m['lm loss validation']:.6E} | lm loss PPL: {m['lm loss validation ppl']:.6E} |")
+    rule = "-" * len(line)
+    return f"{rule}\n{line}\n{rule}"
 
 
 def read_metrics(output_dir: str | os.PathLike) -> tuple[list[dict], list[dict]]:

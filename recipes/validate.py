@@ -62,6 +62,16 @@ def world_size_from_env(cfg) -> int:
     return int(cfg.parallelism.nproc_per_node)
 
 
+def _has_validation_share(split) -> bool:
+    """True when ``data.split`` (``"train,valid,test"`` weights) gives validation a weight > 0;
+    a malformed split is left to the data pipeline's own error."""
+    try:
+        weights = [float(w) for w in str(split).replace("/", ",").split(",")]
+    except ValueError:
+        return True
+    return len(weights) > 1 and weights[1] > 0
+
+
 def _positive(name: str, value) -> None:
     if value is None or int(value) < 1:
         raise ConfigError(f"{name}={value} is invalid: it must be an integer >= 1")
@@ -147,6 +157,12 @@ def _distributed_optimizer(cfg) -> tuple[bool, Optional[str]]:
     o = cfg.optim
     if not o.get("use_distributed_optimizer", False):
         return False, None
+    if cfg.logger.get("grad_norm_detail", False):
+        # After the reduce-scatter each DP rank holds only its slice of the reduced gradients.
+        raise ConfigError(
+            "logger.grad_norm_detail=true needs the full reduced gradients on every rank, which "
+            "optim.use_distributed_optimizer=true does not keep; set one of them to false"
+        )
     fmt = o.get("distrib_optim_sharding_type", "fully_reshardable")
     if fmt not in RESHARDABLE_DISTRIB_OPTIM_FORMATS:
         why = DISTRIB_OPTIM_FORMATS.get(fmt, "not a megatron-core 0.19.2 format")
@@ -236,6 +252,13 @@ def validate(cfg, world_size: int) -> Layout:
     if not (0 <= o.min_lr <= o.lr):
         raise ConfigError(f"optim.min_lr={o.min_lr} must lie in [0, optim.lr={o.lr}]")
     _positive("train.train_iters", t.train_iters)
+    for name in ("eval_interval", "eval_iters"):
+        if t.get(name, 0) < 0:
+            raise ConfigError(f"train.{name}={t[name]} must be >= 0")
+    if t.get("eval_iters", 0) and not _has_validation_share(d.split):
+        raise ConfigError(f"train.eval_iters={t.eval_iters} needs a validation share in "
+                          f"data.split={d.split!r} (train,valid,test weights, e.g. '98,2,0'), "
+                          f"or train.eval_iters=0")
     decay = o.lr_decay_iters or t.train_iters
     # megatron's OptimizerParamScheduler asserts warmup < decay steps.
     if o.lr_warmup_iters < 0 or o.lr_warmup_iters >= decay:

@@ -38,6 +38,8 @@ class RunState:
     num_microbatches: int
     iteration: int = 0
     consumed_samples: int = 0
+    # recipes.data.ValidationBatches, or None without validation.
+    validation: Any = None
 
 
 def init_distributed() -> None:
@@ -127,8 +129,8 @@ def run(cfg) -> None:
 
     from recipes import checkpoint
     from recipes.config import to_dict
-    from recipes.data import build_train_iterator
-    from recipes.metrics import MetricLogger, new_run_id
+    from recipes.data import build_iterators, build_train_iterator
+    from recipes.metrics import MetricLogger, plan_wandb_run
     from recipes.model import count_parameters
     from recipes.validate import validate
 
@@ -138,56 +140,79 @@ def run(cfg) -> None:
     layout_rec = checkpoint.layout_record(layout)
     rank = torch.distributed.get_rank()
 
-    train_state = {"consumed_samples": 0, "wandb_run_id": None}
+    train_state = {"consumed_samples": 0}
     iteration, resumed_from = 0, None
     if cfg.checkpoint.load:
         common = checkpoint.load_checkpoint(cfg.checkpoint.load, model, optimizer, scheduler,
                                             layout_rec, cfg.checkpoint.load_iteration)
         iteration, train_state, resumed_from = common["iteration"], dict(common["train_state"]), common["layout"]
-    run_id = train_state.get("wandb_run_id") or new_run_id()
-    train_state["wandb_run_id"] = run_id
+    plan = plan_wandb_run(cfg, train_state if resumed_from is not None else None,
+                          iteration if resumed_from is not None else None)
+    run_id = plan["run_id"]
 
     dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     dp_rank, dp_size = torch.distributed.get_rank(dp_group), torch.distributed.get_world_size(dp_group)
     # Every pipeline stage (and virtual stage) reads the same micro-batches: the first uses the
     # tokens, the last the labels and loss mask.
     vpp = layout.virtual_pipeline_model_parallel_size
-    iterators = [build_train_iterator(cfg, train_state["consumed_samples"], dp_rank, dp_size,
-                                      tokenizer=tokenizer) for _ in range(vpp or 1)]
-    data_iterator = iterators if vpp else iterators[0]
+    data_iterator, validation = build_iterators(cfg, train_state["consumed_samples"], dp_rank,
+                                                dp_size, tokenizer=tokenizer)
+    if vpp:
+        data_iterator = [data_iterator] + [
+            build_train_iterator(cfg, train_state["consumed_samples"], dp_rank, dp_size,
+                                 tokenizer=tokenizer) for _ in range(vpp - 1)]
     state = RunState(
         model, optimizer, scheduler, data_iterator,
         num_microbatches=cfg.data.global_batch_size // (cfg.data.micro_batch_size * dp_size),
         iteration=iteration, consumed_samples=train_state["consumed_samples"],
+        validation=validation,
     )
 
     config_dict = to_dict(cfg)
-    logger = MetricLogger(cfg, cfg.output_dir, run_id, config_dict) if rank == 0 else None
+    logger = MetricLogger(cfg, cfg.output_dir, plan, config_dict,
+                          resumed_from=iteration if resumed_from is not None else None) \
+        if rank == 0 else None
     if logger is not None:
         n_params = count_parameters(model)
+        fork = (f" (fork of {plan['parent']['run_id']} at iteration {plan['parent']['iteration']})"
+                if plan["parent"] else " (continued)" if plan["resume"] else "")
         print(f"> layout {layout.describe()}, parameters on rank 0: {n_params}, "
-              f"wandb run {run_id}", flush=True)
+              f"wandb run {run_id}{fork}", flush=True)
         if resumed_from is not None:
+            parent = plan["parent"]
             logger.event("resume", iteration=iteration, from_layout=resumed_from, layout=layout_rec,
-                         load=str(cfg.checkpoint.load))
+                         load=str(cfg.checkpoint.load), wandb_run_id=run_id,
+                         wandb_parent_run_id=parent and parent["run_id"])
         else:
             logger.event("start", iteration=0, layout=layout_rec)
 
-    def save(it: int) -> None:
-        common = {"consumed_samples": state.consumed_samples, "wandb_run_id": run_id,
-                  "config": config_dict}
-        path = checkpoint.save_checkpoint(cfg.checkpoint.save, it, model, optimizer, scheduler,
-                                          common, layout_rec)
+    async_saves = checkpoint.AsyncSaves() if cfg.checkpoint.async_save else None
+
+    def saved(it: int, path) -> None:
         if rank == 0:
             if cfg.checkpoint.keep_last:
                 checkpoint.remove_old_checkpoints(cfg.checkpoint.save, cfg.checkpoint.keep_last)
             logger.event("save", iteration=it, path=str(path))
             print(f"> saved checkpoint at iteration {it} to {path}", flush=True)
 
+    def save(it: int) -> None:
+        # rank 0's wandb step of this iteration's row: a fork from this checkpoint branches there.
+        step = torch.tensor([logger.last_step if logger is not None else 0])
+        torch.distributed.broadcast(step, src=0)
+        common = {"consumed_samples": state.consumed_samples, "wandb_run_id": run_id,
+                  "wandb_step": int(step.item()), "config": config_dict,
+                  "vocab_size": tokenizer.vocab_size}
+        path = checkpoint.iter_dir(cfg.checkpoint.save, it)
+        checkpoint.save_checkpoint(cfg.checkpoint.save, it, model, optimizer, scheduler,
+                                   common, layout_rec, async_saves=async_saves,
+                                   on_done=lambda: saved(it, path))
+
     from recipes.loop import train
 
     try:
-        train(state, cfg, logger, save)
+        train(state, cfg, logger, save, poll_fn=async_saves.poll if async_saves else None)
+        if async_saves is not None:
+            async_saves.wait()
     finally:
         if logger is not None:
             logger.close()

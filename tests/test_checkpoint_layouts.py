@@ -1013,6 +1013,73 @@ def test_optimizer_lookup_uses_the_back_link_and_refuses_a_miss(patched):
         dopt.get_param_id_to_sharded_param_map({"a": entry_a}, [a, b])
 
 
+def test_factory_save_pieces_alias_the_shard_without_a_storage_to_clone(tmp_path):
+    """megatron's torch_dist writer clones every CPU tensor whose storage is larger than the
+    tensor (``torch.save`` writes whole storages). A trimmed piece of a padded shard shares the
+    shard's memory yet owns a storage of exactly its rows: the writer neither clones it nor writes
+    the padding rows."""
+    from gtp.checkpoint import _make_factory
+
+    # tp2 x g2/a16, L=200, TP rank 1: GTP rank 0 holds gate rows 0-99 and up rows 0-11 (two
+    # pieces of the 112-row shard); GTP rank 1 holds up rows 12-99 and 24 padding rows.
+    shard = torch.randn(112, 64).to(torch.bfloat16)
+    row_bytes = 64 * shard.element_size()
+    for gtp_rank, los in ((0, (0, 100)), (1, (0,))):
+        pieces = _make_factory(shard, "fc1", _spec(200, 2, 1, 2, gtp_rank, 16, gated=True, cols=64),
+                               0).build()
+        assert len(pieces) == len(los)
+        for piece, lo in zip(pieces, los):
+            data = piece.data
+            rows = data.shape[1]
+            assert data.untyped_storage().nbytes() == data.numel() * data.element_size()
+            assert data.data_ptr() == shard.data_ptr() + lo * row_bytes  # no copy
+            assert torch.equal(data[0], shard[lo:lo + rows])
+            torch.save(data, tmp_path / "piece.pt")
+            torch.save(data.clone(), tmp_path / "copy.pt")  # what the writer's clone writes
+            torch.save(shard[lo:lo + rows], tmp_path / "view.pt")  # a plain view: whole storage
+            size = {n: (tmp_path / f"{n}.pt").stat().st_size for n in ("piece", "copy", "view")}
+            # (a few bytes of zip metadata differ)
+            assert abs(size["piece"] - size["copy"]) < 64, size
+            assert size["view"] - size["piece"] > (112 - rows) * row_bytes - 64, size
+
+
+def test_factory_merge_fills_the_live_shard_in_place():
+    """Load: the reader fills the pieces (views of the live shard); merge zeroes only the
+    padding rows and returns the live shard itself. Pieces read into other tensors are copied
+    into it; an optimizer tensor (megatron's ``dataclasses.replace(factory, data=...)``) merges
+    into its own tensor, also after megatron's ``without_data()``; without a target the merge
+    returns a new zero-padded shard."""
+    import dataclasses
+
+    from gtp.checkpoint import _make_factory, _merge_pieces
+
+    spec = _spec(200, 2, 1, 2, 1, 16, gated=True, cols=2)  # up rows 12-99 (88 rows), pad 24
+    want = torch.zeros(112, 2)
+    want[:88] = torch.arange(88 * 2, dtype=torch.float32).reshape(88, 2) + 1
+
+    def check(merged, target):
+        assert merged.data_ptr() == target.data_ptr()
+        assert torch.equal(target, want)
+
+    live = torch.nn.Parameter(torch.full((112, 2), SENTINEL))
+    factory = _make_factory(live, "fc1", spec, 0)
+    (piece,) = factory.build()
+    piece.data.copy_(want[:88].view(1, 88, 2))  # as the reader does
+    check(factory.merge_fn([piece.data]), live)
+
+    moment = torch.full((112, 2), SENTINEL)
+    optim_factory = dataclasses.replace(factory, data=moment)
+    check(optim_factory.merge_fn([want[:88].clone().view(1, 88, 2)]), moment)
+
+    # megatron's load_preprocess drops the factories' data before it loads and merges.
+    live.data.fill_(SENTINEL)
+    check(factory.without_data().merge_fn([want[:88].clone().view(1, 88, 2)]), live)
+
+    fresh = _merge_pieces(spec, [want[:88].clone().view(1, 88, 2)])  # no target: a new shard
+    assert fresh.data_ptr() not in (live.data_ptr(), moment.data_ptr())
+    assert torch.equal(fresh, want)
+
+
 # --------------------------------------------------------------------------------------------
 # Pipeline parallelism and the distributed optimizer.
 # --------------------------------------------------------------------------------------------

@@ -1,14 +1,16 @@
 """End to end: train at one layout, resume at another, through train.py as a user runs it.
 
-A (dp2, 2 processes) trains 8 iterations and saves at 4 and 8. B (tp2) resumes from A's
-iteration 4 and saves at 6 and 8. C (tp1, 1 process) resumes from B's iteration 6.
-The first resumed iteration of B (5) is compared with A's uninterrupted iteration 5, and C's (7)
-with B's uninterrupted iteration 7: both start from exactly the same weights and optimizer state,
-so they differ only by the order of floating-point reductions across the layouts.
+A (dp2, 2 processes) trains towards 8 iterations saving every 4, crashes (an injected error) after
+iteration 6's step, and is resumed into its own checkpoint dir: it continues its wandb run from
+iteration 4 and saves 8. B (tp2) resumes from A's iteration 4 into its own dir (a fork) and saves
+at 6 and 8. C (tp1, 1 process) forks from B's iteration 6.
+The first resumed iteration of B (5) is compared with A's iteration 5, and C's (7) with B's
+iteration 7: both start from exactly the same weights and optimizer state, so they differ only by
+the order of floating-point reductions across the layouts. Validation runs every 2 iterations.
 
-Tolerance (fp32): relative 1e-5 for ``lm loss`` and ``grad-norm``. fp32 has eps 1.2e-7; the
-loss and the squared-norm sums run over ~1e5 terms whose association changes with TP/DP (TP
-splits the GEMM reductions, DP splits the batch mean), so rounding differences of
+Tolerance (fp32): relative 1e-5 for ``lm loss``, ``grad-norm`` and ``lm loss validation``. fp32
+has eps 1.2e-7; the loss and the squared-norm sums run over ~1e5 terms whose association changes
+with TP/DP (TP splits the GEMM reductions, DP splits the batch mean), so rounding differences of
 O(sqrt(n) * eps) ~ 1e-5 relative are the worst expected; a wrong weight, moment or data position
 moves these figures by orders of magnitude more. Learning rate and consumed samples are exact.
 """
@@ -16,21 +18,27 @@ moves these figures by orders of magnitude more. Learning rate and consumed samp
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
 from recipes.metrics import read_metrics
-from wandb_offline import history, run_files
+from wandb_offline import config, history, run_files
 
 RTOL = 1e-5
-COMMON = ["train.train_iters=8", "optim.lr_warmup_iters=2", "logger=wandb"]
+COMMON = ["train.train_iters=8", "optim.lr_warmup_iters=2", "logger=wandb", "train.eval_interval=2"]
+CRASH = {"GTP_RECIPES_FAULT": "raise:train:6:0"}
 
 
 @pytest.fixture(scope="module")
 def runs(train_run, tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
     a, b, c = root / "a_dp2", root / "b_tp2", root / "c_tp1"
-    train_run(a, *COMMON, "parallelism=dp2", "checkpoint.save_interval=4")
+    crashed = train_run(a, *COMMON, "parallelism=dp2", "checkpoint.save_interval=4", rc=None,
+                        env=CRASH)
+    assert crashed.returncode != 0, crashed.stdout[-3000:]
+    train_run(a, *COMMON, "parallelism=dp2", "checkpoint.save_interval=4",
+              f"checkpoint.load={a}/checkpoints")
     train_run(b, *COMMON, "parallelism=tp2", "checkpoint.save_interval=2",
               f"checkpoint.load={a}/checkpoints", "checkpoint.load_iteration=4")
     out_c = train_run(c, *COMMON, "parallelism=tp1", "checkpoint.save_interval=2",
@@ -57,6 +65,16 @@ def test_loss_falls_in_the_uninterrupted_run(runs):
     assert a[8]["lm loss"] < a[1]["lm loss"] - 0.3
 
 
+def test_crashed_run_continues_from_its_last_checkpoint(runs):
+    rows, events = read_metrics(runs["a"])
+    # Rows 1..5 of the crashed job, then 5..8 of the resumed one (5 again: logged after the save).
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5, 5, 6, 7, 8]
+    first, again = rows[4], rows[5]
+    assert again["lm loss"] == first["lm loss"] and again["grad-norm"] == first["grad-norm"]
+    resume = [e for e in events if e["event"] == "resume"]
+    assert resume[0]["iteration"] == 4 and resume[0]["wandb_parent_run_id"] is None
+
+
 def test_dp2_to_tp2_continues_the_run(runs):
     a, _ = by_iteration(runs["a"])
     b, events = by_iteration(runs["b"])
@@ -76,22 +94,53 @@ def test_tp2_to_tp1_continues_the_run(runs):
     assert_same_step(c[7], b[7])
 
 
-def test_wandb_chart_continues_across_resume(runs):
+def test_validation_every_interval_and_equal_after_resume(runs):
+    """Validation at 2, 4, 6, 8; a resumed run (at another layout too) validates as the run it
+    continues: A (dp2) vs B (tp2, from A's 4) at 6 and 8, B vs C (tp1, from B's 6) at 8."""
+    a, b, c = (by_iteration(runs[k])[0] for k in "abc")
+    for run, want in ((a, [2, 4, 6, 8]), (b, [6, 8]), (c, [8])):
+        assert sorted(i for i, r in run.items() if "lm loss validation" in r) == want
+    for got, ref, it in ((b, a, 6), (b, a, 8), (c, b, 8)):
+        v, w = got[it]["lm loss validation"], ref[it]["lm loss validation"]
+        assert math.isclose(v, w, rel_tol=RTOL, abs_tol=0), (it, v, w)
+        assert got[it]["lm loss validation ppl"] == pytest.approx(math.exp(v), rel=1e-12)
+    assert a[8]["lm loss validation"] < a[2]["lm loss validation"]
+    assert "validation loss at iteration 8 | lm loss value:" in runs["c_stdout"]
+
+
+def test_progress_line_shows_resume_elapsed_and_remaining(runs):
+    line = re.compile(r" iteration +7/8 \(resumed from 6\) \| elapsed: \d+:\d\d:\d\d \| "
+                      r"remaining: \d+:\d\d:\d\d \| consumed samples +112 \|")
+    assert line.search(runs["c_stdout"]), runs["c_stdout"][-3000:]
+
+
+def test_wandb_one_run_per_lineage_and_no_dropped_step(runs):
+    """The crash and its resume write one run (two offline files, steps increasing across them,
+    rows after the last save kept as new steps); B and C are forks: new ids whose config names
+    the parent and its iteration, branching at the parent's step of that iteration."""
     files = {k: run_files(runs[k]) for k in ("a", "b", "c")}
-    assert all(len(f) == 1 for f in files.values()), files
-    ids, steps = set(), []
-    for key, first_step in (("a", 1), ("b", 5), ("c", 7)):
+    assert [len(files[k]) for k in "abc"] == [2, 1, 1], files
+    (id_a1, rows_a1), (id_a2, rows_a2) = (history(f) for f in files["a"])
+    assert id_a1 == id_a2
+    steps = [s for s, _ in rows_a1 + rows_a2]
+    assert steps == sorted(set(steps)), f"a wandb server drops steps that do not increase: {steps}"
+    iterations = [r["iteration"] for _, r in rows_a1 + rows_a2]
+    assert iterations == [1, 2, 3, 4, 5, 5, 6, 7, 8]
+    step_of = {r["iteration"]: s for s, r in rows_a1}
+    lineage = {"a": id_a1}
+    for key, parent, at in (("b", "a", 4), ("c", "b", 6)):
         run_id, rows = history(files[key][0])
-        ids.add(run_id)
-        got = [step for step, _ in rows]
-        assert got == list(range(first_step, 9)), (key, got)
-        for step, items in rows:
-            assert math.isfinite(items["grad-norm"]) and items["grad-norm"] > 0, (key, step)
-            assert "lm loss" in items
-        steps.append(got)
-    assert len(ids) == 1, f"one wandb run id across the resumes, got {ids}"
-    # A -> B (resumed from 4) -> C (resumed from 6): the chart's steps increase at each hop.
-    assert steps[0][3] < steps[1][0] and steps[1][1] < steps[2][0]
+        lineage[key] = run_id
+        cfg = config(files[key][0])
+        assert cfg["parent_run_id"] == lineage[parent] and cfg["parent_iteration"] == at, cfg
+        branch = cfg["_wandb"]["branch_point"]
+        assert branch["run_id"] == lineage[parent] and branch["step"] == step_of[at], branch
+        assert rows[0][0] == step_of[at] + 1, (key, rows[0])
+        assert [r["iteration"] for _, r in rows] == list(range(at + 1, 9))
+        step_of = {r["iteration"]: s for s, r in rows}
+        for _, items in rows:
+            assert math.isfinite(items["grad-norm"]) and items["grad-norm"] > 0
+    assert len(set(lineage.values())) == 3, lineage
 
 
 SENTINEL = -999.0

@@ -61,3 +61,19 @@ def history(path: str | Path) -> tuple[str, list[tuple[int, dict]]]:
 def run_files(output_dir: str | Path) -> list[Path]:
     """Every offline run file under ``<output_dir>/wandb``, oldest first."""
     return sorted(Path(output_dir).glob("wandb/offline-run-*/run-*.wandb"))
+
+
+def config(path: str | Path) -> dict:
+    """The run's config as its offline file records it (``{key: value}``, wandb's own
+    ``_wandb`` entry included: e.g. ``_wandb["branch_point"]`` of a fork)."""
+    out = {}
+    for rec in records(path):
+        kind = rec.WhichOneof("record_type")
+        if kind == "run":
+            for item in rec.run.config.update:
+                out[item.key] = json.loads(item.value_json)
+        elif kind == "config":
+            for item in rec.config.update:
+                key = item.key or "/".join(item.nested_key)
+                out[key] = json.loads(item.value_json)
+    return out

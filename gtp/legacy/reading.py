@@ -62,8 +62,11 @@ def read_logical(ckpt, layout=None, analysis: Optional[Analysis] = None):
         stored = dist_checkpointing.load_plain_tensors(str(analysis.path))
     finally:
         cleanup()
+    from gtp.progress import progress
+
     out = {}
-    for key, info in analysis.tensors.items():
+    for key, info in progress(analysis.tensors.items(), "read", total=len(analysis.tensors),
+                              unit="tensor"):
         if not info.legacy:
             out[key] = stored[key]
             continue

@@ -7,8 +7,8 @@
   cached under ``data.cache_dir``.
 * :mod:`recipes.data.datasets` - :func:`build_datasets`: megatron's ``GPTDataset`` (or
   ``MockGPTDataset``) train/valid/test splits through ``BlendedMegatronDatasetBuilder``.
-* :mod:`recipes.data.sampler` - :func:`build_train_iterator`: micro-batches for one data-parallel
-  rank, sampled like Megatron-LM's ``MegatronPretrainingSampler`` (see
+* :mod:`recipes.data.sampler` - :func:`build_iterators` / :func:`build_train_iterator`:
+  micro-batches for one data-parallel rank (and :class:`ValidationBatches`, the validation set), sampled like Megatron-LM's ``MegatronPretrainingSampler`` (see
   :class:`PretrainingSampler`), resumable from ``consumed_samples`` under any data-parallel size.
 
 Layout under ``cache_dir``::
@@ -30,6 +30,8 @@ from recipes.data.sampler import (
     BATCH_KEYS,
     MicroBatchIterator,
     PretrainingSampler,
+    ValidationBatches,
+    build_iterators,
     build_train_iterator,
     collate,
 )
@@ -55,7 +57,9 @@ __all__ = [
     "MicroBatchIterator",
     "PretrainingSampler",
     "Tokenizer",
+    "ValidationBatches",
     "build_datasets",
+    "build_iterators",
     "build_tokenizer",
     "build_train_iterator",
     "collate",

@@ -23,6 +23,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy
 
+from gtp.progress import progress
+
 from recipes.data.tokenizers import ByteTokenizer, build_tokenizer, check_source
 
 logger = logging.getLogger(__name__)
@@ -223,7 +225,7 @@ def _build_corpus(
         num_docs = num_tokens = skipped = 0
         eod = numpy.array([tokenizer.eod], dtype=numpy.uint16)
         try:
-            for doc in documents():
+            for doc in progress(documents(), f"tokenizing {source} corpus", unit="doc"):
                 if not doc:
                     skipped += 1
                     continue

@@ -94,7 +94,7 @@ def _check_split(split: Any) -> str:
 
 
 def build_datasets(
-    cfg: Any, tokenizer: Tokenizer, train_samples: int
+    cfg: Any, tokenizer: Tokenizer, train_samples: int, valid_samples: Optional[int] = None
 ) -> tuple[Any, Optional[Any], Optional[Any]]:
     """Megatron's train/valid/test GPT datasets for ``cfg`` (collective under torch.distributed).
 
@@ -102,8 +102,8 @@ def build_datasets(
     for ``source=mock``) through ``BlendedMegatronDatasetBuilder`` with ``GPTDatasetConfig(
     random_seed=cfg.train.seed, sequence_length=cfg.model.seq_length, split=cfg.data.split,
     path_to_cache=<cache_dir>/gpt_indices)``, no position-id/attention-mask reset, no eod loss
-    masking, no attention mask. Sizes: ``[train_samples, None, None]`` (valid/test: one epoch of
-    their split). Several indexed prefixes are blended in proportion to their sizes (megatron's
+    masking, no attention mask. Sizes: ``[train_samples, valid_samples, None]`` (a size of None:
+    one epoch of that split; a larger size repeats epochs, as megatron does for any split). Several indexed prefixes are blended in proportion to their sizes (megatron's
     unweighted blend, which does not repeat data).
 
     With torch.distributed initialized, every rank of the default group must call this: global
@@ -117,6 +117,8 @@ def build_datasets(
         cfg: the whole run config (``data``, ``model.seq_length``, ``train.seed``).
         tokenizer: from :func:`build_tokenizer`.
         train_samples: number of train samples wanted (``train_iters * global_batch_size``).
+        valid_samples: number of validation samples wanted (``eval_iters * global_batch_size``),
+            None for one epoch of the validation split.
 
     Returns:
         (train, valid, test): a split is ``None`` when its ``data.split`` weight is 0 (for
@@ -170,7 +172,8 @@ def build_datasets(
     )
     cls = MockGPTDataset if source == "mock" else GPTDataset
     builder = BlendedMegatronDatasetBuilder(
-        cls, [int(train_samples), None, None], lambda: True, config
+        cls, [int(train_samples), None if valid_samples is None else int(valid_samples), None],
+        lambda: True, config
     )
     train, valid, test = builder.build()
     if len(train) < train_samples:

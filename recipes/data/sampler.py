@@ -150,13 +150,73 @@ def build_train_iterator(
         ValueError: as :class:`PretrainingSampler` (with the numbers) and :func:`build_datasets`.
         FileNotFoundError: as :func:`prepare_data`.
     """
+    return build_iterators(cfg, consumed_samples, dp_rank, dp_size, tokenizer)[0]
+
+
+class ValidationBatches:
+    """The validation set of a run: the first ``eval_iters`` global batches of megatron's
+    validation split, read by data-parallel rank ``dp_rank`` of ``dp_size`` exactly as training
+    reads a global batch (:class:`PretrainingSampler` from sample 0).
+
+    Every evaluation reads the same batches, so validation losses at different iterations, in
+    a resumed run or at another layout are comparable (Megatron-LM instead moves on through the
+    split from one evaluation to the next). ``iter(self)`` starts a fresh pass: ``eval_iters *
+    num_microbatches`` micro-batches as :func:`collate` returns them.
+    """
+
+    def __init__(self, dataset: Any, eval_iters: int, micro_batch_size: int,
+                 global_batch_size: int, dp_rank: int, dp_size: int) -> None:
+        if len(dataset) < eval_iters * global_batch_size:
+            raise ValueError(
+                f"the validation split holds {len(dataset)} samples, fewer than train.eval_iters="
+                f"{eval_iters} x data.global_batch_size={global_batch_size}: lower "
+                f"train.eval_iters or give validation a larger share of data.split"
+            )
+        self.dataset = dataset
+        self.eval_iters = int(eval_iters)
+        self._sampler_args = (eval_iters * global_batch_size, 0, micro_batch_size,
+                              global_batch_size, dp_rank, dp_size)
+        self.num_microbatches = PretrainingSampler(*self._sampler_args).num_microbatches
+
+    def __iter__(self) -> MicroBatchIterator:
+        return MicroBatchIterator(self.dataset, PretrainingSampler(*self._sampler_args))
+
+    def __len__(self) -> int:
+        return self.eval_iters * self.num_microbatches
+
+
+def build_iterators(
+    cfg: Any,
+    consumed_samples: int,
+    dp_rank: int,
+    dp_size: int,
+    tokenizer: Optional[Tokenizer] = None,
+) -> tuple[MicroBatchIterator, Optional[ValidationBatches]]:
+    """The train iterator (as :func:`build_train_iterator`) and the validation set
+    (:class:`ValidationBatches`, None when ``train.eval_iters`` is 0 or absent), from one build
+    of megatron's datasets (``valid_samples = eval_iters * global_batch_size``; collective under
+    torch.distributed).
+
+    Raises:
+        ValueError: as :func:`build_train_iterator`; ``eval_iters`` > 0 with no validation split
+            (its ``data.split`` weight is 0) or one too small.
+    """
     data_cfg = cfg.data
     mbs, gbs = int(data_cfg.micro_batch_size), int(data_cfg.global_batch_size)
     train_samples = int(cfg.train.train_iters) * gbs
+    eval_iters = int(cfg.train.get("eval_iters", 0) or 0)
     # Validate the layout before building anything (raises the same on every rank).
     PretrainingSampler(train_samples, consumed_samples, mbs, gbs, dp_rank, dp_size)
     if tokenizer is None:
         tokenizer = build_tokenizer(data_cfg)
-    train, _, _ = build_datasets(cfg, tokenizer, train_samples)
+    train, valid, _ = build_datasets(cfg, tokenizer, train_samples,
+                                     eval_iters * gbs if eval_iters else None)
     sampler = PretrainingSampler(len(train), consumed_samples, mbs, gbs, dp_rank, dp_size)
-    return MicroBatchIterator(train, sampler, tokenizer)
+    validation = None
+    if eval_iters:
+        if valid is None:
+            raise ValueError(f"train.eval_iters={eval_iters} needs a validation split: data.split="
+                             f"{data_cfg.split!r} gives it weight 0 (e.g. '98,2,0'; or set "
+                             f"train.eval_iters=0)")
+        validation = ValidationBatches(valid, eval_iters, mbs, gbs, dp_rank, dp_size)
+    return MicroBatchIterator(train, sampler, tokenizer), validation

@@ -1,0 +1,237 @@
+"""Export a checkpoint to a Hugging Face ``transformers`` model directory (config.json + safetensors).
+
+Reads only the checkpoint: its logical tensors (:func:`gtp.legacy.read_logical`, so any saving
+layout, GTP's legacy padded one included, gives the same full tensors) and the run config that
+gtp-recipes records in its common state (``train_state["config"]``). No model is built and no
+process group is needed beyond the 1-process one the read starts.
+
+Mappings (megatron-core's GPTModel with the local layer spec; the per-layer tensors are stacked
+along dim 0 in the checkpoint, ``[num_layers, ...]``):
+
+* **GPT** (LayerNorm, linear biases, GeLU MLP, learned absolute positions) -> ``GPT2LMHeadModel``
+  with ``activation_function="gelu"`` (megatron's ``F.gelu`` is the exact erf GeLU, not GPT-2's
+  tanh ``gelu_new``), ``n_inner = ffn_hidden_size``, ``layer_norm_epsilon`` 1e-5 (megatron's
+  ``layernorm_epsilon``), ``tie_word_embeddings`` as ``share_embeddings_and_output_weights``.
+  GPT-2's Conv1D weights are the transposed megatron weights.
+* **Llama family** (RMSNorm, no linear bias, SwiGLU, RoPE) -> ``LlamaForCausalLM``, from the
+  model config fields ``normalization``, ``add_bias_linear``, ``num_query_groups``,
+  ``kv_channels``, ``rotary_base`` and ``layernorm_epsilon`` when the run recorded them.
+
+The fused QKV weight is megatron's per-query-group layout (``SelfAttention.get_query_key_value_tensors``):
+rows ``[groups, (heads_per_group + 2) * head_dim]`` with each group's queries, then its key, then
+its value. SwiGLU's fc1 rows are gate then up (megatron's ``gated_linear_unit``). The padded
+vocabulary rows (``make_vocab_size_divisible_by``) are not exported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+# The byte tokenizer of recipes (256 byte values + <eod>) when the run recorded no vocab size.
+BYTE_VOCAB_SIZE = 257
+BYTE_EOD_ID = 256
+
+
+class ExportError(ValueError):
+    """The checkpoint cannot be exported (names what is missing or which architecture)."""
+
+
+def _vocab(train_state: dict, data: dict) -> tuple[int, int | None]:
+    """(unpadded vocab size, eod id) of the run's tokenizer."""
+    vocab = train_state.get("vocab_size") or data.get("vocab_size")
+    eod = data.get("eod_id")
+    if vocab is None and data.get("tokenizer", "byte") == "byte":
+        vocab, eod = BYTE_VOCAB_SIZE, BYTE_EOD_ID
+    if vocab is None:
+        raise ExportError("the checkpoint records no vocabulary size (train_state['vocab_size'] "
+                          "or config data.vocab_size): cannot tell padding rows from tokens")
+    return int(vocab), None if eod is None else int(eod)
+
+
+def architecture(model: dict) -> str:
+    """``"gpt2"`` or ``"llama"`` for a recorded ``model`` config dict.
+
+    Raises:
+        ExportError: a combination no transformers class computes exactly (named).
+    """
+    norm = model.get("normalization", "LayerNorm")
+    bias = model.get("add_bias_linear", True)
+    pos = model.get("position_embedding_type", "learned_absolute")
+    swiglu = bool(model.get("swiglu", False))
+    if norm == "LayerNorm" and bias and pos == "learned_absolute" and not swiglu:
+        groups = model.get("num_query_groups")
+        if groups not in (None, model["num_attention_heads"]):
+            raise ExportError(f"model.num_query_groups={groups}: GPT2LMHeadModel has no grouped "
+                              f"query attention")
+        return "gpt2"
+    if norm == "RMSNorm" and not bias and pos == "rope" and swiglu:
+        return "llama"
+    raise ExportError(
+        f"no transformers class computes this model exactly: normalization={norm!r}, "
+        f"add_bias_linear={bias}, position_embedding_type={pos!r}, swiglu={swiglu}; exportable "
+        f"are GPT (LayerNorm, bias, learned_absolute, GeLU) -> GPT2LMHeadModel and Llama "
+        f"(RMSNorm, no bias, rope, SwiGLU) -> LlamaForCausalLM")
+
+
+def _split_qkv(w, heads: int, groups: int, head_dim: int):
+    """Megatron's fused QKV rows ``[groups * (heads/groups + 2) * head_dim, ...]`` -> (q, k, v)
+    with rows ``[heads * head_dim]``, ``[groups * head_dim]``, ``[groups * head_dim]``."""
+    per = heads // groups
+    g = w.reshape(groups, (per + 2) * head_dim, *w.shape[1:])
+    q = g[:, : per * head_dim].reshape(heads * head_dim, *w.shape[1:])
+    k = g[:, per * head_dim: (per + 1) * head_dim].reshape(groups * head_dim, *w.shape[1:])
+    v = g[:, (per + 1) * head_dim:].reshape(groups * head_dim, *w.shape[1:])
+    return q, k, v
+
+
+def _gpt2(t: dict, m: dict, vocab: int, eod) -> tuple[Any, dict]:
+    from transformers import GPT2Config
+
+    h, heads, layers = m["hidden_size"], m["num_attention_heads"], m["num_layers"]
+    shared = bool(m.get("share_embeddings_and_output_weights", False))
+    config = GPT2Config(
+        vocab_size=vocab, n_positions=m["seq_length"], n_embd=h, n_layer=layers, n_head=heads,
+        n_inner=m["ffn_hidden_size"], activation_function="gelu",
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        layer_norm_epsilon=m.get("layernorm_epsilon", 1e-5), tie_word_embeddings=shared,
+        bos_token_id=eod, eos_token_id=eod, architectures=["GPT2LMHeadModel"],
+    )
+    d = h // heads
+    L = "decoder.layers."
+    sd = {
+        "transformer.wte.weight": t["embedding.word_embeddings.weight"][:vocab],
+        "transformer.wpe.weight": t["embedding.position_embeddings.weight"],
+        "transformer.ln_f.weight": t["decoder.final_layernorm.weight"],
+        "transformer.ln_f.bias": t["decoder.final_layernorm.bias"],
+    }
+    if not shared:
+        sd["lm_head.weight"] = t["output_layer.weight"][:vocab]
+    for i in range(layers):
+        p = f"transformer.h.{i}."
+        qkv_w = _cat(_split_qkv(t[L + "self_attention.linear_qkv.weight"][i], heads, heads, d))
+        qkv_b = _cat(_split_qkv(t[L + "self_attention.linear_qkv.bias"][i], heads, heads, d))
+        sd.update({
+            p + "ln_1.weight": t[L + "self_attention.linear_qkv.layer_norm_weight"][i],
+            p + "ln_1.bias": t[L + "self_attention.linear_qkv.layer_norm_bias"][i],
+            p + "attn.c_attn.weight": qkv_w.t(),
+            p + "attn.c_attn.bias": qkv_b,
+            p + "attn.c_proj.weight": t[L + "self_attention.linear_proj.weight"][i].t(),
+            p + "attn.c_proj.bias": t[L + "self_attention.linear_proj.bias"][i],
+            p + "ln_2.weight": t[L + "mlp.linear_fc1.layer_norm_weight"][i],
+            p + "ln_2.bias": t[L + "mlp.linear_fc1.layer_norm_bias"][i],
+            p + "mlp.c_fc.weight": t[L + "mlp.linear_fc1.weight"][i].t(),
+            p + "mlp.c_fc.bias": t[L + "mlp.linear_fc1.bias"][i],
+            p + "mlp.c_proj.weight": t[L + "mlp.linear_fc2.weight"][i].t(),
+            p + "mlp.c_proj.bias": t[L + "mlp.linear_fc2.bias"][i],
+        })
+    return config, sd
+
+
+def _llama(t: dict, m: dict, vocab: int, eod) -> tuple[Any, dict]:
+    from transformers import LlamaConfig
+
+    h, heads, layers = m["hidden_size"], m["num_attention_heads"], m["num_layers"]
+    groups = m.get("num_query_groups") or heads
+    d = m.get("kv_channels") or h // heads
+    ffn = m["ffn_hidden_size"]
+    shared = bool(m.get("share_embeddings_and_output_weights", False))
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=h, intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=groups, head_dim=d,
+        max_position_embeddings=m["seq_length"], rms_norm_eps=m.get("layernorm_epsilon", 1e-5),
+        rope_theta=float(m.get("rotary_base", 10000)), attention_bias=False, mlp_bias=False,
+        hidden_act="silu", tie_word_embeddings=shared, bos_token_id=eod, eos_token_id=eod,
+        architectures=["LlamaForCausalLM"],
+    )
+    L = "decoder.layers."
+    sd = {
+        "model.embed_tokens.weight": t["embedding.word_embeddings.weight"][:vocab],
+        "model.norm.weight": t["decoder.final_layernorm.weight"],
+    }
+    if not shared:
+        sd["lm_head.weight"] = t["output_layer.weight"][:vocab]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        q, k, v = _split_qkv(t[L + "self_attention.linear_qkv.weight"][i], heads, groups, d)
+        fc1 = t[L + "mlp.linear_fc1.weight"][i]
+        sd.update({
+            p + "input_layernorm.weight": t[L + "self_attention.linear_qkv.layer_norm_weight"][i],
+            p + "self_attn.q_proj.weight": q,
+            p + "self_attn.k_proj.weight": k,
+            p + "self_attn.v_proj.weight": v,
+            p + "self_attn.o_proj.weight": t[L + "self_attention.linear_proj.weight"][i],
+            p + "post_attention_layernorm.weight": t[L + "mlp.linear_fc1.layer_norm_weight"][i],
+            p + "mlp.gate_proj.weight": fc1[:ffn],
+            p + "mlp.up_proj.weight": fc1[ffn:],
+            p + "mlp.down_proj.weight": t[L + "mlp.linear_fc2.weight"][i],
+        })
+    return config, sd
+
+
+def _cat(parts):
+    """Rows of ``parts`` one after another (dim 0)."""
+    import torch
+
+    return torch.cat(parts, dim=0)
+
+
+_BUILDERS: dict[str, Callable] = {"gpt2": _gpt2, "llama": _llama}
+_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+
+
+def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None) -> Path:
+    """Write ``ckpt`` (a checkpoint root or ``iter_*`` dir of gtp-recipes, any layout) as a
+    transformers model directory ``out_dir`` (``config.json``, ``model.safetensors``,
+    ``generation_config.json``, and ``gtp_recipes_export.json`` naming the source checkpoint,
+    iteration and class), in the checkpoint's dtype (fp32 for fp32 runs).
+
+    Returns:
+        ``out_dir`` as a Path.
+
+    Raises:
+        ExportError: no recorded run config, unknown vocabulary size, an architecture with no
+            exact transformers equivalent, or a tensor missing (named).
+        gtp.legacy.LegacyCheckpointError: as :func:`gtp.legacy.read_logical`.
+    """
+    import torch
+    import transformers
+    from megatron.core import dist_checkpointing
+
+    from gtp import legacy
+    from gtp.progress import progress
+
+    analysis, tensors = legacy.read_logical(ckpt, layout)
+    common = dist_checkpointing.load_common_state_dict(str(analysis.path))
+    train_state = common.get("train_state") or {}
+    run_config = train_state.get("config")
+    if not run_config or "model" not in run_config:
+        raise ExportError(f"{analysis.path} records no run config (train_state['config']): it "
+                          f"was not written by gtp-recipes")
+    model_cfg, data_cfg = run_config["model"], run_config.get("data") or {}
+    arch = architecture(model_cfg)
+    vocab, eod = _vocab(train_state, data_cfg)
+    model_keys = {k: v for k, v in tensors.items() if not k.startswith("optimizer")
+                  and isinstance(v, torch.Tensor)}
+    try:
+        config, state = _BUILDERS[arch](model_keys, model_cfg, vocab, eod)
+    except KeyError as exc:
+        raise ExportError(f"{analysis.path} lacks tensor {exc} needed for {_CLASSES[arch]}") from exc
+    hf_cls = getattr(transformers, _CLASSES[arch])
+    model = hf_cls(config)
+    state = {k: v.contiguous()
+             for k, v in progress(state.items(), "export", total=len(state), unit="tensor")}
+    model.load_state_dict(state, strict=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "gtp_recipes_export.json").write_text(json.dumps({
+        "source": str(analysis.path), "iteration": common.get("iteration"),
+        "architecture": _CLASSES[arch], "vocab_size": vocab,
+        "saved_layout": common.get("layout"),
+    }, indent=1, default=str))
+    return out
