@@ -118,7 +118,8 @@ def rank_env_from_submitit() -> dict | None:
 
 
 def run(cfg) -> None:
-    """Validate ``cfg``, write it resolved, and run the job (local launch or as one rank).
+    """Validate ``cfg``, write it resolved, and run the job (local launch or as one rank);
+    with ``train.dry_run`` only validate and print the dry-run report.
 
     Under a submitit launcher (``hydra/launcher=slurm`` or ``submitit_local``) every task of the
     job calls this and runs as its global rank (:func:`rank_env_from_submitit`)."""
@@ -126,6 +127,11 @@ def run(cfg) -> None:
     if submitit_env is not None:
         os.environ.update(submitit_env)
     layout = validate(cfg, world_size_from_env(cfg))
+    if cfg.train.get("dry_run", False):
+        from recipes.dry_run import report
+
+        print(report(cfg, layout), flush=True)
+        return
     config_path = write_resolved_config(cfg, cfg.output_dir)
     if os.environ.get("RANK", "0") == "0":
         print(f"> job output dir: {cfg.output_dir}\n> layout: {layout.describe()}", flush=True)

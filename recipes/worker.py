@@ -200,8 +200,7 @@ def run(cfg) -> None:
         step = torch.tensor([logger.last_step if logger is not None else 0])
         torch.distributed.broadcast(step, src=0)
         common = {"consumed_samples": state.consumed_samples, "wandb_run_id": run_id,
-                  "wandb_step": int(step.item()), "config": config_dict,
-                  "vocab_size": tokenizer.vocab_size}
+                  "wandb_step": int(step.item()), "config": config_dict}
         path = checkpoint.iter_dir(cfg.checkpoint.save, it)
         checkpoint.save_checkpoint(cfg.checkpoint.save, it, model, optimizer, scheduler,
                                    common, layout_rec, async_saves=async_saves,
