@@ -538,9 +538,11 @@ def layout_metadata(model, model_sharded_state_dict=None) -> dict:
     """The ``gtp_layout`` record of a checkpoint written from ``model`` (format: module doc).
 
     Args:
-        model: the (DDP-wrapped or bare) megatron model.
-        model_sharded_state_dict: its ``sharded_state_dict()`` when already built (before
-            ``dist_checkpointing.save``, which applies factories in place); built here otherwise.
+        model: the (DDP-wrapped or bare) megatron model, or a list of them (one per virtual
+            pipeline stage).
+        model_sharded_state_dict: its ``sharded_state_dict()`` (any nesting) when already built
+            (before ``dist_checkpointing.save``, which applies factories in place); built here
+            otherwise.
 
     Returns:
         A plain dict of ints, strings, bools and lists, identical on every rank (the per-tensor
@@ -556,12 +558,13 @@ def layout_metadata(model, model_sharded_state_dict=None) -> dict:
 
     from gtp.alignment import applied_pad_for_alignment
 
-    module = unwrap_model(model)
+    chunks = [unwrap_model(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
     if model_sharded_state_dict is None:
-        model_sharded_state_dict = module.sharded_state_dict()
-    names = {id(p): n for n, p in module.named_parameters()}
+        model_sharded_state_dict = [m.sharded_state_dict() for m in chunks]
+    # Chunk-local names (a virtual pipeline stage numbers its layers from 0): informative only.
+    names = {id(p): n for m in chunks for n, p in m.named_parameters()}
     gated_ids = {
-        id(m.linear_fc1.weight) for m in module.modules()
+        id(m.linear_fc1.weight) for c in chunks for m in c.modules()
         if isinstance(m, MLP) and m.config.gated_linear_unit and hasattr(m, "linear_fc1")
     }
     tp_group = parallel_state.get_tensor_model_parallel_group()

@@ -121,6 +121,13 @@ def transformer_config(cfg, layout, use_te: bool | None = None):
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
     )
+    if layout.virtual_pipeline_model_parallel_size and layout.pipeline_model_parallel_size == 2:
+        # At pp2 the previous and the next stage are the same peer, and the interleaved schedule
+        # sends an activation and a gradient to it at once. Batched p2p ops
+        # (p2p_communication._batched_p2p_ops) post them on one group in the same order on both
+        # ranks, so the peer's activation receive takes the gradient. megatron's unbatched ops
+        # (p2p_communication._p2p_ops) put the two directions on two groups at pp2.
+        kwargs["batch_p2p_comm"] = False
     kwargs.update(te.config_fields(cfg.gtp.quantization, use_te))
     if layout.gtp_remat_size > 1:
         kwargs["gtp_weight_remat_size"] = layout.gtp_remat_size

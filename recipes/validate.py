@@ -223,6 +223,18 @@ def validate(cfg, world_size: int) -> Layout:
             f"data.micro_batch_size={d.micro_batch_size} x {group} (= {per_step}) for layout "
             f"{layout.describe()}"
         )
+    pp, vpp = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size
+    micro_batches = d.global_batch_size // per_step
+    if vpp and micro_batches % pp != 0:
+        # megatron's interleaved schedule runs micro-batches in groups of pp per model chunk
+        # (schedules.forward_backward_pipelining_with_interleaving refuses a partial group).
+        raise ConfigError(
+            f"parallelism.virtual_pipeline_model_parallel_size={vpp}: the interleaved schedule "
+            f"needs the micro-batches per step (data.global_batch_size={d.global_batch_size} / "
+            f"{per_step} = {micro_batches}) to be a multiple of "
+            f"pipeline_model_parallel_size={pp}: set data.global_batch_size to a multiple of "
+            f"{per_step * pp}"
+        )
     if layout.gtp_remat_size > 1:
         _check_gtp_dims(cfg, layout)
         if layout.pipeline_model_parallel_size > 1 and m.share_embeddings_and_output_weights:
@@ -289,13 +301,6 @@ def _check_pipeline_split(cfg, layout: Layout) -> None:
             f"model.num_layers={n} is not divisible by {what} = {chunks} (each model chunk gets "
             f"num_layers / {chunks} layers): use a chunk count among {ok}, or set "
             f"model.num_layers to a multiple of {chunks}"
-        )
-    if vpp:
-        # The model chunks build and train, but the first iteration's lm loss differs from the
-        # pp1 run of the same weights (not yet explained): refuse rather than train wrong.
-        raise ConfigError(
-            f"parallelism.virtual_pipeline_model_parallel_size={vpp}: the interleaved schedule is "
-            f"not supported yet; set it to null (plain 1F1B over pipeline_model_parallel_size={pp})"
         )
 
 

@@ -74,6 +74,16 @@ PP_LAYOUTS = {
                  (*_BF16, *_DISTOPT, "parallelism.pipeline_model_parallel_size=2")),
     "g2a16dp2do": ("tiny_swiglu", 1, 2, 16, (*_BF16, *_DISTOPT)),
 }
+# Virtual pipeline stages (4 layers: stage 0 holds layers 0 and 2, stage 1 layers 1 and 3),
+# saved and loaded among themselves and a pp1 layout of the same model.
+_L4 = (*_BF16, "model.num_layers=4")
+_PP2V2 = ("parallelism.pipeline_model_parallel_size=2",
+          "parallelism.virtual_pipeline_model_parallel_size=2")
+VPP_LAYOUTS = {
+    "l4_tp1": ("tiny_swiglu", 1, 1, None, _L4),
+    "l4_pp2v2dp2do": ("tiny_swiglu", 1, 1, None, (*_L4, *_DISTOPT, *_PP2V2)),
+    "l4_pp2v2g2a16": ("tiny_swiglu", 1, 2, 16, (*_L4, *_PP2V2)),
+}
 
 
 def make_cfg(model: str, tp: int, g: int, pad, nproc: int, checkpoint_layout: str = "logical",
@@ -323,10 +333,10 @@ def _save_and_load_all(root: Path, cfgs: dict, prefix: str, out: dict) -> None:
 
 
 def _matrix_worker(root: str, cfgs: dict, plain: dict, llama: dict,
-                   pp_cfgs: dict | None = None) -> dict:
+                   pp_cfgs: dict | None = None, vpp_cfgs: dict | None = None) -> dict:
     """Save every layout, load every checkpoint at every layout; plus the asymmetric case, the
     Llama-style model's layouts, then the pipeline / distributed-optimizer matrix
-    (:func:`_pp_phase`) in the same world."""
+    (:func:`_pp_phase`) and the virtual-pipeline pairs in the same world."""
     from megatron.core import dist_checkpointing, parallel_state
 
     from gtp import checkpoint as gtp_checkpoint
@@ -403,6 +413,10 @@ def _matrix_worker(root: str, cfgs: dict, plain: dict, llama: dict,
         t0 = time.time()
         out["pp"] = _pp_phase(root / "pp", pp_cfgs)
         out["timing"]["pp"] = time.time() - t0
+    if vpp_cfgs:
+        t0 = time.time()
+        out["vpp"] = _pp_pairs(root / "vpp", vpp_cfgs, {"loads": {}, "filled": {}, "records": {}})
+        out["timing"]["vpp"] = time.time() - t0
     parallel_state.destroy_model_parallel()
     return out
 
@@ -518,10 +532,15 @@ def _pp_check(model, optimizer, cfg) -> tuple[int, list[str]]:
 
 
 def _pp_phase(root: Path, cfgs: dict) -> dict:
-    from recipes import checkpoint
-
     out = {"loads": {}, "filled": {}, "records": {}}
     out["negative"] = _pp_negative_controls(root, cfgs)
+    return _pp_pairs(root, cfgs, out)
+
+
+def _pp_pairs(root: Path, cfgs: dict, out: dict) -> dict:
+    """Save each layout of ``cfgs`` filled with the goldens; load each at each (sentinel first)."""
+    from recipes import checkpoint
+
     for name, cfg_yaml in cfgs.items():
         model, opt, sched, record, cfg = _build(cfg_yaml)
         out["filled"][name] = _pp_fill(model, opt, cfg, sentinel=False)
@@ -606,7 +625,10 @@ def matrix(tmp_path_factory):
     pp_cfgs = {name: make_cfg(model, tp, g, pad, WORLD, "logical", *extra)
                for name, (model, tp, g, pad, extra) in PP_LAYOUTS.items()}
     t0 = time.time()
+    vpp_cfgs = {name: make_cfg(model, tp, g, pad, WORLD, "logical", *extra)
+                for name, (model, tp, g, pad, extra) in VPP_LAYOUTS.items()}
     results = run_distributed(_matrix_worker, WORLD, str(root), cfgs, plain, llama, pp_cfgs,
+                              vpp_cfgs,
                               timeout=1200)
     assert len(results) == WORLD
     print(f"\nmatrix run: {time.time() - t0:.0f}s, rank 0 phases {results[0]['timing']}")
@@ -1181,6 +1203,20 @@ def test_pipeline_and_distributed_optimizer_pairs_restore_everything(matrix):
     # Each distributed-optimizer rank holds part of the optimizer state, never all of it.
     for name in ("pp2dp2do", "g2a16dp2do"):
         assert all(r["pp"]["filled"][name] > 0 for r in results), name
+
+
+def test_virtual_pipeline_pairs_restore_everything(matrix):
+    """Every save/load pair of VPP_LAYOUTS (pp2 x vpp2 with the distributed optimizer or GTP,
+    and pp1): weights, fp32 main params, Adam moments and step equal the goldens on every rank."""
+    _, results = matrix
+    for rank, res in enumerate(results):
+        vpp = res["vpp"]
+        assert set(vpp["loads"]) == {(s, d) for s in VPP_LAYOUTS for d in VPP_LAYOUTS}
+        for (src, dst), (n, problems) in sorted(vpp["loads"].items()):
+            assert n > 20, (src, dst, n)
+            assert not problems, f"rank {rank}: save {src} -> load {dst}: {problems[:6]}"
+    records = results[0]["vpp"]["records"]
+    assert records["l4_pp2v2dp2do"]["virtual_pipeline_model_parallel_size"] == 2
 
 
 def test_wrong_layer_offset_and_dropped_optimizer_bucket_are_caught(matrix):

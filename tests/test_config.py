@@ -48,6 +48,13 @@ def test_data_parallel_size_is_derived_from_world_size():
     assert (layout.tensor_model_parallel_size, layout.data_parallel_size) == (2, 2)
 
 
+def test_virtual_pipeline_stages_are_accepted_when_layers_and_micro_batches_split():
+    cfg = make_cfg("parallelism=pp2", "model.num_layers=4",
+                   "parallelism.virtual_pipeline_model_parallel_size=2")
+    layout = validate(cfg, 2)
+    assert (layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size) == (2, 2)
+
+
 @pytest.mark.parametrize(
     "overrides, world, message",
     [
@@ -57,8 +64,11 @@ def test_data_parallel_size_is_derived_from_world_size():
         (["parallelism=pp2", "parallelism.virtual_pipeline_model_parallel_size=2"], 2,
          r"num_layers=2 is not divisible by pipeline_model_parallel_size=2 x "
          r"virtual_pipeline_model_parallel_size=2 = 4"),
-        (["parallelism=pp2", "model.num_layers=4", "parallelism.virtual_pipeline_model_parallel_size=2"],
-         2, r"virtual_pipeline_model_parallel_size=2: the interleaved schedule is not supported yet"),
+        (["parallelism=pp2", "model.num_layers=4", "parallelism.virtual_pipeline_model_parallel_size=2",
+          "data.global_batch_size=3", "data.micro_batch_size=1"], 2,
+         r"virtual_pipeline_model_parallel_size=2: the interleaved schedule needs the micro-batches "
+         r"per step \(data.global_batch_size=3 / 1 = 3\) to be a multiple of "
+         r"pipeline_model_parallel_size=2: set data.global_batch_size to a multiple of 2"),
         (["parallelism.virtual_pipeline_model_parallel_size=2"], 2,
          r"virtual_pipeline_model_parallel_size=2 needs parallelism.pipeline_model_parallel_size > 1"),
         (["parallelism=pp2", "gtp=tp2_align16", "model.share_embeddings_and_output_weights=true"], 4,

@@ -13,10 +13,12 @@ So: pp2 -> pp1 (GTP inside each stage -> GTP off), plain -> distributed optimize
 pp1 -> pp2, tp2 x pp2 -> tp1 x dp2. ``learning-rate`` and ``consumed-samples`` are exact,
 ``lm loss`` and ``grad-norm`` within relative 1e-5 (layouts differ only in reduction order).
 
-With tied embedding/output weights (the tiny GPT; the tied weight lives on both pipeline
-stages): pp2 (2 iterations) -> tp1, and one-iteration runs at tp1 and at dp2 with the
-distributed optimizer, whose iteration-1 ``grad-norm`` and ``num-zeros`` equal the pp2 run's
-(each logical element counted once, the tied weight once).
+With tied embedding/output weights (the tiny GPT with 4 layers; the tied weight lives on both
+pipeline stages): pp2 (2 iterations) -> tp1, pp2 x vpp2 (2 iterations; the interleaved
+schedule, stage 0 holding layers 0 and 2) -> tp1, and one-iteration runs at tp1 and at dp2
+with the distributed optimizer. The iteration-1 ``lm loss``, ``grad-norm`` and ``num-zeros``
+of tp1, dp2 + distributed optimizer and pp2 x vpp2 equal the pp2 run's (each logical element
+counted once, the tied weight once).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ RTOL = 1e-5
 COMMON = ["optim.lr_warmup_iters=2", "optim.lr_decay_iters=8", "logger=none",
           "checkpoint.save_interval=1"]
 SWIGLU = ["model=tiny_swiglu"]
-TIED = ["model=tiny", "model.share_embeddings_and_output_weights=true"]
+TIED = ["model=tiny", "model.num_layers=4", "model.share_embeddings_and_output_weights=true"]
+VPP2 = ["parallelism=pp2", "parallelism.virtual_pipeline_model_parallel_size=2"]
 DISTOPT = "optim.use_distributed_optimizer=true"
 CHAIN = [
     ("pp2g2a16", ["parallelism=pp2", "gtp=tp2_align16", "parallelism.nproc_per_node=4"]),
@@ -63,6 +66,11 @@ def chain(train_run, tmp_path_factory):
     dirs["tied_tp1"] = root / "tied_tp1"
     train_run(dirs["tied_tp1"], *COMMON, *TIED, "parallelism=tp1", "train.train_iters=2",
               f"checkpoint.load={dirs['tied_pp2']}/checkpoints", "checkpoint.load_iteration=1")
+    dirs["tied_pp2vpp2"] = root / "tied_pp2vpp2"
+    train_run(dirs["tied_pp2vpp2"], *COMMON, *TIED, *VPP2, "train.train_iters=2")
+    dirs["tied_vpp_tp1"] = root / "tied_vpp_tp1"
+    train_run(dirs["tied_vpp_tp1"], *COMMON, *TIED, "parallelism=tp1", "train.train_iters=2",
+              f"checkpoint.load={dirs['tied_pp2vpp2']}/checkpoints", "checkpoint.load_iteration=1")
     for name, overrides in FIRST_ITERATION.items():
         dirs[name] = root / name
         train_run(dirs[name], *COMMON, *TIED, *overrides, "train.train_iters=1")
@@ -76,6 +84,7 @@ def _rows(run_dir):
 
 LINKS = [(CHAIN[i - 1][0], CHAIN[i][0], i) for i in range(1, len(CHAIN))]
 LINKS.append(("tied_pp2", "tied_tp1", 1))
+LINKS.append(("tied_pp2vpp2", "tied_vpp_tp1", 1))
 
 
 @pytest.mark.parametrize("before, after, link", LINKS, ids=[f"{b}->{a}" for b, a, _ in LINKS])
@@ -103,11 +112,15 @@ def test_resume_records_pipeline_and_optimizer_layouts(chain):
     (resume,) = [e for e in events if e["event"] == "resume"]
     assert resume["from_layout"]["pipeline_model_parallel_size"] == 2
     assert resume["layout"]["pipeline_model_parallel_size"] == 1
+    _, events = _rows(chain["tied_vpp_tp1"])
+    (resume,) = [e for e in events if e["event"] == "resume"]
+    assert resume["from_layout"]["virtual_pipeline_model_parallel_size"] == 2
+    assert resume["layout"]["virtual_pipeline_model_parallel_size"] is None
 
 
-def test_iteration_one_grad_norm_and_num_zeros_equal_across_pp_and_distributed_optimizer(chain):
+def test_iteration_one_grad_norm_and_num_zeros_equal_across_pp_vpp_and_distributed_optimizer(chain):
     ref, _ = _rows(chain["tied_pp2"])
-    for name in FIRST_ITERATION:
+    for name in (*FIRST_ITERATION, "tied_pp2vpp2"):
         got, _ = _rows(chain[name])
         assert got[1]["num-zeros"] == ref[1]["num-zeros"], (name, got[1], ref[1])
         for key in ("grad-norm", "lm loss"):
