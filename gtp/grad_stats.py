@@ -98,8 +98,9 @@ def _count_zeros_logical(parameters, grad_stats_parallel_group, use_decoupled_gr
                                                            expert_tp_group=expert_tp_group)
                 and param_is_not_gtp_duplicate(param)):
             local += padding_zeros(param, grad)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    pad = torch.tensor([local], dtype=torch.int64, device=device)
+    from gtp.collectives import collective_device
+
+    pad = torch.tensor([local], dtype=torch.int64, device=collective_device(grad_stats_parallel_group))
     torch.distributed.all_reduce(pad, op=torch.distributed.ReduceOp.SUM,
                                  group=grad_stats_parallel_group)
     return total - pad.item()
