@@ -114,6 +114,9 @@ class OptimConfig:
     adam_beta2: float = 0.95
     adam_eps: float = 1.0e-8
     clip_grad: float = 1.0
+    # On resume, take lr/min_lr/warmup/decay/weight decay from this config instead of the
+    # checkpoint's (Megatron-LM's --override-opt_param-scheduler).
+    override_opt_param_scheduler: bool = False
 
 
 @dataclass
@@ -131,6 +134,12 @@ class CheckpointConfig:
     keep_last: Optional[int] = None
     # Save at the last iteration even when it is not a multiple of save_interval.
     save_at_end: bool = True
+    # Save into a dir that holds another run's checkpoints (refused by default): a save of an
+    # existing iteration replaces it once complete, the tracker names this run's newest save.
+    allow_existing_save: bool = False
+    # Resume although seed, data, seq length or a batch size not dividing the consumed samples
+    # changed (refused by default: the run would see other samples than planned).
+    allow_data_change: bool = False
 
 
 @dataclass
@@ -153,6 +162,11 @@ class TrainConfig:
     train_iters: int = 200
     seed: int = 1234
     log_interval: int = 1
+    # Stop before an optimizer step whose lm loss or grad-norm is NaN/inf (Megatron-LM's
+    # --check-for-nan-in-loss-and-grad); nothing non-finite reaches the weights or a checkpoint.
+    check_for_nan_in_loss_and_grad: bool = True
+    # With the check on: skip such a step instead of stopping, counted in `skipped-iterations`.
+    skip_nonfinite_iterations: bool = False
 
 
 @dataclass

@@ -289,6 +289,19 @@ def _check_paths_nonempty(data_cfg: Any) -> list[str]:
     return [os.path.abspath(os.path.expanduser(str(p))) for p in paths]
 
 
+def check_data_paths(data_cfg: Any) -> None:
+    """Cheap check that ``data.paths`` name existing files of the right kind for ``data.source``
+    (run before launch, so a missing file fails before any model is built).
+
+    Raises:
+        ValueError, FileNotFoundError: naming the path and what is expected.
+    """
+    if data_cfg.source == "indexed":
+        _check_indexed_paths(data_cfg)
+    elif data_cfg.source == "text":
+        _check_text_paths(data_cfg)
+
+
 def _check_indexed_paths(data_cfg: Any) -> list[str]:
     prefixes = _check_paths_nonempty(data_cfg)
     for i, prefix in enumerate(prefixes):
@@ -331,6 +344,8 @@ def _read_documents(path: str, jsonl_key: str) -> Iterator[bytes]:
                 continue
             try:
                 record = json.loads(line)
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: not valid UTF-8 ({err})") from None
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({err})") from None
             if not isinstance(record, dict) or jsonl_key not in record:
@@ -718,6 +733,7 @@ def build_train_iterator(
     dp_rank: int,
     dp_size: int,
     tokenizer: Optional[Tokenizer] = None,
+    plan: Optional[Sequence[int]] = None,
 ) -> MicroBatchIterator:
     """Micro-batches of the train split for data-parallel rank ``dp_rank`` of ``dp_size``.
 
@@ -735,17 +751,33 @@ def build_train_iterator(
     ``tokenizer``: the one from :func:`build_tokenizer` when the caller already has it (else built
     here from ``cfg.data``).
 
+    ``plan``: sample counts of consecutive data segments (default: one segment of
+    ``train_iters * global_batch_size``). Segment ``k`` is a dataset of that many samples built
+    with seed ``train.seed + k``; a run extended on resume appends a segment, so the samples
+    planned before keep their order (a larger first segment would reshuffle them).
+
     Raises:
         ValueError: as :class:`PretrainingSampler` (with the numbers) and :func:`build_datasets`.
         FileNotFoundError: as :func:`prepare_data`.
     """
     data_cfg = cfg.data
     mbs, gbs = int(data_cfg.micro_batch_size), int(data_cfg.global_batch_size)
-    train_samples = int(cfg.train.train_iters) * gbs
+    plan = [int(cfg.train.train_iters) * gbs] if not plan else [int(n) for n in plan]
+    train_samples = sum(plan)
     # Validate the layout before building anything (raises the same on every rank).
     PretrainingSampler(train_samples, consumed_samples, mbs, gbs, dp_rank, dp_size)
     if tokenizer is None:
         tokenizer = build_tokenizer(data_cfg)
-    train, _, _ = build_datasets(cfg, tokenizer, train_samples)
+    if len(plan) == 1:
+        train, _, _ = build_datasets(cfg, tokenizer, train_samples)
+    else:
+        from omegaconf import OmegaConf
+
+        parts = []
+        for k, n in enumerate(plan):
+            segment_cfg = OmegaConf.merge(cfg, {"train": {"seed": int(cfg.train.seed) + k}})
+            part, _, _ = build_datasets(segment_cfg, tokenizer, n)
+            parts.append(torch.utils.data.Subset(part, range(n)))
+        train = torch.utils.data.ConcatDataset(parts)
     sampler = PretrainingSampler(len(train), consumed_samples, mbs, gbs, dp_rank, dp_size)
     return MicroBatchIterator(train, sampler, tokenizer)

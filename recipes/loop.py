@@ -31,6 +31,9 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(data_iterator, model):
     """megatron ``forward_step_func``: one micro-batch through the model."""
     batch = next(data_iterator)
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"])
 
@@ -44,13 +47,26 @@ def _mean_over_data_group(value: torch.Tensor) -> float:
     return (value / torch.distributed.get_world_size(group)).item()
 
 
+class NonFiniteError(FloatingPointError):
+    """A non-finite ``lm loss`` or ``grad-norm``: the step was not applied."""
+
+
 def train_step(model, optimizer, scheduler, data_iterator, num_microbatches: int, cfg) -> dict:
     """One optimizer step over ``num_microbatches`` micro-batches on this rank.
 
+    With ``train.check_for_nan_in_loss_and_grad`` (Megatron-LM's check_for_nan_in_loss_and_grad)
+    the loss and the grad norm are checked before the step: a NaN/inf in either skips the update
+    (weights, moments and the lr schedule stay as they were) and returns ``skipped: True``. The
+    figures are the same on every rank (the loss is averaged over the data group, the norm
+    reduced over the model-parallel groups), so every rank decides alike.
+
     Returns:
         ``lm loss`` (mean over the global batch), ``grad-norm`` (before clipping, each logical
-        element once), ``num-zeros``, ``learning-rate`` (the one the step used).
+        element once), ``num-zeros`` (NaN when skipped), ``learning-rate`` (the one the step
+        used), ``skipped`` (bool).
     """
+    import math
+
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     model.zero_grad_buffer()
@@ -65,29 +81,44 @@ def train_step(model, optimizer, scheduler, data_iterator, num_microbatches: int
         forward_only=False,
     )
     lr = optimizer.param_groups[0]["lr"]
+    local = torch.stack([x["lm loss"] for x in losses]).mean()
+    loss = _mean_over_data_group(local)
+    if cfg.train.get("check_for_nan_in_loss_and_grad", True):
+        # megatron's MegatronOptimizer.step, split so the norm is seen before any update.
+        optimizer.prepare_grads()
+        norm = float(optimizer.get_grad_norm())
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            return {"lm loss": loss, "grad-norm": norm, "num-zeros": float("nan"),
+                    "learning-rate": lr, "skipped": True}
     ok, grad_norm, num_zeros = optimizer.step()
     if not ok:
         raise FloatingPointError("optimizer step skipped (inf/nan in gradients)")
     scheduler.step(increment=1)
-    local = torch.stack([x["lm loss"] for x in losses]).mean()
     return {
-        "lm loss": _mean_over_data_group(local),
+        "lm loss": loss,
         "grad-norm": float(grad_norm),
         "num-zeros": float(num_zeros or 0),
         "learning-rate": lr,
+        "skipped": False,
     }
 
 
-def train(state, cfg, logger, save_fn) -> None:
+def train(state, cfg, logger, checkpointer, save_fn) -> None:
     """Run iterations ``state.iteration + 1 .. train.train_iters``.
 
     Args:
         state: the worker's ``RunState`` (model, optimizer, scheduler, data iterator, counters).
         cfg: the run config.
         logger: a ``MetricLogger`` on rank 0, else None.
+        checkpointer: the run's :class:`recipes.checkpointer.Checkpointer` (when to save, the last
+            good checkpoint).
         save_fn: ``save_fn(iteration)`` writes a checkpoint (every rank calls it).
+
+    Raises:
+        NonFiniteError: a non-finite loss or grad norm (unless ``train.skip_nonfinite_iterations``),
+            naming the iteration and the last good checkpoint; nothing of the step was applied.
     """
-    d, ck = cfg.data, cfg.checkpoint
+    d = cfg.data
     tokens_per_step = d.global_batch_size * cfg.model.seq_length
     while state.iteration < cfg.train.train_iters:
         start = time.perf_counter()
@@ -97,16 +128,25 @@ def train(state, cfg, logger, save_fn) -> None:
         )
         state.iteration += 1
         state.consumed_samples += d.global_batch_size
-        faults.maybe_fail("train", state.iteration, torch.distributed.get_rank())
+        skipped = metrics.pop("skipped")
+        state.skipped += skipped
         elapsed = time.perf_counter() - start
         metrics.update({
             "iteration-time": elapsed,
             "tokens-per-sec": tokens_per_step / elapsed,
             "consumed-samples": state.consumed_samples,
+            "skipped-iterations": state.skipped,
         })
-        if logger is not None and state.iteration % cfg.train.log_interval == 0:
+        stop = skipped and not cfg.train.get("skip_nonfinite_iterations", False)
+        if logger is not None and (stop or state.iteration % cfg.train.log_interval == 0):
             logger.log(state.iteration, metrics)
-        last = state.iteration == cfg.train.train_iters
-        if ck.save and ((ck.save_interval and state.iteration % ck.save_interval == 0)
-                        or (last and ck.save_at_end)):
+        if stop:
+            last = checkpointer.last_good
+            raise NonFiniteError(
+                f"iteration {state.iteration}: lm loss {metrics['lm loss']}, grad-norm "
+                f"{metrics['grad-norm']}: not finite; the step was not applied and the run stops. "
+                f"Last good checkpoint: {last if last else 'none (no save yet)'} "
+                f"(train.skip_nonfinite_iterations=true skips such steps instead)")
+        faults.maybe_fail("train", state.iteration, torch.distributed.get_rank())
+        if checkpointer.should_save(state.iteration, cfg.train.train_iters):
             save_fn(state.iteration)

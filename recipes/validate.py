@@ -161,6 +161,8 @@ def validate(cfg, world_size: int) -> Layout:
     if not (0 <= o.min_lr <= o.lr):
         raise ConfigError(f"optim.min_lr={o.min_lr} must lie in [0, optim.lr={o.lr}]")
     _positive("train.train_iters", t.train_iters)
+    _positive("train.log_interval", t.log_interval)
+    _positive("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)
     decay = o.lr_decay_iters or t.train_iters
     # megatron's OptimizerParamScheduler asserts warmup < decay steps.
     if o.lr_warmup_iters < 0 or o.lr_warmup_iters >= decay:
@@ -182,8 +184,19 @@ def validate(cfg, world_size: int) -> Layout:
         from recipes.checkpoint import check_loadable
 
         check_loadable(ck.load, ck.load_iteration)
+    _check_data_files(d)
     _announce_quantization(cfg, layout)
     return layout
+
+
+def _check_data_files(d) -> None:
+    """``data.paths`` name files that exist (checked here, before any model is built)."""
+    from recipes.data import check_data_paths
+
+    try:
+        check_data_paths(d)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def gtp_weight_dims(cfg, tensor_model_parallel_size: int) -> dict[str, int]:

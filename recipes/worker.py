@@ -38,6 +38,7 @@ class RunState:
     num_microbatches: int
     iteration: int = 0
     consumed_samples: int = 0
+    skipped: int = 0
 
 
 def init_distributed() -> None:
@@ -61,8 +62,13 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def setup(cfg, layout):
-    """Process groups, GTP backend, model, DDP, optimizer, scheduler (no data, no checkpoint)."""
+def setup(cfg, layout, optimizer_cfg=None):
+    """Process groups, GTP backend, model, DDP, optimizer, scheduler (no data, no checkpoint).
+
+    ``optimizer_cfg``: the config to build the optimizer from when it differs from ``cfg`` (a
+    resume that overrides the lr schedule builds with the checkpoint's values, so megatron finds
+    its param groups on load).
+    """
     from megatron.core import parallel_state
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -86,6 +92,9 @@ def setup(cfg, layout):
 
     tokenizer = build_tokenizer(cfg.data)
     model, config = build_model(cfg, layout, tokenizer.vocab_size)
+    if torch.cuda.is_available():
+        # As Megatron-LM's get_model: built on CPU (use_cpu_initialization), trained on the GPU.
+        model.cuda(torch.cuda.current_device())
     gtp_setup.after_model(model, layout)
     if config.bf16:
         from megatron.core.transformer.module import Float16Module
@@ -100,9 +109,26 @@ def setup(cfg, layout):
     gtp_setup.after_ddp(ddp, layout)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp.no_sync
-    optimizer = build_optimizer(cfg, ddp)
+    optimizer = build_optimizer(optimizer_cfg or cfg, ddp)
     scheduler = build_scheduler(cfg, optimizer)
     return tokenizer, ddp, optimizer, scheduler
+
+
+def check_same_run(cfg) -> None:
+    """Every rank must write into the same job and checkpoint dirs (torchrun/Slurm ranks each
+    resolve the config, and ``${now:...}`` can differ between them).
+
+    Raises:
+        RuntimeError: on every rank, naming each rank's dirs.
+    """
+    mine = (str(cfg.output_dir), str(cfg.checkpoint.save))
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    if len(set(everyone)) > 1:
+        listing = "; ".join(f"rank {r}: output_dir={o}, checkpoint.save={c}"
+                            for r, (o, c) in enumerate(everyone))
+        raise RuntimeError(f"the ranks of this job resolved different run dirs ({listing}); set "
+                           f"hydra.run.dir (and checkpoint.save) explicitly for every rank")
 
 
 def run(cfg) -> None:
@@ -110,31 +136,47 @@ def run(cfg) -> None:
     from megatron.core import parallel_state
 
     from recipes import checkpoint
+    from recipes.checkpointer import Checkpointer, agree_load_iteration, planned_samples
     from recipes.config import to_dict
     from recipes.data import build_train_iterator
     from recipes.metrics import MetricLogger, new_run_id
     from recipes.model import count_parameters
+    from recipes.optim import apply_schedule_override
     from recipes.validate import validate
 
     init_distributed()
+    check_same_run(cfg)
     layout = validate(cfg, torch.distributed.get_world_size())
-    tokenizer, model, optimizer, scheduler = setup(cfg, layout)
+    ck = cfg.checkpoint
+    load_iteration = agree_load_iteration(ck)
+    saved_cfg, optimizer_cfg = None, None
+    if load_iteration is not None:
+        saved_cfg = checkpoint.load_common(ck.load, load_iteration)[1]["train_state"].get("config")
+        if saved_cfg and cfg.optim.get("override_opt_param_scheduler", False):
+            optimizer_cfg = OmegaConf.merge(cfg, {"optim": {
+                k: saved_cfg["optim"][k] for k in ("lr", "min_lr", "weight_decay")}})
+    tokenizer, model, optimizer, scheduler = setup(cfg, layout, optimizer_cfg)
     layout_rec = checkpoint.layout_record(layout)
     rank = torch.distributed.get_rank()
 
     train_state = {"consumed_samples": 0, "wandb_run_id": None}
     iteration, resumed_from = 0, None
-    if cfg.checkpoint.load:
-        common = checkpoint.load_checkpoint(cfg.checkpoint.load, model, optimizer, scheduler,
-                                            layout_rec, cfg.checkpoint.load_iteration)
+    checkpointer = Checkpointer(ck, loaded=load_iteration)
+    if load_iteration is not None:
+        common = checkpoint.load_checkpoint(ck.load, model, optimizer, scheduler, layout_rec,
+                                            load_iteration)
+        if optimizer_cfg is not None:
+            apply_schedule_override(optimizer, cfg)
         iteration, train_state, resumed_from = common["iteration"], dict(common["train_state"]), common["layout"]
+        checkpointer.last_good = checkpoint.iter_dir(ck.load, load_iteration)
     run_id = train_state.get("wandb_run_id") or new_run_id()
     train_state["wandb_run_id"] = run_id
+    train_state["data_plan"] = planned_samples(train_state, iteration, saved_cfg, cfg)
 
     dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     dp_rank, dp_size = torch.distributed.get_rank(dp_group), torch.distributed.get_world_size(dp_group)
     data_iterator = build_train_iterator(cfg, train_state["consumed_samples"], dp_rank, dp_size,
-                                         tokenizer=tokenizer)
+                                         tokenizer=tokenizer, plan=train_state["data_plan"])
     state = RunState(
         model, optimizer, scheduler, data_iterator,
         num_microbatches=cfg.data.global_batch_size // (cfg.data.micro_batch_size * dp_size),
@@ -149,25 +191,22 @@ def run(cfg) -> None:
               f"wandb run {run_id}", flush=True)
         if resumed_from is not None:
             logger.event("resume", iteration=iteration, from_layout=resumed_from, layout=layout_rec,
-                         load=str(cfg.checkpoint.load))
+                         load=str(ck.load))
         else:
             logger.event("start", iteration=0, layout=layout_rec)
 
     def save(it: int) -> None:
         common = {"consumed_samples": state.consumed_samples, "wandb_run_id": run_id,
-                  "config": config_dict}
-        path = checkpoint.save_checkpoint(cfg.checkpoint.save, it, model, optimizer, scheduler,
-                                          common, layout_rec)
+                  "config": config_dict, "data_plan": train_state["data_plan"]}
+        path = checkpointer.save(it, model, optimizer, scheduler, common, layout_rec)
         if rank == 0:
-            if cfg.checkpoint.keep_last:
-                checkpoint.remove_old_checkpoints(cfg.checkpoint.save, cfg.checkpoint.keep_last)
             logger.event("save", iteration=it, path=str(path))
             print(f"> saved checkpoint at iteration {it} to {path}", flush=True)
 
     from recipes.loop import train
 
     try:
-        train(state, cfg, logger, save)
+        train(state, cfg, logger, checkpointer, save)
     finally:
         if logger is not None:
             logger.close()
