@@ -160,12 +160,18 @@ def _rng_state() -> dict:
     import numpy as np
     from megatron.core import tensor_parallel
 
-    return {
+    # Plain values and tensors only (numpy's key array as a tensor), so the state loads with
+    # torch.load(weights_only=True).
+    kind, key, pos, has_gauss, gauss = np.random.get_state()
+    state = {
         "random": random.getstate(),
-        "np": np.random.get_state(),
+        "np": [kind, torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
         "torch": torch.get_rng_state(),
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
 
 
 def _set_rng_state(state: dict) -> None:
@@ -175,8 +181,12 @@ def _set_rng_state(state: dict) -> None:
     from megatron.core import tensor_parallel
 
     random.setstate(state["random"])
-    np.random.set_state(state["np"])
+    kind, key, pos, has_gauss, gauss = state["np"]
+    key = key.numpy() if isinstance(key, torch.Tensor) else key
+    np.random.set_state((kind, np.asarray(key, dtype=np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
@@ -199,6 +209,10 @@ def _sharded_state_dict(model, optimizer, is_loading: bool) -> dict:
         "model": model_sd,
         "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
     }
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def _barrier() -> None:
@@ -291,7 +305,7 @@ def finalize_save(root, iteration: int, staged: Path) -> Path:
     """
     _barrier()
     path = iter_dir(root, iteration)
-    if torch.distributed.get_rank() == 0:
+    if _rank() == 0:
         replaced = Path(root) / f".{path.name}.replaced"
         if path.exists():
             if replaced.exists():
