@@ -130,8 +130,9 @@ def _check_storage(path: Path) -> None:
     Raises:
         CheckpointError: naming the file, its size, what should be there and one tensor in it.
     """
-    from recipes.safe_metadata import UnsafeMetadataError, read_metadata
+    from gtp.safe_metadata import UnsafeMetadataError, install, read_metadata
 
+    install()
     try:
         metadata = read_metadata(path)
     except UnsafeMetadataError as exc:

@@ -317,3 +317,14 @@ def _collectives_under_nccl_rule():
 def test_collectives_use_the_device_their_backend_needs():
     bad = run_distributed(_collectives_under_nccl_rule, 2)
     assert bad == [[], []], bad
+
+
+def test_gtp_inspect_refuses_crafted_metadata_without_running_it(tmp_path, capsys):
+    from gtp.cli import main
+
+    marker = tmp_path / "payload_ran"
+    fake_save(tmp_path, 1, pickle.dumps(_Payload(marker)))
+    (tmp_path / checkpoint.TRACKER).write_text("1\n")
+    assert main(["inspect", str(tmp_path)], out=io.StringIO()) == 2
+    assert "refusing to load it" in capsys.readouterr().err
+    assert not marker.exists()

@@ -3,7 +3,8 @@
 DCP stores its metadata as a pickle, and a pickle can name any callable to run on load. This
 reader allows only the classes such a file needs (DCP's metadata dataclasses, ``torch.Size``,
 dtypes, a few builtins and containers); any other global is refused before it is imported or
-called. Checkpoints from elsewhere remain trusted input for their tensor files.
+called. :func:`install` routes every DCP metadata read through it. The data files' object items
+are still read by DCP with ``torch.load``: a checkpoint from elsewhere remains trusted input.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         raise UnsafeMetadataError(
             f"{self.source} names {module}.{name}, which a checkpoint's metadata never needs: "
-            f"refusing to load it (a crafted or foreign file; see README 'Failures')")
+            f"refusing to load it (a crafted or foreign file)")
 
 
 def read_metadata(path) -> object:
@@ -74,3 +75,26 @@ def read_metadata(path) -> object:
 
         metadata.storage_meta = StorageMeta()
     return metadata
+
+
+def install() -> None:
+    """Route torch DCP's ``FileSystemReader.read_metadata`` (which megatron's
+    ``load_tensors_metadata``/``load_common_state_dict``/``load`` use) through the restricted
+    reader, so no ``.metadata`` pickle runs code whatever reads it first. Idempotent."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if getattr(FileSystemReader.read_metadata, "_restricted", False):
+        return
+
+    def read_metadata_restricted(self, *args, **kwargs):
+        path = Path(self._get_metadata_path(kwargs.get("rank")))
+        metadata = _RestrictedUnpickler(io.BytesIO(path.read_bytes()), path).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    read_metadata_restricted._restricted = True
+    FileSystemReader.read_metadata = read_metadata_restricted
