@@ -16,6 +16,7 @@ Unset (the default), :func:`maybe_fail` does nothing.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import time
@@ -66,6 +67,7 @@ def while_writing(iteration: int, rank: int):
 
     original = filesystem_async._write_item
 
+    @functools.wraps(original)  # megatron inspects its signature
     def write_item(*args, **kwargs):
         result = original(*args, **kwargs)
         args[1].flush()  # _write_item(transforms, stream, data, write_item, storage_key, ...)

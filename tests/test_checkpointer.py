@@ -328,3 +328,51 @@ def test_gtp_inspect_refuses_crafted_metadata_without_running_it(tmp_path, capsy
     assert main(["inspect", str(tmp_path)], out=io.StringIO()) == 2
     assert "refusing to load it" in capsys.readouterr().err
     assert not marker.exists()
+
+
+# --- 7. torchrun/Slurm: one run dir, one writer ---------------------------------------------
+
+def test_many_writers_of_the_resolved_config_never_collide(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from recipes.launch import write_resolved_config
+
+    cfg = make_cfg()
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: write_resolved_config(cfg, str(tmp_path)), range(32)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["resolved_config.yaml"]
+
+
+def _check_same_run():
+    from compose import make_cfg
+
+    from recipes.worker import check_same_run
+
+    rank = torch.distributed.get_rank()
+    cfg = make_cfg(f"output_dir=/runs/12-00-0{rank}")  # ${now:...} resolved a second apart
+    try:
+        check_same_run(cfg)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_that_resolved_different_run_dirs_stop_before_training():
+    errors = run_distributed(_check_same_run, 2)
+    assert all(e and "resolved different run dirs" in e and "/runs/12-00-01" in e for e in errors), errors
+
+
+def test_a_job_dir_is_claimed_by_one_live_run(tmp_path):
+    import os
+
+    from recipes.launch import CLAIM, claim_job_dir
+    from recipes.validate import ConfigError
+
+    claim_job_dir(tmp_path)
+    assert (tmp_path / CLAIM).read_text().split()[1] == str(os.getpid())
+    with pytest.raises(ConfigError, match=f"job dir {tmp_path} is in use by another run"):
+        claim_job_dir(tmp_path)
+    # A claim whose process is gone is taken over.
+    (tmp_path / CLAIM).write_text(f"{os.uname().nodename} 999999999\n")
+    claim_job_dir(tmp_path)
+    (tmp_path / CLAIM).unlink()
