@@ -108,7 +108,10 @@ def test_keep_last_removes_only_older_complete_checkpoints(train_run, tmp_path):
 def test_retention_never_touches_the_tracked_or_an_in_progress_save(tmp_path):
     for it in (1, 2, 3, 4, 5):
         checkpoint.iter_dir(tmp_path, it).mkdir()
-    (tmp_path / checkpoint.TRACKER).write_text("4\n")  # 5 is being written
+        if it != 5:  # 5 lacks megatron's metadata: an incomplete dir (e.g. an older crash)
+            (checkpoint.iter_dir(tmp_path, it) / "metadata.json").write_text("{}")
+            (checkpoint.iter_dir(tmp_path, it) / ".metadata").write_bytes(b"")
+    (tmp_path / checkpoint.TRACKER).write_text("4\n")
     removed = checkpoint.remove_old_checkpoints(tmp_path, keep_last=1)
     assert sorted(p.name for p in removed) == ["iter_0000001", "iter_0000002", "iter_0000003"]
     assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000004", "iter_0000005"]
