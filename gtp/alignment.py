@@ -3,7 +3,8 @@
 megatron-core 0.19.2 pads each GTP weight's TP-local dim 0 (L rows) to a multiple of
 ``a * g`` (a = ``GTP_CONFIG.pad_for_alignment``, g = gtp_remat size) before slicing it over the
 ``gtp_remat`` group; the padding is a tail suffix, so it lands on the last rank(s). ``a == 0``
-means no padding, and then L must divide by g. See ``shared/design/gtp-checkpointing.md`` §2.
+means no padding, and then L must divide by g. The shard math itself is
+:func:`gtp.layout.gtp_padding`; ``docs/checkpoint-format.md`` (Padding math) explains it.
 
 0.19.2's ``configure_gtp_remat_from_recipe`` leaves bf16/fp32 at the dataclass default 16 and has
 no override. Recipes here call, in this order::
@@ -17,6 +18,8 @@ no override. Recipes here call, in this order::
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+from gtp.layout import gtp_padding
 
 # Recipe defaults: unquantized -> 1 (upstream's later bf16 default), else the 0.19.2 values.
 RECIPE_DEFAULT_PAD: dict[str, int] = {"none": 1, "fp8": 16, "mxfp8": 32, "nvfp4": 16}
@@ -44,35 +47,6 @@ def resolve_pad_for_alignment(pad_for_alignment: int | None, quantization: str) 
     return _check_pad(pad_for_alignment)
 
 
-def shard_layout(dim0: int, g: int, pad: int) -> tuple[int, int]:
-    """``(pad_length, shard_rows)`` for a TP-local dim 0 of ``dim0`` rows: megatron's
-    ``gtp_remat_shard_dim0`` math without a process group.
-
-    Raises:
-        ValueError: ``pad == 0`` and ``dim0`` is not divisible by ``g`` (megatron asserts).
-    """
-    _check_pad(pad)
-    if g < 1:
-        raise ValueError(f"gtp_remat_size must be >= 1; got {g}")
-    if pad > 0:
-        align = pad * g
-        pad_length = (align - dim0 % align) % align
-    elif dim0 % g:
-        raise ValueError(
-            f"pad_for_alignment=0 needs every GTP dim 0 divisible by gtp_remat_size={g}; "
-            f"dim 0 = {dim0} is not. Use pad_for_alignment >= 1."
-        )
-    else:
-        pad_length = 0
-    return pad_length, (dim0 + pad_length) // g
-
-
-def logical_rows(dim0: int, g: int, pad: int, rank: int) -> tuple[int, int]:
-    """``[start, stop)`` of the logical (non-padding) rows GTP rank ``rank`` holds; may be empty."""
-    _, shard = shard_layout(dim0, g, pad)
-    return min(rank * shard, dim0), min((rank + 1) * shard, dim0)
-
-
 def validate_gtp_dims(dim0_list: Iterable[int], g: int, pad: int) -> None:
     """Check before launch that every TP-local GTP dim 0 can be sharded over ``g`` ranks.
 
@@ -83,13 +57,17 @@ def validate_gtp_dims(dim0_list: Iterable[int], g: int, pad: int) -> None:
     _check_pad(pad)
     if g < 1:
         raise ValueError(f"gtp_remat_size must be >= 1; got {g}")
-    if pad == 0:
-        bad = sorted({d for d in dim0_list if d % g})
-        if bad:
-            raise ValueError(
-                f"pad_for_alignment=0 needs every GTP dim 0 divisible by gtp_remat_size={g}; "
-                f"not divisible: {bad}. Use pad_for_alignment >= 1."
-            )
+    bad = []
+    for dim0 in sorted(set(dim0_list)):
+        try:
+            gtp_padding(dim0, g, pad)
+        except ValueError:
+            bad.append(dim0)
+    if bad:
+        raise ValueError(
+            f"pad_for_alignment=0 needs every GTP dim 0 divisible by gtp_remat_size={g}; "
+            f"not divisible: {bad}. Use pad_for_alignment >= 1."
+        )
 
 
 def apply_pad_for_alignment(pad: int) -> None:
@@ -130,7 +108,7 @@ def check_pad_applied(model, pad: int) -> int:
                 continue
             g = param.group.size()
             dim0 = param._unsharded_shape[0]
-            want = shard_layout(dim0, g, pad)
+            want = gtp_padding(dim0, g, pad)
             got = (param.pad_length, param.shape[0])
             if got != want:
                 raise RuntimeError(

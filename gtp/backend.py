@@ -19,7 +19,7 @@ Only unquantized (fp32/bf16) weights are supported: there is no FP8 without TE. 
 the collectives synchronously (``GTP_CONFIG.weight_prefetch = False``,
 ``GTP_CONFIG.async_reduction = False``): same math, no side streams.
 
-On a machine without CUDA, also call ``recipes.cpu_compat.install()``: it redirects the
+On a machine without CUDA, also call ``mcore_compat.cpu.install()``: it redirects the
 ``torch.cuda`` stream calls left in megatron's GTP module (the pre-DP-sync fence in
 ``finalize_model_grads``) to CPU no-ops.
 """
@@ -33,7 +33,7 @@ from unittest.mock import MagicMock
 
 import torch
 
-from gtp.version import check_megatron_version
+from mcore_compat.version import check_megatron_version
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ A GTP weight is written exactly as the non-GTP model at the same TP writes it: e
 padding rows are trimmed, pieces sit at their logical offsets, and an all-padding shard
 contributes one empty piece. So a checkpoint saved at any (TP, GTP degree, alignment) loads at
 any other, and stock megatron-core without ``gtp/`` can load it into a non-GTP model.
-See ``shared/design/gtp-checkpointing.md`` sections 3-4 for the bug this replaces.
+``docs/checkpoint-format.md`` describes the bug this replaces, the format and its records.
 
 Usage::
 
@@ -17,7 +17,7 @@ Usage::
 ``megatron.core`` module that imported them by name:
 
 * ``megatron.core.utils.make_tp_sharded_tensor_for_checkpoint`` - for a GTP param only (every
-  other tensor goes to the original unchanged). Its GTP branch (utils.py l. 1031-1073) builds
+  other tensor goes to the original unchanged). Its GTP branch builds
   ``from_rank_offsets`` over the *padded* shard, so the stored global dim 0 is ``tp*(L+pad)``,
   every shard of ``tp_rank > 0`` sits ``tp_rank*pad`` rows late, padding rows reach disk and
   ``allow_shape_mismatch`` hides all of it on load. The replacement returns a
@@ -404,7 +404,7 @@ def install() -> None:
         return
     import megatron.core
 
-    from gtp.version import check_megatron_version
+    from mcore_compat.version import check_megatron_version
 
     check_megatron_version(megatron.core.__version__,
                            "gtp.checkpoint patches the sharded-state-dict functions")

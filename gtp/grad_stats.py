@@ -4,7 +4,7 @@ What megatron gets wrong: ``optimizer/clip_grads.py`` ``count_zeros_fp32`` count
 param that passes its replica filters (not shared, not a TP duplicate,
 ``param_is_not_gtp_duplicate``), the zeros of the param's whole local gradient. For a GTP shard
 that gradient includes the shard's padding rows (the tail of the padded TP-local dim 0, on the last
-GTP rank(s); see ``shared/design/gtp-checkpointing.md`` section 2), whose gradient is always zero.
+GTP rank(s); see ``docs/checkpoint-format.md``, Padding math), whose gradient is always zero.
 So ``num-zeros`` grows by every padding element and changes with ``pad_for_alignment``: on the
 tiny model at g2/a16 it reads 36744 instead of the 19080 the same run reports without GTP.
 
@@ -26,7 +26,7 @@ import importlib
 
 import torch
 
-from gtp.version import check_megatron_version
+from mcore_compat.version import check_megatron_version
 
 
 # Modules that bound ``count_zeros_fp32`` by name at import time (``from .clip_grads import ...``).

@@ -4,7 +4,7 @@ Pure functions, no ``torch.distributed``: everything here is integer arithmetic 
 layout, so it can be tested exhaustively and reused by the save path, the load path and the
 legacy-checkpoint reader. Units are **rows of dim 0** throughout (never elements or bytes).
 
-Names used below (spec ``shared/design/gtp-checkpointing.md`` sections 2-4):
+Names used below (``docs/checkpoint-format.md`` explains the format they describe):
 
 * ``L``   - logical TP-local dim 0 of the weight: the number of rows the non-GTP model holds on one
   TP rank (column-parallel: ``out_features / tp``; row-parallel: ``out_features``; gated fc1:
@@ -15,15 +15,15 @@ Names used below (spec ``shared/design/gtp-checkpointing.md`` sections 2-4):
   GTP shard. Rank ``r`` holds padded rows ``[r*s, (r+1)*s)``; padding is a tail suffix, so a
   shard's logical rows are always a *prefix* ``[0, n)`` of that shard.
 
-Where the math comes from in megatron-core 0.19.2 (``site-packages/megatron/core``):
+Where the math comes from in megatron-core 0.19.2 (modules under ``megatron.core``):
 
-* ``tensor_parallel/generalized_tensor_parallelism.py`` ``gtp_remat_shard_dim0`` (l. 455) and
-  ``_gtp_slice_one_param`` (l. 472): padding and slicing (:func:`gtp_padding`,
+* ``tensor_parallel.generalized_tensor_parallelism``: ``gtp_remat_shard_dim0`` and
+  ``_gtp_slice_one_param``: padding and slicing (:func:`gtp_padding`,
   :func:`logical_rows`).
-* ``utils.py`` ``make_tp_sharded_tensor_for_checkpoint`` (l. 973, GTP branch l. 1031-1060) and
-  ``dist_checkpointing/mapping.py`` ``ShardedTensor.from_rank_offsets`` (l. 190): what stock
+* ``utils``: ``make_tp_sharded_tensor_for_checkpoint`` (its GTP branch) and
+  ``dist_checkpointing.mapping``: ``ShardedTensor.from_rank_offsets``: what stock
   0.19.2 writes (:func:`stock_0192_offsets`).
-* ``transformer/mlp.py`` ``apply_swiglu_sharded_factory`` (l. 425, ``sh_ten_build_fn`` l. 456):
+* ``transformer.mlp``: ``apply_swiglu_sharded_factory`` (its inner ``sh_ten_build_fn``):
   how a gated fc1 lands on disk (:func:`logical_pieces` with ``gated=True``).
 
 On-disk layout of a gated (SwiGLU) fc1 without GTP (``apply_swiglu_sharded_factory``): each TP
@@ -88,7 +88,7 @@ def gtp_padding(L: int, g: int, a: int) -> tuple[int, int]:
     """Tail padding and shard size of a GTP-sharded dim 0, exactly as megatron computes them.
 
     Mirrors ``gtp_remat_shard_dim0`` / ``_gtp_slice_one_param``
-    (``tensor_parallel/generalized_tensor_parallelism.py`` l. 455 / 472): for ``a > 0``,
+    (``megatron.core.tensor_parallel.generalized_tensor_parallelism``): for ``a > 0``,
     ``A = a*g``, ``pad = (A - L % A) % A``; for ``a == 0`` megatron asserts ``L % g == 0`` and
     ``pad = 0``. Shard rows ``s = (L + pad) // g``.
 
@@ -259,7 +259,8 @@ class Piece:
 
 
 def logical_pieces(layout: TensorLayout) -> list[Piece]:
-    """The logical on-disk description of one rank's GTP shard (spec section 4).
+    """The logical on-disk description of one rank's GTP shard (``docs/checkpoint-format.md``,
+    "The logical format").
 
     The union over all ``(tp_rank, gtp_rank)`` of the returned pieces tiles, for each key, the
     tensor the non-GTP model at the same TP writes, exactly once; padding rows never appear.
@@ -309,7 +310,8 @@ def logical_pieces(layout: TensorLayout) -> list[Piece]:
 
 
 def stock_0192_offsets(layout: TensorLayout) -> list[Piece]:
-    """What stock megatron-core 0.19.2 writes for this shard (spec section 3; the bug).
+    """What stock megatron-core 0.19.2 writes for this shard (the bug;
+    ``docs/checkpoint-format.md``, "What megatron-core 0.19.2 writes").
 
     ``make_tp_sharded_tensor_for_checkpoint`` (GTP branch) builds ``from_rank_offsets`` over the
     whole **padded** shard of ``s`` rows, and ``from_rank_offsets`` sets global dim = fragments *

@@ -76,7 +76,8 @@ def setup(cfg, layout, optimizer_cfg=None):
         finalize_model_grads,
     )
 
-    from recipes import cpu_compat, gtp_setup
+    from mcore_compat import cpu as cpu_compat
+    from recipes import gtp_setup
     from recipes.model import build_model
     from recipes.optim import build_optimizer, build_scheduler
 

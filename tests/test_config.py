@@ -97,7 +97,7 @@ def test_missing_data_file_is_refused_before_launch(tmp_path):
 
 
 def test_jsonl_with_invalid_utf8_names_file_and_line(tmp_path):
-    from recipes.data import _read_documents
+    from recipes.data.corpus import _read_documents
 
     path = tmp_path / "bad.jsonl"
     path.write_bytes(b'{"text": "ok"}\n{"text": "\xff\xfe"}\n')

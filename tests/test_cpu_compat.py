@@ -1,4 +1,4 @@
-"""recipes.cpu_compat: each redirected megatron call works on CPU and keeps megatron's math."""
+"""mcore_compat.cpu: each redirected megatron call works on CPU and keeps megatron's math."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from recipes import cpu_compat
+from mcore_compat import cpu as cpu_compat
 
 cpu_compat.install(force=True)
 

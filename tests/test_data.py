@@ -1,4 +1,4 @@
-"""recipes/data.py: byte tokenizer, corpus preparation, megatron datasets, Megatron-style sampling.
+"""recipes/data/: byte tokenizer, corpus preparation, megatron datasets, Megatron-style sampling.
 
 Single process, no torch.distributed. Goldens come from the standard library (pydoc_data.topics) and
 from the test's own input files, never from recipes.data.

@@ -16,23 +16,6 @@ CONVERTED_KEY = "gtp_converted_from"
 CONVERTER_VERSION = 1
 
 
-def _cpu_compat() -> None:
-    """Without CUDA, megatron's checkpoint writer needs gtp-recipes' CPU shims
-    (``recipes.cpu_compat``; already installed in a training process)."""
-    import torch
-
-    if torch.cuda.is_available():
-        return
-    try:
-        from recipes import cpu_compat
-    except ImportError as exc:  # gtp/ used without recipes/
-        raise LegacyCheckpointError(
-            "writing a checkpoint on a machine without CUDA needs recipes.cpu_compat "
-            f"(gtp-recipes): {exc}") from exc
-    cpu_compat.install()
-
-
-
 def _fingerprint(path: Path) -> dict:
     st = (path / ".metadata").stat()
     return {"source": str(path.resolve()), "metadata_size": st.st_size,
@@ -170,7 +153,11 @@ def convert(src, dst_root, layout=None) -> Path:
         raise LegacyCheckpointError(
             f"convert {src} {dst_root}: the destination is the source's checkpoint dir; write the "
             f"converted checkpoint to another dir")
-    _cpu_compat()
+    from mcore_compat import cpu as cpu_compat
+
+    # Without CUDA, megatron's checkpoint writer needs the CPU shims (a no-op with CUDA or when
+    # a training process installed them already).
+    cpu_compat.install()
     cleanup = _ensure_dist()
     try:
         rank = torch.distributed.get_rank()

@@ -191,18 +191,25 @@ def _get(d, *path):
     return d
 
 
+# Packages that save their run config under ``train_state.config`` register, under this
+# entry-point group, a function ``(run config mapping, tp) -> padded vocab rows or None``
+# (gtp-recipes does in pyproject.toml): gtp/ reads their records without importing them.
+RUN_CONFIG_VOCAB_GROUP = "gtp.run_config_vocab"
+
+
 def _vocab_from_config(cfg: Mapping, tp: int) -> Optional[int]:
-    """Padded vocab rows of a gtp-recipes run config (recipes.model.padded_vocab_size)."""
-    try:
-        from omegaconf import OmegaConf
+    """Padded vocab rows of a saved run config, from the first registered reader that knows it
+    (None: no reader knows this config, the vocab stays unknown)."""
+    from importlib.metadata import entry_points
 
-        from recipes.data import build_tokenizer
-        from recipes.model import padded_vocab_size
-
-        vocab = build_tokenizer(OmegaConf.create(dict(cfg["data"]))).vocab_size
-        return padded_vocab_size(vocab, int(cfg["model"]["make_vocab_size_divisible_by"]), tp)
-    except Exception:  # noqa: BLE001 - not a gtp-recipes config: the vocab stays unknown
-        return None
+    for entry in entry_points(group=RUN_CONFIG_VOCAB_GROUP):
+        try:
+            vocab = entry.load()(cfg, tp)
+        except Exception:  # noqa: BLE001 - a reader that cannot read this config
+            continue
+        if vocab is not None:
+            return int(vocab)
+    return None
 
 
 def _config_layout(common: Mapping) -> tuple[dict, str]:

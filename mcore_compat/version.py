@@ -1,4 +1,5 @@
-"""The one megatron-core version whose internals gtp/'s patches were written against."""
+"""The one megatron-core version whose internals the patches of gtp/ and mcore_compat/ were
+written against."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Run megatron-core 0.19.2 on machines without CUDA.
 
 megatron-core assumes a CUDA device in a handful of places that the CPU path of a run still
-reaches (see ``shared/design/cpu-notes.md``). Instead of editing megatron, :func:`install`
+reaches (``docs/cpu-compat.md`` lists each and why). Instead of editing megatron, :func:`install`
 replaces the module-global name ``torch`` inside the affected megatron modules with
 :class:`_CpuTorch`, a thin proxy that forwards everything to the real ``torch`` except:
 
@@ -150,7 +150,7 @@ class _CpuTorch(types.ModuleType):
             return fn(*args, **kwargs)
 
         wrapper.__name__ = fn.__name__
-        wrapper.__doc__ = f"{fn.__name__} with CUDA devices mapped to CPU (recipes.cpu_compat)."
+        wrapper.__doc__ = f"{fn.__name__} with CUDA devices mapped to CPU (mcore_compat.cpu)."
         return wrapper
 
     def __getattr__(self, name):

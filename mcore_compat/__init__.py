@@ -1,0 +1,9 @@
+"""Narrow, version-gated shims for megatron-core, below both ``gtp/`` and ``recipes/``.
+
+* :mod:`mcore_compat.version` - the one megatron-core version whose internals the patches of
+  this repository were written against (:func:`~mcore_compat.version.check_megatron_version`).
+* :mod:`mcore_compat.cpu` - redirects megatron-core's CUDA-only calls to CPU on machines
+  without CUDA (:func:`~mcore_compat.cpu.install`).
+
+Imports nothing from ``gtp/`` or ``recipes/``; see ``docs/cpu-compat.md``.
+"""

@@ -1,0 +1,64 @@
+"""The data pipeline of a GPT pretraining run, on megatron-core's own pieces.
+
+* :mod:`recipes.data.tokenizers` - :class:`ByteTokenizer` (ids 0..255 are bytes, UTF-8 for text;
+  256 is ``<eod>``; 257 ids) and :func:`build_tokenizer`.
+* :mod:`recipes.data.corpus` - :func:`prepare_data`: turns ``data.source`` into Megatron
+  indexed-dataset prefixes (``.bin`` + ``.idx``, written with megatron's ``IndexedDatasetBuilder``),
+  cached under ``data.cache_dir``.
+* :mod:`recipes.data.datasets` - :func:`build_datasets`: megatron's ``GPTDataset`` (or
+  ``MockGPTDataset``) train/valid/test splits through ``BlendedMegatronDatasetBuilder``.
+* :mod:`recipes.data.sampler` - :func:`build_train_iterator`: micro-batches for one data-parallel
+  rank, sampled like Megatron-LM's ``MegatronPretrainingSampler`` (see
+  :class:`PretrainingSampler`), resumable from ``consumed_samples`` under any data-parallel size.
+
+Layout under ``cache_dir``::
+
+    pydoc_byte-<key>/text_document.{bin,idx}   + meta.json   (source=pydoc)
+    text_byte-<key>/text_document.{bin,idx}    + meta.json   (source=text)
+    gpt_indices/<hash>-GPTDataset-train-*.npy                (megatron's sample/shuffle indices)
+
+Distributed use: :func:`build_datasets` and :func:`build_train_iterator` are collective when
+``torch.distributed`` is initialized: every rank of the default group must call them (global rank 0
+builds the corpus and megatron's index caches first, the others then read them). ``cache_dir`` must
+therefore be on a filesystem all ranks see (as Megatron-LM's ``--data-cache-path``). Without
+``torch.distributed`` everything runs in the calling process.
+"""
+
+from recipes.data.corpus import CORPUS_FORMAT_VERSION, TEXT_SUFFIXES, check_data_paths, prepare_data
+from recipes.data.datasets import build_datasets
+from recipes.data.sampler import (
+    BATCH_KEYS,
+    MicroBatchIterator,
+    PretrainingSampler,
+    build_train_iterator,
+    collate,
+)
+from recipes.data.tokenizers import (
+    NO_PAD_ID,
+    SOURCES,
+    TOKENIZERS,
+    ByteTokenizer,
+    ExternalTokenizer,
+    Tokenizer,
+    build_tokenizer,
+)
+
+__all__ = [
+    "BATCH_KEYS",
+    "CORPUS_FORMAT_VERSION",
+    "NO_PAD_ID",
+    "SOURCES",
+    "TEXT_SUFFIXES",
+    "TOKENIZERS",
+    "ByteTokenizer",
+    "ExternalTokenizer",
+    "MicroBatchIterator",
+    "PretrainingSampler",
+    "Tokenizer",
+    "build_datasets",
+    "check_data_paths",
+    "build_tokenizer",
+    "build_train_iterator",
+    "collate",
+    "prepare_data",
+]

@@ -1,0 +1,179 @@
+"""Megatron's GPT datasets of a run (:func:`build_datasets`), built collectively.
+
+Under ``torch.distributed`` global rank 0 builds the corpus and megatron's index caches
+(``<cache_dir>/gpt_indices/<hash>-GPTDataset-train-*.npy``) first; the others then read them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Callable, Optional
+
+import torch
+
+from recipes.data.corpus import (
+    check_indexed_paths,
+    check_text_paths,
+    prepare_data,
+    resolved_cache_dir,
+    sequence_lengths,
+)
+from recipes.data.tokenizers import Tokenizer, build_tokenizer, check_source
+
+
+def _dist_initialized() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _rank0_first(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on global rank 0, then (after it succeeded) on the other ranks.
+
+    A failure on rank 0 is broadcast, so the other ranks raise instead of waiting forever.
+    """
+    if not _dist_initialized():
+        return fn()
+    dist = torch.distributed
+    rank = dist.get_rank()
+    result, error = None, None
+    if rank == 0:
+        try:
+            result = fn()
+        except Exception as err:  # re-raised below, after telling the other ranks
+            error = err
+    from gtp.collectives import collective_device
+
+    failed = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=collective_device())
+    dist.broadcast(failed, src=0)
+    if rank == 0:
+        if error is not None:
+            raise error
+        return result
+    if int(failed.item()):
+        raise RuntimeError("global rank 0 failed to prepare the data; its error is in its log")
+    return fn()
+
+
+def _train_split_tokens(prefix: str, split: str) -> int:
+    """Tokens in the train split of ``prefix``, split by documents exactly as megatron does."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    lengths = sequence_lengths(prefix)
+    bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))[0]
+    if bounds is None:
+        return 0
+    beg = int(round(bounds[0] * float(lengths.size)))
+    end = int(round(bounds[1] * float(lengths.size)))
+    return int(lengths[beg:end].sum())
+
+
+def _check_split(split: Any) -> str:
+    split = str(split)
+    parts = re.split(r"[,/]", split)
+    try:
+        weights = [float(p) for p in parts]
+    except ValueError:
+        weights = None
+    if (
+        weights is None
+        or not 1 <= len(weights) <= 3
+        or any(w < 0 for w in weights)
+        or weights[0] <= 0
+    ):
+        raise ValueError(
+            f"data.split={split!r}: expected up to 3 comma-separated non-negative weights "
+            f"train,valid,test with train > 0 (e.g. '98,2,0')"
+        )
+    return split
+
+
+def build_datasets(
+    cfg: Any, tokenizer: Tokenizer, train_samples: int
+) -> tuple[Any, Optional[Any], Optional[Any]]:
+    """Megatron's train/valid/test GPT datasets for ``cfg`` (collective under torch.distributed).
+
+    Prepares the corpus (:func:`prepare_data`) and builds ``GPTDataset`` splits (``MockGPTDataset``
+    for ``source=mock``) through ``BlendedMegatronDatasetBuilder`` with ``GPTDatasetConfig(
+    random_seed=cfg.train.seed, sequence_length=cfg.model.seq_length, split=cfg.data.split,
+    path_to_cache=<cache_dir>/gpt_indices)``, no position-id/attention-mask reset, no eod loss
+    masking, no attention mask. Sizes: ``[train_samples, None, None]`` (valid/test: one epoch of
+    their split). Several indexed prefixes are blended in proportion to their sizes (megatron's
+    unweighted blend, which does not repeat data).
+
+    With torch.distributed initialized, every rank of the default group must call this: global
+    rank 0 builds the corpus and index caches first, then the others load them (megatron's builder
+    barriers); ``is_built_on_rank`` is true on every rank, so each rank gets the datasets.
+
+    Each sample (``dataset[i]``) is a dict of 1-D tensors of length ``seq_length``: ``tokens``,
+    ``labels``, ``position_ids`` (int64) and ``loss_mask`` (float32).
+
+    Args:
+        cfg: the whole run config (``data``, ``model.seq_length``, ``train.seed``).
+        tokenizer: from :func:`build_tokenizer`.
+        train_samples: number of train samples wanted (``train_iters * global_batch_size``).
+
+    Returns:
+        (train, valid, test): a split is ``None`` when its ``data.split`` weight is 0 (for
+        ``source=mock`` megatron ignores ``data.split`` and splits its mock documents 1:1:1).
+
+    Raises:
+        ValueError: as :func:`prepare_data`; a malformed ``data.split``; ``train_samples`` < 1; a
+            train split with fewer than ``seq_length + 1`` tokens; a blend of several prefixes
+            holding fewer than ``train_samples`` train samples.
+        FileNotFoundError: as :func:`prepare_data`.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+
+    data_cfg = cfg.data
+    seq_length = int(cfg.model.seq_length)
+    source = check_source(data_cfg)
+    split = _check_split(data_cfg.split)
+    if int(train_samples) < 1:
+        raise ValueError(f"train_samples={train_samples} must be >= 1")
+    # Cheap checks on every rank before any collective, so a bad config fails everywhere alike.
+    if source == "indexed":
+        build_tokenizer(data_cfg)
+        check_indexed_paths(data_cfg)
+    elif source == "text":
+        check_text_paths(data_cfg)
+
+    prefixes = _rank0_first(lambda: prepare_data(data_cfg, seq_length))
+    for prefix in prefixes:
+        tokens = _train_split_tokens(prefix, split)
+        if tokens < seq_length + 1:
+            raise ValueError(
+                f"the train part of {prefix} under data.split={split!r} holds {tokens} tokens, "
+                f"fewer than model.seq_length + 1 = {seq_length + 1}: give train a larger share "
+                f"or add text"
+            )
+
+    config = GPTDatasetConfig(
+        random_seed=int(cfg.train.seed),
+        sequence_length=seq_length,
+        blend=(prefixes, None) if prefixes else None,
+        split=split,
+        path_to_cache=os.path.join(resolved_cache_dir(data_cfg), "gpt_indices"),
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    cls = MockGPTDataset if source == "mock" else GPTDataset
+    builder = BlendedMegatronDatasetBuilder(
+        cls, [int(train_samples), None, None], lambda: True, config
+    )
+    train, valid, test = builder.build()
+    if len(train) < train_samples:
+        raise ValueError(
+            f"the train data holds {len(train)} samples of {seq_length} tokens, fewer than the "
+            f"{train_samples} asked for (megatron does not repeat an unweighted blend of "
+            f"{len(prefixes)} prefixes): lower train.train_iters or add data"
+        )
+    return train, valid, test
