@@ -20,7 +20,7 @@ def fake_save(root: Path, iteration: int, payload: bytes = b"x") -> Path:
     """An iter dir that looks complete to the policy (megatron's two metadata files)."""
     path = checkpoint.iter_dir(root, iteration)
     path.mkdir(parents=True)
-    (path / "metadata.json").write_text("{}")
+    (path / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
     (path / ".metadata").write_bytes(payload)
     return path
 
@@ -114,10 +114,22 @@ def _agree_while_tracker_moves(root):
     return policy.agree_load_iteration(ck)
 
 
-def test_every_rank_loads_the_same_iteration_while_the_tracker_moves(tmp_path):
+def _distributed_checks(root):
+    """The checks that need a process group, in one 2-rank world (start-up is the cost)."""
+    return {"agree": _agree_while_tracker_moves(root), "devices": _collectives_under_nccl_rule(),
+            "same_run": _check_same_run()}
+
+
+@pytest.fixture(scope="module")
+def distributed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("agree")
     for it in (10, 11):
-        fake_save(tmp_path, it)
-    assert run_distributed(_agree_while_tracker_moves, 2, str(tmp_path)) == [10, 10]
+        fake_save(root, it)
+    return run_distributed(_distributed_checks, 2, str(root))
+
+
+def test_every_rank_loads_the_same_iteration_while_the_tracker_moves(distributed):
+    assert [r["agree"] for r in distributed] == [10, 10]
 
 
 # --- 4. the resume diff ---------------------------------------------------------------------
@@ -281,7 +293,8 @@ def _collectives_under_nccl_rule():
     is 'meta': a tensor created without ``collective_device`` reaches the collective on 'meta'."""
     import torch.distributed as dist
 
-    from recipes import checkpoint as ckpt, data
+    from recipes import checkpoint as ckpt
+    from recipes.data.datasets import _rank0_first
     from gtp.collectives import collective_device
 
     bad = []
@@ -306,7 +319,7 @@ def _collectives_under_nccl_rule():
         state = {"w": torch.zeros(3, device="cpu")}
         ckpt.expected_checkpoint_bytes(state)
         ckpt.any_rank_failed(False)
-        data._rank0_first(lambda: 1)
+        _rank0_first(lambda: 1)
     finally:
         torch.set_default_device("cpu")
         for name, real in originals.items():
@@ -314,9 +327,8 @@ def _collectives_under_nccl_rule():
     return bad
 
 
-def test_collectives_use_the_device_their_backend_needs():
-    bad = run_distributed(_collectives_under_nccl_rule, 2)
-    assert bad == [[], []], bad
+def test_collectives_use_the_device_their_backend_needs(distributed):
+    assert [r["devices"] for r in distributed] == [[], []], distributed
 
 
 def test_gtp_inspect_refuses_crafted_metadata_without_running_it(tmp_path, capsys):
@@ -357,8 +369,8 @@ def _check_same_run():
     return None
 
 
-def test_ranks_that_resolved_different_run_dirs_stop_before_training():
-    errors = run_distributed(_check_same_run, 2)
+def test_ranks_that_resolved_different_run_dirs_stop_before_training(distributed):
+    errors = [r["same_run"] for r in distributed]
     assert all(e and "resolved different run dirs" in e and "/runs/12-00-01" in e for e in errors), errors
 
 
