@@ -125,7 +125,7 @@ def distributed(tmp_path_factory):
     root = tmp_path_factory.mktemp("agree")
     for it in (10, 11):
         fake_save(root, it)
-    return run_distributed(_distributed_checks, 2, str(root))
+    return run_distributed(_distributed_checks, 2, str(root), timeout=300)
 
 
 def test_every_rank_loads_the_same_iteration_while_the_tracker_moves(distributed):
@@ -297,7 +297,6 @@ def _collectives_under_nccl_rule():
     from recipes.data.datasets import _rank0_first
     from gtp.collectives import collective_device
 
-    bad = []
     originals = {}
 
     def checked(name):
@@ -307,8 +306,8 @@ def _collectives_under_nccl_rule():
         def call(tensor, *args, **kwargs):
             group = kwargs.get("group")
             if tensor.device != collective_device(group):
-                bad.append(f"{name}: tensor on {tensor.device}, group needs {collective_device(group)}")
-                tensor = tensor.to("cpu")
+                raise AssertionError(f"{name}: tensor on {tensor.device}, its group needs "
+                                     f"{collective_device(group)}")
             return real(tensor, *args, **kwargs)
         return call
 
@@ -324,11 +323,11 @@ def _collectives_under_nccl_rule():
         torch.set_default_device("cpu")
         for name, real in originals.items():
             setattr(dist, name, real)
-    return bad
+    return "ok"
 
 
 def test_collectives_use_the_device_their_backend_needs(distributed):
-    assert [r["devices"] for r in distributed] == [[], []], distributed
+    assert [r["devices"] for r in distributed] == ["ok", "ok"], distributed
 
 
 def test_gtp_inspect_refuses_crafted_metadata_without_running_it(tmp_path, capsys):
