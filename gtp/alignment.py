@@ -81,6 +81,14 @@ def apply_pad_for_alignment(pad: int) -> None:
     update_gtp_config(pad_for_alignment=_check_pad(pad))
 
 
+def applied_pad_for_alignment() -> int:
+    """megatron's ``GTP_CONFIG.pad_for_alignment`` as it is now: the one place that reads it
+    back (the value megatron pads GTP weights with when they are built)."""
+    from megatron.core.tensor_parallel.generalized_tensor_parallelism import GTP_CONFIG
+
+    return int(GTP_CONFIG.pad_for_alignment)
+
+
 def check_pad_applied(model, pad: int) -> int:
     """Verify every GTP param of ``model`` (a module or a list of chunks) is padded for ``pad``.
 
@@ -91,14 +99,12 @@ def check_pad_applied(model, pad: int) -> int:
         RuntimeError: megatron's ``GTP_CONFIG.pad_for_alignment`` differs from ``pad``, a param's
             ``pad_length`` / shard size is not what ``pad`` gives, or the model has no GTP param.
     """
-    from megatron.core.tensor_parallel.generalized_tensor_parallelism import (
-        GTP_CONFIG,
-        is_gtp_param,
-    )
+    from megatron.core.tensor_parallel.generalized_tensor_parallelism import is_gtp_param
 
-    if GTP_CONFIG.pad_for_alignment != pad:
+    applied = applied_pad_for_alignment()
+    if applied != pad:
         raise RuntimeError(
-            f"GTP_CONFIG.pad_for_alignment is {GTP_CONFIG.pad_for_alignment}, expected {pad}: "
+            f"GTP_CONFIG.pad_for_alignment is {applied}, expected {pad}: "
             "apply_pad_for_alignment must run after configure_gtp_remat_from_recipe"
         )
     checked = 0

@@ -106,13 +106,15 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
 from gtp.layout import TensorLayout, logical_pieces
+from gtp.records import (  # noqa: F401 - the record names, also read as gtp.checkpoint.*
+    CHECKPOINT_LAYOUTS,
+    GTP_FORMAT_LOGICAL,
+    GTP_FORMAT_STOCK,
+    METADATA_KEY,
+)
 
 logger = logging.getLogger(__name__)
 
-GTP_FORMAT_LOGICAL = "logical-v1"
-GTP_FORMAT_STOCK = "stock-0.19.2"
-METADATA_KEY = "gtp_layout"
-CHECKPOINT_LAYOUTS = ("logical", "stock")
 
 _UTILS = "megatron.core.utils"
 _MLP = "megatron.core.transformer.mlp"
@@ -256,21 +258,22 @@ def tensor_layout_of(param, tp_axis: int, tp_size: int, tp_rank: int, gated: boo
         GTPCheckpointError: the param's shard size / pad_length are not what megatron's
             ``GTP_CONFIG.pad_for_alignment`` gives (the config changed after the model was built).
     """
-    from megatron.core.tensor_parallel.generalized_tensor_parallelism import GTP_CONFIG
+    from gtp.alignment import applied_pad_for_alignment
 
+    pad_for_alignment = applied_pad_for_alignment()
     if param.dim() != 2:
         raise GTPCheckpointError(f"GTP param of shape {tuple(param.shape)}: only 2-D weights")
     group = param.group
     layout = TensorLayout(
         L=int(param._unsharded_shape[0]), tp=tp_size, tp_rank=tp_rank, g=group.size(),
-        gtp_rank=group.rank(), pad_for_alignment=int(GTP_CONFIG.pad_for_alignment),
+        gtp_rank=group.rank(), pad_for_alignment=pad_for_alignment,
         tp_axis=tp_axis, gated=gated, singleton_local_shards=singleton_local_shards,
     )
     if layout.shard_rows != param.shape[0] or layout.pad != param.pad_length:
         raise GTPCheckpointError(
             f"GTP param {getattr(param, '_debug_name', '') or tuple(param.shape)}: shard "
             f"{param.shape[0]} rows with pad {param.pad_length}, but GTP_CONFIG.pad_for_alignment="
-            f"{GTP_CONFIG.pad_for_alignment} gives {layout.shard_rows} rows with pad {layout.pad}"
+            f"{pad_for_alignment} gives {layout.shard_rows} rows with pad {layout.pad}"
         )
     return layout
 
@@ -456,12 +459,6 @@ def configure(checkpoint_layout: str) -> None:
 # --------------------------------------------------------------------------------------------
 # Metadata
 # --------------------------------------------------------------------------------------------
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 def layout_metadata(model, model_sharded_state_dict=None) -> dict:
     """The ``gtp_layout`` record of a checkpoint written from ``model`` (format: module doc).
 
@@ -478,13 +475,13 @@ def layout_metadata(model, model_sharded_state_dict=None) -> dict:
 
     from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.tensor_parallel.generalized_tensor_parallelism import (
-        GTP_CONFIG,
-        is_gtp_param,
-    )
+    from megatron.core.tensor_parallel.generalized_tensor_parallelism import is_gtp_param
     from megatron.core.transformer.mlp import MLP
+    from megatron.core.utils import unwrap_model
 
-    module = _unwrap(model)
+    from gtp.alignment import applied_pad_for_alignment
+
+    module = unwrap_model(model)
     if model_sharded_state_dict is None:
         model_sharded_state_dict = module.sharded_state_dict()
     names = {id(p): n for n, p in module.named_parameters()}
@@ -536,7 +533,7 @@ def layout_metadata(model, model_sharded_state_dict=None) -> dict:
         "gtp_format": GTP_FORMAT_STOCK if (has_gtp and not _INSTALLED) else GTP_FORMAT_LOGICAL,
         "tp": tp,
         "gtp_remat_size": g,
-        "pad_for_alignment": int(GTP_CONFIG.pad_for_alignment) if g > 1 else 0,
+        "pad_for_alignment": applied_pad_for_alignment() if g > 1 else 0,
         "megatron_core": version("megatron-core"),
         "tensors": tensors,
     }

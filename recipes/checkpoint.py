@@ -21,9 +21,8 @@ from pathlib import Path
 
 import torch
 
+from gtp.records import TRACKER
 from recipes import faults
-
-TRACKER = "latest_checkpointed_iteration.txt"
 
 
 class CheckpointError(RuntimeError):
@@ -199,13 +198,10 @@ def _rng_sharded_object():
     return ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
 
 
-def _unwrap(model):
-    """The GPTModel inside megatron's DDP wrapper (its state dict keys have no ``module.``)."""
-    return getattr(model, "module", model)
-
-
 def _sharded_state_dict(model, optimizer, is_loading: bool) -> dict:
-    model_sd = _unwrap(model).sharded_state_dict()
+    from megatron.core.utils import unwrap_model
+
+    model_sd = unwrap_model(model).sharded_state_dict()
     return {
         "model": model_sd,
         "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
@@ -485,6 +481,7 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
+    from megatron.core.utils import unwrap_model
     # torch DCP's CheckpointException derives from BaseException, not Exception.
     from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
 
@@ -521,7 +518,7 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
         detail = str(failure)
         detail = detail if len(detail) <= 2000 else detail[:2000] + " ..."
         raise CheckpointError(f"{path} {what}: {detail}") from failure
-    _unwrap(model).load_state_dict(loaded["model"], strict=True)
+    unwrap_model(model).load_state_dict(loaded["model"], strict=True)
     optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(common["opt_param_scheduler"])
     if same_layout:

@@ -40,14 +40,14 @@ def before_model(cfg, layout) -> None:
 def after_model(model, layout) -> None:
     """Verify the built model's GTP shards carry the resolved alignment, and that the weights
     megatron sharded are exactly those pre-launch validation checked
-    (``recipes.validate.gtp_weight_dims``); rank 0 prints what it verified."""
+    (``recipes.model.gtp_weight_dims``); rank 0 prints what it verified."""
     if layout.gtp_remat_size == 1:
         return
     import torch
     from megatron.core.tensor_parallel.generalized_tensor_parallelism import is_gtp_param
 
     from gtp import alignment
-    from recipes.validate import gtp_weight_dims
+    from recipes.model import gtp_weight_dims
 
     checked = alignment.check_pad_applied(model, layout.pad_for_alignment)
     built = {name: p._unsharded_shape[0] for name, p in model.named_parameters() if is_gtp_param(p)}
@@ -58,7 +58,7 @@ def after_model(model, layout) -> None:
             diff = sorted(set(built.items()) ^ set(expected.items()))
             raise RuntimeError(
                 "GTP-sharded weights (name, TP-local dim 0) differ from what pre-launch validation "
-                f"checked (recipes.validate.gtp_weight_dims): {diff}"
+                f"checked (recipes.model.gtp_weight_dims): {diff}"
             )
     if torch.distributed.get_rank() == 0:
         pad_rows = sum(p.pad_length for p in model.parameters() if is_gtp_param(p))

@@ -7,11 +7,12 @@ Names follow Megatron-LM: ``lm loss``, ``grad-norm``, ``learning-rate``, ``itera
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
+# wandb run modes ``logger.mode`` may take.
+LOGGER_MODES = ("offline", "online", "disabled")
 
 
 def new_run_id() -> str:
@@ -99,8 +100,3 @@ def read_metrics(output_dir: str | os.PathLike) -> tuple[list[dict], list[dict]]
             rec = json.loads(line)
             (events if "event" in rec else rows).append(rec)
     return rows, events
-
-
-def finite(x: float) -> bool:
-    """True for a finite float."""
-    return isinstance(x, (int, float)) and math.isfinite(x)

@@ -7,7 +7,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# ``precision.params_dtype`` values and their torch dtypes.
+PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -41,12 +42,52 @@ def padded_vocab_of_config(cfg, tp: int) -> int:
     return padded_vocab_size(vocab, int(cfg["model"]["make_vocab_size_divisible_by"]), tp)
 
 
+def gtp_weight_dims(cfg, tensor_model_parallel_size: int) -> dict[str, int]:
+    """``{parameter name: TP-local dim 0}`` of every weight megatron shards over the GTP group.
+
+    megatron-core 0.19.2 wraps the ``weight`` of every ``VocabParallelEmbedding``,
+    ``ColumnParallelLinear`` and ``RowParallelLinear`` (``megatron.core.tensor_parallel.layers``,
+    its ``wrap_module_params_gtp`` calls); never biases, norms or the position embedding. GTP slices the
+    TP-local dim 0:
+
+    - ``embedding.word_embeddings`` / ``output_layer`` (vocab rows): padded vocab / tp; the output
+      layer has no weight of its own when embeddings and output weights are shared;
+    - ``linear_qkv`` (column-parallel): (heads + 2 * query groups) * kv_channels / tp = 3 * hidden / tp;
+    - ``linear_fc1`` (column-parallel): ffn / tp, twice that with SwiGLU (gate and up rows);
+    - ``linear_proj``, ``linear_fc2`` (row-parallel, TP splits dim 1): hidden, whatever the TP.
+
+    Names are those of ``GPTModel.named_parameters()`` (``recipes.gtp_setup.after_model`` checks
+    the built model against this table). The vocab rows are left out when the tokenizer cannot be
+    built from the config (other checks report that).
+    """
+    m, tp = cfg.model, tensor_model_parallel_size
+    dims: dict[str, int] = {}
+    try:
+        from recipes.data import build_tokenizer
+
+        vocab = padded_vocab_size(build_tokenizer(cfg.data).vocab_size,
+                                  m.make_vocab_size_divisible_by, tp) // tp
+    except ValueError:
+        vocab = None
+    if vocab is not None:
+        dims["embedding.word_embeddings.weight"] = vocab
+    for i in range(m.num_layers):
+        layer = f"decoder.layers.{i}"
+        dims[f"{layer}.self_attention.linear_qkv.weight"] = 3 * m.hidden_size // tp
+        dims[f"{layer}.self_attention.linear_proj.weight"] = m.hidden_size
+        dims[f"{layer}.mlp.linear_fc1.weight"] = (2 if m.swiglu else 1) * m.ffn_hidden_size // tp
+        dims[f"{layer}.mlp.linear_fc2.weight"] = m.hidden_size
+    if vocab is not None and not m.share_embeddings_and_output_weights:
+        dims["output_layer.weight"] = vocab
+    return dims
+
+
 def transformer_config(cfg, layout):
     """megatron ``TransformerConfig`` for ``cfg.model`` at ``layout`` (a ``recipes.validate.Layout``)."""
     from megatron.core.transformer import TransformerConfig
 
     m = cfg.model
-    dtype = _DTYPES[cfg.precision.params_dtype]
+    dtype = PARAMS_DTYPES[cfg.precision.params_dtype]
     ffn = m.ffn_hidden_size
     kwargs = dict(
         num_layers=m.num_layers,

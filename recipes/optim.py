@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# lr decay styles of megatron's OptimizerParamScheduler that ``optim.lr_decay_style`` may take.
+LR_DECAY_STYLES = ("cosine", "linear", "constant")
+
 
 def build_optimizer(cfg, ddp_model):
     """Adam through megatron's ``get_megatron_optimizer`` (non-distributed, fp32 grads).

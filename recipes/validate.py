@@ -43,12 +43,6 @@ class Layout:
         )
 
 
-_DTYPES = ("fp32", "bf16")
-_SOURCES = ("pydoc", "text", "indexed", "mock")
-_DECAY = ("cosine", "linear", "constant")
-_LOGGER_MODES = ("offline", "online", "disabled")
-
-
 def world_size_from_env(cfg) -> int:
     """World size: ``WORLD_SIZE`` when launched by torchrun/Slurm, else ``parallelism.nproc_per_node``."""
     if "WORLD_SIZE" in os.environ:
@@ -120,6 +114,12 @@ def validate(cfg, world_size: int) -> Layout:
     Raises:
         ConfigError: the first problem found, naming the key, its value and what is valid.
     """
+    from gtp.records import CHECKPOINT_LAYOUTS
+    from recipes.data import SOURCES
+    from recipes.metrics import LOGGER_MODES
+    from recipes.model import PARAMS_DTYPES
+    from recipes.optim import LR_DECAY_STYLES
+
     layout = resolve_layout(cfg, world_size)
     m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
     tp = layout.tensor_model_parallel_size
@@ -133,10 +133,11 @@ def validate(cfg, world_size: int) -> Layout:
         if value % div != 0:
             raise ConfigError(f"{name}={value} must be divisible by {div} (tensor_model_parallel_size={tp})"
                               if div == tp else f"{name}={value} must be divisible by model.num_attention_heads={div}")
-    if cfg.precision.params_dtype not in _DTYPES:
-        raise ConfigError(f"precision.params_dtype={cfg.precision.params_dtype!r}: valid are {_DTYPES}")
-    if d.source not in _SOURCES:
-        raise ConfigError(f"data.source={d.source!r}: valid are {_SOURCES}")
+    if cfg.precision.params_dtype not in PARAMS_DTYPES:
+        raise ConfigError(f"precision.params_dtype={cfg.precision.params_dtype!r}: valid are "
+                          f"{tuple(PARAMS_DTYPES)}")
+    if d.source not in SOURCES:
+        raise ConfigError(f"data.source={d.source!r}: valid are {SOURCES}")
     _positive("data.micro_batch_size", d.micro_batch_size)
     _positive("data.global_batch_size", d.global_batch_size)
     # Batches are split over the full data group, dp x gtp_remat_size: GTP peers read different
@@ -156,8 +157,8 @@ def validate(cfg, world_size: int) -> Layout:
         _check_gtp_dims(cfg, layout)
     if o.optimizer != "adam":
         raise ConfigError(f"optim.optimizer={o.optimizer!r}: valid is 'adam'")
-    if o.lr_decay_style not in _DECAY:
-        raise ConfigError(f"optim.lr_decay_style={o.lr_decay_style!r}: valid are {_DECAY}")
+    if o.lr_decay_style not in LR_DECAY_STYLES:
+        raise ConfigError(f"optim.lr_decay_style={o.lr_decay_style!r}: valid are {LR_DECAY_STYLES}")
     if not (0 <= o.min_lr <= o.lr):
         raise ConfigError(f"optim.min_lr={o.min_lr} must lie in [0, optim.lr={o.lr}]")
     _positive("train.train_iters", t.train_iters)
@@ -170,11 +171,11 @@ def validate(cfg, world_size: int) -> Layout:
             f"optim.lr_warmup_iters={o.lr_warmup_iters} must lie in [0, {decay}) "
             f"(optim.lr_decay_iters, default train.train_iters={t.train_iters})"
         )
-    if cfg.gtp.get("checkpoint_layout", "logical") not in ("logical", "stock"):
+    if cfg.gtp.get("checkpoint_layout", "logical") not in CHECKPOINT_LAYOUTS:
         raise ConfigError(f"gtp.checkpoint_layout={cfg.gtp.checkpoint_layout!r}: valid are "
-                          f"('logical', 'stock')")
-    if cfg.logger.mode not in _LOGGER_MODES:
-        raise ConfigError(f"logger.mode={cfg.logger.mode!r}: valid are {_LOGGER_MODES}")
+                          f"{CHECKPOINT_LAYOUTS}")
+    if cfg.logger.mode not in LOGGER_MODES:
+        raise ConfigError(f"logger.mode={cfg.logger.mode!r}: valid are {LOGGER_MODES}")
     ck = cfg.checkpoint
     if ck.save_interval < 0:
         raise ConfigError(f"checkpoint.save_interval={ck.save_interval} must be >= 0 (0: never)")
@@ -199,52 +200,13 @@ def _check_data_files(d) -> None:
         raise ConfigError(str(exc)) from None
 
 
-def gtp_weight_dims(cfg, tensor_model_parallel_size: int) -> dict[str, int]:
-    """``{parameter name: TP-local dim 0}`` of every weight megatron shards over the GTP group.
-
-    megatron-core 0.19.2 wraps the ``weight`` of every ``VocabParallelEmbedding``,
-    ``ColumnParallelLinear`` and ``RowParallelLinear`` (``tensor_parallel/layers.py``,
-    ``wrap_module_params_gtp``); never biases, norms or the position embedding. GTP slices the
-    TP-local dim 0:
-
-    - ``embedding.word_embeddings`` / ``output_layer`` (vocab rows): padded vocab / tp; the output
-      layer has no weight of its own when embeddings and output weights are shared;
-    - ``linear_qkv`` (column-parallel): (heads + 2 * query groups) * kv_channels / tp = 3 * hidden / tp;
-    - ``linear_fc1`` (column-parallel): ffn / tp, twice that with SwiGLU (gate and up rows);
-    - ``linear_proj``, ``linear_fc2`` (row-parallel, TP splits dim 1): hidden, whatever the TP.
-
-    Names are those of ``GPTModel.named_parameters()`` (``recipes.gtp_setup.after_model`` checks
-    the built model against this table). The vocab rows are left out when the tokenizer cannot be
-    built from the config (other checks report that).
-    """
-    m, tp = cfg.model, tensor_model_parallel_size
-    dims: dict[str, int] = {}
-    try:
-        from recipes.data import build_tokenizer
-        from recipes.model import padded_vocab_size
-
-        vocab = padded_vocab_size(build_tokenizer(cfg.data).vocab_size,
-                                  m.make_vocab_size_divisible_by, tp) // tp
-    except ValueError:
-        vocab = None
-    if vocab is not None:
-        dims["embedding.word_embeddings.weight"] = vocab
-    for i in range(m.num_layers):
-        layer = f"decoder.layers.{i}"
-        dims[f"{layer}.self_attention.linear_qkv.weight"] = 3 * m.hidden_size // tp
-        dims[f"{layer}.self_attention.linear_proj.weight"] = m.hidden_size
-        dims[f"{layer}.mlp.linear_fc1.weight"] = (2 if m.swiglu else 1) * m.ffn_hidden_size // tp
-        dims[f"{layer}.mlp.linear_fc2.weight"] = m.hidden_size
-    if vocab is not None and not m.share_embeddings_and_output_weights:
-        dims["output_layer.weight"] = vocab
-    return dims
-
-
 def _check_gtp_dims(cfg, layout: Layout) -> None:
     """Every GTP-sharded TP-local dim 0 must shard over gtp_remat_size (pad 0 needs divisibility)."""
     from gtp.alignment import validate_gtp_dims
 
     g, pad = layout.gtp_remat_size, layout.pad_for_alignment
+    from recipes.model import gtp_weight_dims
+
     dims = gtp_weight_dims(cfg, layout.tensor_model_parallel_size)
     try:
         validate_gtp_dims(dims.values(), g, pad)

@@ -51,3 +51,18 @@ def test_importing_a_package_loads_nothing_above_it(package):
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_no_module_imports_another_modules_private_name():
+    """A leading underscore means private to the defining module: no ``from x import _name``
+    between the modules of gtp/, recipes/ and mcore_compat/."""
+    found = []
+    for package in ("mcore_compat", "gtp", "recipes"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                        and node.module.split(".")[0] in FORBIDDEN.keys() | {"recipes"}:
+                    found += [f"{path.relative_to(ROOT)}: {node.module}.{a.name}"
+                              for a in node.names if a.name.startswith("_")
+                              and not a.name.startswith("__")]
+    assert found == []

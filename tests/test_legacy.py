@@ -384,7 +384,7 @@ def test_read_logical_equals_the_golden(built, model):
     analysis, tensors = legacy.read_logical(built["root"] / model / "legacy")
     checked = 0
     for key, t in tensors.items():
-        prefix, mkey = legacy._split_key(key)
+        prefix, mkey = legacy.split_key(key)
         if mkey.startswith("decoder.layers."):
             sub = mkey[len("decoder.layers."):]
             name_sub = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",

@@ -17,10 +17,14 @@ Entry points:
 * :func:`prepare_load` - the hook of ``recipes.checkpoint.load_checkpoint``: converts a legacy
   checkpoint once into ``<root>/gtp_converted/`` and returns the directory to load.
 
-Modules: ``format`` (format tag, error), ``specs`` (layout keys, tensor specs, key and dim
-helpers), ``rowmaps`` (logical row -> stored row), ``messages`` (error message pieces),
+Import from ``gtp.legacy`` only: the names above (and the record names ``CONVERTED_KEY``,
+``FORMAT_STOCK``, ``METADATA_KEY``, and :func:`split_key`) are the package's surface. Its modules
+are the implementation: ``format`` (format tag, error), ``specs`` (layout keys, tensor specs, key
+and dim helpers), ``rowmaps`` (logical row -> stored row), ``messages`` (error message pieces),
 ``analysis`` and ``stock_layout`` (:func:`analyze`), ``reading`` (:func:`read_logical`),
-``conversion`` (:func:`convert`), ``loading`` (:func:`prepare_load`).
+``conversion`` (:func:`convert`), ``loading`` (:func:`prepare_load`). A name with a leading
+underscore is used only in the module that defines it (tests/test_import_graph.py checks this).
+``docs/legacy-conversion.md`` explains the reader.
 """
 
 from gtp.legacy.analysis import analyze, is_legacy, resolve_iter_dir
@@ -33,8 +37,8 @@ from gtp.legacy.specs import (
     Analysis,
     SavedLayout,
     TensorInfo,
-    _split_key,
     parse_layout,
+    split_key,
 )
 
 __all__ = [
@@ -54,4 +58,4 @@ __all__ = [
     "resolve_iter_dir",
 ]
 # Also re-exported (used by gtp.cli and the tests): CONVERTED_KEY, FORMAT_STOCK, METADATA_KEY,
-# _split_key.
+# split_key.

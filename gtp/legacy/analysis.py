@@ -22,23 +22,23 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from gtp.legacy.format import METADATA_KEY, TRACKER, LegacyCheckpointError, checkpoint_format
-from gtp.legacy.messages import _LAYOUT_HELP
+from gtp.legacy.messages import LAYOUT_HELP
 from gtp.legacy.specs import (
-    _PLAIN,
+    PLAIN,
     Analysis,
     SavedLayout,
     TensorInfo,
     TensorSpec,
-    _Checkpoint,
-    _config_layout,
-    _dims_problems,
-    _infer_dims,
-    _kind,
-    _split_key,
-    _strip_suffix,
+    StoredCheckpoint,
+    config_layout,
+    dims_problems,
+    infer_dims,
+    gtp_kind,
+    split_key,
+    strip_suffix,
     parse_layout,
 )
-from gtp.legacy.stock_layout import _analyze_stock
+from gtp.legacy.stock_layout import analyze_stock
 
 
 def resolve_iter_dir(path) -> Path:
@@ -96,7 +96,7 @@ def analyze(ckpt, layout=None, common: Optional[Mapping] = None) -> Analysis:
     ck = _read_checkpoint(ckpt, layout, common)
     if ck.format == "logical":
         return _analyze_logical(ck)
-    return _analyze_stock(ck)
+    return analyze_stock(ck)
 
 
 def is_legacy(ckpt, layout=None) -> bool:
@@ -107,7 +107,7 @@ def is_legacy(ckpt, layout=None) -> bool:
 # --------------------------------------------------------------------------------------------
 # What the checkpoint records
 # --------------------------------------------------------------------------------------------
-def _read_checkpoint(ckpt, layout, common: Optional[Mapping]) -> _Checkpoint:
+def _read_checkpoint(ckpt, layout, common: Optional[Mapping]) -> StoredCheckpoint:
     """Common state, stored shapes, layout items by source, model dims and GTP weights.
 
     Raises:
@@ -125,16 +125,16 @@ def _read_checkpoint(ckpt, layout, common: Optional[Mapping]) -> _Checkpoint:
     meta = common.get(METADATA_KEY) or {}
 
     items, sources = _layout_items(common, user, meta)
-    inferred = _infer_dims(shapes)
-    problems = _dims_problems(items, inferred, "recorded" if not user else "given")
+    inferred = infer_dims(shapes)
+    problems = dims_problems(items, inferred, "recorded" if not user else "given")
     if problems:
         raise LegacyCheckpointError(
             f"{path}: the layout does not match the stored tensors: {'; '.join(problems)}; "
-            + _LAYOUT_HELP)
+            + LAYOUT_HELP)
     dims = {**inferred, **items}
     source = " + ".join(sources) if sources else "nothing recorded"
     gtp_bases, unknown = _gtp_weights(shapes, meta.get("tensors") or {})
-    return _Checkpoint(path, common, fmt, shapes, meta, items, source, dims, gtp_bases, unknown)
+    return StoredCheckpoint(path, common, fmt, shapes, meta, items, source, dims, gtp_bases, unknown)
 
 
 def _layout_items(common: dict, user: dict, meta: Mapping) -> tuple[dict, list]:
@@ -150,7 +150,7 @@ def _layout_items(common: dict, user: dict, meta: Mapping) -> tuple[dict, list]:
             if meta.get(src_key) is not None:
                 items.setdefault(k, int(meta[src_key]))
         sources.append(f"{METADATA_KEY} record")
-    cfg_items, cfg_src = _config_layout(common)
+    cfg_items, cfg_src = config_layout(common)
     if cfg_items:
         for k, v in cfg_items.items():
             items.setdefault(k, v)
@@ -161,14 +161,14 @@ def _layout_items(common: dict, user: dict, meta: Mapping) -> tuple[dict, list]:
 def _gtp_weights(shapes: Mapping[str, tuple], meta_tensors: Mapping) -> tuple[dict, list]:
     """GTP keys (model keys; optimizer keys follow their model key): ``{base key: {suffix:
     stored shape}}``, and the model keys not known to be GTP-sharded or not."""
-    model_keys = sorted(k for k in shapes if not _split_key(k)[0])
+    model_keys = sorted(k for k in shapes if not split_key(k)[0])
     gtp_bases: dict[str, dict] = {}  # base key -> {suffix: stored shape}
     unknown = []
     for key in model_keys:
-        base, suffix = _strip_suffix(key)
-        if base in meta_tensors or _kind(key):
+        base, suffix = strip_suffix(key)
+        if base in meta_tensors or gtp_kind(key):
             gtp_bases.setdefault(base, {})[suffix] = shapes[key]
-        elif not _PLAIN.search(key):
+        elif not PLAIN.search(key):
             unknown.append(key)
     return gtp_bases, unknown
 
@@ -176,7 +176,7 @@ def _gtp_weights(shapes: Mapping[str, tuple], meta_tensors: Mapping) -> tuple[di
 # --------------------------------------------------------------------------------------------
 # Logical checkpoints
 # --------------------------------------------------------------------------------------------
-def _analyze_logical(ck: _Checkpoint) -> Analysis:
+def _analyze_logical(ck: StoredCheckpoint) -> Analysis:
     """A logical checkpoint: every tensor as stored, GTP weights tagged with their recorded spec."""
     items, shapes = ck.items, ck.shapes
     lay = None
@@ -190,6 +190,6 @@ def _analyze_logical(ck: _Checkpoint) -> Analysis:
             spec = TensorSpec(base, rec["L"], rec["tp_axis"], rec.get("gated", False),
                               rec.get("singleton_local_shards", False)) if rec else None
             for k in shapes:
-                if _split_key(k)[1] == base + suffix:
+                if split_key(k)[1] == base + suffix:
                     infos[k].gtp, infos[k].base = spec, base
     return Analysis(ck.path, ck.common, ck.format, lay, ck.source, False, infos, [])

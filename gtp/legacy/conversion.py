@@ -8,15 +8,15 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from gtp.legacy.format import FORMAT_LOGICAL, METADATA_KEY, TRACKER, LegacyCheckpointError
-from gtp.legacy.reading import _ensure_dist, read_logical
-from gtp.legacy.specs import Analysis, SavedLayout, _get
+from gtp.legacy.reading import ensure_dist, read_logical
+from gtp.legacy.specs import Analysis, SavedLayout, get_path
 
 # Common-state key of a converted checkpoint: where it came from.
 CONVERTED_KEY = "gtp_converted_from"
 CONVERTER_VERSION = 1
 
 
-def _fingerprint(path: Path) -> dict:
+def fingerprint(path: Path) -> dict:
     st = (path / ".metadata").stat()
     return {"source": str(path.resolve()), "metadata_size": st.st_size,
             "metadata_mtime_ns": st.st_mtime_ns}
@@ -28,7 +28,7 @@ def _converted_common(analysis: Analysis) -> dict:
 
     common = copy.deepcopy(analysis.common)
     lay = analysis.layout or SavedLayout(
-        int(_get(common, "layout", "tensor_model_parallel_size") or 1), 1, 0)
+        int(get_path(common, "layout", "tensor_model_parallel_size") or 1), 1, 0)
     orig_layout = common.get("layout")
     if isinstance(orig_layout, dict):
         new = dict(orig_layout)
@@ -50,12 +50,12 @@ def _converted_common(analysis: Analysis) -> dict:
         "layout": orig_layout,
         METADATA_KEY: analysis.common.get(METADATA_KEY),
         "legacy_keys": sorted(k for k, i in analysis.tensors.items() if i.legacy),
-        **_fingerprint(analysis.path),
+        **fingerprint(analysis.path),
     }
     return common
 
 
-def _broadcast(obj):
+def broadcast_object(obj):
     import torch
 
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
@@ -158,7 +158,7 @@ def convert(src, dst_root, layout=None) -> Path:
     # Without CUDA, megatron's checkpoint writer needs the CPU shims (a no-op with CUDA or when
     # a training process installed them already).
     cpu_compat.install()
-    cleanup = _ensure_dist()
+    cleanup = ensure_dist()
     try:
         rank = torch.distributed.get_rank()
         status, tensors, objects = None, None, ()
@@ -172,7 +172,7 @@ def convert(src, dst_root, layout=None) -> Path:
                 status = ("error", str(exc), 0)
             except Exception as exc:  # noqa: BLE001 - the other ranks must not wait forever
                 status = ("error", f"cannot read {src}: {type(exc).__name__}: {exc}", 0)
-        status = _broadcast(status)
+        status = broadcast_object(status)
         if status[0] == "error":
             raise LegacyCheckpointError(status[1])
         common, iteration = status[1], status[2]

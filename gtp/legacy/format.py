@@ -8,13 +8,9 @@ from __future__ import annotations
 
 from typing import Mapping
 
-# gtp/checkpoint.py's common-state key and format tags (one source of truth).
-from gtp.checkpoint import GTP_FORMAT_LOGICAL as FORMAT_LOGICAL
-from gtp.checkpoint import GTP_FORMAT_STOCK as FORMAT_STOCK
-from gtp.checkpoint import METADATA_KEY
-
-# megatron's tracker file in a checkpoint root: the latest iteration.
-TRACKER = "latest_checkpointed_iteration.txt"
+from gtp.records import GTP_FORMAT_LOGICAL as FORMAT_LOGICAL
+from gtp.records import GTP_FORMAT_STOCK as FORMAT_STOCK
+from gtp.records import METADATA_KEY, TRACKER
 
 
 class LegacyCheckpointError(ValueError):

@@ -13,12 +13,12 @@ from gtp.legacy.analysis import analyze
 from gtp.legacy.conversion import (
     CONVERTED_KEY,
     CONVERTER_VERSION,
-    _broadcast,
-    _fingerprint,
+    broadcast_object,
+    fingerprint,
     convert,
 )
 from gtp.legacy.format import METADATA_KEY, TRACKER, LegacyCheckpointError, checkpoint_format
-from gtp.legacy.specs import _get
+from gtp.legacy.specs import get_path
 
 # Cache folder (under the checkpoint root) that prepare_load converts legacy checkpoints into.
 CONVERTED_DIR = "gtp_converted"
@@ -33,7 +33,7 @@ def _cached(cache_iter: Path, src_iter: Path) -> bool:
         rec = dist_checkpointing.load_common_state_dict(str(cache_iter)).get(CONVERTED_KEY) or {}
     except Exception:  # noqa: BLE001 - a torn cache entry is rebuilt
         return False
-    fp = _fingerprint(src_iter)
+    fp = fingerprint(src_iter)
     return all(rec.get(k) == v for k, v in fp.items()) and \
         rec.get("converted_by") == f"gtp.legacy v{CONVERTER_VERSION}"
 
@@ -60,7 +60,7 @@ def prepare_load(path, common: Mapping, layout_record: Optional[Mapping] = None,
     path = Path(path)
     if checkpoint_format(common) == "logical":
         return path, False
-    layout_g = _get(common, "layout", "gtp_remat_size") or _get(common, METADATA_KEY, "gtp_remat_size")
+    layout_g = get_path(common, "layout", "gtp_remat_size") or get_path(common, METADATA_KEY, "gtp_remat_size")
     if not layout_g or int(layout_g) <= 1:
         return path, False
     if stock_writer and layout_record is not None and common.get("layout") == dict(layout_record):
@@ -90,7 +90,7 @@ def prepare_load(path, common: Mapping, layout_record: Optional[Mapping] = None,
             decision = ("error", str(exc))
         except Exception as exc:  # noqa: BLE001 - the other ranks must not wait forever
             decision = ("error", f"cannot read {path}: {type(exc).__name__}: {exc}")
-    kind, where = _broadcast(decision)
+    kind, where = broadcast_object(decision)
     if kind == "error":
         raise LegacyCheckpointError(where)
     if kind == "as_is":

@@ -6,10 +6,10 @@ from __future__ import annotations
 import itertools
 from typing import Mapping
 
-from gtp.legacy.rowmaps import _candidate_Ls, _expected_stored_rows
-from gtp.legacy.specs import _GRID_A, _GRID_G, _GRID_TP, SavedLayout, TensorSpec, _spec_for
+from gtp.legacy.rowmaps import candidate_Ls, expected_stored_rows
+from gtp.legacy.specs import GRID_A, GRID_G, GRID_TP, SavedLayout, TensorSpec, spec_for
 
-_LAYOUT_HELP = (
+LAYOUT_HELP = (
     "to read it, pass the layout that wrote it: `python -m gtp <inspect|compare|convert> CKPT "
     "--layout tp=T,gtp=G,pad=A[,hidden_size=..,ffn_hidden_size=..,swiglu=true|false,"
     "padded_vocab_size=..]` (compare: --layout-a/--layout-b), or in Python "
@@ -18,36 +18,36 @@ _LAYOUT_HELP = (
 )
 
 
-def _layout_text(lay: SavedLayout) -> str:
+def layout_text(lay: SavedLayout) -> str:
     return f"tp={lay.tp},gtp={lay.g},pad={lay.pad_for_alignment}"
 
 
-def _explaining_layouts(spec: TensorSpec, dims: Mapping, stored: Mapping[str, int],
+def explaining_layouts(spec: TensorSpec, dims: Mapping, stored: Mapping[str, int],
                         kind: str, limit: int = 8) -> str:
     """Grid layouts under which this tensor's stored rows come out."""
     found = []
-    for tp, g, a in itertools.product(_GRID_TP, _GRID_G, _GRID_A):
+    for tp, g, a in itertools.product(GRID_TP, GRID_G, GRID_A):
         if g == 1 and a:
             continue
         lay = SavedLayout(tp, g, a)
-        s = _spec_for(spec.key, kind, dims, tp, spec.singleton_local_shards)
+        s = spec_for(spec.key, kind, dims, tp, spec.singleton_local_shards)
         try:
             if s.L is not None:
-                ok = _expected_stored_rows(s, lay, s.L) == dict(stored)
+                ok = expected_stored_rows(s, lay, s.L) == dict(stored)
             else:
-                ok = bool(_candidate_Ls(s, lay, stored))
+                ok = bool(candidate_Ls(s, lay, stored))
         except ValueError:
             ok = False
         if ok:
-            found.append(_layout_text(lay))
+            found.append(layout_text(lay))
     if len(found) > limit:
         return ", ".join(found[:limit]) + f" ... ({len(found) - limit} more)"
     return ", ".join(found)
 
 
-def _safe_expected(spec, lay):
+def safe_expected(spec, lay):
     try:
-        return _fmt_rows(_expected_stored_rows(spec, lay, spec.L))
+        return _fmt_rows(expected_stored_rows(spec, lay, spec.L))
     except ValueError as exc:
         return f"nothing (this layout cannot hold it: {exc})"
 
@@ -64,17 +64,17 @@ def _fmt_shapes(shapes: Mapping[str, tuple]) -> str:
     return ", ".join(f"{k} {tuple(v)}" for k, v in shapes.items())
 
 
-def _fmt_dims(dims: Mapping) -> str:
+def fmt_dims(dims: Mapping) -> str:
     keys = ("hidden_size", "ffn_hidden_size", "swiglu", "qkv_rows", "padded_vocab_size")
     return ", ".join(f"{k}={dims[k]}" for k in keys if k in dims) or "unknown"
 
 
-def _fmt_stored(base: str, sub: Mapping[str, tuple]) -> str:
+def fmt_stored(base: str, sub: Mapping[str, tuple]) -> str:
     """The stored shape(s) of a GTP weight's key group (``sub``: {suffix: stored shape})."""
     return _fmt_shapes({base + s: v for s, v in sub.items()})
 
 
-def _missing_dims(kind) -> str:
+def missing_dims(kind) -> str:
     """The model dims that fix the logical size of a GTP weight of this kind."""
     return ("padded_vocab_size" if kind == "vocab" else
             "hidden_size" if kind in ("proj", "fc2") else

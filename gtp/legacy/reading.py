@@ -11,10 +11,10 @@ from typing import Any, Mapping, Optional
 
 from gtp.legacy.analysis import analyze
 from gtp.legacy.format import LegacyCheckpointError
-from gtp.legacy.specs import Analysis, TensorInfo, _split_key, _strip_suffix
+from gtp.legacy.specs import Analysis, TensorInfo, split_key, strip_suffix
 
 
-def _ensure_dist():
+def ensure_dist():
     """Init a 1-process gloo group when none exists; returns a cleanup callable."""
     import torch
 
@@ -29,7 +29,7 @@ def _reconstruct(info: TensorInfo, stored: Mapping[str, Any]):
     """The logical tensor of one stored key from the stored tensors of its base key group."""
     import torch
 
-    out_suffix = _strip_suffix(_split_key(info.key)[1])[1]
+    out_suffix = strip_suffix(split_key(info.key)[1])[1]
     rows = info.rowmap[out_suffix]
     order = sorted({s for s, _ in rows})
     base_off, parts, off = {}, [], 0
@@ -57,7 +57,7 @@ def read_logical(ckpt, layout=None, analysis: Optional[Analysis] = None):
     from megatron.core import dist_checkpointing
 
     analysis = analysis or analyze(ckpt, layout)
-    cleanup = _ensure_dist()
+    cleanup = ensure_dist()
     try:
         stored = dist_checkpointing.load_plain_tensors(str(analysis.path))
     finally:
@@ -67,7 +67,7 @@ def read_logical(ckpt, layout=None, analysis: Optional[Analysis] = None):
         if not info.legacy:
             out[key] = stored[key]
             continue
-        prefix, model_key = _split_key(key)
+        prefix, model_key = split_key(key)
         group = {}
         for suf in ("", "_w", "_v"):
             k = prefix + info.base + suf

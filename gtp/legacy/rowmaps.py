@@ -18,7 +18,7 @@ from gtp.layout import TensorLayout, logical_pieces, stock_0192_offsets
 from gtp.legacy.specs import SavedLayout, TensorSpec
 
 
-def _row_map(spec: TensorSpec, lay: SavedLayout, L: Optional[int] = None):
+def row_map(spec: TensorSpec, lay: SavedLayout, L: Optional[int] = None):
     """``({out_suffix: [(src_suffix, src_row) per logical row]}, {src_suffix: stored rows})``.
 
     Raises:
@@ -53,7 +53,7 @@ def _row_map(spec: TensorSpec, lay: SavedLayout, L: Optional[int] = None):
     return out, stored_rows
 
 
-def _expected_stored_rows(spec: TensorSpec, lay: SavedLayout, L: int) -> dict:
+def expected_stored_rows(spec: TensorSpec, lay: SavedLayout, L: int) -> dict:
     """{suffix: stored dim 0} of this GTP weight under ``lay`` (stock 0.19.2; g=1: logical).
 
     Raises:
@@ -65,7 +65,7 @@ def _expected_stored_rows(spec: TensorSpec, lay: SavedLayout, L: int) -> dict:
     return {p.key_suffix: p.global_size for p in stock_0192_offsets(tl)}
 
 
-def _candidate_Ls(spec: TensorSpec, lay: SavedLayout, stored: Mapping[str, int]) -> list[int]:
+def candidate_Ls(spec: TensorSpec, lay: SavedLayout, stored: Mapping[str, int]) -> list[int]:
     """Every L that gives the stored dim 0 under ``lay`` (for a weight of unknown size)."""
     total = max(stored.values())
     if spec.tp_axis == 1:
@@ -79,14 +79,14 @@ def _candidate_Ls(spec: TensorSpec, lay: SavedLayout, stored: Mapping[str, int])
         if spec.gated and L % 2:
             continue
         try:
-            if _expected_stored_rows(spec, lay, L) == dict(stored):
+            if expected_stored_rows(spec, lay, L) == dict(stored):
                 found.append(L)
         except ValueError:
             continue
     return found
 
 
-def _is_identity(rowmap) -> bool:
+def is_identity(rowmap) -> bool:
     for suffix, rows in rowmap.items():
         if any(src != (suffix, i) for i, src in enumerate(rows)):
             return False

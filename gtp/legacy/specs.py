@@ -1,8 +1,8 @@
 """The vocabulary of the legacy reader: layout keys, tensor specs, the analysis result, and the
 helpers that classify checkpoint keys and derive model dims.
 
-A user layout (:func:`parse_layout`) and the gtp-recipes records (:func:`_config_layout`) give
-the saving layout and model dims; :func:`_spec_for` turns them into a GTP weight's
+A user layout (:func:`parse_layout`) and the gtp-recipes records (:func:`config_layout`) give
+the saving layout and model dims; :func:`spec_for` turns them into a GTP weight's
 :class:`TensorSpec`.
 """
 
@@ -28,9 +28,9 @@ _ALIASES = {"tp": "tensor_model_parallel_size", "gtp": "gtp_remat_size", "g": "g
             "pad": "pad_for_alignment", "a": "pad_for_alignment", "vocab": "padded_vocab_size"}
 
 # Grid searched when the checkpoint records no layout.
-_GRID_TP = (1, 2, 4, 8, 16)
-_GRID_G = (1, 2, 4, 8)
-_GRID_A = (0, 1, 2, 4, 8, 16, 32, 64, 128)
+GRID_TP = (1, 2, 4, 8, 16)
+GRID_G = (1, 2, 4, 8)
+GRID_A = (0, 1, 2, 4, 8, 16, 32, 64, 128)
 
 _OPT_PREFIX = re.compile(r"^(optimizer\.state\.[^.]+\.)(.+)$")
 # GTP-sharded weights of megatron's GPT model (local spec): kind per key pattern.
@@ -44,7 +44,7 @@ _GTP_PATTERNS = (
 )
 # Tensors GTP never shards (megatron wraps only Column/RowParallelLinear and
 # VocabParallelEmbedding weights).
-_PLAIN = re.compile(r"(\.bias|norm_weight|norm_bias|norm\.weight|position_embeddings\.weight)$")
+PLAIN = re.compile(r"(\.bias|norm_weight|norm_bias|norm\.weight|position_embeddings\.weight)$")
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class Analysis:
 
 
 @dataclass
-class _Checkpoint:
+class StoredCheckpoint:
     """What :func:`gtp.legacy.analyze` knows of a checkpoint before resolving its saving layout."""
 
     path: Path
@@ -183,7 +183,7 @@ def parse_layout(text_or_mapping) -> dict:
     return out
 
 
-def _get(d, *path):
+def get_path(d, *path):
     for p in path:
         if not isinstance(d, Mapping) or p not in d:
             return None
@@ -212,7 +212,7 @@ def _vocab_from_config(cfg: Mapping, tp: int) -> Optional[int]:
     return None
 
 
-def _config_layout(common: Mapping) -> tuple[dict, str]:
+def config_layout(common: Mapping) -> tuple[dict, str]:
     """Layout items recorded by gtp-recipes (``layout`` record, run config)."""
     out, src = {}, []
     rec = common.get("layout")
@@ -222,7 +222,7 @@ def _config_layout(common: Mapping) -> tuple[dict, str]:
                 out[k] = int(rec[k])
         if out:
             src.append("layout record")
-    cfg = _get(common, "train_state", "config")
+    cfg = get_path(common, "train_state", "config")
     if isinstance(cfg, Mapping):
         m = cfg.get("model") or {}
         for k in ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -252,32 +252,32 @@ def _config_layout(common: Mapping) -> tuple[dict, str]:
     return out, " + ".join(src)
 
 
-def _kind(key: str) -> Optional[str]:
+def gtp_kind(key: str) -> Optional[str]:
     for pattern, kind in _GTP_PATTERNS:
         if pattern.search(key):
             return kind
     return None
 
 
-def _split_key(key: str) -> tuple[str, str]:
+def split_key(key: str) -> tuple[str, str]:
     """(optimizer prefix or "", model key)."""
     m = _OPT_PREFIX.match(key)
     return (m.group(1), m.group(2)) if m else ("", key)
 
 
-def _strip_suffix(model_key: str) -> tuple[str, str]:
+def strip_suffix(model_key: str) -> tuple[str, str]:
     for suf in ("_w", "_v"):
         if model_key.endswith(".weight" + suf):
             return model_key[: -len(suf)], suf
     return model_key, ""
 
 
-def _infer_dims(shapes: Mapping[str, tuple]) -> dict:
+def infer_dims(shapes: Mapping[str, tuple]) -> dict:
     """Model dims implied by tensors GTP never pads (biases, norms, in_features)."""
     out: dict = {}
-    model = {k: v for k, v in shapes.items() if not _split_key(k)[0]}
+    model = {k: v for k, v in shapes.items() if not split_key(k)[0]}
     for key, shape in model.items():
-        kind = _kind(key)
+        kind = gtp_kind(key)
         if kind == "qkv" and len(shape) >= 2:
             out.setdefault("hidden_size", shape[-1])
         elif kind == "fc2" and len(shape) >= 2:
@@ -294,7 +294,7 @@ def _infer_dims(shapes: Mapping[str, tuple]) -> dict:
     return out
 
 
-def _dims_problems(given: Mapping, inferred: Mapping, source: str) -> list[str]:
+def dims_problems(given: Mapping, inferred: Mapping, source: str) -> list[str]:
     return [
         f"{k}={given[k]} ({source}) but the stored tensors imply {k}={inferred[k]}"
         for k in ("hidden_size", "ffn_hidden_size", "qkv_rows", "swiglu")
@@ -302,7 +302,7 @@ def _dims_problems(given: Mapping, inferred: Mapping, source: str) -> list[str]:
     ]
 
 
-def _logical_rows_global(kind: str, dims: Mapping) -> Optional[int]:
+def logical_rows_global(kind: str, dims: Mapping) -> Optional[int]:
     """Global logical dim 0 (all TP ranks) of a GTP weight kind, from model dims."""
     if kind == "vocab":
         return dims.get("padded_vocab_size")
@@ -327,8 +327,8 @@ def _logical_rows_global(kind: str, dims: Mapping) -> Optional[int]:
     return None
 
 
-def _spec_for(base: str, kind: str, dims: Mapping, tp: int, singleton: bool) -> TensorSpec:
-    rows = _logical_rows_global(kind, dims)
+def spec_for(base: str, kind: str, dims: Mapping, tp: int, singleton: bool) -> TensorSpec:
+    rows = logical_rows_global(kind, dims)
     tp_axis = 1 if kind in ("proj", "fc2") else 0
     L = None
     if rows is not None:

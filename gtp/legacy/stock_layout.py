@@ -13,33 +13,33 @@ from typing import Mapping, Optional
 
 from gtp.legacy.format import LegacyCheckpointError
 from gtp.legacy.messages import (
-    _LAYOUT_HELP,
-    _explaining_layouts,
-    _fmt_dims,
-    _fmt_stored,
-    _layout_text,
-    _missing_dims,
-    _safe_expected,
+    LAYOUT_HELP,
+    explaining_layouts,
+    fmt_dims,
+    fmt_stored,
+    layout_text,
+    missing_dims,
+    safe_expected,
 )
-from gtp.legacy.rowmaps import _candidate_Ls, _expected_stored_rows, _is_identity, _row_map
+from gtp.legacy.rowmaps import candidate_Ls, expected_stored_rows, is_identity, row_map
 from gtp.legacy.specs import (
-    _GRID_A,
-    _GRID_G,
-    _GRID_TP,
+    GRID_A,
+    GRID_G,
+    GRID_TP,
     Analysis,
     SavedLayout,
     TensorInfo,
     TensorSpec,
-    _Checkpoint,
-    _kind,
-    _logical_rows_global,
-    _spec_for,
-    _split_key,
-    _strip_suffix,
+    StoredCheckpoint,
+    gtp_kind,
+    logical_rows_global,
+    spec_for,
+    split_key,
+    strip_suffix,
 )
 
 
-def _analyze_stock(ck: _Checkpoint) -> Analysis:
+def analyze_stock(ck: StoredCheckpoint) -> Analysis:
     """A stock checkpoint: resolve the saving layout, then each GTP weight's row map."""
     notes: list[str] = []
     tp, g, a = (ck.items.get(k) for k in ("tensor_model_parallel_size", "gtp_remat_size",
@@ -67,16 +67,16 @@ def _analyze_stock(ck: _Checkpoint) -> Analysis:
         plans = _plans_for_layout(ck, lay)
     else:
         candidates = [SavedLayout(t, gg, aa) for t, gg, aa in
-                      itertools.product(_GRID_TP if tp is None else (tp,),
-                                        _GRID_G if g is None else (g,),
-                                        _GRID_A if a is None else (a,))
+                      itertools.product(GRID_TP if tp is None else (tp,),
+                                        GRID_G if g is None else (g,),
+                                        GRID_A if a is None else (a,))
                       if not (gg == 1 and aa)]
         viable = _viable_layouts(ck, candidates, tp)
         plans = _plans_agreed_by(ck, viable)
         lay = next(iter(viable))
         if len(viable) > 1:
             notes.append(f"layout not recorded; {len(viable)} layouts explain the stored shapes "
-                         f"and all read the same rows (e.g. {_layout_text(lay)})")
+                         f"and all read the same rows (e.g. {layout_text(lay)})")
         source = f"inferred from the stored shapes ({len(viable)} equivalent layouts)"
 
     infos, legacy_any = _tensor_infos(ck.shapes, plans)
@@ -85,12 +85,12 @@ def _analyze_stock(ck: _Checkpoint) -> Analysis:
     return Analysis(ck.path, ck.common, ck.format, lay, source, legacy_any, infos, notes)
 
 
-def _all_at_logical_size(ck: _Checkpoint) -> bool:
+def _all_at_logical_size(ck: StoredCheckpoint) -> bool:
     """Some GTP-able weight has a known logical size, and every such weight is stored at it."""
     known_sizes = []
     for base, sub in ck.gtp_bases.items():
-        kind = _kind(base)
-        rows = _logical_rows_global(kind, ck.dims)
+        kind = gtp_kind(base)
+        rows = logical_rows_global(kind, ck.dims)
         if rows is None:
             continue
         want = ({"_w": rows // 2, "_v": rows // 2} if ("_w" in sub or "_v" in sub)
@@ -99,7 +99,7 @@ def _all_at_logical_size(ck: _Checkpoint) -> bool:
     return bool(known_sizes) and all(known_sizes)
 
 
-def _options_for(ck: _Checkpoint, lay: SavedLayout) -> dict:
+def _options_for(ck: StoredCheckpoint, lay: SavedLayout) -> dict:
     """{base: (spec with L unset, kind, stored rows, [L explaining the stored rows])}."""
     opts = {}
     for base, sub in sorted(ck.gtp_bases.items()):
@@ -108,15 +108,15 @@ def _options_for(ck: _Checkpoint, lay: SavedLayout) -> dict:
         if rec is not None:
             spec = TensorSpec(base, int(rec["L"]), int(rec["tp_axis"]), bool(rec["gated"]),
                               bool(rec.get("singleton_local_shards", False)), "meta")
-            kind = _kind(base)  # for messages only (None: not a known GPT weight)
+            kind = gtp_kind(base)  # for messages only (None: not a known GPT weight)
         else:
-            kind = _kind(base)
-            spec = _spec_for(base, kind, ck.dims, lay.tp, "_w" in sub or "_v" in sub)
-        Ls = [spec.L] if spec.L is not None else _candidate_Ls(spec, lay, stored_rows)
+            kind = gtp_kind(base)
+            spec = spec_for(base, kind, ck.dims, lay.tp, "_w" in sub or "_v" in sub)
+        Ls = [spec.L] if spec.L is not None else candidate_Ls(spec, lay, stored_rows)
         ok = []
         for L in Ls:
             try:
-                if _expected_stored_rows(spec, lay, L) == stored_rows:
+                if expected_stored_rows(spec, lay, L) == stored_rows:
                     ok.append(L)
             except ValueError:
                 pass
@@ -124,7 +124,7 @@ def _options_for(ck: _Checkpoint, lay: SavedLayout) -> dict:
     return opts
 
 
-def _plans_for_layout(ck: _Checkpoint, lay: SavedLayout) -> dict:
+def _plans_for_layout(ck: StoredCheckpoint, lay: SavedLayout) -> dict:
     """{base: (spec, row map)} under the known saving layout ``lay``.
 
     Raises:
@@ -135,27 +135,27 @@ def _plans_for_layout(ck: _Checkpoint, lay: SavedLayout) -> dict:
     for base, (spec, kind, stored_rows, ok) in _options_for(ck, lay).items():
         if len(ok) == 1:
             spec = dataclasses.replace(spec, L=ok[0])
-            plans[base] = (spec, _row_map(spec, lay)[0])
+            plans[base] = (spec, row_map(spec, lay)[0])
         elif not ok and spec.L is not None:
-            expl = _explaining_layouts(spec, ck.dims, stored_rows, kind) if kind else ""
+            expl = explaining_layouts(spec, ck.dims, stored_rows, kind) if kind else ""
             raise LegacyCheckpointError(
-                f"{ck.path}: {base} is stored with shape {_fmt_stored(base, ck.gtp_bases[base])}, "
+                f"{ck.path}: {base} is stored with shape {fmt_stored(base, ck.gtp_bases[base])}, "
                 f"but the layout {lay.describe()} [{ck.source}] with its logical size (TP-local "
                 f"dim 0 L={spec.L}{', gated' if spec.gated else ''}) gives dim 0 "
-                f"{_safe_expected(spec, lay)}. Layouts that explain this stored shape: "
+                f"{safe_expected(spec, lay)}. Layouts that explain this stored shape: "
                 f"{expl or 'none in the searched grid'}; check the checkpoint's "
-                f"layout record and run config, or {_LAYOUT_HELP}")
+                f"layout record and run config, or {LAYOUT_HELP}")
         else:
             raise LegacyCheckpointError(
-                f"{ck.path}: {base} is stored with shape {_fmt_stored(base, ck.gtp_bases[base])}; "
+                f"{ck.path}: {base} is stored with shape {fmt_stored(base, ck.gtp_bases[base])}; "
                 f"under {lay.describe()} [{ck.source}] its logical size is "
                 f"{'ambiguous' if ok else 'unexplained'}: "
                 f"TP-local dim 0 L could be any of {ok or 'none'}, and each reads different "
-                f"rows. The checkpoint does not record {_missing_dims(kind)}; {_LAYOUT_HELP}")
+                f"rows. The checkpoint does not record {missing_dims(kind)}; {LAYOUT_HELP}")
     return plans
 
 
-def _viable_layouts(ck: _Checkpoint, candidates: list, tp: Optional[int]) -> dict:
+def _viable_layouts(ck: StoredCheckpoint, candidates: list, tp: Optional[int]) -> dict:
     """{layout: its :func:`_options_for`} for each candidate that explains every GTP weight.
 
     Raises:
@@ -169,25 +169,25 @@ def _viable_layouts(ck: _Checkpoint, candidates: list, tp: Optional[int]) -> dic
     if not viable:
         # Report the first tensor and the layouts explaining it alone.
         base, sub = next(iter(sorted(ck.gtp_bases.items())))
-        kind = _kind(base)
-        spec = _spec_for(base, kind, ck.dims, tp or 1, "_w" in sub or "_v" in sub)
-        expl = _explaining_layouts(spec, ck.dims, {s: v[-2] for s, v in sub.items()}, kind)
+        kind = gtp_kind(base)
+        spec = spec_for(base, kind, ck.dims, tp or 1, "_w" in sub or "_v" in sub)
+        expl = explaining_layouts(spec, ck.dims, {s: v[-2] for s, v in sub.items()}, kind)
         raise LegacyCheckpointError(
             f"{ck.path}: no layout explains every stored GTP weight (saving layout not recorded: "
-            f"{ck.source}; model dims {_fmt_dims(ck.dims)}). {base} is stored with shape "
-            f"{_fmt_stored(base, sub)}; layouts explaining it: "
-            f"{expl or 'none in the searched grid'}. {_LAYOUT_HELP}")
+            f"{ck.source}; model dims {fmt_dims(ck.dims)}). {base} is stored with shape "
+            f"{fmt_stored(base, sub)}; layouts explaining it: "
+            f"{expl or 'none in the searched grid'}. {LAYOUT_HELP}")
     return viable
 
 
-def _plans_agreed_by(ck: _Checkpoint, viable: dict) -> dict:
+def _plans_agreed_by(ck: StoredCheckpoint, viable: dict) -> dict:
     """{base: (spec, row map)} on which every viable layout agrees (those of the first one).
 
     Raises:
         LegacyCheckpointError: the viable layouts read different rows for a weight, or leave its
             logical size open.
     """
-    names = [_layout_text(c) for c in viable]
+    names = [layout_text(c) for c in viable]
     listed = ", ".join(names[:10]) + (f" ... ({len(names) - 10} more)" if len(names) > 10 else "")
     first_lay = next(iter(viable))
     plans = {}
@@ -199,7 +199,7 @@ def _plans_agreed_by(ck: _Checkpoint, viable: dict) -> dict:
         if not multi and len(Ls) == 1:
             for c, (spec, _, _, ok) in per.items():
                 spec = dataclasses.replace(spec, L=ok[0])
-                maps[c] = (spec, _row_map(spec, c)[0])
+                maps[c] = (spec, row_map(spec, c)[0])
             distinct = {repr(m[1]) for m in maps.values()}
             if len(distinct) == 1:
                 plans[base] = maps[first_lay]
@@ -208,16 +208,16 @@ def _plans_agreed_by(ck: _Checkpoint, viable: dict) -> dict:
             raise LegacyCheckpointError(
                 f"{ck.path}: the saving layout (tp, gtp_remat_size, pad_for_alignment) is neither "
                 f"recorded nor given ({ck.source}) and is ambiguous: "
-                f"{base} stored with shape {_fmt_stored(base, ck.gtp_bases[base])} is explained "
+                f"{base} stored with shape {fmt_stored(base, ck.gtp_bases[base])} is explained "
                 f"by {len(viable)} layouts that read different rows for it: {listed} (e.g. "
-                f"{_layout_text(first_lay)} vs {_layout_text(other)}); {_LAYOUT_HELP}")
+                f"{layout_text(first_lay)} vs {layout_text(other)}); {LAYOUT_HELP}")
         kind = next(iter(per.values()))[1]
         raise LegacyCheckpointError(
             f"{ck.path}: the saving layout (tp, gtp_remat_size, pad_for_alignment) is neither "
             f"recorded nor given ({ck.source}) and {base} stored with "
-            f"shape {_fmt_stored(base, ck.gtp_bases[base])} is ambiguous: its TP-local dim 0 L "
+            f"shape {fmt_stored(base, ck.gtp_bases[base])} is ambiguous: its TP-local dim 0 L "
             f"could be any of {sorted(Ls)[:12]} under the layouts {listed}, and each reads "
-            f"different rows. The checkpoint does not record {_missing_dims(kind)}; {_LAYOUT_HELP}")
+            f"different rows. The checkpoint does not record {missing_dims(kind)}; {LAYOUT_HELP}")
     return plans
 
 
@@ -226,11 +226,11 @@ def _tensor_infos(shapes: Mapping[str, tuple], plans: Mapping) -> tuple[dict, bo
     infos = {}
     legacy_any = False
     for key, shape in shapes.items():
-        prefix, model_key = _split_key(key)
-        base, suffix = _strip_suffix(model_key)
+        prefix, model_key = split_key(key)
+        base, suffix = strip_suffix(model_key)
         if base in plans:
             spec, rowmap = plans[base]
-            identity = _is_identity(rowmap)
+            identity = is_identity(rowmap)
             pre, cols = shape[:-2], shape[-1]
             if spec.singleton_local_shards:
                 out_rows = len(rowmap[suffix])
