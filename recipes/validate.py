@@ -247,6 +247,8 @@ def validate(cfg, world_size: int) -> Layout:
         raise ConfigError(f"train.eval_iters={t.eval_iters} needs a validation share in "
                           f"data.split={d.split!r} (train,valid,test weights, e.g. '98,2,0'), "
                           f"or train.eval_iters=0")
+    _positive("train.log_interval", t.log_interval)
+    _positive("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)
     decay = o.lr_decay_iters or t.train_iters
     # megatron's OptimizerParamScheduler asserts warmup < decay steps.
     if o.lr_warmup_iters < 0 or o.lr_warmup_iters >= decay:
@@ -268,6 +270,7 @@ def validate(cfg, world_size: int) -> Layout:
         from recipes.checkpoint import check_loadable
 
         check_loadable(ck.load, ck.load_iteration)
+    _check_data_files(d)
     _announce_quantization(cfg, layout)
     return layout
 
@@ -295,6 +298,16 @@ def _check_pipeline_split(cfg, layout: Layout) -> None:
             f"parallelism.virtual_pipeline_model_parallel_size={vpp}: the interleaved schedule is "
             f"not supported yet; set it to null (plain 1F1B over pipeline_model_parallel_size={pp})"
         )
+
+
+def _check_data_files(d) -> None:
+    """``data.paths`` name files that exist (checked here, before any model is built)."""
+    from recipes.data import check_data_paths
+
+    try:
+        check_data_paths(d)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _check_gtp_dims(cfg, layout: Layout) -> None:
