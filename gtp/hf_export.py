@@ -39,14 +39,14 @@ class ExportError(ValueError):
     """The checkpoint cannot be exported (names what is missing or which architecture)."""
 
 
-def _vocab(train_state: dict, data: dict) -> tuple[int, int | None]:
+def _vocab(common: dict, data: dict) -> tuple[int, int | None]:
     """(unpadded vocab size, eod id) of the run's tokenizer."""
-    vocab = train_state.get("vocab_size") or data.get("vocab_size")
+    vocab = common.get("vocab_size") or data.get("vocab_size")
     eod = data.get("eod_id")
     if vocab is None and data.get("tokenizer", "byte") == "byte":
         vocab, eod = BYTE_VOCAB_SIZE, BYTE_EOD_ID
     if vocab is None:
-        raise ExportError("the checkpoint records no vocabulary size (train_state['vocab_size'] "
+        raise ExportError("the checkpoint records no vocabulary size (common 'vocab_size' "
                           "or config data.vocab_size): cannot tell padding rows from tokens")
     return int(vocab), None if eod is None else int(eod)
 
@@ -68,6 +68,11 @@ def architecture(model: dict) -> str:
                               f"query attention")
         return "gpt2"
     if norm == "RMSNorm" and not bias and pos == "rope" and swiglu:
+        if model.get("rope_scaling", False) or float(model.get("rotary_percent", 1.0)) != 1.0:
+            raise ExportError(
+                f"model.rope_scaling={model.get('rope_scaling', False)}, model.rotary_percent="
+                f"{model.get('rotary_percent', 1.0)}: only unscaled RoPE over the whole head "
+                f"(rope_scaling=false, rotary_percent=1.0) is exported")
         return "llama"
     raise ExportError(
         f"no transformers class computes this model exactly: normalization={norm!r}, "
@@ -212,7 +217,7 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None) -> 
                           f"was not written by gtp-recipes")
     model_cfg, data_cfg = run_config["model"], run_config.get("data") or {}
     arch = architecture(model_cfg)
-    vocab, eod = _vocab(train_state, data_cfg)
+    vocab, eod = _vocab(common, data_cfg)
     model_keys = {k: v for k, v in tensors.items() if not k.startswith("optimizer")
                   and isinstance(v, torch.Tensor)}
     try:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from gtp.records import TRACKER
-from recipes import faults
+from recipes import faults, vocab
 
 
 class CheckpointError(RuntimeError):
@@ -239,8 +239,10 @@ def _load_model_state(model, loaded: dict) -> None:
         unwrap_model(chunk).load_state_dict(loaded[f"chunk{i}"], strict=True)
 
 
-def _sharded_state_dict(model, optimizer, is_loading: bool) -> dict:
+def _sharded_state_dict(model, optimizer, is_loading: bool, adapt=None) -> dict:
     model_sd = _model_sharded_state_dict(model)
+    if adapt is not None:
+        adapt(model_sd)  # before the optimizer's entries are derived from the model's
     return {
         "model": model_sd,
         "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
@@ -426,6 +428,8 @@ def stage_save(root, iteration: int, model, optimizer, scheduler, common: dict,
         train_state=common,
         layout=layout_dict,
         rng_state=_rng_sharded_object(),
+        # The real (unpadded) vocabulary: a load with another tokenizer is refused.
+        **{vocab.RECORD_KEY: vocab.real_vocab_size(model)},
         # How GTP weights are laid out in this file (gtp/checkpoint.py documents the format);
         # built before save, which applies the sharded factories in place.
         **{METADATA_KEY: layout_metadata(model, state["model"])},
@@ -652,14 +656,17 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
     ``optimizer`` and ``scheduler``.
 
     The checkpoint may have been saved at any layout: dist_checkpointing reshards every tensor.
-    Each rank's RNG state is restored only when the layout is identical (the state is per rank).
+    At another padded vocabulary size the real vocabulary rows load exactly and the padding rows
+    are zero (``recipes.vocab``). Each rank's RNG state is restored only when the layout is
+    identical (the state is per rank).
 
     Returns:
         The checkpoint's common state (``iteration``, ``train_state``, ``layout``...).
 
     Raises:
-        CheckpointError: incomplete checkpoint, a tensor missing from it, or a shape mismatch
-            (naming the tensor and both shapes).
+        CheckpointError: incomplete checkpoint, another real vocabulary size (both named, before
+            any tensor is read), a tensor missing from it, or a shape mismatch (naming the
+            tensor and both shapes).
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -668,6 +675,9 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
     from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
 
     path, common = load_common(root, iteration)
+    message = vocab.refusal(common.get(vocab.RECORD_KEY), vocab.real_vocab_size(model), path)
+    if message:
+        raise CheckpointError(message)
     # A legacy GTP checkpoint (megatron-core 0.19.2's padded layout) is converted once into
     # <root>/gtp_converted/ and loaded from there; its RNG states are not carried over.
     from gtp import checkpoint as gtp_checkpoint, legacy
@@ -685,9 +695,21 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
     except optim_checkpoint.OptimizerCheckpointError as exc:
         raise CheckpointError(f"{path}: {exc}") from exc
     optim_checkpoint.prepare_for_load(optimizer)
-    state = _sharded_state_dict(model, optimizer, is_loading=True)
-    stored = check_shapes(state, path, skip_prefixes=("optimizer.state.param.",
-                                                      "optimizer.state.fp32_param."))
+    stored = _stored_shapes(path)
+    real = vocab.real_vocab_size(model)
+
+    def adapt(model_sd):
+        if real is None:
+            return
+        for sd in (model_sd.values() if "chunk0" in model_sd else (model_sd,)):
+            try:
+                vocab.adapt_to_stored_rows(sd, stored, real, path)
+            except ValueError as exc:
+                raise CheckpointError(str(exc)) from None
+
+    state = _sharded_state_dict(model, optimizer, is_loading=True, adapt=adapt)
+    check_shapes(state, path, stored, skip_prefixes=("optimizer.state.param.",
+                                                    "optimizer.state.fp32_param."))
     dropped = optim_checkpoint.prepare_request(state["optimizer"], stored, mine, saved)
     same_layout = common["layout"] == layout_dict and not converted
     if same_layout:
@@ -731,7 +753,19 @@ def any_rank_failed(failed: bool, group=None) -> bool:
     return bool(flag.item())
 
 
-def check_shapes(sharded_state: dict, path, skip_prefixes: tuple = ()) -> dict:
+def _stored_shapes(path) -> dict:
+    """``{key: global shape}`` of every tensor in the checkpoint at ``path``."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        stored = dist_checkpointing.load_tensors_metadata(str(path))
+    except Exception as exc:
+        raise CheckpointError(f"{path}/.metadata cannot be read: {exc}") from exc
+    return {key: tuple(sh.global_shape) for key, sh in stored.items()}
+
+
+def check_shapes(sharded_state: dict, path, stored: dict | None = None,
+                 skip_prefixes: tuple = ()) -> dict:
     """Compare every requested tensor's global shape with the checkpoint's, before loading.
 
     Tensors megatron marks ``allow_shape_mismatch`` (vocab rows padded per TP) are skipped, and
@@ -739,21 +773,21 @@ def check_shapes(sharded_state: dict, path, skip_prefixes: tuple = ()) -> dict:
     ``recipes.optim_checkpoint`` maps between optimizer kinds) are not reported.
     Every rank reads the same metadata and so raises the same error.
 
+    Args:
+        stored: the checkpoint's ``{key: global shape}`` (read from ``path`` when None).
+
     Returns:
-        The checkpoint's tensor metadata (``{key: metadata}``).
+        ``stored``.
 
     Raises:
         CheckpointError: naming the first tensors whose shapes differ (both shapes) or that the
             checkpoint lacks.
     """
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    try:
-        stored = dist_checkpointing.load_tensors_metadata(str(path))
-    except Exception as exc:
-        raise CheckpointError(f"{path}/.metadata cannot be read: {exc}") from exc
+    if stored is None:
+        stored = _stored_shapes(path)
     wrong, absent = [], []
     for sh in nested_values(sharded_state):
         if not isinstance(sh, ShardedTensor) or sh.allow_shape_mismatch:
@@ -761,8 +795,8 @@ def check_shapes(sharded_state: dict, path, skip_prefixes: tuple = ()) -> dict:
         if sh.key not in stored:
             if not sh.key.startswith(skip_prefixes):
                 absent.append(sh.key)
-        elif tuple(stored[sh.key].global_shape) != tuple(sh.global_shape):
-            wrong.append(f"{sh.key}: checkpoint {tuple(stored[sh.key].global_shape)}, "
+        elif tuple(stored[sh.key]) != tuple(sh.global_shape):
+            wrong.append(f"{sh.key}: checkpoint {tuple(stored[sh.key])}, "
                          f"this model {tuple(sh.global_shape)}")
     if wrong:
         raise CheckpointError(

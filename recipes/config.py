@@ -17,17 +17,33 @@ from omegaconf import MISSING
 
 @dataclass
 class ModelConfig:
-    """GPT shape. The tiny default has dims that are not multiples of 16, so GTP padding matters."""
+    """GPT shape. The tiny default has dims that are not multiples of 16, so GTP padding matters.
+
+    GPT-2-style blocks by default; the Llama family sets ``normalization: RMSNorm``,
+    ``position_embedding_type: rope``, ``swiglu: true``, ``num_query_groups`` (GQA),
+    ``add_bias_linear: false`` and untied embeddings (megatron ``TransformerConfig`` fields and
+    ``GPTModel`` arguments of the same names).
+    """
 
     name: str = "tiny"
     num_layers: int = 2
     hidden_size: int = 72
     num_attention_heads: int = 4
+    # Grouped-query attention: K/V heads (null: one per attention head, i.e. multi-head).
+    num_query_groups: Optional[int] = None
     ffn_hidden_size: int = 200
     seq_length: int = 64
     # SwiGLU: gated fc1 of 2 * ffn_hidden_size rows (gate then up), as megatron's gated_linear_unit.
     swiglu: bool = False
+    normalization: str = "LayerNorm"  # LayerNorm | RMSNorm
+    layernorm_epsilon: float = 1.0e-5
+    add_bias_linear: bool = True
     position_embedding_type: str = "learned_absolute"  # learned_absolute | rope
+    # RoPE (position_embedding_type=rope): base, fraction of head dims rotated, Llama-3.1 scaling.
+    rotary_base: int = 10000
+    rotary_percent: float = 1.0
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
     # The vocab is padded to a multiple of lcm(this, tp): the same padded size at every TP that
     # divides it, so the output layer (padded logits included) is identical across layouts.
     make_vocab_size_divisible_by: int = 64
@@ -185,6 +201,9 @@ class TrainConfig:
     check_for_nan_in_loss_and_grad: bool = True
     # With the check on: skip such a step instead of stopping, counted in `skipped-iterations`.
     skip_nonfinite_iterations: bool = False
+    # Validate the config for its world size and print the layout and per-rank sizes
+    # (recipes/dry_run.py); builds nothing heavy and starts no process.
+    dry_run: bool = False
 
 
 @dataclass

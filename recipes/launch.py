@@ -171,7 +171,8 @@ def rank_env_from_submitit() -> dict | None:
 
 def run(cfg) -> None:
     """Validate ``cfg``, settle the checkpoint to load and the save dir, write the resolved config
-    (what runs), and run the job (local launch or as one rank).
+    (what runs), and run the job (local launch or as one rank); with ``train.dry_run`` only
+    validate and print the dry-run report.
 
     Under a submitit launcher (``hydra/launcher=slurm`` or ``submitit_local``) every task of the
     job calls this and runs as its global rank (:func:`rank_env_from_submitit`).
@@ -185,6 +186,11 @@ def run(cfg) -> None:
     if submitit_env is not None:
         os.environ.update(submitit_env)
     layout = validate(cfg, world_size_from_env(cfg))
+    if cfg.train.get("dry_run", False):
+        from recipes.dry_run import report
+
+        print(report(cfg, layout), flush=True)
+        return
     as_rank = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     is_rank0 = not as_rank or int(os.environ["RANK"]) == 0
     try:

@@ -1,4 +1,5 @@
-"""Build megatron-core's GPTModel (local, non-TransformerEngine layer spec) from the config."""
+"""Build megatron-core's GPTModel from the config: GPT-2-style or Llama-style blocks, megatron's
+local layer spec, and padded vocabulary rows that never reach the loss."""
 
 from __future__ import annotations
 
@@ -47,12 +48,12 @@ def gtp_weight_dims(cfg, tensor_model_parallel_size: int) -> dict[str, int]:
 
     megatron-core 0.19.2 wraps the ``weight`` of every ``VocabParallelEmbedding``,
     ``ColumnParallelLinear`` and ``RowParallelLinear`` (``megatron.core.tensor_parallel.layers``,
-    its ``wrap_module_params_gtp`` calls); never biases, norms or the position embedding. GTP slices the
-    TP-local dim 0:
+    its ``wrap_module_params_gtp`` calls); never biases, norms or the position embedding. GTP
+    slices the TP-local dim 0 (the table is ``recipes.shapes.parameter_shapes``):
 
     - ``embedding.word_embeddings`` / ``output_layer`` (vocab rows): padded vocab / tp; the output
       layer has no weight of its own when embeddings and output weights are shared;
-    - ``linear_qkv`` (column-parallel): (heads + 2 * query groups) * kv_channels / tp = 3 * hidden / tp;
+    - ``linear_qkv`` (column-parallel): (heads + 2 * query groups) * kv_channels / tp;
     - ``linear_fc1`` (column-parallel): ffn / tp, twice that with SwiGLU (gate and up rows);
     - ``linear_proj``, ``linear_fc2`` (row-parallel, TP splits dim 1): hidden, whatever the TP.
 
@@ -60,31 +61,33 @@ def gtp_weight_dims(cfg, tensor_model_parallel_size: int) -> dict[str, int]:
     the built model against this table). The vocab rows are left out when the tokenizer cannot be
     built from the config (other checks report that).
     """
+    from recipes.shapes import parameter_shapes, tp_local_shape
+
     m, tp = cfg.model, tensor_model_parallel_size
-    dims: dict[str, int] = {}
     try:
         from recipes.data import build_tokenizer
 
         vocab = padded_vocab_size(build_tokenizer(cfg.data).vocab_size,
-                                  m.make_vocab_size_divisible_by, tp) // tp
+                                  m.make_vocab_size_divisible_by, tp)
     except ValueError:
         vocab = None
-    if vocab is not None:
-        dims["embedding.word_embeddings.weight"] = vocab
-    for i in range(m.num_layers):
-        layer = f"decoder.layers.{i}"
-        dims[f"{layer}.self_attention.linear_qkv.weight"] = 3 * m.hidden_size // tp
-        dims[f"{layer}.self_attention.linear_proj.weight"] = m.hidden_size
-        dims[f"{layer}.mlp.linear_fc1.weight"] = (2 if m.swiglu else 1) * m.ffn_hidden_size // tp
-        dims[f"{layer}.mlp.linear_fc2.weight"] = m.hidden_size
-    if vocab is not None and not m.share_embeddings_and_output_weights:
-        dims["output_layer.weight"] = vocab
-    return dims
+    vocab_rows = ("embedding.word_embeddings.weight", "output_layer.weight")
+    return {p.name: tp_local_shape(p, tp)[0] for p in parameter_shapes(m, vocab or tp)
+            if p.gtp and (vocab is not None or p.name not in vocab_rows)}
 
 
-def transformer_config(cfg, layout):
-    """megatron ``TransformerConfig`` for ``cfg.model`` at ``layout`` (a ``recipes.validate.Layout``)."""
+def transformer_config(cfg, layout, use_te: bool | None = None):
+    """megatron ``TransformerConfig`` for ``cfg.model`` at ``layout`` (a ``recipes.validate.Layout``).
+
+    ``use_te``: TransformerEngine layers and the quantization recipe's FP8/FP4 fields
+    (``recipes.te``); None: when TransformerEngine is importable.
+    """
     from megatron.core.transformer import TransformerConfig
+
+    from recipes import te
+
+    if use_te is None:
+        use_te = te.transformer_engine_usable()
 
     m = cfg.model
     dtype = PARAMS_DTYPES[cfg.precision.params_dtype]
@@ -93,7 +96,11 @@ def transformer_config(cfg, layout):
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.get("num_query_groups"),
         ffn_hidden_size=ffn,
+        normalization=m.get("normalization", "LayerNorm"),
+        layernorm_epsilon=m.get("layernorm_epsilon", 1e-5),
+        add_bias_linear=m.get("add_bias_linear", True),
         init_method_std=m.init_method_std,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
@@ -114,29 +121,70 @@ def transformer_config(cfg, layout):
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
     )
+    kwargs.update(te.config_fields(cfg.gtp.quantization, use_te))
     if layout.gtp_remat_size > 1:
         kwargs["gtp_weight_remat_size"] = layout.gtp_remat_size
     return TransformerConfig(**kwargs)
 
 
-def _gpt(cfg, config, vocab: int, pre: bool, post: bool, vp_stage, tied: bool):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def mask_padded_vocab(model, vocab_size: int, padded_size: int) -> None:
+    """Keep padded vocabulary rows out of the softmax: their logits become ``-inf``.
 
+    A forward hook on ``model.output_layer`` (a ``ColumnParallelLinear`` over the padded
+    vocabulary) fills the logit columns of rows ``>= vocab_size`` with ``-inf`` before
+    megatron's ``tensor_parallel.vocab_parallel_cross_entropy`` (``GPTModel._postprocess``) sees
+    them: ``exp(-inf) = 0`` drops them from the partition function and their gradient is zero,
+    so the loss and every gradient are the same at any padded size (any TP, any
+    ``make_vocab_size_divisible_by``). Works in fp32 and bf16 (``-inf`` exists in both).
+
+    Args:
+        model: the ``GPTModel`` (its ``output_layer`` yields ``(logits [s, b, padded/tp], bias)``,
+            or the full padded width when the output is gathered).
+        vocab_size: real (tokenizer) vocabulary rows.
+        padded_size: rows of the whole padded output layer.
+    """
+    from megatron.core import parallel_state
+
+    if vocab_size >= padded_size:
+        return
+
+    def hook(module, args, output):
+        logits, bias = output
+        width = logits.shape[-1]
+        first = 0 if width == padded_size else parallel_state.get_tensor_model_parallel_rank() * width
+        real = max(0, min(width, vocab_size - first))
+        if real == width:
+            return output
+        return logits.masked_fill(torch.arange(width, device=logits.device) >= real,
+                                 float("-inf")), bias
+
+    model.output_layer.register_forward_hook(hook)
+
+
+def _gpt(cfg, config, vocab: int, pre: bool, post: bool, vp_stage, tied: bool, use_te: bool):
+    from megatron.core.models.gpt import GPTModel
+
+    from recipes import te
+
+    m = cfg.model
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=te.layer_spec(m, use_te),
         vocab_size=vocab,
-        max_sequence_length=cfg.model.seq_length,
+        max_sequence_length=m.seq_length,
         pre_process=pre,
         post_process=post,
-        position_embedding_type=cfg.model.position_embedding_type,
+        position_embedding_type=m.position_embedding_type,
+        rotary_base=m.get("rotary_base", 10000),
+        rotary_percent=m.get("rotary_percent", 1.0),
+        rope_scaling=m.get("rope_scaling", False),
+        rope_scaling_factor=m.get("rope_scaling_factor", 8.0),
         share_embeddings_and_output_weights=tied,
         vp_stage=vp_stage,
     )
 
 
-def _draw_like_layers_before(cfg, config, vocab: int, num_layers: int) -> None:
+def _draw_like_layers_before(cfg, config, vocab: int, num_layers: int, use_te: bool) -> None:
     """Advance the RNGs (torch's and megatron's tracker) exactly as building the embedding and
     the first ``num_layers`` layers of the whole model does: build that prefix (one pipeline
     stage, no output layer) and drop it. Only random draws matter; sizes and order are the
@@ -146,7 +194,7 @@ def _draw_like_layers_before(cfg, config, vocab: int, num_layers: int) -> None:
     prefix = dataclasses.replace(config, num_layers=num_layers, pipeline_model_parallel_size=1,
                                  virtual_pipeline_model_parallel_size=None)
     # Untied: a tied embedding would wait for its output-layer peer in megatron's all-reduce.
-    _gpt(cfg, prefix, vocab, True, False, None, False)
+    _gpt(cfg, prefix, vocab, True, False, None, False, use_te)
 
 
 def build_model(cfg, layout, vocab_size: int, reseed=lambda: None):
@@ -171,7 +219,10 @@ def build_model(cfg, layout, vocab_size: int, reseed=lambda: None):
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    config = transformer_config(cfg, layout)
+    from recipes import te
+
+    use_te = te.transformer_engine_usable()
+    config = transformer_config(cfg, layout, use_te)
     vpp = layout.virtual_pipeline_model_parallel_size
     vocab = padded_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by,
                               layout.tensor_model_parallel_size)
@@ -186,9 +237,14 @@ def build_model(cfg, layout, vocab_size: int, reseed=lambda: None):
             reseed()
             offset = get_transformer_layer_offset(config, vp_stage=stage)
             if offset:
-                _draw_like_layers_before(cfg, config, vocab, offset)
-        chunks.append(_gpt(cfg, config, vocab, pre, post, stage,
-                           cfg.model.share_embeddings_and_output_weights))
+                _draw_like_layers_before(cfg, config, vocab, offset, use_te)
+        chunk = _gpt(cfg, config, vocab, pre, post, stage,
+                     cfg.model.share_embeddings_and_output_weights, use_te)
+        # Checkpoints record the real vocabulary (recipes.checkpoint refuses another one).
+        chunk.real_vocab_size = vocab_size
+        if post:
+            mask_padded_vocab(chunk, vocab_size, vocab)
+        chunks.append(chunk)
     return chunks, config
 
 

@@ -194,6 +194,7 @@ def validate(cfg, world_size: int) -> Layout:
     for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length"):
         _positive(f"model.{name}", m[name])
     _check_pipeline_split(cfg, layout)
+    _check_model_options(m, tp)
     for name, value, div in (
         ("model.num_attention_heads", m.num_attention_heads, tp),
         ("model.ffn_hidden_size", m.ffn_hidden_size, tp),
@@ -270,6 +271,7 @@ def validate(cfg, world_size: int) -> Layout:
         from recipes.checkpoint import check_loadable
 
         check_loadable(ck.load, ck.load_iteration)
+        _check_checkpoint_vocab(cfg)
     _check_data_files(d)
     _announce_quantization(cfg, layout)
     return layout
@@ -310,6 +312,48 @@ def _check_data_files(d) -> None:
         raise ConfigError(str(exc)) from None
 
 
+_NORMS = ("LayerNorm", "RMSNorm")
+_POSITIONS = ("learned_absolute", "rope", "none")
+
+
+def _check_model_options(m, tp: int) -> None:
+    """Norm, positions and grouped-query attention (megatron asserts these later, less clearly)."""
+    if m.get("normalization", "LayerNorm") not in _NORMS:
+        raise ConfigError(f"model.normalization={m.normalization!r}: valid are {_NORMS}")
+    if m.position_embedding_type not in _POSITIONS:
+        raise ConfigError(f"model.position_embedding_type={m.position_embedding_type!r}: "
+                          f"valid are {_POSITIONS}")
+    groups = m.get("num_query_groups")
+    if groups is None:
+        return
+    _positive("model.num_query_groups", groups)
+    if m.num_attention_heads % groups:
+        raise ConfigError(f"model.num_query_groups={groups} must divide "
+                          f"model.num_attention_heads={m.num_attention_heads}")
+    if groups % tp:
+        raise ConfigError(
+            f"model.num_query_groups={groups} must be divisible by tensor_model_parallel_size={tp}"
+            f" (each TP rank holds whole K/V groups); valid tensor_model_parallel_size values: "
+            f"{[d for d in range(1, groups + 1) if groups % d == 0]}")
+
+
+def _check_checkpoint_vocab(cfg) -> None:
+    """The checkpoint to load was trained with this run's real vocabulary size."""
+    from recipes import vocab
+    from recipes.checkpoint import CheckpointError, load_common
+
+    try:
+        from recipes.data import build_tokenizer
+
+        current = build_tokenizer(cfg.data).vocab_size
+    except ValueError:
+        return  # the data checks report it
+    path, common = load_common(cfg.checkpoint.load, cfg.checkpoint.load_iteration)
+    message = vocab.refusal(common.get(vocab.RECORD_KEY), current, path)
+    if message:
+        raise CheckpointError(message)
+
+
 def _check_gtp_dims(cfg, layout: Layout) -> None:
     """Every GTP-sharded TP-local dim 0 must shard over gtp_remat_size (pad 0 needs divisibility)."""
     from gtp.alignment import validate_gtp_dims
@@ -338,7 +382,8 @@ def _short(name: str) -> str:
 
 def _announce_quantization(cfg, layout: Layout) -> None:
     """One line, once per launch (not again in each worker), when a quantized recipe is chosen:
-    on CPU it only picks the GTP alignment; nothing is quantized."""
+    what it quantizes with TransformerEngine (``recipes.te``), or, without it, that it only
+    picks the GTP alignment."""
     quant = cfg.gtp.quantization
     if quant == "none":
         return
@@ -352,6 +397,13 @@ def _announce_quantization(cfg, layout: Layout) -> None:
         effect = f"has no effect: gtp.pad_for_alignment={cfg.gtp.pad_for_alignment} is explicit"
     else:
         effect = f"only sets the GTP alignment (pad_for_alignment={layout.pad_for_alignment})"
-    print(f"> note: gtp.quantization={quant} {effect}; on CPU (megatron's local layers, no "
-          f"TransformerEngine) nothing is quantized: weights and GEMMs stay "
+    from recipes import te
+
+    if te.transformer_engine_usable():
+        fields = ", ".join(f"{k}={v}" for k, v in te.config_fields(quant, True).items())
+        print(f"> gtp.quantization={quant}: TransformerEngine layers with {fields} "
+              f"(GTP pad_for_alignment={layout.pad_for_alignment})", flush=True)
+        return
+    print(f"> note: gtp.quantization={quant} {effect}; without TransformerEngine (megatron's "
+          f"local layers) nothing is quantized: weights and GEMMs stay "
           f"{cfg.precision.params_dtype}", flush=True)

@@ -238,7 +238,7 @@ def run(cfg) -> None:
         torch.distributed.broadcast(step, src=0)
         common = {"consumed_samples": state.consumed_samples, "wandb_run_id": run_id,
                   "wandb_step": int(step.item()), "config": config_dict,
-                  "vocab_size": tokenizer.vocab_size, "data_plan": train_state["data_plan"]}
+                  "data_plan": train_state["data_plan"]}
         checkpointer.save(it, model, optimizer, scheduler, common, layout_rec, on_done=saved)
 
     from recipes.loop import train

@@ -53,6 +53,10 @@ LAYOUTS = {
     "tp2g2a16": (2, 2, 16),
     "g2a1": (1, 2, 1),
 }
+# llama_tiny: 6 query heads of 12 channels in 2 K/V groups (QKV rows (6 + 2*2) * 12 = 120, 60
+# per TP rank at tp2: one whole group each; a16 pads 60 to 64 and 120 to 128, so GTP shards cut
+# through a group's query and K/V rows), SwiGLU fc1 400 rows.
+LLAMA_LAYOUTS = ("off", "tp2", "g2a16", "tp2g2a16")
 
 
 # The pipeline / distributed-optimizer matrix (bf16): name -> (model, tp, g, pad, extra
@@ -155,14 +159,23 @@ def _local(full: torch.Tensor, p, name: str, cfg) -> torch.Tensor:
     return t
 
 
-def _goldens(model, cfg) -> dict:
-    """{name: (param, expected param, expected exp_avg, expected exp_avg_sq)} on this rank."""
+VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _goldens(model, cfg, real_vocab: int | None = None) -> dict:
+    """{name: (param, expected param, expected exp_avg, expected exp_avg_sq)} on this rank.
+
+    ``real_vocab``: expect zeros in the vocabulary rows from ``real_vocab`` on (a load from a
+    checkpoint of another padded vocabulary size reads only the real rows)."""
     named = sorted(model.module.named_parameters())
     out = {}
     for k, (name, p) in enumerate(named, start=1):
         full = _golden_full(k, _full_shape(p))
-        out[name] = (p, _local(full, p, name, cfg), _local(full + 0.5, p, name, cfg),
-                     _local(full * 2, p, name, cfg))
+        fulls = [full, full + 0.5, full * 2]
+        if real_vocab is not None and name in VOCAB_ROWS:
+            for f in fulls:
+                f[real_vocab:] = 0
+        out[name] = (p, *(_local(f, p, name, cfg) for f in fulls))
     return out
 
 
@@ -221,9 +234,9 @@ def _diff(what: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
 
 
 @torch.no_grad()
-def _check(model, optimizer, cfg) -> tuple[int, list[str]]:
+def _check(model, optimizer, cfg, real_vocab: int | None = None) -> tuple[int, list[str]]:
     """(tensors compared, problems) of weights, exp_avg, exp_avg_sq and step vs the goldens."""
-    gold = _goldens(model, cfg)
+    gold = _goldens(model, cfg, real_vocab)
     names = {id(v[0]): n for n, v in gold.items()}
     problems, n = [], 0
     for name, (p, want, _, _) in gold.items():
@@ -280,9 +293,43 @@ def _fc1_rows(model, cfg) -> dict:
     }
 
 
-def _matrix_worker(root: str, cfgs: dict, plain: dict, pp_cfgs: dict | None = None) -> dict:
-    """Save every layout, load every checkpoint at every layout; plus the asymmetric case, then
-    the pipeline / distributed-optimizer matrix (:func:`_pp_phase`) in the same world."""
+def _shape_problems(model, cfg, record) -> list[str]:
+    """Differences between the built model's parameters on this rank and ``recipes.shapes``."""
+    from recipes.model import padded_vocab_size
+    from recipes.shapes import local_shape, parameter_shapes
+
+    tp, g = record["tensor_model_parallel_size"], record["gtp_remat_size"]
+    padded = padded_vocab_size(257, cfg.model.make_vocab_size_divisible_by, tp)
+    want = {p.name: local_shape(p, tp, g, record["pad_for_alignment"])[0]
+            for p in parameter_shapes(cfg.model, padded)}
+    got = {n: tuple(p.shape) for n, p in model.module.named_parameters()}
+    return [f"{n}: built {got.get(n)}, table {want.get(n)}" for n in sorted(got.keys() | want.keys())
+            if got.get(n) != want.get(n)]
+
+
+def _save_and_load_all(root: Path, cfgs: dict, prefix: str, out: dict) -> None:
+    """Save every layout of ``cfgs`` (goldens), then load each checkpoint at every layout."""
+    from recipes import checkpoint
+
+    for name, cfg_yaml in cfgs.items():
+        model, opt, sched, record, cfg = _build(cfg_yaml)
+        out["shapes"][name] = _shape_problems(model, cfg, record)
+        out["coverage"][name] = _set_golden(model, opt, cfg)
+        checkpoint.save_checkpoint(root / f"{prefix}{name}", 1, model, opt, sched,
+                                   {"consumed_samples": 0}, record)
+    for name, cfg_yaml in cfgs.items():
+        model, opt, sched, record, cfg = _build(cfg_yaml)
+        for src in cfgs:
+            _fill_sentinel(model, opt)
+            checkpoint.load_checkpoint(root / f"{prefix}{src}", model, opt, sched, record)
+            out["loads"][(src, name)] = _check(model, opt, cfg)
+
+
+def _matrix_worker(root: str, cfgs: dict, plain: dict, llama: dict,
+                   pp_cfgs: dict | None = None) -> dict:
+    """Save every layout, load every checkpoint at every layout; plus the asymmetric case, the
+    Llama-style model's layouts, then the pipeline / distributed-optimizer matrix
+    (:func:`_pp_phase`) in the same world."""
     from megatron.core import dist_checkpointing, parallel_state
 
     from gtp import checkpoint as gtp_checkpoint
@@ -292,9 +339,11 @@ def _matrix_worker(root: str, cfgs: dict, plain: dict, pp_cfgs: dict | None = No
     root = Path(root)
     out = {"coverage": {}, "loads": {}, "metadata": {}, "timing": {}}
     t0 = time.time()
+    out["shapes"] = {}
     for name, cfg_yaml in cfgs.items():
         model, opt, sched, record, cfg = _build(cfg_yaml)
         assert gtp_checkpoint.is_installed()
+        out["shapes"][name] = _shape_problems(model, cfg, record)
         out["coverage"][name] = _set_golden(model, opt, cfg)
         checkpoint.save_checkpoint(root / name, 1, model, opt, sched, {"consumed_samples": 0},
                                    record)
@@ -347,6 +396,12 @@ def _matrix_worker(root: str, cfgs: dict, plain: dict, pp_cfgs: dict | None = No
     out["stock_metadata"] = dist_checkpointing.load_common_state_dict(
         str(root / "plain_tp2g2a16_stock" / "iter_0000001"))[gtp_checkpoint.METADATA_KEY]
     out["timing"]["asym"] = time.time() - t0
+
+    # A Llama-style model (GQA QKV, SwiGLU fc1, RMSNorm, no biases) across its layouts.
+    t0 = time.time()
+    out["llama"] = {"shapes": {}, "coverage": {}, "loads": {}}
+    _save_and_load_all(root, llama, "llama_", out["llama"])
+    out["timing"]["llama"] = time.time() - t0
     if pp_cfgs:
         t0 = time.time()
         out["pp"] = _pp_phase(root / "pp", pp_cfgs)
@@ -550,10 +605,12 @@ def matrix(tmp_path_factory):
     cfgs = {name: make_cfg("tiny_swiglu", tp, g, pad, WORLD) for name, (tp, g, pad) in LAYOUTS.items()}
     plain = {"tp2": make_cfg("tiny", 2, 1, None, WORLD),
              "tp2g2a16": make_cfg("tiny", 2, 2, 16, WORLD)}
+    llama = {name: make_cfg("llama_tiny", *LAYOUTS[name], WORLD) for name in LLAMA_LAYOUTS}
     pp_cfgs = {name: make_cfg(model, tp, g, pad, WORLD, "logical", *extra)
                for name, (model, tp, g, pad, extra) in PP_LAYOUTS.items()}
     t0 = time.time()
-    results = run_distributed(_matrix_worker, WORLD, str(root), cfgs, plain, pp_cfgs, timeout=1200)
+    results = run_distributed(_matrix_worker, WORLD, str(root), cfgs, plain, llama, pp_cfgs,
+                              timeout=1200)
     assert len(results) == WORLD
     print(f"\nmatrix run: {time.time() - t0:.0f}s, rank 0 phases {results[0]['timing']}")
     return root, results
@@ -569,6 +626,32 @@ def test_every_layout_pair_restores_weights_and_moments_exactly(matrix):
             assert not problems, f"rank {rank}: save {src} -> load {dst}: {problems[:6]}"
             n_pairs += 1
     assert n_pairs == WORLD * len(LAYOUTS) ** 2
+
+
+def test_llama_gqa_every_layout_pair_restores_exactly(matrix):
+    """GQA QKV (query groups interleaved with K and V), SwiGLU fc1 and every other weight and
+    Adam moment of llama_tiny, row by row (rtol=0), for every pair of
+    {tp1, tp2, g2/a16, tp2 x g2/a16}."""
+    _, results = matrix
+    for rank, res in enumerate(results):
+        loads = res["llama"]["loads"]
+        assert set(loads) == {(s, d) for s in LLAMA_LAYOUTS for d in LLAMA_LAYOUTS}
+        for (src, dst), (n, problems) in sorted(loads.items()):
+            assert n > 40, (src, dst, n)
+            assert not problems, f"rank {rank}: llama {src} -> {dst}: {problems[:6]}"
+    padded = sum(r["llama"]["coverage"]["tp2g2a16"]["padded"] for r in results)
+    straddle = sum(r["llama"]["coverage"]["g2a16"]["straddle"] for r in results)
+    assert padded > 0 and straddle > 0, (padded, straddle)
+
+
+def test_built_models_have_the_shapes_of_the_table(matrix):
+    """recipes.shapes (used by the dry run and the pre-launch GTP checks) equals what megatron
+    builds, per rank, for both models at every layout."""
+    _, results = matrix
+    for rank, res in enumerate(results):
+        for name, problems in {**res["shapes"], **{f"llama {k}": v for k, v in
+                                                    res["llama"]["shapes"].items()}}.items():
+            assert not problems, (rank, name, problems[:5])
 
 
 def test_padded_branches_ran(matrix):
@@ -745,7 +828,9 @@ def _bad_input_worker(root: str, good: str, cfgs: dict) -> dict:
     root, rank = Path(root), torch.distributed.get_rank()
 
     # Bad checkpoints, each written at g2/a16 (2 ranks) or derived from a good one.
-    for case in ("wide", "vocab"):  # hidden 80 instead of 72; 384 vocab rows instead of 320
+    # wide: hidden 80 instead of 72; vocab: 384 vocab rows instead of 320 (only the padding
+    # differs: loads); other_vocab: a 300-token tokenizer (also 320 rows: only the record differs).
+    for case in ("wide", "vocab", "other_vocab"):
         model, opt, sched, record, cfg = _build(cfgs[case])
         _set_golden(model, opt, cfg)
         checkpoint.save_checkpoint(root / case, 1, model, opt, sched, {}, record)
@@ -766,7 +851,7 @@ def _bad_input_worker(root: str, good: str, cfgs: dict) -> dict:
     torch.distributed.barrier()
 
     out = {}
-    for case in ("wide", "vocab", "no_moments", "fewer_moments", "truncated"):
+    for case in ("wide", "other_vocab", "no_moments", "fewer_moments", "truncated"):
         _fill_sentinel(model, opt)
         try:
             checkpoint.load_checkpoint(root / case, model, opt, sched, record)
@@ -778,6 +863,20 @@ def _bad_input_worker(root: str, good: str, cfgs: dict) -> dict:
     _fill_sentinel(model, opt)
     checkpoint.load_checkpoint(Path(good), model, opt, sched, record)
     out["good"] = _check(model, opt, cfg)
+
+    # Another padded vocabulary size: 258 rows (tp1, make_vocab_size_divisible_by=3, no GTP)
+    # and 384 rows (g2/a16, 128) into 320-row models with and without GTP. The saved padding
+    # rows hold goldens too, so a load that read them would show.
+    model, opt, sched, record, cfg = _build(cfgs["div3"])
+    _set_golden(model, opt, cfg)
+    checkpoint.save_checkpoint(root / "div3", 1, model, opt, sched, {}, record)
+    out["padding"] = {}
+    for target in ("g2a16", "tp2"):
+        model, opt, sched, record, cfg = _build(cfgs[target])
+        for src in ("div3", "vocab"):
+            _fill_sentinel(model, opt)
+            checkpoint.load_checkpoint(root / src, model, opt, sched, record)
+            out["padding"][(src, target)] = _check(model, opt, cfg, real_vocab=257)
     parallel_state.destroy_model_parallel()
     return out
 
@@ -789,7 +888,12 @@ def bad_inputs(matrix, tmp_path_factory):
             "wide": make_cfg("tiny_swiglu", 1, 2, 16, STOCK_WORLD, "logical",
                              "model.hidden_size=80"),
             "vocab": make_cfg("tiny_swiglu", 1, 2, 16, STOCK_WORLD, "logical",
-                              "model.make_vocab_size_divisible_by=128")}
+                              "model.make_vocab_size_divisible_by=128"),
+            "other_vocab": make_cfg("tiny_swiglu", 1, 2, 16, STOCK_WORLD, "logical",
+                                    "data=indexed", "data.vocab_size=300", "data.eod_id=299"),
+            "div3": make_cfg("tiny_swiglu", 1, 1, None, STOCK_WORLD, "logical",
+                             "model.make_vocab_size_divisible_by=3"),
+            "tp2": make_cfg("tiny_swiglu", 2, 1, None, STOCK_WORLD)}
     out_root = tmp_path_factory.mktemp("bad")
     results = run_distributed(_bad_input_worker, STOCK_WORLD, str(out_root),
                               str(root / "g2a16"), cfgs, timeout=600)
@@ -811,14 +915,22 @@ def test_other_model_shape_is_refused_naming_the_tensor(bad_inputs):
         assert "(2, 80)" in err and "(2, 72)" in err, err
 
 
-def test_other_vocab_size_is_refused_for_gtp_weights(bad_inputs):
-    """Only the GTP-sharded embedding and output layer differ (384 vs 320 rows). Stock megatron
-    marks them allow_shape_mismatch and would load the overlap; the logical layout refuses."""
+def test_other_real_vocabulary_is_refused_naming_both_sizes(bad_inputs):
+    """A checkpoint of a 300-token tokenizer into a 257-token run: the same padded shapes (320
+    rows), refused from the recorded real vocabulary before any tensor is read."""
     _, results = bad_inputs
-    for err in _errors(results, "vocab"):
-        assert "Global shape mismatch" in err, err
-        assert "embedding.word_embeddings.weight" in err or "output_layer.weight" in err, err
-        assert "384" in err and "320" in err, err
+    for err in _errors(results, "other_vocab"):
+        assert "vocabulary of 300 tokens" in err and "has 257" in err, err
+
+
+def test_other_padded_vocabulary_loads_the_real_rows_exactly(bad_inputs):
+    """258 -> 320 rows (tp1 -> tp2, no GTP; tp1 -> g2/a16) and 384 -> 320 rows (g2/a16 ->
+    g2/a16, tp2): weights and Adam moments of the 257 real rows exact, padding rows zero."""
+    _, results = bad_inputs
+    for rank, r in enumerate(results):
+        assert set(r["padding"]) == {(s, d) for s in ("div3", "vocab") for d in ("g2a16", "tp2")}
+        for pair, (n, problems) in sorted(r["padding"].items()):
+            assert n > 50 and not problems, (rank, pair, problems[:5])
 
 
 def test_truncated_tensor_file_is_refused_naming_it(bad_inputs):

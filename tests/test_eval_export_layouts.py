@@ -74,7 +74,7 @@ def _world(root: str, cfgs: dict) -> dict:
         result["step"] = train_step(model, optimizer, scheduler, train_iter,
                                     cfg.data.global_batch_size // (cfg.data.micro_batch_size * dp_size),
                                     cfg)
-        common = {"consumed_samples": cfg.data.global_batch_size, "vocab_size": tokenizer.vocab_size,
+        common = {"consumed_samples": cfg.data.global_batch_size,
                   "config": OmegaConf.to_container(cfg)}
         checkpoint.save_checkpoint(f"{root}/{name}", 1, model, optimizer, scheduler, common,
                                    checkpoint.layout_record(layout))

@@ -53,8 +53,8 @@ def _build_and_save(root: str):
                 p.uniform_(0.5, 1.5)
     state = {"model": model.sharded_state_dict(), "iteration": 1, "layout": {},
              "opt_param_scheduler": {},
-             "train_state": {"config": {"model": MODEL, "data": {"tokenizer": "byte"}},
-                             "vocab_size": VOCAB}}
+             "train_state": {"config": {"model": MODEL, "data": {"tokenizer": "byte"}}},
+             "vocab_size": VOCAB}
     path = f"{root}/iter_0000001"
     os.makedirs(path)
     dist_checkpointing.save(state, path)

@@ -1,7 +1,8 @@
 """The data pipeline of a GPT pretraining run, on megatron-core's own pieces.
 
 * :mod:`recipes.data.tokenizers` - :class:`ByteTokenizer` (ids 0..255 are bytes, UTF-8 for text;
-  256 is ``<eod>``; 257 ids) and :func:`build_tokenizer`.
+  256 is ``<eod>``; 257 ids), :class:`HFTokenizer` (a local Hugging Face ``tokenizer.json``) and
+  :func:`build_tokenizer`.
 * :mod:`recipes.data.corpus` - :func:`prepare_data`: turns ``data.source`` into Megatron
   indexed-dataset prefixes (``.bin`` + ``.idx``, written with megatron's ``IndexedDatasetBuilder``),
   cached under ``data.cache_dir``.
@@ -13,8 +14,8 @@
 
 Layout under ``cache_dir``::
 
-    pydoc_byte-<key>/text_document.{bin,idx}   + meta.json   (source=pydoc)
-    text_byte-<key>/text_document.{bin,idx}    + meta.json   (source=text)
+    pydoc_<tokenizer>-<key>/text_document.{bin,idx}  + meta.json  (source=pydoc; byte or hf)
+    text_<tokenizer>-<key>/text_document.{bin,idx}   + meta.json  (source=text)
     gpt_indices/<hash>-GPTDataset-train-*.npy                (megatron's sample/shuffle indices)
 
 Distributed use: :func:`build_datasets` and :func:`build_train_iterator` are collective when
@@ -41,6 +42,7 @@ from recipes.data.tokenizers import (
     TOKENIZERS,
     ByteTokenizer,
     ExternalTokenizer,
+    HFTokenizer,
     Tokenizer,
     build_tokenizer,
 )
@@ -54,6 +56,7 @@ __all__ = [
     "TOKENIZERS",
     "ByteTokenizer",
     "ExternalTokenizer",
+    "HFTokenizer",
     "MicroBatchIterator",
     "PretrainingSampler",
     "Tokenizer",

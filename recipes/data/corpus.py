@@ -4,8 +4,8 @@
 under ``data.cache_dir``; the key in each name changes whenever the input changes, so a stale
 cache is never read::
 
-    pydoc_byte-<key>/text_document.{bin,idx}   + meta.json   (source=pydoc)
-    text_byte-<key>/text_document.{bin,idx}    + meta.json   (source=text)
+    pydoc_<tokenizer>-<key>/text_document.{bin,idx}  + meta.json  (source=pydoc; byte or hf)
+    text_<tokenizer>-<key>/text_document.{bin,idx}   + meta.json  (source=text)
 
 A corpus directory is built under a temporary name and renamed into place with ``os.replace``: two
 processes racing, or a crash half-way, never leave a half-written corpus behind.
@@ -25,7 +25,7 @@ import numpy
 
 from gtp.progress import progress
 
-from recipes.data.tokenizers import ByteTokenizer, build_tokenizer, check_source
+from recipes.data.tokenizers import Tokenizer, build_tokenizer, check_source
 
 logger = logging.getLogger(__name__)
 
@@ -39,15 +39,15 @@ def prepare_data(data_cfg: Any, seq_length: int) -> list[str]:
     """Megatron indexed-dataset prefixes (``<prefix>.bin`` / ``<prefix>.idx``) for ``data_cfg``.
 
     * ``pydoc``: CPython's ``pydoc_data.topics.topics``, one document per topic (sorted by name),
-      each followed by ``eod``; built once into ``<cache_dir>/pydoc_byte-<key>/text_document``.
+      each followed by ``eod``; built once into ``<cache_dir>/pydoc_<tokenizer>-<key>/text_document``.
     * ``text``: ``data.paths`` in the given order; a ``.txt`` file is one document (its exact bytes),
       a ``.jsonl`` line is one document (the string under ``data.jsonl_key``; blank lines skipped).
-      Empty documents are skipped. Built once into ``<cache_dir>/text_byte-<key>/text_document``,
+      Empty documents are skipped. Built once into ``<cache_dir>/text_<tokenizer>-<key>/text_document``,
       ``key`` hashing the absolute paths, mtimes, sizes and ``jsonl_key``.
     * ``indexed``: ``data.paths`` as given (absolute), after checking the files exist.
     * ``mock``: ``[]`` (megatron's MockGPTDataset reads no files).
 
-    Corpora are written with uint16 ids and built only when missing, atomically. Safe to call from
+    Corpora are written with uint16 ids (int32 above 65,536 tokens) and built only when missing, atomically. Safe to call from
     several processes at once (each may build; one rename wins), but :func:`build_datasets` lets
     rank 0 build first.
 
@@ -85,7 +85,7 @@ def prepare_data(data_cfg: Any, seq_length: int) -> list[str]:
             [CORPUS_FORMAT_VERSION, tokenizer.unique_identifiers]
             + [[name, topics[name]] for name in names]
         )
-        out_dir = os.path.join(cache_dir, f"pydoc_byte-{key}")
+        out_dir = os.path.join(cache_dir, f"pydoc_{tokenizer.name}-{key}")
         inputs = {"pydoc_data.topics": f"{len(names)} topics"}
 
         def documents() -> Iterator[bytes]:
@@ -99,7 +99,7 @@ def prepare_data(data_cfg: Any, seq_length: int) -> list[str]:
             [CORPUS_FORMAT_VERSION, tokenizer.unique_identifiers, data_cfg.jsonl_key]
             + [[p, s.st_mtime_ns, s.st_size] for p, s in zip(files, stats)]
         )
-        out_dir = os.path.join(cache_dir, f"text_byte-{key}")
+        out_dir = os.path.join(cache_dir, f"text_{tokenizer.name}-{key}")
         inputs = {p: {"mtime_ns": s.st_mtime_ns, "size": s.st_size} for p, s in zip(files, stats)}
         jsonl_key = data_cfg.jsonl_key
 
@@ -221,7 +221,7 @@ def _corpus_ready(out_dir: str) -> bool:
 def _build_corpus(
     out_dir: str,
     documents: Callable[[], Iterable[bytes]],
-    tokenizer: ByteTokenizer,
+    tokenizer: Tokenizer,
     source: str,
     inputs: dict,
 ) -> str:
@@ -236,9 +236,9 @@ def _build_corpus(
     tmp_dir = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".tmp-", dir=parent)
     try:
         tmp_prefix = os.path.join(tmp_dir, _PREFIX_NAME)
-        builder = IndexedDatasetBuilder(tmp_prefix + ".bin", dtype=numpy.uint16)
+        builder = IndexedDatasetBuilder(tmp_prefix + ".bin", dtype=tokenizer.dtype)
         num_docs = num_tokens = skipped = 0
-        eod = numpy.array([tokenizer.eod], dtype=numpy.uint16)
+        eod = numpy.array([tokenizer.eod], dtype=tokenizer.dtype)
         try:
             for doc in progress(documents(), f"tokenizing {source} corpus", unit="doc"):
                 if not doc:

@@ -2,17 +2,24 @@
 
 * :class:`ByteTokenizer`: ids 0..255 are bytes (UTF-8 for text), 256 is ``<eod>``; 257 ids.
 * :class:`ExternalTokenizer`: stands in for the tokenizer that made ``source=indexed`` data.
+* :class:`HFTokenizer`: a local Hugging Face ``tokenizer.json`` (file, or a directory holding
+  one), through the ``tokenizers`` library; the vocabulary size comes from the tokenizer.
 * :func:`build_tokenizer`: the tokenizer of a ``data`` config.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Union
+import hashlib
+import os
+from typing import Any, Iterable, Optional, Union
 
 import numpy
 
 SOURCES = ("pydoc", "text", "indexed", "mock")
+# Named tokenizers; any other data.tokenizer value is a path to a Hugging Face tokenizer.json.
 TOKENIZERS = ("byte", "external")
+# End-of-document tokens looked up in a Hugging Face tokenizer when data.eod_id is null.
+EOD_TOKENS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "[EOS]", "<|eot_id|>")
 # Megatron's "no pad token" id (megatron.core.datasets.megatron_dataset._PAD_TOKEN_ID,
 # NullTokenizer's default pad_id): outside every vocabulary, so it never occurs in a corpus.
 NO_PAD_ID = -1
@@ -25,6 +32,13 @@ class _TokenizerBase:
     vocab_size: int
     eod: int
     pad: int = NO_PAD_ID
+    # Short name in corpus cache folder names.
+    name: str = "external"
+
+    @property
+    def dtype(self):
+        """numpy dtype of token ids in a corpus: uint16 when every id fits, else int32."""
+        return numpy.uint16 if self.vocab_size <= 65536 else numpy.int32
 
     @property
     def unique_identifiers(self) -> dict:
@@ -52,6 +66,7 @@ class ByteTokenizer(_TokenizerBase):
 
     vocab_size: int = 257
     eod: int = 256
+    name = "byte"
 
     def tokenize(self, text: Union[str, bytes]) -> list[int]:
         """UTF-8 bytes of ``text`` (or the given bytes) as ids in [0, 255]; no ``eod`` is added."""
@@ -102,18 +117,92 @@ class ExternalTokenizer(_TokenizerBase):
         raise NotImplementedError("source=indexed data was tokenized outside gtp-recipes")
 
 
-Tokenizer = Union[ByteTokenizer, ExternalTokenizer]
+class HFTokenizer(_TokenizerBase):
+    """A Hugging Face ``tokenizer.json`` read with the ``tokenizers`` library.
+
+    ``vocab_size``: the tokenizer's, added tokens included; ``eod``: ``eod_id`` when given, else
+    the first of :data:`EOD_TOKENS` the tokenizer knows. The ids of a document are its text's
+    encoding without added special tokens.
+
+    Raises:
+        FileNotFoundError: ``path`` is neither a ``tokenizer.json`` nor a directory holding one.
+        ValueError: the file cannot be read as a tokenizer, no end-of-document token is known
+            and ``eod_id`` is null, or ``eod_id`` lies outside the vocabulary.
+    """
+
+    name = "hf"
+
+    def __init__(self, path: str, eod_id: Optional[int] = None) -> None:
+        from tokenizers import Tokenizer as _HF
+
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise FileNotFoundError(
+                f"data.tokenizer={path!r}: no such tokenizer.json file or directory holding one "
+                f"(valid: {TOKENIZERS} or a path to a Hugging Face tokenizer.json)")
+        self.file = os.path.abspath(file)
+        try:
+            self._tok = _HF.from_file(self.file)
+        except Exception as exc:  # noqa: BLE001 - the library's parse errors
+            raise ValueError(f"data.tokenizer={path!r}: {self.file} is not a Hugging Face "
+                             f"tokenizer.json ({exc})") from None
+        with open(self.file, "rb") as f:
+            self.sha256 = hashlib.sha256(f.read()).hexdigest()
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        if eod_id is None:
+            known = [t for t in EOD_TOKENS if self._tok.token_to_id(t) is not None]
+            if not known:
+                raise ValueError(f"data.tokenizer={path!r} has none of the end-of-document "
+                                 f"tokens {EOD_TOKENS}: set data.eod_id")
+            eod_id = self._tok.token_to_id(known[0])
+        if not 0 <= int(eod_id) < self.vocab_size:
+            raise ValueError(f"data.eod_id={eod_id} must lie in [0, {self.vocab_size}) "
+                             f"(the vocabulary of {self.file})")
+        self.eod = int(eod_id)
+
+    @property
+    def unique_identifiers(self) -> dict:
+        return {**super().unique_identifiers, "sha256": self.sha256}
+
+    def tokenize(self, text: str) -> list[int]:
+        """Ids of ``text`` (no special tokens added)."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        """Text of ``ids`` (special tokens skipped)."""
+        return self._tok.decode([int(i) for i in ids])
+
+    def encode_bytes(self, data: bytes) -> numpy.ndarray:
+        """A UTF-8 document's ids as a :attr:`dtype` array (no ``eod``)."""
+        return numpy.asarray(self.tokenize(data.decode("utf-8", errors="replace")), dtype=self.dtype)
+
+
+Tokenizer = Union[ByteTokenizer, ExternalTokenizer, HFTokenizer]
+
+
+def is_tokenizer_path(name: str) -> bool:
+    """Whether ``data.tokenizer`` names a file or directory rather than a named tokenizer."""
+    return name not in TOKENIZERS
 
 
 def build_tokenizer(data_cfg: Any) -> Tokenizer:
-    """The tokenizer of ``data_cfg``: :class:`ByteTokenizer` for pydoc/text/mock, an
-    :class:`ExternalTokenizer` from ``data.vocab_size`` / ``data.eod_id`` for indexed.
+    """The tokenizer of ``data_cfg``: :class:`HFTokenizer` when ``data.tokenizer`` is a path (any
+    source), else :class:`ByteTokenizer` for pydoc/text/mock and an :class:`ExternalTokenizer`
+    from ``data.vocab_size`` / ``data.eod_id`` for indexed.
 
     Raises:
-        ValueError: unknown ``data.source`` or ``data.tokenizer``; ``source=indexed`` with a null
-            ``data.vocab_size`` or ``data.eod_id``; pydoc/text with ``tokenizer`` other than byte.
+        ValueError: unknown ``data.source``; ``source=indexed`` with a null ``data.vocab_size``
+            or ``data.eod_id``; pydoc/text with ``tokenizer=external``; a path tokenizer whose
+            vocabulary differs from a set ``data.vocab_size`` (or that cannot be read).
+        FileNotFoundError: ``data.tokenizer`` is neither a named tokenizer nor an existing path.
     """
     source = check_source(data_cfg)
+    if is_tokenizer_path(data_cfg.tokenizer):
+        tok = HFTokenizer(str(data_cfg.tokenizer), data_cfg.eod_id)
+        if data_cfg.vocab_size is not None and int(data_cfg.vocab_size) != tok.vocab_size:
+            raise ValueError(f"data.vocab_size={data_cfg.vocab_size} differs from the "
+                             f"{tok.vocab_size} tokens of {tok.file}: set it to null")
+        return tok
     if source == "indexed":
         vocab_size, eod_id = data_cfg.vocab_size, data_cfg.eod_id
         for name, value in (("vocab_size", vocab_size), ("eod_id", eod_id)):
@@ -126,19 +215,16 @@ def build_tokenizer(data_cfg: Any) -> Tokenizer:
         return ExternalTokenizer(int(vocab_size), int(eod_id))
     if source in ("pydoc", "text") and data_cfg.tokenizer != "byte":
         raise ValueError(
-            f"data.tokenizer={data_cfg.tokenizer!r} with data.source={source!r}: gtp-recipes "
-            f"converts text with the byte tokenizer only (valid: 'byte'); tokenize with your own "
-            f"tokenizer into Megatron .bin/.idx files and use data=indexed instead"
+            f"data.tokenizer={data_cfg.tokenizer!r} with data.source={source!r}: text is "
+            f"tokenized with 'byte' or a Hugging Face tokenizer.json (data.tokenizer=<path>)"
         )
     return ByteTokenizer()
 
 
 def check_source(data_cfg: Any) -> str:
-    """``data.source``, after checking it and ``data.tokenizer`` against :data:`SOURCES` and
-    :data:`TOKENIZERS` (ValueError naming the bad value and the valid ones)."""
+    """``data.source``, after checking it against :data:`SOURCES` (ValueError naming the bad value
+    and the valid ones); ``data.tokenizer`` is checked by :func:`build_tokenizer`."""
     source = data_cfg.source
     if source not in SOURCES:
         raise ValueError(f"data.source={source!r}: valid are {SOURCES}")
-    if data_cfg.tokenizer not in TOKENIZERS:
-        raise ValueError(f"data.tokenizer={data_cfg.tokenizer!r}: valid are {TOKENIZERS}")
     return source

@@ -1,0 +1,171 @@
+"""Real and padded vocabulary rows in checkpoints.
+
+The embedding and output layer hold the *padded* vocabulary (``recipes.model.padded_vocab_size``:
+a multiple of ``lcm(make_vocab_size_divisible_by, tp)``), always real rows first and padding rows
+after them, at every TP and GTP layout. Padding rows never reach the loss
+(``recipes.model.mask_padded_vocab``), so they carry no information:
+
+* a checkpoint records the real vocabulary size (common-state key :data:`RECORD_KEY`); loading
+  it with another real vocabulary (another tokenizer, another ``data.vocab_size``) is refused,
+  naming both sizes, before any tensor is read;
+* loading it at another padded size (another ``make_vocab_size_divisible_by``, or a TP size that
+  changes the padding) reads the real rows exactly, weights and Adam moments alike, and sets the
+  padding rows of the new model to zero (:func:`adapt_to_stored_rows`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+RECORD_KEY = "vocab_size"
+# Model state-dict keys of the weights with one row per (padded) vocabulary entry.
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def real_vocab_size(model) -> Optional[int]:
+    """The tokenizer's vocabulary size recorded on the model by ``recipes.model.build_model``
+    (looked up through DDP / Float16Module wrappers and lists of pipeline chunks); None when
+    absent."""
+    if isinstance(model, (list, tuple)):
+        model = model[0] if model else None
+    while model is not None:
+        if hasattr(model, "real_vocab_size"):
+            return int(model.real_vocab_size)
+        model = getattr(model, "module", None)
+    return None
+
+
+def refusal(stored: Optional[int], current: Optional[int], where) -> Optional[str]:
+    """The error message when a checkpoint's real vocabulary differs from this run's, else None.
+
+    Args:
+        stored: the checkpoint's recorded real vocabulary size (None: not recorded).
+        current: this run's tokenizer vocabulary size.
+        where: the checkpoint path, for the message.
+    """
+    if stored is None or current is None or int(stored) == int(current):
+        return None
+    return (f"{where} was trained with a vocabulary of {stored} tokens but this run's tokenizer "
+            f"has {current} (data.tokenizer / data.vocab_size): token ids would mean other "
+            f"tokens; use the tokenizer the checkpoint was trained with")
+
+
+def _trim_piece(piece, stored_rows: int, real: int):
+    """``piece`` (a ShardedTensor over the padded vocab) cut to its real rows, placed in a tensor
+    of ``stored_rows`` rows; returns (new piece, rows it had)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    axis = piece.data.dim() - 2  # vocab rows: the first non-layer axis
+    rows = piece.data.shape[axis]
+    first = piece.global_offset[axis]
+    keep = max(0, min(rows, real - first))
+    data = piece.data.narrow(axis, 0, keep)
+    global_shape = list(piece.global_shape)
+    global_shape[axis] = stored_rows
+    offset = list(piece.global_offset)
+    offset[axis] = min(first, real)
+    new = ShardedTensor(piece.key, data, data.dtype, tuple(data.shape), tuple(global_shape),
+                        tuple(offset), None, replica_id=piece.replica_id)
+    return new, rows
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    axis = tensor.dim() - 2
+    missing = rows - tensor.shape[axis]
+    if missing == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[axis] = missing
+    return torch.cat([tensor, tensor.new_zeros(shape)], dim=axis)
+
+
+def _trimming_factory(entry, stored_rows: int, real: int):
+    """A ShardedTensorFactory that loads only the real rows of ``entry`` from a tensor of
+    ``stored_rows`` rows and pads the rest of the model's rows with zeros.
+
+    ``entry`` is megatron's ShardedTensor (no GTP) or a factory (``gtp.checkpoint``'s logical
+    GTP factory); a factory keeps its class and fields (its back-link to the live param), only
+    its build and merge functions are wrapped. Megatron applies the factory to every optimizer
+    tensor of the param too (``dist_checkpointing.optimizer.make_sharded_optimizer_tensor``).
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    if isinstance(entry, ShardedTensor):
+        def build_one(key, data, replica_id, flattened_range):
+            return [dataclasses.replace(entry, key=key, data=data, replica_id=replica_id)]
+
+        def merge_one(loaded):
+            return loaded[0]
+
+        inner_build, inner_merge = build_one, merge_one
+        base = ShardedTensorFactory(entry.key, entry.data, None, None, entry.replica_id, None)
+    else:
+        inner_build, inner_merge, base = entry.build_fn, entry.merge_fn, entry
+    rows_of_pieces: list[int] = []
+
+    def build(key, data, replica_id, flattened_range):
+        pieces = inner_build(key, data, replica_id, flattened_range)
+        single = not isinstance(pieces, list)
+        out = []
+        rows_of_pieces.clear()
+        for piece in [pieces] if single else pieces:
+            new, rows = _trim_piece(piece, stored_rows, real)
+            out.append(new)
+            rows_of_pieces.append(rows)
+        return out[0] if single else out
+
+    def merge(loaded):
+        single = not isinstance(loaded, list)
+        full = [_pad_rows(t, r) for t, r in zip([loaded] if single else loaded, rows_of_pieces)]
+        return inner_merge(full[0] if single else full)
+
+    return dataclasses.replace(base, build_fn=build, merge_fn=merge)
+
+
+def adapt_to_stored_rows(model_sd: dict, stored_shapes: dict, real: int, where) -> list[str]:
+    """Make the vocabulary entries of ``model_sd`` load from a checkpoint of another padded size.
+
+    Must run before the optimizer's sharded state dict is derived from ``model_sd`` (so the Adam
+    moments follow). Entries whose stored rows equal the model's are left alone.
+
+    Args:
+        model_sd: the model's sharded state dict (changed in place).
+        stored_shapes: ``{key: global shape}`` of the checkpoint (layer axes excluded for
+            these keys: the vocabulary weights are not layer-stacked).
+        real: the real vocabulary size (this run's tokenizer, equal to the checkpoint's record).
+        where: the checkpoint path, for messages.
+
+    Returns:
+        The keys adapted.
+
+    Raises:
+        ValueError: the checkpoint holds fewer rows than the real vocabulary.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    adapted = []
+    for key in VOCAB_KEYS:
+        entry = model_sd.get(key)
+        if entry is None or key not in stored_shapes:
+            continue
+        stored_rows = int(stored_shapes[key][0])
+        model_rows = (entry.global_shape[0] if isinstance(entry, ShardedTensor)
+                      else _factory_global_rows(entry))
+        if stored_rows == model_rows:
+            continue
+        if stored_rows < real:
+            raise ValueError(f"{where}: {key} holds {stored_rows} vocabulary rows, fewer than "
+                             f"the {real} tokens of this run's tokenizer")
+        model_sd[key] = _trimming_factory(entry, stored_rows, real)
+        adapted.append(key)
+    return adapted
+
+
+def _factory_global_rows(factory) -> int:
+    pieces = factory.build()
+    pieces = pieces if isinstance(pieces, list) else [pieces]
+    axis = pieces[0].data.dim() - 2
+    return int(pieces[0].global_shape[axis])

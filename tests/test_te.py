@@ -1,0 +1,94 @@
+"""The TransformerEngine switch (recipes/te.py): config -> TransformerConfig fields and layer spec,
+with TransformerEngine absent (this machine) and present (a stand-in module)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+from compose import make_cfg
+
+from recipes import te
+from recipes.model import transformer_config
+from recipes.validate import validate
+
+
+@pytest.fixture
+def stand_in_te(monkeypatch):
+    """An importable ``transformer_engine.pytorch`` (no GPU code behind it)."""
+    package = types.ModuleType("transformer_engine")
+    package.__path__ = []
+    pytorch = types.ModuleType("transformer_engine.pytorch")
+    package.pytorch = pytorch
+    monkeypatch.setitem(sys.modules, "transformer_engine", package)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", pytorch)
+    return pytorch
+
+
+def test_usable_with_the_stand_in(stand_in_te):
+    assert te.transformer_engine_usable()
+
+
+def test_absent_without_the_module(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", None)
+    assert not te.transformer_engine_usable()
+
+
+@pytest.mark.parametrize("gtp, want", [
+    ("off", {}),
+    ("tp2_fp8", {"fp8": "hybrid", "fp8_recipe": "tensorwise"}),
+    ("tp2_mxfp8", {"fp8": "e4m3", "fp8_recipe": "mxfp8"}),
+    ("tp2_nvfp4", {"fp4": "e2m1", "fp4_recipe": "nvfp4"}),
+])
+def test_recipe_sets_megatron_quantization_fields_only_with_te(gtp, want):
+    cfg = make_cfg("model=llama_tiny", f"gtp={gtp}")
+    layout = validate(cfg, 2)
+    with_te = transformer_config(cfg, layout, use_te=True)
+    without = transformer_config(cfg, layout, use_te=False)
+    assert with_te.transformer_impl == "transformer_engine"
+    assert without.transformer_impl == "local"
+    for field in ("fp8", "fp8_recipe", "fp4"):
+        if field in want:
+            assert getattr(with_te, field) == want[field], field
+        else:
+            assert not getattr(with_te, field) or field == "fp8_recipe", field
+    assert without.fp8 is None and without.fp4 is None
+    # The Llama options reach megatron's fields either way.
+    for c in (with_te, without):
+        assert (c.normalization, c.num_query_groups, c.add_bias_linear, c.gated_linear_unit) == (
+            "RMSNorm", 2, False, True)
+
+
+def test_layer_spec_choice():
+    m = make_cfg("model=llama_tiny").model
+    assert te.spec_builder(m, True) == ("get_gpt_layer_with_transformer_engine_spec", {})
+    assert te.spec_builder(m, False) == ("get_gpt_layer_local_spec", {"normalization": "RMSNorm"})
+
+
+def test_build_uses_the_te_spec_when_te_is_importable(stand_in_te, monkeypatch):
+    """recipes.te.layer_spec calls megatron's TE spec function (recorded here: the stand-in has
+    no TE layers to build)."""
+    import megatron.core.models.gpt.gpt_layer_specs as specs
+
+    calls = []
+    monkeypatch.setattr(specs, "get_gpt_layer_with_transformer_engine_spec",
+                        lambda **kw: calls.append(kw) or "te-spec")
+    m = make_cfg("model=llama_tiny").model
+    assert te.layer_spec(m, te.transformer_engine_usable()) == "te-spec" and calls == [{}]
+
+
+def test_notice_without_te(capsys, monkeypatch):
+    monkeypatch.setattr(te, "transformer_engine_usable", lambda: False)
+    validate(make_cfg("gtp=tp2_fp8"), 2)
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "without TransformerEngine" in out and "nothing is quantized" in out
+
+
+def test_notice_with_te(capsys, monkeypatch):
+    monkeypatch.setattr(te, "transformer_engine_usable", lambda: True)
+    validate(make_cfg("gtp=tp2_fp8"), 2)
+    out = capsys.readouterr().out
+    assert "TransformerEngine layers with transformer_impl=transformer_engine, fp8=hybrid, " \
+           "fp8_recipe=tensorwise" in out, out
