@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup train test test-fast bench clean
+.PHONY: help setup train test test-fast bench gpu-smoke clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -28,6 +28,9 @@ train: setup ## train the tiny GPT on the embedded corpus with 2 CPU processes (
 
 test: setup ## run unit, multi-process and end-to-end tests on CPU
 	$(PY) -m pytest $(ARGS)
+
+gpu-smoke: setup ## one CUDA GPU: nccl, bf16, 20 iterations, save, resume (scripts/gpu_smoke.sh)
+	PY=$(PY) scripts/gpu_smoke.sh
 
 bench: setup ## run the benchmarks and print their tables
 	$(PY) -m benchmarks $(ARGS)

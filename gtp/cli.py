@@ -317,8 +317,11 @@ def main(argv=None, out=None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: usage errors exit 2 already
         return int(exc.code or 0)
+    # torch DCP's CheckpointException derives from BaseException, not Exception.
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         return args.func(args, out=out)
-    except Exception as exc:  # noqa: BLE001 - every failure is an error exit with its reason
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - an error exit with its reason
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return ERROR

@@ -111,8 +111,9 @@ def _count_zeros_logical(parameters, grad_stats_parallel_group, use_decoupled_gr
                                                            expert_tp_group=expert_tp_group)
                 and param_is_not_gtp_duplicate(param)):
             local += padding_zeros(param, grad)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    pad = torch.tensor([local], dtype=torch.int64, device=device)
+    from gtp.collectives import collective_device
+
+    pad = torch.tensor([local], dtype=torch.int64, device=collective_device(grad_stats_parallel_group))
     torch.distributed.all_reduce(pad, op=torch.distributed.ReduceOp.SUM,
                                  group=grad_stats_parallel_group)
     return total - pad.item()
@@ -232,7 +233,11 @@ def grad_norms_by_part(chunks, num_layers: int, group) -> dict:
     )
     from megatron.core.transformer.module import param_is_not_shared
 
-    sums = torch.zeros(len(LAYER_TYPES) + num_layers, dtype=torch.float64)
+    from gtp.collectives import collective_device
+
+    # Summed where the group's collective needs them (CUDA under NCCL, CPU under gloo).
+    sums = torch.zeros(len(LAYER_TYPES) + num_layers, dtype=torch.float64,
+                       device=collective_device(group))
     for named_params, layer_offset in chunks:
         for name, param in named_params:
             grad = getattr(param, "main_grad", None)
@@ -246,7 +251,7 @@ def grad_norms_by_part(chunks, num_layers: int, group) -> dict:
             rows = logical_rows_in_shard(param)
             if rows is not None and grad.dim() > 0 and grad.shape[0] == param.shape[0]:
                 grad = grad[:rows]
-            square = grad.detach().double().square().sum()
+            square = grad.detach().double().square().sum().to(sums.device)
             sums[LAYER_TYPES.index(layer_type(name))] += square
             layer = _layer_index(name, layer_offset)
             if layer is not None:

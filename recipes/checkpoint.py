@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -35,16 +36,29 @@ def iter_dir(root: str | os.PathLike, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 
 
+def _check_root(root: Path) -> None:
+    """``root`` must be a checkpoint dir (the parent of ``iter_*`` dirs)."""
+    if root.is_file():
+        raise CheckpointError(f"checkpoint.load={str(root)!r} is a file, not a directory: point it "
+                              f"at the 'checkpoints' dir of a run")
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint.load={str(root)!r}: no such directory")
+    if ITER_NAME.fullmatch(root.name):
+        raise CheckpointError(
+            f"checkpoint.load={str(root)!r} is one saved iteration, not a checkpoint dir: use "
+            f"checkpoint.load={str(root.parent)!r} checkpoint.load_iteration={int(root.name[5:])}")
+
+
 def read_tracker(root: str | os.PathLike) -> int:
     """The iteration named by ``<root>/latest_checkpointed_iteration.txt``.
 
     Raises:
-        CheckpointError: the dir or tracker is missing/empty/garbled, or names an iteration whose
+        CheckpointError: the dir or tracker is missing/empty/garbled (not UTF-8, not a number),
+            ``root`` is a file or an ``iter_*`` dir, or the tracker names an iteration whose
             folder is missing.
     """
     root = Path(root)
-    if not root.is_dir():
-        raise CheckpointError(f"checkpoint.load={str(root)!r}: no such directory")
+    _check_root(root)
     tracker = root / TRACKER
     if not tracker.is_file():
         found = sorted(p.name for p in root.glob("iter_*"))
@@ -53,14 +67,29 @@ def read_tracker(root: str | os.PathLike) -> int:
             f"checkpoint.load={str(root)!r} has no {TRACKER}{hint}: point it at the 'checkpoints' "
             f"dir of a run that finished at least one save"
         )
-    text = tracker.read_text().strip()
+    raw = tracker.read_bytes()
     try:
+        text = raw.decode("utf-8").strip()
         iteration = int(text)
-    except ValueError:
-        raise CheckpointError(f"{tracker}: expected an iteration number, found {text!r}") from None
+    except ValueError:  # UnicodeDecodeError is a ValueError
+        raise CheckpointError(f"{tracker}: expected an iteration number, found {raw[:40]!r}") from None
     if not iter_dir(root, iteration).is_dir():
         raise CheckpointError(f"{tracker} names iteration {iteration} but {iter_dir(root, iteration)} is missing")
     return iteration
+
+
+ITER_NAME = re.compile(r"iter_(\d{7,})")
+
+
+def saved_iterations(root) -> list[int]:
+    """Iterations of ``root`` whose ``iter_*`` dir holds a complete save (megatron's two
+    metadata files), ascending. Staging dirs are hidden and never listed."""
+    found = []
+    for p in Path(root).glob("iter_*"):
+        match = ITER_NAME.fullmatch(p.name)
+        if match and all((p / name).is_file() for name in ("metadata.json", ".metadata")):
+            found.append(int(match.group(1)))
+    return sorted(found)
 
 
 def check_loadable(root: str | os.PathLike, iteration: int | None = None) -> Path:
@@ -68,21 +97,21 @@ def check_loadable(root: str | os.PathLike, iteration: int | None = None) -> Pat
 
     Args:
         root: the checkpoint dir.
-        iteration: a specific saved iteration; None: the one the tracker names.
+        iteration: a specific saved iteration; None: the one the tracker names. Any complete
+            ``iter_*`` dir loads, also one newer than the tracker (saves are renamed into place
+            only when complete).
 
     Raises:
-        CheckpointError: as :func:`read_tracker`, the iteration was never completed (newer than
-            the tracker) or is missing, or the iter dir lacks megatron's metadata.
+        CheckpointError: as :func:`read_tracker`, the iteration is missing or incomplete, its
+            data files are truncated, or its metadata is not what a checkpoint holds.
     """
     latest = read_tracker(root)
     if iteration is None:
         iteration = latest
-    elif iteration > latest or not iter_dir(root, iteration).is_dir():
-        saved = sorted(int(p.name[5:]) for p in Path(root).glob("iter_*") if p.name[5:].isdigit()
-                       and int(p.name[5:]) <= latest)
+    elif not iter_dir(root, iteration).is_dir():
         raise CheckpointError(
             f"checkpoint.load_iteration={iteration}: no complete save of it in {root}; "
-            f"complete iterations there: {saved}"
+            f"complete iterations there: {saved_iterations(root)}"
         )
     path = iter_dir(root, iteration)
     # megatron 0.19.2 keeps the common state inside .metadata (older versions: common.pt).
@@ -102,10 +131,13 @@ def _check_storage(path: Path) -> None:
     Raises:
         CheckpointError: naming the file, its size, what should be there and one tensor in it.
     """
-    from torch.distributed.checkpoint import FileSystemReader
+    from gtp.safe_metadata import UnsafeMetadataError, install, read_metadata
 
+    install()
     try:
-        metadata = FileSystemReader(str(path)).read_metadata()
+        metadata = read_metadata(path)
+    except UnsafeMetadataError as exc:
+        raise CheckpointError(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - a torn .metadata
         raise CheckpointError(f"{path / '.metadata'} cannot be read: {exc}") from exc
     needed: dict[str, tuple[int, str]] = {}
@@ -130,12 +162,18 @@ def _rng_state() -> dict:
     import numpy as np
     from megatron.core import tensor_parallel
 
-    return {
+    # Plain values and tensors only (numpy's key array as a tensor), so the state loads with
+    # torch.load(weights_only=True).
+    kind, key, pos, has_gauss, gauss = np.random.get_state()
+    state = {
         "random": random.getstate(),
-        "np": np.random.get_state(),
+        "np": [kind, torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
         "torch": torch.get_rng_state(),
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
 
 
 def _set_rng_state(state: dict) -> None:
@@ -145,8 +183,12 @@ def _set_rng_state(state: dict) -> None:
     from megatron.core import tensor_parallel
 
     random.setstate(state["random"])
-    np.random.set_state(state["np"])
+    kind, key, pos, has_gauss, gauss = state["np"]
+    key = key.numpy() if isinstance(key, torch.Tensor) else key
+    np.random.set_state((kind, np.asarray(key, dtype=np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
@@ -206,6 +248,10 @@ def _sharded_state_dict(model, optimizer, is_loading: bool, adapt=None) -> dict:
         "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                   metadata=optimizer_metadata(optimizer)),
     }
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def _barrier() -> None:
@@ -329,43 +375,39 @@ def _write_in_background(write_fn, iteration: int, rank: int, *args, **kwargs) -
     write_fn(*args, **kwargs)
 
 
-def _finish_save(root, iteration: int, rank: int, on_done=None) -> None:
-    """Every rank wrote its files: point the tracker at ``iteration`` (a collective)."""
-    faults.maybe_fail("save", iteration, rank)
-    _barrier()
-    if rank == 0:
-        tmp = Path(root) / (TRACKER + ".tmp")
-        tmp.write_text(f"{iteration}\n")
-        os.replace(tmp, Path(root) / TRACKER)
-    _barrier()
-    if on_done is not None:
-        on_done()
+def staging_dir(root, iteration: int) -> Path:
+    """``<root>/.iter_0000020.staging``: where a save is written before it is renamed into place.
+
+    Hidden, so nothing that lists ``iter_*`` (loading, retention, the tracker) ever sees it.
+    """
+    return Path(root) / f".{iter_dir(root, iteration).name}.staging"
 
 
-def save_checkpoint(root, iteration: int, model, optimizer, scheduler, common: dict,
-                    layout_dict: dict, async_saves: AsyncSaves | None = None, on_done=None) -> Path:
-    """Save a checkpoint of ``iteration`` under ``root`` (every rank calls this).
+def stage_save(root, iteration: int, model, optimizer, scheduler, common: dict,
+               layout_dict: dict, async_saves: AsyncSaves | None = None,
+               on_written=None) -> Path:
+    """Write every rank's files of ``iteration`` into :func:`staging_dir` (every rank calls this).
 
-    Args:
-        root: the checkpoint dir (``checkpoint.save``).
-        iteration: completed optimizer steps.
-        model: the DDP-wrapped megatron model.
-        optimizer: the megatron optimizer.
-        scheduler: megatron's ``OptimizerParamScheduler``.
-        common: small picklable state identical on every rank (consumed samples, wandb run id,
-            resolved config...).
-        layout_dict: the ``Layout`` the run uses, recorded so a loader knows what wrote it.
-        async_saves: None: write now and return when the checkpoint is complete. Else the
-            tensors are written in the background (megatron's async torch_dist save) and the
-            save completes in a later ``async_saves.poll()`` / ``wait()``.
-        on_done: called on every rank right after the tracker names this checkpoint.
+    Nothing under ``root`` that a loader reads changes: a crash here leaves only the hidden
+    staging dir, which the next save of the same iteration removes. Args as
+    :func:`save_checkpoint`.
+
+    With ``async_saves`` the tensors are written in the background (megatron's async
+    torch_dist save, after the previous save in flight is finalized) and this returns at once;
+    ``on_written(staged)`` then runs on every rank in megatron's finalize step, once every
+    rank's writer has finished (``async_saves.poll()`` / ``wait()``): it is where the caller
+    calls :func:`finalize_save`. Without, the files are written when this returns and
+    ``on_written`` is not used.
 
     Returns:
-        The iter dir. The tracker file names it only once every rank finished writing.
+        The staging dir; :func:`finalize_save` makes it the checkpoint.
+
+    Raises:
+        CheckpointError: not enough disk space (before anything is written).
     """
     from megatron.core import dist_checkpointing
 
-    path = iter_dir(root, iteration)
+    staged = staging_dir(root, iteration)
     rank = torch.distributed.get_rank()
     if async_saves is not None:
         async_saves.wait()  # the previous save completes (or fails) before this one starts
@@ -373,10 +415,10 @@ def save_checkpoint(root, iteration: int, model, optimizer, scheduler, common: d
     state = _sharded_state_dict(model, optimizer, is_loading=False)
     ensure_disk_space(root, expected_checkpoint_bytes(state))
     if rank == 0:
-        # A leftover of an interrupted save of the same iteration is not a checkpoint.
-        if path.exists():
-            shutil.rmtree(path)
-        path.mkdir(parents=True)
+        # A leftover of an interrupted save: never a checkpoint (it was never renamed).
+        if staged.exists():
+            shutil.rmtree(staged)
+        staged.mkdir(parents=True)
     _barrier()
     from gtp.checkpoint import METADATA_KEY, layout_metadata
 
@@ -392,20 +434,138 @@ def save_checkpoint(root, iteration: int, model, optimizer, scheduler, common: d
         # built before save, which applies the sharded factories in place.
         **{METADATA_KEY: layout_metadata(model, state["model"])},
     )
-    finish = functools.partial(_finish_save, root, iteration, rank, on_done)
     if async_saves is None:
-        dist_checkpointing.save(state, str(path))
-        finish()
-        return path
+        with faults.while_writing(iteration, rank):
+            dist_checkpointing.save(state, str(staged))
+        faults.maybe_fail("save", iteration, rank)
+        return staged
     # megatron's own async path ("mcore"; the "nvrx" default needs nvidia-resiliency-ext).
-    request = dist_checkpointing.save(state, str(path), async_sharded_save=True,
+    request = dist_checkpointing.save(state, str(staged), async_sharded_save=True,
                                       async_strategy="mcore")
     if request.async_fn is not None:
         request = request._replace(async_fn=functools.partial(
             _write_in_background, request.async_fn, iteration, rank))
-    request.add_finalize_fn(finish)
+
+    def written() -> None:
+        faults.maybe_fail("save", iteration, rank)
+        if on_written is not None:
+            on_written(staged)
+
+    # Runs after megatron's own finalize steps (the global .metadata into the staged dir).
+    request.add_finalize_fn(written)
     async_saves.schedule(request)
+    return staged
+
+
+def finalize_save(root, iteration: int, staged: Path) -> Path:
+    """Make a staged save the checkpoint of ``iteration`` once every rank finished writing.
+
+    A barrier first (a rank that died or failed while writing stops the others here, and the
+    staged dir is never renamed); then global rank 0 moves any existing ``iter_*`` of the same
+    iteration aside, renames the staged dir into place, removes the old one and writes the
+    tracker. Every step is a rename within ``root``: a crash at any point leaves either the old
+    or the new complete checkpoint under its name (or the old one as ``.iter_*.replaced``,
+    which :func:`recover_replaced` puts back).
+
+    Returns:
+        The iter dir.
+    """
+    _barrier()
+    path = iter_dir(root, iteration)
+    if _rank() == 0:
+        replaced = Path(root) / f".{path.name}.replaced"
+        if path.exists():
+            if replaced.exists():
+                shutil.rmtree(replaced)
+            os.replace(path, replaced)
+        os.replace(staged, path)
+        fsync_dir(root)
+        if replaced.exists():
+            shutil.rmtree(replaced)
+        write_durable(Path(root) / TRACKER, f"{iteration}\n")
+    _barrier()
     return path
+
+
+def recover_replaced(root) -> list[Path]:
+    """Put back a complete checkpoint that a crash left as ``.iter_*.replaced`` (its
+    replacement never got renamed into place); returns the dirs restored."""
+    restored = []
+    for aside in Path(root).glob(".iter_*.replaced"):
+        target = Path(root) / aside.name[1:-len(".replaced")]
+        if not target.exists():
+            os.replace(aside, target)
+            restored.append(target)
+    return restored
+
+
+def save_checkpoint(root, iteration: int, model, optimizer, scheduler, common: dict,
+                    layout_dict: dict, async_saves: AsyncSaves | None = None, on_done=None) -> Path:
+    """Save a checkpoint of ``iteration`` under ``root`` (every rank calls this).
+
+    Staged (:func:`stage_save`) then renamed into place (:func:`finalize_save`): an existing
+    complete checkpoint of the same iteration stays loadable until the new one is complete on
+    every rank.
+
+    Args:
+        root: the checkpoint dir (``checkpoint.save``).
+        iteration: completed optimizer steps.
+        model: the DDP-wrapped megatron model.
+        optimizer: the megatron optimizer.
+        scheduler: megatron's ``OptimizerParamScheduler``.
+        common: small state identical on every rank (consumed samples, wandb run id, resolved
+            config...): plain python values only, so it loads with ``weights_only=True``.
+        layout_dict: the ``Layout`` the run uses, recorded so a loader knows what wrote it.
+        async_saves: None: write now and return when the checkpoint is complete. Else the
+            tensors are written in the background (megatron's async torch_dist save) into the
+            staging dir, and the save completes (renamed into place, tracker written: the
+            finalize step of :func:`finalize_save`) in a later ``async_saves.poll()`` /
+            ``wait()``, once every rank's writer has finished.
+        on_done: ``on_done(path)`` is called on every rank right after the tracker names this
+            checkpoint.
+
+    Returns:
+        The iter dir. The tracker file names it only once every rank finished writing.
+    """
+    def written(staged: Path) -> None:
+        path = finalize_save(root, iteration, staged)
+        if on_done is not None:
+            on_done(path)
+
+    staged = stage_save(root, iteration, model, optimizer, scheduler, common, layout_dict,
+                        async_saves=async_saves, on_written=written)
+    if async_saves is None:
+        written(staged)
+    return iter_dir(root, iteration)
+
+
+def write_durable(path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically and durably: a unique temp file beside it, fsync,
+    rename, fsync of the dir. Readers see the old or the new content, never a torn one."""
+    import tempfile
+
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path) -> None:
+    """fsync a directory, so renames and new entries in it survive a power loss."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # Checkpoint files add metadata and alignment to the raw tensor bytes; ask for this much more.
@@ -426,9 +586,12 @@ def expected_checkpoint_bytes(sharded_state: dict) -> int:
         data = getattr(item, "data", None)
         if isinstance(data, torch.Tensor) and is_main_replica(getattr(item, "replica_id", 0)):
             local += data.numel() * data.element_size()
-    total = torch.tensor([local], dtype=torch.int64)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(total)
+    if not torch.distributed.is_initialized():
+        return local
+    from gtp.collectives import collective_device
+
+    total = torch.tensor([local], dtype=torch.int64, device=collective_device())
+    torch.distributed.all_reduce(total)
     return int(total.item())
 
 
@@ -456,18 +619,17 @@ def ensure_disk_space(root, needed_bytes: int, free_bytes: int | None = None) ->
         )
 
 
-def remove_old_checkpoints(root, keep_last: int) -> list[Path]:
+def remove_old_checkpoints(root, keep_last: int, keep: tuple[int, ...] = ()) -> list[Path]:
     """Delete all but the newest ``keep_last`` complete checkpoints (rank 0 only).
 
-    Never removes the one the tracker names, nor anything newer than it (an in-progress save).
+    Counts only complete saves (:func:`saved_iterations`); never removes the one the tracker
+    names, nor those in ``keep``, nor anything incomplete (staging dirs are hidden).
     """
     current = read_tracker(root)
-    done = sorted(
-        int(p.name[5:]) for p in Path(root).glob("iter_*") if p.name[5:].isdigit() and int(p.name[5:]) <= current
-    )
+    done = saved_iterations(root)
     removed = []
     for it in done[:-keep_last] if keep_last else []:
-        if it != current:
+        if it != current and it not in keep:
             shutil.rmtree(iter_dir(root, it))
             removed.append(iter_dir(root, it))
     return removed
@@ -562,9 +724,7 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
         failure = exc
     # A rank can fail alone (its own tensors, a file only it reads): agree before anyone
     # raises, so no rank waits alone in a later collective.
-    flag = torch.tensor([0 if failure is None else 1])
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    if flag.item():
+    if any_rank_failed(failure is not None):
         if failure is None:
             raise CheckpointError(f"cannot load {path}: loading failed on another rank")
         what = ("lacks tensors this model needs" if "unexpected" in str(failure).lower()
@@ -581,6 +741,16 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
     if same_layout:
         _set_rng_state(loaded["rng_state"])
     return common
+
+
+def any_rank_failed(failed: bool, group=None) -> bool:
+    """True on every rank when ``failed`` is true on any rank of ``group`` (a collective; its
+    flag lives on the device the group's backend needs)."""
+    from gtp.collectives import collective_device
+
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int32, device=collective_device(group))
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+    return bool(flag.item())
 
 
 def _stored_shapes(path) -> dict:

@@ -137,6 +137,9 @@ class OptimConfig:
     # Its checkpoint format (megatron's metadata["distrib_optim_sharding_type"]); only formats
     # that survive a DP/TP/PP change are accepted: fully_reshardable.
     distrib_optim_sharding_type: str = "fully_reshardable"
+    # On resume, take lr/min_lr/warmup/decay/weight decay from this config instead of the
+    # checkpoint's (Megatron-LM's --override-opt_param-scheduler).
+    override_opt_param_scheduler: bool = False
 
 
 @dataclass
@@ -157,6 +160,12 @@ class CheckpointConfig:
     # Write checkpoints in the background (megatron's async torch_dist save): training goes on
     # while the files are written; the tracker names a save once every rank's write is done.
     async_save: bool = False
+    # Save into a dir that holds another run's checkpoints (refused by default): a save of an
+    # existing iteration replaces it once complete, the tracker names this run's newest save.
+    allow_existing_save: bool = False
+    # Resume although seed, data, seq length or a batch size not dividing the consumed samples
+    # changed (refused by default: the run would see other samples than planned).
+    allow_data_change: bool = False
 
 
 @dataclass
@@ -187,6 +196,11 @@ class TrainConfig:
     # validation share (0: no validation).
     eval_interval: int = 50
     eval_iters: int = 2
+    # Stop before an optimizer step whose lm loss or grad-norm is NaN/inf (Megatron-LM's
+    # --check-for-nan-in-loss-and-grad); nothing non-finite reaches the weights or a checkpoint.
+    check_for_nan_in_loss_and_grad: bool = True
+    # With the check on: skip such a step instead of stopping, counted in `skipped-iterations`.
+    skip_nonfinite_iterations: bool = False
     # Validate the config for its world size and print the layout and per-rank sizes
     # (recipes/dry_run.py); builds nothing heavy and starts no process.
     dry_run: bool = False

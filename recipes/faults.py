@@ -5,8 +5,10 @@ ITERATION, either ``kill`` itself with SIGKILL (a crashed node: no cleanup, no e
 ``raise`` a RuntimeError (a bug). POINTs:
 
 - ``train``: after the optimizer step of ITERATION;
+- ``write``: in the save of ITERATION, while this rank writes its checkpoint files: after the
+  first tensor went into a data file (the file is open and partly written);
 - ``save``: in the save of ITERATION, after this rank wrote its checkpoint files and before
-  the save is complete on every rank (the tracker file is not updated yet);
+  the save is complete on every rank (nothing is renamed into place yet);
 - ``async_write``: in the background writer process of an asynchronous save of ITERATION
   (``checkpoint.async_save=true``), before it writes its files: ``kill`` kills the writer, not
   the training process, which learns of it when it finalizes the save.
@@ -16,13 +18,15 @@ Unset (the default), :func:`maybe_fail` does nothing.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import signal
 import time
 
 ENV = "GTP_RECIPES_FAULT"
 ACTIONS = ("kill", "raise")
-POINTS = ("train", "save", "async_write")
+POINTS = ("train", "write", "save", "async_write")
 
 
 def parse(spec: str) -> tuple[str, str, int, int]:
@@ -52,3 +56,29 @@ def maybe_fail(point: str, iteration: int, rank: int) -> None:
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     raise RuntimeError(f"injected fault ({ENV}={spec}) on rank {rank} at {point} of iteration {iteration}")
+
+
+@contextlib.contextmanager
+def while_writing(iteration: int, rank: int):
+    """While active, the ``write`` fault of ``iteration`` fires inside megatron's file writer,
+    right after one item went into an open data file (a rank dying mid-write)."""
+    spec = os.environ.get(ENV)
+    if not spec or parse(spec)[1:] != ("write", iteration, rank):
+        yield
+        return
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    original = filesystem_async._write_item
+
+    @functools.wraps(original)  # megatron inspects its signature
+    def write_item(*args, **kwargs):
+        result = original(*args, **kwargs)
+        args[1].flush()  # _write_item(transforms, stream, data, write_item, storage_key, ...)
+        maybe_fail("write", iteration, rank)
+        return result
+
+    filesystem_async._write_item = write_item
+    try:
+        yield
+    finally:
+        filesystem_async._write_item = original

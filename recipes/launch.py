@@ -24,14 +24,66 @@ MONITOR_INTERVAL_S = 0.5
 
 
 def write_resolved_config(cfg, output_dir: str) -> Path:
-    """Write ``cfg`` with every interpolation resolved to ``<output_dir>/resolved_config.yaml``."""
+    """Write ``cfg`` with every interpolation resolved to ``<output_dir>/resolved_config.yaml``
+    (atomically and durably, through a unique temp file: several writers never collide)."""
+    from recipes.checkpoint import write_durable
+
     path = Path(output_dir) / RESOLVED_CONFIG
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Every task of a submitit job writes the same file: a temporary name per process.
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    os.replace(tmp, path)
+    # Every task of a submitit job may write it: write_durable uses a temp name per writer.
+    write_durable(path, OmegaConf.to_yaml(cfg, resolve=True))
     return path
+
+
+CLAIM = ".job_claim"
+
+
+def claim_job_dir(output_dir) -> None:
+    """Claim ``output_dir`` for this run: create ``<output_dir>/.job_claim`` exclusively, holding
+    this process's host and pid. A claim by a live process on this host (two runs started in the
+    same second share Hydra's default ``outputs/<date>/<time>``) is refused; a stale one (its
+    process is gone) is taken over. The claim is removed when this process exits.
+
+    Raises:
+        ConfigError: naming the dir and the process that holds it.
+    """
+    import atexit
+    import socket
+
+    from recipes.validate import ConfigError
+
+    path = Path(output_dir) / CLAIM
+    path.parent.mkdir(parents=True, exist_ok=True)
+    me = f"{socket.gethostname()} {os.getpid()}"
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = path.read_text().split()
+            host, pid = (holder + ["", "0"])[:2]
+            alive = host == socket.gethostname() and pid.isdigit() and _pid_alive(int(pid))
+            if alive or host != socket.gethostname():
+                raise ConfigError(
+                    f"job dir {output_dir} is in use by another run (process {pid} on "
+                    f"{host or '?'}); start again a second later or set hydra.run.dir=OTHER_DIR"
+                ) from None
+            path.unlink(missing_ok=True)  # stale: its process is gone
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(me + "\n")
+        atexit.register(lambda: path.unlink(missing_ok=True))
+        return
+    raise ConfigError(f"job dir {output_dir} is in use by another run; set hydra.run.dir=OTHER_DIR")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def launch_local(config_path: Path, nproc: int) -> None:
@@ -118,11 +170,18 @@ def rank_env_from_submitit() -> dict | None:
 
 
 def run(cfg) -> None:
-    """Validate ``cfg``, write it resolved, and run the job (local launch or as one rank);
-    with ``train.dry_run`` only validate and print the dry-run report.
+    """Validate ``cfg``, settle the checkpoint to load and the save dir, write the resolved config
+    (what runs), and run the job (local launch or as one rank); with ``train.dry_run`` only
+    validate and print the dry-run report.
 
     Under a submitit launcher (``hydra/launcher=slurm`` or ``submitit_local``) every task of the
-    job calls this and runs as its global rank (:func:`rank_env_from_submitit`)."""
+    job calls this and runs as its global rank (:func:`rank_env_from_submitit`).
+
+    Raises:
+        ConfigError, CheckpointError: bad input, before any worker starts.
+    """
+    from recipes.checkpointer import NothingToTrain, prepare_resume
+
     submitit_env = rank_env_from_submitit()
     if submitit_env is not None:
         os.environ.update(submitit_env)
@@ -132,12 +191,26 @@ def run(cfg) -> None:
 
         print(report(cfg, layout), flush=True)
         return
-    config_path = write_resolved_config(cfg, cfg.output_dir)
-    if os.environ.get("RANK", "0") == "0":
+    as_rank = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    is_rank0 = not as_rank or int(os.environ["RANK"]) == 0
+    try:
+        prepare_resume(cfg, layout)
+    except NothingToTrain as exc:
+        if is_rank0:
+            print(f"> {exc}", flush=True)
+        return
+    if not as_rank:
+        claim_job_dir(cfg.output_dir)
+    resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    # Under torchrun/Slurm one rank writes the record; every rank runs its own resolved copy
+    # (the worker stops the job if the ranks disagree on the run dirs).
+    config_path = Path(cfg.output_dir) / RESOLVED_CONFIG
+    if is_rank0:
+        config_path = write_resolved_config(resolved, cfg.output_dir)
         print(f"> job output dir: {cfg.output_dir}\n> layout: {layout.describe()}", flush=True)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if as_rank:
         from recipes.worker import run as run_worker
 
-        run_worker(OmegaConf.load(config_path))
+        run_worker(resolved)
     else:
         launch_local(config_path, cfg.parallelism.nproc_per_node)

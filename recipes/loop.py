@@ -32,6 +32,9 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(data_iterator, model):
     """megatron ``forward_step_func``: one micro-batch through the model."""
     batch = next(data_iterator)
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"])
 
@@ -39,8 +42,10 @@ def forward_step(data_iterator, model):
 def _mean_over_data_group(value: torch.Tensor) -> torch.Tensor:
     from megatron.core import parallel_state
 
+    from gtp.collectives import collective_device
+
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    value = value.clone()
+    value = value.detach().to(collective_device(group), copy=True)
     torch.distributed.all_reduce(value, group=group)
     return value / torch.distributed.get_world_size(group)
 
@@ -49,19 +54,23 @@ def _lm_loss(losses: list) -> float:
     """The global batch's ``lm loss``, the same on every rank.
 
     Only the last pipeline stage computes it (megatron's schedules return an empty list on the
-    others); it is averaged over the data-parallel group there and then sent to every rank (a
-    MAX over the world: the last-stage ranks hold the same value, the others -inf), so rank 0
-    logs it, as Megatron-LM's last rank reports it.
+    others); it is averaged over the data-parallel group there and then broadcast from the last
+    stage over each pipeline group, so rank 0 logs it, as Megatron-LM's last rank reports it. A
+    broadcast (not a reduction) carries a NaN/inf as it is, for the non-finite check.
     """
     from megatron.core import parallel_state
+
+    from gtp.collectives import collective_device
 
     if losses:
         local = _mean_over_data_group(torch.stack([x["lm loss"] for x in losses]).mean())
     else:
-        local = torch.tensor(float("-inf"))
+        local = torch.tensor(float("nan"))
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        local = local.reshape(1).float()
-        torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX)
+        group = parallel_state.get_pipeline_model_parallel_group()
+        local = local.reshape(1).float().to(collective_device(group))
+        torch.distributed.broadcast(local, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                    group=group)
     return float(local.reshape(()).item())
 
 
@@ -74,15 +83,28 @@ def _layer_offset(chunk) -> int:
     return layers[0].layer_number - 1 if len(layers) else 0
 
 
+class NonFiniteError(FloatingPointError):
+    """A non-finite ``lm loss`` or ``grad-norm``: the step was not applied."""
+
+
 def train_step(model, optimizer, scheduler, data_iterator, num_microbatches: int, cfg) -> dict:
     """One optimizer step over ``num_microbatches`` micro-batches on this rank.
 
+    With ``train.check_for_nan_in_loss_and_grad`` (Megatron-LM's check_for_nan_in_loss_and_grad)
+    the loss and the grad norm are checked before the step: a NaN/inf in either skips the update
+    (weights, moments and the lr schedule stay as they were) and returns ``skipped: True``. The
+    figures are the same on every rank (the loss is averaged over the data group, the norm
+    reduced over the model-parallel groups), so every rank decides alike.
+
     Returns:
         ``lm loss`` (mean over the global batch, from the last pipeline stage), ``grad-norm``
-        (before clipping, each logical element once), ``num-zeros``, ``learning-rate`` (the one
-        the step used) and, with ``logger.grad_norm_detail``, ``grad-norm/<layer type>`` and
-        ``grad-norm/layer-<i>`` (:func:`gtp.grad_stats.grad_norms_by_part`).
+        (before clipping, each logical element once), ``num-zeros`` (NaN when skipped),
+        ``learning-rate`` (the one the step used), ``skipped`` (bool) and, with
+        ``logger.grad_norm_detail``, ``grad-norm/<layer type>`` and ``grad-norm/layer-<i>``
+        (:func:`gtp.grad_stats.grad_norms_by_part`).
     """
+    import math
+
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from recipes.model import model_chunks
@@ -110,15 +132,24 @@ def train_step(model, optimizer, scheduler, data_iterator, num_microbatches: int
         detail = grad_norms_by_part([(c.named_parameters(), _layer_offset(c)) for c in chunks],
                                     cfg.model.num_layers,
                                     optimizer.get_grad_stats_parallel_group())
+    loss = _lm_loss(losses)
+    if cfg.train.get("check_for_nan_in_loss_and_grad", True):
+        # megatron's MegatronOptimizer.step, split so the norm is seen before any update.
+        optimizer.prepare_grads()
+        norm = float(optimizer.get_grad_norm())
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            return {"lm loss": loss, "grad-norm": norm, "num-zeros": float("nan"),
+                    "learning-rate": lr, "skipped": True, **detail}
     ok, grad_norm, num_zeros = optimizer.step()
     if not ok:
         raise FloatingPointError("optimizer step skipped (inf/nan in gradients)")
     scheduler.step(increment=1)
     return {
-        "lm loss": _lm_loss(losses),
+        "lm loss": loss,
         "grad-norm": float(grad_norm),
         "num-zeros": float(num_zeros or 0),
         "learning-rate": lr,
+        "skipped": False,
         **detail,
     }
 
@@ -167,7 +198,7 @@ def eval_due(iteration: int, cfg) -> bool:
     return iteration == t.train_iters or bool(t.eval_interval and iteration % t.eval_interval == 0)
 
 
-def train(state, cfg, logger, save_fn, poll_fn=None) -> None:
+def train(state, cfg, logger, checkpointer, save_fn) -> None:
     """Run iterations ``state.iteration + 1 .. train.train_iters``, with validation where
     :func:`eval_due` (its metrics join that iteration's row).
 
@@ -175,11 +206,19 @@ def train(state, cfg, logger, save_fn, poll_fn=None) -> None:
         state: the worker's ``RunState`` (model, optimizer, scheduler, data iterator, counters).
         cfg: the run config.
         logger: a ``MetricLogger`` on rank 0, else None.
+        checkpointer: the run's :class:`recipes.checkpointer.Checkpointer` (when to save, the last
+            good checkpoint).
         save_fn: ``save_fn(iteration)`` writes a checkpoint (every rank calls it).
-        poll_fn: called on every rank after every iteration (finalizes a background save whose
-            files are all written); None: nothing.
+        checkpointer: the run's :class:`recipes.checkpointer.Checkpointer` (when to save, the last
+            good checkpoint); its ``poll()`` runs on every rank after every iteration (finalizes a
+            background save whose files are all written).
+        save_fn: ``save_fn(iteration)`` writes a checkpoint (every rank calls it).
+
+    Raises:
+        NonFiniteError: a non-finite loss or grad norm (unless ``train.skip_nonfinite_iterations``),
+            naming the iteration and the last good checkpoint; nothing of the step was applied.
     """
-    d, ck = cfg.data, cfg.checkpoint
+    d = cfg.data
     tokens_per_step = d.global_batch_size * cfg.model.seq_length
     while state.iteration < cfg.train.train_iters:
         start = time.perf_counter()
@@ -189,21 +228,29 @@ def train(state, cfg, logger, save_fn, poll_fn=None) -> None:
         )
         state.iteration += 1
         state.consumed_samples += d.global_batch_size
-        faults.maybe_fail("train", state.iteration, torch.distributed.get_rank())
+        skipped = metrics.pop("skipped")
+        state.skipped += skipped
         elapsed = time.perf_counter() - start
         metrics.update({
             "iteration-time": elapsed,
             "tokens-per-sec": tokens_per_step / elapsed,
             "consumed-samples": state.consumed_samples,
+            "skipped-iterations": state.skipped,
         })
-        validated = state.validation is not None and eval_due(state.iteration, cfg)
+        stop = skipped and not cfg.train.get("skip_nonfinite_iterations", False)
+        validated = not stop and state.validation is not None and eval_due(state.iteration, cfg)
         if validated:
             metrics.update(evaluate(state.model, state.validation, cfg))
-        if logger is not None and (validated or state.iteration % cfg.train.log_interval == 0):
+        if logger is not None and (stop or validated or state.iteration % cfg.train.log_interval == 0):
             logger.log(state.iteration, metrics)
-        if poll_fn is not None:
-            poll_fn()
-        last = state.iteration == cfg.train.train_iters
-        if ck.save and ((ck.save_interval and state.iteration % ck.save_interval == 0)
-                        or (last and ck.save_at_end)):
+        if stop:
+            last = checkpointer.last_good
+            raise NonFiniteError(
+                f"iteration {state.iteration}: lm loss {metrics['lm loss']}, grad-norm "
+                f"{metrics['grad-norm']}: not finite; the step was not applied and the run stops. "
+                f"Last good checkpoint: {last if last else 'none (no save yet)'} "
+                f"(train.skip_nonfinite_iterations=true skips such steps instead)")
+        faults.maybe_fail("train", state.iteration, torch.distributed.get_rank())
+        checkpointer.poll()
+        if checkpointer.should_save(state.iteration, cfg.train.train_iters):
             save_fn(state.iteration)

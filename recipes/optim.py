@@ -66,4 +66,23 @@ def build_scheduler(cfg, optimizer):
         end_wd=o.weight_decay,
         wd_incr_steps=decay,
         wd_incr_style="constant",
+        # On resume: the checkpoint's schedule, or this config's with the override switch.
+        override_opt_param_scheduler=bool(o.get("override_opt_param_scheduler", False)),
+        use_checkpoint_opt_param_scheduler=not o.get("override_opt_param_scheduler", False),
     )
+
+
+def apply_schedule_override(optimizer, cfg) -> None:
+    """Set the param groups' lr and weight-decay bounds to ``cfg.optim``'s after a load.
+
+    megatron identifies param groups on load by keys that include ``max_lr``/``min_lr``/
+    ``start_wd``/``end_wd`` (``param_group_identifier_keys``), so the optimizer is built and
+    loaded with the checkpoint's values; with ``optim.override_opt_param_scheduler`` this then
+    moves the groups to the new ones, which megatron's scheduler reads in ``get_lr``/``get_wd``.
+    """
+    o = cfg.optim
+    values = {"max_lr": o.lr, "min_lr": o.min_lr, "start_wd": o.weight_decay, "end_wd": o.weight_decay}
+    for group in optimizer.param_groups:
+        for key, value in values.items():
+            if key in group:
+                group[key] = value

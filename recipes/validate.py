@@ -260,6 +260,8 @@ def validate(cfg, world_size: int) -> Layout:
         raise ConfigError(f"train.eval_iters={t.eval_iters} needs a validation share in "
                           f"data.split={d.split!r} (train,valid,test weights, e.g. '98,2,0'), "
                           f"or train.eval_iters=0")
+    _positive("train.log_interval", t.log_interval)
+    _positive("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)
     decay = o.lr_decay_iters or t.train_iters
     # megatron's OptimizerParamScheduler asserts warmup < decay steps.
     if o.lr_warmup_iters < 0 or o.lr_warmup_iters >= decay:
@@ -282,6 +284,7 @@ def validate(cfg, world_size: int) -> Layout:
 
         check_loadable(ck.load, ck.load_iteration)
         _check_checkpoint_vocab(cfg)
+    _check_data_files(d)
     _announce_quantization(cfg, layout)
     return layout
 
@@ -302,6 +305,16 @@ def _check_pipeline_split(cfg, layout: Layout) -> None:
             f"num_layers / {chunks} layers): use a chunk count among {ok}, or set "
             f"model.num_layers to a multiple of {chunks}"
         )
+
+
+def _check_data_files(d) -> None:
+    """``data.paths`` name files that exist (checked here, before any model is built)."""
+    from recipes.data import check_data_paths
+
+    try:
+        check_data_paths(d)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError(str(exc)) from None
 
 
 _NORMS = ("LayerNorm", "RMSNorm")

@@ -40,6 +40,7 @@ class RunState:
     consumed_samples: int = 0
     # recipes.data.ValidationBatches, or None without validation.
     validation: Any = None
+    skipped: int = 0
 
 
 def init_distributed() -> None:
@@ -63,13 +64,12 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def setup(cfg, layout):
+def setup(cfg, layout, optimizer_cfg=None):
     """Process groups, GTP backend, model, DDP, optimizer, scheduler (no data, no checkpoint).
 
-    Returns:
-        ``(tokenizer, model, optimizer, scheduler)``; ``model`` is the DDP-wrapped GPTModel, or
-        a list of them (one per virtual pipeline stage) with
-        ``virtual_pipeline_model_parallel_size``.
+    ``optimizer_cfg``: the config to build the optimizer from when it differs from ``cfg`` (a
+    resume that overrides the lr schedule builds with the checkpoint's values, so megatron finds
+    its param groups on load).
     """
     from megatron.core import parallel_state
     from megatron.core.distributed import (
@@ -98,6 +98,9 @@ def setup(cfg, layout):
     chunks, config = build_model(cfg, layout, tokenizer.vocab_size,
                                  reseed=lambda: set_seed(cfg.train.seed))
     for chunk in chunks:
+        if torch.cuda.is_available():
+            # As Megatron-LM's get_model: built on CPU (use_cpu_initialization), trained on the GPU.
+            chunk.cuda(torch.cuda.current_device())
         gtp_setup.after_model(chunk, layout)
     if config.bf16:
         from megatron.core.transformer.module import Float16Module
@@ -117,10 +120,27 @@ def setup(cfg, layout):
         from recipes import optim_checkpoint
 
         optim_checkpoint.install()
-    optimizer = build_optimizer(cfg, ddp)
+    optimizer = build_optimizer(optimizer_cfg or cfg, ddp)
     scheduler = build_scheduler(cfg, optimizer)
     ddp = ddp if len(ddp) > 1 else ddp[0]
     return tokenizer, ddp, optimizer, scheduler
+
+
+def check_same_run(cfg) -> None:
+    """Every rank must write into the same job and checkpoint dirs (torchrun/Slurm ranks each
+    resolve the config, and ``${now:...}`` can differ between them).
+
+    Raises:
+        RuntimeError: on every rank, naming each rank's dirs.
+    """
+    mine = (str(cfg.output_dir), str(cfg.checkpoint.save))
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    if len(set(everyone)) > 1:
+        listing = "; ".join(f"rank {r}: output_dir={o}, checkpoint.save={c}"
+                            for r, (o, c) in enumerate(everyone))
+        raise RuntimeError(f"the ranks of this job resolved different run dirs ({listing}); set "
+                           f"hydra.run.dir (and checkpoint.save) explicitly for every rank")
 
 
 def run(cfg) -> None:
@@ -128,27 +148,43 @@ def run(cfg) -> None:
     from megatron.core import parallel_state
 
     from recipes import checkpoint
+    from recipes.checkpointer import Checkpointer, agree_load_iteration, planned_samples
     from recipes.config import to_dict
     from recipes.data import build_iterators, build_train_iterator
     from recipes.metrics import MetricLogger, plan_wandb_run
     from recipes.model import count_parameters
+    from recipes.optim import apply_schedule_override
     from recipes.validate import validate
 
     init_distributed()
+    check_same_run(cfg)
     layout = validate(cfg, torch.distributed.get_world_size())
-    tokenizer, model, optimizer, scheduler = setup(cfg, layout)
+    ck = cfg.checkpoint
+    load_iteration = agree_load_iteration(ck)
+    saved_cfg, optimizer_cfg = None, None
+    if load_iteration is not None:
+        saved_cfg = checkpoint.load_common(ck.load, load_iteration)[1]["train_state"].get("config")
+        if saved_cfg and cfg.optim.get("override_opt_param_scheduler", False):
+            optimizer_cfg = OmegaConf.merge(cfg, {"optim": {
+                k: saved_cfg["optim"][k] for k in ("lr", "min_lr", "weight_decay")}})
+    tokenizer, model, optimizer, scheduler = setup(cfg, layout, optimizer_cfg)
     layout_rec = checkpoint.layout_record(layout)
     rank = torch.distributed.get_rank()
 
     train_state = {"consumed_samples": 0}
     iteration, resumed_from = 0, None
-    if cfg.checkpoint.load:
-        common = checkpoint.load_checkpoint(cfg.checkpoint.load, model, optimizer, scheduler,
-                                            layout_rec, cfg.checkpoint.load_iteration)
+    checkpointer = Checkpointer(ck, loaded=load_iteration)
+    if load_iteration is not None:
+        common = checkpoint.load_checkpoint(ck.load, model, optimizer, scheduler, layout_rec,
+                                            load_iteration)
+        if optimizer_cfg is not None:
+            apply_schedule_override(optimizer, cfg)
         iteration, train_state, resumed_from = common["iteration"], dict(common["train_state"]), common["layout"]
+        checkpointer.last_good = checkpoint.iter_dir(ck.load, load_iteration)
     plan = plan_wandb_run(cfg, train_state if resumed_from is not None else None,
                           iteration if resumed_from is not None else None)
     run_id = plan["run_id"]
+    train_state["data_plan"] = planned_samples(train_state, iteration, saved_cfg, cfg)
 
     dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     dp_rank, dp_size = torch.distributed.get_rank(dp_group), torch.distributed.get_world_size(dp_group)
@@ -156,11 +192,13 @@ def run(cfg) -> None:
     # tokens, the last the labels and loss mask.
     vpp = layout.virtual_pipeline_model_parallel_size
     data_iterator, validation = build_iterators(cfg, train_state["consumed_samples"], dp_rank,
-                                                dp_size, tokenizer=tokenizer)
+                                                dp_size, tokenizer=tokenizer,
+                                                plan=train_state["data_plan"])
     if vpp:
         data_iterator = [data_iterator] + [
             build_train_iterator(cfg, train_state["consumed_samples"], dp_rank, dp_size,
-                                 tokenizer=tokenizer) for _ in range(vpp - 1)]
+                                 tokenizer=tokenizer, plan=train_state["data_plan"])
+            for _ in range(vpp - 1)]
     state = RunState(
         model, optimizer, scheduler, data_iterator,
         num_microbatches=cfg.data.global_batch_size // (cfg.data.micro_batch_size * dp_size),
@@ -181,37 +219,33 @@ def run(cfg) -> None:
         if resumed_from is not None:
             parent = plan["parent"]
             logger.event("resume", iteration=iteration, from_layout=resumed_from, layout=layout_rec,
-                         load=str(cfg.checkpoint.load), wandb_run_id=run_id,
+                         load=str(ck.load), wandb_run_id=run_id,
                          wandb_parent_run_id=parent and parent["run_id"])
         else:
             logger.event("start", iteration=0, layout=layout_rec)
 
-    async_saves = checkpoint.AsyncSaves() if cfg.checkpoint.async_save else None
-
     def saved(it: int, path) -> None:
         if rank == 0:
-            if cfg.checkpoint.keep_last:
-                checkpoint.remove_old_checkpoints(cfg.checkpoint.save, cfg.checkpoint.keep_last)
             logger.event("save", iteration=it, path=str(path))
             print(f"> saved checkpoint at iteration {it} to {path}", flush=True)
 
     def save(it: int) -> None:
+        from gtp.collectives import collective_device
+
         # rank 0's wandb step of this iteration's row: a fork from this checkpoint branches there.
-        step = torch.tensor([logger.last_step if logger is not None else 0])
+        step = torch.tensor([logger.last_step if logger is not None else 0],
+                            device=collective_device())
         torch.distributed.broadcast(step, src=0)
         common = {"consumed_samples": state.consumed_samples, "wandb_run_id": run_id,
-                  "wandb_step": int(step.item()), "config": config_dict}
-        path = checkpoint.iter_dir(cfg.checkpoint.save, it)
-        checkpoint.save_checkpoint(cfg.checkpoint.save, it, model, optimizer, scheduler,
-                                   common, layout_rec, async_saves=async_saves,
-                                   on_done=lambda: saved(it, path))
+                  "wandb_step": int(step.item()), "config": config_dict,
+                  "data_plan": train_state["data_plan"]}
+        checkpointer.save(it, model, optimizer, scheduler, common, layout_rec, on_done=saved)
 
     from recipes.loop import train
 
     try:
-        train(state, cfg, logger, save, poll_fn=async_saves.poll if async_saves else None)
-        if async_saves is not None:
-            async_saves.wait()
+        train(state, cfg, logger, checkpointer, save)
+        checkpointer.wait()
     finally:
         if logger is not None:
             logger.close()

@@ -38,6 +38,8 @@ def test_async_save_writes_what_the_synchronous_save_writes(runs, tmp_path):
     """Training goes on while iteration 2 is written; the files still hold iteration 2's state."""
     for run in ("sync", "async"):
         assert checkpoint.read_tracker(runs / run / "checkpoints") == 4
+        # Every staged save was renamed into place.
+        assert not list((runs / run / "checkpoints").glob(".iter_*")), run
     assert _losses(runs / "sync") == _losses(runs / "async")
     for it in (2, 4):
         want = _tensors(checkpoint.iter_dir(runs / "sync" / "checkpoints", it), tmp_path / "s")
@@ -53,4 +55,7 @@ def test_writer_killed_during_async_save_keeps_the_previous_checkpoint(train_run
     assert re.search(r"error: worker rank \d failed", proc.stdout), proc.stdout[-2000:]
     root = tmp_path / "checkpoints"
     assert checkpoint.read_tracker(root) == 2, "the tracker must still name the last complete save"
-    assert not (checkpoint.iter_dir(root, 4) / ".metadata").exists()
+    # Nothing of the failed save was renamed into place: only the hidden staging dir is left.
+    assert not checkpoint.iter_dir(root, 4).exists()
+    assert not (checkpoint.staging_dir(root, 4) / ".metadata").exists()
+    assert checkpoint.iter_dir(root, 2).is_dir()

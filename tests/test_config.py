@@ -103,3 +103,29 @@ def test_missing_checkpoint_dir_is_refused(tmp_path):
 def test_empty_checkpoint_dir_is_refused(tmp_path):
     with pytest.raises(Exception, match="has no latest_checkpointed_iteration.txt.*empty"):
         validate(make_cfg(f"checkpoint.load={tmp_path}"), 2)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.log_interval=0", "train.log_interval=0 is invalid"),
+    ("model.make_vocab_size_divisible_by=0", "model.make_vocab_size_divisible_by=0 is invalid"),
+    ("data=text", "data.paths is empty"),
+])
+def test_bad_values_found_only_late_are_refused_before_launch(override, message):
+    cfg = make_cfg(override)
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg, 2)
+
+
+def test_missing_data_file_is_refused_before_launch(tmp_path):
+    cfg = make_cfg("data=text", f"data.paths=[{tmp_path}/missing.jsonl]")
+    with pytest.raises(ConfigError, match=r"data.paths\[0\]=.*missing.jsonl.*no such file"):
+        validate(cfg, 2)
+
+
+def test_jsonl_with_invalid_utf8_names_file_and_line(tmp_path):
+    from recipes.data.corpus import _read_documents
+
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"text": "ok"}\n{"text": "\xff\xfe"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid UTF-8"):
+        list(_read_documents(str(path), "text"))

@@ -126,3 +126,21 @@ def test_python_dash_m_gtp(ckpts):
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
     assert "DIFFERENT: first differing tensor decoder.layers.mlp.linear_fc1.weight at layer 1, " \
            "row 110" in proc.stdout
+
+
+def test_convert_refuses_its_source_and_a_newer_destination(ckpts, tmp_path, capsys):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(ckpts / "tiny" / "legacy", src)
+    before = sorted((p.relative_to(src), p.read_bytes()) for p in src.rglob("*") if p.is_file())
+    rc, _ = cli("convert", src, src)
+    assert rc == 2 and "the destination is the source" in capsys.readouterr().err
+    assert sorted((p.relative_to(src), p.read_bytes()) for p in src.rglob("*") if p.is_file()) == before
+    newer = tmp_path / "newer"
+    newer.mkdir()
+    (newer / "iter_0000099").mkdir()
+    (newer / "latest_checkpointed_iteration.txt").write_text("99\n")
+    rc, _ = cli("convert", src, newer)
+    assert rc == 2 and "names iteration 99, newer than the converted" in capsys.readouterr().err
+    assert (newer / "latest_checkpointed_iteration.txt").read_text() == "99\n"

@@ -24,31 +24,48 @@ def same(a: dict, b: dict) -> bool:
     return all(a[k] == b[k] for k in keys)
 
 
+def tree(root: Path) -> dict:
+    """Every file under ``root`` with its bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
 @pytest.fixture(scope="module")
 def crashed(train_run, tmp_path_factory):
-    """A run whose rank 1 is SIGKILLed in the middle of saving iteration 4."""
+    """A run whose rank 1 is SIGKILLed while it writes its files of iteration 4 (a save that
+    replaces nothing)."""
     out = tmp_path_factory.mktemp("crash") / "a"
-    proc = train_run(out, *COMMON, rc=1, env={"GTP_RECIPES_FAULT": "kill:save:4:1"})
+    proc = train_run(out, *COMMON, rc=1, env={"GTP_RECIPES_FAULT": "kill:write:4:1"})
     return out, proc
+
+
+@pytest.fixture(scope="module")
+def resumed(crashed, train_run, tmp_path_factory):
+    """Two resumes of the crashed run from its last complete save (iteration 2) to 6."""
+    out, _ = crashed
+    root = tmp_path_factory.mktemp("resumed")
+    for name in ("b1", "b2"):
+        train_run(root / name, *COMMON, f"checkpoint.load={out}/checkpoints")
+    return root / "b1", root / "b2"
 
 
 def test_kill_during_save_fails_the_job_and_keeps_the_last_complete_checkpoint(crashed):
     out, proc = crashed
+    assert "injected fault kill:write:4:1" in proc.stdout
     assert re.search(r"error: worker rank 1 failed \(exit code -9\)", proc.stdout), proc.stdout[-2000:]
     root = out / "checkpoints"
     assert checkpoint.read_tracker(root) == 2, "the tracker must still name the last complete save"
-    # The interrupted save's files exist but nothing points at them.
-    assert (root / "iter_0000004").is_dir()
+    # The interrupted save was staged beside: nothing that looks like a checkpoint of 4.
+    assert not (root / "iter_0000004").exists()
+    assert checkpoint.saved_iterations(root) == [2]
+    assert list(checkpoint.staging_dir(root, 4).glob("*.distcp"))
 
 
-def test_resume_after_crash_is_exact_and_deterministic(crashed, train_run, tmp_path):
+def test_resume_after_crash_is_exact_and_deterministic(crashed, resumed):
     out, _ = crashed
+    resumed_dirs = resumed
     before = metrics(out)
     assert sorted(before) == [1, 2, 3, 4], "the crashed run logged iterations 1-4"
-    resumed = []
-    for name in ("b1", "b2"):
-        train_run(tmp_path / name, *COMMON, f"checkpoint.load={out}/checkpoints")
-        resumed.append(metrics(tmp_path / name))
+    resumed = [metrics(path) for path in resumed]
     assert sorted(resumed[0]) == [3, 4, 5, 6]
     # Same layout, RNG and data position restored: bit-identical figures.
     for it in (3, 4, 5, 6):
@@ -56,7 +73,7 @@ def test_resume_after_crash_is_exact_and_deterministic(crashed, train_run, tmp_p
     for it in (3, 4):
         assert same(resumed[0][it], before[it]), it
     # The resumed job rewrote iteration 4 from scratch and completed it.
-    assert checkpoint.read_tracker(tmp_path / "b1" / "checkpoints") == 6
+    assert checkpoint.read_tracker(resumed_dirs[0] / "checkpoints") == 6
 
 
 # A worker that raises or dies must end the job within this many seconds (measured from the fault
@@ -91,7 +108,10 @@ def test_keep_last_removes_only_older_complete_checkpoints(train_run, tmp_path):
 def test_retention_never_touches_the_tracked_or_an_in_progress_save(tmp_path):
     for it in (1, 2, 3, 4, 5):
         checkpoint.iter_dir(tmp_path, it).mkdir()
-    (tmp_path / checkpoint.TRACKER).write_text("4\n")  # 5 is being written
+        if it != 5:  # 5 lacks megatron's metadata: an incomplete dir (e.g. an older crash)
+            (checkpoint.iter_dir(tmp_path, it) / "metadata.json").write_text("{}")
+            (checkpoint.iter_dir(tmp_path, it) / ".metadata").write_bytes(b"")
+    (tmp_path / checkpoint.TRACKER).write_text("4\n")
     removed = checkpoint.remove_old_checkpoints(tmp_path, keep_last=1)
     assert sorted(p.name for p in removed) == ["iter_0000001", "iter_0000002", "iter_0000003"]
     assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000004", "iter_0000005"]
@@ -140,3 +160,63 @@ def test_root_cause_is_reported_first_whatever_the_timing():
     assert order({0: peer, 1: killed}) == [1, 0]
     assert order({0: stopped, 1: raised, 2: peer}) == [1, 0, 2]
     assert order({0: peer, 1: raised})[0] == 1
+
+
+def test_kill_while_rewriting_an_existing_iteration_keeps_it_whole(resumed, train_run, tmp_path):
+    """A fork saving into the dir it loads from (allowed explicitly) is killed while it writes
+    iteration 6, which already exists complete: the old iteration 6 is untouched and loads."""
+    root = resumed[1] / "checkpoints"
+    before = tree(root)
+    proc = train_run(tmp_path, *COMMON, f"checkpoint.load={root}", "checkpoint.load_iteration=4",
+                     f"checkpoint.save={root}", "checkpoint.allow_existing_save=true", rc=1,
+                     env={"GTP_RECIPES_FAULT": "kill:write:6:1"})
+    assert "injected fault kill:write:6:1" in proc.stdout
+    after = tree(root)
+    assert {k: v for k, v in after.items() if not k.startswith(".")} == before
+    assert checkpoint.read_tracker(root) == 6
+    checkpoint.check_loadable(root, 6)
+
+
+def test_a_second_run_into_an_occupied_save_dir_is_refused_before_launch(resumed, train_run, tmp_path):
+    root = resumed[0] / "checkpoints"
+    before = tree(root)
+    proc = train_run(tmp_path, *COMMON, f"checkpoint.save={root}", rc=2)
+    assert f"error: checkpoint.save='{root}' already holds another run's checkpoints" in proc.stdout
+    assert "checkpoint.load=" in proc.stdout and "checkpoint.save=OTHER_DIR" in proc.stdout
+    assert "worker" not in proc.stdout
+    assert tree(root) == before
+
+
+def test_the_launcher_pins_the_iteration_every_rank_loads(resumed):
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(resumed[0] / "resolved_config.yaml")
+    assert cfg.checkpoint.load_iteration == 2
+
+
+def test_a_non_finite_loss_stops_before_the_step_naming_the_last_good_checkpoint(train_run, tmp_path):
+    proc = train_run(tmp_path, "train.train_iters=6", "optim.lr=1e30", "optim.lr_warmup_iters=0",
+                     "checkpoint.save_interval=1", rc=1)
+    found = re.search(r"iteration (\d+): lm loss (\S+), grad-norm (\S+): not finite; the step "
+                      r"was not applied and the run stops. Last good checkpoint: (\S+)", proc.stdout)
+    assert found, proc.stdout[-3000:]
+    bad = int(found.group(1))
+    root = tmp_path / "checkpoints"
+    assert found.group(4) == str(checkpoint.iter_dir(root, bad - 1))
+    assert checkpoint.read_tracker(root) == bad - 1
+    assert checkpoint.saved_iterations(root) == list(range(1, bad))
+    rows = metrics(tmp_path)
+    assert sorted(rows) == list(range(1, bad + 1))
+    assert rows[bad]["skipped-iterations"] == 1
+
+
+def test_skip_nonfinite_iterations_counts_and_never_saves_them(train_run, tmp_path):
+    import math
+
+    train_run(tmp_path, "train.train_iters=4", "optim.lr=1e30", "optim.lr_warmup_iters=0",
+              "checkpoint.save_interval=0", "train.skip_nonfinite_iterations=true")
+    rows = metrics(tmp_path)
+    bad = [it for it, r in rows.items() if not (math.isfinite(r["lm loss"]) and math.isfinite(r["grad-norm"]))]
+    assert bad, "lr=1e30 must blow up"
+    assert rows[4]["skipped-iterations"] == len(bad)
+    assert all(math.isnan(rows[it]["num-zeros"]) for it in bad)

@@ -110,6 +110,14 @@ def _write(dst_iter: Path, common: dict, tensors: Optional[Mapping], objects=())
     dist_checkpointing.save(state, str(dst_iter))
 
 
+def _tracked(root: Path):
+    """The iteration ``root``'s tracker names, or None (no or unreadable tracker)."""
+    try:
+        return int((root / TRACKER).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def convert(src, dst_root, layout=None) -> Path:
     """Write ``src`` (any checkpoint; legacy GTP weights reconstructed) as a logical checkpoint.
 
@@ -133,10 +141,18 @@ def convert(src, dst_root, layout=None) -> Path:
         The written iter dir.
 
     Raises:
-        LegacyCheckpointError: as :func:`analyze` (on every rank).
+        LegacyCheckpointError: as :func:`analyze` (on every rank); ``dst_root`` is the source's
+            dir, or its tracker names a newer iteration (it would move back).
     """
     import torch
 
+    src_root = Path(src).resolve()
+    if src_root.name.startswith("iter_"):
+        src_root = src_root.parent
+    if Path(dst_root).resolve() == src_root:
+        raise LegacyCheckpointError(
+            f"convert {src} {dst_root}: the destination is the source's checkpoint dir; write the "
+            f"converted checkpoint to another dir")
     from mcore_compat import cpu as cpu_compat
 
     # Without CUDA, megatron's checkpoint writer needs the CPU shims (a no-op with CUDA or when
@@ -162,17 +178,35 @@ def convert(src, dst_root, layout=None) -> Path:
         common, iteration = status[1], status[2]
         dst_root = Path(dst_root)
         dst_iter = dst_root / f"iter_{iteration:07d}"
+        tracked = _tracked(dst_root)
+        if tracked is not None and tracked > iteration:
+            raise LegacyCheckpointError(
+                f"convert into {dst_root}: its {TRACKER} names iteration {tracked}, newer than the "
+                f"converted {iteration}; writing would move it back: convert into another dir")
+        # Written beside, renamed into place when complete: an existing save stays whole.
+        staged = dst_root / f".{dst_iter.name}.staging"
         if rank == 0:
             dst_root.mkdir(parents=True, exist_ok=True)
-            if dst_iter.exists():
-                shutil.rmtree(dst_iter)
-            dst_iter.mkdir()
+            if staged.exists():
+                shutil.rmtree(staged)
+            staged.mkdir()
         if torch.distributed.get_world_size() > 1:
             torch.distributed.barrier()
-        _write(dst_iter, common, tensors, objects)
+        _write(staged, common, tensors, objects)
+        if torch.distributed.get_world_size() > 1:
+            torch.distributed.barrier()
         if rank == 0:
-            tmp = dst_root / (TRACKER + ".tmp")
-            tmp.write_text(f"{iteration}\n")
+            aside = dst_root / f".{dst_iter.name}.replaced"
+            if dst_iter.exists():
+                os.replace(dst_iter, aside)
+            os.replace(staged, dst_iter)
+            if aside.exists():
+                shutil.rmtree(aside)
+            tmp = dst_root / f".{TRACKER}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                f.write(f"{iteration}\n")
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, dst_root / TRACKER)
         if torch.distributed.get_world_size() > 1:
             torch.distributed.barrier()

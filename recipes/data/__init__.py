@@ -25,7 +25,7 @@ therefore be on a filesystem all ranks see (as Megatron-LM's ``--data-cache-path
 ``torch.distributed`` everything runs in the calling process.
 """
 
-from recipes.data.corpus import CORPUS_FORMAT_VERSION, TEXT_SUFFIXES, prepare_data
+from recipes.data.corpus import CORPUS_FORMAT_VERSION, TEXT_SUFFIXES, check_data_paths, prepare_data
 from recipes.data.datasets import build_datasets
 from recipes.data.sampler import (
     BATCH_KEYS,
@@ -63,6 +63,7 @@ __all__ = [
     "ValidationBatches",
     "build_datasets",
     "build_iterators",
+    "check_data_paths",
     "build_tokenizer",
     "build_train_iterator",
     "collate",

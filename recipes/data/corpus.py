@@ -137,6 +137,19 @@ def _check_paths_nonempty(data_cfg: Any) -> list[str]:
     return [os.path.abspath(os.path.expanduser(str(p))) for p in paths]
 
 
+def check_data_paths(data_cfg: Any) -> None:
+    """Cheap check that ``data.paths`` name existing files of the right kind for ``data.source``
+    (run before launch, so a missing file fails before any model is built).
+
+    Raises:
+        ValueError, FileNotFoundError: naming the path and what is expected.
+    """
+    if data_cfg.source == "indexed":
+        check_indexed_paths(data_cfg)
+    elif data_cfg.source == "text":
+        check_text_paths(data_cfg)
+
+
 def check_indexed_paths(data_cfg: Any) -> list[str]:
     """``data.paths`` as absolute Megatron prefixes, after checking each has ``.bin`` and ``.idx``
     (ValueError when empty, FileNotFoundError naming the missing file)."""
@@ -183,6 +196,8 @@ def _read_documents(path: str, jsonl_key: str) -> Iterator[bytes]:
                 continue
             try:
                 record = json.loads(line)
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: not valid UTF-8 ({err})") from None
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({err})") from None
             if not isinstance(record, dict) or jsonl_key not in record:

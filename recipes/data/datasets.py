@@ -41,12 +41,9 @@ def _rank0_first(fn: Callable[[], Any]) -> Any:
             result = fn()
         except Exception as err:  # re-raised below, after telling the other ranks
             error = err
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend() == "nccl"
-        else torch.device("cpu")
-    )
-    failed = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
+    from gtp.collectives import collective_device
+
+    failed = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=collective_device())
     dist.broadcast(failed, src=0)
     if rank == 0:
         if error is not None:

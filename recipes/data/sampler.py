@@ -129,6 +129,7 @@ def build_train_iterator(
     dp_rank: int,
     dp_size: int,
     tokenizer: Optional[Tokenizer] = None,
+    plan: Optional[Sequence[int]] = None,
 ) -> MicroBatchIterator:
     """Micro-batches of the train split for data-parallel rank ``dp_rank`` of ``dp_size``.
 
@@ -146,11 +147,16 @@ def build_train_iterator(
     ``tokenizer``: the one from :func:`build_tokenizer` when the caller already has it (else built
     here from ``cfg.data``).
 
+    ``plan``: sample counts of consecutive data segments (default: one segment of
+    ``train_iters * global_batch_size``). Segment ``k`` is a dataset of that many samples built
+    with seed ``train.seed + k``; a run extended on resume appends a segment, so the samples
+    planned before keep their order (a larger first segment would reshuffle them).
+
     Raises:
         ValueError: as :class:`PretrainingSampler` (with the numbers) and :func:`build_datasets`.
         FileNotFoundError: as :func:`prepare_data`.
     """
-    return build_iterators(cfg, consumed_samples, dp_rank, dp_size, tokenizer)[0]
+    return build_iterators(cfg, consumed_samples, dp_rank, dp_size, tokenizer, plan)[0]
 
 
 class ValidationBatches:
@@ -191,11 +197,13 @@ def build_iterators(
     dp_rank: int,
     dp_size: int,
     tokenizer: Optional[Tokenizer] = None,
+    plan: Optional[Sequence[int]] = None,
 ) -> tuple[MicroBatchIterator, Optional[ValidationBatches]]:
     """The train iterator (as :func:`build_train_iterator`) and the validation set
     (:class:`ValidationBatches`, None when ``train.eval_iters`` is 0 or absent), from one build
     of megatron's datasets (``valid_samples = eval_iters * global_batch_size``; collective under
-    torch.distributed).
+    torch.distributed). ``plan``: as :func:`build_train_iterator`; the validation set comes from
+    the first segment's build (seed ``train.seed``), so it does not change when a run is extended.
 
     Raises:
         ValueError: as :func:`build_train_iterator`; ``eval_iters`` > 0 with no validation split
@@ -203,14 +211,28 @@ def build_iterators(
     """
     data_cfg = cfg.data
     mbs, gbs = int(data_cfg.micro_batch_size), int(data_cfg.global_batch_size)
-    train_samples = int(cfg.train.train_iters) * gbs
+    plan = [int(cfg.train.train_iters) * gbs] if not plan else [int(n) for n in plan]
+    train_samples = sum(plan)
     eval_iters = int(cfg.train.get("eval_iters", 0) or 0)
     # Validate the layout before building anything (raises the same on every rank).
     PretrainingSampler(train_samples, consumed_samples, mbs, gbs, dp_rank, dp_size)
     if tokenizer is None:
         tokenizer = build_tokenizer(data_cfg)
-    train, valid, _ = build_datasets(cfg, tokenizer, train_samples,
-                                     eval_iters * gbs if eval_iters else None)
+    valid_samples = eval_iters * gbs if eval_iters else None
+    if len(plan) == 1:
+        train, valid, _ = build_datasets(cfg, tokenizer, train_samples, valid_samples)
+    else:
+        from omegaconf import OmegaConf
+
+        parts, valid = [], None
+        for k, n in enumerate(plan):
+            segment_cfg = OmegaConf.merge(cfg, {"train": {"seed": int(cfg.train.seed) + k}})
+            part, segment_valid, _ = build_datasets(segment_cfg, tokenizer, n,
+                                                    valid_samples if k == 0 else None)
+            if k == 0:
+                valid = segment_valid
+            parts.append(torch.utils.data.Subset(part, range(n)))
+        train = torch.utils.data.ConcatDataset(parts)
     sampler = PretrainingSampler(len(train), consumed_samples, mbs, gbs, dp_rank, dp_size)
     validation = None
     if eval_iters:

@@ -1,0 +1,375 @@
+"""Checkpoint policy of one run: when and where to save, retention, which iteration to load,
+what a resume may change.
+
+The file format and the staged write live in :mod:`recipes.checkpoint`; this module decides.
+Before launch (one process) :func:`prepare_resume` resolves the iteration to load, refuses a save
+dir that holds another run's checkpoints, compares the config with the checkpoint's and prints
+the changes; in the workers a :class:`Checkpointer` saves (staged, then renamed into place when
+every rank finished) and prunes, and :func:`agree_load_iteration` makes every rank load the
+iteration global rank 0 resolved.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from recipes import checkpoint
+from recipes.checkpoint import CheckpointError
+
+
+class NothingToTrain(Exception):
+    """The checkpoint to load is already at or past ``train.train_iters`` (not an error)."""
+
+
+class Checkpointer:
+    """Saves of one run (every rank holds one; global rank 0 renames and prunes).
+
+    Args:
+        ck: the ``checkpoint`` config group (``save``, ``save_interval``, ``save_at_end``,
+            ``keep_last``).
+        loaded: the iteration this run resumed from (kept by retention), or None.
+    """
+
+    def __init__(self, ck, loaded: int | None = None):
+        self.root = ck.save
+        self.interval = ck.save_interval
+        self.save_at_end = ck.save_at_end
+        self.keep_last = ck.keep_last
+        self.loaded = loaded
+        # The newest complete checkpoint of this run's lineage (for messages): where it resumed.
+        self.last_good: Path | None = None
+        # checkpoint.async_save: saves written in the background, finalized in poll()/wait().
+        self.async_saves = checkpoint.AsyncSaves() if ck.get("async_save", False) else None
+
+    def should_save(self, iteration: int, train_iters: int) -> bool:
+        """Save after ``iteration``: every ``save_interval``, and at the end with ``save_at_end``."""
+        if not self.root:
+            return False
+        return bool((self.interval and iteration % self.interval == 0)
+                    or (iteration == train_iters and self.save_at_end))
+
+    def save(self, iteration: int, model, optimizer, scheduler, common: dict, layout: dict,
+             on_done=None) -> Path:
+        """Write the checkpoint of ``iteration`` (every rank calls this).
+
+        Staged into a hidden dir (:func:`recipes.checkpoint.stage_save`), renamed into place
+        and named by the tracker once every rank finished (:func:`recipes.checkpoint.finalize_save`),
+        then older complete saves beyond ``keep_last`` are removed and ``on_done(iteration,
+        path)`` runs (every rank). With ``checkpoint.async_save`` the files are written in the
+        background and all of that happens in a later :meth:`poll` / :meth:`wait`.
+
+        Returns:
+            The iter dir (complete on return only without ``async_save``).
+        """
+        rank = torch.distributed.get_rank()
+        previous = _tracked(self.root) if rank == 0 else None
+
+        def done(path: Path) -> None:
+            self.last_good = path
+            if rank == 0:
+                if previous is not None and previous > iteration:
+                    print(f"> note: {checkpoint.TRACKER} in {self.root} moves back from {previous} "
+                          f"to {iteration}; {checkpoint.iter_dir(self.root, previous).name} is kept "
+                          f"(checkpoint.load_iteration={previous} loads it)", flush=True)
+                if self.keep_last:
+                    keep = (iteration,) if self.loaded is None else (iteration, self.loaded)
+                    checkpoint.remove_old_checkpoints(self.root, self.keep_last, keep=keep)
+            if on_done is not None:
+                on_done(iteration, path)
+
+        return checkpoint.save_checkpoint(self.root, iteration, model, optimizer, scheduler, common,
+                                          layout, async_saves=self.async_saves, on_done=done)
+
+    def poll(self) -> None:
+        """Finalize the background save in flight if every rank's writer has finished (a
+        collective; no-op without ``async_save``)."""
+        if self.async_saves is not None:
+            self.async_saves.poll()
+
+    def wait(self) -> None:
+        """Wait for the background save in flight and finalize it (a collective; no-op without
+        ``async_save``).
+
+        Raises:
+            megatron's ``CheckpointException``: a rank's writer failed or died; nothing was
+                renamed into place, the tracker still names the previous checkpoint.
+        """
+        if self.async_saves is not None:
+            self.async_saves.wait()
+
+
+def _tracked(root) -> int | None:
+    try:
+        return checkpoint.read_tracker(root)
+    except CheckpointError:
+        return None
+
+
+def resolve_load_iteration(ck) -> int | None:
+    """The iteration ``ck.load`` resolves to now: ``ck.load_iteration`` or the tracker's.
+
+    Raises:
+        CheckpointError: as :func:`recipes.checkpoint.check_loadable`.
+    """
+    if ck.load is None:
+        return None
+    if Path(ck.load).is_dir():
+        checkpoint.recover_replaced(ck.load)
+    return int(checkpoint.check_loadable(ck.load, ck.load_iteration).name[5:])
+
+
+def agree_load_iteration(ck) -> int | None:
+    """Every rank's iteration to load: global rank 0 resolves it (unless the config pins it)
+    and broadcasts it, so a dir that another run is saving into cannot give ranks different
+    iterations."""
+    if ck.load is None:
+        return None
+    box = [None]
+    if torch.distributed.get_rank() == 0:
+        try:
+            box[0] = resolve_load_iteration(ck)
+        except CheckpointError as exc:
+            box[0] = exc
+    torch.distributed.broadcast_object_list(box, src=0)
+    if isinstance(box[0], CheckpointError):
+        raise box[0]
+    return box[0]
+
+
+def check_save_dir(ck, load_iteration: int | None) -> None:
+    """Refuse a ``checkpoint.save`` that cannot be written or that holds another run's saves.
+
+    A dir is this run's to continue when it is also ``checkpoint.load`` and the iteration loaded
+    is its newest complete save; else any complete save or tracker in it belongs to another run
+    (a re-submitted job, a fork from an earlier iteration), and saving there would replace its
+    checkpoints or move its tracker back, unless ``checkpoint.allow_existing_save=true``.
+
+    Raises:
+        CheckpointError: naming the dir, what it holds and the ways on.
+    """
+    if not ck.save:
+        return
+    root = Path(ck.save)
+    _check_writable(root)
+    checkpoint.recover_replaced(root)
+    saved = checkpoint.saved_iterations(root)
+    tracked = _tracked(root) if (root / checkpoint.TRACKER).exists() else None
+    if not saved and tracked is None:
+        return
+    same_dir = ck.load is not None and Path(ck.load).resolve() == root.resolve()
+    if same_dir and load_iteration == max(saved + [tracked or 0]):
+        return
+    if ck.get("allow_existing_save", False):
+        return
+    what = f"complete saves of iterations {saved}" + (f", tracker at {tracked}" if tracked is not None else "")
+    if same_dir:
+        how = (f"it would save over iterations after {load_iteration}: resume from its newest save "
+               f"(drop checkpoint.load_iteration) or save elsewhere (checkpoint.save=OTHER_DIR)")
+    else:
+        how = (f"load it (checkpoint.load={str(root)!r}) or save elsewhere "
+               f"(checkpoint.save=OTHER_DIR)")
+    raise CheckpointError(
+        f"checkpoint.save={str(root)!r} already holds another run's checkpoints ({what}): {how}; "
+        f"checkpoint.allow_existing_save=true saves into it anyway (a save of an existing "
+        f"iteration replaces it once complete)")
+
+
+def _check_writable(root: Path) -> None:
+    """The save dir can be created and written (checked before the model is built)."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write_probe.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint.save={str(root)!r} is not writable: {exc.strerror or exc}; "
+                              f"set checkpoint.save to a writable dir") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# What a resume may change
+# ---------------------------------------------------------------------------------------------
+
+# Changing any of these changes which samples the run sees (megatron's GPTDataset shuffle and
+# sample boundaries depend on them).
+DATA_FIELDS = ("train.seed", "model.seq_length", "data.source", "data.paths", "data.split",
+               "data.tokenizer", "data.vocab_size", "data.eod_id", "data.jsonl_key")
+# megatron's OptimizerParamScheduler (and the optimizer's param-group keys) hold these.
+SCHEDULE_FIELDS = ("optim.lr", "optim.min_lr", "optim.lr_warmup_iters", "optim.lr_decay_iters",
+                   "optim.lr_decay_style", "optim.weight_decay")
+# Resharded or reread on load; no effect on the saved state.
+_NEUTRAL = ("parallelism", "logger", "checkpoint", "output_dir", "precision", "data.cache_dir")
+
+
+@dataclass(frozen=True)
+class Change:
+    """One config field that differs from the checkpoint's run config."""
+
+    field: str
+    saved: object
+    now: object
+    effect: str
+
+
+def _get(d: dict, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return None
+        d = d[part]
+    return d
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in d.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def _decay_iters(cfg: dict):
+    return _get(cfg, "optim.lr_decay_iters") or _get(cfg, "train.train_iters")
+
+
+def resume_changes(saved: dict, now: dict, consumed_samples: int) -> list[Change]:
+    """Every field of ``now`` (the resolved run config) that differs from ``saved`` (the
+    checkpoint's), with what it does on this resume.
+
+    ``optim.lr_decay_iters`` is compared as the decay length it means (null: train.train_iters).
+    """
+    override = bool(_get(now, "optim.override_opt_param_scheduler"))
+    flat_saved, flat_now = _flatten(saved), _flatten(now)
+    flat_saved["optim.lr_decay_iters"] = _decay_iters(saved)
+    flat_now["optim.lr_decay_iters"] = _decay_iters(now)
+    changes = []
+    for name in sorted(set(flat_saved) | set(flat_now)):
+        old, new = flat_saved.get(name), flat_now.get(name)
+        if old == new or name.endswith(".name") or name.split(".")[0] in _NEUTRAL or name in _NEUTRAL:
+            continue
+        if name in DATA_FIELDS:
+            effect = "REFUSED: changes the data seen (checkpoint.allow_data_change=true allows it)"
+        elif name == "data.global_batch_size":
+            effect = (f"batches of {new} samples from sample {consumed_samples} on"
+                      if consumed_samples % int(new) == 0 else
+                      f"REFUSED: {consumed_samples} consumed samples are not a whole number of "
+                      f"batches of {new} (checkpoint.allow_data_change=true allows it)")
+        elif name in SCHEDULE_FIELDS:
+            effect = ("new value used (optim.override_opt_param_scheduler=true)" if override else
+                      f"checkpoint's {old} kept (optim.override_opt_param_scheduler=true takes the new)")
+        elif name == "train.train_iters":
+            effect = "runs to the new end; samples already planned keep their order"
+        elif name.startswith(("model.", "gtp.")):
+            effect = "checked against the checkpoint's tensors at load"
+        elif name == "optim.override_opt_param_scheduler":
+            effect = "lr schedule policy"
+        else:
+            effect = "used from now on"
+        changes.append(Change(name, old, new, effect))
+    return changes
+
+
+def format_changes(changes: list[Change]) -> str:
+    """The changes as an aligned text table (one header line, one line per field)."""
+    rows = [("field", "checkpoint", "now", "effect")] + [
+        (c.field, repr(c.saved), repr(c.now), c.effect) for c in changes]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join(f"  {r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}"
+                     for r in rows)
+
+
+def prepare_resume(cfg, layout) -> None:
+    """Pre-launch checks and decisions of a run that loads a checkpoint (and of every run's save
+    dir). Updates ``cfg`` in place so the recorded config is what runs:
+    ``checkpoint.load_iteration`` pinned to the iteration resolved now (every rank loads it) and,
+    unless ``optim.override_opt_param_scheduler``, the lr schedule fields set to the checkpoint's.
+
+    Raises:
+        NothingToTrain: the checkpoint is at or past ``train.train_iters``.
+        CheckpointError: the checkpoint cannot be loaded, the save dir is taken, a refused change
+            (data, batch size, stock GTP layout across layouts), naming the fields and the way on.
+    """
+    from omegaconf import open_dict
+
+    from recipes.config import to_dict
+
+    ck = cfg.checkpoint
+    iteration = resolve_load_iteration(ck)
+    check_save_dir(ck, iteration)
+    if iteration is None:
+        return
+    if iteration >= cfg.train.train_iters:
+        raise NothingToTrain(
+            f"nothing to train: {checkpoint.iter_dir(ck.load, iteration)} is at iteration "
+            f"{iteration} and train.train_iters={cfg.train.train_iters}; raise train.train_iters "
+            f"to continue (the checkpoint is left untouched)")
+    _, common = checkpoint.load_common(ck.load, iteration)
+    _check_stock_layout(cfg, layout, common["layout"], ck.load)
+    saved = common["train_state"].get("config") or {}
+    consumed = int(common["train_state"].get("consumed_samples", 0))
+    now = to_dict(cfg)
+    changes = resume_changes(saved, now, consumed) if saved else []
+    refused = [c for c in changes if c.effect.startswith("REFUSED")]
+    if changes and int(os.environ.get("RANK", "0")) == 0:
+        print(f"> resuming from iteration {iteration} of {ck.load} with changed config:\n"
+              + format_changes(changes), flush=True)
+    if refused and not ck.get("allow_data_change", False):
+        raise CheckpointError(
+            "resuming would change the data the run sees: " + "; ".join(
+                f"{c.field} {c.saved!r} -> {c.now!r}" for c in refused)
+            + f" (the checkpoint's values are in {ck.load}; set them back, or "
+              f"checkpoint.allow_data_change=true)")
+    with open_dict(cfg):
+        ck.load_iteration = iteration
+        if saved and not cfg.optim.get("override_opt_param_scheduler", False):
+            for name in SCHEDULE_FIELDS:
+                key = name.split(".")[1]
+                cfg.optim[key] = _decay_iters(saved) if key == "lr_decay_iters" else _get(saved, name)
+
+
+def _check_stock_layout(cfg, layout, saved_layout: dict, root) -> None:
+    """megatron-core 0.19.2's stock GTP layout reads files at the offsets of the run's own
+    padding: it loads only a checkpoint saved at the same tp, gtp_remat_size and alignment."""
+    if cfg.gtp.get("checkpoint_layout", "logical") != "stock" or layout.gtp_remat_size == 1:
+        return
+    keys = ("tensor_model_parallel_size", "gtp_remat_size", "pad_for_alignment")
+    mine = {k: getattr(layout, k) for k in keys}
+    theirs = {k: saved_layout.get(k) for k in keys}
+    if mine != theirs:
+        raise CheckpointError(
+            f"gtp.checkpoint_layout=stock cannot load {root}: it was saved at {theirs}, this run "
+            f"is {mine}, and the stock layout would read its rows at shifted offsets; use "
+            f"gtp.checkpoint_layout=logical (loads any layout)")
+
+
+def planned_samples(train_state: dict, iteration: int, saved_cfg: dict | None, cfg) -> list[int]:
+    """Sample counts of the run's data segments, extended to cover ``cfg``'s train_iters.
+
+    The first segment is the one the run was started with (``train_iters * global_batch_size``);
+    a resume that runs longer adds a segment for the extra samples (built with the next seed)
+    instead of resizing the first, whose shuffle would change (megatron's GPTDataset shuffles
+    over the number of samples asked for). Kept in the checkpoint's train state as ``data_plan``.
+
+    Args:
+        train_state: the checkpoint's (``consumed_samples``, ``data_plan``), or ``{}``.
+        iteration: the iteration loaded (0 for a fresh run).
+        saved_cfg: the checkpoint's run config (None for a fresh run).
+        cfg: this run's config.
+    """
+    plan = [int(n) for n in train_state.get("data_plan") or []]
+    if not plan:
+        first = saved_cfg or {}
+        iters = _get(first, "train.train_iters") or cfg.train.train_iters
+        gbs = _get(first, "data.global_batch_size") or cfg.data.global_batch_size
+        plan = [int(iters) * int(gbs)]
+    needed = int(train_state.get("consumed_samples", 0)) + (
+        int(cfg.train.train_iters) - int(iteration)) * int(cfg.data.global_batch_size)
+    if needed > sum(plan):
+        plan.append(needed - sum(plan))
+    return plan

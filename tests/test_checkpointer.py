@@ -1,0 +1,393 @@
+"""Checkpoint policy without training: staged saves, save-dir claims, the agreed load iteration,
+the resume diff, retention, bad checkpoint paths, restricted metadata, collective devices."""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from compose import make_cfg
+from multiproc import run_distributed
+
+from recipes import checkpoint, checkpointer
+from recipes.checkpoint import CheckpointError
+
+
+def fake_save(root: Path, iteration: int, payload: bytes = b"x") -> Path:
+    """An iter dir that looks complete to the policy (megatron's two metadata files)."""
+    path = checkpoint.iter_dir(root, iteration)
+    path.mkdir(parents=True)
+    (path / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    (path / ".metadata").write_bytes(payload)
+    return path
+
+
+def ck_cfg(**fields):
+    cfg = make_cfg()
+    for key, value in fields.items():
+        cfg.checkpoint[key] = value
+    return cfg.checkpoint
+
+
+@pytest.fixture(scope="module")
+def train_checkpoint(train_run, tmp_path_factory):
+    """A dp2 run of 2 iterations saved at 1 and 2; its checkpoint dir."""
+    out = tmp_path_factory.mktemp("ckpt_src")
+    train_run(out, "train.train_iters=2", "checkpoint.save_interval=1")
+    return str(out / "checkpoints")
+
+
+# --- 1. a save never deletes or hides a complete checkpoint ---------------------------------
+
+def test_staged_save_replaces_an_existing_iteration_only_when_complete(tmp_path):
+    old = fake_save(tmp_path, 50, b"old")
+    (tmp_path / checkpoint.TRACKER).write_text("100\n")
+    staged = checkpoint.staging_dir(tmp_path, 50)
+    staged.mkdir()
+    (staged / ".metadata").write_bytes(b"new")
+    # Until finalize, the old checkpoint is untouched and nothing lists the staged dir.
+    assert (old / ".metadata").read_bytes() == b"old"
+    assert checkpoint.saved_iterations(tmp_path) == [50]
+    checkpoint.finalize_save(tmp_path, 50, staged)
+    assert (old / ".metadata").read_bytes() == b"new"
+    assert not staged.exists() and not list(tmp_path.glob(".*replaced"))
+
+
+def test_a_crash_between_the_two_renames_is_recovered(tmp_path):
+    fake_save(tmp_path, 50, b"old")
+    aside = tmp_path / ".iter_0000050.replaced"
+    checkpoint.iter_dir(tmp_path, 50).rename(aside)  # as finalize_save, killed after its 1st rename
+    assert checkpoint.recover_replaced(tmp_path) == [checkpoint.iter_dir(tmp_path, 50)]
+    assert (checkpoint.iter_dir(tmp_path, 50) / ".metadata").read_bytes() == b"old"
+
+
+def test_an_occupied_save_dir_is_refused_naming_the_ways_on(tmp_path):
+    root = tmp_path / "ck"
+    fake_save(root, 50)
+    fake_save(root, 100)
+    (root / checkpoint.TRACKER).write_text("100\n")
+    # A re-submitted job (no load) and a fork (an earlier iteration of the same dir).
+    for ck, loaded in ((ck_cfg(save=str(root)), None),
+                       (ck_cfg(save=str(root), load=str(root), load_iteration=50), 50)):
+        with pytest.raises(CheckpointError, match=r"already holds another run's checkpoints .*"
+                                                  r"iterations \[50, 100\], tracker at 100.*"
+                                                  r"checkpoint.save=OTHER_DIR.*allow_existing_save"):
+            checkpointer.check_save_dir(ck, loaded)
+    # Continuing the dir from its newest save, or asking for it, is fine.
+    checkpointer.check_save_dir(ck_cfg(save=str(root), load=str(root)), 100)
+    checkpointer.check_save_dir(ck_cfg(save=str(root), allow_existing_save=True), None)
+    checkpointer.check_save_dir(ck_cfg(save=str(tmp_path / "fresh")), None)
+
+
+def test_an_unwritable_save_dir_is_refused_before_launch(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CheckpointError, match=r"checkpoint.save='.*file/ck' is not writable"):
+        checkpointer.check_save_dir(ck_cfg(save=str(tmp_path / "file" / "ck")), None)
+
+
+def test_load_iteration_newer_than_the_tracker_loads_when_complete(tmp_path, monkeypatch):
+    # A complete save is loadable by its iteration even after the tracker moved back (a fork
+    # saving into the dir with allow_existing_save).
+    fake_save(tmp_path, 50)
+    fake_save(tmp_path, 100)
+    (tmp_path / checkpoint.TRACKER).write_text("50\n")
+    monkeypatch.setattr(checkpoint, "_check_storage", lambda path: None)  # fake files: no tensors
+    assert checkpoint.check_loadable(tmp_path, 100).name == "iter_0000100"
+
+
+# --- 2. every rank loads the iteration rank 0 resolved --------------------------------------
+
+def _agree_while_tracker_moves(root):
+    from compose import make_cfg
+
+    from recipes import checkpoint as ckpt, checkpointer as policy
+
+    rank = torch.distributed.get_rank()
+    # A live writer moves the tracker between the ranks' reads: each rank would read another.
+    ckpt.read_tracker = lambda path: 10 + rank
+    ckpt._check_storage = lambda path: None  # fake files hold no tensors
+    ck = make_cfg().checkpoint
+    ck.load = root
+    return policy.agree_load_iteration(ck)
+
+
+def _distributed_checks(root):
+    """The checks that need a process group, in one 2-rank world (start-up is the cost)."""
+    return {"agree": _agree_while_tracker_moves(root), "devices": _collectives_under_nccl_rule(),
+            "same_run": _check_same_run()}
+
+
+@pytest.fixture(scope="module")
+def distributed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("agree")
+    for it in (10, 11):
+        fake_save(root, it)
+    return run_distributed(_distributed_checks, 2, str(root), timeout=300)
+
+
+def test_every_rank_loads_the_same_iteration_while_the_tracker_moves(distributed):
+    assert [r["agree"] for r in distributed] == [10, 10]
+
+
+# --- 4. the resume diff ---------------------------------------------------------------------
+
+def test_resume_diff_names_every_change_and_refuses_data_changes():
+    from recipes.config import to_dict
+
+    saved = to_dict(make_cfg())
+    now = to_dict(make_cfg("optim.lr=5e-4", "train.train_iters=1000", "train.seed=7",
+                           "data.global_batch_size=32", "parallelism=tp2", "train.log_interval=5"))
+    changes = {c.field: c for c in checkpointer.resume_changes(saved, now, consumed_samples=48)}
+    assert set(changes) == {"optim.lr", "optim.lr_decay_iters", "train.train_iters", "train.seed",
+                            "data.global_batch_size", "train.log_interval"}, sorted(changes)
+    assert changes["optim.lr"].effect.startswith("checkpoint's 0.003 kept")
+    assert changes["train.seed"].effect.startswith("REFUSED")
+    assert changes["data.global_batch_size"].effect.startswith("REFUSED: 48 consumed samples")
+    assert "keep their order" in changes["train.train_iters"].effect
+    table = checkpointer.format_changes(list(changes.values()))
+    assert "optim.lr" in table and "0.0005" in table
+    ok = checkpointer.resume_changes(saved, to_dict(make_cfg("data.global_batch_size=32")), 64)
+    assert not ok[0].effect.startswith("REFUSED")
+    override = to_dict(make_cfg("optim.lr=5e-4", "optim.override_opt_param_scheduler=true"))
+    lr = next(c for c in checkpointer.resume_changes(saved, override, 0) if c.field == "optim.lr")
+    assert lr.effect.startswith("new value used")
+
+
+def test_extending_train_iters_keeps_the_planned_samples_in_order(data_cache):
+    from recipes import data as D
+
+    # Batches of 4000 samples: 2 iterations span two epochs of the corpus (7645 samples of 64
+    # tokens), 10 iterations six, and megatron shuffles over all epochs but the last.
+    def cfg(iters):
+        return make_cfg(f"data.cache_dir={data_cache}", f"train.train_iters={iters}",
+                        "data.global_batch_size=4000", "data.micro_batch_size=4")
+
+    plan = checkpointer.planned_samples({"consumed_samples": 4000}, 1, None, cfg(2))
+    assert plan == [8000]
+    extended = checkpointer.planned_samples({"consumed_samples": 4000, "data_plan": plan}, 1,
+                                            None, cfg(10))
+    assert extended == [8000, 32000]
+
+    def samples(c, p):
+        it = D.build_train_iterator(c, 4000, 0, 1, plan=p)
+        return torch.cat([next(it)["tokens"] for _ in range(8)])
+
+    before = samples(cfg(2), plan)
+    assert torch.equal(samples(cfg(10), extended), before)
+    # What the plan prevents: a dataset sized for 10 iterations gives other samples.
+    assert not torch.equal(samples(cfg(10), None), before)
+
+
+def test_nothing_to_train_when_the_checkpoint_is_at_the_end(train_checkpoint):
+    cfg = make_cfg("train.train_iters=2", f"checkpoint.load={train_checkpoint}")
+    with pytest.raises(checkpointer.NothingToTrain, match="at iteration 2 and train.train_iters=2"):
+        checkpointer.prepare_resume(cfg, None)
+
+
+def test_stock_layout_refuses_a_checkpoint_of_another_layout(train_checkpoint):
+    from recipes.validate import validate
+
+    cfg = make_cfg("parallelism=tp2dp2", "gtp=tp2_align16", "gtp.checkpoint_layout=stock",
+                   "train.train_iters=4", "optim.lr_warmup_iters=1",
+                   f"checkpoint.load={train_checkpoint}")
+    layout = validate(cfg, 4)
+    with pytest.raises(CheckpointError, match="use gtp.checkpoint_layout=logical"):
+        checkpointer.prepare_resume(cfg, layout)
+
+
+def test_resume_pins_the_iteration_and_records_the_schedule_that_runs(train_checkpoint):
+    from recipes.validate import validate
+
+    cfg = make_cfg("train.train_iters=4", "optim.lr=5e-4", "optim.lr_warmup_iters=1",
+                   f"checkpoint.load={train_checkpoint}")
+    checkpointer.prepare_resume(cfg, validate(cfg, 2))
+    assert cfg.checkpoint.load_iteration == 2
+    assert (cfg.optim.lr, cfg.optim.lr_decay_iters) == (0.003, 2)  # the checkpoint's
+    refused = make_cfg("train.train_iters=4", "train.seed=9", "optim.lr_warmup_iters=1",
+                       f"checkpoint.load={train_checkpoint}")
+    with pytest.raises(CheckpointError, match=r"train.seed 1234 -> 9 .*allow_data_change=true"):
+        checkpointer.prepare_resume(refused, validate(refused, 2))
+
+
+# --- 9. loading runs no pickled code --------------------------------------------------------
+
+class _Payload:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_crafted_metadata_is_refused_without_running_it(tmp_path):
+    marker = tmp_path / "payload_ran"
+    fake_save(tmp_path, 1, pickle.dumps(_Payload(marker)))
+    (tmp_path / checkpoint.TRACKER).write_text("1\n")
+    with pytest.raises(CheckpointError, match=r"names pathlib.Path.touch.*refusing"):
+        checkpoint.check_loadable(tmp_path)
+    assert not marker.exists()
+
+
+def test_our_own_checkpoint_objects_load_with_weights_only(train_checkpoint):
+    from megatron.core import dist_checkpointing
+
+    from recipes.checkpoint import _rng_state
+
+    common = dist_checkpointing.load_common_state_dict(str(Path(train_checkpoint) / "iter_0000002"))
+    ours = {k: common[k] for k in ("iteration", "train_state", "layout", "opt_param_scheduler")}
+    for obj in (ours, _rng_state()):
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        buf.seek(0)
+        torch.load(buf, weights_only=True)
+
+
+# --- 10. bad checkpoint paths and trackers --------------------------------------------------
+
+def test_bad_checkpoint_paths_are_named(tmp_path):
+    fake_save(tmp_path, 2)
+    with pytest.raises(CheckpointError, match=r"is one saved iteration.*checkpoint.load='.*' "
+                                              r"checkpoint.load_iteration=2"):
+        checkpoint.read_tracker(checkpoint.iter_dir(tmp_path, 2))
+    (tmp_path / "f").write_text("")
+    with pytest.raises(CheckpointError, match="is a file, not a directory"):
+        checkpoint.read_tracker(tmp_path / "f")
+    (tmp_path / checkpoint.TRACKER).write_bytes(b"\xff\xfe2\n")
+    with pytest.raises(CheckpointError, match=r"expected an iteration number, found b'\\xff"):
+        checkpoint.read_tracker(tmp_path)
+
+
+# --- 12. retention counts complete saves only -----------------------------------------------
+
+def test_keep_last_never_counts_incomplete_dirs(tmp_path):
+    for it in (1, 2, 3):
+        fake_save(tmp_path, it)
+    checkpoint.iter_dir(tmp_path, 4).mkdir()  # no metadata: not a save
+    (tmp_path / checkpoint.TRACKER).write_text("3\n")
+    removed = checkpoint.remove_old_checkpoints(tmp_path, keep_last=2)
+    assert [p.name for p in removed] == ["iter_0000001"]
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000002", "iter_0000003",
+                                                                "iter_0000004"]
+
+
+def test_tracker_is_written_through_a_unique_temp_file(tmp_path, monkeypatch):
+    import os
+
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd)))
+    checkpoint.write_durable(tmp_path / checkpoint.TRACKER, "5\n")
+    assert (tmp_path / checkpoint.TRACKER).read_text() == "5\n"
+    assert len(synced) == 2  # the file and its dir
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+# --- 3. collectives use the device their group's backend needs ------------------------------
+
+def _collectives_under_nccl_rule():
+    """Stand-in for NCCL's rule: the group needs one device, and a tensor whose code did not
+    choose a device lands on another. Here the group is gloo (needs CPU) and the default device
+    is 'meta': a tensor created without ``collective_device`` reaches the collective on 'meta'."""
+    import torch.distributed as dist
+
+    from recipes import checkpoint as ckpt
+    from recipes.data.datasets import _rank0_first
+    from gtp.collectives import collective_device
+
+    originals = {}
+
+    def checked(name):
+        real = getattr(dist, name)
+        originals[name] = real
+
+        def call(tensor, *args, **kwargs):
+            group = kwargs.get("group")
+            if tensor.device != collective_device(group):
+                raise AssertionError(f"{name}: tensor on {tensor.device}, its group needs "
+                                     f"{collective_device(group)}")
+            return real(tensor, *args, **kwargs)
+        return call
+
+    for name in ("all_reduce", "broadcast"):
+        setattr(dist, name, checked(name))
+    torch.set_default_device("meta")
+    try:
+        state = {"w": torch.zeros(3, device="cpu")}
+        ckpt.expected_checkpoint_bytes(state)
+        ckpt.any_rank_failed(False)
+        _rank0_first(lambda: 1)
+        from gtp.grad_stats import grad_norms_by_part
+
+        grad_norms_by_part([([("decoder.layers.0.mlp.linear_fc1.weight",
+                               torch.nn.Parameter(torch.zeros(2, device="cpu")))], 0)], 1, None)
+    finally:
+        torch.set_default_device("cpu")
+        for name, real in originals.items():
+            setattr(dist, name, real)
+    return "ok"
+
+
+def test_collectives_use_the_device_their_backend_needs(distributed):
+    assert [r["devices"] for r in distributed] == ["ok", "ok"], distributed
+
+
+def test_gtp_inspect_refuses_crafted_metadata_without_running_it(tmp_path, capsys):
+    from gtp.cli import main
+
+    marker = tmp_path / "payload_ran"
+    fake_save(tmp_path, 1, pickle.dumps(_Payload(marker)))
+    (tmp_path / checkpoint.TRACKER).write_text("1\n")
+    assert main(["inspect", str(tmp_path)], out=io.StringIO()) == 2
+    assert "refusing to load it" in capsys.readouterr().err
+    assert not marker.exists()
+
+
+# --- 7. torchrun/Slurm: one run dir, one writer ---------------------------------------------
+
+def test_many_writers_of_the_resolved_config_never_collide(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from recipes.launch import write_resolved_config
+
+    cfg = make_cfg()
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: write_resolved_config(cfg, str(tmp_path)), range(32)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["resolved_config.yaml"]
+
+
+def _check_same_run():
+    from compose import make_cfg
+
+    from recipes.worker import check_same_run
+
+    rank = torch.distributed.get_rank()
+    cfg = make_cfg(f"output_dir=/runs/12-00-0{rank}")  # ${now:...} resolved a second apart
+    try:
+        check_same_run(cfg)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_that_resolved_different_run_dirs_stop_before_training(distributed):
+    errors = [r["same_run"] for r in distributed]
+    assert all(e and "resolved different run dirs" in e and "/runs/12-00-01" in e for e in errors), errors
+
+
+def test_a_job_dir_is_claimed_by_one_live_run(tmp_path):
+    import os
+
+    from recipes.launch import CLAIM, claim_job_dir
+    from recipes.validate import ConfigError
+
+    claim_job_dir(tmp_path)
+    assert (tmp_path / CLAIM).read_text().split()[1] == str(os.getpid())
+    with pytest.raises(ConfigError, match=f"job dir {tmp_path} is in use by another run"):
+        claim_job_dir(tmp_path)
+    # A claim whose process is gone is taken over.
+    (tmp_path / CLAIM).write_text(f"{os.uname().nodename} 999999999\n")
+    claim_job_dir(tmp_path)
+    (tmp_path / CLAIM).unlink()
