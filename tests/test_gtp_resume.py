@@ -8,13 +8,14 @@ saves at 3 and 6 (the uninterrupted run). From A's iteration 3:
 * D at ``gtp=tp2_align1 parallelism=tp2dp2`` (tp2 x gtp2, 4 processes);
 * E at ``gtp=tp2_align16 gtp.pad_for_alignment=128 parallelism=tp2dp2`` (tp2 x gtp2, pads of
   148-156 rows per TP-local weight: the padded loader at TP > 1 that stock 0.19.2 reads shifted);
-* F is E with ``gtp.checkpoint_layout=stock`` (megatron 0.19.2's own GTP checkpoint path).
+* F is E with ``gtp.checkpoint_layout=stock`` (megatron 0.19.2's own GTP checkpoint path),
+  which would read those rows shifted: it is refused before launch.
 
 Resumed runs train iterations 4 and 5. Iteration 4 (the first after the resume) checks the
 weights (loss and grad norm depend on nothing else), iteration 5 also the Adam moments, step and
 lr schedule. Each must equal A's: ``learning-rate`` and ``consumed-samples`` exactly, ``lm loss``
 and ``grad-norm`` within relative 1e-5 (fp32; the layouts differ only in reduction order, see
-tests/test_resume.py for the argument). F shows what stock megatron does with the same files.
+tests/test_resume.py for the argument).
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ RESUMED = {
     "c_g4a32": ["gtp=tp4_align32", "parallelism.nproc_per_node=4"],
     "d_tp2_g2a1": ["gtp=tp2_align1", "parallelism=tp2dp2"],
     "e_tp2_g2a128": ["gtp=tp2_align16", "gtp.pad_for_alignment=128", "parallelism=tp2dp2"],
-    "f_tp2_g2a128_stock": ["gtp=tp2_align16", "gtp.pad_for_alignment=128", "parallelism=tp2dp2",
-                           "gtp.checkpoint_layout=stock"],
 }
+STOCK = ["gtp=tp2_align16", "gtp.pad_for_alignment=128", "parallelism=tp2dp2",
+         "gtp.checkpoint_layout=stock"]
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,9 @@ def runs(train_run, tmp_path_factory):
         train_run(out[name], *COMMON, *overrides, "train.train_iters=5",
                   "checkpoint.save_interval=100", f"checkpoint.load={a}/checkpoints",
                   "checkpoint.load_iteration=3")
+    out["f_tp2_g2a128_stock"] = train_run(
+        root / "f_tp2_g2a128_stock", *COMMON, *STOCK, "train.train_iters=5",
+        f"checkpoint.load={a}/checkpoints", "checkpoint.load_iteration=3", rc=2).stdout
     return out
 
 
@@ -92,18 +96,11 @@ def test_big_pad_layout_really_padded(runs):
             layout["pad_for_alignment"]) == (2, 2, 128)
 
 
-def test_stock_megatron_resumes_the_same_files_wrongly(runs):
-    """The same resume with megatron 0.19.2's GTP checkpoint path: TP rank 1's GTP shards read
-    rows shifted by the pad (tests/test_checkpoint_layouts.py shows the rows), so the first
-    resumed iteration computes another loss and grad norm."""
-    a, _ = by_iteration(runs["a"])
-    good, _ = by_iteration(runs["e_tp2_g2a128"])
-    stock, _ = by_iteration(runs["f_tp2_g2a128_stock"])
-    loss_off, gn_off = rel(stock[4]["lm loss"], a[4]["lm loss"]), rel(stock[4]["grad-norm"],
-                                                                    a[4]["grad-norm"])
-    print(f"\nresumed at tp2 x g2/a128, iteration 4: uninterrupted lm loss {a[4]['lm loss']:.6f} "
-          f"grad-norm {a[4]['grad-norm']:.6f}; logical {good[4]['lm loss']:.6f} / "
-          f"{good[4]['grad-norm']:.6f}; stock {stock[4]['lm loss']:.6f} / "
-          f"{stock[4]['grad-norm']:.6f} (rel diff {loss_off:.1e} / {gn_off:.1e})")
-    # Far outside the reduction-order tolerance (measured: 1.1e-2 / 9.4e-3 relative).
-    assert max(loss_off, gn_off) > 100 * RTOL
+def test_stock_layout_refuses_a_checkpoint_of_another_layout(runs):
+    """megatron 0.19.2's GTP checkpoint path would read TP rank 1's GTP shards shifted by the pad
+    (tests/test_checkpoint_layouts.py shows the rows) and train on: refused before launch, naming
+    the layout that loads it."""
+    out = runs["f_tp2_g2a128_stock"]
+    assert "error: gtp.checkpoint_layout=stock cannot load" in out, out[-2000:]
+    assert "use gtp.checkpoint_layout=logical" in out
+    assert not (runs["a"].parent / "f_tp2_g2a128_stock" / "metrics.jsonl").exists()
