@@ -89,6 +89,12 @@ def report(cfg, layout) -> str:
         f"{', fp32 main params' if cfg.precision.params_dtype != 'fp32' else ''})",
         f">   total            {_gib(total)} (activations not counted)",
     ]
+    try:
+        from recipes.data import check_data_paths
+
+        check_data_paths(cfg.data)
+    except (ValueError, FileNotFoundError) as exc:
+        lines.append(f"> data not checked: {exc} (a real run refuses this before launch)")
     if layout.gtp_remat_size > 1:
         lines.append(
             f"> GTP: gtp_remat_size={layout.gtp_remat_size}, pad_for_alignment="

@@ -284,7 +284,9 @@ def validate(cfg, world_size: int) -> Layout:
 
         check_loadable(ck.load, ck.load_iteration)
         _check_checkpoint_vocab(cfg)
-    _check_data_files(d)
+    if not cfg.train.get("dry_run", False):
+        # A dry run sizes a recipe before its data exist; it says so in its report.
+        _check_data_files(d)
     _announce_quantization(cfg, layout)
     return layout
 
