@@ -228,6 +228,7 @@ def train(state, cfg, logger, checkpointer, save_fn) -> None:
         )
         state.iteration += 1
         state.consumed_samples += d.global_batch_size
+        faults.maybe_fail("train", state.iteration, torch.distributed.get_rank())
         skipped = metrics.pop("skipped")
         state.skipped += skipped
         elapsed = time.perf_counter() - start
@@ -250,7 +251,6 @@ def train(state, cfg, logger, checkpointer, save_fn) -> None:
                 f"{metrics['grad-norm']}: not finite; the step was not applied and the run stops. "
                 f"Last good checkpoint: {last if last else 'none (no save yet)'} "
                 f"(train.skip_nonfinite_iterations=true skips such steps instead)")
-        faults.maybe_fail("train", state.iteration, torch.distributed.get_rank())
         checkpointer.poll()
         if checkpointer.should_save(state.iteration, cfg.train.train_iters):
             save_fn(state.iteration)
