@@ -152,11 +152,16 @@ class LogicalSpec:
         prepend_offsets: megatron's ``(axis, rank_offset, fragments)`` of the prepended axes
             (layer stacking); all of them are prepended axes.
         local_cols: local dim 1 of the shard (row-parallel: the TP-local in_features).
+        stored_rows, kept_rows: None, or (set by :func:`with_stored_rows`) the file's dim 0
+            when it differs from the layout's, and the leading global rows actually read from
+            or written to it; rows from ``kept_rows`` on are zero in the model.
     """
 
     layout: TensorLayout
     prepend_offsets: tuple
     local_cols: int
+    stored_rows: Optional[int] = None
+    kept_rows: Optional[int] = None
 
     @property
     def shard_shape(self) -> tuple[int, int]:
@@ -164,6 +169,22 @@ class LogicalSpec:
 
     def pieces(self):
         return logical_pieces(self.layout)
+
+    def extents(self) -> list[tuple[Any, int, int, int, int]]:
+        """``(piece, lo, hi, global_offset, global_size)`` per piece as it is stored: the
+        piece's own rows, or, with ``kept_rows`` set, cut to the global rows below it (an
+        emptied piece sits at the end of the stored tensor, as in :func:`logical_pieces`)."""
+        out = []
+        for p in self.pieces():
+            if self.kept_rows is None:
+                out.append((p, p.lo, p.hi, p.global_offset, p.global_size))
+                continue
+            keep = max(0, min(p.rows, self.kept_rows - p.global_offset))
+            if keep == 0:
+                out.append((p, p.lo, p.lo, self.stored_rows, self.stored_rows))
+            else:
+                out.append((p, p.lo, p.lo + keep, p.global_offset, self.stored_rows))
+        return out
 
     def global_cols(self) -> tuple[int, int]:
         """(dim-1 size on disk, this rank's dim-1 offset)."""
@@ -224,16 +245,16 @@ def _build_pieces(spec: LogicalSpec, key: str, data: torch.Tensor, replica_id, f
     pre_shape, pre_offset = _prepended(spec)
     cols, col0 = spec.global_cols()
     out = []
-    for piece in spec.pieces():
-        part = data if (piece.lo, piece.hi) == (0, data.shape[0]) else _rows(data, piece.lo, piece.hi)
+    for piece, lo, hi, global_offset, global_size in spec.extents():
+        part = data if (lo, hi) == (0, data.shape[0]) else _rows(data, lo, hi)
         # Layer axes go into the local shape (a view with leading 1s), not prepend_axis_num:
         # megatron sends irregular ShardedTensors through CheckpointableShardedTensor, which
         # ignores prepend_axis_num (its chunk would have fewer dims than its offset).
         part = part.view((1,) * len(pre_shape) + tuple(part.shape))
         out.append(ShardedTensor(
             key + piece.key_suffix, part, part.dtype, tuple(part.shape),
-            tuple(pre_shape) + (piece.global_size, cols),
-            tuple(pre_offset) + (piece.global_offset, col0),
+            tuple(pre_shape) + (global_size, cols),
+            tuple(pre_offset) + (global_offset, col0),
             None,  # irregular: explicit global shape and offset
             replica_id=replica_id,
         ))
@@ -265,12 +286,13 @@ def _rows(data: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 
 
 def _padding_rows(spec: LogicalSpec, shard_rows: int) -> list[tuple[int, int]]:
-    """Row ranges of the shard that no logical piece covers (its padding), in order."""
+    """Row ranges of the shard that no stored piece covers (its padding, and the rows past
+    ``kept_rows``), in order."""
     out, at = [], 0
-    for piece in sorted(spec.pieces(), key=lambda p: p.lo):
-        if piece.lo > at:
-            out.append((at, piece.lo))
-        at = max(at, piece.hi)
+    for _, lo, hi, _, _ in sorted(spec.extents(), key=lambda e: e[1]):
+        if lo > at:
+            out.append((at, lo))
+        at = max(at, hi)
     if at < shard_rows:
         out.append((at, shard_rows))
     return out
@@ -289,7 +311,7 @@ def _merge_pieces(spec: LogicalSpec, loaded, target: Optional[torch.Tensor] = No
 
     Args:
         spec: the weight's :class:`LogicalSpec`.
-        loaded: one tensor per piece of ``spec.pieces()``, in order (``(1,)*n + (rows, cols)``).
+        loaded: one tensor per piece of ``spec.extents()``, in order (``(1,)*n + (rows, cols)``).
         target: the factory's ``data`` (live param or optimizer tensor, ``spec.shard_shape``).
             When it is a contiguous tensor of that shape and the loaded dtype, the result is
             ``target`` itself: pieces that the reader already read into their rows of ``target``
@@ -298,23 +320,23 @@ def _merge_pieces(spec: LogicalSpec, loaded, target: Optional[torch.Tensor] = No
             Otherwise (no target: a factory built without data) a new zero-filled shard is
             returned.
     """
-    pieces = spec.pieces()
-    if len(loaded) != len(pieces):
-        raise GTPCheckpointError(f"expected {len(pieces)} loaded pieces, got {len(loaded)}")
+    extents = spec.extents()
+    if len(loaded) != len(extents):
+        raise GTPCheckpointError(f"expected {len(extents)} loaded pieces, got {len(loaded)}")
     ref = loaded[0]
     if (target is not None and tuple(target.shape) == spec.shard_shape and target.dtype == ref.dtype
             and target.device == ref.device and target.is_contiguous()):
         out = target.detach()
         with torch.no_grad():
-            for piece, ten in zip(pieces, loaded):
-                if not _aliases_rows(out, ten, piece.lo, piece.hi):
-                    out[piece.lo:piece.hi].copy_(ten.reshape(piece.rows, spec.local_cols))
+            for (_, lo, hi, _, _), ten in zip(extents, loaded):
+                if not _aliases_rows(out, ten, lo, hi):
+                    out[lo:hi].copy_(ten.reshape(hi - lo, spec.local_cols))
             for lo, hi in _padding_rows(spec, out.shape[0]):
                 out[lo:hi].zero_()
         return out
     out = torch.zeros(spec.shard_shape, dtype=ref.dtype, device=ref.device)
-    for piece, ten in zip(pieces, loaded):
-        out[piece.lo:piece.hi] = ten.reshape(piece.rows, spec.local_cols)
+    for (_, lo, hi, _, _), ten in zip(extents, loaded):
+        out[lo:hi] = ten.reshape(hi - lo, spec.local_cols)
     return out
 
 
@@ -323,6 +345,36 @@ def _make_factory(tensor, key, spec: LogicalSpec, replica_id) -> LogicalGTPFacto
         key, tensor, functools.partial(_build_pieces, spec), functools.partial(_merge_pieces, spec),
         replica_id, None, live_param=tensor, spec=spec,
     )
+
+
+def with_stored_rows(factory: LogicalGTPFactory, stored_rows: int,
+                     kept_rows: int) -> LogicalGTPFactory:
+    """The same GTP weight, loaded from (or saved to) a tensor of ``stored_rows`` global dim-0
+    rows of which only the first ``kept_rows`` are read (written); the model's rows from
+    ``kept_rows`` on load as zeros. Used for vocabulary rows (``recipes.vocab``): a checkpoint
+    of another padded vocabulary size. Megatron applies the returned factory to every optimizer
+    tensor of the param too, each merging into its own tensor in place.
+
+    Args:
+        factory: the weight's :class:`LogicalGTPFactory` (column-parallel, not gated).
+        stored_rows: global dim 0 of the tensor in the file.
+        kept_rows: ``<= min(stored_rows, tp * L)``.
+
+    Raises:
+        GTPCheckpointError: a gated or row-parallel weight, or ``kept_rows`` out of range.
+    """
+    spec = factory.spec
+    layout = spec.layout
+    if layout.gated or layout.tp_axis != 0:
+        raise GTPCheckpointError(f"{factory.key}: stored rows can only be limited for a "
+                                 f"column-parallel, non-gated GTP weight")
+    if not 0 <= kept_rows <= min(stored_rows, layout.global_rows):
+        raise GTPCheckpointError(
+            f"{factory.key}: kept_rows={kept_rows} not within [0, min(stored_rows={stored_rows}, "
+            f"{layout.global_rows} model rows)]")
+    new_spec = dataclasses.replace(spec, stored_rows=int(stored_rows), kept_rows=int(kept_rows))
+    return dataclasses.replace(factory, build_fn=functools.partial(_build_pieces, new_spec),
+                               spec=new_spec)
 
 
 def tensor_layout_of(param, tp_axis: int, tp_size: int, tp_rank: int, gated: bool = False,

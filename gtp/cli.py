@@ -40,6 +40,8 @@ import os
 import sys
 import warnings
 
+from gtp.records import saved_layout
+
 EQUAL, DIFFERENT, ERROR = 0, 1, 2
 
 
@@ -77,7 +79,7 @@ def cmd_inspect(args, out=sys.stdout) -> int:
     print(f"checkpoint: {analysis.path}", file=out)
     print(f"iteration: {common.get('iteration')}", file=out)
     print(f"format: {analysis.describe()}", file=out)
-    rec = common.get("layout")
+    rec = saved_layout(common)
     if rec is not None:
         print(f"recorded layout: {rec}", file=out)
         print(f"parallelism: {describe_parallelism(rec)}", file=out)

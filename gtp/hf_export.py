@@ -30,6 +30,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+from gtp.records import saved_layout
+
 # The byte tokenizer of recipes (256 byte values + <eod>) when the run recorded no vocab size.
 BYTE_VOCAB_SIZE = 257
 BYTE_EOD_ID = 256
@@ -237,6 +239,6 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None) -> 
     (out / "gtp_recipes_export.json").write_text(json.dumps({
         "source": str(analysis.path), "iteration": common.get("iteration"),
         "architecture": _CLASSES[arch], "vocab_size": vocab,
-        "saved_layout": common.get("layout"),
+        "saved_layout": saved_layout(common),
     }, indent=1, default=str))
     return out

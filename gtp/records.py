@@ -4,6 +4,9 @@
 * :data:`METADATA_KEY` - the common-state key of :mod:`gtp.checkpoint`'s ``gtp_layout`` record,
   and its format tags :data:`GTP_FORMAT_LOGICAL` / :data:`GTP_FORMAT_STOCK`.
 * :data:`CHECKPOINT_LAYOUTS` - the values of ``gtp.checkpoint_layout``.
+* :data:`LAYOUT_KEY` - the common-state key of the run's process layout (tensor, pipeline, GTP
+  and data parallel sizes, optimizer); ``pad_for_alignment`` is not in it but in the
+  ``gtp_layout`` record, its one owner. :func:`saved_layout` joins the two.
 
 ``docs/checkpoint-format.md`` describes the records.
 """
@@ -13,3 +16,32 @@ METADATA_KEY = "gtp_layout"
 GTP_FORMAT_LOGICAL = "logical-v1"
 GTP_FORMAT_STOCK = "stock-0.19.2"
 CHECKPOINT_LAYOUTS = ("logical", "stock")
+LAYOUT_KEY = "layout"
+PAD_KEY = "pad_for_alignment"
+
+
+def saved_layout(common) -> dict | None:
+    """A checkpoint's layout with its ``pad_for_alignment``: the :data:`LAYOUT_KEY` record
+    with the pad of the :data:`METADATA_KEY` record (a checkpoint without that record keeps the
+    pad its layout record holds, if any).
+
+    Args:
+        common: the checkpoint's common state (a mapping).
+
+    Returns:
+        A new dict, or None when the checkpoint has no layout record.
+    """
+    rec = common.get(LAYOUT_KEY)
+    if not isinstance(rec, dict):
+        return None
+    meta = common.get(METADATA_KEY)
+    out = dict(rec)
+    if isinstance(meta, dict) and meta.get(PAD_KEY) is not None:
+        out[PAD_KEY] = int(meta[PAD_KEY])
+    return out
+
+
+def stored_layout(layout: dict) -> dict:
+    """What :data:`LAYOUT_KEY` stores of a run's layout dict: all of it but ``pad_for_alignment``
+    (stored once, in the :data:`METADATA_KEY` record)."""
+    return {k: v for k, v in layout.items() if k != PAD_KEY}

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from gtp.records import TRACKER
+from gtp.records import TRACKER, saved_layout, stored_layout
 from recipes import faults, vocab
 
 
@@ -426,7 +426,8 @@ def stage_save(root, iteration: int, model, optimizer, scheduler, common: dict,
         iteration=iteration,
         opt_param_scheduler=scheduler.state_dict(),
         train_state=common,
-        layout=layout_dict,
+        # pad_for_alignment is the gtp_layout record's (one owner); saved_layout() joins them.
+        layout=stored_layout(layout_dict),
         rng_state=_rng_sharded_object(),
         # The real (unpadded) vocabulary: a load with another tokenizer is refused.
         **{vocab.RECORD_KEY: vocab.real_vocab_size(model)},
@@ -515,7 +516,8 @@ def save_checkpoint(root, iteration: int, model, optimizer, scheduler, common: d
         scheduler: megatron's ``OptimizerParamScheduler``.
         common: small state identical on every rank (consumed samples, wandb run id, resolved
             config...): plain python values only, so it loads with ``weights_only=True``.
-        layout_dict: the ``Layout`` the run uses, recorded so a loader knows what wrote it.
+        layout_dict: the ``Layout`` the run uses (:func:`layout_record`), recorded so a loader
+            knows what wrote it.
         async_saves: None: write now and return when the checkpoint is complete. Else the
             tensors are written in the background (megatron's async torch_dist save) into the
             staging dir, and the save completes (renamed into place, tracker written: the
@@ -660,6 +662,9 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
     are zero (``recipes.vocab``). Each rank's RNG state is restored only when the layout is
     identical (the state is per rank).
 
+    Args:
+        layout_dict: this run's :func:`layout_record`.
+
     Returns:
         The checkpoint's common state (``iteration``, ``train_state``, ``layout``...).
 
@@ -711,7 +716,7 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
     check_shapes(state, path, stored, skip_prefixes=("optimizer.state.param.",
                                                     "optimizer.state.fp32_param."))
     dropped = optim_checkpoint.prepare_request(state["optimizer"], stored, mine, saved)
-    same_layout = common["layout"] == layout_dict and not converted
+    same_layout = saved_layout(common) == dict(layout_dict) and not converted
     if same_layout:
         state["rng_state"] = _rng_sharded_object()
     failure = None
@@ -808,7 +813,12 @@ def check_shapes(sharded_state: dict, path, stored: dict | None = None,
 
 
 def layout_record(layout) -> dict:
-    """The layout as stored in checkpoints: the ``Layout`` fields plus the megatron-core version."""
+    """The run's layout as a dict: the ``Layout`` fields plus the megatron-core version.
+
+    A checkpoint stores it without ``pad_for_alignment`` (:func:`gtp.records.stored_layout`;
+    the ``gtp_layout`` record owns that fact) and :func:`gtp.records.saved_layout` reads it
+    back in this form.
+    """
     from importlib.metadata import version
 
     # megatron's package_info.__version__ appends the git hash of the *current* directory.

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from gtp.records import saved_layout
 from recipes import checkpoint
 from recipes.checkpoint import CheckpointError
 
@@ -310,7 +311,7 @@ def prepare_resume(cfg, layout) -> None:
             f"{iteration} and train.train_iters={cfg.train.train_iters}; raise train.train_iters "
             f"to continue (the checkpoint is left untouched)")
     _, common = checkpoint.load_common(ck.load, iteration)
-    _check_stock_layout(cfg, layout, common["layout"], ck.load)
+    _check_stock_layout(cfg, layout, saved_layout(common), ck.load)
     saved = common["train_state"].get("config") or {}
     consumed = int(common["train_state"].get("consumed_samples", 0))
     now = to_dict(cfg)

@@ -54,8 +54,8 @@ def refusal(stored: Optional[int], current: Optional[int], where) -> Optional[st
 
 
 def _trim_piece(piece, stored_rows: int, real: int):
-    """``piece`` (a ShardedTensor over the padded vocab) cut to its real rows, placed in a tensor
-    of ``stored_rows`` rows; returns (new piece, rows it had)."""
+    """``piece`` (a ShardedTensor over the padded vocab, no GTP) cut to its real rows, placed in
+    a tensor of ``stored_rows`` rows; returns (new piece, rows it had)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     axis = piece.data.dim() - 2  # vocab rows: the first non-layer axis
@@ -83,46 +83,34 @@ def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _trimming_factory(entry, stored_rows: int, real: int):
-    """A ShardedTensorFactory that loads only the real rows of ``entry`` from a tensor of
-    ``stored_rows`` rows and pads the rest of the model's rows with zeros.
+    """``entry`` made to load only the real rows from a tensor of ``stored_rows`` rows, the rest
+    of the model's rows zero.
 
-    ``entry`` is megatron's ShardedTensor (no GTP) or a factory (``gtp.checkpoint``'s logical
-    GTP factory); a factory keeps its class and fields (its back-link to the live param), only
-    its build and merge functions are wrapped. Megatron applies the factory to every optimizer
+    ``entry`` is megatron's ShardedTensor (no GTP: wrapped in a ShardedTensorFactory) or
+    ``gtp.checkpoint``'s logical GTP factory (:func:`gtp.checkpoint.with_stored_rows`, which
+    merges into the live tensor in place). Megatron applies the factory to every optimizer
     tensor of the param too (``dist_checkpointing.optimizer.make_sharded_optimizer_tensor``).
+
+    Raises:
+        TypeError: any other kind of entry.
     """
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    if isinstance(entry, ShardedTensor):
-        def build_one(key, data, replica_id, flattened_range):
-            return [dataclasses.replace(entry, key=key, data=data, replica_id=replica_id)]
+    from gtp.checkpoint import LogicalGTPFactory, with_stored_rows
 
-        def merge_one(loaded):
-            return loaded[0]
-
-        inner_build, inner_merge = build_one, merge_one
-        base = ShardedTensorFactory(entry.key, entry.data, None, None, entry.replica_id, None)
-    else:
-        inner_build, inner_merge, base = entry.build_fn, entry.merge_fn, entry
-    rows_of_pieces: list[int] = []
+    if isinstance(entry, LogicalGTPFactory):
+        return with_stored_rows(entry, stored_rows, real)
+    if not isinstance(entry, ShardedTensor):
+        raise TypeError(f"{entry.key}: cannot limit the vocabulary rows of a {type(entry).__name__}")
 
     def build(key, data, replica_id, flattened_range):
-        pieces = inner_build(key, data, replica_id, flattened_range)
-        single = not isinstance(pieces, list)
-        out = []
-        rows_of_pieces.clear()
-        for piece in [pieces] if single else pieces:
-            new, rows = _trim_piece(piece, stored_rows, real)
-            out.append(new)
-            rows_of_pieces.append(rows)
-        return out[0] if single else out
+        piece = dataclasses.replace(entry, key=key, data=data, replica_id=replica_id)
+        return _trim_piece(piece, stored_rows, real)[0]
 
     def merge(loaded):
-        single = not isinstance(loaded, list)
-        full = [_pad_rows(t, r) for t, r in zip([loaded] if single else loaded, rows_of_pieces)]
-        return inner_merge(full[0] if single else full)
+        return _pad_rows(loaded, entry.data.shape[entry.data.dim() - 2])
 
-    return dataclasses.replace(base, build_fn=build, merge_fn=merge)
+    return ShardedTensorFactory(entry.key, entry.data, build, merge, entry.replica_id, None)
 
 
 def adapt_to_stored_rows(model_sd: dict, stored_shapes: dict, real: int, where) -> list[str]:
@@ -153,7 +141,7 @@ def adapt_to_stored_rows(model_sd: dict, stored_shapes: dict, real: int, where) 
             continue
         stored_rows = int(stored_shapes[key][0])
         model_rows = (entry.global_shape[0] if isinstance(entry, ShardedTensor)
-                      else _factory_global_rows(entry))
+                      else entry.spec.layout.global_rows)
         if stored_rows == model_rows:
             continue
         if stored_rows < real:
@@ -162,10 +150,3 @@ def adapt_to_stored_rows(model_sd: dict, stored_shapes: dict, real: int, where) 
         model_sd[key] = _trimming_factory(entry, stored_rows, real)
         adapted.append(key)
     return adapted
-
-
-def _factory_global_rows(factory) -> int:
-    pieces = factory.build()
-    pieces = pieces if isinstance(pieces, list) else [pieces]
-    axis = pieces[0].data.dim() - 2
-    return int(pieces[0].global_shape[axis])

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from gtp.records import saved_layout
+
 # megatron and torch.distributed.checkpoint warn at import and on every save about optional
 # GPU packages (apex, TE) and deprecations that do not apply on this path; keep the log readable.
 for _module in ("megatron", "torch.distributed", "torch.utils.cpp_extension"):
@@ -179,7 +181,8 @@ def run(cfg) -> None:
                                             load_iteration)
         if optimizer_cfg is not None:
             apply_schedule_override(optimizer, cfg)
-        iteration, train_state, resumed_from = common["iteration"], dict(common["train_state"]), common["layout"]
+        iteration, train_state = common["iteration"], dict(common["train_state"])
+        resumed_from = saved_layout(common)
         checkpointer.last_good = checkpoint.iter_dir(ck.load, load_iteration)
     plan = plan_wandb_run(cfg, train_state if resumed_from is not None else None,
                           iteration if resumed_from is not None else None)

@@ -39,14 +39,19 @@ def reset_model_parallel() -> None:
 
     A world reused across many layouts would otherwise keep every layout's gloo groups (megatron's
     ``destroy_model_parallel`` only drops its references), each with its own I/O threads that
-    keep waking up: hundreds of them slow every later collective.
+    keep waking up: hundreds of them slow every later collective. megatron-core 0.19.2 also
+    keeps every GTP param ever built in ``generalized_tensor_parallelism._GTP_PARAMS`` (written,
+    never read), and with them their gtp_remat groups: cleared here too.
     """
     import gc
 
     import torch.distributed as dist
     from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp_mod
     from torch.distributed import distributed_c10d as c10d
 
+    gtp_mod._GTP_PARAMS.clear()
+    gtp_mod.reset_gtp_state()
     gc.collect()  # the last layout's model and optimizer hold their groups
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

@@ -952,9 +952,6 @@ def test_other_real_vocabulary_is_refused_naming_both_sizes(bad_inputs):
         assert "vocabulary of 300 tokens" in err and "has 257" in err, err
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: a checkpoint of another padded vocabulary "
-                   "size fails loudly when loaded into a GTP-sharded output layer (the vocabulary "
-                   "row factory and the GTP in-place merge do not compose yet)")
 def test_other_padded_vocabulary_loads_the_real_rows_exactly(bad_inputs):
     """258 -> 320 rows (tp1 -> tp2, no GTP; tp1 -> g2/a16) and 384 -> 320 rows (g2/a16 ->
     g2/a16, tp2): weights and Adam moments of the 257 real rows exact, padding rows zero."""

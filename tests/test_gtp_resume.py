@@ -104,3 +104,18 @@ def test_stock_layout_refuses_a_checkpoint_of_another_layout(runs):
     assert "error: gtp.checkpoint_layout=stock cannot load" in out, out[-2000:]
     assert "use gtp.checkpoint_layout=logical" in out
     assert not (runs["a"].parent / "f_tp2_g2a128_stock" / "metrics.jsonl").exists()
+
+
+def test_pad_for_alignment_is_stored_once(runs):
+    """The GTP record owns pad_for_alignment; the layout record does not repeat it, and
+    gtp.records.saved_layout gives it back with the rest of the layout."""
+    from megatron.core import dist_checkpointing
+
+    from gtp.records import METADATA_KEY, saved_layout
+
+    common = dist_checkpointing.load_common_state_dict(
+        str(runs["a"] / "checkpoints" / "iter_0000003"))
+    assert "pad_for_alignment" not in common["layout"]
+    assert common[METADATA_KEY]["pad_for_alignment"] == 16
+    layout = saved_layout(common)
+    assert (layout["gtp_remat_size"], layout["pad_for_alignment"]) == (2, 16)

@@ -34,7 +34,7 @@ def _converted_common(analysis: Analysis) -> dict:
         new = dict(orig_layout)
         g = int(new.get("gtp_remat_size", 1) or 1)
         new["gtp_remat_size"] = 1
-        new["pad_for_alignment"] = 0
+        new.pop("pad_for_alignment", None)  # the gtp_layout record below owns it
         if new.get("data_parallel_size") is not None:
             new["data_parallel_size"] = int(new["data_parallel_size"]) * g
         common["layout"] = new

@@ -19,6 +19,7 @@ from gtp.legacy.conversion import (
 )
 from gtp.legacy.format import METADATA_KEY, TRACKER, LegacyCheckpointError, checkpoint_format
 from gtp.legacy.specs import get_path
+from gtp.records import saved_layout
 
 # Cache folder (under the checkpoint root) that prepare_load converts legacy checkpoints into.
 CONVERTED_DIR = "gtp_converted"
@@ -63,7 +64,7 @@ def prepare_load(path, common: Mapping, layout_record: Optional[Mapping] = None,
     layout_g = get_path(common, "layout", "gtp_remat_size") or get_path(common, METADATA_KEY, "gtp_remat_size")
     if not layout_g or int(layout_g) <= 1:
         return path, False
-    if stock_writer and layout_record is not None and common.get("layout") == dict(layout_record):
+    if stock_writer and layout_record is not None and saved_layout(common) == dict(layout_record):
         return path, False
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     cache_root = Path(cache_root) if cache_root else path.parent / CONVERTED_DIR
