@@ -63,6 +63,7 @@ import time
 from pathlib import Path
 
 from benchmarks.memory import MALLOC_ENV, PeakRSS, max_rss
+from benchmarks.tables import table
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -422,14 +423,6 @@ def _per_rank(values) -> str:
     return " / ".join(_mib(v) for v in values) if values else "-"
 
 
-def _table(head: list[str], rows: list[list[str]]) -> str:
-    cells = [head, *rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
 def _verdict(value: float, limit: float, at_most: bool = True) -> str:
     ok = value <= limit if at_most else value >= limit
     return ("<= " if at_most else ">= ") + f"{limit:g}: " + ("met" if ok else "MISSED")
@@ -516,7 +509,7 @@ def format_tables(summary: dict, head: dict) -> str:
         notes.append(f"{x['label']}: peak RSS logical / stock, worst rank {worst:.3f} (target "
                      f"{_verdict(worst, TARGET_PEAK_RATIO)}); RSS increase logical - stock per "
                      f"rank {_per_rank(s['rss_increase_diff_logical_minus_stock_per_rank'])} MiB")
-    parts.append(_table(["saved at", "layout written", "s", "vs stock", "target",
+    parts.append(table(["saved at", "layout written", "s", "vs stock", "target",
                          "peak RSS MiB per rank", "RSS increase MiB per rank"], rows))
     parts += notes
 
@@ -574,7 +567,7 @@ def format_tables(summary: dict, head: dict) -> str:
         rows.append([f"{x['label']} (world 4)", "same-layout: logical RSS increase - stock's, "
                      "of the rank's checkpoint bytes", f"{frac:.3f}", "",
                      _verdict(frac, TARGET_SAME_LOAD_EXTRA_MEMORY), "", _per_rank(extra), ""])
-    parts.append(_table(["load to", "file", "s", "vs same-layout", "target",
+    parts.append(table(["load to", "file", "s", "vs same-layout", "target",
                          "peak RSS MiB per rank", "RSS increase MiB per rank",
                          "MiB read per rank"], rows))
     parts.append("n/a: stock megatron-core 0.19.2 cannot load its GTP file at another GTP layout "
@@ -606,7 +599,7 @@ def format_tables(summary: dict, head: dict) -> str:
                      f"{a['stall_ratio_over_sync_logical']:.3f} ({a['paired_stall_ratio']:.3f})",
                      _verdict(a["stall_ratio_over_sync_logical"], TARGET_ASYNC_STALL_RATIO),
                      _per_rank(a["async_stall"]["rss_increase_per_rank"])])
-    parts.append(_table(["saved at", "sync save s", "async stall s", "write+finalize s after",
+    parts.append(table(["saved at", "sync save s", "async stall s", "write+finalize s after",
                          "stall / sync", "target", "stall RSS increase MiB per rank"], rows))
 
     t = main["throughput"]
@@ -624,7 +617,7 @@ def format_tables(summary: dict, head: dict) -> str:
         rows.append([label, f"{t[key] / 2**20:.0f}", f"{frac:.2f}",
                      _verdict(frac, TARGET_THROUGHPUT_FRACTION, at_most=False)
                      if key == "save_logical_Bps" else ""])
-    parts.append(_table(["write", "MiB/s", "of best raw", "target"], rows))
+    parts.append(table(["write", "MiB/s", "of best raw", "target"], rows))
     return "\n".join(parts)
 
 

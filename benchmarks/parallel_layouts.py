@@ -26,7 +26,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks import train_speed
+from benchmarks import tables, train_speed
 
 REPO = train_speed.REPO
 WORLD = 2
@@ -67,7 +67,7 @@ def format_table(rows: list[dict]) -> str:
     head = ["model", "case", "layout", "tokens/s", "vs pp1", "peak RSS MiB per rank",
             "optimizer state MiB per rank", "vs pp1"]
     base = {r["model"]: r for r in rows if r["case"] == "pp1" and "error" not in r}
-    cells = [head]
+    cells = []
     for r in rows:
         if "error" in r:
             cells.append([r["model"], r["case"], "error: " + r["error"], *[""] * 5])
@@ -81,10 +81,7 @@ def format_table(rows: list[dict]) -> str:
             " / ".join(f"{v / 2**20:.0f}" for v in r["peak_rss_bytes_per_rank"] if v),
             train_speed._mib(opt), ratio,
         ])
-    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return tables.table(head, cells)
 
 
 def main(argv=None) -> int:

@@ -37,6 +37,8 @@ import time
 import uuid
 from pathlib import Path
 
+from benchmarks import tables
+
 REPO = Path(__file__).resolve().parents[1]
 
 # model case -> (config overrides, timed iterations, warmup iterations); {world} is filled in.
@@ -221,7 +223,7 @@ def format_table(rows: list[dict]) -> str:
     head = ["model", "g", "layout", "tokens/s", "step ms", "vs g1", "param MiB per rank",
             "Adam state MiB per rank", "peak RSS MiB per rank"]
     base = {r["model"]: r["tokens_per_sec"] for r in rows if r.get("g") == 1 and "error" not in r}
-    cells = [head]
+    cells = []
     for r in rows:
         if "error" in r:
             cells.append([r["model"], str(r["g"]), "error: " + r["error"], "", "", "", "", "", ""])
@@ -233,10 +235,7 @@ def format_table(rows: list[dict]) -> str:
             _mib(r["param_bytes_per_rank"]), _mib(r["optimizer_state_bytes_per_rank"]),
             " / ".join(f"{v / 2**20:.0f}" for v in r["peak_rss_bytes_per_rank"] if v),
         ])
-    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return tables.table(head, cells)
 
 
 def main(argv=None) -> int:

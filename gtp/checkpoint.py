@@ -340,10 +340,12 @@ def _merge_pieces(spec: LogicalSpec, loaded, target: Optional[torch.Tensor] = No
     return out
 
 
-def _make_factory(tensor, key, spec: LogicalSpec, replica_id) -> LogicalGTPFactory:
+def _make_factory(tensor, key, spec: LogicalSpec, replica_id, data=None) -> LogicalGTPFactory:
+    """The factory of the live param ``tensor``; ``data`` (default ``tensor``) is what its
+    pieces are cut from and merged into."""
     return LogicalGTPFactory(
-        key, tensor, functools.partial(_build_pieces, spec), functools.partial(_merge_pieces, spec),
-        replica_id, None, live_param=tensor, spec=spec,
+        key, tensor if data is None else data, functools.partial(_build_pieces, spec),
+        functools.partial(_merge_pieces, spec), replica_id, None, live_param=tensor, spec=spec,
     )
 
 
@@ -428,10 +430,6 @@ def make_tp_sharded_tensor_for_checkpoint(tensor, key, tp_axis=0, replica_id=Non
         raise GTPCheckpointError(f"{key}: unsupported arguments for a GTP weight: {sorted(kwargs)}")
     if getattr(tensor, "is_routed_expert", False) or getattr(tensor, "is_grouped", False):
         raise GTPCheckpointError(f"{key}: GTP expert weights are not supported by gtp.checkpoint")
-    from megatron.core.fp8_utils import is_float8tensor
-
-    if is_float8tensor(tensor):
-        raise GTPCheckpointError(f"{key}: native-FP8 GTP weights are not supported by gtp.checkpoint")
     if tp_group is None:
         tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_size, tp_rank = tp_group.size(), tp_group.rank()
@@ -441,7 +439,24 @@ def make_tp_sharded_tensor_for_checkpoint(tensor, key, tp_axis=0, replica_id=Non
         replica_id = (0, 0, parallel_state.get_data_parallel_rank(
             with_context_parallel=True, with_gtp_remat=False))
     spec = LogicalSpec(layout, tuple(tuple(o) for o in prepend_offsets), int(tensor.shape[1]))
-    return _make_factory(tensor, key, spec, replica_id)
+    return _make_factory(tensor, key, spec, replica_id, data=_high_precision(tensor))
+
+
+def _high_precision(param):
+    """The tensor a GTP param's pieces are cut from: the param itself, or for a native-FP8 GTP
+    param (``gtp.fp8_param_gather``) a dequantized copy, as megatron's own
+    ``make_tp_sharded_tensor_for_checkpoint`` does (``dequantize_gtp_native_fp8``): the file
+    holds high-precision values, and a load fills the copy, which the model's
+    ``load_state_dict`` then quantizes into the param."""
+    from megatron.core.fp8_utils import is_float8tensor
+
+    if not is_float8tensor(param):
+        return param
+    from megatron.core.tensor_parallel.generalized_tensor_parallelism import (
+        dequantize_gtp_native_fp8,
+    )
+
+    return dequantize_gtp_native_fp8(param)
 
 
 def apply_swiglu_sharded_factory(original_sh_ten, sharded_offsets, singleton_local_shards=False,
@@ -463,7 +478,8 @@ def apply_swiglu_sharded_factory(original_sh_ten, sharded_offsets, singleton_loc
     layout = dataclasses.replace(spec.layout, gated=True,
                                  singleton_local_shards=bool(singleton_local_shards))
     return _make_factory(original_sh_ten.live_param, original_sh_ten.key,
-                         dataclasses.replace(spec, layout=layout), original_sh_ten.replica_id)
+                         dataclasses.replace(spec, layout=layout), original_sh_ten.replica_id,
+                         data=original_sh_ten.data)
 
 
 def get_param_id_to_sharded_param_map(model_sharded_state_dict, optim_params_iter):

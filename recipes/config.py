@@ -77,6 +77,10 @@ class GTPConfig:
     # null: the quantization recipe's default (none -> 1, fp8 -> 16, mxfp8 -> 32, nvfp4 -> 16).
     pad_for_alignment: Optional[int] = None
     quantization: str = "none"  # none | fp8 | mxfp8 | nvfp4
+    # Keep weights in FP8 and all-gather them in FP8 (megatron's fp8_param + DDP
+    # fp8_param_gather; Megatron-LM's --fp8-param-gather): GTP's weight all-gather moves FP8
+    # bytes. quantization fp8 or mxfp8 with the distributed optimizer; needs TransformerEngine.
+    fp8_param_gather: bool = False
     # How GTP weights are written: "logical" (gtp/'s fix: padding never reaches disk, loads at
     # any layout) or "stock" (megatron-core 0.19.2's padded layout; for comparisons and tests).
     checkpoint_layout: str = "logical"

@@ -128,7 +128,8 @@ def transformer_config(cfg, layout, use_te: bool | None = None):
         # ranks, so the peer's activation receive takes the gradient. megatron's unbatched ops
         # (p2p_communication._p2p_ops) put the two directions on two groups at pp2.
         kwargs["batch_p2p_comm"] = False
-    kwargs.update(te.config_fields(cfg.gtp.quantization, use_te))
+    kwargs.update(te.config_fields(cfg.gtp.quantization, use_te,
+                                   cfg.gtp.get("fp8_param_gather", False)))
     if layout.gtp_remat_size > 1:
         kwargs["gtp_weight_remat_size"] = layout.gtp_remat_size
     return TransformerConfig(**kwargs)

@@ -269,6 +269,13 @@ def validate(cfg, world_size: int) -> Layout:
             f"optim.lr_warmup_iters={o.lr_warmup_iters} must lie in [0, {decay}) "
             f"(optim.lr_decay_iters, default train.train_iters={t.train_iters})"
         )
+    from recipes import te
+
+    refusal = te.fp8_param_gather_refusal(cfg.gtp.quantization,
+                                          cfg.gtp.get("fp8_param_gather", False),
+                                          layout.use_distributed_optimizer)
+    if refusal:
+        raise ConfigError(refusal)
     if cfg.gtp.get("checkpoint_layout", "logical") not in CHECKPOINT_LAYOUTS:
         raise ConfigError(f"gtp.checkpoint_layout={cfg.gtp.checkpoint_layout!r}: valid are "
                           f"{CHECKPOINT_LAYOUTS}")
@@ -407,7 +414,8 @@ def _announce_quantization(cfg, layout: Layout) -> None:
     from recipes import te
 
     if te.transformer_engine_usable():
-        fields = ", ".join(f"{k}={v}" for k, v in te.config_fields(quant, True).items())
+        fields = ", ".join(f"{k}={v}" for k, v in te.config_fields(
+            quant, True, cfg.gtp.get("fp8_param_gather", False)).items())
         print(f"> gtp.quantization={quant}: TransformerEngine layers with {fields} "
               f"(GTP pad_for_alignment={layout.pad_for_alignment})", flush=True)
         return

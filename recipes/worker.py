@@ -81,7 +81,7 @@ def setup(cfg, layout, optimizer_cfg=None):
     )
 
     from mcore_compat import cpu as cpu_compat
-    from recipes import gtp_setup
+    from recipes import gtp_setup, te
     from recipes.model import build_model
     from recipes.optim import build_optimizer, build_scheduler
 
@@ -110,7 +110,8 @@ def setup(cfg, layout, optimizer_cfg=None):
         # As Megatron-LM: bf16 weights, inputs cast on entry and logits/loss returned in fp32.
         chunks = [Float16Module(config, chunk) for chunk in chunks]
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=layout.use_distributed_optimizer)
+        grad_reduce_in_fp32=True, use_distributed_optimizer=layout.use_distributed_optimizer,
+        **te.ddp_fields(config))
     # As Megatron-LM: only the first chunk's buffer is bucketed (interleaved schedule).
     ddp = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
            for i, chunk in enumerate(chunks)]

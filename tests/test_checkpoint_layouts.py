@@ -1197,6 +1197,75 @@ def test_factory_merge_fills_the_live_shard_in_place():
     assert torch.equal(fresh, want)
 
 
+def test_stored_rows_limit_reads_only_the_kept_rows():
+    """A vocabulary weight of 320 padded rows (tp1, g2, GTP rank 1 holds rows 160-319) read
+    from a file of 258 rows of which 257 are real: one piece of rows 160-256 at offset 160 of
+    258; merge fills them in place and zeroes the rest. With every row of the rank past the
+    kept ones, one empty piece at the end of the stored tensor (as an all-padding shard)."""
+    from gtp.checkpoint import GTPCheckpointError, _make_factory, with_stored_rows
+
+    spec = _spec(320, 1, 0, 2, 1, 16, cols=2, prepend=())
+    live = torch.nn.Parameter(torch.full((160, 2), SENTINEL))
+    factory = with_stored_rows(_make_factory(live, "output_layer.weight", spec, 0), 258, 257)
+    (piece,) = factory.build()
+    assert (piece.global_shape, piece.global_offset, tuple(piece.data.shape)) == (
+        (258, 2), (160, 0), (97, 2))
+    assert piece.data.data_ptr() == live.data_ptr()
+    loaded = torch.arange(97 * 2, dtype=torch.float32).reshape(97, 2) + 1
+    piece.data.copy_(loaded)  # as the reader does
+    merged = factory.merge_fn([piece.data])
+    assert merged.data_ptr() == live.data_ptr()
+    assert torch.equal(live[:97], loaded) and torch.equal(live[97:], torch.zeros(63, 2))
+    # An optimizer tensor of the param merges into its own tensor, cut the same way.
+    moment = torch.full((160, 2), SENTINEL)
+    import dataclasses
+
+    optim_factory = dataclasses.replace(factory, data=moment)
+    assert optim_factory.merge_fn([loaded.clone()]).data_ptr() == moment.data_ptr()
+    assert torch.equal(moment[:97], loaded) and not moment[97:].any()
+
+    (empty,) = with_stored_rows(_make_factory(live, "k", spec, 0), 258, 100).build()
+    assert (empty.global_offset[0], empty.global_shape[0], empty.data.shape[0]) == (258, 258, 0)
+    with pytest.raises(GTPCheckpointError, match="kept_rows=300 not within"):
+        with_stored_rows(_make_factory(live, "k", spec, 0), 258, 300)
+    gated = _spec(200, 2, 1, 2, 1, 16, gated=True, cols=2, prepend=())
+    with pytest.raises(GTPCheckpointError, match="column-parallel, non-gated"):
+        with_stored_rows(_make_factory(torch.zeros(112, 2), "fc1", gated, 0), 200, 100)
+
+
+def test_native_fp8_weight_goes_through_a_dequantized_copy(monkeypatch):
+    """gtp.fp8_param_gather keeps GTP weights in FP8 (TransformerEngine, not here: a stand-in
+    marks the param as FP8). The pieces are cut from megatron's dequantized copy, a load fills
+    that copy (the model's load_state_dict then quantizes it into the param), and the
+    optimizer still finds the param's entry through the back-link."""
+    import megatron.core.fp8_utils as fp8_utils
+    from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp_mod
+
+    from gtp.checkpoint import _high_precision, _make_factory, get_param_id_to_sharded_param_map
+
+    live = torch.nn.Parameter(torch.full((112, 2), 3.0))
+    copies = []
+    monkeypatch.setattr(fp8_utils, "is_float8tensor", lambda t: t is live)
+    monkeypatch.setattr(gtp_mod, "dequantize_gtp_native_fp8",
+                        lambda t: copies.append(t.detach().clone()) or copies[-1])
+    plain = torch.nn.Parameter(torch.zeros(112, 2))
+    assert _high_precision(plain) is plain and not copies
+    data = _high_precision(live)
+    assert copies == [data] and data.data_ptr() != live.data_ptr()
+
+    spec = _spec(200, 2, 1, 2, 1, 16, cols=2, prepend=())  # rows 0-87 logical, pad 24
+    factory = _make_factory(live, "fc2", spec, 0, data=data)
+    assert factory.live_param is live and factory.data is data
+    (piece,) = factory.build()
+    assert piece.data.data_ptr() == data.data_ptr()
+    piece.data.fill_(7.0)
+    merged = factory.merge_fn([piece.data])
+    assert merged.data_ptr() == data.data_ptr()
+    assert bool((data[:88] == 7).all()) and not data[88:].any()
+    assert bool((live == 3).all())  # the FP8 param itself changes only in load_state_dict
+    assert get_param_id_to_sharded_param_map({"fc2": factory}, [live]) == {0: factory}
+
+
 # --------------------------------------------------------------------------------------------
 # Pipeline parallelism and the distributed optimizer.
 # --------------------------------------------------------------------------------------------

@@ -24,11 +24,10 @@ import math
 
 import pytest
 
-from recipes.metrics import read_metrics
+from resume_checks import RTOL, by_iteration
 
 pytestmark = pytest.mark.e2e
 
-RTOL = 1e-5
 # lr_decay_iters pinned so that the schedule does not depend on each run's train_iters.
 COMMON = ["optim.lr_warmup_iters=2", "optim.lr_decay_iters=6", "logger=none"]
 RESUMED = {
@@ -56,11 +55,6 @@ def runs(train_run, tmp_path_factory):
         root / "f_tp2_g2a128_stock", *COMMON, *STOCK, "train.train_iters=5",
         f"checkpoint.load={a}/checkpoints", "checkpoint.load_iteration=3", rc=2).stdout
     return out
-
-
-def by_iteration(run_dir):
-    rows, events = read_metrics(run_dir)
-    return {r["iteration"]: r for r in rows}, events
 
 
 def rel(x, y):

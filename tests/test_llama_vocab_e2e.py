@@ -13,24 +13,9 @@ import math
 
 import pytest
 
-from recipes.metrics import read_metrics
+from resume_checks import assert_same_step, by_iteration
 
 pytestmark = pytest.mark.e2e
-
-RTOL = 1e-5
-
-
-def by_iteration(run_dir) -> dict:
-    rows, _ = read_metrics(run_dir)
-    return {r["iteration"]: r for r in rows}
-
-
-def assert_same_step(resumed: dict, reference: dict):
-    assert resumed["learning-rate"] == reference["learning-rate"]
-    assert resumed["consumed-samples"] == reference["consumed-samples"]
-    for key in ("lm loss", "grad-norm"):
-        assert math.isclose(resumed[key], reference[key], rel_tol=RTOL, abs_tol=0), (
-            key, resumed[key], reference[key])
 
 
 # --------------------------------------------------------------------------------------------
@@ -51,7 +36,7 @@ def vocab_runs(train_run, tmp_path_factory):
     train_run(b, *common, *resume, "parallelism=tp4", "parallelism.nproc_per_node=4",
               "model.make_vocab_size_divisible_by=3")
     train_run(c, *common, *resume, "parallelism=tp2", "model.make_vocab_size_divisible_by=128")
-    out = {k: by_iteration(v) for k, v in (("a", a), ("b", b), ("c", c))}
+    out = {k: by_iteration(v)[0] for k, v in (("a", a), ("b", b), ("c", c))}
     out["a_checkpoints"] = a / "checkpoints"
     return out
 
@@ -97,7 +82,7 @@ def llama_runs(train_run, tmp_path_factory):
     train_run(runs["tp2"], *common, *from_a, "parallelism=tp2")
     train_run(runs["g2a16"], *common, *from_a, "parallelism=tp1", "parallelism.nproc_per_node=2",
               "gtp=tp2_align16")
-    out = {k: by_iteration(v) for k, v in runs.items()}
+    out = {k: by_iteration(v)[0] for k, v in runs.items()}
     out["a_stdout"] = proc.stdout
     return out
 

@@ -23,9 +23,9 @@ import re
 import pytest
 
 from recipes.metrics import read_metrics
+from resume_checks import RTOL, assert_same_step, by_iteration
 from wandb_offline import config, history, run_files
 
-RTOL = 1e-5
 COMMON = ["train.train_iters=8", "optim.lr_warmup_iters=2", "logger=wandb", "train.eval_interval=2"]
 CRASH = {"GTP_RECIPES_FAULT": "raise:train:6:0"}
 
@@ -44,19 +44,6 @@ def runs(train_run, tmp_path_factory):
     out_c = train_run(c, *COMMON, "parallelism=tp1", "checkpoint.save_interval=2",
                       f"checkpoint.load={b}/checkpoints", "checkpoint.load_iteration=6")
     return {"a": a, "b": b, "c": c, "c_stdout": out_c.stdout}
-
-
-def by_iteration(run_dir):
-    rows, events = read_metrics(run_dir)
-    return {r["iteration"]: r for r in rows}, events
-
-
-def assert_same_step(resumed: dict, reference: dict):
-    assert resumed["learning-rate"] == reference["learning-rate"]
-    assert resumed["consumed-samples"] == reference["consumed-samples"]
-    for key in ("lm loss", "grad-norm"):
-        assert math.isclose(resumed[key], reference[key], rel_tol=RTOL, abs_tol=0), (
-            key, resumed[key], reference[key])
 
 
 def test_loss_falls_in_the_uninterrupted_run(runs):

@@ -61,6 +61,34 @@ def test_recipe_sets_megatron_quantization_fields_only_with_te(gtp, want):
             "RMSNorm", 2, False, True)
 
 
+def test_fp8_param_gather_keeps_weights_in_fp8_only_with_te():
+    """gtp.fp8_param_gather: megatron's TransformerConfig.fp8_param and the DDP config's
+    fp8_param_gather with TransformerEngine; nothing without it (local layers, no FP8)."""
+    cfg = make_cfg("model=llama_tiny", "gtp=tp2_fp8", "gtp.fp8_param_gather=true",
+                   "optim.use_distributed_optimizer=true")
+    layout = validate(cfg, 2)
+    with_te = transformer_config(cfg, layout, use_te=True)
+    without = transformer_config(cfg, layout, use_te=False)
+    assert with_te.fp8_param is True and with_te.fp8 == "hybrid"
+    assert te.ddp_fields(with_te) == {"fp8_param_gather": True}
+    assert without.fp8_param is False and te.ddp_fields(without) == {"fp8_param_gather": False}
+    plain = make_cfg("model=llama_tiny", "gtp=tp2_fp8")
+    assert transformer_config(plain, validate(plain, 2), use_te=True).fp8_param is False
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["gtp=tp2_align16"], r"needs an FP8 recipe: gtp.quantization='none'; valid are \['fp8', 'mxfp8'\]"),
+    (["gtp=tp2_nvfp4", "optim.use_distributed_optimizer=true"],
+     r"gtp.quantization='nvfp4'; valid are"),
+    (["gtp=tp2_mxfp8"], r"needs optim.use_distributed_optimizer=true"),
+])
+def test_fp8_param_gather_is_refused_before_launch(overrides, message):
+    from recipes.validate import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        validate(make_cfg(*overrides, "gtp.fp8_param_gather=true"), 2)
+
+
 def test_layer_spec_choice():
     m = make_cfg("model=llama_tiny").model
     assert te.spec_builder(m, True) == ("get_gpt_layer_with_transformer_engine_spec", {})
