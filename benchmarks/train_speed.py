@@ -126,8 +126,10 @@ def _worker(cfg_path: str, out_path: str) -> None:
 # --------------------------------------------------------------------------------------------
 # Launcher side.
 # --------------------------------------------------------------------------------------------
-def compose_config(model: str, g: int, world: int, pad: int, run_dir: Path, cache: Path):
-    """The resolved run config of one case (Hydra compose, as train.py would build it)."""
+def compose_config(model: str, g: int, world: int, pad: int, run_dir: Path, cache: Path,
+                   overlap: bool = True):
+    """The resolved run config of one case (Hydra compose, as train.py would build it);
+    ``overlap=False``: megatron's GTP prefetch and async reduce-scatter off (in order)."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -137,6 +139,8 @@ def compose_config(model: str, g: int, world: int, pad: int, run_dir: Path, cach
     overrides, iters, warmup = CASES[model]
     gtp = ["gtp=off"] if g == 1 else ["gtp=tp2_align16", f"gtp.gtp_remat_size={g}",
                                       f"gtp.pad_for_alignment={pad}"]
+    if g > 1 and not overlap:
+        gtp += ["gtp.weight_prefetch=false", "gtp.async_reduction=false"]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[
             *(o.format(world=world) for o in overrides), *gtp,
@@ -194,14 +198,15 @@ def _median_step(result: dict) -> float:
     return statistics.median(result["ranks"][0]["step_times"])
 
 
-def summarize(model: str, g: int, results: list[dict]) -> dict:
+def summarize(model: str, g: int, results: list[dict], overlap: bool = True) -> dict:
     ok = [r for r in results if "error" not in r]
     if not ok:
-        return {"model": model, "g": g, "error": results[0]["error"] if results else "no run"}
+        return {"model": model, "g": g, "overlap": overlap,
+                "error": results[0]["error"] if results else "no run"}
     step = statistics.median(_median_step(r) for r in ok)
     ranks = ok[0]["ranks"]
     return {
-        "model": model, "g": g, "layout": ok[0]["layout"], "runs": len(ok),
+        "model": model, "g": g, "overlap": overlap, "layout": ok[0]["layout"], "runs": len(ok),
         "model_parameters": ranks[0].get("logical_param_numel"),
         "median_step_s": step, "tokens_per_sec": ok[0]["tokens_per_step"] / step,
         "step_s_per_run": [_median_step(r) for r in ok],
@@ -220,18 +225,25 @@ def _mib(values) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ["model", "g", "layout", "tokens/s", "step ms", "vs g1", "param MiB per rank",
-            "Adam state MiB per rank", "peak RSS MiB per rank"]
+    head = ["model", "g", "collectives", "layout", "tokens/s", "step ms", "vs g1",
+            "vs in order", "param MiB per rank", "Adam state MiB per rank",
+            "peak RSS MiB per rank"]
     base = {r["model"]: r["tokens_per_sec"] for r in rows if r.get("g") == 1 and "error" not in r}
+    in_order = {(r["model"], r["g"]): r["tokens_per_sec"] for r in rows
+                if not r.get("overlap", True) and "error" not in r}
     cells = []
     for r in rows:
+        mode = "-" if r["g"] == 1 else "overlapped" if r.get("overlap", True) else "in order"
         if "error" in r:
-            cells.append([r["model"], str(r["g"]), "error: " + r["error"], "", "", "", "", "", ""])
+            cells.append([r["model"], str(r["g"]), mode, "error: " + r["error"],
+                          *[""] * (len(head) - 4)])
             continue
         ratio = r["tokens_per_sec"] / base[r["model"]] if r["model"] in base else None
+        other = in_order.get((r["model"], r["g"])) if r.get("overlap", True) else None
         cells.append([
-            r["model"], str(r["g"]), r["layout"], f"{r['tokens_per_sec']:.0f}",
+            r["model"], str(r["g"]), mode, r["layout"], f"{r['tokens_per_sec']:.0f}",
             f"{1000 * r['median_step_s']:.1f}", f"{ratio:.2f}x" if ratio else "-",
+            f"{r['tokens_per_sec'] / other:.2f}x" if other else "-",
             _mib(r["param_bytes_per_rank"]), _mib(r["optimizer_state_bytes_per_rank"]),
             " / ".join(f"{v / 2**20:.0f}" for v in r["peak_rss_bytes_per_rank"] if v),
         ])
@@ -250,6 +262,9 @@ def main(argv=None) -> int:
                         help="launches per case (interleaved; default 2)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per rank (default: CPU cores / world, at least 1)")
+    parser.add_argument("--in-order", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run each g > 1 with megatron's GTP overlap off (weight "
+                             "prefetch, async reduce-scatter), side by side (default on)")
     parser.add_argument("--out", default=None, help="output dir (default outputs/benchmarks/...)")
     parser.add_argument("--worker", nargs=2, metavar=("CONFIG", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -275,21 +290,25 @@ def main(argv=None) -> int:
     print(f"> train_speed: models {args.models}, g {args.g}, world {world}, {threads} torch "
           f"thread(s) per rank, {args.repeats} interleaved repeats; writing {out}", flush=True)
 
-    raw: dict[tuple[str, int], list[dict]] = {}
+    # (g, overlap): every g, and each g > 1 with its collectives in order too (--in-order).
+    cases = [(g, True) for g in args.g] + [(g, False) for g in args.g if g > 1 and args.in_order]
+    raw: dict[tuple[str, int, bool], list[dict]] = {}
     for model in args.models:
         for rep in range(args.repeats):
-            for g in args.g:  # interleaved: g1 g2 g1 g2 ...
-                run_dir = out / "runs" / f"{model}_g{g}_r{rep}"
-                cfg = compose_config(model, g, world, args.pad, run_dir, out / "cache")
+            for g, overlap in cases:  # interleaved: g1 g2 g2-in-order g1 g2 ...
+                tag = f"g{g}" + ("" if overlap else "_in_order")
+                run_dir = out / "runs" / f"{model}_{tag}_r{rep}"
+                cfg = compose_config(model, g, world, args.pad, run_dir, out / "cache", overlap)
                 t0 = time.perf_counter()
                 result = launch(cfg, run_dir, world)
-                raw.setdefault((model, g), []).append(result)
+                raw.setdefault((model, g, overlap), []).append(result)
                 what = result.get("error") or (
                     f"median step {1000 * _median_step(result):.1f} ms, final loss "
                     f"{result['losses'][-1]:.4f}")
-                print(f"  {model} g={g} run {rep + 1}/{args.repeats}: {what} "
+                print(f"  {model} {tag} run {rep + 1}/{args.repeats}: {what} "
                       f"({time.perf_counter() - t0:.0f}s with start-up)", flush=True)
-    rows = [summarize(model, g, raw[(model, g)]) for model in args.models for g in args.g]
+    rows = [summarize(model, g, raw[(model, g, overlap)], overlap)
+            for model in args.models for g, overlap in cases]
     table = format_table(rows)
     params = {r["model"]: r.get("model_parameters") for r in rows if r.get("model_parameters")}
     print(f"train_speed: {os.cpu_count()} CPU cores, world {world}, parameters "
@@ -303,7 +322,7 @@ def main(argv=None) -> int:
         "model_parameters": params,
         "world_size": world, "pad_for_alignment": args.pad, "repeats": args.repeats,
         "summary": rows,
-        "runs": {f"{m}_g{g}": v for (m, g), v in raw.items()},
+        "runs": {f"{m}_g{g}" + ("" if o else "_in_order"): v for (m, g, o), v in raw.items()},
     }, indent=2))
     (out / "table.txt").write_text(table + "\n")
     shutil.rmtree(out / "cache", ignore_errors=True)  # mock-data index cache, rebuilt per run

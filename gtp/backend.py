@@ -15,9 +15,12 @@ sharding, layer-wise optimizer) run as they do with TE. Everything else is megat
 (``_prescale_wgrads_for_mean_rs``) and ``finalize_model_grads``' reduction of replicated grads
 over the ``gtp_remat`` group.
 
-Only unquantized (fp32/bf16) weights are supported: there is no FP8 without TE. The backend runs
-the collectives synchronously (``GTP_CONFIG.weight_prefetch = False``,
-``GTP_CONFIG.async_reduction = False``): same math, no side streams.
+Only unquantized (fp32/bf16) weights are supported: there is no FP8 without TE. :func:`install`
+leaves megatron's overlap off (``GTP_CONFIG.weight_prefetch = False``,
+``GTP_CONFIG.async_reduction = False``: every collective completes where it is issued); a caller
+may turn it on (``recipes.gtp_setup`` does, outside pipeline parallelism): the collectives then
+return gloo's async work handles, which megatron waits on where it consumes the gathered weight
+or the reduced gradient (its prefetch chain), with the same math.
 
 On a machine without CUDA, also call ``mcore_compat.cpu.install()``: it redirects the
 ``torch.cuda`` stream calls left in megatron's GTP module (the pre-DP-sync fence in
@@ -187,8 +190,7 @@ def install() -> bool:
     for name in ("QuantizedTensor", "MXFP8TensorStorage", "NVFP4TensorStorage", "MXFP8Quantizer",
                  "_NVFP4AllGatherAsyncHandle"):
         setattr(gtp, name, _NoQuantizedTensor)
-    # Synchronous gathers and reduce-scatters: no prefetch chain, no deferred wgrad accumulation
-    # (both need side streams and events); the math is the same.
+    # In order until a caller asks for megatron's overlap (module docstring).
     gtp.update_gtp_config(weight_prefetch=False, async_reduction=False)
 
     # HAVE_GTP gates megatron's GTP-aware checkpoint path (transformer/utils.py

@@ -101,6 +101,9 @@ class _NullEvent(_NullStream):
     def record(self, stream=None):
         pass
 
+    def wait(self, stream=None):
+        pass
+
     def elapsed_time(self, other):
         return 0.0
 

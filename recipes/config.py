@@ -81,6 +81,12 @@ class GTPConfig:
     # fp8_param_gather; Megatron-LM's --fp8-param-gather): GTP's weight all-gather moves FP8
     # bytes. quantization fp8 or mxfp8 with the distributed optimizer; needs TransformerEngine.
     fp8_param_gather: bool = False
+    # megatron's GTP overlap (GTP_CONFIG fields): all-gather the next weight while this layer
+    # computes, and reduce-scatter weight gradients while the backward goes on. null: megatron's
+    # default (on) with TransformerEngine; on the gloo backend async_reduction on outside
+    # pipeline parallelism and weight_prefetch off (recipes.gtp_setup.overlap_settings).
+    weight_prefetch: Optional[bool] = None
+    async_reduction: Optional[bool] = None
     # How GTP weights are written: "logical" (gtp/'s fix: padding never reaches disk, loads at
     # any layout) or "stock" (megatron-core 0.19.2's padded layout; for comparisons and tests).
     checkpoint_layout: str = "logical"

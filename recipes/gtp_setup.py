@@ -35,6 +35,53 @@ def before_model(cfg, layout) -> None:
         fp8_recipe="mxfp8" if quant == "mxfp8" else None,
     )
     alignment.apply_pad_for_alignment(layout.pad_for_alignment)
+    from recipes import te
+
+    gtp_impl.update_gtp_config(**overlap_settings(
+        cfg.gtp, layout.pipeline_model_parallel_size, te.transformer_engine_usable()))
+
+
+OVERLAP_FIELDS = ("weight_prefetch", "async_reduction")
+
+
+def overlap_settings(gtp_cfg, pipeline_model_parallel_size: int, te_usable: bool) -> dict:
+    """megatron's ``GTP_CONFIG.weight_prefetch`` / ``async_reduction`` for a run.
+
+    Both overlap GTP's collectives with compute (megatron's prefetch chain). With
+    TransformerEngine both are megatron's defaults (on). On the gloo backend (``gtp.backend``):
+
+    * ``async_reduction`` (weight-gradient reduce-scatters finish while the backward goes on,
+      gloo's async work handles): on by default without pipeline parallelism. Under pipeline
+      parallelism the collectives run in order: megatron's chains follow one model's layer
+      order and a pipeline schedule interleaves micro-batches and model chunks.
+    * ``weight_prefetch`` (the next weight's all-gather issued while this layer computes): off,
+      and refused when asked for. megatron orders the prefetch into its reused gather buffers
+      with CUDA streams and events, which have no CPU counterpart here: with gloo's async
+      gathers the same run gave different losses from one launch to the next.
+
+    Returns:
+        ``{"weight_prefetch": bool, "async_reduction": bool}``.
+
+    Raises:
+        ValueError: an explicit ``true`` that the gloo backend cannot run exactly.
+    """
+    why = {} if te_usable else {"weight_prefetch": (
+        "the gloo backend has no CUDA streams to order megatron's prefetch into its reused "
+        "gather buffers (runs are not reproducible)")}
+    if not te_usable and pipeline_model_parallel_size > 1:
+        why["async_reduction"] = (
+            f"without TransformerEngine GTP's collectives run in order under pipeline "
+            f"parallelism (pipeline_model_parallel_size={pipeline_model_parallel_size})")
+    out = {}
+    for name in OVERLAP_FIELDS:
+        value = gtp_cfg.get(name)
+        if value is None:
+            value = name not in why
+        elif value and name in why:
+            raise ValueError(f"gtp.{name}=true cannot run here: {why[name]}; set gtp.{name}="
+                             f"null or false")
+        out[name] = bool(value)
+    return out
 
 
 def after_model(model, layout) -> None:
@@ -44,7 +91,10 @@ def after_model(model, layout) -> None:
     if layout.gtp_remat_size == 1:
         return
     import torch
-    from megatron.core.tensor_parallel.generalized_tensor_parallelism import is_gtp_param
+    from megatron.core.tensor_parallel.generalized_tensor_parallelism import (
+        GTP_CONFIG,
+        is_gtp_param,
+    )
 
     from gtp import alignment
     from recipes.model import gtp_weight_dims
@@ -64,7 +114,8 @@ def after_model(model, layout) -> None:
         pad_rows = sum(p.pad_length for p in model.parameters() if is_gtp_param(p))
         print(f"> GTP: {checked} weights sharded over gtp_remat_size={layout.gtp_remat_size}, "
               f"pad_for_alignment={layout.pad_for_alignment} verified on the built model "
-              f"({pad_rows} padding rows in all)", flush=True)
+              f"({pad_rows} padding rows in all); weight_prefetch={GTP_CONFIG.weight_prefetch}, "
+              f"async_reduction={GTP_CONFIG.async_reduction}", flush=True)
 
 
 def _stage_share(dims: dict, chunk, cfg) -> dict:

@@ -271,6 +271,14 @@ def validate(cfg, world_size: int) -> Layout:
         )
     from recipes import te
 
+    if layout.gtp_remat_size > 1:
+        from recipes.gtp_setup import overlap_settings
+
+        try:
+            overlap_settings(cfg.gtp, layout.pipeline_model_parallel_size,
+                             te.transformer_engine_usable())
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     refusal = te.fp8_param_gather_refusal(cfg.gtp.quantization,
                                           cfg.gtp.get("fp8_param_gather", False),
                                           layout.use_distributed_optimizer)

@@ -105,10 +105,10 @@ def _trimming_factory(entry, stored_rows: int, real: int):
 
     def build(key, data, replica_id, flattened_range):
         piece = dataclasses.replace(entry, key=key, data=data, replica_id=replica_id)
-        return _trim_piece(piece, stored_rows, real)[0]
+        return [_trim_piece(piece, stored_rows, real)[0]]
 
     def merge(loaded):
-        return _pad_rows(loaded, entry.data.shape[entry.data.dim() - 2])
+        return _pad_rows(loaded[0], entry.data.shape[entry.data.dim() - 2])
 
     return ShardedTensorFactory(entry.key, entry.data, build, merge, entry.replica_id, None)
 

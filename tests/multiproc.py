@@ -34,6 +34,21 @@ class DistributedTestError(RuntimeError):
     """One or more ranks failed (exception, crash or timeout)."""
 
 
+def reset_gtp_globals() -> None:
+    """Forget megatron-core 0.19.2's process-global GTP state before another model is built in
+    the same process: the registry of every GTP param (written, never read), the prefetch-chain
+    links (``reset_gtp_state``, as ``classify_gtp_remat_chains``), the gathered-weight and
+    reduced-gradient buffer cache with its tickets, the wgrad buffer pool and the in-flight set.
+    A training process builds its model once; a test world builds many."""
+    from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp_mod
+
+    gtp_mod._GTP_PARAMS.clear()
+    gtp_mod.reset_gtp_state()
+    gtp_mod._GTP_CACHE = None
+    gtp_mod._wgrad_buf_pool.clear()
+    gtp_mod._inflight_comm_params.clear()
+
+
 def reset_model_parallel() -> None:
     """Destroy megatron's parallel state and every process group but the world.
 
@@ -47,11 +62,9 @@ def reset_model_parallel() -> None:
 
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp_mod
     from torch.distributed import distributed_c10d as c10d
 
-    gtp_mod._GTP_PARAMS.clear()
-    gtp_mod.reset_gtp_state()
+    reset_gtp_globals()
     gc.collect()  # the last layout's model and optimizer hold their groups
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

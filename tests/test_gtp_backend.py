@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-from multiproc import run_distributed
+from multiproc import reset_gtp_globals, run_distributed
 
 WORLD = 4
 VOCAB = 272
@@ -27,6 +27,8 @@ LR = 1e-3
 
 # (tp, g, pad_for_alignment); the first is the reference, (2, 1, 1) the g=1 baseline at TP=2.
 LAYOUTS = [(1, 1, 1), (1, 2, 16), (1, 4, 32), (2, 1, 1), (2, 2, 16), (1, 2, 1)]
+# The same GTP layouts with megatron's overlap on (weight prefetch, async reduce-scatter).
+OVERLAP_LAYOUTS = [(1, 2, 16, "overlap"), (1, 4, 32, "overlap"), (2, 2, 16, "overlap")]
 
 # fp32 tolerances for "GTP changes no math". Layouts differ only in the order of floating-point
 # reductions: the GEMMs see the same gathered weight bit for bit (test_backend_is_what_ran), but
@@ -67,6 +69,7 @@ def _build(tp, g, pad, calculate_per_token_loss=False):
 
     cpu_compat.install()
     assert backend.install() is True
+    reset_gtp_globals()  # chains and buffer tickets of the previous layout's model
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, gtp_remat_size=g)
@@ -205,12 +208,25 @@ def _train_step(ddp, opt, step):
 def _invariance_worker():
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from gtp import backend
+
     rank = torch.distributed.get_rank()
     assert torch.distributed.get_world_size() == WORLD
+    gtp = _gtp_mod()
     reference = None
     report = {}
-    for tp, g, pad in LAYOUTS:
+    for tp, g, pad, *overlap in LAYOUTS + OVERLAP_LAYOUTS:
         model, ddp, _ = _build(tp, g, pad)
+        counts = {"ag": 0, "rs": 0}
+        if overlap:
+            # megatron's deferred weight-gradient reduce-scatters, as recipes.gtp_setup turns
+            # them on; counted through the backend (async_op=True calls only).
+            gtp.update_gtp_config(async_reduction=True)
+            gtp.classify_gtp_remat_chains(model)  # a fresh chain for the rebuilt model
+            gtp.gather_along_first_dim = _counting(backend._gather_along_first_dim, counts,
+                                                   "ag", only_async=True)
+            gtp.reduce_scatter_along_first_dim = _counting(
+                backend._reduce_scatter_along_first_dim, counts, "rs", only_async=True)
         if reference is None:
             reference, _ = _logical_full(model)  # megatron's own init of the (tp1, g1) model
         _load_logical(model, reference)
@@ -221,9 +237,15 @@ def _invariance_worker():
             OptimizerConfig(optimizer="adam", lr=LR, clip_grad=1.0, bf16=False, fp16=False),
             [ddp],
         )
-        history = [_train_step(ddp, opt, step) for step in range(STEPS)]
+        try:
+            history = [_train_step(ddp, opt, step) for step in range(STEPS)]
+        finally:
+            gtp.update_gtp_config(weight_prefetch=False, async_reduction=False)
+            gtp.gather_along_first_dim = backend._gather_along_first_dim
+            gtp.reduce_scatter_along_first_dim = backend._reduce_scatter_along_first_dim
         final, pad_max = _logical_full(model)
-        report[(tp, g, pad)] = {
+        report[(tp, g, pad, *overlap)] = {
+            "async": counts,
             "loss": [h[0] for h in history], "grad_norm": [h[1] for h in history],
             "spread": max(h[2] for h in history), "pad_max": pad_max,
             "final": final if rank == 0 else None,
@@ -232,9 +254,9 @@ def _invariance_worker():
     return report
 
 
-def _counting(fn, counter, key):
+def _counting(fn, counter, key, only_async=False):
     def wrapped(*args, **kwargs):
-        counter[key] += 1
+        counter[key] += not only_async or bool(kwargs.get("async_op"))
         return fn(*args, **kwargs)
 
     return wrapped
@@ -404,6 +426,26 @@ def test_loss_grad_norm_and_weights_match_across_layouts(world_results):
     print("\n" + "\n".join(lines))
 
 
+@pytest.mark.multiprocess
+def test_overlapped_collectives_train_exactly_as_in_order_ones(world_results):
+    """With megatron's deferred weight-gradient reduce-scatters (the gloo backend's async work
+    handles) the same steps give the same losses, grad norms and weights, bit for bit: only
+    when the collectives finish changes. Every reduce-scatter but the backward's last was
+    async; every gather stayed in order (no weight prefetch on this backend)."""
+    for rank, r in enumerate(w["invariance"] for w in world_results):
+        for layout in OVERLAP_LAYOUTS:
+            got, want = r[layout], r[layout[:3]]
+            assert got["loss"] == want["loss"] and got["grad_norm"] == want["grad_norm"], layout
+            assert want["async"] == {"ag": 0, "rs": 0}, layout
+            n = got["n_gtp"]
+            # Per micro-batch the backward's last GTP weight (the chain head) reduces in place;
+            # the first micro-batch of the first step builds the chain.
+            assert got["async"]["rs"] >= (STEPS * MICRO_BATCHES - 1) * (n - 1), (layout, got)
+            assert got["async"]["ag"] == 0, (layout, got)
+            if rank == 0:
+                assert all(torch.equal(got["final"][k], want["final"][k]) for k in want["final"])
+
+
 # --------------------------------------------------------------------------------------------
 # Single-process tests.
 # --------------------------------------------------------------------------------------------
@@ -482,3 +524,38 @@ def test_validate_gtp_dims():
         validate_gtp_dims([72], 2, -3)
     with pytest.raises(ValueError, match="gtp_remat_size"):
         shard_layout(10, 4, 0)
+
+
+@pytest.mark.parametrize("fields, pp, te_usable, want", [
+    ({}, 1, False, (False, True)),
+    ({}, 2, False, (False, False)),
+    ({}, 1, True, (True, True)),
+    ({}, 2, True, (True, True)),
+    ({"async_reduction": False}, 1, False, (False, False)),
+    ({"weight_prefetch": False}, 2, True, (False, True)),
+])
+def test_overlap_settings(fields, pp, te_usable, want):
+    from recipes.gtp_setup import overlap_settings
+
+    got = overlap_settings({"weight_prefetch": None, "async_reduction": None, **fields}, pp,
+                           te_usable)
+    assert got == dict(zip(("weight_prefetch", "async_reduction"), want))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["gtp.weight_prefetch=true"], r"gtp.weight_prefetch=true cannot run here: the gloo backend "
+                                   r"has no CUDA streams.*set gtp.weight_prefetch=null or false"),
+    (["parallelism=pp2", "gtp.async_reduction=true"],
+     r"gtp.async_reduction=true cannot run here: .*pipeline_model_parallel_size=2"),
+])
+def test_overlap_the_gloo_backend_cannot_run_is_refused_before_launch(monkeypatch, overrides,
+                                                                      message):
+    from compose import make_cfg
+
+    from recipes import te
+    from recipes.validate import ConfigError, validate
+
+    monkeypatch.setattr(te, "transformer_engine_usable", lambda: False)
+    cfg = make_cfg("gtp=tp2_align16", "parallelism.nproc_per_node=4", *overrides)
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg, 4)

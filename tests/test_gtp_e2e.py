@@ -44,8 +44,10 @@ def test_gtp_job_ran_with_the_resolved_alignment_on_the_model(sweep):
     assert set(jobs) == {"off", "gtp"}
     # gtp_setup.after_model checked every GTP shard's pad_length/shard size against the resolved
     # pad and the sharded weights against pre-launch validation's table, then said so.
+    # The gloo backend: weight-gradient reduce-scatters overlapped, gathers in order.
     assert ("> GTP: 10 weights sharded over gtp_remat_size=2, pad_for_alignment=16 verified "
-            "on the built model (160 padding rows in all)") in stdout
+            "on the built model (160 padding rows in all); weight_prefetch=False, "
+            "async_reduction=True") in stdout
     assert "layout: tp1 x gtp2(pad 16) x dp1 (world 2)" in stdout
     layout = next(e["layout"] for e in jobs["gtp"][2] if e["event"] == "start")
     assert (layout["world_size"], layout["tensor_model_parallel_size"], layout["gtp_remat_size"],

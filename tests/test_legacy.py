@@ -363,8 +363,15 @@ def test_prepare_load_decisions(built):
     # legacy, converted copy already there: reused
     assert legacy.prepare_load(path, common, {}) == (root / "legacy" / "gtp_converted" / path.name,
                                                      True)
-    # the loader writes the stock layout at the very same layout: megatron reads it as is
-    assert legacy.prepare_load(path, common, common["layout"], stock_writer=True) == (path, False)
+    # the loader writes the stock layout at the very same layout (its record, pad included):
+    # megatron reads it as is; at another pad_for_alignment it is converted
+    from gtp.records import saved_layout
+
+    same = saved_layout(common)
+    assert same["pad_for_alignment"] == 16 and "pad_for_alignment" not in common["layout"]
+    assert legacy.prepare_load(path, common, same, stock_writer=True) == (path, False)
+    assert legacy.prepare_load(path, common, {**same, "pad_for_alignment": 32},
+                               stock_writer=True)[1]
     # a non-GTP checkpoint and a logical one are loaded as they are
     for name in ("tp2", "logical_twin"):
         other = legacy.resolve_iter_dir(root / name)
