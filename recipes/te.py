@@ -18,9 +18,9 @@ nvfp4       ``fp4="e2m1"``, ``fp4_recipe="nvfp4"``
 With ``gtp.fp8_param_gather=true`` (fp8 or mxfp8 only) the weights themselves are kept in FP8
 and gathered in FP8, as Megatron-LM's ``--fp8-param-gather``: ``TransformerConfig.fp8_param``
 (megatron builds the layers under TransformerEngine's FP8 model init), and
-``DistributedDataParallelConfig.fp8_param_gather`` follows that field (:func:`ddp_fields`). Under GTP, megatron's weight all-gather then
-moves FP8 shards (``generalized_tensor_parallelism``, native-FP8 GTP params) and checkpoints hold
-the dequantized values (``gtp.checkpoint``).
+``DistributedDataParallelConfig.fp8_param_gather`` follows that field (:func:`ddp_fields`).
+Under GTP, megatron's weight all-gather then moves FP8 shards (``generalized_tensor_parallelism``,
+native-FP8 GTP params) and checkpoints hold the dequantized values (``gtp.checkpoint``).
 
 Without it, megatron's local spec (``get_gpt_layer_local_spec``), no quantization field, and the
 recipe only sets the GTP alignment (``recipes.validate`` prints a one-line notice).
