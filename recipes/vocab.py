@@ -55,7 +55,7 @@ def refusal(stored: Optional[int], current: Optional[int], where) -> Optional[st
 
 def _trim_piece(piece, stored_rows: int, real: int):
     """``piece`` (a ShardedTensor over the padded vocab, no GTP) cut to its real rows, placed in
-    a tensor of ``stored_rows`` rows; returns (new piece, rows it had)."""
+    a tensor of ``stored_rows`` rows."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     axis = piece.data.dim() - 2  # vocab rows: the first non-layer axis
@@ -67,9 +67,8 @@ def _trim_piece(piece, stored_rows: int, real: int):
     global_shape[axis] = stored_rows
     offset = list(piece.global_offset)
     offset[axis] = min(first, real)
-    new = ShardedTensor(piece.key, data, data.dtype, tuple(data.shape), tuple(global_shape),
-                        tuple(offset), None, replica_id=piece.replica_id)
-    return new, rows
+    return ShardedTensor(piece.key, data, data.dtype, tuple(data.shape), tuple(global_shape),
+                         tuple(offset), None, replica_id=piece.replica_id)
 
 
 def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
@@ -105,7 +104,7 @@ def _trimming_factory(entry, stored_rows: int, real: int):
 
     def build(key, data, replica_id, flattened_range):
         piece = dataclasses.replace(entry, key=key, data=data, replica_id=replica_id)
-        return [_trim_piece(piece, stored_rows, real)[0]]
+        return [_trim_piece(piece, stored_rows, real)]
 
     def merge(loaded):
         return _pad_rows(loaded[0], entry.data.shape[entry.data.dim() - 2])
