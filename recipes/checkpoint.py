@@ -335,6 +335,13 @@ class AsyncSaves:
     ``.metadata``) run on every rank, and after them this save's tracker update. At most one save
     is in flight: scheduling a new one first waits for the previous.
 
+    Planning is done once per checkpoint structure (megatron-LM's
+    ``--ckpt-assume-constant-structure``, checked rather than assumed): the saves of a job share
+    one megatron ``TorchDistSaveShardedStrategy`` with cached save plans, and megatron's
+    sharding-integrity validation runs only when some rank's structure differs from the last
+    validated save's (:meth:`save_options`). What stays in the training stall is building the
+    sharded state dict and forking the writer.
+
     Every method is a collective: every rank calls it at the same point.
     """
 
@@ -342,6 +349,40 @@ class AsyncSaves:
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
         self._queue = AsyncCallsQueue(persistent=False)
+        self._strategy = None
+        self._fingerprint: str | None = None
+
+    def save_options(self, state: dict) -> dict:
+        """``dist_checkpointing.save`` keyword arguments for saving ``state`` (a collective).
+
+        The structure of ``state`` (see :func:`structure_fingerprint`) is compared with the last
+        validated save's on every rank; if it is the same everywhere, the cached strategy is
+        reused and megatron's ``validate_access_integrity`` is skipped (it would find what it
+        found then); otherwise a fresh strategy is made and the save is validated.
+
+        Returns:
+            ``{"sharded_strategy": TorchDistSaveShardedStrategy, "validate_access_integrity":
+            bool}``.
+        """
+        from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+        fingerprint = structure_fingerprint(state)
+        same = _all_ranks(fingerprint == self._fingerprint and self._strategy is not None)
+        if not same:
+            self._strategy = TorchDistSaveShardedStrategy(cached_metadata=True)
+            self._fingerprint = fingerprint
+        return {"sharded_strategy": self._strategy, "validate_access_integrity": not same}
+
+    def agree_on_plan_reuse(self) -> None:
+        """Make the cached plan's reuse a decision of all ranks (a collective).
+
+        megatron sets ``validated_cache_reuse`` on each rank from its own plan; a rank that
+        reuses its plan while another plans again would hang the next save in the planning
+        collective, so the plan is reused only where every rank could.
+        """
+        if self._strategy is not None:
+            self._strategy.validated_cache_reuse = _all_ranks(
+                bool(self._strategy.validated_cache_reuse))
 
     def schedule(self, request) -> None:
         """Start writing megatron's ``AsyncRequest`` (after the previous save is finalized)."""
@@ -369,9 +410,55 @@ class AsyncSaves:
         return self._queue.get_num_unfinalized_calls()
 
 
+# CPU priority of the forked writer below training's (an os.nice increment; megatron's persistent
+# async caller lowers its writer by the same): where the two compete for cores, training keeps
+# most of them; on idle cores the writer runs at full speed.
+WRITER_NICE = 10
+
+
+def structure_fingerprint(state: dict) -> str:
+    """A digest of the structure of a sharded state dict: for each ``ShardedBase`` in it, its
+    type, key, global shape and offset, fragmentation, replica id and the shape and dtype of its
+    local data; not the data. Two saves with the same fingerprint have the same save plan.
+
+    Returns:
+        A sha256 hex digest (64 characters).
+    """
+    import hashlib
+
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    fields = ("key", "global_shape", "global_offset", "axis_fragmentations", "replica_id",
+              "flattened_range", "prepend_axis_num", "allow_shape_mismatch")
+    items = []
+    for value in nested_values(state):
+        if not isinstance(value, ShardedBase):
+            continue
+        data = getattr(value, "data", None)
+        local = (tuple(data.shape), str(data.dtype)) if isinstance(data, torch.Tensor) else None
+        items.append((type(value).__name__, local,
+                      *(repr(getattr(value, name, None)) for name in fields)))
+    return hashlib.sha256(repr(items).encode()).hexdigest()
+
+
+def _all_ranks(flag: bool) -> bool:
+    """True where ``flag`` is true on every rank (an all-reduce; ``flag`` as is without a
+    process group)."""
+    if not torch.distributed.is_initialized():
+        return flag
+    from gtp.collectives import collective_device
+
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=collective_device())
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
+    return bool(value.item())
+
+
 def _write_in_background(write_fn, iteration: int, rank: int, *args, **kwargs) -> None:
-    """The forked writer: the ``async_write`` fault point, then megatron's write."""
+    """The forked writer: the ``async_write`` fault point, then megatron's write, at
+    :data:`WRITER_NICE` lower CPU priority than training."""
     faults.maybe_fail("async_write", iteration, rank)
+    os.nice(WRITER_NICE)
     write_fn(*args, **kwargs)
 
 
@@ -442,7 +529,8 @@ def stage_save(root, iteration: int, model, optimizer, scheduler, common: dict,
         return staged
     # megatron's own async path ("mcore"; the "nvrx" default needs nvidia-resiliency-ext).
     request = dist_checkpointing.save(state, str(staged), async_sharded_save=True,
-                                      async_strategy="mcore")
+                                      async_strategy="mcore", **async_saves.save_options(state))
+    async_saves.agree_on_plan_reuse()
     if request.async_fn is not None:
         request = request._replace(async_fn=functools.partial(
             _write_in_background, request.async_fn, iteration, rank))

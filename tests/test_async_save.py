@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from multiproc import run_distributed
+
 from recipes import checkpoint
 from recipes.metrics import read_metrics
 
 COMMON = ["train.train_iters=4", "optim.lr_warmup_iters=1", "checkpoint.save_interval=2"]
+# Three saves: the third reuses the plan cached by the first two (AsyncSaves.save_options).
+THREE_SAVES = ["train.train_iters=6", *COMMON[1:]]
 
 
 def _tensors(iter_path, tmp) -> dict:
@@ -29,19 +34,20 @@ def _losses(run_dir) -> dict:
 @pytest.fixture(scope="module")
 def runs(train_run, tmp_path_factory):
     root = tmp_path_factory.mktemp("async")
-    train_run(root / "sync", *COMMON)
-    train_run(root / "async", *COMMON, "checkpoint.async_save=true")
+    train_run(root / "sync", *THREE_SAVES)
+    train_run(root / "async", *THREE_SAVES, "checkpoint.async_save=true")
     return root
 
 
 def test_async_save_writes_what_the_synchronous_save_writes(runs, tmp_path):
-    """Training goes on while iteration 2 is written; the files still hold iteration 2's state."""
+    """Training goes on while iteration 2 is written; the files still hold iteration 2's state
+    (and 4's and 6's, written with a reused plan)."""
     for run in ("sync", "async"):
-        assert checkpoint.read_tracker(runs / run / "checkpoints") == 4
+        assert checkpoint.read_tracker(runs / run / "checkpoints") == 6
         # Every staged save was renamed into place.
         assert not list((runs / run / "checkpoints").glob(".iter_*")), run
     assert _losses(runs / "sync") == _losses(runs / "async")
-    for it in (2, 4):
+    for it in (2, 4, 6):
         want = _tensors(checkpoint.iter_dir(runs / "sync" / "checkpoints", it), tmp_path / "s")
         got = _tensors(checkpoint.iter_dir(runs / "async" / "checkpoints", it), tmp_path / "a")
         assert sorted(got) == sorted(want) and len(want) > 10
@@ -59,3 +65,61 @@ def test_writer_killed_during_async_save_keeps_the_previous_checkpoint(train_run
     assert not checkpoint.iter_dir(root, 4).exists()
     assert not (checkpoint.staging_dir(root, 4) / ".metadata").exists()
     assert checkpoint.iter_dir(root, 2).is_dir()
+
+
+def _state(rank: int, world: int, value: float, extra: bool = False) -> dict:
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    state = {"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), value + rank),
+                                                  (0, rank, world))}
+    if extra:  # a tensor only this rank holds: a valid structure that differs on this rank
+        state["extra"] = ShardedTensor.from_rank_offsets("extra", torch.full((2,), value))
+    return state
+
+
+def _saves_with_cached_plans(root: str) -> list:
+    """Five async saves of the same structure with new data each time, then one whose structure
+    differs on rank 1 only; what each save was told, whether its plan was reused, what it
+    wrote."""
+    from megatron.core import dist_checkpointing
+
+    from mcore_compat import cpu as cpu_compat
+
+    cpu_compat.install()  # as a training process: megatron's writer syncs "CUDA" before forking
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    checkpoint._use_in_process_results_queue(True)
+    saves = checkpoint.AsyncSaves()
+    seen = []
+    for n in range(6):
+        extra = n == 5 and rank == 1
+        state = _state(rank, world, 10.0 * n, extra)
+        where = f"{root}/save{n}"
+        if rank == 0:
+            os.makedirs(where)
+        torch.distributed.barrier()
+        options = saves.save_options(state)
+        reused = bool(options["sharded_strategy"].validated_cache_reuse)
+        request = dist_checkpointing.save(state, where, async_sharded_save=True,
+                                          async_strategy="mcore", **options)
+        saves.agree_on_plan_reuse()
+        saves.schedule(request)
+        saves.wait()
+        loaded = dist_checkpointing.load(_state(rank, world, -1.0, extra), where)
+        seen.append((options["validate_access_integrity"], reused,
+                     {k: v for k, v in loaded.items()}))
+    return seen
+
+
+def test_async_saves_reuse_their_plan_only_while_the_structure_is_the_same(tmp_path):
+    """The second save of a structure skips megatron's validation, the third reuses the cached
+    plan (megatron caches it after comparing two), and each still writes its own data; a
+    structure change on one rank makes every rank plan and validate again (none hangs)."""
+    world = 2
+    for rank, seen in enumerate(run_distributed(_saves_with_cached_plans, world, str(tmp_path))):
+        assert [v for v, _, _ in seen] == [True, False, False, False, False, True]
+        assert [r for _, r, _ in seen] == [False, False, True, True, True, False]
+        for n, (_, _, loaded) in enumerate(seen):
+            assert torch.equal(loaded["w"], torch.full((4, 3), 10.0 * n + rank)), (rank, n)
+        assert ("extra" in seen[5][2]) == (rank == 1)
+        if rank == 1:
+            assert torch.equal(seen[5][2]["extra"], torch.full((2,), 50.0))
