@@ -470,6 +470,32 @@ def staging_dir(root, iteration: int) -> Path:
     return Path(root) / f".{iter_dir(root, iteration).name}.staging"
 
 
+def _gc_paused(fn):
+    """Run ``fn`` with Python's cyclic garbage collector paused (megatron pauses it the same way
+    around its async save, ``async_utils._disable_gc``).
+
+    A save or load builds and drops tens of thousands of short-lived containers (sharded
+    tensors, plans, read items): enough to start full collections, each of which walks every
+    object of the training process (about 0.25 s per rank for gpt125m, measured in
+    ``benchmarks.checkpoint_io``). Reference counting frees them anyway; cycles among them are
+    collected by the first collection after ``fn`` returns.
+    """
+    import gc
+
+    @functools.wraps(fn)
+    def paused(*args, **kwargs):
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    return paused
+
+
+@_gc_paused
 def stage_save(root, iteration: int, model, optimizer, scheduler, common: dict,
                layout_dict: dict, async_saves: AsyncSaves | None = None,
                on_written=None) -> Path:
@@ -740,6 +766,7 @@ def load_common(root, iteration: int | None = None) -> tuple[Path, dict]:
     return path, common
 
 
+@_gc_paused
 def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
                     iteration: int | None = None) -> dict:
     """Load a checkpoint of ``root`` (the tracker's, or ``iteration``) into ``model``,

@@ -220,3 +220,34 @@ def test_skip_nonfinite_iterations_counts_and_never_saves_them(train_run, tmp_pa
     assert bad, "lr=1e30 must blow up"
     assert rows[4]["skipped-iterations"] == len(bad)
     assert all(math.isnan(rows[it]["num-zeros"]) for it in bad)
+
+
+
+def test_saves_and_loads_run_with_the_cyclic_gc_paused_and_restore_it():
+    """A full collection walks every object of the training process; a save or load must not
+    start one, and must leave the collector as it found it (also when it fails)."""
+    import gc
+
+    seen = []
+
+    def body(fail: bool):
+        seen.append(gc.isenabled())
+        if fail:
+            raise CheckpointError("stop here")
+        return "done"
+
+    paused = checkpoint._gc_paused(body)
+    assert gc.isenabled()
+    assert paused(False) == "done" and gc.isenabled()
+    with pytest.raises(CheckpointError, match="stop here"):
+        paused(True)
+    assert gc.isenabled() and seen == [False, False]
+    gc.disable()
+    try:  # a caller that paused it already finds it paused afterwards
+        paused(False)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    # Both entry points are wrapped (every wrapper shares the one code object).
+    for fn in (checkpoint.stage_save, checkpoint.load_checkpoint):
+        assert fn.__code__ is paused.__code__, fn.__name__
