@@ -350,39 +350,56 @@ class AsyncSaves:
 
         self._queue = AsyncCallsQueue(persistent=False)
         self._strategy = None
-        self._fingerprint: str | None = None
+        self._fingerprint: str | None = None  # of the last save that validated and returned
+        self._pending: str | None = None
 
     def save_options(self, state: dict) -> dict:
         """``dist_checkpointing.save`` keyword arguments for saving ``state`` (a collective).
 
-        The structure of ``state`` (see :func:`structure_fingerprint`) is compared with the last
-        validated save's on every rank; if it is the same everywhere, the cached strategy is
-        reused and megatron's ``validate_access_integrity`` is skipped (it would find what it
-        found then); otherwise a fresh strategy is made and the save is validated.
+        Applies megatron's sharded-tensor factories to ``state`` in place (as its ``save``
+        would first), so that the structure compared is what is written: the structure
+        (:func:`structure_fingerprint`) is compared with the last validated save's on every
+        rank; if it is the same everywhere, the cached strategy is reused and megatron's
+        ``validate_access_integrity`` is skipped. That validation checks the sharding (unchanged
+        since it passed) and that rank 0's common state equals every other rank's (iteration,
+        scheduler, config: the same on every rank by construction; after the first save of a
+        structure it is no longer compared). Otherwise a fresh strategy is made and the save is
+        validated; its structure counts as validated once :meth:`agree_on_plan_reuse` runs after
+        ``save`` returned.
 
         Returns:
             ``{"sharded_strategy": TorchDistSaveShardedStrategy, "validate_access_integrity":
             bool}``.
         """
+        from megatron.core.dist_checkpointing.mapping import apply_factories
         from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
+        apply_factories(state)
         fingerprint = structure_fingerprint(state)
         same = _all_ranks(fingerprint == self._fingerprint and self._strategy is not None)
         if not same:
             self._strategy = TorchDistSaveShardedStrategy(cached_metadata=True)
-            self._fingerprint = fingerprint
+            self._fingerprint = None
+        self._pending = fingerprint
         return {"sharded_strategy": self._strategy, "validate_access_integrity": not same}
 
     def agree_on_plan_reuse(self) -> None:
-        """Make the cached plan's reuse a decision of all ranks (a collective).
+        """After ``save`` returned on every rank: record the structure as validated and make the
+        cached plan's reuse a decision of all ranks (a collective).
 
-        megatron sets ``validated_cache_reuse`` on each rank from its own plan; a rank that
-        reuses its plan while another plans again would hang the next save in the planning
-        collective, so the plan is reused only where every rank could.
+        megatron sets ``validated_cache_reuse`` (and, on rank 0, its cached global metadata) on
+        each rank from its own plan; a rank that reused its plan while another planned again
+        would hang the next save in the planning collectives. Where ranks differ, the cache is
+        dropped and the next save plans and validates afresh on every rank.
         """
-        if self._strategy is not None:
-            self._strategy.validated_cache_reuse = _all_ranks(
-                bool(self._strategy.validated_cache_reuse))
+        if self._strategy is None:
+            return
+        local = bool(self._strategy.validated_cache_reuse)
+        everywhere, nowhere = _all_ranks(local), _all_ranks(not local)
+        if everywhere or nowhere:
+            self._fingerprint = self._pending
+        else:
+            self._strategy = self._fingerprint = None
 
     def schedule(self, request) -> None:
         """Start writing megatron's ``AsyncRequest`` (after the previous save is finalized)."""
@@ -410,16 +427,17 @@ class AsyncSaves:
         return self._queue.get_num_unfinalized_calls()
 
 
-# CPU priority of the forked writer below training's (an os.nice increment; megatron's persistent
-# async caller lowers its writer by the same): where the two compete for cores, training keeps
-# most of them; on idle cores the writer runs at full speed.
+# Nice value of the forked writer (megatron's persistent async writer's default): where it
+# competes with training for cores, training keeps most of them; on idle cores it runs at full
+# speed.
 WRITER_NICE = 10
 
 
 def structure_fingerprint(state: dict) -> str:
     """A digest of the structure of a sharded state dict: for each ``ShardedBase`` in it, its
     type, key, global shape and offset, fragmentation, replica id and the shape and dtype of its
-    local data; not the data. Two saves with the same fingerprint have the same save plan.
+    local data; not the data. With its factories applied (their pieces are then in it), two
+    saves with the same fingerprint on every rank have the same save plan.
 
     Returns:
         A sha256 hex digest (64 characters).
@@ -455,10 +473,13 @@ def _all_ranks(flag: bool) -> bool:
 
 
 def _write_in_background(write_fn, iteration: int, rank: int, *args, **kwargs) -> None:
-    """The forked writer: the ``async_write`` fault point, then megatron's write, at
-    :data:`WRITER_NICE` lower CPU priority than training."""
+    """The forked writer: the ``async_write`` fault point, then megatron's write at nice
+    :data:`WRITER_NICE` (megatron's ``async_utils._set_process_qos``, as its persistent writer:
+    raised to that value, never lowered)."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import _set_process_qos
+
     faults.maybe_fail("async_write", iteration, rank)
-    os.nice(WRITER_NICE)
+    _set_process_qos(WRITER_NICE, None)
     write_fn(*args, **kwargs)
 
 

@@ -67,20 +67,43 @@ def test_writer_killed_during_async_save_keeps_the_previous_checkpoint(train_run
     assert checkpoint.iter_dir(root, 2).is_dir()
 
 
-def _state(rank: int, world: int, value: float, extra: bool = False) -> dict:
+def _state(rank: int, world: int, value: float, split: bool = False, extra: bool = False) -> dict:
+    """Rows ``4*rank:4*rank+4`` of a (4*world, 3) tensor "w", through a factory that writes them
+    as one piece, or (``split``) as two: the same factory key, shape and dtype either way."""
     from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
-    state = {"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), value + rank),
-                                                  (0, rank, world))}
+    def build(key, data, replica_id, flattened_range):
+        # Irregular pieces (explicit global offsets) on every rank, as gtp/checkpoint.py's.
+        rows = ((0, 2), (2, 4)) if split else ((0, 4),)
+        return [ShardedTensor(key, data[lo:hi].clone(), data.dtype, (hi - lo, 3), (4 * world, 3),
+                              (4 * rank + lo, 0), None, replica_id=replica_id)
+                for lo, hi in rows]
+
+    state = {"w": ShardedTensorFactory("w", torch.full((4, 3), value + rank), build,
+                                       lambda pieces: torch.cat(pieces), 0, None)}
     if extra:  # a tensor only this rank holds: a valid structure that differs on this rank
         state["extra"] = ShardedTensor.from_rank_offsets("extra", torch.full((2,), value))
     return state
 
 
+def _loadable(rank: int, world: int, extra: bool) -> dict:
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    state = {"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), -1.0), (0, rank, world))}
+    if extra:
+        state["extra"] = ShardedTensor.from_rank_offsets("extra", torch.full((2,), -1.0))
+    return state
+
+
+# Per async save: whether rank 1 writes its rows of "w" as two pieces (a change inside the
+# factory only), and whether it holds the extra tensor.
+PLAN = [(False, False)] * 5 + [(True, False)] * 3 + [(True, True)]
+
+
 def _saves_with_cached_plans(root: str) -> list:
-    """Five async saves of the same structure with new data each time, then one whose structure
-    differs on rank 1 only; what each save was told, whether its plan was reused, what it
-    wrote."""
+    """Async saves with new data each time and the structure of :data:`PLAN`; what each save
+    was told, whether its plan was reused, what it wrote."""
     from megatron.core import dist_checkpointing
 
     from mcore_compat import cpu as cpu_compat
@@ -90,9 +113,9 @@ def _saves_with_cached_plans(root: str) -> list:
     checkpoint._use_in_process_results_queue(True)
     saves = checkpoint.AsyncSaves()
     seen = []
-    for n in range(6):
-        extra = n == 5 and rank == 1
-        state = _state(rank, world, 10.0 * n, extra)
+    for n, (split, extra) in enumerate(PLAN):
+        split, extra = split and rank == 1, extra and rank == 1
+        state = _state(rank, world, 10.0 * n, split, extra)
         where = f"{root}/save{n}"
         if rank == 0:
             os.makedirs(where)
@@ -104,22 +127,24 @@ def _saves_with_cached_plans(root: str) -> list:
         saves.agree_on_plan_reuse()
         saves.schedule(request)
         saves.wait()
-        loaded = dist_checkpointing.load(_state(rank, world, -1.0, extra), where)
-        seen.append((options["validate_access_integrity"], reused,
-                     {k: v for k, v in loaded.items()}))
+        loaded = dist_checkpointing.load(_loadable(rank, world, extra), where)
+        seen.append((options["validate_access_integrity"], reused, dict(loaded)))
     return seen
 
 
 def test_async_saves_reuse_their_plan_only_while_the_structure_is_the_same(tmp_path):
-    """The second save of a structure skips megatron's validation, the third reuses the cached
-    plan (megatron caches it after comparing two), and each still writes its own data; a
-    structure change on one rank makes every rank plan and validate again (none hangs)."""
+    """A save whose structure every rank saved and validated before skips megatron's validation;
+    megatron reuses its cached plan from the third save of a structure on; every save still
+    writes its own data. A change on one rank only, inside a factory (same key, shape, dtype)
+    or by an extra tensor, makes every rank validate and plan again (none hangs)."""
     world = 2
     for rank, seen in enumerate(run_distributed(_saves_with_cached_plans, world, str(tmp_path))):
-        assert [v for v, _, _ in seen] == [True, False, False, False, False, True]
-        assert [r for _, r, _ in seen] == [False, False, True, True, True, False]
+        assert [v for v, _, _ in seen] == [True, False, False, False, False,
+                                           True, False, False, True]
+        assert [r for _, r, _ in seen] == [False, False, True, True, True,
+                                           False, False, True, False]
         for n, (_, _, loaded) in enumerate(seen):
             assert torch.equal(loaded["w"], torch.full((4, 3), 10.0 * n + rank)), (rank, n)
-        assert ("extra" in seen[5][2]) == (rank == 1)
+        assert ("extra" in seen[-1][2]) == (rank == 1)
         if rank == 1:
-            assert torch.equal(seen[5][2]["extra"], torch.full((2,), 50.0))
+            assert torch.equal(seen[-1][2]["extra"], torch.full((2,), 10.0 * (len(PLAN) - 1)))
