@@ -335,12 +335,15 @@ class AsyncSaves:
     ``.metadata``) run on every rank, and after them this save's tracker update. At most one save
     is in flight: scheduling a new one first waits for the previous.
 
-    Planning is done once per checkpoint structure (megatron-LM's
-    ``--ckpt-assume-constant-structure``, checked rather than assumed): the saves of a job share
+    The saves of a job reuse their plan while the checkpoint structure stays the same
+    (megatron-LM's ``--ckpt-assume-constant-structure``, checked rather than assumed): they share
     one megatron ``TorchDistSaveShardedStrategy`` with cached save plans, and megatron's
-    sharding-integrity validation runs only when some rank's structure differs from the last
-    validated save's (:meth:`save_options`). What stays in the training stall is building the
-    sharded state dict and forking the writer.
+    validation runs only when some rank's structure differs from the last validated save's
+    (:meth:`save_options`). From the second save of a structure the validation is skipped and
+    each rank's local plan reused (the global plan is still gathered on rank 0); from the third
+    the whole plan is reused. The stall then holds building the sharded state dict, the
+    structure check (three all-reduces), the layout record's gather, megatron's write
+    preparation and the fork of the writer.
 
     Every method is a collective: every rank calls it at the same point.
     """
@@ -361,11 +364,11 @@ class AsyncSaves:
         (:func:`structure_fingerprint`) is compared with the last validated save's on every
         rank; if it is the same everywhere, the cached strategy is reused and megatron's
         ``validate_access_integrity`` is skipped. That validation checks the sharding (unchanged
-        since it passed) and that rank 0's common state equals every other rank's (iteration,
-        scheduler, config: the same on every rank by construction; after the first save of a
-        structure it is no longer compared). Otherwise a fresh strategy is made and the save is
-        validated; its structure counts as validated once :meth:`agree_on_plan_reuse` runs after
-        ``save`` returned.
+        since it passed) and compares rank 0's common state with every other rank's (iteration,
+        scheduler, config: the same on every rank by construction; megatron only warns on a
+        difference, and after the first save of a structure that warning is not looked for).
+        Otherwise a fresh strategy is made and the save is validated; its structure counts as
+        validated once :meth:`agree_on_plan_reuse` runs after ``save`` returned.
 
         Returns:
             ``{"sharded_strategy": TorchDistSaveShardedStrategy, "validate_access_integrity":
@@ -436,8 +439,9 @@ WRITER_NICE = 10
 def structure_fingerprint(state: dict) -> str:
     """A digest of the structure of a sharded state dict: for each ``ShardedBase`` in it, its
     type, key, global shape and offset, fragmentation, replica id and the shape and dtype of its
-    local data; not the data. With its factories applied (their pieces are then in it), two
-    saves with the same fingerprint on every rank have the same save plan.
+    local data (every piece, main replica or not, and every sharded object); not the data.
+    With its factories applied (their pieces are then in it), two saves with the same
+    fingerprint on every rank have the same write items.
 
     Returns:
         A sha256 hex digest (64 characters).
