@@ -465,15 +465,11 @@ def structure_fingerprint(state: dict) -> str:
 
 
 def _all_ranks(flag: bool) -> bool:
-    """True where ``flag`` is true on every rank (an all-reduce; ``flag`` as is without a
-    process group)."""
+    """True on every rank when ``flag`` is true on every rank (a collective,
+    :func:`any_rank_failed` of its negation; ``flag`` as is without a process group)."""
     if not torch.distributed.is_initialized():
         return flag
-    from gtp.collectives import collective_device
-
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=collective_device())
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
-    return bool(value.item())
+    return not any_rank_failed(not flag)
 
 
 def _write_in_background(write_fn, iteration: int, rank: int, *args, **kwargs) -> None:
