@@ -24,7 +24,10 @@ checkpoint holds the Adam moments:
    alternates loading the source (cross-layout) with loading its own file (same-layout at that
    layout: the baseline with the same world size and bytes per rank). With ``--control``
    (default) the tp1 launch also loads a checkpoint saved at ``tp2, gtp off`` (world 2):
-   megatron's own cross-TP resharding, no GTP anywhere. The stock source file is not loaded
+   megatron's own cross-TP resharding, no GTP anywhere. Every target also loads the source's
+   logical file with torch's own ``FileSystemReader.read_data`` (``gtp.dcp_reader.disabled``),
+   which reads each stored chunk whole, beside ``gtp.dcp_reader``, which reads the requested
+   rows only. The stock source file is not loaded
    cross-layout: stock megatron-core 0.19.2 cannot (its padded GTP layout is the bug ``gtp/``
    fixes; ``gtp/legacy`` converts such a file once instead).
 3. **Write throughput**: checkpoint bytes / save seconds next to the raw writes of step 1 (same
@@ -55,6 +58,7 @@ targets are printed, never enforced. Output: tables on stdout, ``<out>/table.txt
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -210,7 +214,7 @@ def _worker(cfg_path: str, out_path: str) -> None:
     from megatron.core import parallel_state
     from omegaconf import OmegaConf
 
-    from gtp import checkpoint as gtp_checkpoint
+    from gtp import checkpoint as gtp_checkpoint, dcp_reader
     from recipes import checkpoint
     from recipes.data import build_train_iterator
     from recipes.loop import train_step
@@ -341,19 +345,24 @@ def _worker(cfg_path: str, out_path: str) -> None:
         save("logical", native, 1)
         # "cross": the source's logical file; controls: other files (loaded with gtp/'s
         # patch installed, or with stock megatron when the key starts with "stock").
-        paths = {"cross": Path(bench.source),
+        # "torch_reader": the cross file again, read by torch's own read_data (whole chunks).
+        paths = {"cross": Path(bench.source), "torch_reader": Path(bench.source),
                  **{k: Path(v) for k, v in (bench.get("controls") or {}).items()},
                  "native": native}
 
         def kind_of(key: str) -> str:
             return "stock" if key.startswith("stock") else "logical"
 
+        def load_as(key: str, path: Path) -> None:
+            with dcp_reader.disabled() if key == "torch_reader" else contextlib.nullcontext():
+                load(kind_of(key), path)
+
         for key, path in paths.items():  # warm-up
-            load(kind_of(key), path)
+            load_as(key, path)
         loads = {k: [] for k in paths}
         for rep in range(repeats):
             for key, path in _in_turn(paths.items(), rep):
-                loads[key].append(_measure(lambda: load(kind_of(key), path)))
+                loads[key].append(_measure(lambda: load_as(key, path)))
         gtp_checkpoint.configure("logical")
         mine.update(loads=loads)
         if rank == 0:
@@ -564,6 +573,7 @@ def format_tables(summary: dict, head: dict) -> str:
         control_labels = {
             "control": f"control: from {CONTROL_LABEL}",
             "stock_file": f"control: from {main['label']}, stock file, stock megatron",
+            "torch_reader": f"control: from {main['label']}, logical file, torch's reader",
         }
         kinds = [("native", "same-layout (saved there)"),
                  ("cross", f"from {main['label']}, logical file"),

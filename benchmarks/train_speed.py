@@ -13,20 +13,26 @@ weight gradient. Each measurement is one launch of a worker group (torch's elast
 ``--warmup`` untimed and ``--iters`` timed ``recipes.loop.train_step`` calls (barrier before and
 after each), and reports every rank's parameter bytes (GTP shards include their padding rows),
 Adam-state bytes and resident memory: ``ru_maxrss`` (the process's lifetime peak, imports
-included: a fresh process per launch) and the RSS increase during the timed steps (sampled
-every 1 ms, ``benchmarks.memory``). Launches are interleaved (g1 g2 g4 g1 g2 g4 ...) so that
-drifting machine load hits every case alike; the table shows medians over repeats of each
-launch's median step time.
+included: a fresh process per launch) and the RSS peak and increase during the timed steps
+(sampled every 1 ms, ``benchmarks.memory``). glibc's default heap keeps most freed blocks, so
+the step peak of those launches also counts memory that was used once and freed; with
+``--memory`` (default) each g is launched once more per repeat with freed memory returned to
+the OS (``benchmarks.memory.MALLOC_ENV``: slower steps, not timed) and that step peak, the
+largest rank's, is the memory figure compared with g1. Launches are interleaved (g1 g2 g4 g1
+g2 g4 ...) so that drifting machine load hits every case alike; the table shows medians over
+repeats of each launch's median step time, and one line per target (g2 and g4 against g1).
 
 Cases: ``tiny`` (2 layers, hidden 72; data=mock, micro batch 4, global batch 16) and ``gpt125m``
 (12 layers, hidden 768, ffn 3072, byte vocab: ~85M parameters; seq 64, micro batch 1, global
 batch = world size, so one micro-batch per rank). Figures depend on the machine and its load;
-there is no threshold. Output: the table on stdout and ``<out>/results.json``.
+the targets are printed, not enforced. Output: the table and the target lines on stdout and
+``<out>/results.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -38,6 +44,7 @@ import uuid
 from pathlib import Path
 
 from benchmarks import tables
+from benchmarks.memory import MALLOC_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -126,6 +133,21 @@ def _worker(cfg_path: str, out_path: str) -> None:
 # --------------------------------------------------------------------------------------------
 # Launcher side.
 # --------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
+    """Set ``values`` in os.environ (the launched workers inherit it) and restore it after."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def compose_config(model: str, g: int, world: int, pad: int, run_dir: Path, cache: Path,
                    overlap: bool = True):
     """The resolved run config of one case (Hydra compose, as train.py would build it);
@@ -198,7 +220,8 @@ def _median_step(result: dict) -> float:
     return statistics.median(result["ranks"][0]["step_times"])
 
 
-def summarize(model: str, g: int, results: list[dict], overlap: bool = True) -> dict:
+def summarize(model: str, g: int, results: list[dict], overlap: bool = True,
+              memory: list[dict] | None = None) -> dict:
     ok = [r for r in results if "error" not in r]
     if not ok:
         return {"model": model, "g": g, "overlap": overlap,
@@ -213,6 +236,10 @@ def summarize(model: str, g: int, results: list[dict], overlap: bool = True) -> 
         "param_bytes_per_rank": [r["param_bytes"] for r in ranks],
         "optimizer_state_bytes_per_rank": [r["optimizer_state_bytes"] for r in ranks],
         "peak_rss_bytes_per_rank": [r.get("max_rss") for r in ranks],
+        # Median over launches of the largest rank's RSS peak during the timed steps; from the
+        # speed launches (glibc's default allocator) and the memory launches (MALLOC_ENV).
+        "rss_peak_during_steps": _median_peak(ok),
+        "rss_peak_during_steps_returned": _median_peak(memory or []),
         "rss_increase_during_steps_per_rank": [
             r["rss_peak_steps"] - r["rss_before_steps"] if "rss_peak_steps" in r else None
             for r in ranks],
@@ -227,10 +254,18 @@ def _mib(values) -> str:
 def format_table(rows: list[dict]) -> str:
     head = ["model", "g", "collectives", "layout", "tokens/s", "step ms", "vs g1",
             "vs in order", "param MiB per rank", "Adam state MiB per rank",
-            "peak RSS MiB per rank"]
-    base = {r["model"]: r["tokens_per_sec"] for r in rows if r.get("g") == 1 and "error" not in r}
+            "peak RSS MiB per rank", "RSS peak in steps MiB, max rank (vs g1)",
+            "same, freed memory returned (vs g1)"]
+    g1 = {r["model"]: r for r in rows if r.get("g") == 1 and "error" not in r}
     in_order = {(r["model"], r["g"]): r["tokens_per_sec"] for r in rows
                 if not r.get("overlap", True) and "error" not in r}
+
+    def peak_cell(r, key):
+        value, base = r.get(key), (g1.get(r["model"]) or {}).get(key)
+        if not value:
+            return "-"
+        return f"{value / 2**20:.0f}" + (f" ({value / base:.2f}x)" if base else "")
+
     cells = []
     for r in rows:
         mode = "-" if r["g"] == 1 else "overlapped" if r.get("overlap", True) else "in order"
@@ -238,7 +273,8 @@ def format_table(rows: list[dict]) -> str:
             cells.append([r["model"], str(r["g"]), mode, "error: " + r["error"],
                           *[""] * (len(head) - 4)])
             continue
-        ratio = r["tokens_per_sec"] / base[r["model"]] if r["model"] in base else None
+        base = g1.get(r["model"])
+        ratio = r["tokens_per_sec"] / base["tokens_per_sec"] if base else None
         other = in_order.get((r["model"], r["g"])) if r.get("overlap", True) else None
         cells.append([
             r["model"], str(r["g"]), mode, r["layout"], f"{r['tokens_per_sec']:.0f}",
@@ -246,8 +282,54 @@ def format_table(rows: list[dict]) -> str:
             f"{r['tokens_per_sec'] / other:.2f}x" if other else "-",
             _mib(r["param_bytes_per_rank"]), _mib(r["optimizer_state_bytes_per_rank"]),
             " / ".join(f"{v / 2**20:.0f}" for v in r["peak_rss_bytes_per_rank"] if v),
+            peak_cell(r, "rss_peak_during_steps"), peak_cell(r, "rss_peak_during_steps_returned"),
         ])
     return tables.table(head, cells)
+
+
+def _step_peak(result: dict) -> int | None:
+    """The largest resident set any rank of one launch reached during the timed steps (bytes)."""
+    values = [r.get("rss_peak_steps") for r in result.get("ranks", []) if r.get("rss_peak_steps")]
+    return max(values) if values else None
+
+
+def _median_peak(results: list[dict]) -> int | None:
+    peaks = [p for p in (_step_peak(r) for r in results if "error" not in r) if p]
+    return int(statistics.median(peaks)) if peaks else None
+
+
+# The targets of the GTP speed and memory work (gpt125m), printed beside the figures (not
+# enforced). g: (tokens/s vs g1 >=, peak RSS in steps vs g1 <=).
+TARGET_MODEL = "gpt125m"
+TARGETS = {2: (0.90, 0.75), 4: (0.85, None)}
+
+
+def verdicts(rows: list[dict]) -> list[str]:
+    """One line per (model, g) with a target: the overlapped run's tokens/s and the step RSS
+    peak (from the memory launches, freed memory returned) as ratios of the same model's g1,
+    each beside its target, met or missed; the default allocator's RSS ratio beside it."""
+    lines = []
+    g1 = {r["model"]: r for r in rows if r.get("g") == 1 and "error" not in r}
+    for r in rows:
+        base = g1.get(r["model"])
+        if ("error" in r or r["model"] != TARGET_MODEL or not r.get("overlap", True)
+                or r["g"] not in TARGETS or base is None):
+            continue
+        speed_target, rss_target = TARGETS[r["g"]]
+        speed = r["tokens_per_sec"] / base["tokens_per_sec"]
+        parts = [f"tokens/s {speed:.2f}x of g1 (target >= {speed_target}: "
+                 f"{'met' if speed >= speed_target else 'missed'})"]
+        mine, theirs = r.get("rss_peak_during_steps_returned"), base.get(
+            "rss_peak_during_steps_returned")
+        if rss_target is not None and mine and theirs:
+            ratio = mine / theirs
+            parts.append(f"peak RSS in steps {ratio:.2f}x of g1 (target <= {rss_target}: "
+                         f"{'met' if ratio <= rss_target else 'missed'})")
+            if r.get("rss_peak_during_steps") and base.get("rss_peak_during_steps"):
+                parts[-1] += (f", {r['rss_peak_during_steps'] / base['rss_peak_during_steps']:.2f}x"
+                              " with glibc's default allocator (freed memory kept in its heap)")
+        lines.append(f"{r['model']} g{r['g']}: " + "; ".join(parts))
+    return lines
 
 
 def main(argv=None) -> int:
@@ -265,6 +347,10 @@ def main(argv=None) -> int:
     parser.add_argument("--in-order", action=argparse.BooleanOptionalAction, default=True,
                         help="also run each g > 1 with megatron's GTP overlap off (weight "
                              "prefetch, async reduce-scatter), side by side (default on)")
+    parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
+                        help="also launch each g once per repeat with freed memory returned to "
+                             "the OS (benchmarks.memory.MALLOC_ENV) for the step RSS peak: "
+                             "glibc's default heap keeps freed blocks (default on)")
     parser.add_argument("--out", default=None, help="output dir (default outputs/benchmarks/...)")
     parser.add_argument("--worker", nargs=2, metavar=("CONFIG", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -292,28 +378,39 @@ def main(argv=None) -> int:
 
     # (g, overlap): every g, and each g > 1 with its collectives in order too (--in-order).
     cases = [(g, True) for g in args.g] + [(g, False) for g in args.g if g > 1 and args.in_order]
+    # and each g again for memory (--memory), overlapped, with MALLOC_ENV.
+    cases = [(g, overlap, False) for g, overlap in cases]
+    cases += [(g, True, True) for g in args.g if args.memory]
     raw: dict[tuple[str, int, bool], list[dict]] = {}
+    memory: dict[tuple[str, int], list[dict]] = {}
     for model in args.models:
         for rep in range(args.repeats):
-            for g, overlap in cases:  # interleaved: g1 g2 g2-in-order g1 g2 ...
-                tag = f"g{g}" + ("" if overlap else "_in_order")
+            for g, overlap, for_memory in cases:  # interleaved: g1 g2 g2-in-order g1-memory ...
+                tag = f"g{g}" + ("" if overlap else "_in_order") + ("_memory" if for_memory else "")
                 run_dir = out / "runs" / f"{model}_{tag}_r{rep}"
                 cfg = compose_config(model, g, world, args.pad, run_dir, out / "cache", overlap)
                 t0 = time.perf_counter()
-                result = launch(cfg, run_dir, world)
-                raw.setdefault((model, g, overlap), []).append(result)
+                with _environ(MALLOC_ENV if for_memory else {}):
+                    result = launch(cfg, run_dir, world)
+                if for_memory:
+                    memory.setdefault((model, g), []).append(result)
+                else:
+                    raw.setdefault((model, g, overlap), []).append(result)
                 what = result.get("error") or (
                     f"median step {1000 * _median_step(result):.1f} ms, final loss "
                     f"{result['losses'][-1]:.4f}")
                 print(f"  {model} {tag} run {rep + 1}/{args.repeats}: {what} "
                       f"({time.perf_counter() - t0:.0f}s with start-up)", flush=True)
-    rows = [summarize(model, g, raw[(model, g, overlap)], overlap)
-            for model in args.models for g, overlap in cases]
+    rows = [summarize(model, g, raw[(model, g, overlap)], overlap,
+                      memory.get((model, g)) if overlap else None)
+            for model in args.models for g, overlap, for_memory in cases if not for_memory]
     table = format_table(rows)
     params = {r["model"]: r.get("model_parameters") for r in rows if r.get("model_parameters")}
     print(f"train_speed: {os.cpu_count()} CPU cores, world {world}, parameters "
           + ", ".join(f"{m} {n / 1e6:.2f}M" for m, n in params.items()), flush=True)
     print(table, flush=True)
+    for line in verdicts(rows):
+        print(line, flush=True)
     (out / "results.json").write_text(json.dumps({
         "benchmark": "train_speed", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
@@ -322,7 +419,8 @@ def main(argv=None) -> int:
         "model_parameters": params,
         "world_size": world, "pad_for_alignment": args.pad, "repeats": args.repeats,
         "summary": rows,
-        "runs": {f"{m}_g{g}" + ("" if o else "_in_order"): v for (m, g, o), v in raw.items()},
+        "runs": {**{f"{m}_g{g}" + ("" if o else "_in_order"): v for (m, g, o), v in raw.items()},
+                 **{f"{m}_g{g}_memory": v for (m, g), v in memory.items()}},
     }, indent=2))
     (out / "table.txt").write_text(table + "\n")
     shutil.rmtree(out / "cache", ignore_errors=True)  # mock-data index cache, rebuilt per run

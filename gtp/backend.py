@@ -149,13 +149,43 @@ def _nvtx_noop(*args, **kwargs):
     """Twin of TE ``nvtx_range_push/pop``; the MagicMock would record every call forever."""
 
 
+def _releasing_bwd_gather(all_gather_and_prefetch_bwd, gtp_module):
+    """Wrap megatron's ``GTPShardedParam.all_gather_and_prefetch_bwd`` so that, with the weight
+    prefetch off, the weight's backward gather buffer goes back to megatron's pool on return.
+
+    megatron-core 0.19.2 releases a backward gather buffer (``GTPWeightCache.release`` of
+    ``_ag_ticket_bwd``) only on its prefetch path (``weight_prefetch`` on and a next weight in
+    the chain). In order, no weight ever returns it: each GTP weight keeps a gathered buffer of
+    its own unsharded, padded shape for the life of the process, one full copy of every GTP
+    weight per rank, and the step's memory does not fall with the GTP degree. Released on
+    return (megatron's "coat check", as its prefetch path and its forward gathers do), the
+    buffer stays valid for the dgrad GEMM that consumes it (in order, nothing gathers again
+    before that GEMM has run) and the next weight of the same padded shape and dtype reuses
+    it: one buffer per (shape, dtype) instead of one per weight. Same values, bit for bit.
+    """
+
+    def wrapped(self, nvtx_label=None):
+        result = all_gather_and_prefetch_bwd(self, nvtx_label=nvtx_label)
+        if not gtp_module.GTP_CONFIG.weight_prefetch:
+            cache = gtp_module.get_global_GTP_cache()
+            for w in self._weights:
+                cache.release(w._ag_ticket_bwd)
+        return result
+
+    wrapped.__wrapped__ = all_gather_and_prefetch_bwd
+    wrapped.__doc__ = all_gather_and_prefetch_bwd.__doc__
+    return wrapped
+
+
 def install() -> bool:
     """Make megatron-core 0.19.2's GTP weight remat run without TransformerEngine.
 
     Patches, in ``megatron.core.tensor_parallel.generalized_tensor_parallelism``:
     ``gather_along_first_dim``, ``reduce_scatter_along_first_dim`` (torch.distributed),
     ``get_dummy_wgrad``, ``in_fp8_activation_recompute_phase``, ``nvtx_range_push/pop`` and the
-    TE quantized classes used in isinstance checks; sets ``GTP_CONFIG.weight_prefetch`` and
+    TE quantized classes used in isinstance checks; wraps
+    ``GTPShardedParam.all_gather_and_prefetch_bwd`` to return its gather buffer to megatron's
+    pool when the weight prefetch is off (:func:`_releasing_bwd_gather`); sets ``GTP_CONFIG.weight_prefetch`` and
     ``GTP_CONFIG.async_reduction`` to False; sets ``gtp_api.HAVE_GTP = True`` (and refreshes the
     modules that copied it at import).
 
@@ -192,6 +222,8 @@ def install() -> bool:
         setattr(gtp, name, _NoQuantizedTensor)
     # In order until a caller asks for megatron's overlap (module docstring).
     gtp.update_gtp_config(weight_prefetch=False, async_reduction=False)
+    gtp.GTPShardedParam.all_gather_and_prefetch_bwd = _releasing_bwd_gather(
+        gtp.GTPShardedParam.all_gather_and_prefetch_bwd, gtp)
 
     # HAVE_GTP gates megatron's GTP-aware checkpoint path (transformer/utils.py
     # make_sharded_tensors_for_checkpoint, utils.py make_tp_sharded_tensor_for_checkpoint) and the

@@ -821,7 +821,7 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
         raise CheckpointError(message)
     # A legacy GTP checkpoint (megatron-core 0.19.2's padded layout) is converted once into
     # <root>/gtp_converted/ and loaded from there; its RNG states are not carried over.
-    from gtp import checkpoint as gtp_checkpoint, legacy
+    from gtp import checkpoint as gtp_checkpoint, dcp_reader, legacy
 
     try:
         path, converted = legacy.prepare_load(path, common, layout_dict,
@@ -860,6 +860,7 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
         # megatron's naming: "unexpected" = requested here but absent from the checkpoint (an
         # error, raised before any tensor is read); "missing" = in the checkpoint but not
         # requested (fine: e.g. another layout's RNG).
+        dcp_reader.install()  # a request for a run of stored rows reads those bytes only
         loaded = dist_checkpointing.load(state, str(path), strict=StrictHandling.RAISE_UNEXPECTED)
     except (Exception, DCPCheckpointException) as exc:  # noqa: BLE001 - reported below
         failure = exc

@@ -1,0 +1,401 @@
+"""Read only the bytes a load asks for from torch DCP's ``torch.save`` records.
+
+torch DCP's ``FileSystemReader.read_data`` (torch 2.14) ``torch.load``s every stored chunk a
+read request touches, whole, then narrows it to the request and copies it into the target. A
+rank of a cross-layout load whose rows cover part of a stored chunk (tp2 x g2 saved, tp1 x g4
+loaded: each rank's rows overlap two chunks of the source) reads all of both. :func:`install`
+routes ``read_data`` through :func:`read_data`, which, for a request that is one contiguous run
+of the stored tensor's elements (leading dims of length 1, one partial dim, the rest whole:
+a block of rows), reads exactly that run of bytes from the record's storage, straight into the
+target tensor when it is contiguous. Every other request (object items, transformed streams,
+a record that is not one plain little-endian tensor, a strided slice such as a TP split along
+dim 1) goes to torch's own ``read_data``, unchanged.
+
+The ``torch.save`` record is a zip archive (stored, never compressed) holding ``data.pkl`` and
+one ``data/<key>`` entry per storage. ``data.pkl`` is unpickled by a restricted unpickler that
+knows only ``torch._utils._rebuild_tensor_v2``, ``collections.OrderedDict`` and the typed
+storage classes, and returns the tensor's storage key, dtype, offset, size and stride; nothing
+in the file runs code.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import io
+import math
+import os
+import pickle
+import struct
+import sys
+import zipfile
+from typing import Any, Optional
+
+import torch
+
+_STORAGE_DTYPES = {
+    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+}
+# zip local file header (30 bytes): signature, version, flags, method, time, date, crc32,
+# compressed size, size, name length, extra length.
+_LOCAL_HEADER = struct.Struct("<4sHHHHHLLLHH")
+_LOCAL_SIGNATURE = b"PK\x03\x04"
+# zip central directory entry (46 bytes) and end of central directory record (22 bytes).
+_CENTRAL = struct.Struct("<4sHHHHHHLLLHHHHHLL")
+_CENTRAL_SIGNATURE = b"PK\x01\x02"
+_END = struct.Struct("<4sHHHHLLH")
+_END_SIGNATURE = b"PK\x05\x06"
+_HEAD_BYTES = 4096  # a record's first (last) bytes: data.pkl and byteorder (its directory)
+
+
+class _Unsupported(Exception):
+    """The record is not one plain tensor this reader handles; torch's reader takes it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRecord:
+    """Where a ``torch.save``d tensor's elements lie inside a DCP data file.
+
+    Attributes:
+        data_offset: byte offset, in the data file, of the tensor's storage (its element 0).
+        storage_bytes: the storage's size in bytes.
+        dtype: element dtype.
+        storage_offset: offset of the tensor's first element in its storage (elements).
+        size, stride: the tensor's shape and strides (elements).
+    """
+
+    data_offset: int
+    storage_bytes: int
+    dtype: torch.dtype
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Storage:
+    key: str
+    dtype: torch.dtype
+    numel: int
+
+
+def _rebuild(storage, storage_offset, size, stride, requires_grad=False, hooks=None,
+             metadata=None):
+    if not isinstance(storage, _Storage) or hooks or metadata:
+        raise _Unsupported("tensor with hooks or metadata")
+    return (storage, int(storage_offset), tuple(size), tuple(stride))
+
+
+class _RecordUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        raise _Unsupported(f"{module}.{name}")
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
+                and isinstance(pid[1], torch.dtype)):
+            raise _Unsupported(f"persistent id {pid!r}")
+        return _Storage(key=str(pid[2]), dtype=pid[1], numel=int(pid[4]))
+
+
+class _Window(io.RawIOBase):
+    """``stream[offset : offset + length]`` as a seekable file (zipfile seeks from its end)."""
+
+    def __init__(self, stream, offset: int, length: int):
+        super().__init__()
+        self._stream, self._offset, self._length, self._pos = stream, offset, length, 0
+
+    def seekable(self):
+        return True
+
+    def readable(self):
+        return True
+
+    def tell(self):
+        return self._pos
+
+    def seek(self, pos, whence=os.SEEK_SET):
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._length}[whence]
+        self._pos = min(max(base + pos, 0), self._length)
+        return self._pos
+
+    def readinto(self, buffer):
+        n = min(len(buffer), self._length - self._pos)
+        if n <= 0:
+            return 0
+        self._stream.seek(self._offset + self._pos)
+        got = self._stream.readinto(memoryview(buffer)[:n])
+        self._pos += got
+        return got
+
+
+def read_record(stream, offset: int, length: int) -> TensorRecord:
+    """Locate the one tensor of the ``torch.save`` record at ``stream[offset:offset + length]``.
+
+    The record's last bytes (its zip central directory) and first bytes (``data.pkl``,
+    ``byteorder`` and the local headers) are read once each; a record that does not fit them
+    (zip64, a large ``data.pkl``) is read through ``zipfile`` instead.
+
+    Args:
+        stream: a binary, seekable file object (a DCP ``.distcp`` data file).
+        offset, length: the record's place in it, in bytes (DCP's ``_StorageInfo``).
+
+    Returns:
+        The :class:`TensorRecord`; reads the record's zip headers, ``data.pkl`` and
+        ``byteorder``, never its storage.
+
+    Raises:
+        ValueError: the record is not one plain, stored (uncompressed), little-endian tensor on
+            a little-endian machine, or its storage entry is missing or too short.
+    """
+    try:
+        if sys.byteorder != "little":
+            raise _Unsupported("not a little-endian machine")
+        try:
+            return _read_ends(stream, offset, length)
+        except _Unsupported:
+            return _read_directory(stream, offset, length)
+    except (_Unsupported, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, KeyError,
+            struct.error, TypeError, AttributeError, ValueError) as exc:
+        raise ValueError(f"not a plain torch.save tensor record: {exc}") from None
+
+
+def _parse_pkl(data: bytes):
+    rebuilt = _RecordUnpickler(io.BytesIO(data)).load()
+    if not isinstance(rebuilt, tuple) or len(rebuilt) != 4:
+        raise _Unsupported("not one tensor")
+    return rebuilt
+
+
+def _record(offset, length, data_offset, data_size, rebuilt) -> TensorRecord:
+    storage, storage_offset, size, stride = rebuilt
+    element = torch.empty((), dtype=storage.dtype).element_size()
+    if data_size < storage.numel * element or data_offset + data_size > length:
+        raise _Unsupported("storage entry too short")
+    return TensorRecord(offset + data_offset, data_size, storage.dtype, storage_offset, size,
+                        stride)
+
+
+def _read_ends(stream, offset: int, length: int) -> TensorRecord:
+    """The record's central directory (at its end) and its head, read once each."""
+    tail_len = min(length, _HEAD_BYTES)
+    stream.seek(offset + length - tail_len)
+    tail = stream.read(tail_len)
+    end = tail.rfind(_END_SIGNATURE)
+    if end < 0 or len(tail) - end < _END.size:
+        raise _Unsupported("no end of central directory in the record's last bytes")
+    _, _, _, _, count, cd_size, cd_offset, _ = _END.unpack_from(tail, end)
+    pos = cd_offset - (length - tail_len)
+    if cd_offset == 0xFFFFFFFF or count == 0xFFFF or pos < 0 or pos + cd_size > end:
+        raise _Unsupported("zip64 or a central directory larger than the last bytes read")
+    entries = {}
+    for _ in range(count):
+        (signature, _, _, _, method, _, _, _, size, _, name_len, extra_len, comment_len,
+         _, _, _, header) = _CENTRAL.unpack_from(tail, pos)
+        if signature != _CENTRAL_SIGNATURE or method != zipfile.ZIP_STORED \
+                or 0xFFFFFFFF in (size, header):
+            raise _Unsupported("compressed or zip64 entry")
+        name = tail[pos + _CENTRAL.size:pos + _CENTRAL.size + name_len].decode()
+        entries[name] = (header, size)
+        pos += _CENTRAL.size + name_len + extra_len + comment_len
+    pkl = next((n for n in entries if n.endswith("/data.pkl")), None)
+    if pkl is None:
+        raise _Unsupported("no data.pkl")
+    prefix = pkl[: -len("data.pkl")]
+    stream.seek(offset)
+    head = stream.read(min(length, _HEAD_BYTES))
+
+    def data(name):  # (start, size) of an entry's bytes in the record, from its local header
+        header, size = entries[name]
+        if header + _LOCAL_HEADER.size > len(head):
+            raise _Unsupported(f"{name} beyond the record's first bytes")
+        fields = _LOCAL_HEADER.unpack_from(head, header)
+        if fields[0] != _LOCAL_SIGNATURE:
+            raise _Unsupported("bad local header")
+        return header + _LOCAL_HEADER.size + fields[-2] + fields[-1], size
+
+    def content(name):
+        start, size = data(name)
+        if start + size > len(head):
+            raise _Unsupported(f"{name} beyond the record's first bytes")
+        return head[start:start + size]
+
+    if prefix + "byteorder" in entries and content(prefix + "byteorder").strip() != b"little":
+        raise ValueError("not little-endian")
+    rebuilt = _parse_pkl(content(pkl))
+    storage = f"{prefix}data/{rebuilt[0].key}"
+    if storage not in entries:
+        raise ValueError(f"storage {rebuilt[0].key} missing")
+    return _record(offset, length, *data(storage), rebuilt)
+
+
+def _read_directory(stream, offset: int, length: int) -> TensorRecord:
+    window = _Window(stream, offset, length)
+    archive = zipfile.ZipFile(window)
+    names = {info.filename: info for info in archive.infolist()}
+    pkl = next((n for n in names if n.endswith("/data.pkl")), None)
+    if pkl is None:
+        raise _Unsupported("no data.pkl")
+    prefix = pkl[: -len("data.pkl")]
+    order = names.get(prefix + "byteorder")
+    if order is not None and archive.read(order).strip() != b"little":
+        raise _Unsupported("not little-endian")
+    rebuilt = _parse_pkl(archive.read(names[pkl]))
+    info = names.get(f"{prefix}data/{rebuilt[0].key}")
+    if info is None or info.compress_type != zipfile.ZIP_STORED:
+        raise _Unsupported(f"storage {rebuilt[0].key} missing or compressed")
+    window.seek(info.header_offset)
+    header = window.read(_LOCAL_HEADER.size)
+    if len(header) != _LOCAL_HEADER.size or header[:4] != _LOCAL_SIGNATURE:
+        raise _Unsupported("bad local header")
+    name_len, extra_len = _LOCAL_HEADER.unpack(header)[-2:]
+    return _record(offset, length, info.header_offset + _LOCAL_HEADER.size + name_len
+                   + extra_len, info.file_size, rebuilt)
+
+
+def contiguous_run(record: TensorRecord, offsets, lengths) -> Optional[tuple[int, int]]:
+    """The ``(first element, count)`` of ``record``'s storage that ``tensor[offsets:+lengths]``
+    covers, when that slice is one contiguous run of a row-major tensor; else None.
+
+    A run: dims before some dim k have length 1, dim k any length, dims after k whole.
+    """
+    size, stride = record.size, record.stride
+    if len(offsets) != len(size) or len(lengths) != len(size):
+        return None
+    expected = 1
+    for dim in reversed(range(len(size))):  # row-major strides (size-1 dims may have any)
+        if size[dim] != 1 and stride[dim] != expected:
+            return None
+        expected *= size[dim]
+    partial = [d for d in range(len(size)) if lengths[d] != size[d]]
+    if len(partial) > 1 or partial and any(lengths[d] != 1 for d in range(partial[0])):
+        return None
+    first = record.storage_offset + sum(o * s for o, s in zip(offsets, stride) if o)
+    count = math.prod(lengths)
+    if count and (first + count) * torch.empty((), dtype=record.dtype).element_size() \
+            > record.storage_bytes:
+        return None
+    return first, count
+
+
+def _read_run(stream, record: TensorRecord, first: int, count: int, target: torch.Tensor):
+    """Read ``count`` elements from element ``first`` of ``record`` into ``target``: straight
+    into its memory when it is a plain, contiguous CPU tensor of the stored dtype, else into a
+    scratch tensor and ``target.copy_`` (torch's reader converts the same way)."""
+    direct = (type(target) is torch.Tensor and target.device.type == "cpu"
+              and target.dtype == record.dtype and target.is_contiguous())
+    dest = target if direct else torch.empty(tuple(target.shape), dtype=record.dtype)
+    element = dest.element_size()
+    view = memoryview(dest.reshape(-1).view(torch.uint8).numpy()) if count else memoryview(b"")
+    stream.seek(record.data_offset + first * element)
+    done = 0
+    while done < len(view):
+        got = stream.readinto(view[done:])
+        if not got:
+            raise EOFError(f"data file ends {len(view) - done} bytes short of a stored tensor")
+        done += got
+    if not direct:
+        target.copy_(dest)
+
+
+def read_data(reader, plan, planner, stock):
+    """``FileSystemReader.read_data`` that reads contiguous runs itself and hands the rest
+    to ``stock`` (torch's own ``read_data``) as one plan.
+
+    Args:
+        reader: the ``FileSystemReader`` (its ``storage_data``, ``fs``, ``path``).
+        plan: the ``LoadPlan``; planner: the ``LoadPlanner`` (``resolve_tensor``,
+            ``commit_tensor``), as torch passes them.
+        stock: torch's ``FileSystemReader.read_data``.
+
+    Returns:
+        A completed ``torch.futures.Future`` (torch's contract).
+
+    Raises:
+        EOFError: a data file ends inside a tensor it should hold.
+        AssertionError: the target's shape differs from the request's (as torch's reader).
+    """
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    per_file: dict[str, list[Any]] = {}
+    rest = []
+    for item in plan.items:
+        info = reader.storage_data[item.storage_index]
+        if item.type == LoadItemType.BYTE_IO or info.transform_descriptors:
+            rest.append(item)
+        else:
+            per_file.setdefault(info.relative_path, []).append(item)
+    for relative_path, items in per_file.items():
+        records: dict[tuple[int, int], Optional[TensorRecord]] = {}
+        with reader.fs.create_stream(reader.fs.concat_path(reader.path, relative_path),
+                                     "rb") as stream:
+            for item in sorted(items, key=lambda i: reader.storage_data[i.storage_index].offset):
+                info = reader.storage_data[item.storage_index]
+                key = (info.offset, info.length)
+                if key not in records:
+                    try:
+                        records[key] = read_record(stream, info.offset, info.length)
+                    except ValueError:
+                        records[key] = None
+                record = records[key]
+                run = record and contiguous_run(record, item.storage_offsets, item.lengths)
+                if not run:
+                    rest.append(item)
+                    continue
+                target = planner.resolve_tensor(item).detach()
+                if tuple(target.shape) != tuple(item.lengths):
+                    raise AssertionError(  # torch's reader raises the same
+                        f"req {item.storage_index} mismatch sizes {target.size()} vs "
+                        f"{torch.Size(item.lengths)}")
+                _read_run(stream, record, *run, target)
+                planner.commit_tensor(item, target)
+    if rest:
+        return stock(reader, dataclasses.replace(plan, items=rest), planner)
+    from torch.futures import Future
+
+    done: Future = Future()
+    done.set_result(None)
+    return done
+
+
+_ENABLED = True
+
+
+@contextlib.contextmanager
+def disabled():
+    """Within the block, an installed reader hands every request to torch's ``read_data``
+    (benchmarks measure both side by side)."""
+    global _ENABLED
+    before, _ENABLED = _ENABLED, False
+    try:
+        yield
+    finally:
+        _ENABLED = before
+
+
+def install() -> None:
+    """Route torch DCP's ``FileSystemReader.read_data`` (megatron's torch_dist load uses it)
+    through :func:`read_data`. Idempotent."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if getattr(FileSystemReader.read_data, "_runs", False):
+        return
+    stock = FileSystemReader.read_data
+
+    def read_data_runs(self, plan, planner):
+        if not _ENABLED:
+            return stock(self, plan, planner)
+        return read_data(self, plan, planner, stock)
+
+    read_data_runs._runs = True
+    read_data_runs.__doc__ = read_data.__doc__
+    FileSystemReader.read_data = read_data_runs
