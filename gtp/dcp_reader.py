@@ -178,9 +178,13 @@ def _parse_pkl(data: bytes):
 
 def _record(offset, length, data_offset, data_size, rebuilt) -> TensorRecord:
     storage, storage_offset, size, stride = rebuilt
-    element = torch.empty((), dtype=storage.dtype).element_size()
-    if data_size < storage.numel * element or data_offset + data_size > length:
+    if data_size < storage.numel * storage.dtype.itemsize or data_offset + data_size > length:
         raise _Unsupported("storage entry too short")
+    # torch.load refuses a tensor that does not lie inside its storage.
+    if storage_offset < 0 or any(n < 0 for n in size) or any(t < 0 for t in stride) or (
+            math.prod(size) and storage_offset + sum((n - 1) * t for n, t in zip(size, stride))
+            >= storage.numel):
+        raise _Unsupported("tensor outside its storage")
     return TensorRecord(offset + data_offset, data_size, storage.dtype, storage_offset, size,
                         stride)
 
@@ -264,12 +268,16 @@ def _read_directory(stream, offset: int, length: int) -> TensorRecord:
 
 def contiguous_run(record: TensorRecord, offsets, lengths) -> Optional[tuple[int, int]]:
     """The ``(first element, count)`` of ``record``'s storage that ``tensor[offsets:+lengths]``
-    covers, when that slice is one contiguous run of a row-major tensor; else None.
+    covers, when that slice is one contiguous run of a row-major tensor; else None (also for a
+    slice outside the tensor: torch's reader raises on it).
 
-    A run: dims before some dim k have length 1, dim k any length, dims after k whole.
+    A run: with k the last dim the slice does not take whole, every dim before k has length 1
+    (e.g. a block of rows, or part of one row).
     """
     size, stride = record.size, record.stride
     if len(offsets) != len(size) or len(lengths) != len(size):
+        return None
+    if any(o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, lengths, size)):
         return None
     expected = 1
     for dim in reversed(range(len(size))):  # row-major strides (size-1 dims may have any)
@@ -277,12 +285,11 @@ def contiguous_run(record: TensorRecord, offsets, lengths) -> Optional[tuple[int
             return None
         expected *= size[dim]
     partial = [d for d in range(len(size)) if lengths[d] != size[d]]
-    if len(partial) > 1 or partial and any(lengths[d] != 1 for d in range(partial[0])):
+    if partial and any(lengths[d] != 1 for d in range(partial[-1])):
         return None
     first = record.storage_offset + sum(o * s for o, s in zip(offsets, stride) if o)
     count = math.prod(lengths)
-    if count and (first + count) * torch.empty((), dtype=record.dtype).element_size() \
-            > record.storage_bytes:
+    if count and (first + count) * record.dtype.itemsize > record.storage_bytes:
         return None
     return first, count
 
@@ -295,7 +302,9 @@ def _read_run(stream, record: TensorRecord, first: int, count: int, target: torc
               and target.dtype == record.dtype and target.is_contiguous())
     dest = target if direct else torch.empty(tuple(target.shape), dtype=record.dtype)
     element = dest.element_size()
-    view = memoryview(dest.reshape(-1).view(torch.uint8).numpy()) if count else memoryview(b"")
+    # as_strided: a 1-element tensor is contiguous whatever its stride, and view() needs 1.
+    flat = dest.as_strided((count,), (1,))
+    view = memoryview(flat.view(torch.uint8).numpy()) if count else memoryview(b"")
     stream.seek(record.data_offset + first * element)
     done = 0
     while done < len(view):

@@ -24,6 +24,7 @@ def _stored():
         "fp32": torch.randn(96, 40, generator=g),
         "bf16": torch.randn(1, 1, 64, 24, generator=g).to(torch.bfloat16),
         "int64": torch.arange(50, dtype=torch.int64),
+        "fp32_3d": torch.randn(4, 10, 8, generator=g),  # e.g. experts x rows x cols
         # Saved as a strided view of a (40, 96) storage: not a run of rows; torch reads it.
         "transposed": torch.randn(40, 96, generator=g).t(),
         "bytes": io.BytesIO(b"not a tensor"),
@@ -120,12 +121,15 @@ CASES = [  # (fqn, offsets, lengths)
     ("fp32", (0, 0), (96, 40)),           # the whole tensor
     ("fp32", (95, 0), (1, 40)),           # the last row
     ("fp32", (5, 0), (0, 40)),            # no rows (a rank holding only padding)
-    ("fp32", (3, 8), (1, 16)),            # part of one row: still one run
+    ("fp32", (3, 8), (1, 16)),            # part of one row: one run
     ("fp32", (10, 8), (4, 16)),           # a block: strided, torch reads it
     ("bf16", (0, 0, 9, 0), (1, 1, 40, 24)),
     ("int64", (7,), (20,)),
+    ("fp32_3d", (2, 3, 0), (1, 5, 8)),    # rows of one expert: one run
+    ("fp32_3d", (1, 3, 0), (2, 5, 8)),    # rows of two experts: strided, torch reads it
     ("transposed", (10, 0), (20, 40)),    # stored strided: torch reads it
 ]
+RUNS = {0, 1, 2, 3, 4, 6, 7, 8}  # indices of CASES that are one contiguous run
 
 
 @pytest.mark.parametrize("fqn, offsets, lengths", CASES)
@@ -137,6 +141,46 @@ def test_reads_exactly_the_requested_slice(checkpoint, fqn, offsets, lengths):
         got = _read(path, [_item(fqn, offsets, lengths)], {fqn: target}, runs)
         assert got[fqn].data_ptr() == target.data_ptr() or not target.numel()
         assert torch.equal(target, want), (fqn, runs)
+
+
+def _records(path):
+    reader = _reader(path)
+    out = {}
+    for index, info in reader.storage_data.items():
+        with open(path / info.relative_path, "rb") as f:
+            try:
+                out[index.fqn] = dcp_reader.read_record(f, info.offset, info.length)
+            except ValueError:
+                out[index.fqn] = None
+    return out
+
+
+def test_which_requests_are_runs(checkpoint):
+    path, _ = checkpoint
+    records = _records(path)
+    assert records["transposed"] is not None and records["bytes"] is None
+    for i, (fqn, offsets, lengths) in enumerate(CASES):
+        run = dcp_reader.contiguous_run(records[fqn], offsets, lengths)
+        assert (run is not None) == (i in RUNS), (fqn, offsets, lengths, run)
+    # Outside the tensor: no run (torch's reader raises on it).
+    assert dcp_reader.contiguous_run(records["fp32"], (90, 0), (10, 40)) is None
+    assert dcp_reader.contiguous_run(records["fp32"], (-1, 0), (1, 40)) is None
+
+
+def test_a_one_element_target_with_any_stride_is_filled(checkpoint):
+    path, state = checkpoint
+    live = torch.full((4,), SENTINEL, dtype=torch.int64)
+    target = live[::2][:1]  # contiguous (one element), stride 2
+    _read(path, [_item("int64", (7,), (1,))], {"int64": target}, runs=True)
+    assert live.tolist() == [7, SENTINEL, SENTINEL, SENTINEL]
+
+
+def test_a_record_whose_tensor_leaves_its_storage_is_refused():
+    storage = dcp_reader._Storage(key="0", dtype=torch.float32, numel=24)
+    for offset, size, stride in ((-2, (3,), (1,)), (0, (10, 4), (4, 1)), (20, (5,), (1,))):
+        with pytest.raises(dcp_reader._Unsupported, match="outside its storage"):
+            dcp_reader._record(0, 1000, 0, 96, (storage, offset, size, stride))
+    assert dcp_reader._record(0, 1000, 0, 96, (storage, 0, (6, 4), (4, 1))).size == (6, 4)
 
 
 def test_a_run_of_rows_reads_those_bytes_only(checkpoint):
