@@ -294,18 +294,38 @@ def contiguous_run(record: TensorRecord, offsets, lengths) -> Optional[tuple[int
     return first, count
 
 
-def _read_run(stream, record: TensorRecord, first: int, count: int, target: torch.Tensor):
+class _Scratch:
+    """One growing byte buffer for the reads that cannot land in their target directly, so
+    that each such read does not allocate (and page in) a buffer of its own."""
+
+    def __init__(self):
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+
+    def tensor(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buffer[:nbytes].view(dtype).view(tuple(shape))
+
+
+def _read_run(stream, record: TensorRecord, first: int, count: int, target: torch.Tensor,
+              scratch: Optional[_Scratch] = None):
     """Read ``count`` elements from element ``first`` of ``record`` into ``target``: straight
     into its memory when it is a plain, contiguous CPU tensor of the stored dtype, else into a
-    scratch tensor and ``target.copy_`` (torch's reader converts the same way)."""
+    scratch tensor (``scratch``'s buffer, or a new one) and ``target.copy_`` (torch's reader
+    converts the same way)."""
     direct = (type(target) is torch.Tensor and target.device.type == "cpu"
               and target.dtype == record.dtype and target.is_contiguous())
-    dest = target if direct else torch.empty(tuple(target.shape), dtype=record.dtype)
-    element = dest.element_size()
+    if direct:
+        dest = target
+    elif scratch is not None:
+        dest = scratch.tensor(target.shape, record.dtype)
+    else:
+        dest = torch.empty(tuple(target.shape), dtype=record.dtype)
     # as_strided: a 1-element tensor is contiguous whatever its stride, and view() needs 1.
     flat = dest.as_strided((count,), (1,))
     view = memoryview(flat.view(torch.uint8).numpy()) if count else memoryview(b"")
-    stream.seek(record.data_offset + first * element)
+    stream.seek(record.data_offset + first * record.dtype.itemsize)
     done = 0
     while done < len(view):
         got = stream.readinto(view[done:])
@@ -337,6 +357,7 @@ def read_data(reader, plan, planner, stock):
 
     per_file: dict[str, list[Any]] = {}
     rest = []
+    scratch = _Scratch()
     for item in plan.items:
         info = reader.storage_data[item.storage_index]
         if item.type == LoadItemType.BYTE_IO or info.transform_descriptors:
@@ -365,7 +386,7 @@ def read_data(reader, plan, planner, stock):
                     raise AssertionError(  # torch's reader raises the same
                         f"req {item.storage_index} mismatch sizes {target.size()} vs "
                         f"{torch.Size(item.lengths)}")
-                _read_run(stream, record, *run, target)
+                _read_run(stream, record, *run, target, scratch)
                 planner.commit_tensor(item, target)
     if rest:
         return stock(reader, dataclasses.replace(plan, items=rest), planner)

@@ -201,12 +201,24 @@ def test_a_run_of_rows_reads_those_bytes_only(checkpoint):
 
 
 def test_non_contiguous_and_other_dtype_targets_are_filled_by_copy(checkpoint):
+    """Through one scratch buffer, reused from read to read in a plan (each read of its own
+    size): every target gets its own values."""
     path, state = checkpoint
     live = torch.full((30, 80), SENTINEL, dtype=torch.float64)
     target = live[:, ::2]  # strided, and float64 where float32 is stored: torch's copy_ rules
-    _read(path, [_item("fp32", (17, 0), (30, 40))], {"fp32": target}, runs=True)
+    live_3d = torch.full((5, 16), SENTINEL, dtype=torch.float32)
+    target_3d = live_3d[:, 4:12].unsqueeze(0)  # a column slice, like a TP split on dim 1
+    live_int = torch.full((20, 2), SENTINEL, dtype=torch.int64)
+    items = [_item("fp32", (17, 0), (30, 40)), _item("fp32_3d", (2, 3, 0), (1, 5, 8)),
+             _item("int64", (7,), (20,))]
+    _read(path, items, {"fp32": target, "fp32_3d": target_3d, "int64": live_int[:, 1]},
+          runs=True)
     assert torch.equal(target, state["fp32"][17:47].double())
     assert (live[:, 1::2] == SENTINEL).all()
+    assert torch.equal(target_3d, state["fp32_3d"][2:3, 3:8])
+    assert (live_3d[:, :4] == SENTINEL).all() and (live_3d[:, 12:] == SENTINEL).all()
+    assert torch.equal(live_int[:, 1], state["int64"][7:27])
+    assert (live_int[:, 0] == SENTINEL).all()
 
 
 def test_object_items_and_mixed_plans_go_through_torch(checkpoint):
