@@ -5,11 +5,13 @@ read request touches, whole, then narrows it to the request and copies it into t
 rank of a cross-layout load whose rows cover part of a stored chunk (tp2 x g2 saved, tp1 x g4
 loaded: each rank's rows overlap two chunks of the source) reads all of both. :func:`install`
 routes ``read_data`` through :func:`read_data`, which, for a request that is one contiguous run
-of the stored tensor's elements (leading dims of length 1, one partial dim, the rest whole:
-a block of rows), reads exactly that run of bytes from the record's storage, straight into the
-target tensor when it is contiguous. Every other request (object items, transformed streams,
-a record that is not one plain little-endian tensor, a strided slice such as a TP split along
-dim 1) goes to torch's own ``read_data``, unchanged.
+of the stored tensor's elements (a block of rows, the whole tensor, part of one row), reads
+exactly that run of bytes from the record's storage: straight into the target tensor when it is
+contiguous, else into one reused scratch buffer and then into the target (a column slice of a
+live tensor, where a TP split along dim 1 lands). Every other request (object items, transformed
+streams, a record that is not one plain little-endian tensor, a strided slice of the stored
+tensor such as one TP rank's columns of a tensor stored whole) goes to torch's own
+``read_data``, unchanged.
 
 The ``torch.save`` record is a zip archive (stored, never compressed) holding ``data.pkl`` and
 one ``data/<key>`` entry per storage. ``data.pkl`` is unpickled by a restricted unpickler that
