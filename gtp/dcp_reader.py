@@ -192,7 +192,7 @@ def _record(offset, length, data_offset, data_size, rebuilt) -> TensorRecord:
 
 
 def _read_ends(stream, offset: int, length: int) -> TensorRecord:
-    """The record's central directory (at its end) and its head, read once each."""
+    """The record's central directory (in its last bytes) and its first bytes, read once each."""
     tail_len = min(length, _HEAD_BYTES)
     stream.seek(offset + length - tail_len)
     tail = stream.read(tail_len)
@@ -207,65 +207,65 @@ def _read_ends(stream, offset: int, length: int) -> TensorRecord:
     for _ in range(count):
         (signature, _, _, _, method, _, _, _, size, _, name_len, extra_len, comment_len,
          _, _, _, header) = _CENTRAL.unpack_from(tail, pos)
-        if signature != _CENTRAL_SIGNATURE or method != zipfile.ZIP_STORED \
-                or 0xFFFFFFFF in (size, header):
-            raise _Unsupported("compressed or zip64 entry")
-        name = tail[pos + _CENTRAL.size:pos + _CENTRAL.size + name_len].decode()
-        entries[name] = (header, size)
+        if signature != _CENTRAL_SIGNATURE or 0xFFFFFFFF in (size, header):
+            raise _Unsupported("zip64 entry")
+        if method == zipfile.ZIP_STORED:
+            name = tail[pos + _CENTRAL.size:pos + _CENTRAL.size + name_len].decode()
+            entries[name] = (header, size)
         pos += _CENTRAL.size + name_len + extra_len + comment_len
-    pkl = next((n for n in entries if n.endswith("/data.pkl")), None)
-    if pkl is None:
-        raise _Unsupported("no data.pkl")
-    prefix = pkl[: -len("data.pkl")]
     stream.seek(offset)
     head = stream.read(min(length, _HEAD_BYTES))
 
-    def data(name):  # (start, size) of an entry's bytes in the record, from its local header
+    def read(start, size):
+        if start + size > len(head):
+            raise _Unsupported("an entry beyond the record's first bytes")
+        return head[start:start + size]
+
+    return _locate(entries, read, offset, length)
+
+
+def _read_directory(stream, offset: int, length: int) -> TensorRecord:
+    """The same through ``zipfile`` (zip64, entries anywhere in the record)."""
+    window = _Window(stream, offset, length)
+    entries = {info.filename: (info.header_offset, info.file_size)
+               for info in zipfile.ZipFile(window).infolist()
+               if info.compress_type == zipfile.ZIP_STORED}
+
+    def read(start, size):
+        window.seek(start)
+        data = window.read(size)
+        if len(data) != size:
+            raise _Unsupported("an entry beyond the record")
+        return data
+
+    return _locate(entries, read, offset, length)
+
+
+def _locate(entries: dict[str, tuple[int, int]], read, offset: int, length: int) -> TensorRecord:
+    """The tensor record from a record's stored (uncompressed) zip entries.
+
+    Args:
+        entries: entry name -> (local header offset, size), offsets within the record.
+        read: ``read(start, size)`` -> those bytes of the record.
+    """
+    def span(name):  # (start, size) of an entry's bytes, after its local header
         header, size = entries[name]
-        if header + _LOCAL_HEADER.size > len(head):
-            raise _Unsupported(f"{name} beyond the record's first bytes")
-        fields = _LOCAL_HEADER.unpack_from(head, header)
+        fields = _LOCAL_HEADER.unpack(read(header, _LOCAL_HEADER.size))
         if fields[0] != _LOCAL_SIGNATURE:
             raise _Unsupported("bad local header")
         return header + _LOCAL_HEADER.size + fields[-2] + fields[-1], size
 
-    def content(name):
-        start, size = data(name)
-        if start + size > len(head):
-            raise _Unsupported(f"{name} beyond the record's first bytes")
-        return head[start:start + size]
-
-    if prefix + "byteorder" in entries and content(prefix + "byteorder").strip() != b"little":
-        raise ValueError("not little-endian")
-    rebuilt = _parse_pkl(content(pkl))
+    pkl = next((n for n in entries if n.endswith("/data.pkl")), None)
+    if pkl is None:
+        raise _Unsupported("no stored data.pkl")
+    prefix = pkl[: -len("data.pkl")]
+    if prefix + "byteorder" in entries and read(*span(prefix + "byteorder")).strip() != b"little":
+        raise _Unsupported("not little-endian")
+    rebuilt = _parse_pkl(read(*span(pkl)))
     storage = f"{prefix}data/{rebuilt[0].key}"
     if storage not in entries:
-        raise ValueError(f"storage {rebuilt[0].key} missing")
-    return _record(offset, length, *data(storage), rebuilt)
-
-
-def _read_directory(stream, offset: int, length: int) -> TensorRecord:
-    window = _Window(stream, offset, length)
-    archive = zipfile.ZipFile(window)
-    names = {info.filename: info for info in archive.infolist()}
-    pkl = next((n for n in names if n.endswith("/data.pkl")), None)
-    if pkl is None:
-        raise _Unsupported("no data.pkl")
-    prefix = pkl[: -len("data.pkl")]
-    order = names.get(prefix + "byteorder")
-    if order is not None and archive.read(order).strip() != b"little":
-        raise _Unsupported("not little-endian")
-    rebuilt = _parse_pkl(archive.read(names[pkl]))
-    info = names.get(f"{prefix}data/{rebuilt[0].key}")
-    if info is None or info.compress_type != zipfile.ZIP_STORED:
         raise _Unsupported(f"storage {rebuilt[0].key} missing or compressed")
-    window.seek(info.header_offset)
-    header = window.read(_LOCAL_HEADER.size)
-    if len(header) != _LOCAL_HEADER.size or header[:4] != _LOCAL_SIGNATURE:
-        raise _Unsupported("bad local header")
-    name_len, extra_len = _LOCAL_HEADER.unpack(header)[-2:]
-    return _record(offset, length, info.header_offset + _LOCAL_HEADER.size + name_len
-                   + extra_len, info.file_size, rebuilt)
+    return _record(offset, length, *span(storage), rebuilt)
 
 
 def contiguous_run(record: TensorRecord, offsets, lengths) -> Optional[tuple[int, int]]:
@@ -311,19 +311,13 @@ class _Scratch:
 
 
 def _read_run(stream, record: TensorRecord, first: int, count: int, target: torch.Tensor,
-              scratch: Optional[_Scratch] = None):
+              scratch: _Scratch):
     """Read ``count`` elements from element ``first`` of ``record`` into ``target``: straight
     into its memory when it is a plain, contiguous CPU tensor of the stored dtype, else into a
-    scratch tensor (``scratch``'s buffer, or a new one) and ``target.copy_`` (torch's reader
-    converts the same way)."""
+    tensor in ``scratch``'s buffer and ``target.copy_`` (torch's reader converts the same way)."""
     direct = (type(target) is torch.Tensor and target.device.type == "cpu"
               and target.dtype == record.dtype and target.is_contiguous())
-    if direct:
-        dest = target
-    elif scratch is not None:
-        dest = scratch.tensor(target.shape, record.dtype)
-    else:
-        dest = torch.empty(tuple(target.shape), dtype=record.dtype)
+    dest = target if direct else scratch.tensor(target.shape, record.dtype)
     # as_strided: a 1-element tensor is contiguous whatever its stride, and view() needs 1.
     flat = dest.as_strided((count,), (1,))
     view = memoryview(flat.view(torch.uint8).numpy()) if count else memoryview(b"")

@@ -296,5 +296,6 @@ def test_records_in_another_zip_order_are_read_through_the_directory():
         record = dcp_reader.read_record(io.BytesIO(framed), 100, len(blob))
         first, count = dcp_reader.contiguous_run(record, (2, 0), (3, 4))
         target = torch.full((3, 4), SENTINEL, dtype=torch.float32)
-        dcp_reader._read_run(io.BytesIO(framed), record, first, count, target)
+        dcp_reader._read_run(io.BytesIO(framed), record, first, count, target,
+                              dcp_reader._Scratch())
         assert torch.equal(target, want[2:5])

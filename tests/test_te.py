@@ -1,5 +1,5 @@
 """The TransformerEngine switch (recipes/te.py): config -> TransformerConfig fields and layer spec,
-with TransformerEngine absent (this machine) and present (a stand-in module)."""
+with TransformerEngine absent (as in CI) and present (a stand-in module)."""
 
 from __future__ import annotations
 
