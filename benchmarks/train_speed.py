@@ -18,9 +18,12 @@ included: a fresh process per launch) and the RSS peak and increase during the t
 the step peak of those launches also counts memory that was used once and freed; with
 ``--memory`` (default) each g is launched once more per repeat with freed memory returned to
 the OS (``benchmarks.memory.MALLOC_ENV``: slower steps, not timed) and that step peak, the
-largest rank's, is the memory figure compared with g1. Launches are interleaved (g1 g2 g4 g1
-g2 g4 ...) so that drifting machine load hits every case alike; the table shows medians over
-repeats of each launch's median step time, and one line per target (g2 and g4 against g1).
+largest rank's, is the memory figure compared with g1. Each g > 1 also runs with megatron's
+GTP overlap off (``--in-order``) and with gloo's own ``all_gather_into_tensor`` and
+``reduce_scatter_tensor`` in place of ``gtp.backend``'s point-to-point exchanges
+(``--gloo-collectives``). Launches are interleaved (g1 g2 g4 g1 g2 g4 ...) so that drifting
+machine load hits every case alike; the table shows medians over repeats of each launch's
+median step time, and one line per target (g2 and g4 against g1).
 
 Cases: ``tiny`` (2 layers, hidden 72; data=mock, micro batch 4, global batch 16) and ``gpt125m``
 (12 layers, hidden 768, ffn 3072, byte vocab: ~85M parameters; seq 64, micro batch 1, global
@@ -75,6 +78,10 @@ def _worker(cfg_path: str, out_path: str) -> None:
     threads = int(os.environ.get("BENCH_THREADS", "0"))
     if threads > 0:
         torch.set_num_threads(threads)
+    if os.environ.get("BENCH_GTP_COLLECTIVES") == "gloo":
+        from gtp import backend
+
+        backend.GLOO_PEER_EXCHANGE = False  # gloo's own all-gather and reduce-scatter
     cfg = OmegaConf.load(cfg_path)
     init_distributed()
     layout = validate(cfg, torch.distributed.get_world_size())
@@ -220,16 +227,23 @@ def _median_step(result: dict) -> float:
     return statistics.median(result["ranks"][0]["step_times"])
 
 
-def summarize(model: str, g: int, results: list[dict], overlap: bool = True,
+# How a g > 1 case runs its GTP collectives: megatron's overlap on (the default), off, or on
+# with gloo's own all-gather / reduce-scatter instead of gtp.backend's point-to-point exchanges.
+MODES = {"overlapped": "overlapped", "in_order": "in order", "gloo": "gloo's collectives"}
+
+
+def summarize(model: str, g: int, results: list[dict], mode: str = "overlapped",
               memory: list[dict] | None = None) -> dict:
     ok = [r for r in results if "error" not in r]
+    overlap = mode != "in_order"
     if not ok:
-        return {"model": model, "g": g, "overlap": overlap,
+        return {"model": model, "g": g, "overlap": overlap, "mode": mode,
                 "error": results[0]["error"] if results else "no run"}
     step = statistics.median(_median_step(r) for r in ok)
     ranks = ok[0]["ranks"]
     return {
-        "model": model, "g": g, "overlap": overlap, "layout": ok[0]["layout"], "runs": len(ok),
+        "model": model, "g": g, "overlap": overlap, "mode": mode, "layout": ok[0]["layout"],
+        "runs": len(ok),
         "model_parameters": ranks[0].get("logical_param_numel"),
         "median_step_s": step, "tokens_per_sec": ok[0]["tokens_per_step"] / step,
         "step_s_per_run": [_median_step(r) for r in ok],
@@ -253,12 +267,12 @@ def _mib(values) -> str:
 
 def format_table(rows: list[dict]) -> str:
     head = ["model", "g", "collectives", "layout", "tokens/s", "step ms", "vs g1",
-            "vs in order", "param MiB per rank", "Adam state MiB per rank",
+            "vs in order", "vs gloo's collectives", "param MiB per rank", "Adam state MiB per rank",
             "peak RSS MiB per rank", "RSS peak in steps MiB, max rank (vs g1)",
             "same, freed memory returned (vs g1)"]
     g1 = {r["model"]: r for r in rows if r.get("g") == 1 and "error" not in r}
-    in_order = {(r["model"], r["g"]): r["tokens_per_sec"] for r in rows
-                if not r.get("overlap", True) and "error" not in r}
+    other_mode = {(r["model"], r["g"], r.get("mode")): r["tokens_per_sec"] for r in rows
+                  if "error" not in r}
 
     def peak_cell(r, key):
         value, base = r.get(key), (g1.get(r["model"]) or {}).get(key)
@@ -268,18 +282,21 @@ def format_table(rows: list[dict]) -> str:
 
     cells = []
     for r in rows:
-        mode = "-" if r["g"] == 1 else "overlapped" if r.get("overlap", True) else "in order"
+        mode = "-" if r["g"] == 1 else MODES[r.get("mode", "overlapped")]
         if "error" in r:
             cells.append([r["model"], str(r["g"]), mode, "error: " + r["error"],
                           *[""] * (len(head) - 4)])
             continue
         base = g1.get(r["model"])
         ratio = r["tokens_per_sec"] / base["tokens_per_sec"] if base else None
-        other = in_order.get((r["model"], r["g"])) if r.get("overlap", True) else None
+        main = r.get("mode", "overlapped") == "overlapped"
+        in_order = other_mode.get((r["model"], r["g"], "in_order")) if main else None
+        gloo = other_mode.get((r["model"], r["g"], "gloo")) if main else None
         cells.append([
             r["model"], str(r["g"]), mode, r["layout"], f"{r['tokens_per_sec']:.0f}",
             f"{1000 * r['median_step_s']:.1f}", f"{ratio:.2f}x" if ratio else "-",
-            f"{r['tokens_per_sec'] / other:.2f}x" if other else "-",
+            f"{r['tokens_per_sec'] / in_order:.2f}x" if in_order else "-",
+            f"{r['tokens_per_sec'] / gloo:.2f}x" if gloo else "-",
             _mib(r["param_bytes_per_rank"]), _mib(r["optimizer_state_bytes_per_rank"]),
             " / ".join(f"{v / 2**20:.0f}" for v in r["peak_rss_bytes_per_rank"] if v),
             peak_cell(r, "rss_peak_during_steps"), peak_cell(r, "rss_peak_during_steps_returned"),
@@ -312,7 +329,7 @@ def verdicts(rows: list[dict]) -> list[str]:
     g1 = {r["model"]: r for r in rows if r.get("g") == 1 and "error" not in r}
     for r in rows:
         base = g1.get(r["model"])
-        if ("error" in r or r["model"] != TARGET_MODEL or not r.get("overlap", True)
+        if ("error" in r or r["model"] != TARGET_MODEL or r.get("mode") != "overlapped"
                 or r["g"] not in TARGETS or base is None):
             continue
         speed_target, rss_target = TARGETS[r["g"]]
@@ -347,6 +364,10 @@ def main(argv=None) -> int:
     parser.add_argument("--in-order", action=argparse.BooleanOptionalAction, default=True,
                         help="also run each g > 1 with megatron's GTP overlap off (weight "
                              "prefetch, async reduce-scatter), side by side (default on)")
+    parser.add_argument("--gloo-collectives", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run each g > 1 with gloo's own all_gather_into_tensor and "
+                             "reduce_scatter_tensor instead of gtp.backend's point-to-point "
+                             "exchanges, side by side (default on)")
     parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
                         help="also launch each g once per repeat with freed memory returned to "
                              "the OS (benchmarks.memory.MALLOC_ENV) for the step RSS peak: "
@@ -376,34 +397,41 @@ def main(argv=None) -> int:
     print(f"> train_speed: models {args.models}, g {args.g}, world {world}, {threads} torch "
           f"thread(s) per rank, {args.repeats} interleaved repeats; writing {out}", flush=True)
 
-    # (g, overlap): every g, and each g > 1 with its collectives in order too (--in-order).
-    cases = [(g, True) for g in args.g] + [(g, False) for g in args.g if g > 1 and args.in_order]
+    # (g, mode): every g overlapped, and each g > 1 in order (--in-order) and with gloo's own
+    # collectives (--gloo-collectives) too;
+    cases = [(g, "overlapped") for g in args.g]
+    cases += [(g, "in_order") for g in args.g if g > 1 and args.in_order]
+    cases += [(g, "gloo") for g in args.g if g > 1 and args.gloo_collectives]
     # and each g again for memory (--memory), overlapped, with MALLOC_ENV.
-    cases = [(g, overlap, False) for g, overlap in cases]
-    cases += [(g, True, True) for g in args.g if args.memory]
-    raw: dict[tuple[str, int, bool], list[dict]] = {}
+    cases = [(g, mode, False) for g, mode in cases]
+    cases += [(g, "overlapped", True) for g in args.g if args.memory]
+    raw: dict[tuple[str, int, str], list[dict]] = {}
     memory: dict[tuple[str, int], list[dict]] = {}
     for model in args.models:
         for rep in range(args.repeats):
-            for g, overlap, for_memory in cases:  # interleaved: g1 g2 g2-in-order g1-memory ...
-                tag = f"g{g}" + ("" if overlap else "_in_order") + ("_memory" if for_memory else "")
+            for g, mode, for_memory in cases:  # interleaved: g1 g2 g2-in-order g1-memory ...
+                tag = (f"g{g}" + ("" if mode == "overlapped" else f"_{mode}")
+                       + ("_memory" if for_memory else ""))
                 run_dir = out / "runs" / f"{model}_{tag}_r{rep}"
-                cfg = compose_config(model, g, world, args.pad, run_dir, out / "cache", overlap)
+                cfg = compose_config(model, g, world, args.pad, run_dir, out / "cache",
+                                     overlap=mode != "in_order")
+                env = {**(MALLOC_ENV if for_memory else {}),
+                       "BENCH_GTP_COLLECTIVES": "gloo" if mode == "gloo" else "peer"}
                 t0 = time.perf_counter()
-                with _environ(MALLOC_ENV if for_memory else {}):
+                with _environ(env):
                     result = launch(cfg, run_dir, world)
                 if for_memory:
                     memory.setdefault((model, g), []).append(result)
                 else:
-                    raw.setdefault((model, g, overlap), []).append(result)
+                    raw.setdefault((model, g, mode), []).append(result)
                 what = result.get("error") or (
                     f"median step {1000 * _median_step(result):.1f} ms, final loss "
                     f"{result['losses'][-1]:.4f}")
                 print(f"  {model} {tag} run {rep + 1}/{args.repeats}: {what} "
                       f"({time.perf_counter() - t0:.0f}s with start-up)", flush=True)
-    rows = [summarize(model, g, raw[(model, g, overlap)], overlap,
-                      memory.get((model, g)) if overlap else None)
-            for model in args.models for g, overlap, for_memory in cases if not for_memory]
+    rows = [summarize(model, g, raw[(model, g, mode)], mode,
+                      memory.get((model, g)) if mode == "overlapped" else None)
+            for model in args.models for g, mode, for_memory in cases if not for_memory]
     table = format_table(rows)
     params = {r["model"]: r.get("model_parameters") for r in rows if r.get("model_parameters")}
     print(f"train_speed: {os.cpu_count()} CPU cores, world {world}, parameters "
@@ -419,7 +447,8 @@ def main(argv=None) -> int:
         "model_parameters": params,
         "world_size": world, "pad_for_alignment": args.pad, "repeats": args.repeats,
         "summary": rows,
-        "runs": {**{f"{m}_g{g}" + ("" if o else "_in_order"): v for (m, g, o), v in raw.items()},
+        "runs": {**{f"{m}_g{g}" + ("" if o == "overlapped" else f"_{o}"): v
+                    for (m, g, o), v in raw.items()},
                  **{f"{m}_g{g}_memory": v for (m, g), v in memory.items()}},
     }, indent=2))
     (out / "table.txt").write_text(table + "\n")

@@ -7,7 +7,8 @@ VocabParallelEmbedding) still wrap their weights as ``GTPShardedParam`` when the
 group is larger than 1, so the first forward fails.
 
 :func:`install` replaces exactly those stand-ins, in megatron's module namespace, with
-``torch.distributed`` implementations (gloo has ``all_gather_into_tensor`` and
+``torch.distributed`` implementations (on gloo built from point-to-point sends and receives,
+which move the same bytes faster than gloo's ``all_gather_into_tensor`` and
 ``reduce_scatter_tensor``) and sets ``HAVE_GTP`` so megatron's GTP-aware paths (checkpoint
 sharding, layer-wise optimizer) run as they do with TE. Everything else is megatron's own:
 ``GTPShardedParam``, the padding (``gtp_remat_shard_dim0``, ``_gtp_slice_one_param``),
@@ -64,6 +65,95 @@ class _NoQuantizedTensor:
     """
 
 
+class _PeerExchange:
+    """Work handle of a collective built from point-to-point sends and receives.
+
+    ``wait()`` waits for every send and receive, then runs ``finish`` (a reduce-scatter's local
+    sum) once; the only method megatron calls on a GTP handle (``GTPShardHandle.wait``).
+    """
+
+    def __init__(self, works: list, finish=None):
+        self._works, self._finish = works, finish
+
+    def wait(self, timeout=None) -> bool:
+        for work in self._works:
+            work.wait()
+        self._works = []
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+        return True
+
+
+# GTP's collectives on gloo groups: point-to-point exchanges (True), or gloo's own
+# all_gather_into_tensor / reduce_scatter_tensor (False: benchmarks.train_speed runs both).
+GLOO_PEER_EXCHANGE = True
+
+
+def _uses_peer_exchange(group) -> bool:
+    """Whether GTP's collectives on ``group`` are built from point-to-point ops: on gloo (while
+    :data:`GLOO_PEER_EXCHANGE`), whose ``all_gather_into_tensor`` and ``reduce_scatter_tensor``
+    took 1.3-2.5x as long for the same bytes, measured side by side; NCCL's own are kept."""
+    if not GLOO_PEER_EXCHANGE or str(torch.distributed.get_backend(group)).lower() != "gloo":
+        return False
+    # Inside torch's coalescing manager (megatron's batched routed-expert reduce-scatter) the
+    # group's own collective is what the manager records and completes.
+    from torch.distributed.distributed_c10d import _world
+
+    return group not in _world.pg_coalesce_state
+
+
+def _exchange(group, sends: dict, recvs: dict) -> list:
+    """Post ``isend(sends[j])`` and ``irecv(recvs[j])`` for every peer ``j`` (group ranks).
+
+    Every rank of the group posts its ops in the same (ascending peer) order, so each pair's
+    messages match in order (gloo matches a pair's messages of one tag first in, first out).
+    Returns the work handles (the tensors stay referenced by them until waited).
+    """
+    works = []
+    for peer in sorted(sends):
+        dst = torch.distributed.get_global_rank(group, peer)
+        works.append(torch.distributed.isend(sends[peer], dst, group=group))
+        works.append(torch.distributed.irecv(recvs[peer], dst, group=group))
+    return works
+
+
+def _rank_and_size(group) -> tuple[int, int]:
+    return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+
+
+def _peer_all_gather(output: torch.Tensor, shard: torch.Tensor, group) -> _PeerExchange:
+    """All-gather along dim 0 by point-to-point ops: this rank's ``shard`` is copied into its
+    rows of ``output`` and sent to every peer, whose shards are received into their rows.
+    ``output``: ``(g * shard.shape[0], *shard.shape[1:])``, contiguous, same dtype."""
+    (me, world), rows = _rank_and_size(group), shard.shape[0]
+    output.narrow(0, me * rows, rows).copy_(shard)
+    peers = [j for j in range(world) if j != me]
+    return _PeerExchange(_exchange(group, {j: shard for j in peers},
+                                   {j: output.narrow(0, j * rows, rows) for j in peers}))
+
+
+def _peer_reduce_scatter(output: torch.Tensor, inp: torch.Tensor, group) -> _PeerExchange:
+    """Reduce-scatter (SUM) along dim 0 by point-to-point ops: rows ``j`` of ``inp`` go to group
+    rank ``j``; this rank receives its rows from every peer into one temporary buffer and sums
+    the g contributions in group-rank order (0, 1, ..., g-1: the same order on every rank and
+    every run) into ``output`` when the handle is waited. Temporary memory: (g - 1) shards."""
+    (me, world), rows = _rank_and_size(group), output.shape[0]
+    peers = [j for j in range(world) if j != me]
+    buffer = torch.empty((len(peers) * rows, *output.shape[1:]), dtype=inp.dtype,
+                         device=inp.device)
+    parts = {j: inp.narrow(0, j * rows, rows) for j in range(world)}
+    received = {j: buffer.narrow(0, k * rows, rows) for k, j in enumerate(peers)}
+
+    def finish():
+        terms = [parts[me] if j == me else received[j] for j in range(world)]
+        torch.add(terms[0], terms[1], out=output)
+        for term in terms[2:]:
+            output.add_(term)
+
+    return _PeerExchange(_exchange(group, {j: parts[j] for j in peers}, received), finish)
+
+
 def _gather_along_first_dim(
     inp, process_group, async_op=False, quantizer=None, output_tensor=None,
     external_coalescing=False,
@@ -71,7 +161,8 @@ def _gather_along_first_dim(
     """torch.distributed twin of TE ``gather_along_first_dim`` (unquantized inputs only).
 
     Covers ``GTPShardedParam._all_gather_weight``: all-gather the padded dim-0 shards of the
-    ``gtp_remat`` group into ``output_tensor`` (megatron's cached buffer).
+    ``gtp_remat`` group into ``output_tensor`` (megatron's cached buffer), by point-to-point ops
+    on gloo (:func:`_peer_all_gather`), by ``all_gather_into_tensor`` otherwise.
     Returns ``(gathered, work handle or None)``.
     """
     if quantizer is not None or external_coalescing:
@@ -88,8 +179,15 @@ def _gather_along_first_dim(
         )
     # detach: the shard is a Parameter; outside an autograd.Function (grad mode on) gloo's copy
     # into the output would otherwise be recorded by autograd and rejected.
+    shard = inp.detach().contiguous()
+    if _uses_peer_exchange(process_group):
+        handle = _peer_all_gather(output_tensor, shard, process_group)
+        if async_op:
+            return output_tensor, handle
+        handle.wait()
+        return output_tensor, None
     handle = torch.distributed.all_gather_into_tensor(
-        output_tensor, inp.detach().contiguous(), group=process_group, async_op=async_op
+        output_tensor, shard, group=process_group, async_op=async_op
     )
     return output_tensor, handle
 
@@ -99,6 +197,8 @@ def _reduce_scatter_along_first_dim(inp, tp_group, async_op=False, output=None):
 
     Covers ``GTPShardedParam._reduce_scatter``: megatron has already pre-scaled the wgrad by
     1/g (mean) or not (``calculate_per_token_loss``: sum) and zero-padded it to the padded dim 0.
+    By point-to-point ops on gloo (:func:`_peer_reduce_scatter`: summed in group-rank order), by
+    ``reduce_scatter_tensor`` otherwise.
     Returns ``(this rank's shard, work handle or None)``.
     """
     world = torch.distributed.get_world_size(tp_group)
@@ -110,8 +210,15 @@ def _reduce_scatter_along_first_dim(inp, tp_group, async_op=False, output=None):
         output = torch.empty(
             (inp.shape[0] // world, *inp.shape[1:]), dtype=inp.dtype, device=inp.device
         )
+    full = inp.detach().contiguous()
+    if _uses_peer_exchange(tp_group):
+        handle = _peer_reduce_scatter(output, full, tp_group)
+        if async_op:
+            return output, handle
+        handle.wait()
+        return output, None
     handle = torch.distributed.reduce_scatter_tensor(
-        output, inp.detach().contiguous(), group=tp_group, async_op=async_op
+        output, full, group=tp_group, async_op=async_op
     )
     return output, handle
 

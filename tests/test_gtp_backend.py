@@ -363,9 +363,65 @@ def _backend_worker():
     return out
 
 
+def _contribution(kind, group_rank, shape, dtype):
+    """The tensor group rank ``group_rank`` passes to a collective in the peer-exchange checks:
+    a function of (kind, rank) only, so every rank can build every other rank's input."""
+    gen = torch.Generator().manual_seed(1000 * kind + group_rank)
+    return torch.randn(shape, generator=gen).to(dtype)
+
+
+def _peer_exchange_worker():
+    """gtp.backend's gloo all-gather and reduce-scatter (point-to-point sends and receives)
+    against goldens each rank builds locally from every rank's known input: the gather is the
+    concatenation of the shards, the reduce-scatter this rank's rows of the inputs summed in
+    group-rank order (plain tensor additions). In order and async; several async collectives
+    of different sizes in flight on one group at once, waited in reverse order; fp32 and bf16;
+    groups of 2 (two at once) and 4. Outputs are pre-filled with a sentinel."""
+    from gtp import backend
+
+    rank = torch.distributed.get_rank()
+    pairs = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2, 3])]
+    groups = {2: pairs[rank // 2], 4: torch.distributed.new_group([0, 1, 2, 3])}
+    out = {"peer": {}, "ok": []}
+    for g, group in groups.items():
+        out["peer"][g] = backend._uses_peer_exchange(group)
+        me = group.rank()
+        for dtype in (torch.float32, torch.bfloat16):
+            for async_op in (False, True):
+                pending = []
+                for kind, rows in enumerate((8, 3, 16)):  # three in flight, three sizes
+                    shard = _contribution(kind, me, (rows, 5), dtype)
+                    gathered = torch.full((g * rows, 5), 7.0, dtype=dtype)
+                    _, ag = backend._gather_along_first_dim(shard, group, async_op=async_op,
+                                                            output_tensor=gathered)
+                    full = _contribution(10 + kind, me, (g * rows, 5), dtype)
+                    reduced = torch.full((rows, 5), 7.0, dtype=dtype)
+                    _, rs = backend._reduce_scatter_along_first_dim(full, group, async_op,
+                                                                    output=reduced)
+                    assert (ag is None and rs is None) != async_op, (ag, rs)
+                    pending.append((kind, rows, gathered, ag, reduced, rs))
+                for kind, rows, gathered, ag, reduced, rs in reversed(pending):
+                    for handle in (rs, ag):
+                        if handle is not None:
+                            handle.wait()
+                    want_ag = torch.cat([_contribution(kind, j, (rows, 5), dtype)
+                                         for j in range(g)])
+                    terms = [_contribution(10 + kind, j, (g * rows, 5), dtype)[me * rows:
+                                                                              (me + 1) * rows]
+                             for j in range(g)]
+                    want_rs = terms[0]
+                    for term in terms[1:]:
+                        want_rs = want_rs + term
+                    out["ok"].append(((g, str(dtype), async_op, kind),
+                                      torch.equal(gathered, want_ag),
+                                      torch.equal(reduced, want_rs)))
+    return out
+
+
 def _all_workers():
-    """Both multi-process checks in one 4-rank world (one interpreter start-up per rank)."""
-    return {"backend": _backend_worker(), "invariance": _invariance_worker()}
+    """The multi-process checks in one 4-rank world (one interpreter start-up per rank)."""
+    return {"backend": _backend_worker(), "invariance": _invariance_worker(),
+            "peer_exchange": _peer_exchange_worker()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -398,6 +454,19 @@ def test_backend_is_what_ran(world_results):
     # g4/a32 leaves the last GTP rank with nothing but padding in linear_proj, linear_fc2
     # (L=72 -> 32,32,8,0) and the vocab tensors (L=272 -> 96,96,80,0).
     assert sum(r[(1, 4, 32)]["empty_shards"] for r in results) > 0
+
+
+@pytest.mark.multiprocess
+def test_gloo_gather_and_reduce_scatter_equal_their_goldens(world_results):
+    """On gloo, GTP's all-gather and reduce-scatter are point-to-point exchanges
+    (gtp.backend._peer_all_gather / _peer_reduce_scatter); each equals, bit for bit, a golden
+    built from every rank's known input: gathered shards concatenated in group-rank order, and
+    the reduce-scatter's rows summed in group-rank order."""
+    for rank, r in enumerate(w["peer_exchange"] for w in world_results):
+        assert r["peer"] == {2: True, 4: True}, rank
+        assert len(r["ok"]) == 2 * 2 * 2 * 3, rank
+        for case, gather_ok, reduce_ok in r["ok"]:
+            assert gather_ok and reduce_ok, (rank, case, gather_ok, reduce_ok)
 
 
 @pytest.mark.multiprocess
