@@ -20,8 +20,9 @@ Only unquantized (fp32/bf16) weights are supported: there is no FP8 without TE. 
 leaves megatron's overlap off (``GTP_CONFIG.weight_prefetch = False``,
 ``GTP_CONFIG.async_reduction = False``: every collective completes where it is issued); a caller
 may turn it on (``recipes.gtp_setup`` does, outside pipeline parallelism): the collectives then
-return gloo's async work handles, which megatron waits on where it consumes the gathered weight
-or the reduced gradient (its prefetch chain), with the same math.
+return async handles (on gloo, of the exchange's sends and receives), which megatron waits on
+where it consumes the gathered weight or the reduced gradient (its prefetch chain), with the
+same math.
 
 On a machine without CUDA, also call ``mcore_compat.cpu.install()``: it redirects the
 ``torch.cuda`` stream calls left in megatron's GTP module (the pre-DP-sync fence in
@@ -69,7 +70,9 @@ class _PeerExchange:
     """Work handle of a collective built from point-to-point sends and receives.
 
     ``wait()`` waits for every send and receive, then runs ``finish`` (a reduce-scatter's local
-    sum) once; the only method megatron calls on a GTP handle (``GTPShardHandle.wait``).
+    sum) once; the only method megatron calls on a GTP handle (``GTPShardHandle.wait``). Every
+    handle must be waited: a pair's messages match in order, so the next exchange on the group
+    would receive what an abandoned one left in flight.
     """
 
     def __init__(self, works: list, finish=None):
@@ -77,7 +80,10 @@ class _PeerExchange:
 
     def wait(self, timeout=None) -> bool:
         for work in self._works:
-            work.wait()
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout)
         self._works = []
         if self._finish is not None:
             finish, self._finish = self._finish, None
@@ -92,15 +98,26 @@ GLOO_PEER_EXCHANGE = True
 
 def _uses_peer_exchange(group) -> bool:
     """Whether GTP's collectives on ``group`` are built from point-to-point ops: on gloo (while
-    :data:`GLOO_PEER_EXCHANGE`), whose ``all_gather_into_tensor`` and ``reduce_scatter_tensor``
-    took 1.3-2.5x as long for the same bytes, measured side by side; NCCL's own are kept."""
-    if not GLOO_PEER_EXCHANGE or str(torch.distributed.get_backend(group)).lower() != "gloo":
-        return False
-    # Inside torch's coalescing manager (megatron's batched routed-expert reduce-scatter) the
-    # group's own collective is what the manager records and completes.
-    from torch.distributed.distributed_c10d import _world
+    :data:`GLOO_PEER_EXCHANGE`), where gloo's own ``all_gather_into_tensor`` and
+    ``reduce_scatter_tensor`` made GTP training steps slower (``benchmarks.train_speed`` runs
+    both); other backends keep their own collectives."""
+    return GLOO_PEER_EXCHANGE and str(torch.distributed.get_backend(group)).lower() == "gloo"
 
-    return group not in _world.pg_coalesce_state
+
+def _check_buffers(kind: str, output: torch.Tensor, inp: torch.Tensor, want_rows: int) -> None:
+    """Refuse, before any message is posted, buffers an exchange cannot fill exactly (gloo
+    would receive into them without complaint, or raise halfway and strand the sends already
+    posted).
+
+    Raises:
+        ValueError: ``output`` not contiguous, or its dtype or shape not what ``kind`` makes of
+            ``inp`` (``want_rows`` rows, the rest of ``inp``'s shape).
+    """
+    want = (want_rows, *inp.shape[1:])
+    if not output.is_contiguous() or output.dtype != inp.dtype or tuple(output.shape) != want:
+        raise ValueError(
+            f"gtp.backend {kind}: output {tuple(output.shape)} {output.dtype} "
+            f"(contiguous: {output.is_contiguous()}); needs a contiguous {want} {inp.dtype}")
 
 
 def _exchange(group, sends: dict, recvs: dict) -> list:
@@ -127,6 +144,7 @@ def _peer_all_gather(output: torch.Tensor, shard: torch.Tensor, group) -> _PeerE
     rows of ``output`` and sent to every peer, whose shards are received into their rows.
     ``output``: ``(g * shard.shape[0], *shard.shape[1:])``, contiguous, same dtype."""
     (me, world), rows = _rank_and_size(group), shard.shape[0]
+    _check_buffers("all-gather", output, shard, world * rows)
     output.narrow(0, me * rows, rows).copy_(shard)
     peers = [j for j in range(world) if j != me]
     return _PeerExchange(_exchange(group, {j: shard for j in peers},
@@ -137,12 +155,20 @@ def _peer_reduce_scatter(output: torch.Tensor, inp: torch.Tensor, group) -> _Pee
     """Reduce-scatter (SUM) along dim 0 by point-to-point ops: rows ``j`` of ``inp`` go to group
     rank ``j``; this rank receives its rows from every peer into one temporary buffer and sums
     the g contributions in group-rank order (0, 1, ..., g-1: the same order on every rank and
-    every run) into ``output`` when the handle is waited. Temporary memory: (g - 1) shards."""
+    every run) into ``output`` when the handle is waited (the transfers run in the background,
+    the sum at the wait). Temporary memory: (g - 1) shards, and this rank's own rows when
+    ``output`` shares memory with ``inp``."""
     (me, world), rows = _rank_and_size(group), output.shape[0]
+    if inp.shape[0] != world * rows:
+        raise ValueError(f"gtp.backend reduce-scatter: input rows {inp.shape[0]} != group size "
+                         f"{world} x output rows {rows}")
+    _check_buffers("reduce-scatter", output, inp.narrow(0, 0, rows), rows)
     peers = [j for j in range(world) if j != me]
     buffer = torch.empty((len(peers) * rows, *output.shape[1:]), dtype=inp.dtype,
                          device=inp.device)
     parts = {j: inp.narrow(0, j * rows, rows) for j in range(world)}
+    if output.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr():
+        parts[me] = parts[me].clone()  # the sum writes output before it reads this rank's rows
     received = {j: buffer.narrow(0, k * rows, rows) for k, j in enumerate(peers)}
 
     def finish():

@@ -50,8 +50,8 @@ def overlap_settings(gtp_cfg, pipeline_model_parallel_size: int, te_usable: bool
     Both overlap GTP's collectives with compute (megatron's prefetch chain). With
     TransformerEngine both are megatron's defaults (on). On the gloo backend (``gtp.backend``):
 
-    * ``async_reduction`` (weight-gradient reduce-scatters finish while the backward goes on,
-      gloo's async work handles): on by default without pipeline parallelism. Under pipeline
+    * ``async_reduction`` (weight-gradient reduce-scatters travel while the backward goes on,
+      the exchange's async sends and receives): on by default without pipeline parallelism. Under pipeline
       parallelism the collectives run in order: megatron's chains follow one model's layer
       order and a pipeline schedule interleaves micro-batches and model chunks.
     * ``weight_prefetch`` (the next weight's all-gather issued while this layer computes): off,

@@ -375,21 +375,35 @@ def _peer_exchange_worker():
     against goldens each rank builds locally from every rank's known input: the gather is the
     concatenation of the shards, the reduce-scatter this rank's rows of the inputs summed in
     group-rank order (plain tensor additions). In order and async; several async collectives
-    of different sizes in flight on one group at once, waited in reverse order; fp32 and bf16;
-    groups of 2 (two at once) and 4. Outputs are pre-filled with a sentinel."""
+    of different sizes (zero rows included) in flight on one group at once, waited in reverse
+    order; fp32 and bf16; groups of 2 (two at once, and ranks 1 and 3) and 4. Outputs are
+    pre-filled with a sentinel. Also: a reduce-scatter into rows of its own input, and buffers
+    an exchange cannot fill, refused before anything is sent (the next exchange is exact)."""
     from gtp import backend
 
     rank = torch.distributed.get_rank()
     pairs = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2, 3])]
-    groups = {2: pairs[rank // 2], 4: torch.distributed.new_group([0, 1, 2, 3])}
-    out = {"peer": {}, "ok": []}
-    for g, group in groups.items():
-        out["peer"][g] = backend._uses_peer_exchange(group)
-        me = group.rank()
+    odd = torch.distributed.new_group([1, 3])
+    groups = {"2": pairs[rank // 2], "4": torch.distributed.new_group([0, 1, 2, 3])}
+    if rank in (1, 3):
+        groups["1,3"] = odd
+    out = {"peer": {}, "ok": [], "refused": [], "aliased": None}
+
+    def golden_rs(kind, me, g, rows, dtype):
+        terms = [_contribution(kind, j, (g * rows, 5), dtype)[me * rows:(me + 1) * rows]
+                 for j in range(g)]
+        want = terms[0]
+        for term in terms[1:]:
+            want = want + term
+        return want
+
+    for name, group in groups.items():
+        out["peer"][name] = backend._uses_peer_exchange(group)
+        me, g = group.rank(), group.size()
         for dtype in (torch.float32, torch.bfloat16):
             for async_op in (False, True):
                 pending = []
-                for kind, rows in enumerate((8, 3, 16)):  # three in flight, three sizes
+                for kind, rows in enumerate((8, 3, 0, 16)):  # four in flight, four sizes
                     shard = _contribution(kind, me, (rows, 5), dtype)
                     gathered = torch.full((g * rows, 5), 7.0, dtype=dtype)
                     _, ag = backend._gather_along_first_dim(shard, group, async_op=async_op,
@@ -406,15 +420,39 @@ def _peer_exchange_worker():
                             handle.wait()
                     want_ag = torch.cat([_contribution(kind, j, (rows, 5), dtype)
                                          for j in range(g)])
-                    terms = [_contribution(10 + kind, j, (g * rows, 5), dtype)[me * rows:
-                                                                              (me + 1) * rows]
-                             for j in range(g)]
-                    want_rs = terms[0]
-                    for term in terms[1:]:
-                        want_rs = want_rs + term
-                    out["ok"].append(((g, str(dtype), async_op, kind),
+                    out["ok"].append(((name, str(dtype), async_op, kind),
                                       torch.equal(gathered, want_ag),
-                                      torch.equal(reduced, want_rs)))
+                                      torch.equal(reduced,
+                                                  golden_rs(10 + kind, me, g, rows, dtype))))
+
+    group, me = groups["4"], rank
+    # The output is this rank's own rows of the input: the sum must read them before writing.
+    full = _contribution(20, me, (4 * 6, 5), torch.float32)
+    want = golden_rs(20, me, 4, 6, torch.float32)
+    _, handle = backend._reduce_scatter_along_first_dim(full, group, False,
+                                                        output=full[me * 6:(me + 1) * 6])
+    out["aliased"] = torch.equal(full[me * 6:(me + 1) * 6], want)
+    # Buffers an exchange cannot fill are refused before anything is posted.
+    shard = _contribution(30, me, (4, 5), torch.float32)
+    bad_outputs = {"strided": torch.zeros(4 * 4, 10)[:, :5],
+                   "rows": torch.zeros(4 * 4 + 1, 5),
+                   "dtype": torch.zeros(4 * 4, 5, dtype=torch.float64)}
+    for why, bad in bad_outputs.items():
+        try:
+            backend._gather_along_first_dim(shard, group, output_tensor=bad)
+            out["refused"].append((why, "gather", False))
+        except ValueError:
+            out["refused"].append((why, "gather", True))
+    try:
+        backend._reduce_scatter_along_first_dim(_contribution(31, me, (16, 5), torch.float32),
+                                                group, output=torch.zeros(3, 5))
+        out["refused"].append(("rows", "reduce-scatter", False))
+    except ValueError:
+        out["refused"].append(("rows", "reduce-scatter", True))
+    gathered = torch.full((16, 5), 7.0)
+    backend._gather_along_first_dim(shard, group, output_tensor=gathered)
+    out["after_refusals"] = torch.equal(
+        gathered, torch.cat([_contribution(30, j, (4, 5), torch.float32) for j in range(4)]))
     return out
 
 
@@ -461,12 +499,18 @@ def test_gloo_gather_and_reduce_scatter_equal_their_goldens(world_results):
     """On gloo, GTP's all-gather and reduce-scatter are point-to-point exchanges
     (gtp.backend._peer_all_gather / _peer_reduce_scatter); each equals, bit for bit, a golden
     built from every rank's known input: gathered shards concatenated in group-rank order, and
-    the reduce-scatter's rows summed in group-rank order."""
+    the reduce-scatter's rows summed in group-rank order, also into rows of its own input.
+    Buffers an exchange cannot fill raise ValueError before anything is sent, and the group's
+    next exchange is exact."""
     for rank, r in enumerate(w["peer_exchange"] for w in world_results):
-        assert r["peer"] == {2: True, 4: True}, rank
-        assert len(r["ok"]) == 2 * 2 * 2 * 3, rank
+        groups = ["2", "4", "1,3"] if rank in (1, 3) else ["2", "4"]
+        assert r["peer"] == {name: True for name in groups}, rank
+        assert len(r["ok"]) == len(groups) * 2 * 2 * 4, rank
         for case, gather_ok, reduce_ok in r["ok"]:
             assert gather_ok and reduce_ok, (rank, case, gather_ok, reduce_ok)
+        assert r["aliased"], rank
+        assert len(r["refused"]) == 4 and all(ok for _, _, ok in r["refused"]), r["refused"]
+        assert r["after_refusals"], rank
 
 
 @pytest.mark.multiprocess
