@@ -148,3 +148,77 @@ def test_async_saves_reuse_their_plan_only_while_the_structure_is_the_same(tmp_p
         assert ("extra" in seen[-1][2]) == (rank == 1)
         if rank == 1:
             assert torch.equal(seen[-1][2]["extra"], torch.full((2,), 10.0 * (len(PLAN) - 1)))
+
+
+# A stand-in for a training rank: forks a writer that leaves the rank's scheduling group as an
+# async save's writer does, reports what it sees, then both sleep until killed.
+_RANK_AND_WRITER = r"""
+import json, os, sys, time
+from recipes.checkpoint import _leave_rank_autogroup
+
+report = sys.argv[1]
+rank_pid = os.getpid()
+if os.fork() == 0:
+    _leave_rank_autogroup(rank_pid)
+    def autogroup(pid):
+        try:
+            return open(f"/proc/{pid}/autogroup").read().split()
+        except OSError:
+            return None
+    info = {"pid": os.getpid(), "sid": os.getsid(0), "rank_sid": os.getsid(rank_pid),
+            "autogroup": autogroup(os.getpid()), "rank_autogroup": autogroup(rank_pid)}
+    with open(report + ".tmp", "w") as f:
+        json.dump(info, f)
+    os.rename(report + ".tmp", report)
+    time.sleep(120)
+    os._exit(0)
+time.sleep(120)
+"""
+
+
+def _gone(pid: int) -> bool:
+    """The process no longer runs (it never existed, was reaped, or is a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def test_async_writer_runs_in_a_scheduling_group_of_its_own_and_dies_with_its_rank(tmp_path):
+    """The forked writer of an async save leaves its rank's session, so the kernel's autogroups
+    (one per session; torch's launcher starts each rank in its own) no longer give it the rank's
+    share of the cores: its own autogroup runs at WRITER_NICE. Out of the rank's process group,
+    it still dies when the rank is killed."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    report, info = tmp_path / "writer.json", {}
+    rank = subprocess.Popen([sys.executable, "-c", _RANK_AND_WRITER, str(report)], cwd=repo,
+                            env={**os.environ, "PYTHONPATH": repo}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not report.exists():
+            assert rank.poll() is None and time.monotonic() < deadline, "no writer report"
+            time.sleep(0.05)
+        info = json.loads(report.read_text())
+        assert info["sid"] == info["pid"] != info["rank_sid"] == rank.pid, info
+        if info["rank_autogroup"] is not None:  # kernels built with autogroups
+            assert info["autogroup"][0] != info["rank_autogroup"][0], info
+            assert info["autogroup"][1:] == ["nice", str(checkpoint.WRITER_NICE)], info
+        assert not _gone(info["pid"]), info
+        rank.send_signal(signal.SIGKILL)
+        rank.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while not _gone(info["pid"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(info["pid"]), "the writer outlived its rank"
+    finally:
+        if rank.poll() is None:
+            os.killpg(rank.pid, signal.SIGKILL)
+        if info and not _gone(info["pid"]):  # a writer that outlived its rank
+            os.kill(info["pid"], signal.SIGKILL)
