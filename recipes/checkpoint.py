@@ -342,7 +342,7 @@ class AsyncSaves:
     (:meth:`save_options`). From the second save of a structure the validation is skipped and
     each rank's local plan reused (the global plan is still gathered on rank 0); from the third
     the whole plan is reused. The stall then holds building the sharded state dict, the
-    structure check (three all-reduces), the layout record's gather, megatron's write
+    structure check (two all-reduces), the layout record's gather, megatron's write
     preparation and the fork of the writer.
 
     Every method is a collective: every rank calls it at the same point.
@@ -398,16 +398,26 @@ class AsyncSaves:
         if self._strategy is None:
             return
         local = bool(self._strategy.validated_cache_reuse)
-        everywhere, nowhere = _all_ranks(local), _all_ranks(not local)
-        if everywhere or nowhere:
+        some_reuse, some_plan = _any_rank(local, not local)
+        if not (some_reuse and some_plan):  # every rank reused its plan, or none did
             self._fingerprint = self._pending
         else:
             self._strategy = self._fingerprint = None
 
     def schedule(self, request) -> None:
-        """Start writing megatron's ``AsyncRequest`` (after the previous save is finalized)."""
+        """Start writing megatron's ``AsyncRequest`` (after the previous save is finalized): the
+        writer megatron forks leaves this rank's scheduling group in its first instruction after
+        the fork (:func:`_writer_fork_hook`)."""
+        global _FORK_HOOK_REGISTERED, _WRITER_PARENT
         self.wait()
-        self._queue.schedule_async_request(request)
+        if not _FORK_HOOK_REGISTERED:
+            os.register_at_fork(after_in_child=_writer_fork_hook)
+            _FORK_HOOK_REGISTERED = True
+        _WRITER_PARENT = os.getpid()
+        try:
+            self._queue.schedule_async_request(request)
+        finally:
+            _WRITER_PARENT = None
 
     def poll(self) -> None:
         """Finalize the save in flight if every rank's writer has finished (does not wait)."""
@@ -464,6 +474,20 @@ def structure_fingerprint(state: dict) -> str:
     return hashlib.sha256(repr(items).encode()).hexdigest()
 
 
+def _any_rank(*flags: bool) -> tuple[bool, ...]:
+    """For each flag, whether it is true on any rank (one collective for all of them: an
+    all-reduce MAX of one int32 per flag on the device the world group's backend needs; the
+    flags as they are without a process group)."""
+    if not torch.distributed.is_initialized():
+        return flags
+    from gtp.collectives import collective_device
+
+    values = torch.tensor([int(f) for f in flags], dtype=torch.int32,
+                          device=collective_device(None))
+    torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
+    return tuple(bool(v) for v in values.tolist())
+
+
 def _all_ranks(flag: bool) -> bool:
     """True on every rank when ``flag`` is true on every rank (a collective,
     :func:`any_rank_failed` of its negation; ``flag`` as is without a process group)."""
@@ -506,16 +530,33 @@ def _leave_rank_autogroup(rank_pid: int) -> None:
         os._exit(1)  # the rank died before the death signal was armed
 
 
+# The rank's pid while AsyncSaves.schedule forks megatron's writer; None otherwise.
+_WRITER_PARENT: int | None = None
+_FORK_HOOK_REGISTERED = False
+
+
+def _writer_fork_hook() -> None:
+    """``os.register_at_fork`` child hook: in the writer forked by :meth:`AsyncSaves.schedule`,
+    leave the rank's scheduling group at once (:func:`_leave_rank_autogroup`), before Python's
+    process start-up, which would otherwise run at the rank's weight while the rank returns to
+    training. Other forks, and any fork of the writer itself, are left alone."""
+    global _WRITER_PARENT
+    parent, _WRITER_PARENT = _WRITER_PARENT, None
+    if parent is not None:
+        _leave_rank_autogroup(parent)
+
+
 def _write_in_background(write_fn, iteration: int, rank: int, rank_pid: int, *args,
                          **kwargs) -> None:
     """The forked writer: the ``async_write`` fault point, then megatron's write in a scheduling
-    group of its own (:func:`_leave_rank_autogroup`) at nice :data:`WRITER_NICE` (megatron's
-    ``async_utils._set_process_qos``, as its persistent writer: raised to that value, never
-    lowered)."""
+    group of its own (:func:`_leave_rank_autogroup`, normally done by :func:`_writer_fork_hook`
+    already) at nice :data:`WRITER_NICE` (megatron's ``async_utils._set_process_qos``, as its
+    persistent writer: raised to that value, never lowered)."""
     from megatron.core.dist_checkpointing.strategies.async_utils import _set_process_qos
 
     faults.maybe_fail("async_write", iteration, rank)
-    _leave_rank_autogroup(rank_pid)
+    if os.getsid(0) != os.getpid():
+        _leave_rank_autogroup(rank_pid)
     _set_process_qos(WRITER_NICE, None)
     write_fn(*args, **kwargs)
 

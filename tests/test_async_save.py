@@ -150,28 +150,43 @@ def test_async_saves_reuse_their_plan_only_while_the_structure_is_the_same(tmp_p
             assert torch.equal(seen[-1][2]["extra"], torch.full((2,), 10.0 * (len(PLAN) - 1)))
 
 
-# A stand-in for a training rank: forks a writer that leaves the rank's scheduling group as an
-# async save's writer does, reports what it sees, then both sleep until killed.
+# A stand-in for a training rank: schedules an async save through AsyncSaves.schedule, whose
+# queue (megatron's, stubbed here) forks the writer; the writer reports what it sees before any
+# code of its own runs, then both sleep until killed.
 _RANK_AND_WRITER = r"""
 import json, os, sys, time
-from recipes.checkpoint import _leave_rank_autogroup
+from recipes.checkpoint import AsyncSaves
 
 report = sys.argv[1]
 rank_pid = os.getpid()
-if os.fork() == 0:
-    _leave_rank_autogroup(rank_pid)
-    def autogroup(pid):
-        try:
-            return open(f"/proc/{pid}/autogroup").read().split()
-        except OSError:
-            return None
-    info = {"pid": os.getpid(), "sid": os.getsid(0), "rank_sid": os.getsid(rank_pid),
-            "autogroup": autogroup(os.getpid()), "rank_autogroup": autogroup(rank_pid)}
-    with open(report + ".tmp", "w") as f:
-        json.dump(info, f)
-    os.rename(report + ".tmp", report)
-    time.sleep(120)
+
+def autogroup(pid):
+    try:
+        return open(f"/proc/{pid}/autogroup").read().split()
+    except OSError:
+        return None
+
+class ForkingQueue:  # megatron's AsyncCallsQueue forks its writer in schedule_async_request
+    def get_num_unfinalized_calls(self):
+        return 0
+    def schedule_async_request(self, request):
+        if os.fork() == 0:
+            info = {"pid": os.getpid(), "sid": os.getsid(0), "rank_sid": os.getsid(rank_pid),
+                    "autogroup": autogroup(os.getpid()), "rank_autogroup": autogroup(rank_pid)}
+            with open(report + ".tmp", "w") as f:
+                json.dump(info, f)
+            os.rename(report + ".tmp", report)
+            time.sleep(120)
+            os._exit(0)
+
+saves = AsyncSaves.__new__(AsyncSaves)
+saves._queue = ForkingQueue()
+saves.schedule(None)
+if os.fork() == 0:  # any other fork of the rank stays in the rank's session
+    with open(report + ".other", "w") as f:
+        f.write(str(os.getsid(0)))
     os._exit(0)
+os.wait()
 time.sleep(120)
 """
 
@@ -186,10 +201,11 @@ def _gone(pid: int) -> bool:
 
 
 def test_async_writer_runs_in_a_scheduling_group_of_its_own_and_dies_with_its_rank(tmp_path):
-    """The forked writer of an async save leaves its rank's session, so the kernel's autogroups
-    (one per session; torch's launcher starts each rank in its own) no longer give it the rank's
-    share of the cores: its own autogroup runs at WRITER_NICE. Out of the rank's process group,
-    it still dies when the rank is killed."""
+    """The writer forked in AsyncSaves.schedule leaves its rank's session as soon as it exists,
+    so the kernel's autogroups (one per session; torch's launcher starts each rank in its own)
+    no longer give it the rank's share of the cores: its own autogroup runs at WRITER_NICE.
+    Other forks of the rank stay in its session. Out of the rank's process group, the writer
+    still dies when the rank is killed."""
     import json
     import signal
     import subprocess
@@ -207,6 +223,10 @@ def test_async_writer_runs_in_a_scheduling_group_of_its_own_and_dies_with_its_ra
             time.sleep(0.05)
         info = json.loads(report.read_text())
         assert info["sid"] == info["pid"] != info["rank_sid"] == rank.pid, info
+        while not (tmp_path / "writer.json.other").exists():
+            assert rank.poll() is None and time.monotonic() < deadline, "no report of a fork"
+            time.sleep(0.05)
+        assert (tmp_path / "writer.json.other").read_text() == str(rank.pid)
         if info["rank_autogroup"] is not None:  # kernels built with autogroups
             assert info["autogroup"][0] != info["rank_autogroup"][0], info
             assert info["autogroup"][1:] == ["nice", str(checkpoint.WRITER_NICE)], info
