@@ -602,6 +602,15 @@ def configure(checkpoint_layout: str) -> None:
 # --------------------------------------------------------------------------------------------
 # Metadata
 # --------------------------------------------------------------------------------------------
+@functools.cache
+def _megatron_core_version() -> str:
+    """The installed megatron-core's version, looked up once (a package-metadata lookup costs
+    milliseconds, and every save records it)."""
+    from importlib.metadata import version
+
+    return version("megatron-core")
+
+
 def layout_metadata(model, model_sharded_state_dict=None) -> dict:
     """The ``gtp_layout`` record of a checkpoint written from ``model`` (format: module doc).
 
@@ -616,8 +625,6 @@ def layout_metadata(model, model_sharded_state_dict=None) -> dict:
         A plain dict of ints, strings, bools and lists, identical on every rank (the per-tensor
         records are merged over all ranks).
     """
-    from importlib.metadata import version
-
     from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.tensor_parallel.generalized_tensor_parallelism import is_gtp_param
@@ -680,6 +687,6 @@ def layout_metadata(model, model_sharded_state_dict=None) -> dict:
         "tp": tp,
         "gtp_remat_size": g,
         "pad_for_alignment": applied_pad_for_alignment() if g > 1 else 0,
-        "megatron_core": version("megatron-core"),
+        "megatron_core": _megatron_core_version(),
         "tensors": tensors,
     }
