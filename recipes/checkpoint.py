@@ -14,6 +14,7 @@ rank's RNG state.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import os
@@ -352,6 +353,9 @@ class AsyncSaves:
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
         self._queue = AsyncCallsQueue(persistent=False)
+        # A process that ends with a save in flight (an exception, Ctrl-C) kills its writer
+        # instead of joining it at exit: that save can never be finalized.
+        atexit.register(self.abort)
         self._strategy = None
         self._fingerprint: str | None = None  # of the last save that validated and returned
         self._pending: str | None = None
@@ -408,12 +412,14 @@ class AsyncSaves:
         """Start writing megatron's ``AsyncRequest`` (after the previous save is finalized): the
         writer megatron forks leaves this rank's scheduling group in its first instruction after
         the fork (:func:`_writer_fork_hook`)."""
+        import threading
+
         global _FORK_HOOK_REGISTERED, _WRITER_PARENT
         self.wait()
         if not _FORK_HOOK_REGISTERED:
             os.register_at_fork(after_in_child=_writer_fork_hook)
             _FORK_HOOK_REGISTERED = True
-        _WRITER_PARENT = os.getpid()
+        _WRITER_PARENT = (os.getpid(), threading.get_ident())
         try:
             self._queue.schedule_async_request(request)
         finally:
@@ -433,6 +439,14 @@ class AsyncSaves:
         """
         if self._queue.get_num_unfinalized_calls():
             self._queue.maybe_finalize_async_calls(blocking=True)
+
+    def abort(self) -> None:
+        """Kill the writer of a save still in flight (megatron's
+        ``TemporalAsyncCaller.close(abort=True)``); that save is never finalized: its staging
+        dir stays hidden and the tracker names the previous checkpoint. Not a collective."""
+        calls = getattr(self._queue, "async_calls", None) or []
+        while calls:
+            calls.popleft().async_caller.close(abort=True)
 
     @property
     def pending(self) -> int:
@@ -496,42 +510,79 @@ def _all_ranks(flag: bool) -> bool:
     return not any_rank_failed(not flag)
 
 
-def _leave_rank_autogroup(rank_pid: int) -> None:
+def _leave_rank_autogroup(rank_pid: int) -> bool:
     """Move the forked writer out of its rank's scheduling group, to one of its own at
-    :data:`WRITER_NICE`, and have it killed when its rank dies.
+    :data:`WRITER_NICE`, armed to be killed when its rank dies.
 
-    With the kernel's autogroups (``/proc/sys/kernel/sched_autogroup_enabled``) each session
-    shares the cores as one unit, and torch's elastic launcher starts every rank in a session of
-    its own: a writer forked into its rank's session is niced only against that rank, and
-    competes at full weight with every other rank (measured with 4 ranks on 2 cores: the barrier
-    after an async save waited 0.3-0.9 s for ranks that got no core; SCHED_IDLE did not help
-    either). ``setsid`` gives the writer a session, hence an autogroup, of its own, niced through
-    ``/proc/self/autogroup`` (raising a nice value needs no privilege). Outside the rank's
-    process group the launcher's ``killpg`` no longer reaches the writer, so it asks the kernel
-    for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), and exits at once if the rank
-    already died. Each step is skipped where the system does not offer it."""
+    With the kernel's autogroups (``/proc/sys/kernel/sched_autogroup_enabled``; they apply to
+    tasks in the root CPU cgroup) each session shares the cores as one unit, and torch's elastic
+    launcher starts every rank in a session of its own: a writer forked into its rank's session
+    is niced only against that rank and, while the rank waits, takes the rank's whole share
+    against the other ranks (measured with 4 ranks on 2 cores: the barrier after an async save
+    waited 0.3-0.9 s for ranks that got no core; SCHED_IDLE did not help either). ``setsid``
+    gives the writer a session, hence an autogroup, of its own, niced through
+    ``/proc/self/autogroup`` (:func:`_set_autogroup_nice`). Outside the rank's process group the
+    launcher's ``killpg`` no longer reaches the writer, so the kernel's death signal
+    (``PR_SET_PDEATHSIG``: SIGKILL when the rank dies) is armed first, and without it the
+    writer stays in the rank's session; it exits at once if the rank already died. In a CPU
+    cgroup the new session changes nothing and megatron's per-process nice does the work.
+
+    Returns:
+        Whether the writer now runs in a session of its own.
+    """
     import ctypes
     import signal
 
     try:
-        os.setsid()
-    except OSError:
-        return  # already a session leader: nothing to leave
-    try:
-        with open("/proc/self/autogroup", "w") as f:
-            f.write(str(WRITER_NICE))
-    except OSError:
-        pass
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+        armed = ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL)) == 0
+    except (OSError, AttributeError):  # no prctl (not Linux)
+        armed = False
+    if not armed:
+        return False
     if os.getppid() != rank_pid:
         os._exit(1)  # the rank died before the death signal was armed
+    try:
+        os.setsid()
+    except OSError:
+        return False  # a process-group leader cannot start a session
+    _set_autogroup_nice(WRITER_NICE)
+    return True
 
 
-# The rank's pid while AsyncSaves.schedule forks megatron's writer; None otherwise.
-_WRITER_PARENT: int | None = None
+def _set_autogroup_nice(nice: int, path: str = "/proc/self/autogroup",
+                        attempts: int = 30) -> bool:
+    """Set the nice value of this process's autogroup (raising it needs no privilege).
+
+    Without CAP_SYS_ADMIN the kernel accepts one autogroup nice change per 100 ms on the whole
+    machine and answers EAGAIN to the others, and every rank's writer starts at the same moment:
+    each retries after 0.10-0.15 s (jittered) until its value is read back.
+
+    Returns:
+        Whether ``path`` reads back ``nice`` (False where there are no autogroups).
+    """
+    import random
+    import time
+
+    for _ in range(attempts):
+        try:
+            with open(path, "w") as f:
+                f.write(str(nice))
+        except BlockingIOError:  # EAGAIN: another autogroup changed its nice in the last 100 ms
+            time.sleep(0.1 + 0.05 * random.random())
+            continue
+        except OSError:
+            return False
+        try:
+            with open(path) as f:
+                return f.read().split()[-1] == str(nice)
+        except (OSError, IndexError):
+            return False
+    return False
+
+
+# (rank pid, thread) while that thread of the rank, in AsyncSaves.schedule, forks megatron's
+# writer; None otherwise.
+_WRITER_PARENT: tuple[int, int] | None = None
 _FORK_HOOK_REGISTERED = False
 
 
@@ -539,11 +590,13 @@ def _writer_fork_hook() -> None:
     """``os.register_at_fork`` child hook: in the writer forked by :meth:`AsyncSaves.schedule`,
     leave the rank's scheduling group at once (:func:`_leave_rank_autogroup`), before Python's
     process start-up, which would otherwise run at the rank's weight while the rank returns to
-    training. Other forks, and any fork of the writer itself, are left alone."""
+    training. Forks by other threads, by other code and by the writer itself are left alone."""
+    import threading
+
     global _WRITER_PARENT
     parent, _WRITER_PARENT = _WRITER_PARENT, None
-    if parent is not None:
-        _leave_rank_autogroup(parent)
+    if parent is not None and parent[1] == threading.get_ident():
+        _leave_rank_autogroup(parent[0])
 
 
 def _write_in_background(write_fn, iteration: int, rank: int, rank_pid: int, *args,

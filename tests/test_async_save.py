@@ -242,3 +242,93 @@ def test_async_writer_runs_in_a_scheduling_group_of_its_own_and_dies_with_its_ra
             os.killpg(rank.pid, signal.SIGKILL)
         if info and not _gone(info["pid"]):  # a writer that outlived its rank
             os.kill(info["pid"], signal.SIGKILL)
+
+
+# One training process (a gloo world of 1) with a save in flight whose writer (megatron's own
+# fork, through AsyncSaves.schedule) takes a minute; then Ctrl-C.
+_INTERRUPTED_WHILE_WRITING = r"""
+import os, signal, sys, time
+import torch
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from mcore_compat import cpu as cpu_compat
+from recipes.checkpoint import AsyncSaves
+
+def slow_write(report):
+    with open(report, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(60)
+
+cpu_compat.install()
+torch.distributed.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0,
+                                     world_size=1)
+saves = AsyncSaves()
+saves.schedule(AsyncRequest(slow_write, (sys.argv[1],), []))
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.01)
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(60)
+"""
+
+
+def test_a_process_interrupted_during_an_async_write_kills_its_writer(tmp_path):
+    """Ctrl-C (SIGINT, which torch's launcher forwards to each rank's process group: no longer
+    the writer's) while an async save is being written: the process ends at once and its writer
+    with it, instead of joining the writer at exit (AsyncSaves.abort at exit)."""
+    import subprocess
+    import sys
+    import time
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    report = tmp_path / "writer.pid"
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", _INTERRUPTED_WHILE_WRITING, str(report),
+                           str(tmp_path / "init")], cwd=repo, env={**os.environ, "PYTHONPATH": repo},
+                          capture_output=True, text=True, timeout=120)
+    ended = time.monotonic() - t0
+    assert "KeyboardInterrupt" in proc.stderr, proc.stderr[-2000:]
+    writer = int(report.read_text())
+    deadline = time.monotonic() + 10
+    while not _gone(writer) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(writer), "the writer outlived the interrupted process"
+    assert ended < 45, f"the process took {ended:.0f} s to end (it joined its writer)"
+
+
+def test_autogroup_nice_is_retried_while_the_kernel_answers_eagain(monkeypatch):
+    """Without CAP_SYS_ADMIN the kernel takes one autogroup nice change per 100 ms on the
+    machine (EAGAIN for the others), and every rank's writer asks at once: the writer retries
+    until its value reads back; any other error, or another value read back, gives up."""
+    import io
+    import time
+
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    state = {"eagain": 2, "writes": 0, "nice": "0", "error": None}
+
+    class Autogroup(io.StringIO):
+        def __init__(self, mode):
+            super().__init__("" if "w" in mode else f"/autogroup-7 nice {state['nice']}\n")
+            self.mode_ = mode
+
+        def close(self):
+            if "w" in self.mode_ and not getattr(self, "written", False):
+                self.written = True  # once, whether the write raises or not
+                state["writes"] += 1
+                if state["error"] is not None:
+                    raise state["error"]
+                if state["eagain"]:
+                    state["eagain"] -= 1
+                    raise BlockingIOError(11, "Resource temporarily unavailable")
+                state["nice"] = self.getvalue()
+            super().close()
+
+    monkeypatch.setattr(checkpoint, "open", lambda path, mode="r": Autogroup(mode), raising=False)
+    assert checkpoint._set_autogroup_nice(10) is True
+    assert state == {"eagain": 0, "writes": 3, "nice": "10", "error": None}
+    state.update(eagain=100, writes=0)
+    assert checkpoint._set_autogroup_nice(10, attempts=5) is False and state["writes"] == 5
+    state.update(eagain=0, writes=0, error=PermissionError(1, "Operation not permitted"))
+    assert checkpoint._set_autogroup_nice(12) is False and state["writes"] == 1
+    state.update(error=None, nice="3")
+    monkeypatch.setattr(checkpoint, "open", lambda path, mode="r": Autogroup(mode)
+                        if "r" in mode else io.StringIO(), raising=False)
+    assert checkpoint._set_autogroup_nice(10) is False  # the value did not take
