@@ -180,6 +180,20 @@ def _peer_reduce_scatter(output: torch.Tensor, inp: torch.Tensor, group) -> _Pee
     return _PeerExchange(_exchange(group, {j: parts[j] for j in peers}, received), finish)
 
 
+def _dispatch(group, output: torch.Tensor, source: torch.Tensor, async_op: bool, peer, native):
+    """``(output, handle)`` of one GTP collective: ``peer(output, source, group)`` where the
+    group exchanges point to point (:func:`_uses_peer_exchange`), else the group's own
+    ``native(output, source, group=group, async_op=async_op)``. The handle is None when the
+    collective completed here (``async_op`` false)."""
+    if not _uses_peer_exchange(group):
+        return output, native(output, source, group=group, async_op=async_op)
+    handle = peer(output, source, group)
+    if async_op:
+        return output, handle
+    handle.wait()
+    return output, None
+
+
 def _gather_along_first_dim(
     inp, process_group, async_op=False, quantizer=None, output_tensor=None,
     external_coalescing=False,
@@ -205,17 +219,10 @@ def _gather_along_first_dim(
         )
     # detach: the shard is a Parameter; outside an autograd.Function (grad mode on) gloo's copy
     # into the output would otherwise be recorded by autograd and rejected.
-    shard = inp.detach().contiguous()
-    if _uses_peer_exchange(process_group):
-        handle = _peer_all_gather(output_tensor, shard, process_group)
-        if async_op:
-            return output_tensor, handle
-        handle.wait()
-        return output_tensor, None
-    handle = torch.distributed.all_gather_into_tensor(
-        output_tensor, shard, group=process_group, async_op=async_op
-    )
-    return output_tensor, handle
+    # detach: the shard is a Parameter; outside an autograd.Function (grad mode on) the copy
+    # into the output would otherwise be recorded by autograd and rejected.
+    return _dispatch(process_group, output_tensor, inp.detach().contiguous(), async_op,
+                     _peer_all_gather, torch.distributed.all_gather_into_tensor)
 
 
 def _reduce_scatter_along_first_dim(inp, tp_group, async_op=False, output=None):
@@ -236,17 +243,8 @@ def _reduce_scatter_along_first_dim(inp, tp_group, async_op=False, output=None):
         output = torch.empty(
             (inp.shape[0] // world, *inp.shape[1:]), dtype=inp.dtype, device=inp.device
         )
-    full = inp.detach().contiguous()
-    if _uses_peer_exchange(tp_group):
-        handle = _peer_reduce_scatter(output, full, tp_group)
-        if async_op:
-            return output, handle
-        handle.wait()
-        return output, None
-    handle = torch.distributed.reduce_scatter_tensor(
-        output, full, group=tp_group, async_op=async_op
-    )
-    return output, handle
+    return _dispatch(tp_group, output, inp.detach().contiguous(), async_op,
+                     _peer_reduce_scatter, torch.distributed.reduce_scatter_tensor)
 
 
 _dummy_wgrads: dict = {}
