@@ -217,8 +217,6 @@ def _gather_along_first_dim(
         output_tensor = torch.empty(
             (inp.shape[0] * world, *inp.shape[1:]), dtype=inp.dtype, device=inp.device
         )
-    # detach: the shard is a Parameter; outside an autograd.Function (grad mode on) gloo's copy
-    # into the output would otherwise be recorded by autograd and rejected.
     # detach: the shard is a Parameter; outside an autograd.Function (grad mode on) the copy
     # into the output would otherwise be recorded by autograd and rejected.
     return _dispatch(process_group, output_tensor, inp.detach().contiguous(), async_op,
@@ -316,9 +314,9 @@ def install() -> bool:
     ``get_dummy_wgrad``, ``in_fp8_activation_recompute_phase``, ``nvtx_range_push/pop`` and the
     TE quantized classes used in isinstance checks; wraps
     ``GTPShardedParam.all_gather_and_prefetch_bwd`` to return its gather buffer to megatron's
-    pool when the weight prefetch is off (:func:`_releasing_bwd_gather`); sets ``GTP_CONFIG.weight_prefetch`` and
-    ``GTP_CONFIG.async_reduction`` to False; sets ``gtp_api.HAVE_GTP = True`` (and refreshes the
-    modules that copied it at import).
+    pool when the weight prefetch is off (:func:`_releasing_bwd_gather`); sets
+    ``GTP_CONFIG.weight_prefetch`` and ``GTP_CONFIG.async_reduction`` to False; sets
+    ``gtp_api.HAVE_GTP = True`` (and refreshes the modules that copied it at import).
 
     Returns:
         True when the backend is active after the call; False when TransformerEngine is usable

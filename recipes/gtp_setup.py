@@ -51,9 +51,9 @@ def overlap_settings(gtp_cfg, pipeline_model_parallel_size: int, te_usable: bool
     TransformerEngine both are megatron's defaults (on). On the gloo backend (``gtp.backend``):
 
     * ``async_reduction`` (weight-gradient reduce-scatters travel while the backward goes on,
-      the exchange's async sends and receives): on by default without pipeline parallelism. Under pipeline
-      parallelism the collectives run in order: megatron's chains follow one model's layer
-      order and a pipeline schedule interleaves micro-batches and model chunks.
+      the exchange's async sends and receives): on by default without pipeline parallelism.
+      Under pipeline parallelism the collectives run in order: megatron's chains follow one
+      model's layer order and a pipeline schedule interleaves micro-batches and model chunks.
     * ``weight_prefetch`` (the next weight's all-gather issued while this layer computes): off,
       and refused when asked for. megatron orders the prefetch into its reused gather buffers
       with CUDA streams and events, which have no CPU counterpart here: with gloo's async

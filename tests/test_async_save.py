@@ -282,8 +282,9 @@ def test_a_process_interrupted_during_an_async_write_kills_its_writer(tmp_path):
     report = tmp_path / "writer.pid"
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", _INTERRUPTED_WHILE_WRITING, str(report),
-                           str(tmp_path / "init")], cwd=repo, env={**os.environ, "PYTHONPATH": repo},
-                          capture_output=True, text=True, timeout=120)
+                           str(tmp_path / "init")], cwd=repo,
+                          env={**os.environ, "PYTHONPATH": repo}, capture_output=True,
+                          text=True, timeout=120)
     ended = time.monotonic() - t0
     assert "KeyboardInterrupt" in proc.stderr, proc.stderr[-2000:]
     writer = int(report.read_text())
