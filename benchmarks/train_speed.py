@@ -235,14 +235,13 @@ MODES = {"overlapped": "overlapped", "in_order": "in order", "gloo": "gloo's col
 def summarize(model: str, g: int, results: list[dict], mode: str = "overlapped",
               memory: list[dict] | None = None) -> dict:
     ok = [r for r in results if "error" not in r]
-    overlap = mode != "in_order"
     if not ok:
-        return {"model": model, "g": g, "overlap": overlap, "mode": mode,
+        return {"model": model, "g": g, "mode": mode,
                 "error": results[0]["error"] if results else "no run"}
     step = statistics.median(_median_step(r) for r in ok)
     ranks = ok[0]["ranks"]
     return {
-        "model": model, "g": g, "overlap": overlap, "mode": mode, "layout": ok[0]["layout"],
+        "model": model, "g": g, "mode": mode, "layout": ok[0]["layout"],
         "runs": len(ok),
         "model_parameters": ranks[0].get("logical_param_numel"),
         "median_step_s": step, "tokens_per_sec": ok[0]["tokens_per_step"] / step,

@@ -489,17 +489,11 @@ def structure_fingerprint(state: dict) -> str:
 
 
 def _any_rank(*flags: bool) -> tuple[bool, ...]:
-    """For each flag, whether it is true on any rank (one collective for all of them: an
-    all-reduce MAX of one int32 per flag on the device the world group's backend needs; the
-    flags as they are without a process group)."""
+    """For each flag, whether it is true on any rank (one collective for all of them,
+    :func:`_max_over_ranks`; the flags as they are without a process group)."""
     if not torch.distributed.is_initialized():
         return flags
-    from gtp.collectives import collective_device
-
-    values = torch.tensor([int(f) for f in flags], dtype=torch.int32,
-                          device=collective_device(None))
-    torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
-    return tuple(bool(v) for v in values.tolist())
+    return _max_over_ranks(flags)
 
 
 def _all_ranks(flag: bool) -> bool:
@@ -599,17 +593,14 @@ def _writer_fork_hook() -> None:
         _leave_rank_autogroup(parent[0])
 
 
-def _write_in_background(write_fn, iteration: int, rank: int, rank_pid: int, *args,
-                         **kwargs) -> None:
-    """The forked writer: the ``async_write`` fault point, then megatron's write in a scheduling
-    group of its own (:func:`_leave_rank_autogroup`, normally done by :func:`_writer_fork_hook`
-    already) at nice :data:`WRITER_NICE` (megatron's ``async_utils._set_process_qos``, as its
-    persistent writer: raised to that value, never lowered)."""
+def _write_in_background(write_fn, iteration: int, rank: int, *args, **kwargs) -> None:
+    """The forked writer (already in a scheduling group of its own: :func:`_writer_fork_hook`):
+    the ``async_write`` fault point, then megatron's write at nice :data:`WRITER_NICE`
+    (megatron's ``async_utils._set_process_qos``, as its persistent writer: raised to that
+    value, never lowered)."""
     from megatron.core.dist_checkpointing.strategies.async_utils import _set_process_qos
 
     faults.maybe_fail("async_write", iteration, rank)
-    if os.getsid(0) != os.getpid():
-        _leave_rank_autogroup(rank_pid)
     _set_process_qos(WRITER_NICE, None)
     write_fn(*args, **kwargs)
 
@@ -711,7 +702,7 @@ def stage_save(root, iteration: int, model, optimizer, scheduler, common: dict,
     async_saves.agree_on_plan_reuse()
     if request.async_fn is not None:
         request = request._replace(async_fn=functools.partial(
-            _write_in_background, request.async_fn, iteration, rank, os.getpid()))
+            _write_in_background, request.async_fn, iteration, rank))
 
     def written() -> None:
         faults.maybe_fail("save", iteration, rank)
@@ -1019,11 +1010,18 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
 def any_rank_failed(failed: bool, group=None) -> bool:
     """True on every rank when ``failed`` is true on any rank of ``group`` (a collective; its
     flag lives on the device the group's backend needs)."""
+    return _max_over_ranks((failed,), group)[0]
+
+
+def _max_over_ranks(flags, group=None) -> tuple[bool, ...]:
+    """Each flag OR-ed over the ranks of ``group``: one all-reduce MAX of one int32 per flag,
+    on the device the group's backend needs."""
     from gtp.collectives import collective_device
 
-    flag = torch.tensor([1 if failed else 0], dtype=torch.int32, device=collective_device(group))
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
-    return bool(flag.item())
+    values = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32,
+                          device=collective_device(group))
+    torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX, group=group)
+    return tuple(bool(v) for v in values.tolist())
 
 
 def _stored_shapes(path) -> dict:
