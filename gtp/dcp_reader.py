@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import io
 import math
 import os
@@ -171,6 +172,7 @@ def read_record(stream, offset: int, length: int) -> TensorRecord:
         raise ValueError(f"not a plain torch.save tensor record: {exc}") from None
 
 
+@functools.lru_cache(maxsize=1024)  # tensors of one shape and dtype: the same data.pkl
 def _parse_pkl(data: bytes):
     rebuilt = _RecordUnpickler(io.BytesIO(data)).load()
     if not isinstance(rebuilt, tuple) or len(rebuilt) != 4:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from gtp.records import TRACKER, saved_layout, stored_layout
+from gtp.safe_metadata import reused as _metadata_reused
 from recipes import faults, vocab
 
 
@@ -910,6 +911,7 @@ def load_common(root, iteration: int | None = None) -> tuple[Path, dict]:
 
 
 @_gc_paused
+@_metadata_reused()  # one unpickling of .metadata for the whole load
 def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
                     iteration: int | None = None) -> dict:
     """Load a checkpoint of ``root`` (the tracker's, or ``iteration``) into ``model``,

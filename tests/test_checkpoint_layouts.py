@@ -878,10 +878,24 @@ def _bad_input_worker(root: str, good: str, cfgs: dict) -> dict:
         except CheckpointError as exc:
             error = str(exc)
         out[case] = {"error": error, "changed": _untouched(model, opt)}
-    # And the good one still loads (the failures left nothing behind).
+    # And the good one still loads (the failures left nothing behind), unpickling its
+    # .metadata once for the whole load (gtp.safe_metadata.reused).
+    from gtp import safe_metadata
+
     _fill_sentinel(model, opt)
-    checkpoint.load_checkpoint(Path(good), model, opt, sched, record)
+    unpickle, count = safe_metadata._RestrictedUnpickler.load, [0]
+
+    def counted(self):
+        count[0] += 1
+        return unpickle(self)
+
+    safe_metadata._RestrictedUnpickler.load = counted
+    try:
+        checkpoint.load_checkpoint(Path(good), model, opt, sched, record)
+    finally:
+        safe_metadata._RestrictedUnpickler.load = unpickle
     out["good"] = _check(model, opt, cfg)
+    out["metadata_unpicklings"] = count[0]
 
     # Another padded vocabulary size: 258 rows (tp1, make_vocab_size_divisible_by=3, no GTP)
     # and 384 rows (g2/a16, 128) into 320-row models with and without GTP. The saved padding
@@ -995,6 +1009,11 @@ def test_good_checkpoint_loads_after_the_failures(bad_inputs):
     for rank, r in enumerate(results):
         n, problems = r["good"]
         assert n > 50 and not problems, (rank, problems[:5])
+
+
+def test_a_load_unpickles_the_metadata_once(bad_inputs):
+    _, results = bad_inputs
+    assert [r["metadata_unpicklings"] for r in results] == [1] * len(results)
 
 
 # --------------------------------------------------------------------------------------------
