@@ -36,9 +36,10 @@ checkpoint holds the Adam moments:
    synchronous saves, a logical save through ``recipes.checkpoint.AsyncSaves``. What it costs
    training, the figure the target is judged on: ``TRAIN_STEPS`` training steps right after
    the save (an async save's write goes on during them; the time includes waiting for it to be
-   finalized) minus the same steps without a save, over the synchronous save's time; the
-   three (steps alone, async save then steps, sync save then steps) are measured in turn in
-   each repeat, each as one measurement with its parts marked inside. The forked writer shares the training
+   finalized) minus the same steps without a save, over the same figure of a synchronous
+   save; the three (steps alone, async save then steps, sync save then steps) are measured in
+   turn in each repeat, each as one measurement with its parts marked inside, and timed from
+   the last rank's start to the last rank's end. The forked writer shares the training
    process's memory copy-on-write: every page training writes while the writer runs is copied
    first, and the writer takes CPU time from the ranks; both land in those steps. Also shown:
    the stall, barrier to barrier around ``save_checkpoint`` (the time until the call returned
@@ -112,8 +113,8 @@ TARGET_LOAD_RATIO = 1.15
 TARGET_THROUGHPUT_FRACTION = 0.5
 # training time lost to an asynchronous save (checkpoint.async_save) / the synchronous save's time
 TARGET_ASYNC_LOST_RATIO = 0.2
-# Training steps run after each save of [4]'s cost measurement (gpt125m: longer than an async
-# save's write).
+# Training steps run after each save of [4]'s cost measurement (gpt125m: about 5 s, which
+# outlasts an async save's write of about 1 s).
 TRAIN_STEPS = 2
 
 
@@ -156,7 +157,10 @@ def _measure(fn) -> dict:
     seconds = time.perf_counter() - t0
     sampler.stop()
     io1 = _io_counters()
-    out = {"s": seconds, "call_s": call, "cpu_s": cpu, "rss_base": sampler.base, "rss_peak": sampler.peak}
+    # t_start / t_end: this rank's perf_counter (CLOCK_MONOTONIC, one clock for every process of
+    # the machine) when fn started and returned, for spans from the last rank's start.
+    out = {"s": seconds, "call_s": call, "cpu_s": cpu, "rss_base": sampler.base,
+           "rss_peak": sampler.peak, "t_start": t0, "t_end": t0 + call}
     for key in ("rchar", "wchar", "read_bytes", "write_bytes"):
         if key in io0 and key in io1:
             out[key] = io1[key] - io0[key]
@@ -338,7 +342,7 @@ def _worker(cfg_path: str, out_path: str) -> None:
                     for part, fn in parts:
                         t0 = time.perf_counter()
                         fn()
-                        marks[part] = time.perf_counter() - t0
+                        marks[part] = (t0, time.perf_counter())
 
                 saves[f"train_{key}"].append({**_measure(run_parts), "parts": marks})
                 if key != "plain":
@@ -496,30 +500,42 @@ def _verdict(value: float, limit: float, at_most: bool = True) -> str:
     return ("<= " if at_most else ">= ") + f"{limit:g}: " + ("met" if ok else "MISSED")
 
 
-def _training_cost(ranks: list[dict]) -> dict:
-    """What a save costs training, per repeat (the slowest rank's figures), then medians.
+def _span(marks: list[tuple[float, float]]) -> float:
+    """A collective's span over its ranks' ``(start, end)`` clock marks: from the last rank's
+    start (the ranks leave a barrier up to 0.3 s apart on a loaded machine; a rank that left
+    early only waits inside) to the last rank's end."""
+    return max(e for _, e in marks) - max(t for t, _ in marks)
 
-    ``lost``: the steps with the save (async: its stall, the steps during its write and the
-    wait for it) minus the same steps with no save, measured next to each other;
-    ``steps_slower``: the steps' own part of it; ``ratio``: an async save's ``lost`` over the
-    synchronous save's time in the same repeat (the target's figure).
+
+def _training_cost(ranks: list[dict]) -> dict:
+    """What a save costs training, per repeat, then medians over repeats.
+
+    ``lost_s``: the span of the save and the steps after it (async: and the wait for its write)
+    minus the span of the same steps with no save, measured next to each other;
+    ``steps_slower_s``: the steps' own part of it; ``ratio_over_sync_lost``: the async save's
+    ``lost_s`` over the sync save's (both hold the steps' noise; None where the sync figure is
+    not positive); ``ratio_over_sync_save``: over the sync save's own span.
     """
     reps = {k: _per_rep(ranks, "saves", f"train_{k}") for k in ("plain", "async", "sync")}
 
+    def whole(rep):
+        return _span([(m["t_start"], m["t_end"]) for m in rep])
+
     def part(rep, name):
-        return max(m["parts"][name] for m in rep)
+        return _span([tuple(m["parts"][name]) for m in rep])
 
     out: dict = {"train_steps": ranks[0].get("train_steps"), "lost_s": {}, "steps_slower_s": {}}
     for k in ("async", "sync"):
         pairs = list(zip(reps[k], reps["plain"]))
-        out["lost_s"][k] = statistics.median(
-            max(m["s"] for m in a) - max(m["s"] for m in p) for a, p in pairs)
+        out["lost_s"][k] = statistics.median(whole(a) - whole(p) for a, p in pairs)
         out["steps_slower_s"][k] = statistics.median(
             part(a, "steps") - part(p, "steps") for a, p in pairs)
     out["sync_save_s"] = statistics.median(part(r, "save") for r in reps["sync"])
-    out["training_lost_ratio_async_over_sync"] = statistics.median(
-        (max(m["s"] for m in a) - max(m["s"] for m in p)) / part(sy, "save")
-        for a, p, sy in zip(reps["async"], reps["plain"], reps["sync"]))
+    out["async_parts_s"] = {name: statistics.median(part(r, name) for r in reps["async"])
+                            for name in ("save", "wait")}
+    lost = out["lost_s"]
+    out["ratio_over_sync_lost"] = lost["async"] / lost["sync"] if lost["sync"] > 0 else None
+    out["ratio_over_sync_save"] = lost["async"] / out["sync_save_s"]
     return out
 
 
@@ -694,23 +710,27 @@ def format_tables(summary: dict, head: dict) -> str:
     parts.append("")
     steps = next(iter(saves.values()))["async_save"]["train_steps"]
     parts.append(f"[4] asynchronous save (checkpoint.async_save=true), {reps} repeats interleaved "
-                 f"with [1]. Training time lost to a save: {steps} training steps right after "
-                 f"it (for an async save its write goes on during them; then the wait for its "
-                 f"write to be finalized), minus the same steps with no save, per repeat; the "
-                 f"target is judged on the async save's over the sync save's time in the same "
-                 f"repeat. Steps slower: the steps' own part. Stall: barrier to barrier around "
-                 f"save_checkpoint (the time until it returned on the slowest rank: beside it); "
-                 f"the first async save of a run (it plans and validates; later saves reuse its "
-                 f"plan) is timed apart; write+finalize: the wait after an async save with no "
-                 f"training")
+                 f"with [1]. Training time lost to a save: the save and {steps} training steps "
+                 f"right after it (for an async save its write goes on during them; then the "
+                 f"wait for its write to be finalized), minus the same steps with no save, per "
+                 f"repeat, each timed from the last rank's start to the last rank's end; the "
+                 f"target is judged on the async figure over the sync one (both hold the steps' "
+                 f"noise; over the sync save's own time: beside it). Steps slower: the steps' "
+                 f"own part. Stall: barrier to barrier around save_checkpoint (until it "
+                 f"returned on the slowest rank: beside it); the first async save of a run (it "
+                 f"plans and validates; later saves reuse its plan) is timed apart; "
+                 f"write+finalize: the wait after an async save with no training")
     rows = []
     for name, x in saves.items():
         a = x["async_save"]
         st, lost, slower = a["async_stall"], a["lost_s"], a["steps_slower_s"]
-        ratio = a["training_lost_ratio_async_over_sync"]
+        ratio = a["ratio_over_sync_lost"]
         rows.append([x["label"], f"{a['sync_save_s']:.2f}",
-                     f"{lost['sync']:.2f} / {lost['async']:.2f}", f"{ratio:.2f}",
-                     _verdict(ratio, TARGET_ASYNC_LOST_RATIO),
+                     f"{lost['sync']:.2f} / {lost['async']:.2f}",
+                     "n/a" if ratio is None else f"{ratio:.2f}",
+                     "n/a: no sync cost above the noise" if ratio is None
+                     else _verdict(ratio, TARGET_ASYNC_LOST_RATIO),
+                     f"{a['ratio_over_sync_save']:.2f}",
                      f"{a['train_plain']['median_s']:.2f}",
                      f"{slower['sync']:+.2f} / {slower['async']:+.2f}",
                      f"{st['median_s']:.3f} ({a['stall_ratio_over_sync_logical']:.2f}x)",
@@ -718,9 +738,10 @@ def format_tables(summary: dict, head: dict) -> str:
                      f"{a['async_first_stall']['median_s']:.3f}",
                      f"{a['async_rest']['median_s']:.2f}"])
     parts.append(table(["saved at", "sync save s", "training lost s: sync / async",
-                        "async / sync save", "target", f"{steps} steps s, no save",
-                        "steps slower s: sync / async", "async stall s (of sync save)",
-                        "until returned s", "first async save s", "write+finalize s"], rows))
+                        "async / sync lost", "target", "async lost / sync save",
+                        f"{steps} steps s, no save", "steps slower s: sync / async",
+                        "async stall s (of sync save)", "until returned s",
+                        "first async save s", "write+finalize s"], rows))
 
     t = main["throughput"]
     parts.append("")
