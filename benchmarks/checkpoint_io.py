@@ -531,8 +531,6 @@ def _training_cost(ranks: list[dict]) -> dict:
         out["steps_slower_s"][k] = statistics.median(
             part(a, "steps") - part(p, "steps") for a, p in pairs)
     out["sync_save_s"] = statistics.median(part(r, "save") for r in reps["sync"])
-    out["async_parts_s"] = {name: statistics.median(part(r, name) for r in reps["async"])
-                            for name in ("save", "wait")}
     lost = out["lost_s"]
     out["ratio_over_sync_lost"] = lost["async"] / lost["sync"] if lost["sync"] > 0 else None
     out["ratio_over_sync_save"] = lost["async"] / out["sync_save_s"]
