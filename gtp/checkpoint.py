@@ -112,6 +112,7 @@ from gtp.records import (  # noqa: F401 - the record names, also read as gtp.che
     GTP_FORMAT_STOCK,
     METADATA_KEY,
 )
+from gtp.records import megatron_core_version
 
 logger = logging.getLogger(__name__)
 
@@ -602,15 +603,6 @@ def configure(checkpoint_layout: str) -> None:
 # --------------------------------------------------------------------------------------------
 # Metadata
 # --------------------------------------------------------------------------------------------
-@functools.cache
-def _megatron_core_version() -> str:
-    """The installed megatron-core's version, looked up once (a package-metadata lookup costs
-    milliseconds, and every save records it)."""
-    from importlib.metadata import version
-
-    return version("megatron-core")
-
-
 def layout_metadata(model, model_sharded_state_dict=None) -> dict:
     """The ``gtp_layout`` record of a checkpoint written from ``model`` (format: module doc).
 
@@ -687,6 +679,6 @@ def layout_metadata(model, model_sharded_state_dict=None) -> dict:
         "tp": tp,
         "gtp_remat_size": g,
         "pad_for_alignment": applied_pad_for_alignment() if g > 1 else 0,
-        "megatron_core": _megatron_core_version(),
+        "megatron_core": megatron_core_version(),
         "tensors": tensors,
     }

@@ -7,9 +7,12 @@
 * :data:`LAYOUT_KEY` - the common-state key of the run's process layout (tensor, pipeline, GTP
   and data parallel sizes, optimizer); ``pad_for_alignment`` is not in it but in the
   ``gtp_layout`` record, its one owner. :func:`saved_layout` joins the two.
+* :func:`megatron_core_version` - the megatron-core version both records hold.
 
 ``docs/checkpoint-format.md`` describes the records.
 """
+
+import functools
 
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA_KEY = "gtp_layout"
@@ -45,3 +48,13 @@ def stored_layout(layout: dict) -> dict:
     """What :data:`LAYOUT_KEY` stores of a run's layout dict: all of it but ``pad_for_alignment``
     (stored once, in the :data:`METADATA_KEY` record)."""
     return {k: v for k, v in layout.items() if k != PAD_KEY}
+
+
+@functools.cache
+def megatron_core_version() -> str:
+    """The installed megatron-core's version, as its package metadata gives it (looked up once:
+    a lookup costs milliseconds, and every save records it). Not ``package_info.__version__``,
+    which appends the git hash of the *current* directory."""
+    from importlib.metadata import version
+
+    return version("megatron-core")

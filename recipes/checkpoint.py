@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from gtp.records import TRACKER, saved_layout, stored_layout
+from gtp.records import TRACKER, megatron_core_version, saved_layout, stored_layout
 from gtp.safe_metadata import reused as _metadata_reused
 from recipes import faults, vocab
 
@@ -498,11 +498,9 @@ def _any_rank(*flags: bool) -> tuple[bool, ...]:
 
 
 def _all_ranks(flag: bool) -> bool:
-    """True on every rank when ``flag`` is true on every rank (a collective,
-    :func:`any_rank_failed` of its negation; ``flag`` as is without a process group)."""
-    if not torch.distributed.is_initialized():
-        return flag
-    return not any_rank_failed(not flag)
+    """True on every rank when ``flag`` is true on every rank (a collective, :func:`_any_rank`
+    of its negation; ``flag`` as is without a process group)."""
+    return not _any_rank(not flag)[0]
 
 
 def _leave_rank_autogroup(rank_pid: int) -> bool:
@@ -1087,7 +1085,4 @@ def layout_record(layout) -> dict:
     the ``gtp_layout`` record owns that fact) and :func:`gtp.records.saved_layout` reads it
     back in this form.
     """
-    from importlib.metadata import version
-
-    # megatron's package_info.__version__ appends the git hash of the *current* directory.
-    return {**dataclasses.asdict(layout), "megatron_core": version("megatron-core")}
+    return {**dataclasses.asdict(layout), "megatron_core": megatron_core_version()}

@@ -10,6 +10,7 @@ from typing import Mapping, Optional
 from gtp.legacy.format import FORMAT_LOGICAL, METADATA_KEY, TRACKER, LegacyCheckpointError
 from gtp.legacy.reading import ensure_dist, read_logical
 from gtp.legacy.specs import Analysis, SavedLayout, get_path
+from gtp.records import megatron_core_version
 
 # Common-state key of a converted checkpoint: where it came from.
 CONVERTED_KEY = "gtp_converted_from"
@@ -24,7 +25,6 @@ def fingerprint(path: Path) -> dict:
 
 def _converted_common(analysis: Analysis) -> dict:
     import copy
-    from importlib.metadata import version
 
     common = copy.deepcopy(analysis.common)
     lay = analysis.layout or SavedLayout(
@@ -40,7 +40,7 @@ def _converted_common(analysis: Analysis) -> dict:
         common["layout"] = new
     common[METADATA_KEY] = {
         "gtp_format": FORMAT_LOGICAL, "tp": lay.tp, "gtp_remat_size": 1, "pad_for_alignment": 0,
-        "megatron_core": version("megatron-core"), "tensors": {},
+        "megatron_core": megatron_core_version(), "tensors": {},
     }
     common[CONVERTED_KEY] = {
         "converted_by": f"gtp.legacy v{CONVERTER_VERSION}",
