@@ -70,6 +70,7 @@ import gc
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import sys
@@ -142,24 +143,33 @@ def _io_counters() -> dict:
         return {}
 
 
+def _children_cpu() -> float:
+    """CPU seconds (user + system) of this process's children that have ended and been waited
+    for (an async save's forked writer counts once the wait for it reaped it)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _measure(fn) -> dict:
     """Run the collective ``fn`` between barriers; this rank's seconds (barrier to barrier, and
-    ``call_s``: until ``fn`` returned on this rank; ``cpu_s``: this process's CPU time in it),
-    RSS and I/O bytes."""
+    ``call_s``: until ``fn`` returned on this rank; ``cpu_s``: this process's CPU time in it;
+    ``children_cpu_s``: that of its children reaped in it), RSS and I/O bytes."""
     gc.collect()
     _barrier()
     io0 = _io_counters()
     sampler = PeakRSS().start()
-    t0, cpu0 = time.perf_counter(), time.process_time()
+    t0, cpu0, children0 = time.perf_counter(), time.process_time(), _children_cpu()
     fn()
     call, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    children = _children_cpu() - children0
     _barrier()
     seconds = time.perf_counter() - t0
     sampler.stop()
     io1 = _io_counters()
     # t_start / t_end: this rank's perf_counter (CLOCK_MONOTONIC, one clock for every process of
     # the machine) when fn started and returned, for spans from the last rank's start.
-    out = {"s": seconds, "call_s": call, "cpu_s": cpu, "rss_base": sampler.base,
+    out = {"s": seconds, "call_s": call, "cpu_s": cpu, "children_cpu_s": children,
+           "rss_base": sampler.base,
            "rss_peak": sampler.peak, "t_start": t0, "t_end": t0 + call}
     for key in ("rchar", "wchar", "read_bytes", "write_bytes"):
         if key in io0 and key in io1:
@@ -254,6 +264,7 @@ def _worker(cfg_path: str, out_path: str) -> None:
     common = {"consumed_samples": cfg.data.global_batch_size, "wandb_run_id": None}
     root = Path(bench.files)
     mine: dict = {"rank": rank, "setup_and_step_s": setup_s,
+                  "cores": len(os.sched_getaffinity(0)),
                   "local_param_numel": sum(p.numel() for p in model.parameters())}
     shared: dict = {"layout": layout.describe()}
 
@@ -515,6 +526,12 @@ def _training_cost(ranks: list[dict]) -> dict:
     ``steps_slower_s``: the steps' own part of it; ``ratio_over_sync_lost``: the async save's
     ``lost_s`` over the sync save's (both hold the steps' noise; None where the sync figure is
     not positive); ``ratio_over_sync_save``: over the sync save's own span.
+
+    ``writer_cpu_s``: per rank, the median CPU seconds of the async save's forked writer (its
+    rank's children reaped by the wait); ``sync_save_cpu_s``: per rank, those of a sync save
+    (the rank's own and its children's); ``writers_cpu_over_cores_s``: the writers' median CPU
+    summed over ranks and divided by the cores the ranks run on: the training time the writers
+    take when training keeps every core busy.
     """
     reps = {k: _per_rep(ranks, "saves", f"train_{k}") for k in ("plain", "async", "sync")}
 
@@ -531,6 +548,15 @@ def _training_cost(ranks: list[dict]) -> dict:
         out["steps_slower_s"][k] = statistics.median(
             part(a, "steps") - part(p, "steps") for a, p in pairs)
     out["sync_save_s"] = statistics.median(part(r, "save") for r in reps["sync"])
+    n_ranks = len(ranks)
+    out["writer_cpu_s"] = [statistics.median(rep[i]["children_cpu_s"] for rep in reps["async"])
+                           for i in range(n_ranks)]
+    sync_saves = _per_rep(ranks, "saves", "logical")
+    out["sync_save_cpu_s"] = [
+        statistics.median(rep[i]["cpu_s"] + rep[i]["children_cpu_s"] for rep in sync_saves)
+        for i in range(n_ranks)]
+    out["cores"] = ranks[0]["cores"]
+    out["writers_cpu_over_cores_s"] = sum(out["writer_cpu_s"]) / out["cores"]
     lost = out["lost_s"]
     out["ratio_over_sync_lost"] = lost["async"] / lost["sync"] if lost["sync"] > 0 else None
     out["ratio_over_sync_save"] = lost["async"] / out["sync_save_s"]
@@ -734,12 +760,24 @@ def format_tables(summary: dict, head: dict) -> str:
                      f"{st['median_s']:.3f} ({a['stall_ratio_over_sync_logical']:.2f}x)",
                      f"{st['call_median_s']:.3f}",
                      f"{a['async_first_stall']['median_s']:.3f}",
-                     f"{a['async_rest']['median_s']:.2f}"])
+                     f"{a['async_rest']['median_s']:.2f}",
+                     f"{statistics.median(a['sync_save_cpu_s']):.2f} / "
+                     f"{statistics.median(a['writer_cpu_s']):.2f}",
+                     f"{a['writers_cpu_over_cores_s']:.2f}"])
+    cores = max(x["async_save"]["cores"] for x in saves.values())
     parts.append(table(["saved at", "sync save s", "training lost s: sync / async",
                         "async / sync lost", "target", "async lost / sync save",
                         f"{steps} steps s, no save", "steps slower s: sync / async",
                         "async stall s (of sync save)", "until returned s",
-                        "first async save s", "write+finalize s"], rows))
+                        "first async save s", "write+finalize s",
+                        "CPU s per rank: sync save / async writer",
+                        f"writers' CPU over {cores} cores s"], rows))
+    parts.append(f"CPU: user + system seconds, median over repeats, then over ranks; a sync "
+                 f"save's are its rank's own and its children's, an async save's writer's are "
+                 f"its rank's reaped children's. Over the cores: the writers' CPU summed over "
+                 f"ranks and divided by the {cores} cores the ranks run on, the training time "
+                 f"the writers take when training keeps every core busy (here "
+                 f"{len(main['async_save']['writer_cpu_s'])} ranks on {cores} cores)")
 
     t = main["throughput"]
     parts.append("")

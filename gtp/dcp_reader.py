@@ -55,6 +55,11 @@ _END_SIGNATURE = b"PK\x05\x06"
 _HEAD_BYTES = 4096  # a record's first (last) bytes: data.pkl and byteorder (its directory)
 
 
+class DataFileError(ValueError):
+    """A DCP data file that cannot be read as its metadata says (torn, truncated or corrupted):
+    the message names the file, and the item where one is known."""
+
+
 class _Unsupported(Exception):
     """The record is not one plain tensor this reader handles; torch's reader takes it."""
 
@@ -348,7 +353,9 @@ def read_data(reader, plan, planner, stock):
         A completed ``torch.futures.Future`` (torch's contract).
 
     Raises:
-        EOFError: a data file ends inside a tensor it should hold.
+        DataFileError: a data file ends inside a tensor it should hold, or cannot be read or
+            unpickled (from torch's reader too): names the file, and the item read from it
+            where known.
         AssertionError: the target's shape differs from the request's (as torch's reader).
     """
     from torch.distributed.checkpoint.planner import LoadItemType
@@ -364,8 +371,8 @@ def read_data(reader, plan, planner, stock):
             per_file.setdefault(info.relative_path, []).append(item)
     for relative_path, items in per_file.items():
         records: dict[tuple[int, int], Optional[TensorRecord]] = {}
-        with reader.fs.create_stream(reader.fs.concat_path(reader.path, relative_path),
-                                     "rb") as stream:
+        path = reader.fs.concat_path(reader.path, relative_path)
+        with reader.fs.create_stream(path, "rb") as stream:
             for item in sorted(items, key=lambda i: reader.storage_data[i.storage_index].offset):
                 info = reader.storage_data[item.storage_index]
                 key = (info.offset, info.length)
@@ -384,15 +391,42 @@ def read_data(reader, plan, planner, stock):
                     raise AssertionError(  # torch's reader raises the same
                         f"req {item.storage_index} mismatch sizes {target.size()} vs "
                         f"{torch.Size(item.lengths)}")
-                _read_run(stream, record, *run, target, scratch)
+                try:
+                    _read_run(stream, record, *run, target, scratch)
+                except (EOFError, OSError) as exc:
+                    raise DataFileError(
+                        f"{path}: {exc} ({_describe(item)}, bytes {info.offset} to "
+                        f"{info.offset + info.length} of the file)") from exc
                 planner.commit_tensor(item, target)
-    if rest:
-        return stock(reader, dataclasses.replace(plan, items=rest), planner)
+    # torch's reader, one data file at a time, so that an error names its file.
+    by_file: dict[str, list[Any]] = {}
+    for item in rest:
+        by_file.setdefault(reader.storage_data[item.storage_index].relative_path, []).append(item)
+    for relative_path, items in by_file.items():
+        try:
+            stock(reader, dataclasses.replace(plan, items=items), planner).wait()
+        except AssertionError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - named and re-raised
+            path = reader.fs.concat_path(reader.path, relative_path)
+            raise DataFileError(
+                f"{path}: {type(exc).__name__}: {exc} (reading {len(items)} item(s) of it "
+                f"with torch's reader, first {_describe(items[0])})") from exc
     from torch.futures import Future
 
     done: Future = Future()
     done.set_result(None)
     return done
+
+
+def _describe(item) -> str:
+    """A read item's key and, for a tensor, where its stored chunk starts in the tensor."""
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    index = item.storage_index
+    if item.type == LoadItemType.BYTE_IO:
+        return f"object {index.fqn!r}"
+    return f"tensor {index.fqn!r}, the chunk at {tuple(index.offset or ())}"
 
 
 _ENABLED = True

@@ -14,6 +14,7 @@ import copy
 import io
 import os
 import pickle
+import threading
 from pathlib import Path
 
 import torch
@@ -63,8 +64,9 @@ class _RestrictedUnpickler(pickle.Unpickler):
             f"refusing to load it (a crafted or foreign file)")
 
 
-# Within reused(): (device, inode, size, mtime) of a .metadata file -> its unpickled Metadata.
-_REUSE: dict | None = None
+# Per thread, within reused(): ``_THREAD.cache`` maps (device, inode, size, mtime) of a
+# .metadata file to its unpickled Metadata (None outside any block).
+_THREAD = threading.local()
 
 
 @contextlib.contextmanager
@@ -78,34 +80,35 @@ def reused():
     and unpickling it costs about 5 ms per 1000 stored chunks. Each copy has its own top-level
     dicts and ``storage_meta`` (DCP sets ``storage_meta.load_id`` per reader); the per-tensor
     entries are shared, as a single read's are between its users. Nested blocks share the
-    outer cache; it is dropped when the outermost block exits.
+    outer cache; it is dropped when the outermost block exits. The cache is the calling
+    thread's: reads in other threads, and their blocks, neither use nor end it.
     """
-    global _REUSE
-    outermost = _REUSE is None
+    outermost = getattr(_THREAD, "cache", None) is None
     if outermost:
-        _REUSE = {}
+        _THREAD.cache = {}
     try:
         yield
     finally:
         if outermost:
-            _REUSE = None
+            _THREAD.cache = None
 
 
 def _load(source: Path):
     """``source`` unpickled by the restricted unpickler (through the :func:`reused` cache)."""
+    cache = getattr(_THREAD, "cache", None)
     with open(source, "rb") as f:
         st = os.fstat(f.fileno())
         key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        if _REUSE is not None and key in _REUSE:
-            return _copy(_REUSE[key])
+        if cache is not None and key in cache:
+            return _copy(cache[key])
         metadata = _RestrictedUnpickler(io.BytesIO(f.read()), source).load()
     if getattr(metadata, "storage_meta", None) is None:
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         metadata.storage_meta = StorageMeta()
-    if _REUSE is None:
+    if cache is None:
         return metadata
-    _REUSE[key] = metadata
+    cache[key] = metadata
     return _copy(metadata)
 
 

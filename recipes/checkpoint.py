@@ -27,6 +27,7 @@ import torch
 from gtp.records import TRACKER, megatron_core_version, saved_layout, stored_layout
 from gtp.safe_metadata import reused as _metadata_reused
 from recipes import faults, vocab
+from recipes.lifetime import die_with_parent
 
 
 class CheckpointError(RuntimeError):
@@ -49,6 +50,13 @@ def _check_root(root: Path) -> None:
         raise CheckpointError(
             f"checkpoint.load={str(root)!r} is one saved iteration, not a checkpoint dir: use "
             f"checkpoint.load={str(root.parent)!r} checkpoint.load_iteration={int(root.name[5:])}")
+
+
+def _unreadable(file: Path, exc: BaseException, what: str) -> CheckpointError:
+    """The error for a checkpoint file that exists but cannot be read as ``what``."""
+    return CheckpointError(
+        f"{file} cannot be read ({type(exc).__name__}: {exc}): it is torn or not {what}; load "
+        f"another iteration (checkpoint.load_iteration=N) or another checkpoint.load")
 
 
 def read_tracker(root: str | os.PathLike) -> int:
@@ -141,7 +149,7 @@ def _check_storage(path: Path) -> None:
     except UnsafeMetadataError as exc:
         raise CheckpointError(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - a torn .metadata
-        raise CheckpointError(f"{path / '.metadata'} cannot be read: {exc}") from exc
+        raise _unreadable(path / ".metadata", exc, "a torch_dist checkpoint's metadata") from exc
     needed: dict[str, tuple[int, str]] = {}
     for index, info in (metadata.storage_data or {}).items():
         end = info.offset + info.length
@@ -360,6 +368,7 @@ class AsyncSaves:
         self._strategy = None
         self._fingerprint: str | None = None  # of the last save that validated and returned
         self._pending: str | None = None
+        self._in_flight: tuple[Path, int] | None = None  # (root, iteration) being written
 
     def save_options(self, state: dict) -> dict:
         """``dist_checkpointing.save`` keyword arguments for saving ``state`` (a collective).
@@ -409,14 +418,16 @@ class AsyncSaves:
         else:
             self._strategy = self._fingerprint = None
 
-    def schedule(self, request) -> None:
+    def schedule(self, request, root=None, iteration: int | None = None) -> None:
         """Start writing megatron's ``AsyncRequest`` (after the previous save is finalized): the
         writer megatron forks leaves this rank's scheduling group in its first instruction after
-        the fork (:func:`_writer_fork_hook`)."""
+        the fork (:func:`_writer_fork_hook`). ``root`` and ``iteration``: the save's, for the
+        error should it fail."""
         import threading
 
         global _FORK_HOOK_REGISTERED, _WRITER_PARENT
         self.wait()
+        self._in_flight = None if root is None else (Path(root), iteration)
         if not _FORK_HOOK_REGISTERED:
             os.register_at_fork(after_in_child=_writer_fork_hook)
             _FORK_HOOK_REGISTERED = True
@@ -427,19 +438,63 @@ class AsyncSaves:
             _WRITER_PARENT = None
 
     def poll(self) -> None:
-        """Finalize the save in flight if every rank's writer has finished (does not wait)."""
+        """Finalize the save in flight if every rank's writer has finished (does not wait).
+
+        Raises:
+            CheckpointError: as :meth:`wait`.
+        """
         if self._queue.get_num_unfinalized_calls():
-            self._queue.maybe_finalize_async_calls(blocking=False)
+            self._finalize(blocking=False)
 
     def wait(self) -> None:
         """Wait for the save in flight, then finalize it.
 
         Raises:
-            megatron's ``CheckpointException`` (a ``BaseException``): a rank's writer failed or
-                died; the tracker still names the previous checkpoint.
+            CheckpointError: a rank's writer failed or died (on every rank; from megatron's
+                ``CheckpointException``, a ``BaseException`` that torch's error recording
+                misses); names the iteration, the ranks and each one's error, and the
+                iteration the tracker still names.
         """
         if self._queue.get_num_unfinalized_calls():
-            self._queue.maybe_finalize_async_calls(blocking=True)
+            self._finalize(blocking=True)
+
+    def _finalize(self, blocking: bool) -> None:
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        calls = getattr(self._queue, "async_calls", None) or []
+        writer = getattr(calls[0].async_caller, "process", None) if calls else None
+        try:
+            self._queue.maybe_finalize_async_calls(blocking=blocking)
+        except CheckpointException as exc:
+            raise CheckpointError(self._failure_message(exc, writer)) from exc
+
+    def _failure_message(self, exc, writer) -> str:
+        """What failed in a background save, from megatron's ``CheckpointException`` (its
+        ``failures``: rank -> (exception, traceback)) and this rank's writer process."""
+        exit_code = getattr(writer, "exitcode", None)
+        failures = {}
+        for rank, failure in exc.failures.items():
+            error = failure[0] if isinstance(failure, tuple) else failure
+            failures[rank] = f"{type(error).__name__}: {error}"
+            if "results_queue should not be empty" in str(error):  # megatron's words for it
+                failures[rank] = "its writer ended without reporting a result"
+        if exit_code not in (None, 0):  # this rank's own writer, whatever megatron gathered
+            failures[_rank()] = f"its writer exited with code {exit_code}" + (
+                f" (signal {-exit_code})" if exit_code < 0 else "")
+        parts = [f"rank {rank}: {text}" for rank, text in sorted(failures.items())] or [
+            f"megatron's {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"]
+        what = "the background save"
+        tracked = ""
+        if self._in_flight is not None:
+            root, iteration = self._in_flight
+            what += f" of iteration {iteration} into {root}"
+            try:
+                tracked = f"; {TRACKER} still names iteration {read_tracker(root)}"
+            except CheckpointError:
+                tracked = f"; {root} has no complete checkpoint"
+        return (f"{what} failed on rank(s) {sorted(failures)}: {'; '.join(parts)}. Nothing "
+                f"was renamed into place (the files written stay in the hidden staging dir)"
+                f"{tracked}")
 
     def abort(self) -> None:
         """Kill the writer of a save still in flight (megatron's
@@ -523,17 +578,8 @@ def _leave_rank_autogroup(rank_pid: int) -> bool:
     Returns:
         Whether the writer now runs in a session of its own.
     """
-    import ctypes
-    import signal
-
-    try:
-        armed = ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL)) == 0
-    except (OSError, AttributeError):  # no prctl (not Linux)
-        armed = False
-    if not armed:
+    if not die_with_parent(rank_pid):  # exits at once if the rank already died
         return False
-    if os.getppid() != rank_pid:
-        os._exit(1)  # the rank died before the death signal was armed
     try:
         os.setsid()
     except OSError:
@@ -710,7 +756,7 @@ def stage_save(root, iteration: int, model, optimizer, scheduler, common: dict,
 
     # Runs after megatron's own finalize steps (the global .metadata into the staged dir).
     request.add_finalize_fn(written)
-    async_saves.schedule(request)
+    async_saves.schedule(request, root, iteration)
     return staged
 
 
@@ -901,7 +947,7 @@ def load_common(root, iteration: int | None = None) -> tuple[Path, dict]:
     try:
         common = dist_checkpointing.load_common_state_dict(str(path))
     except Exception as exc:  # a torn or foreign common.pt
-        raise CheckpointError(f"{path / 'common.pt'} cannot be read: {exc}") from exc
+        raise _unreadable(path / "common.pt", exc, "a megatron checkpoint's common state") from exc
     for key in ("iteration", "layout", "train_state", "opt_param_scheduler"):
         if key not in common:
             raise CheckpointError(f"{path} was not written by gtp-recipes: common state lacks {key!r}")
@@ -994,6 +1040,11 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
         what = ("lacks tensors this model needs" if "unexpected" in str(failure).lower()
                 else "cannot be loaded")
         detail = str(failure)
+        if isinstance(failure, DCPCheckpointException):  # each rank's error first, then traces
+            errors = {rank: f[0] if isinstance(f, tuple) else f
+                      for rank, f in failure.failures.items()}
+            detail = "; ".join(f"rank {rank}: {type(error).__name__}: {error}"
+                               for rank, error in sorted(errors.items())) + "\n" + detail
         detail = detail if len(detail) <= 2000 else detail[:2000] + " ..."
         raise CheckpointError(f"{path} {what}: {detail}") from failure
     _load_model_state(model, loaded["model"])
@@ -1031,7 +1082,8 @@ def _stored_shapes(path) -> dict:
     try:
         stored = dist_checkpointing.load_tensors_metadata(str(path))
     except Exception as exc:
-        raise CheckpointError(f"{path}/.metadata cannot be read: {exc}") from exc
+        raise _unreadable(Path(path) / ".metadata", exc,
+                          "a torch_dist checkpoint's metadata") from exc
     return {key: tuple(sh.global_shape) for key, sh in stored.items()}
 
 

@@ -67,6 +67,8 @@ class Checkpointer:
             The iter dir (complete on return only without ``async_save``).
         """
         rank = torch.distributed.get_rank()
+        if self.async_saves is not None:
+            self.async_saves.wait()  # the save still in flight moves the tracker first
         previous = _tracked(self.root) if rank == 0 else None
 
         def done(path: Path) -> None:
@@ -74,8 +76,9 @@ class Checkpointer:
             if rank == 0:
                 if previous is not None and previous > iteration:
                     print(f"> note: {checkpoint.TRACKER} in {self.root} moves back from {previous} "
-                          f"to {iteration}; {checkpoint.iter_dir(self.root, previous).name} is kept "
-                          f"(checkpoint.load_iteration={previous} loads it)", flush=True)
+                          f"to {iteration}; {checkpoint.iter_dir(self.root, previous).name} stays "
+                          f"(checkpoint.load_iteration={previous} loads it) unless this run saves "
+                          f"iteration {previous} too, which replaces it", flush=True)
                 if self.keep_last:
                     keep = (iteration,) if self.loaded is None else (iteration, self.loaded)
                     checkpoint.remove_old_checkpoints(self.root, self.keep_last, keep=keep)
@@ -87,7 +90,11 @@ class Checkpointer:
 
     def poll(self) -> None:
         """Finalize the background save in flight if every rank's writer has finished (a
-        collective; no-op without ``async_save``)."""
+        collective; no-op without ``async_save``).
+
+        Raises:
+            CheckpointError: as :meth:`wait`.
+        """
         if self.async_saves is not None:
             self.async_saves.poll()
 
@@ -96,8 +103,8 @@ class Checkpointer:
         ``async_save``).
 
         Raises:
-            megatron's ``CheckpointException``: a rank's writer failed or died; nothing was
-                renamed into place, the tracker still names the previous checkpoint.
+            CheckpointError: a rank's writer failed or died; nothing was renamed into place,
+                the tracker still names the previous checkpoint.
         """
         if self.async_saves is not None:
             self.async_saves.wait()

@@ -17,7 +17,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from recipes.validate import validate, world_size_from_env
-from recipes.worker import RESOLVED_CONFIG
+from recipes.worker import LAUNCHER_PID_ENV, RESOLVED_CONFIG
 
 # A worker that died takes the others down within this many seconds (elastic agent's monitor).
 MONITOR_INTERVAL_S = 0.5
@@ -106,6 +106,9 @@ def launch_local(config_path: Path, nproc: int) -> None:
         monitor_interval=MONITOR_INTERVAL_S,
         start_method="spawn",
     )
+    # Each worker has the kernel kill it when this process ends (recipes.lifetime): the elastic
+    # agent starts them in sessions of their own, where nothing else would reach them.
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     try:
         elastic_launch(config, sys.executable)("-m", "recipes.worker", str(config_path))
     except ChildFailedError as exc:

@@ -27,6 +27,8 @@ for _module in ("megatron", "torch.distributed", "torch.utils.cpp_extension"):
     warnings.filterwarnings("ignore", module=_module)
 
 RESOLVED_CONFIG = "resolved_config.yaml"
+# Set by train.py's local launch (recipes.launch.launch_local) to its pid: its workers die with it.
+LAUNCHER_PID_ENV = "GTP_RECIPES_LAUNCHER_PID"
 
 
 @dataclass
@@ -262,6 +264,11 @@ def main(argv=None) -> None:
     """Entry point: load the resolved config and run."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    launcher = os.environ.pop(LAUNCHER_PID_ENV, None)
+    if launcher is not None:  # started by train.py: never outlive it (a kill -9 of train.py)
+        from recipes.lifetime import die_with_parent
+
+        die_with_parent(int(launcher))
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         raise SystemExit(f"usage: python -m recipes.worker {RESOLVED_CONFIG}")

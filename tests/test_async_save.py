@@ -58,7 +58,14 @@ def test_async_save_writes_what_the_synchronous_save_writes(runs, tmp_path):
 def test_writer_killed_during_async_save_keeps_the_previous_checkpoint(train_run, tmp_path):
     proc = train_run(tmp_path, *COMMON, "checkpoint.async_save=true", rc=1, env={"GTP_RECIPES_FAULT": "kill:async_write:4:1"})
     assert "injected fault kill:async_write:4:1" in proc.stdout
-    assert re.search(r"error: worker rank \d failed", proc.stdout), proc.stdout[-2000:]
+    summary = proc.stdout[proc.stdout.index("\nerror: worker rank"):]
+    # The job's closing summary gives the cause, not only "worker rank N failed".
+    assert re.match(r"\nerror: worker rank \d failed \(exit code 1\):\n.*CheckpointError: the "
+                    r"background save of iteration 4 into \S+ failed on rank\(s\) \[1\]: rank 1: "
+                    r"its writer (ended without reporting a result|exited with code -9 \(signal "
+                    r"9\))\. Nothing was "
+                    r"renamed into place.*latest_checkpointed_iteration.txt still names "
+                    r"iteration 2", summary), summary[:2000]
     root = tmp_path / "checkpoints"
     assert checkpoint.read_tracker(root) == 2, "the tracker must still name the last complete save"
     # Nothing of the failed save was renamed into place: only the hidden staging dir is left.

@@ -391,3 +391,49 @@ def test_a_job_dir_is_claimed_by_one_live_run(tmp_path):
     (tmp_path / CLAIM).write_text(f"{os.uname().nodename} 999999999\n")
     claim_job_dir(tmp_path)
     (tmp_path / CLAIM).unlink()
+
+
+def test_the_moves_back_note_reads_the_tracker_after_the_save_in_flight(tmp_path, monkeypatch,
+                                                                          capsys):
+    """With async saves the tracker the note compares against is the one the save still in
+    flight leaves, not the one before it (a resumed-over dir at 12, saves at 1 then 2: only
+    the first moves the tracker back)."""
+    fake_save(tmp_path, 12)
+    (tmp_path / checkpoint.TRACKER).write_text("12\n")
+    pending = []
+
+    class InFlight:  # megatron's async queue: a save completes in a later wait()
+        def wait(self):
+            while pending:
+                pending.pop(0)()
+
+    def save_checkpoint(root, iteration, *args, async_saves=None, on_done=None):
+        def finalize():
+            fake_save(Path(root), iteration)
+            (Path(root) / checkpoint.TRACKER).write_text(f"{iteration}\n")
+            on_done(checkpoint.iter_dir(root, iteration))
+        async_saves.wait()
+        pending.append(finalize)
+        return checkpoint.iter_dir(root, iteration)
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", save_checkpoint)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 0)
+    saver = checkpointer.Checkpointer(ck_cfg(save=str(tmp_path)))
+    saver.async_saves = InFlight()
+    for iteration in (1, 2):
+        saver.save(iteration, None, None, None, {}, {})
+    saver.wait()
+    notes = [line for line in capsys.readouterr().out.splitlines() if "moves back" in line]
+    assert notes == [f"> note: {checkpoint.TRACKER} in {tmp_path} moves back from 12 to 1; "
+                     f"iter_0000012 stays (checkpoint.load_iteration=12 loads it) unless this "
+                     f"run saves iteration 12 too, which replaces it"]
+
+
+def test_a_torn_metadata_file_is_named_with_what_to_do(tmp_path):
+    fake_save(tmp_path, 5, payload=bytes(range(7, 200)))
+    (tmp_path / checkpoint.TRACKER).write_text("5\n")
+    with pytest.raises(CheckpointError, match=(
+            rf"^{tmp_path}/iter_0000005/\.metadata cannot be read \(\w+: .*\): it is torn or not "
+            rf"a torch_dist checkpoint's metadata; load another iteration "
+            rf"\(checkpoint.load_iteration=N\) or another checkpoint.load$")):
+        checkpoint.check_loadable(tmp_path)

@@ -299,3 +299,84 @@ def test_records_in_another_zip_order_are_read_through_the_directory():
         dcp_reader._read_run(io.BytesIO(framed), record, first, count, target,
                               dcp_reader._Scratch())
         assert torch.equal(target, want[2:5])
+
+
+def test_a_damaged_data_file_is_named_with_the_item(tmp_path):
+    """Each error names the data file and the item: a corrupted object record and a file cut
+    inside a tensor (both read by torch's reader), and a file that ends inside a tensor once
+    its record's headers were read (ours: truncated while the load runs)."""
+    import shutil
+
+    state = _stored()
+    dcp.save(state, checkpoint_id=str(tmp_path / "src"), no_dist=True)
+    meta = _reader(tmp_path / "src").storage_data
+    fqn = "fp32"
+    info = next(v for k, v in meta.items() if k.fqn == fqn)
+    item = _item(fqn, (0, 0), (96, 40))
+
+    def target():
+        return {fqn: torch.full((96, 40), SENTINEL, dtype=torch.float32)}
+
+    def damaged(name, key, cut):
+        path = tmp_path / name
+        shutil.copytree(tmp_path / "src", path)
+        where = next(v for k, v in meta.items() if k.fqn == key)
+        data = path / where.relative_path
+        raw = bytearray(data.read_bytes())
+        if cut:  # the file ends inside the tensor's storage
+            raw = raw[: where.offset + where.length // 2]
+        else:  # the object's pickle bytes overwritten
+            raw[where.offset:where.offset + where.length] = b"\0" * where.length
+        data.write_bytes(bytes(raw))
+        return path, data
+
+    path, data = damaged("object", "bytes", cut=False)
+    with pytest.raises(dcp_reader.DataFileError,
+                       match=rf"^{data}: .*\(reading 1 item\(s\) of it with torch's reader, "
+                             rf"first object 'bytes'\)"):
+        _read(path, [_item("bytes", (), (), LoadItemType.BYTE_IO)], {}, runs=True)
+    path, data = damaged("cut", fqn, cut=True)
+    with pytest.raises(dcp_reader.DataFileError,
+                       match=rf"^{data}: .*first tensor '{fqn}', the chunk at \(0, 0\)\)"):
+        _read(path, [item], target(), runs=True)
+
+    class EndsAfterHeaders(io.RawIOBase):  # storage reads (over 4 KiB) find the end of file
+        def __init__(self, inner):
+            self.inner = inner
+
+        def readable(self):
+            return True
+
+        def seekable(self):
+            return True
+
+        def seek(self, *a):
+            return self.inner.seek(*a)
+
+        def tell(self):
+            return self.inner.tell()
+
+        def readinto(self, b):
+            return 0 if len(b) > 4096 else self.inner.readinto(b)
+
+    reader = _reader(tmp_path / "src")
+    create_stream = reader.fs.create_stream
+
+    class Shortened:
+        def __init__(self, *a):
+            self.cm = create_stream(*a)
+
+        def __enter__(self):
+            return EndsAfterHeaders(self.cm.__enter__())
+
+        def __exit__(self, *exc):
+            return self.cm.__exit__(*exc)
+
+    reader.fs.create_stream = Shortened
+    data = tmp_path / "src" / info.relative_path
+    with pytest.raises(dcp_reader.DataFileError,
+                       match=rf"^{data}: data file ends 15360 bytes short of a stored tensor "
+                             rf"\(tensor '{fqn}', the chunk at \(0, 0\), bytes {info.offset} to "
+                             rf"{info.offset + info.length} of the file\)"):
+        dcp_reader.read_data(reader, LoadPlan([item]), _Planner(target()),
+                             FileSystemReader.read_data)

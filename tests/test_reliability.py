@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -251,3 +254,55 @@ def test_saves_and_loads_run_with_the_cyclic_gc_paused_and_restore_it():
     # Both entry points are wrapped (every wrapper shares the one code object).
     for fn in (checkpoint.stage_save, checkpoint.load_checkpoint):
         assert fn.__code__ is paused.__code__, fn.__name__
+
+
+def _children(pid: int) -> list[int]:
+    """Pids whose parent is ``pid`` (from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_killing_the_launcher_kills_its_workers(data_cache, tmp_path):
+    """``kill -9`` of train.py: its workers (in sessions of their own, out of reach of a
+    process-group kill) die with it instead of training on into the job dir."""
+    repo = Path(__file__).resolve().parents[1]
+    args = [sys.executable, str(repo / "train.py"), f"hydra.run.dir={tmp_path}", "logger=none",
+            f"data.cache_dir={data_cache}", "parallelism=dp2", "train.train_iters=100000",
+            "optim.lr_warmup_iters=1", "checkpoint.save_interval=0",
+            "checkpoint.save_at_end=false"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    launcher = subprocess.Popen(args, cwd=repo, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    workers: list[int] = []
+    try:
+        for line in launcher.stdout:  # until the workers train
+            if re.search(r"iteration\s+2/", line):
+                break
+        workers = _children(launcher.pid)
+        assert len(workers) == 2, workers
+        launcher.kill()
+        launcher.wait(30)
+        deadline = time.time() + 20
+        while any(_alive(w) for w in workers) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(w) for w in workers), "workers outlived their launcher"
+    finally:
+        launcher.kill()
+        for w in workers:
+            if _alive(w):
+                os.kill(w, 9)

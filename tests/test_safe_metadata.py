@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 
 import pytest
 import torch
@@ -79,6 +80,33 @@ def test_nested_blocks_share_the_outer_cache(tmp_path, unpicklings):
             safe_metadata.read_metadata(tmp_path)
         safe_metadata.read_metadata(tmp_path)  # the inner exit kept the outer cache
     assert unpicklings[0] == 1
+
+
+def test_each_thread_has_its_own_cache(tmp_path, unpicklings):
+    _save(tmp_path, rows=6)
+    inside, leave = threading.Event(), threading.Event()
+    seen = {}
+
+    def other_thread():
+        seen["outside"] = _rows(safe_metadata.read_metadata(tmp_path))  # no block here: reads
+        with safe_metadata.reused():
+            seen["inside"] = _rows(safe_metadata.read_metadata(tmp_path))  # its own cache
+            inside.set()
+            leave.wait(30)
+
+    with safe_metadata.reused():
+        safe_metadata.read_metadata(tmp_path)
+        assert unpicklings[0] == 1
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        assert inside.wait(30)
+        assert unpicklings[0] == 3  # the other thread read twice, into no cache of this one's
+        leave.set()
+        worker.join(30)
+        assert not worker.is_alive() and seen == {"outside": 6, "inside": 6}
+        # The other thread's block ended; this thread's cache is still there.
+        safe_metadata.read_metadata(tmp_path)
+        assert unpicklings[0] == 3
 
 
 class _Runs:
