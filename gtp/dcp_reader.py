@@ -56,8 +56,8 @@ _HEAD_BYTES = 4096  # a record's first (last) bytes: data.pkl and byteorder (its
 
 
 class DataFileError(ValueError):
-    """A DCP data file that cannot be read as its metadata says (torn, truncated or corrupted):
-    the message names the file, and the item where one is known."""
+    """Reading a DCP data file failed (it is torn, truncated or corrupted, or an object in it
+    cannot be loaded here): the message names the file, and the item where one is known."""
 
 
 class _Unsupported(Exception):
@@ -341,7 +341,7 @@ def _read_run(stream, record: TensorRecord, first: int, count: int, target: torc
 
 def read_data(reader, plan, planner, stock):
     """``FileSystemReader.read_data`` that reads contiguous runs itself and hands the rest
-    to ``stock`` (torch's own ``read_data``) as one plan.
+    to ``stock`` (torch's own ``read_data``, synchronous), one plan per data file.
 
     Args:
         reader: the ``FileSystemReader`` (its ``storage_data``, ``fs``, ``path``).
@@ -372,32 +372,35 @@ def read_data(reader, plan, planner, stock):
     for relative_path, items in per_file.items():
         records: dict[tuple[int, int], Optional[TensorRecord]] = {}
         path = reader.fs.concat_path(reader.path, relative_path)
-        with reader.fs.create_stream(path, "rb") as stream:
-            for item in sorted(items, key=lambda i: reader.storage_data[i.storage_index].offset):
-                info = reader.storage_data[item.storage_index]
-                key = (info.offset, info.length)
-                if key not in records:
-                    try:
-                        records[key] = read_record(stream, info.offset, info.length)
-                    except ValueError:
-                        records[key] = None
-                record = records[key]
-                run = record and contiguous_run(record, item.storage_offsets, item.lengths)
-                if not run:
-                    rest.append(item)
-                    continue
-                target = planner.resolve_tensor(item).detach()
-                if tuple(target.shape) != tuple(item.lengths):
-                    raise AssertionError(  # torch's reader raises the same
-                        f"req {item.storage_index} mismatch sizes {target.size()} vs "
-                        f"{torch.Size(item.lengths)}")
-                try:
+        item = None
+        try:
+            with reader.fs.create_stream(path, "rb") as stream:
+                for item in sorted(items,
+                                   key=lambda i: reader.storage_data[i.storage_index].offset):
+                    info = reader.storage_data[item.storage_index]
+                    key = (info.offset, info.length)
+                    if key not in records:
+                        try:
+                            records[key] = read_record(stream, info.offset, info.length)
+                        except ValueError:
+                            records[key] = None
+                    record = records[key]
+                    run = record and contiguous_run(record, item.storage_offsets, item.lengths)
+                    if not run:
+                        rest.append(item)
+                        continue
+                    target = planner.resolve_tensor(item).detach()
+                    if tuple(target.shape) != tuple(item.lengths):
+                        raise AssertionError(  # torch's reader raises the same
+                            f"req {item.storage_index} mismatch sizes {target.size()} vs "
+                            f"{torch.Size(item.lengths)}")
                     _read_run(stream, record, *run, target, scratch)
-                except (EOFError, OSError) as exc:
-                    raise DataFileError(
-                        f"{path}: {exc} ({_describe(item)}, bytes {info.offset} to "
-                        f"{info.offset + info.length} of the file)") from exc
-                planner.commit_tensor(item, target)
+                    planner.commit_tensor(item, target)
+        except (EOFError, OSError) as exc:
+            where = "" if item is None else (
+                f" ({_describe(item)}, bytes {info.offset} to {info.offset + info.length} of "
+                f"the file)")
+            raise DataFileError(f"{path}: {exc}{where}") from exc
     # torch's reader, one data file at a time, so that an error names its file.
     by_file: dict[str, list[Any]] = {}
     for item in rest:
@@ -410,8 +413,8 @@ def read_data(reader, plan, planner, stock):
         except Exception as exc:  # noqa: BLE001 - named and re-raised
             path = reader.fs.concat_path(reader.path, relative_path)
             raise DataFileError(
-                f"{path}: {type(exc).__name__}: {exc} (reading {len(items)} item(s) of it "
-                f"with torch's reader, first {_describe(items[0])})") from exc
+                f"{path}: {type(exc).__name__}: {exc} (while reading {len(items)} item(s) of it "
+                f"with torch's reader, the first: {_describe(items[0])})") from exc
     from torch.futures import Future
 
     done: Future = Future()

@@ -55,8 +55,20 @@ def _check_root(root: Path) -> None:
 def _unreadable(file: Path, exc: BaseException, what: str) -> CheckpointError:
     """The error for a checkpoint file that exists but cannot be read as ``what``."""
     return CheckpointError(
-        f"{file} cannot be read ({type(exc).__name__}: {exc}): it is torn or not {what}; load "
-        f"another iteration (checkpoint.load_iteration=N) or another checkpoint.load")
+        f"{file} cannot be read ({_errors(exc)}): it is torn or not {what}; load another "
+        f"iteration (checkpoint.load_iteration=N) or another checkpoint.load")
+
+
+def _errors(exc: BaseException) -> str:
+    """``Type: message`` of ``exc``; for torch DCP's ``CheckpointException`` (its ``failures``:
+    rank -> (exception, traceback)), that of each rank's exception instead of the traces."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, CheckpointException) and exc.failures:
+        errors = {rank: f[0] if isinstance(f, tuple) else f for rank, f in exc.failures.items()}
+        return "; ".join(f"rank {rank}: {type(error).__name__}: {error}"
+                         for rank, error in sorted(errors.items()))
+    return f"{type(exc).__name__}: {exc}"
 
 
 def read_tracker(root: str | os.PathLike) -> int:
@@ -469,18 +481,30 @@ class AsyncSaves:
             raise CheckpointError(self._failure_message(exc, writer)) from exc
 
     def _failure_message(self, exc, writer) -> str:
-        """What failed in a background save, from megatron's ``CheckpointException`` (its
-        ``failures``: rank -> (exception, traceback)) and this rank's writer process."""
+        """What failed in a background save (a collective: every rank of the save raised).
+
+        megatron's ``CheckpointException`` carries the failures (rank -> (exception,
+        traceback)) on its coordinator only, and each rank knows its own writer's exit code:
+        the ranks gather both, so every rank's error names every failed rank.
+        """
         exit_code = getattr(writer, "exitcode", None)
-        failures = {}
+        mine = {}
         for rank, failure in exc.failures.items():
             error = failure[0] if isinstance(failure, tuple) else failure
-            failures[rank] = f"{type(error).__name__}: {error}"
+            mine[rank] = f"{type(error).__name__}: {error}"
             if "results_queue should not be empty" in str(error):  # megatron's words for it
-                failures[rank] = "its writer ended without reporting a result"
+                mine[rank] = "its writer ended without reporting a result"
         if exit_code not in (None, 0):  # this rank's own writer, whatever megatron gathered
-            failures[_rank()] = f"its writer exited with code {exit_code}" + (
+            mine[_rank()] = f"its writer exited with code {exit_code}" + (
                 f" (signal {-exit_code})" if exit_code < 0 else "")
+        failures = dict(mine)
+        if torch.distributed.is_initialized():
+            every = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(every, mine)
+            for other in every:  # a writer's exit code over megatron's words for it
+                for rank, text in other.items():
+                    if rank not in failures or text.startswith("its writer exited"):
+                        failures[rank] = text
         parts = [f"rank {rank}: {text}" for rank, text in sorted(failures.items())] or [
             f"megatron's {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"]
         what = "the background save"
@@ -488,10 +512,13 @@ class AsyncSaves:
         if self._in_flight is not None:
             root, iteration = self._in_flight
             what += f" of iteration {iteration} into {root}"
-            try:
-                tracked = f"; {TRACKER} still names iteration {read_tracker(root)}"
-            except CheckpointError:
-                tracked = f"; {root} has no complete checkpoint"
+            if not (root / TRACKER).exists():
+                tracked = f"; {root} has no {TRACKER} yet (no save into it has completed)"
+            else:
+                try:
+                    tracked = f"; {TRACKER} still names iteration {read_tracker(root)}"
+                except CheckpointError as error:
+                    tracked = f"; and its tracker cannot be read: {error}"
         return (f"{what} failed on rank(s) {sorted(failures)}: {'; '.join(parts)}. Nothing "
                 f"was renamed into place (the files written stay in the hidden staging dir)"
                 f"{tracked}")
@@ -943,11 +970,17 @@ def load_common(root, iteration: int | None = None) -> tuple[Path, dict]:
     """The iter dir and the common (non-sharded) state of a checkpoint (default: the tracker's)."""
     from megatron.core import dist_checkpointing
 
+    from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
+
+    from gtp import dcp_reader
+
     path = check_loadable(root, iteration)
+    dcp_reader.install()  # a damaged data file is named (DataFileError)
     try:
         common = dist_checkpointing.load_common_state_dict(str(path))
-    except Exception as exc:  # a torn or foreign common.pt
-        raise _unreadable(path / "common.pt", exc, "a megatron checkpoint's common state") from exc
+    except (Exception, DCPCheckpointException) as exc:  # torn or foreign (a BaseException from DCP)
+        where = path / "common.pt" if (path / "common.pt").exists() else path  # else in DCP files
+        raise _unreadable(where, exc, "a megatron checkpoint's common state") from exc
     for key in ("iteration", "layout", "train_state", "opt_param_scheduler"):
         if key not in common:
             raise CheckpointError(f"{path} was not written by gtp-recipes: common state lacks {key!r}")
@@ -1041,10 +1074,7 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
                 else "cannot be loaded")
         detail = str(failure)
         if isinstance(failure, DCPCheckpointException):  # each rank's error first, then traces
-            errors = {rank: f[0] if isinstance(f, tuple) else f
-                      for rank, f in failure.failures.items()}
-            detail = "; ".join(f"rank {rank}: {type(error).__name__}: {error}"
-                               for rank, error in sorted(errors.items())) + "\n" + detail
+            detail = _errors(failure) + "\n" + detail
         detail = detail if len(detail) <= 2000 else detail[:2000] + " ..."
         raise CheckpointError(f"{path} {what}: {detail}") from failure
     _load_model_state(model, loaded["model"])

@@ -75,10 +75,12 @@ class Checkpointer:
             self.last_good = path
             if rank == 0:
                 if previous is not None and previous > iteration:
+                    retention = (f" or checkpoint.keep_last={self.keep_last} removes it"
+                                 if self.keep_last else "")
                     print(f"> note: {checkpoint.TRACKER} in {self.root} moves back from {previous} "
                           f"to {iteration}; {checkpoint.iter_dir(self.root, previous).name} stays "
                           f"(checkpoint.load_iteration={previous} loads it) unless this run saves "
-                          f"iteration {previous} too, which replaces it", flush=True)
+                          f"iteration {previous} too, which replaces it{retention}", flush=True)
                 if self.keep_last:
                     keep = (iteration,) if self.loaded is None else (iteration, self.loaded)
                     checkpoint.remove_old_checkpoints(self.root, self.keep_last, keep=keep)

@@ -119,6 +119,8 @@ def launch_local(config_path: Path, nproc: int) -> None:
                   file=sys.stderr)
             print(_failure_message(failure), file=sys.stderr)
         raise SystemExit(1) from None
+    finally:
+        os.environ.pop(LAUNCHER_PID_ENV, None)  # for the workers of this launch only
 
 
 # Errors a rank raises because *another* rank went away: they are consequences, not causes.

@@ -55,17 +55,23 @@ def test_async_save_writes_what_the_synchronous_save_writes(runs, tmp_path):
             assert torch.equal(got[key], want[key]), (it, key)
 
 
-def test_writer_killed_during_async_save_keeps_the_previous_checkpoint(train_run, tmp_path):
-    proc = train_run(tmp_path, *COMMON, "checkpoint.async_save=true", rc=1, env={"GTP_RECIPES_FAULT": "kill:async_write:4:1"})
-    assert "injected fault kill:async_write:4:1" in proc.stdout
+@pytest.mark.parametrize("killed", [1, 0])  # 0: megatron's coordinator of the finalize
+def test_writer_killed_during_async_save_keeps_the_previous_checkpoint(train_run, tmp_path,
+                                                                       killed):
+    fault = f"kill:async_write:4:{killed}"
+    proc = train_run(tmp_path, *COMMON, "checkpoint.async_save=true", rc=1,
+                     env={"GTP_RECIPES_FAULT": fault})
+    assert f"injected fault {fault}" in proc.stdout
     summary = proc.stdout[proc.stdout.index("\nerror: worker rank"):]
-    # The job's closing summary gives the cause, not only "worker rank N failed".
-    assert re.match(r"\nerror: worker rank \d failed \(exit code 1\):\n.*CheckpointError: the "
-                    r"background save of iteration 4 into \S+ failed on rank\(s\) \[1\]: rank 1: "
-                    r"its writer (ended without reporting a result|exited with code -9 \(signal "
-                    r"9\))\. Nothing was "
-                    r"renamed into place.*latest_checkpointed_iteration.txt still names "
-                    r"iteration 2", summary), summary[:2000]
+    # The job's closing summary gives the cause on every rank, not only "worker rank N failed".
+    blocks = re.findall(r"\n(?:error|then): worker rank \d failed \(exit code 1\):\n(.*)", summary)
+    assert len(blocks) == 2, summary[:2000]
+    for block in blocks:
+        assert re.match(rf"CheckpointError: the background save of iteration 4 into \S+ failed "
+                        rf"on rank\(s\) \[{killed}\]: rank {killed}: its writer (ended without "
+                        rf"reporting a result|exited with code -9 \(signal 9\))\. Nothing was "
+                        rf"renamed into place.*latest_checkpointed_iteration.txt still names "
+                        rf"iteration 2$", block), block
     root = tmp_path / "checkpoints"
     assert checkpoint.read_tracker(root) == 2, "the tracker must still name the last complete save"
     # Nothing of the failed save was renamed into place: only the hidden staging dir is left.

@@ -63,39 +63,48 @@ def _item(fqn, offsets, lengths, kind=LoadItemType.TENSOR):
                     lengths=torch.Size(lengths))
 
 
-def _reader(path, counter=None):
+class _Stream(io.RawIOBase):
+    """A data file's stream whose ``readinto`` goes through ``hook(inner_readinto, buffer)``."""
+
+    def __init__(self, inner, hook):
+        self.inner, self.hook = inner, hook
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def seek(self, *a):
+        return self.inner.seek(*a)
+
+    def tell(self):
+        return self.inner.tell()
+
+    def readinto(self, b):
+        return self.hook(self.inner.readinto, b)
+
+
+def _reader(path, counter=None, hook=None):
+    """A FileSystemReader of ``path``; ``counter``: counts the bytes read from the data files;
+    ``hook``: wraps each data file stream's ``readinto`` (see :class:`_Stream`)."""
     reader = FileSystemReader(str(path))
     reader.set_up_storage_reader(reader.read_metadata(), is_coordinator=True)
-    if counter is not None:  # count the bytes read from the data files
+    if counter is not None:
+        def counting(readinto, b):
+            n = readinto(b)
+            counter[0] += n
+            return n
+        hook = counting
+    if hook is not None:
         create_stream = reader.fs.create_stream
-
-        class Counting(io.RawIOBase):
-            def __init__(self, inner):
-                self.inner = inner
-
-            def readable(self):
-                return True
-
-            def seekable(self):
-                return True
-
-            def seek(self, *a):
-                return self.inner.seek(*a)
-
-            def tell(self):
-                return self.inner.tell()
-
-            def readinto(self, b):
-                n = self.inner.readinto(b)
-                counter[0] += n
-                return n
 
         class Wrapped:
             def __init__(self, *a):
                 self.cm = create_stream(*a)
 
             def __enter__(self):
-                return io.BufferedReader(Counting(self.cm.__enter__()), buffer_size=512)
+                return io.BufferedReader(_Stream(self.cm.__enter__(), hook), buffer_size=512)
 
             def __exit__(self, *exc):
                 return self.cm.__exit__(*exc)
@@ -332,47 +341,16 @@ def test_a_damaged_data_file_is_named_with_the_item(tmp_path):
 
     path, data = damaged("object", "bytes", cut=False)
     with pytest.raises(dcp_reader.DataFileError,
-                       match=rf"^{data}: .*\(reading 1 item\(s\) of it with torch's reader, "
-                             rf"first object 'bytes'\)"):
+                       match=rf"^{data}: .*\(while reading 1 item\(s\) of it with torch's "
+                             rf"reader, the first: object 'bytes'\)"):
         _read(path, [_item("bytes", (), (), LoadItemType.BYTE_IO)], {}, runs=True)
     path, data = damaged("cut", fqn, cut=True)
     with pytest.raises(dcp_reader.DataFileError,
-                       match=rf"^{data}: .*first tensor '{fqn}', the chunk at \(0, 0\)\)"):
+                       match=rf"^{data}: .*the first: tensor '{fqn}', the chunk at \(0, 0\)\)"):
         _read(path, [item], target(), runs=True)
 
-    class EndsAfterHeaders(io.RawIOBase):  # storage reads (over 4 KiB) find the end of file
-        def __init__(self, inner):
-            self.inner = inner
-
-        def readable(self):
-            return True
-
-        def seekable(self):
-            return True
-
-        def seek(self, *a):
-            return self.inner.seek(*a)
-
-        def tell(self):
-            return self.inner.tell()
-
-        def readinto(self, b):
-            return 0 if len(b) > 4096 else self.inner.readinto(b)
-
-    reader = _reader(tmp_path / "src")
-    create_stream = reader.fs.create_stream
-
-    class Shortened:
-        def __init__(self, *a):
-            self.cm = create_stream(*a)
-
-        def __enter__(self):
-            return EndsAfterHeaders(self.cm.__enter__())
-
-        def __exit__(self, *exc):
-            return self.cm.__exit__(*exc)
-
-    reader.fs.create_stream = Shortened
+    # Storage reads (over 4 KiB) find the end of the file: it was cut after the headers were read.
+    reader = _reader(tmp_path / "src", hook=lambda readinto, b: 0 if len(b) > 4096 else readinto(b))
     data = tmp_path / "src" / info.relative_path
     with pytest.raises(dcp_reader.DataFileError,
                        match=rf"^{data}: data file ends 15360 bytes short of a stored tensor "
