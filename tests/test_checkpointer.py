@@ -393,8 +393,9 @@ def test_a_job_dir_is_claimed_by_one_live_run(tmp_path):
     (tmp_path / CLAIM).unlink()
 
 
+@pytest.mark.parametrize("keep_last", [None, 3])
 def test_the_moves_back_note_reads_the_tracker_after_the_save_in_flight(tmp_path, monkeypatch,
-                                                                          capsys):
+                                                                          capsys, keep_last):
     """With async saves the tracker the note compares against is the one the save still in
     flight leaves, not the one before it (a resumed-over dir at 12, saves at 1 then 2: only
     the first moves the tracker back)."""
@@ -418,7 +419,7 @@ def test_the_moves_back_note_reads_the_tracker_after_the_save_in_flight(tmp_path
 
     monkeypatch.setattr(checkpoint, "save_checkpoint", save_checkpoint)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 0)
-    saver = checkpointer.Checkpointer(ck_cfg(save=str(tmp_path)))
+    saver = checkpointer.Checkpointer(ck_cfg(save=str(tmp_path), keep_last=keep_last))
     saver.async_saves = InFlight()
     for iteration in (1, 2):
         saver.save(iteration, None, None, None, {}, {})
@@ -426,7 +427,8 @@ def test_the_moves_back_note_reads_the_tracker_after_the_save_in_flight(tmp_path
     notes = [line for line in capsys.readouterr().out.splitlines() if "moves back" in line]
     assert notes == [f"> note: {checkpoint.TRACKER} in {tmp_path} moves back from 12 to 1; "
                      f"iter_0000012 stays (checkpoint.load_iteration=12 loads it) unless this "
-                     f"run saves iteration 12 too, which replaces it"]
+                     f"run saves iteration 12 too, which replaces it"
+                     + (f" or checkpoint.keep_last={keep_last} removes it" if keep_last else "")]
 
 
 def test_a_torn_metadata_file_is_named_with_what_to_do(tmp_path):
