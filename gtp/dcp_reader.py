@@ -412,14 +412,40 @@ def read_data(reader, plan, planner, stock):
             raise
         except Exception as exc:  # noqa: BLE001 - named and re-raised
             path = reader.fs.concat_path(reader.path, relative_path)
+            item, error = _failing_item(reader, plan, planner, stock, items, exc)
             raise DataFileError(
-                f"{path}: {type(exc).__name__}: {exc} (while reading {len(items)} item(s) of it "
-                f"with torch's reader, the first: {_describe(items[0])})") from exc
+                f"{path}: {_error_text(error)} (while reading {_describe(item)} with torch's "
+                f"reader)") from error
     from torch.futures import Future
 
     done: Future = Future()
     done.set_result(None)
     return done
+
+
+def _failing_item(reader, plan, planner, stock, items, exc):
+    """The first of ``items`` that torch's reader fails on alone, and its error (after a read of
+    them all failed with ``exc``; the load fails either way). ``(items[0], exc)`` if none does."""
+    if len(items) > 1:
+        for item in items:
+            try:
+                stock(reader, dataclasses.replace(plan, items=[item]), planner).wait()
+            except AssertionError:
+                raise
+            except Exception as error:  # noqa: BLE001 - the one to name
+                return item, error
+    return items[0], exc
+
+
+def _error_text(error: BaseException) -> str:
+    """``Type: message``, without the advice ``torch.load`` gives for a file its weights-only
+    unpickler refuses (to load it with ``weights_only=False``): here the record is damaged."""
+    text = str(error)
+    if "Weights only load failed" in text:
+        detail = next((line.strip() for line in text.splitlines()
+                       if line.strip().startswith("WeightsUnpickler error:")), "")
+        text = f"a tensor record that does not unpickle as a tensor ({detail or 'refused'})"
+    return f"{type(error).__name__}: {text}"
 
 
 def _describe(item) -> str:

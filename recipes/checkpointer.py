@@ -75,7 +75,8 @@ class Checkpointer:
             self.last_good = path
             if rank == 0:
                 if previous is not None and previous > iteration:
-                    retention = (f" or checkpoint.keep_last={self.keep_last} removes it"
+                    retention = (f", or checkpoint.keep_last={self.keep_last} removes it once "
+                                 f"{self.keep_last} newer complete save(s) exist"
                                  if self.keep_last else "")
                     print(f"> note: {checkpoint.TRACKER} in {self.root} moves back from {previous} "
                           f"to {iteration}; {checkpoint.iter_dir(self.root, previous).name} stays "

@@ -428,7 +428,8 @@ def test_the_moves_back_note_reads_the_tracker_after_the_save_in_flight(tmp_path
     assert notes == [f"> note: {checkpoint.TRACKER} in {tmp_path} moves back from 12 to 1; "
                      f"iter_0000012 stays (checkpoint.load_iteration=12 loads it) unless this "
                      f"run saves iteration 12 too, which replaces it"
-                     + (f" or checkpoint.keep_last={keep_last} removes it" if keep_last else "")]
+                     + (f", or checkpoint.keep_last={keep_last} removes it once {keep_last} "
+                        f"newer complete save(s) exist" if keep_last else "")]
 
 
 def test_a_torn_metadata_file_is_named_with_what_to_do(tmp_path):

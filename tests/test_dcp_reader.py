@@ -341,12 +341,21 @@ def test_a_damaged_data_file_is_named_with_the_item(tmp_path):
 
     path, data = damaged("object", "bytes", cut=False)
     with pytest.raises(dcp_reader.DataFileError,
-                       match=rf"^{data}: .*\(while reading 1 item\(s\) of it with torch's "
-                             rf"reader, the first: object 'bytes'\)"):
+                       match=rf"^{data}: .*\(while reading object 'bytes' with torch's "
+                             rf"reader\)"):
         _read(path, [_item("bytes", (), (), LoadItemType.BYTE_IO)], {}, runs=True)
+    # An intact object read by torch's reader before the damaged tensor: the tensor is named.
+    path, data = damaged("tensor", "transposed", cut=False)
+    with pytest.raises(dcp_reader.DataFileError,
+                       match=rf"^{data}: .*\(while reading tensor 'transposed', the chunk at "
+                             rf"\(0, 0\) with torch's reader\)"):
+        _read(path, [_item("bytes", (), (), LoadItemType.BYTE_IO),
+                     _item("transposed", (0, 0), (96, 40))],
+              {"transposed": torch.full((96, 40), SENTINEL, dtype=torch.float32)}, runs=True)
     path, data = damaged("cut", fqn, cut=True)
     with pytest.raises(dcp_reader.DataFileError,
-                       match=rf"^{data}: .*the first: tensor '{fqn}', the chunk at \(0, 0\)\)"):
+                       match=rf"^{data}: .*\(while reading tensor '{fqn}', the chunk at "
+                             rf"\(0, 0\) with torch's reader\)"):
         _read(path, [item], target(), runs=True)
 
     # Storage reads (over 4 KiB) find the end of the file: it was cut after the headers were read.
