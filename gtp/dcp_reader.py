@@ -408,7 +408,7 @@ def read_data(reader, plan, planner, stock):
     for relative_path, items in by_file.items():
         try:
             stock(reader, dataclasses.replace(plan, items=items), planner).wait()
-        except AssertionError:
+        except (AssertionError, DataFileError):
             raise
         except Exception as exc:  # noqa: BLE001 - named and re-raised
             path = reader.fs.concat_path(reader.path, relative_path)
@@ -440,10 +440,12 @@ def _failing_item(reader, plan, planner, stock, items, exc):
 def _error_text(error: BaseException) -> str:
     """``Type: message``, without the advice ``torch.load`` gives for a file its weights-only
     unpickler refuses (to load it with ``weights_only=False``): here the record is damaged."""
+    import re
+
     text = str(error)
     if "Weights only load failed" in text:
-        detail = next((line.strip() for line in text.splitlines()
-                       if line.strip().startswith("WeightsUnpickler error:")), "")
+        found = re.search(r"WeightsUnpickler error:(.*?)(?:Check the documentation|$)", text, re.S)
+        detail = " ".join(found.group(1).split()) if found else ""
         text = f"a tensor record that does not unpickle as a tensor ({detail or 'refused'})"
     return f"{type(error).__name__}: {text}"
 
@@ -488,5 +490,6 @@ def install() -> None:
         return read_data(self, plan, planner, stock)
 
     read_data_runs._runs = True
+    read_data_runs.stock = stock  # torch's own
     read_data_runs.__doc__ = read_data.__doc__
     FileSystemReader.read_data = read_data_runs

@@ -4,6 +4,7 @@ bytes only, and every request reads the same values as torch's own reader."""
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 import torch
@@ -113,11 +114,18 @@ def _reader(path, counter=None, hook=None):
     return reader
 
 
+def _torch_read_data():
+    """torch's own ``FileSystemReader.read_data``, whether or not an earlier test (or a load in
+    this process) installed the project's reader."""
+    read_data = FileSystemReader.read_data
+    return getattr(read_data, "stock", read_data)
+
+
 def _read(path, items, targets, runs, counter=None):
     reader = _reader(path, counter)
     planner = _Planner(targets)
     plan = LoadPlan(items)
-    stock = FileSystemReader.read_data
+    stock = _torch_read_data()
     if runs:
         dcp_reader.read_data(reader, plan, planner, stock).wait()
     else:
@@ -263,6 +271,7 @@ def test_install_routes_torch_reader_and_is_idempotent():
     first = FileSystemReader.read_data
     dcp_reader.install()
     assert FileSystemReader.read_data is first and first._runs
+    assert not getattr(first.stock, "_runs", False)  # torch's own, kept for its other requests
 
 
 def _zip_record(order):
@@ -332,9 +341,11 @@ def test_a_damaged_data_file_is_named_with_the_item(tmp_path):
         where = next(v for k, v in meta.items() if k.fqn == key)
         data = path / where.relative_path
         raw = bytearray(data.read_bytes())
-        if cut:  # the file ends inside the tensor's storage
+        if cut == "pkl":  # bytes of the record's data.pkl (after its 30-byte zip header)
+            raw[where.offset + 40:where.offset + 80] = b"\xff" * 40
+        elif cut:  # the file ends inside the tensor's storage
             raw = raw[: where.offset + where.length // 2]
-        else:  # the object's pickle bytes overwritten
+        else:  # the whole record overwritten
             raw[where.offset:where.offset + where.length] = b"\0" * where.length
         data.write_bytes(bytes(raw))
         return path, data
@@ -358,6 +369,16 @@ def test_a_damaged_data_file_is_named_with_the_item(tmp_path):
                              rf"\(0, 0\) with torch's reader\)"):
         _read(path, [item], target(), runs=True)
 
+    # A record whose data.pkl torch's weights-only unpickler refuses: no advice to load it with
+    # weights_only=False (it is damaged, not foreign).
+    path, data = damaged("pkl", "transposed", cut="pkl")
+    with pytest.raises(dcp_reader.DataFileError) as refused:
+        _read(path, [_item("transposed", (0, 0), (96, 40))],
+              {"transposed": torch.full((96, 40), SENTINEL, dtype=torch.float32)}, runs=True)
+    assert re.match(rf"{data}: UnpicklingError: a tensor record that does not unpickle as a "
+                    rf"tensor \(Unsupported operand 255\) \(while reading tensor 'transposed'",
+                    str(refused.value)), str(refused.value)
+    assert "weights_only" not in str(refused.value)
     # Storage reads (over 4 KiB) find the end of the file: it was cut after the headers were read.
     reader = _reader(tmp_path / "src", hook=lambda readinto, b: 0 if len(b) > 4096 else readinto(b))
     data = tmp_path / "src" / info.relative_path
@@ -366,4 +387,4 @@ def test_a_damaged_data_file_is_named_with_the_item(tmp_path):
                              rf"\(tensor '{fqn}', the chunk at \(0, 0\), bytes {info.offset} to "
                              rf"{info.offset + info.length} of the file\)"):
         dcp_reader.read_data(reader, LoadPlan([item]), _Planner(target()),
-                             FileSystemReader.read_data)
+                             _torch_read_data())
