@@ -30,6 +30,7 @@ import io
 import math
 import os
 import pickle
+import re
 import struct
 import sys
 import zipfile
@@ -440,8 +441,6 @@ def _failing_item(reader, plan, planner, stock, items, exc):
 def _error_text(error: BaseException) -> str:
     """``Type: message``, without the advice ``torch.load`` gives for a file its weights-only
     unpickler refuses (to load it with ``weights_only=False``): here the record is damaged."""
-    import re
-
     text = str(error)
     if "Weights only load failed" in text:
         found = re.search(r"WeightsUnpickler error:(.*?)(?:Check the documentation|$)", text, re.S)

@@ -518,7 +518,7 @@ class AsyncSaves:
                 try:
                     tracked = f"; {TRACKER} still names iteration {read_tracker(root)}"
                 except CheckpointError as error:
-                    tracked = f"; and its tracker cannot be read: {error}"
+                    tracked = f"; the tracker cannot be read: {error}"
         return (f"{what} failed on rank(s) {sorted(failures)}: {'; '.join(parts)}. Nothing "
                 f"was renamed into place (the files written stay in the hidden staging dir)"
                 f"{tracked}")
@@ -969,7 +969,6 @@ def remove_old_checkpoints(root, keep_last: int, keep: tuple[int, ...] = ()) -> 
 def load_common(root, iteration: int | None = None) -> tuple[Path, dict]:
     """The iter dir and the common (non-sharded) state of a checkpoint (default: the tracker's)."""
     from megatron.core import dist_checkpointing
-
     from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
 
     from gtp import dcp_reader
