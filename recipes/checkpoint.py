@@ -60,15 +60,23 @@ def _unreadable(file: Path, exc: BaseException, what: str) -> CheckpointError:
 
 
 def _errors(exc: BaseException) -> str:
-    """``Type: message`` of ``exc``; for torch DCP's ``CheckpointException`` (its ``failures``:
-    rank -> (exception, traceback)), that of each rank's exception instead of the traces."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    if isinstance(exc, CheckpointException) and exc.failures:
-        errors = {rank: f[0] if isinstance(f, tuple) else f for rank, f in exc.failures.items()}
+    """``Type: message`` of ``exc``; for torch DCP's ``CheckpointException``, that of each
+    rank's exception (:func:`_rank_errors`) instead of the traces."""
+    errors = _rank_errors(exc)
+    if errors:
         return "; ".join(f"rank {rank}: {type(error).__name__}: {error}"
                          for rank, error in sorted(errors.items()))
     return f"{type(exc).__name__}: {exc}"
+
+
+def _rank_errors(exc: BaseException) -> dict:
+    """rank -> exception of torch DCP's ``CheckpointException`` (its ``failures``: rank ->
+    (exception, traceback)); empty for any other exception."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not isinstance(exc, CheckpointException):
+        return {}
+    return {rank: f[0] if isinstance(f, tuple) else f for rank, f in exc.failures.items()}
 
 
 def read_tracker(root: str | os.PathLike) -> int:
@@ -489,8 +497,7 @@ class AsyncSaves:
         """
         exit_code = getattr(writer, "exitcode", None)
         mine = {}
-        for rank, failure in exc.failures.items():
-            error = failure[0] if isinstance(failure, tuple) else failure
+        for rank, error in _rank_errors(exc).items():
             mine[rank] = f"{type(error).__name__}: {error}"
             if "results_queue should not be empty" in str(error):  # megatron's words for it
                 mine[rank] = "its writer ended without reporting a result"
