@@ -1058,6 +1058,13 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
     state = _sharded_state_dict(model, optimizer, is_loading=True, adapt=adapt)
     check_shapes(state, path, stored, skip_prefixes=("optimizer.state.param.",
                                                     "optimizer.state.fp32_param."))
+    from recipes import precision_change
+    from recipes.model import model_chunks
+
+    precision = precision_change.prepare(
+        state, stored, mine, precision_change.saved_is_bf16(
+            common["train_state"].get("config"), stored),
+        precision_change.is_bf16(model_chunks(model)))
     dropped = optim_checkpoint.prepare_request(state["optimizer"], stored, mine, saved)
     same_layout = saved_layout(common) == dict(layout_dict) and not converted
     if same_layout:
@@ -1083,11 +1090,13 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
             detail = _errors(failure) + "\n" + detail
         detail = detail if len(detail) <= 2000 else detail[:2000] + " ..."
         raise CheckpointError(f"{path} {what}: {detail}") from failure
+    precision_change.finish(precision, loaded)
     _load_model_state(model, loaded["model"])
     # Weights first: a distributed optimizer resumed from a plain fp32 run takes its main
     # params from them.
     optimizer.load_state_dict(optim_checkpoint.finish_load(
         optimizer, loaded["optimizer"], common["optimizer"], mine, saved, dropped))
+    precision_change.after_optimizer_load(precision, optimizer, model_chunks(model))
     scheduler.load_state_dict(common["opt_param_scheduler"])
     if same_layout:
         _set_rng_state(loaded["rng_state"])

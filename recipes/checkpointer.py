@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from gtp.records import saved_layout
-from recipes import checkpoint
+from recipes import checkpoint, precision_change
 from recipes.checkpoint import CheckpointError
 
 
@@ -212,8 +212,12 @@ DATA_FIELDS = ("train.seed", "model.seq_length", "data.source", "data.paths", "d
 # megatron's OptimizerParamScheduler (and the optimizer's param-group keys) hold these.
 SCHEDULE_FIELDS = ("optim.lr", "optim.min_lr", "optim.lr_warmup_iters", "optim.lr_decay_iters",
                    "optim.lr_decay_style", "optim.weight_decay")
+# Adam's param-group hyper-parameters: torch's load_state_dict restores the checkpoint's, so they
+# follow the lr schedule's policy (kept, or written after the load with the override).
+ADAM_FIELDS = ("optim.adam_beta1", "optim.adam_beta2", "optim.adam_eps")
+KEPT_ON_RESUME = SCHEDULE_FIELDS + ADAM_FIELDS
 # Resharded or reread on load; no effect on the saved state.
-_NEUTRAL = ("parallelism", "logger", "checkpoint", "output_dir", "precision", "data.cache_dir")
+_NEUTRAL = ("parallelism", "logger", "checkpoint", "output_dir", "data.cache_dir")
 
 
 @dataclass(frozen=True)
@@ -271,9 +275,11 @@ def resume_changes(saved: dict, now: dict, consumed_samples: int) -> list[Change
                       if consumed_samples % int(new) == 0 else
                       f"REFUSED: {consumed_samples} consumed samples are not a whole number of "
                       f"batches of {new} (checkpoint.allow_data_change=true allows it)")
-        elif name in SCHEDULE_FIELDS:
+        elif name in KEPT_ON_RESUME:
             effect = ("new value used (optim.override_opt_param_scheduler=true)" if override else
                       f"checkpoint's {old} kept (optim.override_opt_param_scheduler=true takes the new)")
+        elif name == "precision.params_dtype":
+            effect = precision_change.describe(old, new)
         elif name == "train.train_iters":
             effect = "runs to the new end; samples already planned keep their order"
         elif name.startswith(("model.", "gtp.")):
@@ -299,7 +305,8 @@ def prepare_resume(cfg, layout) -> None:
     """Pre-launch checks and decisions of a run that loads a checkpoint (and of every run's save
     dir). Updates ``cfg`` in place so the recorded config is what runs:
     ``checkpoint.load_iteration`` pinned to the iteration resolved now (every rank loads it) and,
-    unless ``optim.override_opt_param_scheduler``, the lr schedule fields set to the checkpoint's.
+    unless ``optim.override_opt_param_scheduler``, the lr schedule fields and Adam's betas and eps
+    set to the checkpoint's (:data:`KEPT_ON_RESUME`).
 
     Raises:
         NothingToTrain: the checkpoint is at or past ``train.train_iters``.
@@ -339,8 +346,10 @@ def prepare_resume(cfg, layout) -> None:
     with open_dict(cfg):
         ck.load_iteration = iteration
         if saved and not cfg.optim.get("override_opt_param_scheduler", False):
-            for name in SCHEDULE_FIELDS:
+            for name in KEPT_ON_RESUME:
                 key = name.split(".")[1]
+                if _get(saved, name) is None and name in ADAM_FIELDS:
+                    continue  # a checkpoint from before the field was recorded
                 cfg.optim[key] = _decay_iters(saved) if key == "lr_decay_iters" else _get(saved, name)
 
 

@@ -72,17 +72,24 @@ def build_scheduler(cfg, optimizer):
     )
 
 
-def apply_schedule_override(optimizer, cfg) -> None:
+def apply_schedule_override(optimizer, scheduler, cfg) -> None:
     """Set the param groups' lr and weight-decay bounds to ``cfg.optim``'s after a load.
 
     megatron identifies param groups on load by keys that include ``max_lr``/``min_lr``/
     ``start_wd``/``end_wd`` (``param_group_identifier_keys``), so the optimizer is built and
     loaded with the checkpoint's values; with ``optim.override_opt_param_scheduler`` this then
-    moves the groups to the new ones, which megatron's scheduler reads in ``get_lr``/``get_wd``.
+    moves the groups to the new ones, which megatron's scheduler reads in ``get_lr``/``get_wd``,
+    and writes ``optim.adam_beta1``/``adam_beta2``/``adam_eps`` into every group's ``betas`` and
+    ``eps`` (torch's ``Optimizer.load_state_dict`` restores the checkpoint's).
     """
     o = cfg.optim
-    values = {"max_lr": o.lr, "min_lr": o.min_lr, "start_wd": o.weight_decay, "end_wd": o.weight_decay}
+    values = {"max_lr": o.lr, "min_lr": o.min_lr, "start_wd": o.weight_decay, "end_wd": o.weight_decay,
+              # torch's load_state_dict restored the checkpoint's Adam hyper-parameters.
+              "betas": (o.adam_beta1, o.adam_beta2), "eps": o.adam_eps}
     for group in optimizer.param_groups:
         for key, value in values.items():
             if key in group:
                 group[key] = value
+    # The scheduler's load set each group's lr and weight decay from the old bounds; the next
+    # iteration must already run on the new ones (step(0): same iteration, recomputed).
+    scheduler.step(0)

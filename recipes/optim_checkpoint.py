@@ -155,39 +155,62 @@ def _hyper(groups: list, own_groups: list) -> list:
     return out
 
 
+def _plain_node(common: dict) -> dict:
+    """The plain optimizer's ``{param_groups, state}`` in its common state: at the top for fp32
+    runs, under ``optimizer`` for bf16 ones (megatron's ``Float16OptimizerWithFloat16Params``)."""
+    return common if "param_groups" in common else common["optimizer"]
+
+
 def finish_load(optimizer, loaded: dict, common: dict, mine: str, saved: str,
                 dropped: list) -> dict:
     """The state dict the running optimizer's ``load_state_dict`` takes.
 
+    Same kind and precision: ``loaded`` as it is. A plain optimizer resumed from another kind
+    or another precision (fp32 ``{state, param_groups}`` vs bf16 ``{optimizer: {state,
+    param_groups}, fp32_from_fp16_params}``) gets the file's hyper-parameters and step with the
+    loaded moments in its own structure.
+
     Args:
         optimizer: the running megatron optimizer (its model weights already loaded).
-        loaded: ``dist_checkpointing.load``'s ``optimizer`` entry (the request's tensors).
+        loaded: ``dist_checkpointing.load``'s ``optimizer`` entry (the request's tensors merged
+            into the file's common optimizer state).
         common: the checkpoint's common ``optimizer`` entry.
         mine, saved, dropped: as :func:`prepare_request`.
+
+    Raises:
+        OptimizerCheckpointError: the file's param groups or step cannot be matched.
     """
-    if mine == saved:
+    bf16_now = "fp32_from_fp16_params" in loaded
+    if mine == saved and (mine == DISTRIBUTED or bf16_now == ("param_groups" not in common)):
         return loaded
     opt = _single(optimizer)
-    if mine == PLAIN:  # file: distributed optimizer
-        groups = common["optimizer"]["param_groups"]
-        steps = {g["step"] for g in groups if "step" in g}
-        if len(steps) != 1:
-            raise OptimizerCheckpointError(f"the checkpoint's param groups hold steps {steps}")
-        bf16 = "fp32_from_fp16_params" in loaded
-        own = opt.optimizer.state_dict()["param_groups"]
-        inner = {"state": dict(loaded["optimizer"]["state"] if bf16 else loaded["state"]),
+    own = opt.optimizer.state_dict()["param_groups"]
+    if mine == PLAIN:
+        if saved == DISTRIBUTED:
+            groups = common["optimizer"]["param_groups"]
+            steps = {g["step"] for g in groups if "step" in g}
+            if len(steps) != 1:
+                raise OptimizerCheckpointError(f"the checkpoint's param groups hold steps {steps}")
+            step = torch.tensor(float(steps.pop()))
+        else:
+            node = _plain_node(common)
+            groups, step = node["param_groups"], node.get("state", {}).get("common_step")
+            if step is None:
+                raise OptimizerCheckpointError("the checkpoint's optimizer state has no common_step")
+        moments = loaded["optimizer"]["state"] if bf16_now else loaded["state"]
+        inner = {"state": {k: v for k, v in moments.items() if k != "common_step"},
                  "param_groups": _hyper(groups, own)}
-        inner["state"]["common_step"] = torch.tensor(float(steps.pop()))
-        if bf16:
-            return {**loaded, "optimizer": inner}
+        inner["state"]["common_step"] = step
+        if bf16_now:
+            return {k: v for k, v in loaded.items() if k not in ("state", "param_groups")} | {
+                "optimizer": inner}
         return inner
     # mine == DISTRIBUTED, file: plain optimizer
-    node = common if "param_groups" in common else common["optimizer"]  # fp32 / bf16
+    node = _plain_node(common)
     groups, state = node["param_groups"], node.get("state", {})
     step = state.get("common_step")
     if step is None:
         raise OptimizerCheckpointError("the checkpoint's optimizer state has no common_step")
-    own = opt.optimizer.state_dict()["param_groups"]
     hyper = [g | {"step": float(step)} for g in _hyper(groups, own)]
     param_state = dict(loaded["param_state"])
     if dropped:
@@ -233,7 +256,40 @@ def install() -> None:
 
     _set_main_param_and_optimizer_states.__wrapped__ = original
     DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+
+    original_load = DistributedOptimizer.load_state_dict
+
+    def load_state_dict(self, state_dict):
+        original_load(self, state_dict)
+        untie_steps(self.optimizer)
+
+    load_state_dict.__wrapped__ = original_load
+    DistributedOptimizer.load_state_dict = load_state_dict
     _PATCHED = True
+
+
+def untie_steps(torch_optimizer) -> int:
+    """Give every parameter's state its own ``step`` tensor; returns how many were shared.
+
+    megatron-core 0.19.2's ``DistributedOptimizer.load_state_dict`` (without apex/TE) puts one
+    ``step`` tensor object into every parameter's state, and torch's
+    ``Optimizer.load_state_dict`` keeps step tensors uncopied, so single-tensor Adam's
+    ``step += 1`` per parameter would advance the shared step once per parameter per iteration
+    (wrong bias corrections from the second iteration after a load on).
+
+    Args:
+        torch_optimizer: a ``torch.optim.Optimizer`` (megatron's ``.optimizer``).
+    """
+    seen, shared = set(), 0
+    for state in torch_optimizer.state.values():
+        step = state.get("step")
+        if not isinstance(step, torch.Tensor):
+            continue
+        if id(step) in seen:
+            state["step"] = step.detach().clone()
+            shared += 1
+        seen.add(id(state["step"]))
+    return shared
 
 
 def _params_in_fully_reshardable_order(opt) -> list:

@@ -183,7 +183,7 @@ def run(cfg) -> None:
         common = checkpoint.load_checkpoint(ck.load, model, optimizer, scheduler, layout_rec,
                                             load_iteration)
         if optimizer_cfg is not None:
-            apply_schedule_override(optimizer, cfg)
+            apply_schedule_override(optimizer, scheduler, cfg)
         iteration, train_state = common["iteration"], dict(common["train_state"])
         resumed_from = saved_layout(common)
         checkpointer.last_good = checkpoint.iter_dir(ck.load, load_iteration)
