@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup train test test-fast bench gpu-smoke clean
+.PHONY: help setup train test test-fast bench golden gpu-smoke clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -31,6 +31,9 @@ test: setup ## run unit, multi-process and end-to-end tests on CPU
 
 gpu-smoke: setup ## one CUDA GPU: nccl, bf16, 20 iterations, save, resume (scripts/gpu_smoke.sh)
 	PY=$(PY) scripts/gpu_smoke.sh
+
+golden: setup ## regenerate tests/golden/loss_curve.json (the golden loss curve; say why in the commit)
+	$(PY) tests/golden_curve.py
 
 bench: setup ## run the benchmarks and print their tables
 	$(PY) -m benchmarks $(ARGS)

@@ -11,9 +11,9 @@ saves at 3 and 6 (the uninterrupted run). From A's iteration 3:
 * F is E with ``gtp.checkpoint_layout=stock`` (megatron 0.19.2's own GTP checkpoint path),
   which would read those rows shifted: it is refused before launch.
 
-Resumed runs train iterations 4 and 5. Iteration 4 (the first after the resume) checks the
-weights (loss and grad norm depend on nothing else), iteration 5 also the Adam moments, step and
-lr schedule. Each must equal A's: ``learning-rate`` and ``consumed-samples`` exactly, ``lm loss``
+Resumed runs train iterations 4, 5 and 6. Iteration 4 (the first after the resume) checks the
+weights (loss and grad norm depend on nothing else), iterations 5 and 6 also the Adam moments,
+step and lr schedule. Each must equal A's: ``learning-rate`` and ``consumed-samples`` exactly, ``lm loss``
 and ``grad-norm`` within relative 1e-5 (fp32; the layouts differ only in reduction order, see
 tests/test_resume.py for the argument).
 """
@@ -48,7 +48,7 @@ def runs(train_run, tmp_path_factory):
     out = {"a": a}
     for name, overrides in RESUMED.items():
         out[name] = root / name
-        train_run(out[name], *COMMON, *overrides, "train.train_iters=5",
+        train_run(out[name], *COMMON, *overrides, "train.train_iters=6",
                   "checkpoint.save_interval=100", f"checkpoint.load={a}/checkpoints",
                   "checkpoint.load_iteration=3")
     out["f_tp2_g2a128_stock"] = train_run(
@@ -66,12 +66,12 @@ def test_resumed_run_continues_the_uninterrupted_one(runs, name):
     a, _ = by_iteration(runs["a"])
     got, events = by_iteration(runs[name])
     assert sorted(a) == [1, 2, 3, 4, 5, 6]
-    assert sorted(got) == [4, 5], f"{name} must continue at iteration 4"
+    assert sorted(got) == [4, 5, 6], f"{name} must continue at iteration 4"
     resume = [e for e in events if e["event"] == "resume"]
     assert resume and resume[0]["iteration"] == 3
     assert resume[0]["from_layout"]["gtp_remat_size"] == 2
     assert resume[0]["from_layout"]["pad_for_alignment"] == 16
-    for it in (4, 5):
+    for it in (4, 5, 6):
         assert got[it]["learning-rate"] == a[it]["learning-rate"], (name, it)
         assert got[it]["consumed-samples"] == a[it]["consumed-samples"], (name, it)
         for key in ("lm loss", "grad-norm"):

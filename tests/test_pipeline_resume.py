@@ -1,10 +1,10 @@
 """End to end through train.py: pipeline parallelism and the distributed optimizer resume at
 other layouts.
 
-A chain of runs of the tiny SwiGLU GPT. Each run resumes from the previous run's checkpoint of the
-iteration before its last, trains two iterations and saves every iteration, so each link
-compares the first resumed iteration with the previous run, which trained that iteration
-without interruption:
+A chain of runs of the tiny SwiGLU GPT. Run i resumes from run i-1's checkpoint of iteration i,
+trains to iteration i + 4 and saves every iteration, so each link compares the three
+iterations after the resume (i+1..i+3) with the previous run, which trained them without
+interruption:
 
     pp2 x gtp2/a16 (4 proc) -> tp2, GTP off (2) -> dp2 + distributed optimizer (2)
       -> plain tp2 (2) -> tp2 x pp2 (4) -> tp1 x dp2 (2)
@@ -14,8 +14,8 @@ pp1 -> pp2, tp2 x pp2 -> tp1 x dp2. ``learning-rate`` and ``consumed-samples`` a
 ``lm loss`` and ``grad-norm`` within relative 1e-5 (layouts differ only in reduction order).
 
 With tied embedding/output weights (the tiny GPT with 4 layers; the tied weight lives on both
-pipeline stages): pp2 (2 iterations) -> tp1, pp2 x vpp2 (2 iterations; the interleaved
-schedule, stage 0 holding layers 0 and 2) -> tp1, and one-iteration runs at tp1 and at dp2
+pipeline stages): pp2 -> tp1 and pp2 x vpp2 (the interleaved schedule, stage 0 holding layers
+0 and 2) -> tp1, each 4 iterations resumed from 1, and one-iteration runs at tp1 and at dp2
 with the distributed optimizer. The iteration-1 ``lm loss``, ``grad-norm`` and ``num-zeros``
 of tp1, dp2 + distributed optimizer and pp2 x vpp2 equal the pp2 run's (each logical element
 counted once, the tied weight once).
@@ -32,7 +32,7 @@ from recipes.metrics import read_metrics
 pytestmark = pytest.mark.e2e
 
 RTOL = 1e-5
-COMMON = ["optim.lr_warmup_iters=2", "optim.lr_decay_iters=8", "logger=none",
+COMMON = ["optim.lr_warmup_iters=2", "optim.lr_decay_iters=10", "logger=none",
           "checkpoint.save_interval=1"]
 SWIGLU = ["model=tiny_swiglu"]
 TIED = ["model=tiny", "model.num_layers=4", "model.share_embeddings_and_output_weights=true"]
@@ -59,17 +59,17 @@ def chain(train_run, tmp_path_factory):
         d = root / name
         load = [] if prev is None else [f"checkpoint.load={prev}/checkpoints",
                                         f"checkpoint.load_iteration={i}"]
-        train_run(d, *COMMON, *SWIGLU, *overrides, f"train.train_iters={i + 2}", *load)
+        train_run(d, *COMMON, *SWIGLU, *overrides, f"train.train_iters={i + 4}", *load)
         dirs[name], prev = d, d
     dirs["tied_pp2"] = root / "tied_pp2"
-    train_run(dirs["tied_pp2"], *COMMON, *TIED, "parallelism=pp2", "train.train_iters=2")
+    train_run(dirs["tied_pp2"], *COMMON, *TIED, "parallelism=pp2", "train.train_iters=4")
     dirs["tied_tp1"] = root / "tied_tp1"
-    train_run(dirs["tied_tp1"], *COMMON, *TIED, "parallelism=tp1", "train.train_iters=2",
+    train_run(dirs["tied_tp1"], *COMMON, *TIED, "parallelism=tp1", "train.train_iters=4",
               f"checkpoint.load={dirs['tied_pp2']}/checkpoints", "checkpoint.load_iteration=1")
     dirs["tied_pp2vpp2"] = root / "tied_pp2vpp2"
-    train_run(dirs["tied_pp2vpp2"], *COMMON, *TIED, *VPP2, "train.train_iters=2")
+    train_run(dirs["tied_pp2vpp2"], *COMMON, *TIED, *VPP2, "train.train_iters=4")
     dirs["tied_vpp_tp1"] = root / "tied_vpp_tp1"
-    train_run(dirs["tied_vpp_tp1"], *COMMON, *TIED, "parallelism=tp1", "train.train_iters=2",
+    train_run(dirs["tied_vpp_tp1"], *COMMON, *TIED, "parallelism=tp1", "train.train_iters=4",
               f"checkpoint.load={dirs['tied_pp2vpp2']}/checkpoints", "checkpoint.load_iteration=1")
     for name, overrides in FIRST_ITERATION.items():
         dirs[name] = root / name
@@ -88,18 +88,18 @@ LINKS.append(("tied_pp2vpp2", "tied_vpp_tp1", 1))
 
 
 @pytest.mark.parametrize("before, after, link", LINKS, ids=[f"{b}->{a}" for b, a, _ in LINKS])
-def test_first_resumed_iteration_continues_the_run_it_loaded(chain, before, after, link):
+def test_three_resumed_iterations_continue_the_run_they_loaded(chain, before, after, link):
     prev, _ = _rows(chain[before])
     got, events = _rows(chain[after])
-    it = link + 1  # resumed from iteration `link`
-    assert min(got) == it, (after, sorted(got))
+    assert min(got) == link + 1, (after, sorted(got))  # resumed from iteration `link`
     resume = [e for e in events if e["event"] == "resume"]
     assert resume and resume[0]["iteration"] == link
-    assert got[it]["learning-rate"] == prev[it]["learning-rate"]
-    assert got[it]["consumed-samples"] == prev[it]["consumed-samples"]
-    for key in ("lm loss", "grad-norm"):
-        assert math.isclose(got[it][key], prev[it][key], rel_tol=RTOL, abs_tol=0), (
-            f"{before} -> {after}, iteration {it}, {key}: {got[it][key]!r} vs {prev[it][key]!r}")
+    for it in range(link + 1, link + 4):  # three iterations after the resume
+        assert got[it]["learning-rate"] == prev[it]["learning-rate"], (after, it)
+        assert got[it]["consumed-samples"] == prev[it]["consumed-samples"], (after, it)
+        for key in ("lm loss", "grad-norm"):
+            assert math.isclose(got[it][key], prev[it][key], rel_tol=RTOL, abs_tol=0), (
+                f"{before} -> {after}, iteration {it}, {key}: {got[it][key]!r} vs {prev[it][key]!r}")
 
 
 def test_resume_records_pipeline_and_optimizer_layouts(chain):
