@@ -15,11 +15,12 @@ from typing import Any, Iterable, Optional, Union
 
 import numpy
 
+# End-of-document tokens looked up in a Hugging Face tokenizer when data.eod_id is null.
+from gtp.tokens import EOD_TOKENS
+
 SOURCES = ("pydoc", "text", "indexed", "mock")
 # Named tokenizers; any other data.tokenizer value is a path to a Hugging Face tokenizer.json.
 TOKENIZERS = ("byte", "external")
-# End-of-document tokens looked up in a Hugging Face tokenizer when data.eod_id is null.
-EOD_TOKENS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "[EOS]", "<|eot_id|>")
 # Megatron's "no pad token" id (megatron.core.datasets.megatron_dataset._PAD_TOKEN_ID,
 # NullTokenizer's default pad_id): outside every vocabulary, so it never occurs in a corpus.
 NO_PAD_ID = -1
