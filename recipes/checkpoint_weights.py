@@ -62,6 +62,7 @@ def load_model_weights(path, model) -> Path:
                 vocab.adapt_to_stored_rows(sd, stored, real, path)
             except ValueError as exc:
                 raise CheckpointError(str(exc)) from None
+    kept = _own_extra_states(model_sd)
     state = {"model": model_sd}
     check_shapes(state, path, stored)
     failure = None
@@ -76,5 +77,21 @@ def load_model_weights(path, model) -> Path:
         detail = str(failure)
         detail = detail if len(detail) <= 2000 else detail[:2000] + " ..."
         raise CheckpointError(f"cannot load the weights of {path}: {detail}") from failure
+    for sd, key, value in kept:  # this model's own, back into the loaded state
+        (loaded["model"][sd] if sd is not None else loaded["model"])[key] = value
     _load_model_state(model, loaded["model"])
     return path
+
+
+def _own_extra_states(model_sd: dict) -> list:
+    """Take the layers' ``_extra_state`` entries out of the request (they are not weights:
+    TransformerEngine's FP8 scaling state, None for megatron's local layers, and absent from an
+    imported checkpoint) and return ``(chunk key or None, key, this model's value)`` of each."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    out = []
+    for chunk, sd in (model_sd.items() if "chunk0" in model_sd else ((None, model_sd),)):
+        for key in [k for k, v in sd.items()
+                    if k.endswith("._extra_state") and isinstance(v, ShardedObject)]:
+            out.append((chunk, key, sd.pop(key).data))
+    return out

@@ -3,9 +3,11 @@
 load at several layouts with transformers' logits, and fine-tune from iteration 0.
 
 Models: a tiny Llama (GQA 4 heads / 2 groups, untied output, Llama-3 RoPE scaling with a large
-rope_theta so that many frequencies are scaled) and a tiny GPT-2 (exact GeLU, tied output,
-biases, saved in shards with an index). Norm weights and biases are drawn away from their
-initial 1/0 so that a misplaced tensor shows.
+rope_theta so that many frequencies are scaled) and a tiny GPT-2 (exact GeLU, biases, untied,
+saved in shards with an index); a tied GPT-2 for the round trip only (megatron-core 0.19.2 hands
+the tied weight's GTP shard to the output layer, which refuses it: no GTP layout runs a tied
+model). Norm weights and biases are drawn away from their initial 1/0 so that a misplaced
+tensor shows.
 
 One 4-process world loads both imports at tp1 (dp4), tp2 x gtp2 with pad_for_alignment 16 (dp1)
 and pp2 (dp2), and takes one training step at tp2 x gtp2 whose ``lm loss`` is compared with
@@ -53,12 +55,12 @@ def _save_models(root):
         rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
         bos_token_id=256, eos_token_id=256))
-    gpt2 = GPT2LMHeadModel(GPT2Config(
+    gpt2, gpt2_tied = (GPT2LMHeadModel(GPT2Config(
         vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4,
         activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        bos_token_id=256, eos_token_id=256))
+        bos_token_id=256, eos_token_id=256, tie_word_embeddings=tied)) for tied in (False, True))
     with torch.no_grad():
-        for model in (llama, gpt2):
+        for model in (llama, gpt2, gpt2_tied):
             for name, p in model.named_parameters():
                 if "norm" in name or ".ln" in name:
                     p.uniform_(0.5, 1.5) if name.endswith("weight") else p.normal_(0, 0.1)
@@ -66,6 +68,7 @@ def _save_models(root):
                     p.normal_(0, 0.1)
     llama.save_pretrained(root / "llama")
     gpt2.save_pretrained(root / "gpt2", max_shard_size="100KB")  # sharded, with an index
+    gpt2_tied.save_pretrained(root / "gpt2_tied")
     assert (root / "gpt2" / "model.safetensors.index.json").is_file()
 
 
@@ -82,7 +85,7 @@ def _tensors(d) -> dict:
 def hf(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     _save_models(root)
-    for name in ("llama", "gpt2"):
+    for name in ("llama", "gpt2", "gpt2_tied"):
         printed = io.StringIO()
         assert cli.main(["import", str(root / name), str(root / f"{name}_ckpt")], out=printed) == 0
         assert f"checkpoint.pretrained={root / name}_ckpt" in printed.getvalue()
@@ -101,7 +104,7 @@ def _config_facts(config) -> dict:
     return {k: v for k, v in d.items() if k not in drop}
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gpt2_tied"])
 def test_import_then_export_is_bit_equal(hf, tmp_path, name):
     out = tmp_path / "exported"
     assert cli.main(["export", str(hf / f"{name}_ckpt"), str(out)]) == 0
@@ -211,15 +214,15 @@ def _world(cfgs: dict) -> dict:
         tokenizer, model, optimizer, scheduler = worker.setup(cfg, layout)
         pretrained.load_weights(cfg, model, optimizer)
         result = {"logits": _logits(model, tokens), "tokens": tokens}
-        if key.endswith("tp2_gtp2_a16"):  # dp1: this rank sees every micro-batch
+        if key.endswith("tp2_gtp2_a16"):
             model.train()
             group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-            assert torch.distributed.get_world_size(group) == 1
-            train_iter, _ = build_iterators(cfg, 0, 0, 1, tokenizer)
+            dp_rank, dp_size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+            train_iter, _ = build_iterators(cfg, 0, dp_rank, dp_size, tokenizer)
             train_iter = _Recording(train_iter)
-            n = cfg.data.global_batch_size // cfg.data.micro_batch_size
+            n = cfg.data.global_batch_size // (cfg.data.micro_batch_size * dp_size)
             result["step"] = train_step(model, optimizer, scheduler, train_iter, n, cfg)
-            result["batches"] = train_iter.seen
+            result["batches"] = {dp_rank: train_iter.seen}
         out[key] = result
     reset_model_parallel()
     return out
@@ -238,6 +241,11 @@ def world(hf, tmp_path_factory, data_cache):
         ranks = [r[key] for r in results]
         with_logits = [r for r in ranks if r["logits"] is not None]
         merged[key] = {**ranks[0], "logits": with_logits[0]["logits"]}
+        if "batches" in ranks[0]:  # the global batch: each data-parallel rank's micro-batches
+            by_dp = {}
+            for r in ranks:
+                by_dp.update(r["batches"])
+            merged[key]["batches"] = [b for dp in sorted(by_dp) for b in by_dp[dp]]
     return merged
 
 
