@@ -193,6 +193,9 @@ def run(cfg) -> None:
     if submitit_env is not None:
         os.environ.update(submitit_env)
     pretrained.apply_source(cfg)  # model fields from checkpoint.pretrained, before validation
+    from recipes.data.tokenizers import check_before_launch
+
+    check_before_launch(cfg.data)
     layout = validate(cfg, world_size_from_env(cfg))
     if cfg.train.get("dry_run", False):
         from recipes.dry_run import report

@@ -298,7 +298,8 @@ def test_pretrained_fine_tune_with_zero_lr_exports_the_source(hf, tmp_path, trai
     proc = train_run(out, f"checkpoint.pretrained={hf / 'llama'}", "parallelism=tp2",
                      "parallelism.nproc_per_node=4", "gtp.gtp_remat_size=2",
                      "gtp.pad_for_alignment=16", "optim.lr=0", "optim.min_lr=0",
-                     "train.train_iters=1", "train.eval_iters=0", f"hydra.run.dir={out}",
+                     "train.train_iters=1", "optim.lr_warmup_iters=0", "train.eval_iters=0",
+                     f"hydra.run.dir={out}",
                      "checkpoint.save=" + str(out / "ckpt"))
     assert "imported" in proc.stdout
     resolved = OmegaConf.load(out / "resolved_config.yaml")
@@ -315,10 +316,34 @@ def test_pretrained_fine_tune_with_zero_lr_exports_the_source(hf, tmp_path, trai
     assert json.loads((exported / "config.json").read_text())["eos_token_id"] == 256
 
 
-def test_pretrained_refusals_before_launch(hf, tmp_path, train_run):
-    proc = train_run(tmp_path / "a", f"checkpoint.pretrained={hf / 'llama'}", "model.hidden_size=96",
-                     rc=2)
-    assert "model.hidden_size=96 (the source has 64)" in proc.stdout
-    proc = train_run(tmp_path / "b", f"checkpoint.pretrained={hf / 'llama'}",
-                     f"checkpoint.load={hf / 'llama_ckpt'}", rc=2)
-    assert "give one of them" in proc.stdout
+def test_pretrained_model_fields_and_refusals_before_launch(hf):
+    """Fields come from the source unless given; a given field that contradicts the source's
+    tensors, both load and pretrained, or another vocabulary are refused, each named."""
+    from recipes import pretrained
+    from recipes.data.tokenizers import check_before_launch
+    from recipes.validate import ConfigError
+
+    src = f"checkpoint.pretrained={hf / 'llama'}"
+    cfg = make_cfg(src, "model.rotary_base=10000")
+    pretrained.apply_source(cfg, overrides=["model.rotary_base=10000"])
+    assert (cfg.model.hidden_size, cfg.model.num_query_groups, cfg.model.normalization) == (
+        64, 2, "RMSNorm")
+    assert cfg.model.rotary_base == 10000 and cfg.model.rope_scaling is True  # given: kept
+    cfg = make_cfg(src, "model.hidden_size=96")
+    with pytest.raises(ConfigError, match=r"model.hidden_size=96 \(the source has 64\)"):
+        pretrained.apply_source(cfg, overrides=["model.hidden_size=96"])
+    # A checkpoint of this project as the source; model=NAME gives all of that group's fields.
+    cfg = make_cfg(f"checkpoint.pretrained={hf / 'gpt2_ckpt'}", "model=llama_tiny")
+    with pytest.raises(ConfigError) as refused:
+        pretrained.apply_source(cfg, overrides=["model=llama_tiny"])
+    assert "model.hidden_size=72 (the source has 64)" in str(refused.value)
+    assert "model.normalization=RMSNorm (the source has 'LayerNorm')" in str(refused.value)
+    cfg = make_cfg(src, f"checkpoint.load={hf / 'llama_ckpt'}")
+    with pytest.raises(ConfigError, match="give one of them"):
+        pretrained.apply_source(cfg, overrides=[])
+    cfg = make_cfg(src, "data.source=indexed", "data.tokenizer=external", "data.vocab_size=300",
+                   "data.eod_id=0")
+    with pytest.raises(ConfigError, match="vocabulary of 257 tokens.*has 300"):
+        pretrained.apply_source(cfg, overrides=[])
+    with pytest.raises(ConfigError, match="only local files work offline"):
+        check_before_launch(make_cfg("data.tokenizer=gpt2").data)
