@@ -295,7 +295,8 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None) -> 
     except KeyError as exc:
         raise ExportError(f"{analysis.path} lacks tensor {exc} needed for {_CLASSES[arch]}") from exc
     hf_cls = getattr(transformers, _CLASSES[arch])
-    model = hf_cls(config)
+    # In the checkpoint's dtype: load_state_dict would cast a bf16 run's weights to fp32.
+    model = hf_cls(config).to(state[_EMBEDDING[arch]].dtype)
     state = {k: v.contiguous()
              for k, v in progress(state.items(), "export", total=len(state), unit="tensor")}
     if config.tie_word_embeddings:  # the output layer is the embedding (one tensor in the file)

@@ -67,6 +67,7 @@ def _save_models(root):
                 elif name.endswith("bias"):
                     p.normal_(0, 0.1)
     llama.save_pretrained(root / "llama")
+    llama.to(torch.bfloat16).save_pretrained(root / "llama_bf16")  # for the bf16 fine-tune
     gpt2.save_pretrained(root / "gpt2", max_shard_size="100KB")  # sharded, with an index
     gpt2_tied.save_pretrained(root / "gpt2_tied")
     assert (root / "gpt2" / "model.safetensors.index.json").is_file()
@@ -289,18 +290,20 @@ def test_first_loss_equals_transformers_loss(hf, world, name):
 
 
 def test_pretrained_fine_tune_with_zero_lr_exports_the_source(hf, tmp_path, train_run):
-    """``train.py checkpoint.pretrained=HF_DIR`` at tp2 x gtp2 (pad 16), lr 0, one iteration:
-    the saved checkpoint exports to the source's tensors bit for bit; the run starts at
-    iteration 0 with the source's model fields and a byte-tokenizer eos of 256."""
+    """``train.py checkpoint.pretrained=HF_DIR`` at tp2 x gtp2 (pad 16) in bf16 with the
+    distributed optimizer, lr 0, one iteration: the saved checkpoint exports to the source's
+    tensors bit for bit (the fp32 main params were refreshed from the loaded weights, not left
+    at the random init); the run starts at iteration 0 with the source's model fields, and the
+    export of this byte-tokenizer run has eos_token_id 256."""
     from recipes.metrics import read_metrics
 
     out = tmp_path / "job"
-    proc = train_run(out, f"checkpoint.pretrained={hf / 'llama'}", "parallelism=tp2",
+    proc = train_run(out, f"checkpoint.pretrained={hf / 'llama_bf16'}", "parallelism=tp2",
                      "parallelism.nproc_per_node=4", "gtp.gtp_remat_size=2",
-                     "gtp.pad_for_alignment=16", "optim.lr=0", "optim.min_lr=0",
+                     "gtp.pad_for_alignment=16", "precision=bf16",
+                     "optim.use_distributed_optimizer=true", "optim.lr=0", "optim.min_lr=0",
                      "train.train_iters=1", "optim.lr_warmup_iters=0", "train.eval_iters=0",
-                     f"hydra.run.dir={out}",
-                     "checkpoint.save=" + str(out / "ckpt"))
+                     f"hydra.run.dir={out}", "checkpoint.save=" + str(out / "ckpt"))
     assert "imported" in proc.stdout
     resolved = OmegaConf.load(out / "resolved_config.yaml")
     assert resolved.model.num_query_groups == 2 and resolved.model.rope_scaling is True
@@ -309,9 +312,10 @@ def test_pretrained_fine_tune_with_zero_lr_exports_the_source(hf, tmp_path, trai
     assert [e["event"] for e in events][:1] == ["start"]
     exported = tmp_path / "exported"
     assert cli.main(["export", str(out / "ckpt"), str(exported)]) == 0
-    src, back = _tensors(hf / "llama"), _tensors(exported)
+    src, back = _tensors(hf / "llama_bf16"), _tensors(exported)
     assert sorted(src) == sorted(back)
     for key, tensor in src.items():
+        assert back[key].dtype == tensor.dtype == torch.bfloat16, key
         assert torch.equal(back[key], tensor), key
     assert json.loads((exported / "config.json").read_text())["eos_token_id"] == 256
 
