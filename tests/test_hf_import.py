@@ -58,7 +58,8 @@ def _save_models(root):
     gpt2, gpt2_tied = (GPT2LMHeadModel(GPT2Config(
         vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4,
         activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        bos_token_id=256, eos_token_id=256, tie_word_embeddings=tied)) for tied in (False, True))
+        bos_token_id=eod, eos_token_id=eod, tie_word_embeddings=tied))
+        for tied, eod in ((False, 256), (True, 0)))
     with torch.no_grad():
         for model in (llama, gpt2, gpt2_tied):
             for name, p in model.named_parameters():
@@ -70,6 +71,21 @@ def _save_models(root):
     llama.to(torch.bfloat16).save_pretrained(root / "llama_bf16")  # for the bf16 fine-tune
     gpt2.save_pretrained(root / "gpt2", max_shard_size="100KB")  # sharded, with an index
     gpt2_tied.save_pretrained(root / "gpt2_tied")
+    _byte_bpe().save(str(root / "gpt2_tied" / "tokenizer.json"))  # its end of text is id 0
+
+
+def _byte_bpe():
+    """A byte-level BPE of VOCAB tokens: <|endoftext|> (id 0) and the 256 byte symbols."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world"], trainer)
+    assert tok.get_vocab_size() == VOCAB
+    return tok
     assert (root / "gpt2" / "model.safetensors.index.json").is_file()
 
 
@@ -114,6 +130,12 @@ def test_import_then_export_is_bit_equal(hf, tmp_path, name):
     for key, tensor in src.items():
         assert back[key].dtype == tensor.dtype and torch.equal(back[key], tensor), key
     assert _config_facts(out) == _config_facts(hf / name)
+    if name == "gpt2_tied":  # the source's tokenizer.json came along, loadable by AutoTokenizer
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(out)
+        assert tok.eos_token == "<|endoftext|>" and tok.eos_token_id == 0
+        assert tok.decode(tok("hello wide world").input_ids) == "hello wide world"
 
 
 def test_refusals_name_the_field_or_tensor(hf, tmp_path):
