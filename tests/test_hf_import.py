@@ -373,3 +373,13 @@ def test_pretrained_model_fields_and_refusals_before_launch(hf):
         pretrained.apply_source(cfg, overrides=[])
     with pytest.raises(ConfigError, match="only local files work offline"):
         check_before_launch(make_cfg("data.tokenizer=gpt2").data)
+
+
+def test_export_token_ids_of_a_byte_tokenizer_run():
+    """The byte tokenizer's end of text (256) is the exported bos/eos/pad, also when the
+    checkpoint records its vocabulary size (every checkpoint of gtp-recipes does)."""
+    from gtp import hf_export
+
+    assert hf_export._vocab({"vocab_size": 257}, {"tokenizer": "byte", "eod_id": None}) == (257, 256)
+    assert hf_export._token_ids({}, 256) == {"bos_token_id": 256, "eos_token_id": 256,
+                                             "pad_token_id": 256}
