@@ -12,12 +12,12 @@ from pathlib import Path
 from recipes import vocab
 from recipes.checkpoint import (
     CheckpointError,
-    _load_model_state,
-    _model_sharded_state_dict,
-    _stored_shapes,
     any_rank_failed,
     check_shapes,
     load_common,
+    load_model_state,
+    model_sharded_state_dict,
+    stored_shapes,
 )
 
 
@@ -54,8 +54,8 @@ def load_model_weights(path, model) -> Path:
                                       stock_writer=not gtp_checkpoint.is_installed())
     except legacy.LegacyCheckpointError as exc:
         raise CheckpointError(str(exc)) from exc
-    stored = _stored_shapes(path)
-    model_sd = _model_sharded_state_dict(model)
+    stored = stored_shapes(path)
+    model_sd = model_sharded_state_dict(model)
     if real is not None:
         for sd in (model_sd.values() if "chunk0" in model_sd else (model_sd,)):
             try:
@@ -79,7 +79,7 @@ def load_model_weights(path, model) -> Path:
         raise CheckpointError(f"cannot load the weights of {path}: {detail}") from failure
     for sd, key, value in kept:  # this model's own, back into the loaded state
         (loaded["model"][sd] if sd is not None else loaded["model"])[key] = value
-    _load_model_state(model, loaded["model"])
+    load_model_state(model, loaded["model"])
     return path
 
 

@@ -84,8 +84,8 @@ def source_config(path) -> tuple[dict, dict]:
                           f"dir with config.json, or a checkpoint of gtp-recipes)")
     if is_hf_dir(path):
         try:
-            kind, config = hf_import.read_config(path)
-            model = {"name": f"hf_{kind}", **hf_import._FIELDS[kind](config)}
+            _, config = hf_import.read_config(path)
+            model = hf_import.implied_model(path)
         except hf_import.HFImportError as exc:
             raise ConfigError(f"checkpoint.pretrained={path}: {exc}") from None
         eos = hf_import.token_ids(config)["eos_token_id"]
