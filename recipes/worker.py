@@ -232,7 +232,9 @@ def run(cfg) -> None:
                          load=str(ck.load), wandb_run_id=run_id,
                          wandb_parent_run_id=parent and parent["run_id"])
         else:
-            logger.event("start", iteration=0, layout=layout_rec)
+            from recipes.pretrained import describe
+
+            logger.event("start", iteration=0, layout=layout_rec, **describe(cfg))
 
     def saved(it: int, path) -> None:
         if rank == 0:

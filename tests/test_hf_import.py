@@ -331,7 +331,8 @@ def test_pretrained_fine_tune_with_zero_lr_exports_the_source(hf, tmp_path, trai
     assert resolved.model.num_query_groups == 2 and resolved.model.rope_scaling is True
     rows, events = read_metrics(out)
     assert [r["iteration"] for r in rows if "lm loss" in r] == [1]
-    assert [e["event"] for e in events][:1] == ["start"]
+    assert events[0]["event"] == "start" and events[0]["pretrained"] == str(hf / "llama_bf16")
+    assert resolved.checkpoint.pretrained == str(hf / "llama_bf16")  # in wandb's run config
     exported = tmp_path / "exported"
     assert cli.main(["export", str(out / "ckpt"), str(exported)]) == 0
     src, back = _tensors(hf / "llama_bf16"), _tensors(exported)
