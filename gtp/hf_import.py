@@ -14,8 +14,10 @@ config the model implies: a ``model`` group in the field names :mod:`gtp.hf_expo
 
 No model is built. Each checkpoint tensor chunk is produced when the writer asks for it
 (a torch DCP ``SavePlanner`` whose ``resolve_data`` reads the source tensors of one layer and
-maps them): memory stays near one layer's tensors. Per-layer tensors are stored as megatron
-stores them, stacked along a leading layer axis (``[num_layers, ...]``), one chunk per layer.
+maps them). torch's ``FileSystemWriter`` keeps the last chunk of each key until its file is
+written, so the peak is about the vocabulary tensors plus one layer's tensors per key, whatever
+the number of layers. Per-layer tensors are stored as megatron stores them, stacked along a
+leading layer axis (``[num_layers, ...]``), one chunk per layer.
 
 Mappings (inverse of :mod:`gtp.hf_export`, same megatron names):
 
