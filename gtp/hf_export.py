@@ -240,7 +240,8 @@ def _rope_scaling(m: dict) -> dict:
     other three parameters), or none."""
     if not m.get("rope_scaling", False):
         return {}
-    return {"rope_scaling": {"rope_type": "llama3", "factor": float(m.get("rope_scaling_factor", 8.0)),
+    factor = float(m.get("rope_scaling_factor", 8.0))
+    return {"rope_scaling": {"rope_type": "llama3", "factor": factor,
                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                              "original_max_position_embeddings": 8192}}
 

@@ -176,13 +176,10 @@ def implied_model(hf_dir) -> dict:
 
 
 def token_ids(config) -> dict:
-    """``{"bos_token_id", "eos_token_id", "pad_token_id"}`` of a transformers config (ints or
-    None; a list of eos ids gives its first as the end of document)."""
-    out = {}
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        value = getattr(config, name, None)
-        out[name] = value
-    return out
+    """``{"bos_token_id", "eos_token_id", "pad_token_id"}`` of a transformers config, as it gives
+    them (int, None, or for some models a list of eos ids)."""
+    return {name: getattr(config, name, None)
+            for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
 
 
 # ------------------------------------------------------------------------------------------
@@ -229,27 +226,20 @@ class _Weights:
             with safe_open(str(self.files[name]), "pt") as f:
                 sl = f.get_slice(name)
                 shape = tuple(sl.get_shape())
-                dtype = _DTYPES[sl.get_dtype()]
+                dtype = _torch_dtype(sl.get_dtype())
             self._meta[name] = (shape, dtype)
         return self._meta[name]
 
 
-def _dtypes():
+def _torch_dtype(name: str):
+    """The torch dtype of a safetensors dtype name (``F32``, ``BF16``, ``F16``, ``F64``)."""
     import torch
 
-    return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-            "F64": torch.float64}
-
-
-class _LazyDtypes(dict):
-    def __missing__(self, key):
-        self.update(_dtypes())
-        if key not in self:
-            raise HFImportError(f"safetensors dtype {key}: importable are F32, BF16, F16, F64")
-        return self[key]
-
-
-_DTYPES = _LazyDtypes()
+    dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+              "F64": torch.float64}
+    if name not in dtypes:
+        raise HFImportError(f"safetensors dtype {name}: importable are {sorted(dtypes)}")
+    return dtypes[name]
 
 
 def _fuse_qkv(q, k, v, groups: int):

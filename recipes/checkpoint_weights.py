@@ -73,7 +73,8 @@ def load_model_weights(path, model) -> Path:
         failure = exc
     if any_rank_failed(failure is not None):
         if failure is None:
-            raise CheckpointError(f"cannot load the weights of {path}: loading failed on another rank")
+            raise CheckpointError(f"cannot load the weights of {path}: loading failed on another "
+                                  f"rank")
         detail = str(failure)
         detail = detail if len(detail) <= 2000 else detail[:2000] + " ..."
         raise CheckpointError(f"cannot load the weights of {path}: {detail}") from failure

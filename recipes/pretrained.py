@@ -226,4 +226,6 @@ def load_weights(cfg, model, optimizer) -> None:
 def describe(cfg) -> dict:
     """What a run's log records about its source (for the ``start`` event)."""
     src = cfg.checkpoint.get("pretrained")
-    return {} if not src else {"pretrained": str(src), "pretrained_checkpoint": checkpoint_root(cfg)}
+    if not src:
+        return {}
+    return {"pretrained": str(src), "pretrained_checkpoint": checkpoint_root(cfg)}

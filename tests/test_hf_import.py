@@ -240,7 +240,8 @@ def _world(cfgs: dict) -> dict:
         if key.endswith("tp2_gtp2_a16"):
             model.train()
             group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-            dp_rank, dp_size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+            dp_rank = torch.distributed.get_rank(group)
+            dp_size = torch.distributed.get_world_size(group)
             train_iter, _ = build_iterators(cfg, 0, dp_rank, dp_size, tokenizer)
             train_iter = _Recording(train_iter)
             n = cfg.data.global_batch_size // (cfg.data.micro_batch_size * dp_size)
@@ -381,6 +382,7 @@ def test_export_token_ids_of_a_byte_tokenizer_run():
     checkpoint records its vocabulary size (every checkpoint of gtp-recipes does)."""
     from gtp import hf_export
 
-    assert hf_export._vocab({"vocab_size": 257}, {"tokenizer": "byte", "eod_id": None}) == (257, 256)
+    data = {"tokenizer": "byte", "eod_id": None}
+    assert hf_export._vocab({"vocab_size": 257}, data) == (257, 256)
     assert hf_export._token_ids({}, 256) == {"bos_token_id": 256, "eos_token_id": 256,
                                              "pad_token_id": 256}
