@@ -24,6 +24,7 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("train_speed", "benchmarks.train_speed"),
     ("checkpoint", "benchmarks.checkpoint_io"),
     ("parallel_layouts", "benchmarks.parallel_layouts"),
+    ("hf_import_memory", "benchmarks.hf_import_memory"),
 ]
 
 

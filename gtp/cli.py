@@ -23,6 +23,11 @@ Commands (CKPT: a checkpoint root holding ``latest_checkpointed_iteration.txt``,
         model.safetensors): GPT models as GPT2LMHeadModel, Llama-family ones as
         LlamaForCausalLM (:mod:`gtp.hf_export`). Needs the ``hf`` extra. Exit 0, or 2 on error.
 
+    python -m gtp import HF_DIR OUT
+        Write a Hugging Face model directory (GPT-2 or Llama family, safetensors) as a logical
+        checkpoint under the root OUT, with the run config it implies (:mod:`gtp.hf_import`);
+        train from it with ``train.py checkpoint.pretrained=OUT``. Exit 0, or 2 on error.
+
 SPEC gives the saving layout of a checkpoint that does not record it, e.g.
 ``tp=2,gtp=2,pad=16,hidden_size=72,ffn_hidden_size=200,swiglu=false,padded_vocab_size=320``
 (keys: :data:`gtp.legacy.LAYOUT_KEYS`).
@@ -280,6 +285,18 @@ def cmd_export(args, out=sys.stdout) -> int:
     return 0
 
 
+def cmd_import(args, out=sys.stdout) -> int:
+    from gtp import hf_import
+
+    path = hf_import.import_hf(args.hf_dir, args.out)
+    from megatron.core import dist_checkpointing
+
+    model = dist_checkpointing.load_common_state_dict(str(path))["train_state"]["config"]["model"]
+    print(f"wrote {path}: {model['name']}, {model['num_layers']} layers, hidden "
+          f"{model['hidden_size']}; train from it with checkpoint.pretrained={args.out}", file=out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m gtp",
@@ -307,6 +324,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out")
     p.add_argument("--layout", default=None)
     p.set_defaults(func=cmd_export)
+    p = sub.add_parser("import", help="write a Hugging Face model directory as a checkpoint")
+    p.add_argument("hf_dir")
+    p.add_argument("out")
+    p.set_defaults(func=cmd_import)
     return parser
 
 

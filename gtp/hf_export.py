@@ -42,15 +42,72 @@ class ExportError(ValueError):
 
 
 def _vocab(common: dict, data: dict) -> tuple[int, int | None]:
-    """(unpadded vocab size, eod id) of the run's tokenizer."""
+    """(unpadded vocab size, eod id) of the run's tokenizer: ``data.eod_id`` when set, else 256
+    for the byte tokenizer, else the end-of-document token of a ``tokenizer.json``
+    (:func:`gtp.tokens.eod_of_tokenizer`)."""
     vocab = common.get("vocab_size") or data.get("vocab_size")
     eod = data.get("eod_id")
-    if vocab is None and data.get("tokenizer", "byte") == "byte":
-        vocab, eod = BYTE_VOCAB_SIZE, BYTE_EOD_ID
+    tokenizer = data.get("tokenizer") or "byte"
+    if tokenizer == "byte":
+        vocab = vocab or BYTE_VOCAB_SIZE
+        eod = BYTE_EOD_ID if eod is None else eod
+    elif eod is None and tokenizer_file(tokenizer) is not None:
+        from gtp.tokens import eod_of_tokenizer
+
+        eod = eod_of_tokenizer(tokenizer_file(tokenizer))
     if vocab is None:
         raise ExportError("the checkpoint records no vocabulary size (common 'vocab_size' "
                           "or config data.vocab_size): cannot tell padding rows from tokens")
     return int(vocab), None if eod is None else int(eod)
+
+
+def tokenizer_file(name) -> Path | None:
+    """The ``tokenizer.json`` that ``data.tokenizer`` names (the file, or a dir holding one),
+    or None (a named tokenizer, or a path that is gone)."""
+    if not name or name in ("byte", "external"):
+        return None
+    path = Path(name)
+    path = path / "tokenizer.json" if path.is_dir() else path
+    return path if path.is_file() else None
+
+
+def _copy_tokenizer(data: dict, out: Path, ids: dict) -> list[str]:
+    """Copy the run's tokenizer files beside the model (``tokenizer.json`` and, from its dir,
+    ``tokenizer_config.json`` / ``special_tokens_map.json``); without a tokenizer_config.json
+    one naming ``PreTrainedTokenizerFast`` and the bos/eos/pad tokens is written, so
+    ``AutoTokenizer`` loads the dir. Returns the names written ([] for the byte tokenizer)."""
+    import shutil
+
+    src = tokenizer_file(data.get("tokenizer"))
+    if src is None:
+        return []
+    written = []
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        f = src if name == "tokenizer.json" else src.parent / name
+        if f.is_file():
+            shutil.copyfile(f, out / name)
+            written.append(name)
+    if "tokenizer_config.json" not in written:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(src))
+        cfg = {"tokenizer_class": "PreTrainedTokenizerFast"}
+        for field in ("bos", "eos", "pad"):
+            i = ids.get(f"{field}_token_id")
+            if i is not None and tok.id_to_token(int(i)) is not None:
+                cfg[f"{field}_token"] = tok.id_to_token(int(i))
+        (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
+        written.append("tokenizer_config.json")
+    return written
+
+
+def _token_ids(common: dict, eod) -> dict:
+    """bos/eos/pad ids: those of the HF model a checkpoint was imported from
+    (:mod:`gtp.hf_import`), else the run's end of document for all three."""
+    imported = common.get("hf_imported_from") or {}
+    if imported:
+        return {k: imported.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    return {"bos_token_id": eod, "eos_token_id": eod, "pad_token_id": eod}
 
 
 def architecture(model: dict) -> str:
@@ -70,11 +127,10 @@ def architecture(model: dict) -> str:
                               f"query attention")
         return "gpt2"
     if norm == "RMSNorm" and not bias and pos == "rope" and swiglu:
-        if model.get("rope_scaling", False) or float(model.get("rotary_percent", 1.0)) != 1.0:
+        if float(model.get("rotary_percent", 1.0)) != 1.0:
             raise ExportError(
-                f"model.rope_scaling={model.get('rope_scaling', False)}, model.rotary_percent="
-                f"{model.get('rotary_percent', 1.0)}: only unscaled RoPE over the whole head "
-                f"(rope_scaling=false, rotary_percent=1.0) is exported")
+                f"model.rotary_percent={model.get('rotary_percent', 1.0)}: only RoPE over the "
+                f"whole head (rotary_percent=1.0) is exported")
         return "llama"
     raise ExportError(
         f"no transformers class computes this model exactly: normalization={norm!r}, "
@@ -94,7 +150,7 @@ def _split_qkv(w, heads: int, groups: int, head_dim: int):
     return q, k, v
 
 
-def _gpt2(t: dict, m: dict, vocab: int, eod) -> tuple[Any, dict]:
+def _gpt2(t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict]:
     from transformers import GPT2Config
 
     h, heads, layers = m["hidden_size"], m["num_attention_heads"], m["num_layers"]
@@ -104,7 +160,7 @@ def _gpt2(t: dict, m: dict, vocab: int, eod) -> tuple[Any, dict]:
         n_inner=m["ffn_hidden_size"], activation_function="gelu",
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         layer_norm_epsilon=m.get("layernorm_epsilon", 1e-5), tie_word_embeddings=shared,
-        bos_token_id=eod, eos_token_id=eod, architectures=["GPT2LMHeadModel"],
+        architectures=["GPT2LMHeadModel"], **ids,
     )
     d = h // heads
     L = "decoder.layers."
@@ -137,7 +193,7 @@ def _gpt2(t: dict, m: dict, vocab: int, eod) -> tuple[Any, dict]:
     return config, sd
 
 
-def _llama(t: dict, m: dict, vocab: int, eod) -> tuple[Any, dict]:
+def _llama(t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict]:
     from transformers import LlamaConfig
 
     h, heads, layers = m["hidden_size"], m["num_attention_heads"], m["num_layers"]
@@ -150,8 +206,8 @@ def _llama(t: dict, m: dict, vocab: int, eod) -> tuple[Any, dict]:
         num_attention_heads=heads, num_key_value_heads=groups, head_dim=d,
         max_position_embeddings=m["seq_length"], rms_norm_eps=m.get("layernorm_epsilon", 1e-5),
         rope_theta=float(m.get("rotary_base", 10000)), attention_bias=False, mlp_bias=False,
-        hidden_act="silu", tie_word_embeddings=shared, bos_token_id=eod, eos_token_id=eod,
-        architectures=["LlamaForCausalLM"],
+        hidden_act="silu", tie_word_embeddings=shared, architectures=["LlamaForCausalLM"],
+        **ids, **_rope_scaling(m),
     )
     L = "decoder.layers."
     sd = {
@@ -178,6 +234,18 @@ def _llama(t: dict, m: dict, vocab: int, eod) -> tuple[Any, dict]:
     return config, sd
 
 
+def _rope_scaling(m: dict) -> dict:
+    """``rope_scaling`` of a LlamaConfig: megatron's Llama-3 scaling (``model.rope_scaling``,
+    ``rope_scaling_factor``; megatron-core 0.19.2 ``RotaryEmbedding._apply_scaling`` fixes the
+    other three parameters), or none."""
+    if not m.get("rope_scaling", False):
+        return {}
+    factor = float(m.get("rope_scaling_factor", 8.0))
+    return {"rope_scaling": {"rope_type": "llama3", "factor": factor,
+                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192}}
+
+
 def _cat(parts):
     """Rows of ``parts`` one after another (dim 0)."""
     import torch
@@ -187,6 +255,7 @@ def _cat(parts):
 
 _BUILDERS: dict[str, Callable] = {"gpt2": _gpt2, "llama": _llama}
 _CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+_EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}
 
 
 def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None) -> Path:
@@ -223,22 +292,26 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None) -> 
     model_keys = {k: v for k, v in tensors.items() if not k.startswith("optimizer")
                   and isinstance(v, torch.Tensor)}
     try:
-        config, state = _BUILDERS[arch](model_keys, model_cfg, vocab, eod)
+        config, state = _BUILDERS[arch](model_keys, model_cfg, vocab, _token_ids(common, eod))
     except KeyError as exc:
         raise ExportError(f"{analysis.path} lacks tensor {exc} needed for {_CLASSES[arch]}") from exc
     hf_cls = getattr(transformers, _CLASSES[arch])
-    model = hf_cls(config)
+    # In the checkpoint's dtype: load_state_dict would cast a bf16 run's weights to fp32.
+    model = hf_cls(config).to(state[_EMBEDDING[arch]].dtype)
     state = {k: v.contiguous()
              for k, v in progress(state.items(), "export", total=len(state), unit="tensor")}
+    if config.tie_word_embeddings:  # the output layer is the embedding (one tensor in the file)
+        state["lm_head.weight"] = state[_EMBEDDING[arch]]
     model.load_state_dict(state, strict=True)
     if config.tie_word_embeddings:
         model.tie_weights()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
+    tokenizer_files = _copy_tokenizer(data_cfg, out, _token_ids(common, eod))
     (out / "gtp_recipes_export.json").write_text(json.dumps({
         "source": str(analysis.path), "iteration": common.get("iteration"),
         "architecture": _CLASSES[arch], "vocab_size": vocab,
-        "saved_layout": saved_layout(common),
+        "saved_layout": saved_layout(common), "tokenizer_files": tokenizer_files,
     }, indent=1, default=str))
     return out

@@ -1175,6 +1175,11 @@ def check_shapes(sharded_state: dict, path, stored: dict | None = None,
     return stored
 
 
+# The model-only steps of a load, public for recipes.checkpoint_weights (weights-only starts).
+model_sharded_state_dict, load_model_state, stored_shapes = (
+    _model_sharded_state_dict, _load_model_state, _stored_shapes)
+
+
 def layout_record(layout) -> dict:
     """The run's layout as a dict: the ``Layout`` fields plus the megatron-core version.
 

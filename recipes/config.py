@@ -161,6 +161,9 @@ class CheckpointConfig:
     save_interval: int = 50
     # A checkpoint dir written by a previous run (any layout); null starts from scratch.
     load: Optional[str] = None
+    # Start from these weights only (a Hugging Face model dir or a checkpoint; any layout): fresh
+    # optimizer, schedule and iteration, model fields from the source (recipes/pretrained.py).
+    pretrained: Optional[str] = None
     # Load this iteration instead of the tracker's latest (Megatron-LM's --ckpt-step).
     load_iteration: Optional[int] = None
     # Remove older iter_* dirs once a newer save is complete; null keeps all.

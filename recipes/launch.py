@@ -187,9 +187,15 @@ def run(cfg) -> None:
     """
     from recipes.checkpointer import NothingToTrain, prepare_resume
 
+    from recipes import pretrained
+
     submitit_env = rank_env_from_submitit()
     if submitit_env is not None:
         os.environ.update(submitit_env)
+    pretrained.apply_source(cfg)  # model fields from checkpoint.pretrained, before validation
+    from recipes.data.tokenizers import check_before_launch
+
+    check_before_launch(cfg.data)
     layout = validate(cfg, world_size_from_env(cfg))
     if cfg.train.get("dry_run", False):
         from recipes.dry_run import report
@@ -206,6 +212,7 @@ def run(cfg) -> None:
         return
     if not as_rank:
         claim_job_dir(cfg.output_dir)
+    pretrained.prepare(cfg, is_rank0)
     resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     # Under torchrun/Slurm one rank writes the record; every rank runs its own resolved copy
     # (the worker stops the job if the ranks disagree on the run dirs).

@@ -187,6 +187,10 @@ def run(cfg) -> None:
         iteration, train_state = common["iteration"], dict(common["train_state"])
         resumed_from = saved_layout(common)
         checkpointer.last_good = checkpoint.iter_dir(ck.load, load_iteration)
+    elif ck.get("pretrained"):
+        from recipes import pretrained
+
+        pretrained.load_weights(cfg, model, optimizer)  # weights only: iteration 0, fresh optimizer
     plan = plan_wandb_run(cfg, train_state if resumed_from is not None else None,
                           iteration if resumed_from is not None else None)
     run_id = plan["run_id"]
@@ -228,7 +232,9 @@ def run(cfg) -> None:
                          load=str(ck.load), wandb_run_id=run_id,
                          wandb_parent_run_id=parent and parent["run_id"])
         else:
-            logger.event("start", iteration=0, layout=layout_rec)
+            from recipes.pretrained import describe
+
+            logger.event("start", iteration=0, layout=layout_rec, **describe(cfg))
 
     def saved(it: int, path) -> None:
         if rank == 0:

@@ -15,11 +15,12 @@ from typing import Any, Iterable, Optional, Union
 
 import numpy
 
+# End-of-document tokens looked up in a Hugging Face tokenizer when data.eod_id is null.
+from gtp.tokens import EOD_TOKENS
+
 SOURCES = ("pydoc", "text", "indexed", "mock")
 # Named tokenizers; any other data.tokenizer value is a path to a Hugging Face tokenizer.json.
 TOKENIZERS = ("byte", "external")
-# End-of-document tokens looked up in a Hugging Face tokenizer when data.eod_id is null.
-EOD_TOKENS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "[EOS]", "<|eot_id|>")
 # Megatron's "no pad token" id (megatron.core.datasets.megatron_dataset._PAD_TOKEN_ID,
 # NullTokenizer's default pad_id): outside every vocabulary, so it never occurs in a corpus.
 NO_PAD_ID = -1
@@ -137,6 +138,11 @@ class HFTokenizer(_TokenizerBase):
 
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
+            if not os.path.exists(path) and not looks_like_path(path):
+                raise FileNotFoundError(
+                    f"data.tokenizer={path!r} is not a local file or directory: only local files "
+                    f"work offline (nothing is downloaded). Give a Hugging Face model dir holding "
+                    f"tokenizer.json, a tokenizer.json file, or one of {TOKENIZERS}")
             raise FileNotFoundError(
                 f"data.tokenizer={path!r}: no such tokenizer.json file or directory holding one "
                 f"(valid: {TOKENIZERS} or a path to a Hugging Face tokenizer.json)")
@@ -178,6 +184,28 @@ class HFTokenizer(_TokenizerBase):
 
 
 Tokenizer = Union[ByteTokenizer, ExternalTokenizer, HFTokenizer]
+
+
+def looks_like_path(name: str) -> bool:
+    """Whether ``name`` is written as a path (a separator, or starting with ``.`` or ``~``)
+    rather than a hub name such as ``gpt2``. (``org/model`` hub names hold a separator too: an
+    absent path is refused either way, this only picks the message.)"""
+    return os.sep in name or name.startswith((".", "~")) or name.endswith(".json")
+
+
+def check_before_launch(data_cfg: Any) -> None:
+    """Build the run's tokenizer once before any process starts, so a bad ``data.tokenizer``
+    (a hub name, a missing file) is one error line rather than a traceback per rank.
+
+    Raises:
+        recipes.validate.ConfigError: with :func:`build_tokenizer`'s message.
+    """
+    from recipes.validate import ConfigError
+
+    try:
+        build_tokenizer(data_cfg)
+    except (ValueError, OSError) as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def is_tokenizer_path(name: str) -> bool:

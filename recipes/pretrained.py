@@ -1,0 +1,231 @@
+"""Start a run from pretrained weights: ``checkpoint.pretrained=PATH``.
+
+PATH is a Hugging Face model directory (``config.json`` + safetensors; imported once, before
+launch, into ``<output_dir>/pretrained`` with :func:`gtp.hf_import.import_hf`) or a checkpoint
+of gtp-recipes (root or ``iter_*`` dir, any layout). Only the model weights are loaded, at this
+run's layout; the optimizer, the lr schedule, the iteration and the data position start fresh
+(Megatron-LM's ``--pretrained-checkpoint`` / ``--no-load-optim --no-load-rng --finetune``), and
+the run is a new wandb run whose config holds ``checkpoint.pretrained``.
+
+Before launch (:func:`apply_source`, one process):
+
+* ``checkpoint.load`` (resume) and ``checkpoint.pretrained`` together are refused;
+* the ``model`` fields come from the source (the HF ``config.json`` through
+  :func:`gtp.hf_import.implied_model`, or the checkpoint's run config) unless given on the
+  command line; a given field among :data:`TENSOR_FIELDS` that differs from the source's is
+  refused, naming it (the source's tensors have another shape or meaning);
+* the tokenizer: an HF dir holding a ``tokenizer.json`` becomes ``data.tokenizer`` unless given;
+  a run whose tokenizer has another vocabulary size than the source is refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import open_dict
+
+from recipes.validate import ConfigError
+
+# Model fields fixed by the source's tensors (their shapes, or which tensors exist).
+TENSOR_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                 "ffn_hidden_size", "swiglu", "normalization", "add_bias_linear",
+                 "position_embedding_type", "share_embeddings_and_output_weights")
+# Where an HF source is imported, under the job's output dir.
+IMPORT_DIR = "pretrained"
+
+
+def is_hf_dir(path) -> bool:
+    """Whether ``path`` is a Hugging Face model directory (holds ``config.json``)."""
+    return (Path(path) / "config.json").is_file()
+
+
+def checkpoint_root(cfg) -> str:
+    """The checkpoint the workers load weights from: the import of an HF source, or the
+    source checkpoint itself."""
+    src = cfg.checkpoint.pretrained
+    return str(Path(cfg.output_dir) / IMPORT_DIR) if is_hf_dir(src) else str(src)
+
+
+def given_overrides() -> list[str]:
+    """The command line's overrides (Hydra's ``overrides.task``), [] outside a Hydra app."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return list(HydraConfig.get().overrides.task)
+    except (ValueError, ImportError):
+        return []
+
+
+def _given(overrides: list[str], group: str) -> tuple[set, bool]:
+    """(fields of ``group`` given as ``group.field=...``, whether the group itself was chosen
+    as ``group=NAME``)."""
+    fields, chosen = set(), False
+    for item in overrides:
+        key = item.split("=", 1)[0].lstrip("+~")
+        if key == group:
+            chosen = True
+        elif key.startswith(group + "."):
+            fields.add(key[len(group) + 1:])
+    return fields, chosen
+
+
+def source_config(path) -> tuple[dict, dict]:
+    """``(model fields, data fields)`` of a pretrained source; the data fields are
+    ``vocab_size`` and, where known, ``tokenizer`` and ``eod_id``.
+
+    Raises:
+        ConfigError: not an HF dir nor a readable checkpoint of gtp-recipes, or an HF model
+            that cannot be imported (naming the config field).
+    """
+    from gtp import hf_import
+
+    if not Path(path).exists():
+        raise ConfigError(f"checkpoint.pretrained={path}: no such file or directory (an HF model "
+                          f"dir with config.json, or a checkpoint of gtp-recipes)")
+    if is_hf_dir(path):
+        try:
+            _, config = hf_import.read_config(path)
+            model = hf_import.implied_model(path)
+        except hf_import.HFImportError as exc:
+            raise ConfigError(f"checkpoint.pretrained={path}: {exc}") from None
+        eos = hf_import.token_ids(config)["eos_token_id"]
+        data = {"vocab_size": int(config.vocab_size),
+                "eod_id": eos[0] if isinstance(eos, (list, tuple)) else eos}
+        if (Path(path) / "tokenizer.json").is_file():
+            data["tokenizer"] = str(Path(path).resolve())
+        return model, data
+    from recipes.checkpoint import CheckpointError, load_common
+
+    root = Path(path)
+    iteration = int(root.name[5:]) if root.name.startswith("iter_") else None
+    try:
+        _, common = load_common(root.parent if iteration is not None else root, iteration)
+    except CheckpointError as exc:
+        raise ConfigError(f"checkpoint.pretrained={path}: {exc}") from None
+    saved = (common.get("train_state") or {}).get("config") or {}
+    if "model" not in saved:
+        raise ConfigError(f"checkpoint.pretrained={path} records no run config (model fields)")
+    data = {"vocab_size": common.get("vocab_size")}
+    for key in ("tokenizer", "eod_id"):
+        if (saved.get("data") or {}).get(key) is not None:
+            data[key] = saved["data"][key]
+    return dict(saved["model"]), data
+
+
+def apply_source(cfg, overrides: list[str] | None = None) -> None:
+    """Fill ``cfg.model`` (and ``data.tokenizer``) from ``checkpoint.pretrained`` in place, as
+    the module doc says; a no-op without ``checkpoint.pretrained``.
+
+    Args:
+        overrides: the command line's overrides (default: :func:`given_overrides`).
+
+    Raises:
+        ConfigError: ``checkpoint.load`` given too; a source that cannot be read; a given model
+            field that contradicts the source's tensors, or a tokenizer of another vocabulary
+            size (each named with both values).
+    """
+    src = cfg.checkpoint.get("pretrained")
+    if not src:
+        return
+    if cfg.checkpoint.get("load"):
+        raise ConfigError(
+            f"checkpoint.load={cfg.checkpoint.load} and checkpoint.pretrained={src}: load resumes "
+            f"a run (optimizer, schedule, iteration), pretrained starts a new one from weights; "
+            f"give one of them")
+    overrides = given_overrides() if overrides is None else overrides
+    model, data = source_config(src)
+    given, chosen = _given(overrides, "model")
+    if chosen:  # model=NAME gives every field of that group
+        given |= set(cfg.model.keys())
+    wrong = []
+    with open_dict(cfg):
+        for key, value in model.items():
+            if key not in cfg.model and key != "name":
+                continue
+            if key in given:
+                if key in TENSOR_FIELDS and cfg.model[key] != value and not (
+                        key == "num_query_groups" and {cfg.model[key], value} <= {
+                            None, model["num_attention_heads"]}):
+                    wrong.append(f"model.{key}={cfg.model[key]} (the source has {value!r})")
+                continue
+            cfg.model[key] = value
+        if (model.get("position_embedding_type") == "learned_absolute"
+                and cfg.model.seq_length != model["seq_length"]):
+            wrong.append(f"model.seq_length={cfg.model.seq_length} (the source's learned "
+                         f"position embedding has {model['seq_length']} rows)")
+        if wrong:
+            raise ConfigError(f"checkpoint.pretrained={src}: " + "; ".join(wrong)
+                              + ": such a model cannot hold the source's weights (drop the "
+                                "override, or start from scratch)")
+        given_data, _ = _given(overrides, "data")
+        if data.get("tokenizer") and "tokenizer" not in given_data:
+            cfg.data.tokenizer = data["tokenizer"]
+            if "eod_id" not in given_data and data.get("eod_id") is not None:
+                cfg.data.eod_id = int(data["eod_id"])
+    _check_vocab(cfg, src, data.get("vocab_size"))
+
+
+def _check_vocab(cfg, src, source_vocab) -> None:
+    from recipes.data import build_tokenizer
+
+    if source_vocab is None:
+        return
+    try:
+        vocab = build_tokenizer(cfg.data).vocab_size
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"data.tokenizer={cfg.data.tokenizer}: {exc}") from None
+    if int(vocab) != int(source_vocab):
+        raise ConfigError(
+            f"checkpoint.pretrained={src} has a vocabulary of {source_vocab} tokens but this run's "
+            f"tokenizer (data.tokenizer={cfg.data.tokenizer}) has {vocab}: token ids would mean "
+            f"other tokens; use the source's tokenizer")
+
+
+def prepare(cfg, is_rank0: bool) -> None:
+    """Before launch, on the process that starts the workers (or global rank 0): import an HF
+    source into ``<output_dir>/pretrained`` (kept when already there from an earlier start of
+    this job). A no-op without ``checkpoint.pretrained`` or for a checkpoint source.
+
+    Raises:
+        ConfigError: the HF weights cannot be imported (naming the tensor).
+    """
+    src = cfg.checkpoint.get("pretrained")
+    if not src or not is_hf_dir(src) or not is_rank0:
+        return
+    from gtp import hf_import
+    from gtp.records import TRACKER
+
+    root = Path(checkpoint_root(cfg))
+    if (root / TRACKER).exists():
+        return
+    try:
+        path = hf_import.import_hf(src, root)
+    except hf_import.HFImportError as exc:
+        raise ConfigError(f"checkpoint.pretrained={src}: {exc}") from None
+    print(f"> imported {src} into {path}", flush=True)
+
+
+def load_weights(cfg, model, optimizer) -> None:
+    """Load the source's model weights into ``model`` at this run's layout (every rank calls;
+    collective), then refresh the optimizer's main params from them (megatron's
+    ``reload_model_params``: bf16 and distributed optimizers keep fp32 copies). Optimizer state,
+    scheduler and RNG are left as built (iteration 0).
+
+    Raises:
+        CheckpointError: as :func:`recipes.checkpoint_weights.load_model_weights`.
+    """
+    import torch
+
+    from recipes.checkpoint_weights import load_model_weights
+
+    torch.distributed.barrier()  # the import (global rank 0, before its launch) is complete
+    load_model_weights(checkpoint_root(cfg), model)
+    optimizer.reload_model_params()
+
+
+def describe(cfg) -> dict:
+    """What a run's log records about its source (for the ``start`` event)."""
+    src = cfg.checkpoint.get("pretrained")
+    if not src:
+        return {}
+    return {"pretrained": str(src), "pretrained_checkpoint": checkpoint_root(cfg)}

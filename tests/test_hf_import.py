@@ -1,0 +1,388 @@
+"""``python -m gtp import`` and ``checkpoint.pretrained``: Hugging Face models built and saved by
+``transformers`` (the goldens: nothing of gtp/ or recipes/ makes them) round-trip bit for bit,
+load at several layouts with transformers' logits, and fine-tune from iteration 0.
+
+Models: a tiny Llama (GQA 4 heads / 2 groups, untied output, Llama-3 RoPE scaling with a large
+rope_theta so that many frequencies are scaled) and a tiny GPT-2 (exact GeLU, biases, untied,
+saved in shards with an index); a tied GPT-2 for the round trip only (megatron-core 0.19.2 hands
+the tied weight's GTP shard to the output layer, which refuses it: no GTP layout runs a tied
+model). Norm weights and biases are drawn away from their initial 1/0 so that a misplaced
+tensor shows.
+
+One 4-process world loads both imports at tp1 (dp4), tp2 x gtp2 with pad_for_alignment 16 (dp1)
+and pp2 (dp2), and takes one training step at tp2 x gtp2 whose ``lm loss`` is compared with
+transformers' loss on the same micro-batches. Tolerances (fp32): logits 1e-4 absolute (the
+issue's bound), the loss 1e-5 relative (reduction order only).
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from compose import make_cfg
+from gtp import cli
+from multiproc import run_distributed
+
+pytestmark = pytest.mark.multiprocess
+
+WORLD = 4
+VOCAB = 257  # the byte tokenizer's, so the recipes' data pipeline feeds these models
+SEQ = 64
+LOGITS_ATOL = 1e-4
+# name: overrides
+LAYOUTS = {
+    "tp1": [],
+    "tp2_gtp2_a16": ["parallelism.tensor_model_parallel_size=2", "gtp.gtp_remat_size=2",
+                     "gtp.pad_for_alignment=16"],
+    "pp2": ["parallelism.pipeline_model_parallel_size=2"],
+}
+
+
+def _save_models(root):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        bos_token_id=256, eos_token_id=256))
+    gpt2, gpt2_tied = (GPT2LMHeadModel(GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4,
+        activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        bos_token_id=eod, eos_token_id=eod, tie_word_embeddings=tied))
+        for tied, eod in ((False, 256), (True, 0)))
+    with torch.no_grad():
+        for model in (llama, gpt2, gpt2_tied):
+            for name, p in model.named_parameters():
+                if "norm" in name or ".ln" in name:
+                    p.uniform_(0.5, 1.5) if name.endswith("weight") else p.normal_(0, 0.1)
+                elif name.endswith("bias"):
+                    p.normal_(0, 0.1)
+    llama.save_pretrained(root / "llama")
+    llama.to(torch.bfloat16).save_pretrained(root / "llama_bf16")  # for the bf16 fine-tune
+    gpt2.save_pretrained(root / "gpt2", max_shard_size="100KB")  # sharded, with an index
+    gpt2_tied.save_pretrained(root / "gpt2_tied")
+    _byte_bpe().save(str(root / "gpt2_tied" / "tokenizer.json"))  # its end of text is id 0
+
+
+def _byte_bpe():
+    """A byte-level BPE of VOCAB tokens: <|endoftext|> (id 0) and the 256 byte symbols."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world"], trainer)
+    assert tok.get_vocab_size() == VOCAB
+    return tok
+    assert (root / "gpt2" / "model.safetensors.index.json").is_file()
+
+
+def _tensors(d) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in glob.glob(f"{d}/*.safetensors"):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    _save_models(root)
+    for name in ("llama", "gpt2", "gpt2_tied"):
+        printed = io.StringIO()
+        assert cli.main(["import", str(root / name), str(root / f"{name}_ckpt")], out=printed) == 0
+        assert f"checkpoint.pretrained={root / name}_ckpt" in printed.getvalue()
+    return root
+
+
+def _config_facts(config) -> dict:
+    """What makes two transformers configs compute the same model."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(config)
+    d = c.to_dict()
+    if c.model_type == "gpt2":
+        d["n_inner"] = d["n_inner"] or 4 * d["n_embd"]
+    drop = ("transformers_version", "architectures", "_name_or_path", "dtype", "torch_dtype")
+    return {k: v for k, v in d.items() if k not in drop}
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gpt2_tied"])
+def test_import_then_export_is_bit_equal(hf, tmp_path, name):
+    out = tmp_path / "exported"
+    assert cli.main(["export", str(hf / f"{name}_ckpt"), str(out)]) == 0
+    src, back = _tensors(hf / name), _tensors(out)
+    assert sorted(src) == sorted(back)
+    for key, tensor in src.items():
+        assert back[key].dtype == tensor.dtype and torch.equal(back[key], tensor), key
+    assert _config_facts(out) == _config_facts(hf / name)
+    if name == "gpt2_tied":  # the source's tokenizer.json came along, loadable by AutoTokenizer
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(out)
+        assert tok.eos_token == "<|endoftext|>" and tok.eos_token_id == 0
+        assert tok.decode(tok("hello wide world").input_ids) == "hello wide world"
+
+
+def test_refusals_name_the_field_or_tensor(hf, tmp_path):
+    import shutil
+
+    from gtp import hf_import
+
+    bad = tmp_path / "gelu_new"
+    shutil.copytree(hf / "gpt2", bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "activation_function": "gelu_new"}))
+    with pytest.raises(hf_import.HFImportError, match="activation_function='gelu_new'"):
+        hf_import.import_hf(bad, tmp_path / "out1")
+    bad = tmp_path / "scaled"
+    shutil.copytree(hf / "llama", bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["rope_parameters"]["high_freq_factor"] = 2.0
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(hf_import.HFImportError, match="rope_parameters.high_freq_factor"):
+        hf_import.import_hf(bad, tmp_path / "out2")
+    # A tensor with no megatron counterpart.
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "extra"
+    shutil.copytree(hf / "llama", bad)
+    weights = load_file(bad / "model.safetensors")
+    weights["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)
+    save_file(weights, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(hf_import.HFImportError, match="q_norm.weight"):
+        hf_import.import_hf(bad, tmp_path / "out3")
+    assert not (tmp_path / "out3" / "iter_0000000").exists()
+
+
+def _cfg(hf_root: str, name: str, layout: list, out: str, cache: str) -> str:
+    from recipes import pretrained
+
+    cfg = make_cfg(f"checkpoint.pretrained={hf_root}/{name}", f"parallelism.nproc_per_node={WORLD}",
+                   "logger=none", "train.eval_iters=0", "optim.lr_warmup_iters=0", *layout)
+    cfg.output_dir, cfg.data.cache_dir = out, cache
+    pretrained.apply_source(cfg, overrides=[])
+    pretrained.prepare(cfg, True)
+    return OmegaConf.to_yaml(cfg)
+
+
+class _Recording:
+    """A data iterator that keeps what it yields."""
+
+    def __init__(self, it):
+        self.it, self.seen = it, []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self.it)
+        self.seen.append({k: v.clone() for k, v in batch.items()})
+        return batch
+
+
+def _logits(model, tokens):
+    """Full-vocabulary logits [b, s, padded vocab] on the last pipeline stage, else None."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import unwrap_model
+
+    position_ids = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    model.eval()
+    inner = unwrap_model(model)
+    with torch.no_grad():
+        if not parallel_state.is_pipeline_first_stage():
+            hidden = torch.empty(tokens.shape[1], tokens.shape[0], inner.config.hidden_size)
+            torch.distributed.recv(hidden, parallel_state.get_pipeline_model_parallel_prev_rank())
+            inner.set_input_tensor(hidden)
+        out = model(tokens, position_ids, None)
+        if not parallel_state.is_pipeline_last_stage():
+            torch.distributed.send(out.contiguous(),
+                                   parallel_state.get_pipeline_model_parallel_next_rank())
+            return None
+    group = parallel_state.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(out) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, out.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def _world(cfgs: dict) -> dict:
+    from megatron.core import parallel_state
+
+    from multiproc import reset_model_parallel
+    from recipes import pretrained, worker
+    from recipes.data import build_iterators
+    from recipes.loop import train_step
+    from recipes.validate import validate
+
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
+    out = {}
+    for key, cfg_yaml in cfgs.items():
+        reset_model_parallel()
+        cfg = OmegaConf.create(cfg_yaml)
+        layout = validate(cfg, torch.distributed.get_world_size())
+        tokenizer, model, optimizer, scheduler = worker.setup(cfg, layout)
+        pretrained.load_weights(cfg, model, optimizer)
+        result = {"logits": _logits(model, tokens), "tokens": tokens}
+        if key.endswith("tp2_gtp2_a16"):
+            model.train()
+            group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            dp_rank = torch.distributed.get_rank(group)
+            dp_size = torch.distributed.get_world_size(group)
+            train_iter, _ = build_iterators(cfg, 0, dp_rank, dp_size, tokenizer)
+            train_iter = _Recording(train_iter)
+            n = cfg.data.global_batch_size // (cfg.data.micro_batch_size * dp_size)
+            result["step"] = train_step(model, optimizer, scheduler, train_iter, n, cfg)
+            result["batches"] = {dp_rank: train_iter.seen}
+        out[key] = result
+    reset_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(hf, tmp_path_factory, data_cache):
+    cfgs = {}
+    for name in ("llama", "gpt2"):
+        for lay, overrides in LAYOUTS.items():
+            out = tmp_path_factory.mktemp(f"{name}_{lay}")
+            cfgs[f"{name}_{lay}"] = _cfg(str(hf), name, overrides, str(out), str(data_cache))
+    results = run_distributed(_world, WORLD, cfgs, timeout=900)
+    merged = {}
+    for key in cfgs:
+        ranks = [r[key] for r in results]
+        with_logits = [r for r in ranks if r["logits"] is not None]
+        merged[key] = {**ranks[0], "logits": with_logits[0]["logits"]}
+        if "batches" in ranks[0]:  # the global batch: each data-parallel rank's micro-batches
+            by_dp = {}
+            for r in ranks:
+                by_dp.update(r["batches"])
+            merged[key]["batches"] = [b for dp in sorted(by_dp) for b in by_dp[dp]]
+    return merged
+
+
+def _hf_model(hf, name):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(hf / name).eval()
+
+
+@pytest.mark.parametrize("lay", list(LAYOUTS))
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_logits_equal_transformers(hf, world, name, lay):
+    res = world[f"{name}_{lay}"]
+    with torch.no_grad():
+        expected = _hf_model(hf, name)(res["tokens"]).logits
+    got = res["logits"]
+    assert got.shape[:2] == expected.shape[:2] and got.shape[-1] >= VOCAB
+    diff = (got[..., :VOCAB] - expected).abs().max().item()
+    assert diff <= LOGITS_ATOL, (name, lay, diff)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_first_loss_equals_transformers_loss(hf, world, name):
+    """The ``lm loss`` of iteration 1 from the pretrained weights is transformers' loss on the
+    same micro-batches (mean of each micro-batch's masked token mean)."""
+    import torch.nn.functional as F
+
+    res = world[f"{name}_tp2_gtp2_a16"]
+    model = _hf_model(hf, name)
+    losses = []
+    with torch.no_grad():
+        for b in res["batches"]:
+            logits = model(b["tokens"], position_ids=b["position_ids"]).logits
+            ce = F.cross_entropy(logits.reshape(-1, VOCAB), b["labels"].reshape(-1),
+                                 reduction="none")
+            mask = b["loss_mask"].reshape(-1).float()
+            losses.append((ce * mask).sum() / mask.sum())
+    expected = torch.stack(losses).mean().item()
+    assert len(res["batches"]) == 4
+    assert res["step"]["lm loss"] == pytest.approx(expected, rel=1e-5, abs=0), (name, expected)
+
+
+def test_pretrained_fine_tune_with_zero_lr_exports_the_source(hf, tmp_path, train_run):
+    """``train.py checkpoint.pretrained=HF_DIR`` at tp2 x gtp2 (pad 16) in bf16 with the
+    distributed optimizer, lr 0, one iteration: the saved checkpoint exports to the source's
+    tensors bit for bit (the fp32 main params were refreshed from the loaded weights, not left
+    at the random init); the run starts at iteration 0 with the source's model fields, and the
+    export of this byte-tokenizer run has eos_token_id 256."""
+    from recipes.metrics import read_metrics
+
+    out = tmp_path / "job"
+    proc = train_run(out, f"checkpoint.pretrained={hf / 'llama_bf16'}", "parallelism=tp2",
+                     "parallelism.nproc_per_node=4", "gtp.gtp_remat_size=2",
+                     "gtp.pad_for_alignment=16", "precision=bf16",
+                     "optim.use_distributed_optimizer=true", "optim.lr=0", "optim.min_lr=0",
+                     "train.train_iters=1", "optim.lr_warmup_iters=0", "train.eval_iters=0",
+                     f"hydra.run.dir={out}", "checkpoint.save=" + str(out / "ckpt"))
+    assert "imported" in proc.stdout
+    resolved = OmegaConf.load(out / "resolved_config.yaml")
+    assert resolved.model.num_query_groups == 2 and resolved.model.rope_scaling is True
+    rows, events = read_metrics(out)
+    assert [r["iteration"] for r in rows if "lm loss" in r] == [1]
+    assert events[0]["event"] == "start" and events[0]["pretrained"] == str(hf / "llama_bf16")
+    assert resolved.checkpoint.pretrained == str(hf / "llama_bf16")  # in wandb's run config
+    exported = tmp_path / "exported"
+    assert cli.main(["export", str(out / "ckpt"), str(exported)]) == 0
+    src, back = _tensors(hf / "llama_bf16"), _tensors(exported)
+    assert sorted(src) == sorted(back)
+    for key, tensor in src.items():
+        assert back[key].dtype == tensor.dtype == torch.bfloat16, key
+        assert torch.equal(back[key], tensor), key
+    assert json.loads((exported / "config.json").read_text())["eos_token_id"] == 256
+
+
+def test_pretrained_model_fields_and_refusals_before_launch(hf):
+    """Fields come from the source unless given; a given field that contradicts the source's
+    tensors, both load and pretrained, or another vocabulary are refused, each named."""
+    from recipes import pretrained
+    from recipes.data.tokenizers import check_before_launch
+    from recipes.validate import ConfigError
+
+    src = f"checkpoint.pretrained={hf / 'llama'}"
+    cfg = make_cfg(src, "model.rotary_base=10000")
+    pretrained.apply_source(cfg, overrides=["model.rotary_base=10000"])
+    assert (cfg.model.hidden_size, cfg.model.num_query_groups, cfg.model.normalization) == (
+        64, 2, "RMSNorm")
+    assert cfg.model.rotary_base == 10000 and cfg.model.rope_scaling is True  # given: kept
+    cfg = make_cfg(src, "model.hidden_size=96")
+    with pytest.raises(ConfigError, match=r"model.hidden_size=96 \(the source has 64\)"):
+        pretrained.apply_source(cfg, overrides=["model.hidden_size=96"])
+    # A checkpoint of this project as the source; model=NAME gives all of that group's fields.
+    cfg = make_cfg(f"checkpoint.pretrained={hf / 'gpt2_ckpt'}", "model=llama_tiny")
+    with pytest.raises(ConfigError) as refused:
+        pretrained.apply_source(cfg, overrides=["model=llama_tiny"])
+    assert "model.hidden_size=72 (the source has 64)" in str(refused.value)
+    assert "model.normalization=RMSNorm (the source has 'LayerNorm')" in str(refused.value)
+    cfg = make_cfg(src, f"checkpoint.load={hf / 'llama_ckpt'}")
+    with pytest.raises(ConfigError, match="give one of them"):
+        pretrained.apply_source(cfg, overrides=[])
+    cfg = make_cfg(src, "data.source=indexed", "data.tokenizer=external", "data.vocab_size=300",
+                   "data.eod_id=0")
+    with pytest.raises(ConfigError, match="vocabulary of 257 tokens.*has 300"):
+        pretrained.apply_source(cfg, overrides=[])
+    with pytest.raises(ConfigError, match="only local files work offline"):
+        check_before_launch(make_cfg("data.tokenizer=gpt2").data)
+
+
+def test_export_token_ids_of_a_byte_tokenizer_run():
+    """The byte tokenizer's end of text (256) is the exported bos/eos/pad, also when the
+    checkpoint records its vocabulary size (every checkpoint of gtp-recipes does)."""
+    from gtp import hf_export
+
+    data = {"tokenizer": "byte", "eod_id": None}
+    assert hf_export._vocab({"vocab_size": 257}, data) == (257, 256)
+    assert hf_export._token_ids({}, 256) == {"bos_token_id": 256, "eos_token_id": 256,
+                                             "pad_token_id": 256}
