@@ -181,7 +181,7 @@ def run(cfg) -> None:
     checkpointer = Checkpointer(ck, loaded=load_iteration)
     if load_iteration is not None:
         common = checkpoint.load_checkpoint(ck.load, model, optimizer, scheduler, layout_rec,
-                                            load_iteration)
+                                            load_iteration, verify=ck.get("verify_on_load", True))
         if optimizer_cfg is not None:
             apply_schedule_override(optimizer, cfg)
         iteration, train_state = common["iteration"], dict(common["train_state"])

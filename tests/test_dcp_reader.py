@@ -369,10 +369,18 @@ def test_a_damaged_data_file_is_named_with_the_item(tmp_path):
                              rf"\(0, 0\) with torch's reader\)"):
         _read(path, [item], target(), runs=True)
 
-    # A record whose data.pkl torch's weights-only unpickler refuses: no advice to load it with
-    # weights_only=False (it is damaged, not foreign).
+    # A record whose data.pkl bytes were overwritten: its zip header and CRC-32 no longer match,
+    # checked before torch's reader gets it.
     path, data = damaged("pkl", "transposed", cut="pkl")
     with pytest.raises(dcp_reader.DataFileError) as refused:
+        _read(path, [_item("transposed", (0, 0), (96, 40))],
+              {"transposed": torch.full((96, 40), SENTINEL, dtype=torch.float32)}, runs=True)
+    assert re.match(rf"{data}: entry archive/data.pkl: its local header does not match the zip "
+                    rf"directory .*\(tensor 'transposed', the chunk at \(0, 0\), bytes ",
+                    str(refused.value)), str(refused.value)
+    # Unchecked, torch's weights-only unpickler refuses it: no advice to load it with
+    # weights_only=False (it is damaged, not foreign).
+    with dcp_reader.crc_unchecked(), pytest.raises(dcp_reader.DataFileError) as refused:
         _read(path, [_item("transposed", (0, 0), (96, 40))],
               {"transposed": torch.full((96, 40), SENTINEL, dtype=torch.float32)}, runs=True)
     assert re.match(rf"{data}: UnpicklingError: a tensor record that does not unpickle as a "
