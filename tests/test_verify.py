@@ -177,8 +177,8 @@ def test_the_refused_load_leaves_every_weight_as_it_was(saved, tmp_path):
     cfg_path.write_text(OmegaConf.to_yaml(cfg))
     [(error, changed), (error_unverified, _)], = run_distributed(
         _load_into_sentinel, 1, str(cfg_path), str(root), timeout=300)
-    assert error and f"{file}: tensor '{TENSOR}'" in error, error
     assert changed == [], changed
+    assert error and f"{file}: tensor '{TENSOR}'" in error, error
     error = error_unverified
     assert error and (f"DataFileError: {file}: the stored tensor's bytes do not match the "
                       f"CRC-32 of its record") in error and f"tensor '{TENSOR}'" in error, error
