@@ -9,7 +9,7 @@ What is checked, for one ``iter_XXXXXXX`` dir (``docs/integrity.md`` says what i
   names of the dir;
 * the data files: their records cover each file exactly (no gap, no overlap, nothing after the
   last, nothing missing: a truncated file is named with the first item it cuts); every entry of
-  every record matches the CRC-32 its zip directory holds (:func:`gtp.dcp_reader.check_record`;
+  every record matches the CRC-32 its zip directory holds (:func:`gtp.zip_records.check_record`;
   ``torch.save`` writes one per entry); each tensor record holds the dtype and shape
   ``.metadata`` gives its chunk;
 * the common state loads (megatron's ``load_common_state_dict``), and its ``iteration`` is the
@@ -216,15 +216,16 @@ def check_data_files(path, metadata, names: Optional[Iterable[str]] = None,
     Returns:
         The problems, each naming the file and the item.
     """
-    from gtp import dcp_reader
+    from gtp import zip_records
 
     path = Path(path)
     chunks = _chunk_metadata(metadata)
     by_file: dict[str, list] = {}
     for index, info in (metadata.storage_data or {}).items():
-        by_file.setdefault(info.relative_path, []).append((info.offset, info.length, index))
+        by_file.setdefault(info.relative_path, []).append(
+            (info.offset, info.length, index, bool(info.transform_descriptors)))
     problems: list[Problem] = []
-    buffer = bytearray(dcp_reader._CHECK_BLOCK)
+    buffer = bytearray(zip_records.CHECK_BLOCK)
     for name in sorted(by_file if names is None else names):
         file = path / name
         if Path(name).name != name or not file.is_file():
@@ -236,7 +237,7 @@ def check_data_files(path, metadata, names: Optional[Iterable[str]] = None,
             report.bytes += size
         end = 0
         with open(file, "rb") as stream:
-            for offset, length, index in records:
+            for offset, length, index, transformed in records:
                 item = _describe(index.fqn, index.offset)
                 if offset != end:
                     what = (f"bytes {end} to {offset} belong to no record" if offset > end else
@@ -249,6 +250,8 @@ def check_data_files(path, metadata, names: Optional[Iterable[str]] = None,
                         f"the file has {size} bytes, but .metadata places this record at bytes "
                         f"{offset} to {offset + length}: the file is truncated")))
                     break
+                if transformed:  # DCP transforms (e.g. compression): no zip record to check
+                    continue
                 problems += [Problem(str(file), item, what) for what in
                              _check_one(stream, offset, length, index, chunks, buffer, report)]
             else:
@@ -273,11 +276,11 @@ def _chunk_metadata(metadata) -> dict:
 
 def _check_one(stream, offset, length, index, chunks, buffer, report) -> list[str]:
     """Problems of one record: its zip entries' CRC-32s, and a tensor's dtype and shape."""
-    from gtp import dcp_reader
+    from gtp import dcp_reader, zip_records
 
     try:
-        entries = dcp_reader.check_record(stream, offset, length, buffer)
-    except dcp_reader.RecordDamaged as exc:
+        entries = zip_records.check_record(stream, offset, length, buffer)
+    except zip_records.RecordDamaged as exc:
         return [str(exc)]
     except (ValueError, OSError) as exc:
         return [f"not a torch.save record, so nothing to check its bytes against ({exc}): "
