@@ -15,6 +15,7 @@ rank's RNG state.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import functools
 import os
@@ -1073,7 +1074,10 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
         # error, raised before any tensor is read); "missing" = in the checkpoint but not
         # requested (fine: e.g. another layout's RNG).
         dcp_reader.install()  # a request for a run of stored rows reads those bytes only
-        loaded = dist_checkpointing.load(state, str(path), strict=StrictHandling.RAISE_UNEXPECTED)
+        # Every byte of these files was just verified: the reader need not CRC them again.
+        with dcp_reader.crc_unchecked() if verify and not converted else contextlib.nullcontext():
+            loaded = dist_checkpointing.load(state, str(path),
+                                             strict=StrictHandling.RAISE_UNEXPECTED)
     except (Exception, DCPCheckpointException) as exc:  # noqa: BLE001 - reported below
         failure = exc
     # A rank can fail alone (its own tensors, a file only it reads): agree before anyone
