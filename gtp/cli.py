@@ -6,8 +6,9 @@ Commands (CKPT: a checkpoint root holding ``latest_checkpointed_iteration.txt``,
     python -m gtp inspect CKPT [--layout SPEC]
         Saving layout, format, and for each tensor: logical shape, stored shape, GTP layout
         (TP-local rows L, padding, column/row-parallel, gated) and whether it is stored in the
-        legacy padded layout of megatron-core 0.19.2. Exit 0, or 2 when the checkpoint cannot
-        be read exactly (the message says what is ambiguous).
+        legacy padded layout of megatron-core 0.19.2; the optimizer step, with a warning when it
+        is not the iteration minus the skipped iterations. Exit 0, or 2 when the checkpoint
+        cannot be read exactly (the message says what is ambiguous).
 
     python -m gtp verify CKPT [--all]
         Read every byte of the checkpoint (the tracker's iteration of a root, every complete
