@@ -71,6 +71,8 @@ def test_a_fresh_checkpoint_verifies(saved):
     assert rc == 0, out
     assert out.startswith(f"OK {saved / 'checkpoints' / f'iter_{ITER:07d}'}: "), out
     assert "DAMAGED" not in out
+    rc, out = verify(saved / "checkpoints" / f"iter_{ITER:07d}")
+    assert rc == 0 and out.startswith("OK "), out
 
 
 def test_a_flipped_data_byte_names_the_file_and_tensor(saved, tmp_path):
