@@ -23,6 +23,7 @@ from pathlib import Path
 BENCHMARKS: list[tuple[str, str]] = [
     ("train_speed", "benchmarks.train_speed"),
     ("checkpoint", "benchmarks.checkpoint_io"),
+    ("verify", "benchmarks.checkpoint_verify"),
     ("parallel_layouts", "benchmarks.parallel_layouts"),
     ("hf_import_memory", "benchmarks.hf_import_memory"),
 ]

@@ -6,8 +6,15 @@ Commands (CKPT: a checkpoint root holding ``latest_checkpointed_iteration.txt``,
     python -m gtp inspect CKPT [--layout SPEC]
         Saving layout, format, and for each tensor: logical shape, stored shape, GTP layout
         (TP-local rows L, padding, column/row-parallel, gated) and whether it is stored in the
-        legacy padded layout of megatron-core 0.19.2. Exit 0, or 2 when the checkpoint cannot
-        be read exactly (the message says what is ambiguous).
+        legacy padded layout of megatron-core 0.19.2; the optimizer step, with a warning when it
+        is not the iteration minus the skipped iterations. Exit 0, or 2 when the checkpoint
+        cannot be read exactly (the message says what is ambiguous).
+
+    python -m gtp verify CKPT [--all]
+        Read every byte of the checkpoint (the tracker's iteration of a root, every complete
+        iteration with ``--all``) and check it (:mod:`gtp.verify`): sizes, the CRC-32 of every
+        record's zip entries, ``.metadata`` consistency, the common state, the tracker. Exit 0
+        intact, 1 damaged (one line per problem, naming the file and the item), 2 error.
 
     python -m gtp compare CKPT_A CKPT_B [--layout-a SPEC] [--layout-b SPEC]
         Compare the logical tensors (model and optimizer; legacy ones reconstructed), the
@@ -98,6 +105,8 @@ def cmd_inspect(args, out=sys.stdout) -> int:
               f"(alignment {analysis.layout.pad_for_alignment * analysis.layout.g} rows)", file=out)
     for note in analysis.notes:
         print(f"note: {note}", file=out)
+    for line in describe_step(common):
+        print(line, file=out)
     rows = []
     for key in _ordered(analysis.tensors):
         info = analysis.tensors[key]
@@ -251,19 +260,91 @@ def _main_params_alike(ta: dict, tb: dict) -> tuple[dict, dict]:
     return ta, tb
 
 
-def _step(common):
-    import torch
+def describe_step(common: dict) -> list[str]:
+    """``optimizer step: ...`` and, when it is not the iteration minus the skipped iterations
+    (``train_state.skipped_iterations``; 0 when not recorded), a ``warning:`` line: Adam's bias
+    corrections then differ from an uninterrupted run's."""
+    step = _step(common)
+    if step is None:
+        return []
+    iteration = common.get("iteration")
+    train_state = common.get("train_state") or {}
+    skipped = train_state.get("skipped_iterations")
+    expected = None if iteration is None else iteration - (skipped or 0)
+    how = (f"iteration {iteration} - {skipped} skipped" if skipped is not None else
+           f"iteration {iteration}, no skipped iterations recorded")
+    lines = [f"optimizer step: {_fmt_step(step)} (expected {expected}: {how})"]
+    steps = step if isinstance(step, list) else [step]
+    if expected is not None and any(s != expected for s in steps):
+        lines.append(f"warning: the optimizer step {_fmt_step(step)} is not the iteration minus "
+                     f"the skipped iterations ({expected}): Adam's bias corrections differ from "
+                     f"an uninterrupted run's from here on")
+    return lines
 
+
+def _fmt_step(step) -> str:
+    if isinstance(step, list):
+        return "differs between param groups: " + ", ".join(_fmt_step(s) for s in step)
+    return str(int(step)) if isinstance(step, float) and step.is_integer() else str(step)
+
+
+def _step(common):
+    """The Adam ``step`` in the common state (a number, or a sorted list of the different
+    values of a distributed optimizer's param groups); None when it holds none. A chained
+    optimizer (a dict per index) gives the steps of all its optimizers."""
+    opt = common.get("optimizer") or {}
+    if opt and all(isinstance(k, int) for k in opt):
+        steps = {s for k in sorted(opt) for s in _as_list(_one_step({"optimizer": opt[k]}))}
+        steps.discard(None)
+        return None if not steps else steps.pop() if len(steps) == 1 else sorted(steps)
+    return _one_step(common)
+
+
+def _as_list(step):
+    return step if isinstance(step, list) else [step]
+
+
+def _one_step(common):
     opt = common.get("optimizer") or {}
     if opt.get("param_state_sharding_type"):  # distributed optimizer: step in each param group
-        steps = {g.get("step") for g in opt.get("optimizer", {}).get("param_groups", [])}
-        return float(steps.pop()) if len(steps) == 1 else sorted(steps)
+        steps = {_number(g.get("step"))
+                 for g in opt.get("optimizer", {}).get("param_groups", [])}
+        steps.discard(None)
+        return None if not steps else steps.pop() if len(steps) == 1 else sorted(steps)
     if "state" not in opt:  # bf16: megatron's Float16 optimizer nests torch's state dict
         opt = opt.get("optimizer") or {}
-    step = (opt.get("state") or {}).get("common_step")
+    return _number((opt.get("state") or {}).get("common_step"))
+
+
+def _number(step):
+    import torch
+
     if isinstance(step, torch.Tensor):
-        return step.item()
-    return step
+        step = step.item()
+    return None if step is None else float(step)
+
+
+def cmd_verify(args, out=sys.stdout) -> int:
+    from gtp import verify
+
+    dirs, problems = verify.iteration_dirs(args.ckpt, args.all)
+    checked = []
+    for path in dirs:
+        report = verify.verify_iteration(path)
+        problems += report.problems
+        if not report.problems:
+            checked.append(report)
+    for report in checked:
+        print(f"OK {report.summary()}", file=out)
+    for problem in problems[:50]:
+        print(f"DAMAGED {problem}", file=out)
+    if problems:
+        files = len({p.file for p in problems})
+        print(f"{len(problems)} problem{'s' * (len(problems) > 1)} in {files} "
+              f"file{'s' * (files > 1)}"
+              + (" (the first 50 shown)" if len(problems) > 50 else ""), file=out)
+        return DIFFERENT
+    return EQUAL
 
 
 def cmd_convert(args, out=sys.stdout) -> int:
@@ -307,6 +388,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("ckpt")
     p.add_argument("--layout", default=None, help="saving layout, e.g. tp=2,gtp=2,pad=16")
     p.set_defaults(func=cmd_inspect)
+    p = sub.add_parser("verify", help="check every byte of a checkpoint (exit 0 intact, "
+                                      "1 damaged, 2 error)")
+    p.add_argument("ckpt")
+    p.add_argument("--all", action="store_true",
+                   help="every complete iteration of a checkpoint root, not only the tracker's")
+    p.set_defaults(func=cmd_verify)
     p = sub.add_parser("compare", help="compare two checkpoints' logical tensors bit for bit "
                                        "(exit 0 equal, 1 different, 2 error)")
     p.add_argument("ckpt_a")

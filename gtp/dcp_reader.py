@@ -13,6 +13,13 @@ streams, a record that is not one plain little-endian tensor, a strided slice of
 tensor such as one TP rank's columns of a tensor stored whole) goes to torch's own
 ``read_data``, unchanged.
 
+Integrity: a read that covers a whole stored entry checks it against the CRC-32 the record's
+zip directory holds (``torch.save`` writes one per entry): ``data.pkl`` and ``byteorder``
+always, the storage when the request covers all of it, and every entry of a record handed to
+torch's reader (which reads it whole and checks none; a record that is no zip archive, an
+object stored raw, has none). A run that covers part of a storage cannot be checked:
+:mod:`gtp.verify` checks every byte of a checkpoint before a load (``docs/integrity.md``).
+
 The ``torch.save`` record is a zip archive (stored, never compressed) holding ``data.pkl`` and
 one ``data/<key>`` entry per storage. ``data.pkl`` is unpickled by a restricted unpickler that
 knows only ``torch._utils._rebuild_tensor_v2``, ``collections.OrderedDict`` and the typed
@@ -28,15 +35,28 @@ import dataclasses
 import functools
 import io
 import math
-import os
 import pickle
 import re
 import struct
 import sys
 import zipfile
+import zlib
 from typing import Any, Optional
 
 import torch
+
+from gtp.zip_records import (  # noqa: F401 - RecordDamaged, check_record: part of this API
+    CENTRAL as _CENTRAL,
+    CENTRAL_SIGNATURE as _CENTRAL_SIGNATURE,
+    CHECK_BLOCK as _CHECK_BLOCK,
+    END as _END,
+    END_SIGNATURE as _END_SIGNATURE,
+    LOCAL_HEADER as _LOCAL_HEADER,
+    LOCAL_SIGNATURE as _LOCAL_SIGNATURE,
+    RecordDamaged,
+    Window as _Window,
+    check_record,
+)
 
 _STORAGE_DTYPES = {
     "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
@@ -44,15 +64,6 @@ _STORAGE_DTYPES = {
     "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
     "BoolStorage": torch.bool,
 }
-# zip local file header (30 bytes): signature, version, flags, method, time, date, crc32,
-# compressed size, size, name length, extra length.
-_LOCAL_HEADER = struct.Struct("<4sHHHHHLLLHH")
-_LOCAL_SIGNATURE = b"PK\x03\x04"
-# zip central directory entry (46 bytes) and end of central directory record (22 bytes).
-_CENTRAL = struct.Struct("<4sHHHHHHLLLHHHHHLL")
-_CENTRAL_SIGNATURE = b"PK\x01\x02"
-_END = struct.Struct("<4sHHHHLLH")
-_END_SIGNATURE = b"PK\x05\x06"
 _HEAD_BYTES = 4096  # a record's first (last) bytes: data.pkl and byteorder (its directory)
 
 
@@ -75,6 +86,7 @@ class TensorRecord:
         dtype: element dtype.
         storage_offset: offset of the tensor's first element in its storage (elements).
         size, stride: the tensor's shape and strides (elements).
+        crc32: the CRC-32 the record's zip directory holds for the storage's bytes.
     """
 
     data_offset: int
@@ -83,6 +95,7 @@ class TensorRecord:
     storage_offset: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
+    crc32: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,37 +127,6 @@ class _RecordUnpickler(pickle.Unpickler):
                 and isinstance(pid[1], torch.dtype)):
             raise _Unsupported(f"persistent id {pid!r}")
         return _Storage(key=str(pid[2]), dtype=pid[1], numel=int(pid[4]))
-
-
-class _Window(io.RawIOBase):
-    """``stream[offset : offset + length]`` as a seekable file (zipfile seeks from its end)."""
-
-    def __init__(self, stream, offset: int, length: int):
-        super().__init__()
-        self._stream, self._offset, self._length, self._pos = stream, offset, length, 0
-
-    def seekable(self):
-        return True
-
-    def readable(self):
-        return True
-
-    def tell(self):
-        return self._pos
-
-    def seek(self, pos, whence=os.SEEK_SET):
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._length}[whence]
-        self._pos = min(max(base + pos, 0), self._length)
-        return self._pos
-
-    def readinto(self, buffer):
-        n = min(len(buffer), self._length - self._pos)
-        if n <= 0:
-            return 0
-        self._stream.seek(self._offset + self._pos)
-        got = self._stream.readinto(memoryview(buffer)[:n])
-        self._pos += got
-        return got
 
 
 def read_record(stream, offset: int, length: int) -> TensorRecord:
@@ -186,7 +168,7 @@ def _parse_pkl(data: bytes):
     return rebuilt
 
 
-def _record(offset, length, data_offset, data_size, rebuilt) -> TensorRecord:
+def _record(offset, length, data_offset, data_size, rebuilt, crc32: int = 0) -> TensorRecord:
     storage, storage_offset, size, stride = rebuilt
     if data_size < storage.numel * storage.dtype.itemsize or data_offset + data_size > length:
         raise _Unsupported("storage entry too short")
@@ -196,7 +178,7 @@ def _record(offset, length, data_offset, data_size, rebuilt) -> TensorRecord:
             >= storage.numel):
         raise _Unsupported("tensor outside its storage")
     return TensorRecord(offset + data_offset, data_size, storage.dtype, storage_offset, size,
-                        stride)
+                        stride, crc32)
 
 
 def _read_ends(stream, offset: int, length: int) -> TensorRecord:
@@ -213,13 +195,13 @@ def _read_ends(stream, offset: int, length: int) -> TensorRecord:
         raise _Unsupported("zip64 or a central directory larger than the last bytes read")
     entries = {}
     for _ in range(count):
-        (signature, _, _, _, method, _, _, _, size, _, name_len, extra_len, comment_len,
+        (signature, _, _, _, method, _, _, crc, size, _, name_len, extra_len, comment_len,
          _, _, _, header) = _CENTRAL.unpack_from(tail, pos)
         if signature != _CENTRAL_SIGNATURE or 0xFFFFFFFF in (size, header):
             raise _Unsupported("zip64 entry")
         if method == zipfile.ZIP_STORED:
             name = tail[pos + _CENTRAL.size:pos + _CENTRAL.size + name_len].decode()
-            entries[name] = (header, size)
+            entries[name] = (header, size, crc)
         pos += _CENTRAL.size + name_len + extra_len + comment_len
     stream.seek(offset)
     head = stream.read(min(length, _HEAD_BYTES))
@@ -235,7 +217,7 @@ def _read_ends(stream, offset: int, length: int) -> TensorRecord:
 def _read_directory(stream, offset: int, length: int) -> TensorRecord:
     """The same through ``zipfile`` (zip64, entries anywhere in the record)."""
     window = _Window(stream, offset, length)
-    entries = {info.filename: (info.header_offset, info.file_size)
+    entries = {info.filename: (info.header_offset, info.file_size, info.CRC)
                for info in zipfile.ZipFile(window).infolist()
                if info.compress_type == zipfile.ZIP_STORED}
 
@@ -253,27 +235,33 @@ def _locate(entries: dict[str, tuple[int, int]], read, offset: int, length: int)
     """The tensor record from a record's stored (uncompressed) zip entries.
 
     Args:
-        entries: entry name -> (local header offset, size), offsets within the record.
+        entries: entry name -> (local header offset, size, CRC-32), offsets within the record.
         read: ``read(start, size)`` -> those bytes of the record.
     """
     def span(name):  # (start, size) of an entry's bytes, after its local header
-        header, size = entries[name]
+        header, size, _ = entries[name]
         fields = _LOCAL_HEADER.unpack(read(header, _LOCAL_HEADER.size))
         if fields[0] != _LOCAL_SIGNATURE:
             raise _Unsupported("bad local header")
         return header + _LOCAL_HEADER.size + fields[-2] + fields[-1], size
 
+    def whole(name):  # an entry read whole: its CRC-32 checked
+        data = read(*span(name))
+        if zlib.crc32(data) != entries[name][2]:
+            raise _Unsupported(f"{name} does not match its CRC-32")
+        return data
+
     pkl = next((n for n in entries if n.endswith("/data.pkl")), None)
     if pkl is None:
         raise _Unsupported("no stored data.pkl")
     prefix = pkl[: -len("data.pkl")]
-    if prefix + "byteorder" in entries and read(*span(prefix + "byteorder")).strip() != b"little":
+    if prefix + "byteorder" in entries and whole(prefix + "byteorder").strip() != b"little":
         raise _Unsupported("not little-endian")
-    rebuilt = _parse_pkl(read(*span(pkl)))
+    rebuilt = _parse_pkl(whole(pkl))
     storage = f"{prefix}data/{rebuilt[0].key}"
     if storage not in entries:
         raise _Unsupported(f"storage {rebuilt[0].key} missing or compressed")
-    return _record(offset, length, *span(storage), rebuilt)
+    return _record(offset, length, *span(storage), rebuilt, entries[storage][2])
 
 
 def contiguous_run(record: TensorRecord, offsets, lengths) -> Optional[tuple[int, int]]:
@@ -322,7 +310,10 @@ def _read_run(stream, record: TensorRecord, first: int, count: int, target: torc
               scratch: _Scratch):
     """Read ``count`` elements from element ``first`` of ``record`` into ``target``: straight
     into its memory when it is a plain, contiguous CPU tensor of the stored dtype, else into a
-    tensor in ``scratch``'s buffer and ``target.copy_`` (torch's reader converts the same way)."""
+    tensor in ``scratch``'s buffer and ``target.copy_`` (torch's reader converts the same way).
+    A read of the whole storage checks its CRC-32 (:class:`RecordDamaged`), after the bytes
+    landed in ``target``: the load fails, and ``recipes``' pre-load verification is what keeps
+    the weights untouched."""
     direct = (type(target) is torch.Tensor and target.device.type == "cpu"
               and target.dtype == record.dtype and target.is_contiguous())
     dest = target if direct else scratch.tensor(target.shape, record.dtype)
@@ -336,6 +327,11 @@ def _read_run(stream, record: TensorRecord, first: int, count: int, target: torc
         if not got:
             raise EOFError(f"data file ends {len(view) - done} bytes short of a stored tensor")
         done += got
+    if (_CHECK_CRC and first == 0 and len(view) == record.storage_bytes
+            and zlib.crc32(view) != record.crc32):
+        raise RecordDamaged(
+            f"the stored tensor's bytes do not match the CRC-32 of its record "
+            f"({zlib.crc32(view):08x}, recorded {record.crc32:08x}): the data file is damaged")
     if not direct:
         target.copy_(dest)
 
@@ -354,9 +350,9 @@ def read_data(reader, plan, planner, stock):
         A completed ``torch.futures.Future`` (torch's contract).
 
     Raises:
-        DataFileError: a data file ends inside a tensor it should hold, or cannot be read or
-            unpickled (from torch's reader too): names the file, and the item read from it
-            where known.
+        DataFileError: a data file ends inside a tensor it should hold, a record read whole
+            does not match its CRC-32s, or a record cannot be read or unpickled (from torch's
+            reader too): names the file, and the item read from it where known.
         AssertionError: the target's shape differs from the request's (as torch's reader).
     """
     from torch.distributed.checkpoint.planner import LoadItemType
@@ -397,16 +393,19 @@ def read_data(reader, plan, planner, stock):
                             f"{torch.Size(item.lengths)}")
                     _read_run(stream, record, *run, target, scratch)
                     planner.commit_tensor(item, target)
-        except (EOFError, OSError) as exc:
+        except (EOFError, OSError, RecordDamaged) as exc:
             where = "" if item is None else (
                 f" ({_describe(item)}, bytes {info.offset} to {info.offset + info.length} of "
                 f"the file)")
             raise DataFileError(f"{path}: {exc}{where}") from exc
-    # torch's reader, one data file at a time, so that an error names its file.
+    # torch's reader, one data file at a time, so that an error names its file; torch reads
+    # each of these records whole, so their CRC-32s are checked first.
     by_file: dict[str, list[Any]] = {}
     for item in rest:
         by_file.setdefault(reader.storage_data[item.storage_index].relative_path, []).append(item)
     for relative_path, items in by_file.items():
+        if _CHECK_CRC:
+            _check_records(reader, relative_path, items)
         try:
             stock(reader, dataclasses.replace(plan, items=items), planner).wait()
         except (AssertionError, DataFileError):
@@ -422,6 +421,38 @@ def read_data(reader, plan, planner, stock):
     done: Future = Future()
     done.set_result(None)
     return done
+
+
+def _check_records(reader, relative_path: str, items) -> None:
+    """:func:`check_record` for each record of ``items`` in one data file (once per record);
+    a record that is no zip archive (an object stored raw) is left to torch's reader.
+
+    Raises:
+        DataFileError: a record is damaged (names the file, the item and the entry).
+    """
+    path = reader.fs.concat_path(reader.path, relative_path)
+    done: set[tuple[int, int]] = set()
+    buffer = None
+    item = info = None
+    try:
+        with reader.fs.create_stream(path, "rb") as stream:
+            for item in items:
+                info = reader.storage_data[item.storage_index]
+                if info.transform_descriptors or (info.offset, info.length) in done:
+                    continue
+                done.add((info.offset, info.length))
+                buffer = buffer or bytearray(min(_CHECK_BLOCK, max(info.length, 1 << 16)))
+                try:
+                    check_record(stream, info.offset, info.length, buffer)
+                except RecordDamaged:
+                    raise
+                except ValueError:
+                    continue
+    except (RecordDamaged, OSError) as exc:
+        where = "" if item is None else (
+            f" ({_describe(item)}, bytes {info.offset} to {info.offset + info.length} of the "
+            f"file)")
+        raise DataFileError(f"{path}: {exc}{where}") from exc
 
 
 def _failing_item(reader, plan, planner, stock, items, exc):
@@ -460,6 +491,7 @@ def _describe(item) -> str:
 
 
 _ENABLED = True
+_CHECK_CRC = True
 
 
 @contextlib.contextmanager
@@ -472,6 +504,17 @@ def disabled():
         yield
     finally:
         _ENABLED = before
+
+
+@contextlib.contextmanager
+def crc_unchecked():
+    """Within the block, reads check no CRC-32 (benchmarks measure the check's cost)."""
+    global _CHECK_CRC
+    before, _CHECK_CRC = _CHECK_CRC, False
+    try:
+        yield
+    finally:
+        _CHECK_CRC = before
 
 
 def install() -> None:

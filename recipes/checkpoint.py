@@ -15,6 +15,7 @@ rank's RNG state.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import functools
 import os
@@ -996,7 +997,7 @@ def load_common(root, iteration: int | None = None) -> tuple[Path, dict]:
 @_gc_paused
 @_metadata_reused()  # one unpickling of .metadata for the whole load
 def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
-                    iteration: int | None = None) -> dict:
+                    iteration: int | None = None, verify: bool = True) -> dict:
     """Load a checkpoint of ``root`` (the tracker's, or ``iteration``) into ``model``,
     ``optimizer`` and ``scheduler``.
 
@@ -1007,14 +1008,17 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
 
     Args:
         layout_dict: this run's :func:`layout_record`.
+        verify: check every byte of the checkpoint first (``checkpoint.verify_on_load``;
+            :func:`gtp.verify.check_share`, each rank a share of the data files).
 
     Returns:
         The checkpoint's common state (``iteration``, ``train_state``, ``layout``...).
 
     Raises:
-        CheckpointError: incomplete checkpoint, another real vocabulary size (both named, before
-            any tensor is read), a tensor missing from it, or a shape mismatch (naming the
-            tensor and both shapes).
+        CheckpointError: incomplete or damaged checkpoint (naming the file and the item, before
+            any tensor is read), another real vocabulary size (both named, before any tensor is
+            read), a tensor missing from it, or a shape mismatch (naming the tensor and both
+            shapes).
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -1023,6 +1027,8 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
     from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
 
     path, common = load_common(root, iteration)
+    if verify:
+        _verify_before_load(path)
     message = vocab.refusal(common.get(vocab.RECORD_KEY), vocab.real_vocab_size(model), path)
     if message:
         raise CheckpointError(message)
@@ -1075,7 +1081,10 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
         # error, raised before any tensor is read); "missing" = in the checkpoint but not
         # requested (fine: e.g. another layout's RNG).
         dcp_reader.install()  # a request for a run of stored rows reads those bytes only
-        loaded = dist_checkpointing.load(state, str(path), strict=StrictHandling.RAISE_UNEXPECTED)
+        # Every byte of these files was just verified: the reader need not CRC them again.
+        with dcp_reader.crc_unchecked() if verify and not converted else contextlib.nullcontext():
+            loaded = dist_checkpointing.load(state, str(path),
+                                             strict=StrictHandling.RAISE_UNEXPECTED)
     except (Exception, DCPCheckpointException) as exc:  # noqa: BLE001 - reported below
         failure = exc
     # A rank can fail alone (its own tensors, a file only it reads): agree before anyone
@@ -1101,6 +1110,23 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
     if same_layout:
         _set_rng_state(loaded["rng_state"])
     return common
+
+
+def _verify_before_load(path: Path) -> None:
+    """:func:`gtp.verify.check_share` on every rank; a problem any rank finds fails the load on
+    every rank, each naming the same files and items (a collective)."""
+    from gtp import verify
+
+    problems = verify.check_share(path, torch.distributed.get_rank(),
+                                  torch.distributed.get_world_size())
+    if any_rank_failed(bool(problems)):
+        found: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(found, problems[:5])
+        problems = list(dict.fromkeys(p for mine in found for p in mine))  # .metadata's: all
+        raise CheckpointError(
+            f"{verify.CheckpointDamaged(path, problems)}: not loaded "
+            f"(checkpoint.verify_on_load); load another iteration (checkpoint.load_iteration=N) "
+            f"or another checkpoint.load")
 
 
 def any_rank_failed(failed: bool, group=None) -> bool:

@@ -179,6 +179,9 @@ class CheckpointConfig:
     # Resume although seed, data, seq length or a batch size not dividing the consumed samples
     # changed (refused by default: the run would see other samples than planned).
     allow_data_change: bool = False
+    # Before a resume, check every byte of the checkpoint (python -m gtp verify, each rank a
+    # share of the data files) and refuse a damaged one before any weight is overwritten.
+    verify_on_load: bool = True
 
 
 @dataclass

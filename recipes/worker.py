@@ -181,7 +181,7 @@ def run(cfg) -> None:
     checkpointer = Checkpointer(ck, loaded=load_iteration)
     if load_iteration is not None:
         common = checkpoint.load_checkpoint(ck.load, model, optimizer, scheduler, layout_rec,
-                                            load_iteration)
+                                            load_iteration, verify=ck.get("verify_on_load", True))
         if optimizer_cfg is not None:
             apply_schedule_override(optimizer, scheduler, cfg)
         iteration, train_state = common["iteration"], dict(common["train_state"])
@@ -213,7 +213,7 @@ def run(cfg) -> None:
         model, optimizer, scheduler, data_iterator,
         num_microbatches=cfg.data.global_batch_size // (cfg.data.micro_batch_size * dp_size),
         iteration=iteration, consumed_samples=train_state["consumed_samples"],
-        validation=validation,
+        validation=validation, skipped=train_state.get("skipped_iterations", 0),
     )
 
     config_dict = to_dict(cfg)
@@ -250,7 +250,7 @@ def run(cfg) -> None:
         torch.distributed.broadcast(step, src=0)
         common = {"consumed_samples": state.consumed_samples, "wandb_run_id": run_id,
                   "wandb_step": int(step.item()), "config": config_dict,
-                  "data_plan": train_state["data_plan"]}
+                  "data_plan": train_state["data_plan"], "skipped_iterations": state.skipped}
         checkpointer.save(it, model, optimizer, scheduler, common, layout_rec, on_done=saved)
 
     from recipes.loop import train

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import re
+import zipfile
 
 import pytest
 import torch
@@ -369,10 +370,18 @@ def test_a_damaged_data_file_is_named_with_the_item(tmp_path):
                              rf"\(0, 0\) with torch's reader\)"):
         _read(path, [item], target(), runs=True)
 
-    # A record whose data.pkl torch's weights-only unpickler refuses: no advice to load it with
-    # weights_only=False (it is damaged, not foreign).
+    # A record whose data.pkl bytes were overwritten: its zip header and CRC-32 no longer match,
+    # checked before torch's reader gets it.
     path, data = damaged("pkl", "transposed", cut="pkl")
     with pytest.raises(dcp_reader.DataFileError) as refused:
+        _read(path, [_item("transposed", (0, 0), (96, 40))],
+              {"transposed": torch.full((96, 40), SENTINEL, dtype=torch.float32)}, runs=True)
+    assert re.match(rf"{data}: entry archive/data.pkl: its local header does not match the zip "
+                    rf"directory .*\(tensor 'transposed', the chunk at \(0, 0\), bytes ",
+                    str(refused.value)), str(refused.value)
+    # Unchecked, torch's weights-only unpickler refuses it: no advice to load it with
+    # weights_only=False (it is damaged, not foreign).
+    with dcp_reader.crc_unchecked(), pytest.raises(dcp_reader.DataFileError) as refused:
         _read(path, [_item("transposed", (0, 0), (96, 40))],
               {"transposed": torch.full((96, 40), SENTINEL, dtype=torch.float32)}, runs=True)
     assert re.match(rf"{data}: UnpicklingError: a tensor record that does not unpickle as a "
@@ -388,3 +397,88 @@ def test_a_damaged_data_file_is_named_with_the_item(tmp_path):
                              rf"{info.offset + info.length} of the file\)"):
         dcp_reader.read_data(reader, LoadPlan([item]), _Planner(target()),
                              _torch_read_data())
+
+
+def _flipped(tmp_path, fqn, where=0.5):
+    """A copy of a fresh save with one byte of ``fqn``'s stored bytes flipped (inside its
+    storage, or, for an object, inside its record), and that byte's offset in the file."""
+    import shutil
+
+    state = _stored()
+    dcp.save(state, checkpoint_id=str(tmp_path / "src"), no_dist=True)
+    path = tmp_path / "flipped"
+    shutil.copytree(tmp_path / "src", path)
+    info = next(v for k, v in _reader(path).storage_data.items() if k.fqn == fqn)
+    data = path / info.relative_path
+    raw = bytearray(data.read_bytes())
+    record = io.BytesIO(bytes(raw[info.offset:info.offset + info.length]))
+    archive = zipfile.ZipFile(record)
+    entry = max(archive.infolist(), key=lambda i: i.file_size)  # the storage (data/0)
+    with archive.open(entry) as f:  # zipfile's own reading of where the entry's bytes start
+        start = f._fileobj.tell()
+    at = info.offset + start + int(entry.file_size * where)
+    raw[at] ^= 0x10
+    data.write_bytes(bytes(raw))
+    return path, data, state, at
+
+
+def test_a_read_of_a_whole_storage_checks_its_crc32(tmp_path):
+    """A flipped bit in a stored tensor fails every read that covers its whole storage (ours:
+    the whole tensor; torch's: a strided slice, whose record torch reads whole), naming the file
+    and the item; a run of rows that covers part of the storage is not checked (the gap
+    ``python -m gtp verify`` closes)."""
+    path, data, state, _ = _flipped(tmp_path, "fp32", where=0.9)  # row 86 of 96
+    with pytest.raises(dcp_reader.DataFileError,
+                       match=rf"^{data}: the stored tensor's bytes do not match the CRC-32 of "
+                             rf"its record .*\(tensor 'fp32', the chunk at \(0, 0\), bytes "):
+        _read(path, [_item("fp32", (0, 0), (96, 40))],
+              {"fp32": torch.full((96, 40), SENTINEL, dtype=torch.float32)}, runs=True)
+    with pytest.raises(dcp_reader.DataFileError,
+                       match=rf"^{data}: entry archive/data/0 \(15360 bytes\) does not match its "
+                             rf"CRC-32 .*\(tensor 'fp32', the chunk at \(0, 0\), bytes "):
+        _read(path, [_item("fp32", (10, 8), (4, 16))],  # a block: torch's reader
+              {"fp32": torch.full((4, 16), SENTINEL, dtype=torch.float32)}, runs=True)
+    target = torch.full((30, 40), SENTINEL, dtype=torch.float32)
+    _read(path, [_item("fp32", (17, 0), (30, 40))], {"fp32": target}, runs=True)
+    assert torch.equal(target, state["fp32"][17:47])
+    # Unchecked (the benchmarks' switch), the whole tensor loads with the flipped bit.
+    target = torch.full((96, 40), SENTINEL, dtype=torch.float32)
+    with dcp_reader.crc_unchecked():
+        _read(path, [_item("fp32", (0, 0), (96, 40))], {"fp32": target}, runs=True)
+    assert not torch.equal(target, state["fp32"])
+    assert torch.equal(target[:86], state["fp32"][:86])
+
+
+def test_records_for_torchs_reader_are_checked_first(tmp_path):
+    """A tensor stored strided and an object: torch's reader reads their records whole and
+    checks no CRC; ours checks them before it does."""
+    for fqn, item, targets in (
+            ("transposed", _item("transposed", (0, 0), (96, 40)),
+             {"transposed": torch.full((96, 40), SENTINEL, dtype=torch.float32)}),
+            ("bytes", _item("bytes", (), (), LoadItemType.BYTE_IO), {})):
+        path, data, _, _ = _flipped(tmp_path / fqn, fqn)
+        with pytest.raises(dcp_reader.DataFileError,
+                           match=rf"^{data}: entry archive/[\w/.]+ \(\d+ bytes\) does not "
+                                 rf"match its CRC-32 .*\({'tensor' if targets else 'object'} "
+                                 rf"'{fqn}'"):
+            _read(path, [item], targets, runs=True)
+        if targets:  # torch's reader alone loads the flipped bit
+            with dcp_reader.crc_unchecked():
+                _read(path, [item], targets, runs=True)
+            assert (targets[fqn] != _stored()[fqn]).sum() == 1
+
+
+def test_check_record_names_the_entry_and_counts_entries(tmp_path):
+    buf = io.BytesIO()
+    torch.save(torch.arange(10, dtype=torch.int64), buf)
+    blob = bytearray(buf.getvalue())
+    framed = b"\0" * 7 + bytes(blob) + b"\0" * 5
+    n = dcp_reader.check_record(io.BytesIO(framed), 7, len(blob))
+    assert n == len(zipfile.ZipFile(io.BytesIO(bytes(blob))).namelist())
+    record = dcp_reader.read_record(io.BytesIO(bytes(blob)), 0, len(blob))
+    blob[record.data_offset + 8] ^= 1  # element 1
+    with pytest.raises(dcp_reader.RecordDamaged,
+                       match=r"^entry archive/data/0 \(80 bytes\) does not match its CRC-32"):
+        dcp_reader.check_record(io.BytesIO(bytes(blob)), 0, len(blob), bytearray(16))
+    with pytest.raises(ValueError, match="not a zip record"):
+        dcp_reader.check_record(io.BytesIO(b"x" * 100), 0, 100)

@@ -144,3 +144,12 @@ def test_convert_refuses_its_source_and_a_newer_destination(ckpts, tmp_path, cap
     rc, _ = cli("convert", src, newer)
     assert rc == 2 and "names iteration 99, newer than the converted" in capsys.readouterr().err
     assert (newer / "latest_checkpointed_iteration.txt").read_text() == "99\n"
+
+
+def test_verify_passes_checkpoints_of_every_writer(ckpts):
+    """Stock 0.19.2's padded GTP writer, the logical writer, megatron's non-GTP tp2 save, the
+    converted copy: every chunk of every tensor stored once, every CRC-32 intact."""
+    for model in ("tiny", "tiny_swiglu"):
+        for name in ("legacy", "logical_twin", "tp2", "perturbed", "legacy/gtp_converted"):
+            rc, out = cli("verify", ckpts / model / name)
+            assert rc == 0 and out.startswith("OK "), (model, name, out)
