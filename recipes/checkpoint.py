@@ -810,6 +810,9 @@ def finalize_save(root, iteration: int, staged: Path) -> Path:
     _barrier()
     path = iter_dir(root, iteration)
     if _rank() == 0:
+        from recipes.lease import check_writer
+
+        check_writer(root)  # still this run's dir: one live writer (recipes/lease.py)
         replaced = Path(root) / f".{path.name}.replaced"
         if path.exists():
             if replaced.exists():

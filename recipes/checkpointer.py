@@ -54,14 +54,15 @@ class Checkpointer:
                     or (iteration == train_iters and self.save_at_end))
 
     def save(self, iteration: int, model, optimizer, scheduler, common: dict, layout: dict,
-             on_done=None) -> Path:
+             on_done=None, sync: bool = False) -> Path:
         """Write the checkpoint of ``iteration`` (every rank calls this).
 
         Staged into a hidden dir (:func:`recipes.checkpoint.stage_save`), renamed into place
         and named by the tracker once every rank finished (:func:`recipes.checkpoint.finalize_save`),
         then older complete saves beyond ``keep_last`` are removed and ``on_done(iteration,
         path)`` runs (every rank). With ``checkpoint.async_save`` the files are written in the
-        background and all of that happens in a later :meth:`poll` / :meth:`wait`.
+        background and all of that happens in a later :meth:`poll` / :meth:`wait`, unless
+        ``sync`` (the save of an exit: complete on return, after the save in flight).
 
         Returns:
             The iter dir (complete on return only without ``async_save``).
@@ -89,7 +90,8 @@ class Checkpointer:
                 on_done(iteration, path)
 
         return checkpoint.save_checkpoint(self.root, iteration, model, optimizer, scheduler, common,
-                                          layout, async_saves=self.async_saves, on_done=done)
+                                          layout, async_saves=None if sync else self.async_saves,
+                                          on_done=done)
 
     def poll(self) -> None:
         """Finalize the background save in flight if every rank's writer has finished (a

@@ -38,56 +38,63 @@ def write_resolved_config(cfg, output_dir: str) -> Path:
 CLAIM = ".job_claim"
 
 
-def claim_job_dir(output_dir) -> None:
-    """Claim ``output_dir`` for this run: create ``<output_dir>/.job_claim`` exclusively, holding
-    this process's host and pid. A claim by a live process on this host (two runs started in the
-    same second share Hydra's default ``outputs/<date>/<time>``) is refused; a stale one (its
-    process is gone) is taken over. The claim is removed when this process exits.
+def claim_job_dir(output_dir) -> str | None:
+    """Claim ``output_dir`` for this run: ``<output_dir>/.job_claim``, a lease
+    (:class:`recipes.lease.Lease`: run id, job id, host, pid, heartbeat) taken exclusively. A
+    live holder (two runs started in the same second share Hydra's default
+    ``outputs/<date>/<time>``) is refused; a stale one (its process gone, its heartbeat stopped,
+    or this same Slurm/submitit job before a requeue) is taken over. Removed when this process
+    exits.
+
+    Returns:
+        A note naming a stale holder taken over, or None.
 
     Raises:
-        ConfigError: naming the dir and the process that holds it.
+        ConfigError: naming the dir, the run that holds it and the file to remove.
     """
-    import atexit
-    import socket
-
+    from recipes.lease import Lease, LeaseHeld
     from recipes.validate import ConfigError
 
-    path = Path(output_dir) / CLAIM
-    path.parent.mkdir(parents=True, exist_ok=True)
-    me = f"{socket.gethostname()} {os.getpid()}"
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            holder = path.read_text().split()
-            host, pid = (holder + ["", "0"])[:2]
-            alive = host == socket.gethostname() and pid.isdigit() and _pid_alive(int(pid))
-            if alive or host != socket.gethostname():
-                raise ConfigError(
-                    f"job dir {output_dir} is in use by another run (process {pid} on "
-                    f"{host or '?'}); start again a second later or set hydra.run.dir=OTHER_DIR"
-                ) from None
-            path.unlink(missing_ok=True)  # stale: its process is gone
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(me + "\n")
-        atexit.register(lambda: path.unlink(missing_ok=True))
-        return
-    raise ConfigError(f"job dir {output_dir} is in use by another run; set hydra.run.dir=OTHER_DIR")
-
-
-def _pid_alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        return Lease(Path(output_dir) / CLAIM).take("job dir")
+    except LeaseHeld as exc:
+        raise ConfigError(f"{exc} (or set hydra.run.dir=OTHER_DIR)") from None
 
 
-def launch_local(config_path: Path, nproc: int) -> None:
-    """Start ``nproc`` workers on this machine and wait for them.
+def take_save_dir(cfg, is_rank0: bool) -> str | None:
+    """One live writer per ``checkpoint.save`` (:mod:`recipes.lease`): global rank 0 takes its
+    writer lease; the other ranks of a torchrun/Slurm job refuse a live lease of another job.
+
+    Returns:
+        A note naming a stale holder taken over, or None.
+
+    Raises:
+        LeaseHeld: naming the dir, the other job and the file to remove.
+    """
+    from recipes import lease
+    from recipes.requeue import job_id
+
+    root = cfg.checkpoint.save
+    if not root:
+        return None
+    try:
+        Path(root).mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None  # prepare_resume names the dir that cannot be written
+    if is_rank0:
+        return lease.take_save_dir(root)[1]
+    holder = lease.read(Path(root) / lease.WRITER_LEASE)
+    if holder is not None and holder.get("job_id") != job_id() and lease.stale_reason(holder, job_id()) is None:
+        raise lease.LeaseHeld(f"checkpoint.save {root} is in use by {lease.describe(holder)}; "
+                              f"use another dir, or, if that run is gone, remove "
+                              f"{Path(root) / lease.WRITER_LEASE}")
+    return None
+
+
+def launch_local(config_path: Path, nproc: int, exit_signals: list[int] = ()) -> None:
+    """Start ``nproc`` workers on this machine and wait for them. ``exit_signals`` received
+    here are passed on to the workers, which save and exit 0
+    (:func:`recipes.preemption.forward_to_workers`).
 
     Raises:
         SystemExit(1): a worker failed; its error (the first failure) is printed first.
@@ -95,7 +102,11 @@ def launch_local(config_path: Path, nproc: int) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from recipes.preemption import child_pids, forward_to_workers
+
     config = LaunchConfig(
+        signals_to_handle=forward_to_workers(list(exit_signals),
+                                             lambda: child_pids("recipes.worker")),
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
@@ -187,17 +198,25 @@ def run(cfg) -> None:
     """
     from recipes.checkpointer import NothingToTrain, prepare_resume
 
+    from recipes.requeue import resolve_auto_load
+
     submitit_env = rank_env_from_submitit()
     if submitit_env is not None:
         os.environ.update(submitit_env)
+    as_rank = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    is_rank0 = not as_rank or int(os.environ["RANK"]) == 0
+    dry_run = cfg.train.get("dry_run", False)
+    notes = [] if dry_run else [take_save_dir(cfg, is_rank0)]
+    notes.append(resolve_auto_load(cfg, is_rank0 and not dry_run))
+    for note in notes:
+        if note and is_rank0:
+            print(note, flush=True)
     layout = validate(cfg, world_size_from_env(cfg))
-    if cfg.train.get("dry_run", False):
+    if dry_run:
         from recipes.dry_run import report
 
         print(report(cfg, layout), flush=True)
         return
-    as_rank = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    is_rank0 = not as_rank or int(os.environ["RANK"]) == 0
     try:
         prepare_resume(cfg, layout)
     except NothingToTrain as exc:
@@ -205,7 +224,9 @@ def run(cfg) -> None:
             print(f"> {exc}", flush=True)
         return
     if not as_rank:
-        claim_job_dir(cfg.output_dir)
+        note = claim_job_dir(cfg.output_dir)
+        if note:
+            print(note, flush=True)
     resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     # Under torchrun/Slurm one rank writes the record; every rank runs its own resolved copy
     # (the worker stops the job if the ranks disagree on the run dirs).
@@ -213,9 +234,14 @@ def run(cfg) -> None:
     if is_rank0:
         config_path = write_resolved_config(resolved, cfg.output_dir)
         print(f"> job output dir: {cfg.output_dir}\n> layout: {layout.describe()}", flush=True)
+    from recipes import preemption
+
+    if not any(a in ("-m", "--multirun") for a in sys.argv[1:]):
+        os.environ[preemption.CONTINUE_ENV] = preemption.continue_command(sys.argv, cfg.output_dir)
     if as_rank:
         from recipes.worker import run as run_worker
 
         run_worker(resolved)
     else:
-        launch_local(config_path, cfg.parallelism.nproc_per_node)
+        launch_local(config_path, cfg.parallelism.nproc_per_node,
+                     preemption.exit_signals(cfg.train))
