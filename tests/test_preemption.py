@@ -320,7 +320,8 @@ def test_finalize_refuses_a_save_dir_another_run_took_over(tmp_path, monkeypatch
 
 
 @pytest.mark.e2e
-def test_a_second_job_on_a_held_save_dir_is_refused_before_launch(train_run, tmp_path):
+def test_a_second_job_on_a_held_save_dir_is_refused_before_launch(train_run, tmp_path, monkeypatch):
+    monkeypatch.setenv(lease.RUN_ID_ENV, "")  # undone after: take_save_dir publishes its run id
     root = tmp_path / "ck"
     held, _ = lease.take_save_dir(root, run_id="first")  # a live job (this process) saves there
     try:
