@@ -236,7 +236,8 @@ def run(cfg) -> None:
         print(f"> job output dir: {cfg.output_dir}\n> layout: {layout.describe()}", flush=True)
     from recipes import preemption
 
-    if not any(a in ("-m", "--multirun") for a in sys.argv[1:]):
+    # The command that continues it (a submitit job is requeued by submitit instead).
+    if submitit_env is None and not any(a in ("-m", "--multirun") for a in sys.argv[1:]):
         os.environ[preemption.CONTINUE_ENV] = preemption.continue_command(sys.argv, cfg.output_dir)
     if as_rank:
         from recipes.worker import run as run_worker

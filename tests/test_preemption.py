@@ -118,6 +118,65 @@ def test_the_printed_command_continues_bit_equal_to_an_uninterrupted_run(preempt
     assert checkpoint.read_tracker(preempted["out"] / "checkpoints") == 12
 
 
+def _submitit_tasks(sweep: Path) -> list[int]:
+    """Pids of the submitit tasks of the sweep into ``sweep``."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"submitit.core._submit" in args and any(str(sweep).encode() in a for a in args):
+            found.append(int(cmdline.parent.name))
+    return found
+
+
+@pytest.mark.e2e
+def test_submitit_preemption_saves_requeues_and_resumes_bit_equal(preempted, data_cache, tmp_path):
+    """submitit's preemption signal (USR2, as its local executor and Slurm send it) to the
+    tasks of a submitit_local job after iteration 4: the job saves, submitit requeues it, the
+    requeued job (checkpoint.load defaults to auto) resumes and finishes with the figures of an
+    uninterrupted run."""
+    sweep = tmp_path / "sweep"
+    args = [sys.executable, str(REPO / "train.py"), "-m", f"hydra.sweep.dir={sweep}",
+            "hydra/launcher=submitit_local", "hydra.sweep.subdir=${hydra.job.num}",
+            f"data.cache_dir={data_cache}", *RUN]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            logs = list(sweep.glob(".submitit/*/*_0_log.out"))
+            if logs and re.search(r"iteration\s+4/12", logs[0].read_text()):
+                break
+            time.sleep(0.2)
+        tasks = _submitit_tasks(sweep)
+        assert len(tasks) == 2, tasks
+        for pid in tasks:
+            os.kill(pid, signal.SIGUSR2)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    log = "".join(p.read_text() for p in sorted(sweep.glob(".submitit/*/*_0_log.*")))
+    found = re.search(r"> exit on SIGUSR2 after iteration (\d+): checkpoint of iteration \1 saved", log)
+    assert found, log[-3000:]
+    assert "continue with" not in log  # submitit requeues it
+    assert re.search(r"Requeued job \S+", log), log[-3000:]
+    n = int(found.group(1))
+    assert n <= 9
+    rows, events = read_metrics(sweep / "0")
+    assert [(e["event"], e["iteration"]) for e in events if e["event"] != "save"] == [
+        ("start", 0), ("resume", n)]
+    ref = _rows(preempted["ref"])
+    assert [r["iteration"] for r in rows] == list(range(1, 13))
+    for row in rows:
+        for key in ("lm loss", "grad-norm", "learning-rate"):
+            assert row[key] == ref[row["iteration"]][key], (row["iteration"], key)
+
+
 # --- the exit decision without processes ----------------------------------------------------
 
 @pytest.fixture
