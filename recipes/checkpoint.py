@@ -799,8 +799,8 @@ def finalize_save(root, iteration: int, staged: Path) -> Path:
 
     A barrier first (a rank that died or failed while writing stops the others here, and the
     staged dir is never renamed); then global rank 0 moves any existing ``iter_*`` of the same
-    iteration aside, renames the staged dir into place, removes the old one and writes the
-    tracker. Every step is a rename within ``root``: a crash at any point leaves either the old
+    iteration aside, renames the staged dir into place, writes the tracker and then removes
+    the old one. Every step is a rename within ``root``: a crash at any point leaves either the old
     or the new complete checkpoint under its name (or the old one as ``.iter_*.replaced``,
     which :func:`recover_replaced` puts back).
 
@@ -820,9 +820,10 @@ def finalize_save(root, iteration: int, staged: Path) -> Path:
             os.replace(path, replaced)
         os.replace(staged, path)
         fsync_dir(root)
+        # The tracker first: a crash before it leaves the old save aside for recover_replaced.
+        write_durable(Path(root) / TRACKER, f"{iteration}\n")
         if replaced.exists():
             shutil.rmtree(replaced)
-        write_durable(Path(root) / TRACKER, f"{iteration}\n")
     _barrier()
     return path
 

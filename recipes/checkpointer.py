@@ -179,12 +179,13 @@ def check_save_dir(ck, load_iteration: int | None) -> None:
     if ck.get("allow_existing_save", False):
         return
     what = f"complete saves of iterations {saved}" + (f", tracker at {tracked}" if tracked is not None else "")
+    newest = f"checkpoint.load=auto resumes from its newest complete save" + (
+        f", iteration {saved[-1]}" if saved else "")
     if same_dir:
-        how = (f"it would save over iterations after {load_iteration}: resume from its newest save "
-               f"(drop checkpoint.load_iteration) or save elsewhere (checkpoint.save=OTHER_DIR)")
+        how = (f"it would save over iterations after {load_iteration}: {newest}; or save "
+               f"elsewhere (checkpoint.save=OTHER_DIR)")
     else:
-        how = (f"load it (checkpoint.load={str(root)!r}) or save elsewhere "
-               f"(checkpoint.save=OTHER_DIR)")
+        how = (f"continue it ({newest}) or save elsewhere (checkpoint.save=OTHER_DIR)")
     raise CheckpointError(
         f"checkpoint.save={str(root)!r} already holds another run's checkpoints ({what}): {how}; "
         f"checkpoint.allow_existing_save=true saves into it anyway (a save of an existing "

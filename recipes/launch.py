@@ -91,14 +91,18 @@ def take_save_dir(cfg, is_rank0: bool) -> str | None:
     return None
 
 
-def launch_local(config_path: Path, nproc: int, exit_signals: list[int] = ()) -> None:
+def launch_local(config_path: Path, nproc: int, exit_signals: list[int] = (),
+                 save_root=None) -> None:
     """Start ``nproc`` workers on this machine and wait for them. ``exit_signals`` received
     here are passed on to the workers, which save and exit 0
     (:func:`recipes.preemption.forward_to_workers`).
 
     Raises:
         SystemExit(1): a worker failed; its error (the first failure) is printed first.
+        SystemExit(128 + signal): Ctrl-C (or SIGHUP/SIGQUIT): torch's agent stopped the
+            workers; the last complete checkpoint of ``save_root`` is named.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -130,6 +134,11 @@ def launch_local(config_path: Path, nproc: int, exit_signals: list[int] = ()) ->
                   file=sys.stderr)
             print(_failure_message(failure), file=sys.stderr)
         raise SystemExit(1) from None
+    except SignalException as exc:
+        from recipes.preemption import interrupted_message
+
+        print(interrupted_message(exc.sigval.name, save_root), file=sys.stderr, flush=True)
+        raise SystemExit(128 + int(exc.sigval)) from None
     finally:
         os.environ.pop(LAUNCHER_PID_ENV, None)  # for the workers of this launch only
 
@@ -245,4 +254,4 @@ def run(cfg) -> None:
         run_worker(resolved)
     else:
         launch_local(config_path, cfg.parallelism.nproc_per_node,
-                     preemption.exit_signals(cfg.train))
+                     preemption.exit_signals(cfg.train), cfg.checkpoint.save)

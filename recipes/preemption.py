@@ -110,6 +110,21 @@ def exit_message(reason: str, iteration: int, saved) -> str:
     return f"> exit on {reason} after iteration {iteration}: {where}{go_on}"
 
 
+def interrupted_message(signame: str, save_root) -> str:
+    """The closing line of a run stopped by Ctrl-C (or another signal it does not exit on with
+    a save): the last complete checkpoint of ``save_root`` and the command that continues."""
+    from pathlib import Path
+
+    from recipes.checkpoint import iter_dir, saved_iterations
+
+    saved = saved_iterations(save_root) if save_root and Path(save_root).is_dir() else []
+    if not saved:
+        return f"> interrupted ({signame}): no complete checkpoint was saved"
+    how = os.environ.get(CONTINUE_ENV)
+    return (f"> interrupted ({signame}): the last complete checkpoint is "
+            f"{iter_dir(save_root, saved[-1])}" + (f"; continue with: {how}" if how else ""))
+
+
 def after_exit() -> None:
     """After the run stopped on a signal and saved: run the handler that :func:`install`
     replaced for it, if it was a Python one (submitit's requeues the job and exits)."""

@@ -280,7 +280,11 @@ def main(argv=None) -> None:
     if len(argv) != 1:
         raise SystemExit(f"usage: python -m recipes.worker {RESOLVED_CONFIG}")
     cfg = OmegaConf.load(argv[0])
-    record(run)(cfg)
+    try:
+        record(run)(cfg)
+    except KeyboardInterrupt:  # Ctrl-C: one line per rank, the launcher names the checkpoint
+        print(f"> rank {os.environ.get('RANK', '?')}: interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -392,3 +392,48 @@ def test_a_second_job_on_a_held_save_dir_is_refused_before_launch(train_run, tmp
                      rf"{root / lease.WRITER_LEASE}", proc.stdout), proc.stdout[-2000:]
     assert "worker" not in proc.stdout
     assert sorted(p.name for p in root.iterdir()) == []
+
+
+def test_the_tracker_names_a_replacing_save_before_the_replaced_one_is_removed(tmp_path, monkeypatch):
+    fake_save(tmp_path, 4)
+    (tmp_path / checkpoint.TRACKER).write_text("2\n")
+    staged = checkpoint.staging_dir(tmp_path, 4)
+    staged.mkdir()
+    (staged / ".metadata").write_bytes(b"new")
+
+    def crash(path, *a, **k):  # the process dies while it removes the replaced save
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", crash)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.finalize_save(tmp_path, 4, staged)
+    assert checkpoint.read_tracker(tmp_path) == 4
+    assert (checkpoint.iter_dir(tmp_path, 4) / ".metadata").read_bytes() == b"new"
+
+
+@pytest.mark.e2e
+def test_ctrl_c_prints_one_line_per_rank_and_names_the_last_complete_checkpoint(data_cache, tmp_path):
+    args = [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={tmp_path}", "logger=none",
+            f"data.cache_dir={data_cache}", "train.train_iters=1000", "optim.lr_warmup_iters=1",
+            "checkpoint.save_interval=2"]
+    proc = subprocess.Popen(args, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "saved checkpoint at iteration 2" in line:
+                break
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends to train.py (the workers are in
+        out = proc.stdout.read()          # sessions of their own: torch's agent stops them)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert sorted(re.findall(r"> rank (\d): interrupted", out)) == ["0", "1"], out[-3000:]
+    last = checkpoint.saved_iterations(tmp_path / "checkpoints")[-1]
+    closing = out.strip().splitlines()[-1]
+    assert closing.startswith(f"> interrupted (SIGINT): the last complete checkpoint is "
+                              f"{checkpoint.iter_dir(tmp_path / 'checkpoints', last)}; continue "
+                              f"with: python "), closing
+    assert closing.endswith("checkpoint.load=auto") and f"hydra.run.dir={tmp_path} " in closing
