@@ -115,6 +115,14 @@ class Checkpointer:
             self.async_saves.wait()
 
 
+def _is_rank0() -> bool:
+    """Global rank 0, or the one process before launch: under torchrun/Slurm every rank runs the
+    pre-launch checks, and only one may repair a save dir."""
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def _tracked(root) -> int | None:
     try:
         return checkpoint.read_tracker(root)
@@ -130,7 +138,7 @@ def resolve_load_iteration(ck) -> int | None:
     """
     if ck.load is None:
         return None
-    if Path(ck.load).is_dir():
+    if Path(ck.load).is_dir() and _is_rank0():
         checkpoint.recover_replaced(ck.load)
     return int(checkpoint.check_loadable(ck.load, ck.load_iteration).name[5:])
 
@@ -168,7 +176,8 @@ def check_save_dir(ck, load_iteration: int | None) -> None:
         return
     root = Path(ck.save)
     _check_writable(root)
-    checkpoint.recover_replaced(root)
+    if _is_rank0():
+        checkpoint.recover_replaced(root)
     saved = checkpoint.saved_iterations(root)
     tracked = _tracked(root) if (root / checkpoint.TRACKER).exists() else None
     if not saved and tracked is None:

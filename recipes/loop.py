@@ -250,6 +250,7 @@ def train(state, cfg, logger, checkpointer, save_fn) -> str | None:
         if logger is not None and (stop or validated or state.iteration % cfg.train.log_interval == 0):
             logger.log(state.iteration, metrics)
         if stop:
+            checkpointer.wait()  # every rank stops here: a save in flight still completes
             last = checkpointer.last_good
             raise NonFiniteError(
                 f"iteration {state.iteration}: lm loss {metrics['lm loss']}, grad-norm "
