@@ -36,6 +36,8 @@ def write_resolved_config(cfg, output_dir: str) -> Path:
 
 
 CLAIM = ".job_claim"
+# The leases this process holds for the job in flight (released when run() returns).
+_HELD: list = []
 
 
 def claim_job_dir(output_dir) -> str | None:
@@ -43,8 +45,8 @@ def claim_job_dir(output_dir) -> str | None:
     (:class:`recipes.lease.Lease`: run id, job id, host, pid, heartbeat) taken exclusively. A
     live holder (two runs started in the same second share Hydra's default
     ``outputs/<date>/<time>``) is refused; a stale one (its process gone, its heartbeat stopped,
-    or this same Slurm/submitit job before a requeue) is taken over. Removed when this process
-    exits.
+    or this same Slurm/submitit job before a requeue) is taken over. Removed when the job ends
+    (:func:`run`) or this process exits.
 
     Returns:
         A note naming a stale holder taken over, or None.
@@ -55,10 +57,13 @@ def claim_job_dir(output_dir) -> str | None:
     from recipes.lease import Lease, LeaseHeld
     from recipes.validate import ConfigError
 
+    claim = Lease(Path(output_dir) / CLAIM)
     try:
-        return Lease(Path(output_dir) / CLAIM).take("job dir")
+        note = claim.take("job dir")
     except LeaseHeld as exc:
         raise ConfigError(f"{exc} (or set hydra.run.dir=OTHER_DIR)") from None
+    _HELD.append(claim)
+    return note
 
 
 def take_save_dir(cfg, is_rank0: bool) -> str | None:
@@ -82,7 +87,9 @@ def take_save_dir(cfg, is_rank0: bool) -> str | None:
     except OSError:
         return None  # prepare_resume names the dir that cannot be written
     if is_rank0:
-        return lease.take_save_dir(root)[1]
+        held, note = lease.take_save_dir(root)
+        _HELD.append(held)
+        return note
     holder = lease.read(Path(root) / lease.WRITER_LEASE)
     if holder is not None and holder.get("job_id") != job_id() and lease.stale_reason(holder, job_id()) is None:
         raise lease.LeaseHeld(f"checkpoint.save {root} is in use by {lease.describe(holder)}; "
@@ -108,6 +115,7 @@ def launch_local(config_path: Path, nproc: int, exit_signals: list[int] = (),
 
     from recipes.preemption import child_pids, forward_to_workers
 
+    previous = {signum: signal.getsignal(signum) for signum in exit_signals}
     config = LaunchConfig(
         signals_to_handle=forward_to_workers(list(exit_signals),
                                              lambda: child_pids("recipes.worker")),
@@ -141,6 +149,8 @@ def launch_local(config_path: Path, nproc: int, exit_signals: list[int] = (),
         raise SystemExit(128 + int(exc.sigval)) from None
     finally:
         os.environ.pop(LAUNCHER_PID_ENV, None)  # for the workers of this launch only
+        for signum, handler in previous.items():  # a multirun's next job, or none
+            signal.signal(signum, handler)
 
 
 # Errors a rank raises because *another* rank went away: they are consequences, not causes.
@@ -195,6 +205,16 @@ def rank_env_from_submitit() -> dict | None:
 
 
 def run(cfg) -> None:
+    """:func:`run_job`, then give back the dir leases it took (a multirun runs many jobs in one
+    process; they are also given back at exit)."""
+    try:
+        run_job(cfg)
+    finally:
+        while _HELD:
+            _HELD.pop().release()
+
+
+def run_job(cfg) -> None:
     """Validate ``cfg``, settle the checkpoint to load and the save dir, write the resolved config
     (what runs), and run the job (local launch or as one rank); with ``train.dry_run`` only
     validate and print the dry-run report.

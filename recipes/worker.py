@@ -159,6 +159,7 @@ def run(cfg) -> None:
     from recipes.metrics import MetricLogger, plan_wandb_run
     from recipes.model import count_parameters
     from recipes.optim import apply_schedule_override
+    from recipes.requeue import job_id
     from recipes.validate import validate
 
     preemption.install(cfg.train)  # a signal from here on: save at the next iteration boundary
@@ -244,6 +245,7 @@ def run(cfg) -> None:
                             device=collective_device())
         torch.distributed.broadcast(step, src=0)
         common = {"consumed_samples": state.consumed_samples, "wandb_run_id": run_id,
+                  "job_id": job_id(),  # Slurm/submitit's: a requeue of it is the same run
                   "wandb_step": int(step.item()), "config": config_dict,
                   "data_plan": train_state["data_plan"]}
         checkpointer.save(it, model, optimizer, scheduler, common, layout_rec, on_done=saved,
