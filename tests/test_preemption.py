@@ -378,22 +378,6 @@ def test_finalize_refuses_a_save_dir_another_run_took_over(tmp_path, monkeypatch
     assert (old / ".metadata").read_bytes() == b"mine"
 
 
-@pytest.mark.e2e
-def test_a_second_job_on_a_held_save_dir_is_refused_before_launch(train_run, tmp_path, monkeypatch):
-    monkeypatch.setenv(lease.RUN_ID_ENV, "")  # undone after: take_save_dir publishes its run id
-    root = tmp_path / "ck"
-    held, _ = lease.take_save_dir(root, run_id="first")  # a live job (this process) saves there
-    try:
-        proc = train_run(tmp_path / "job2", f"checkpoint.save={root}", rc=2)
-    finally:
-        held.release()
-    assert re.search(rf"error: checkpoint.save {root} is in use by run first, process "
-                     rf"{os.getpid()} on \S+, last heartbeat \d+ s ago; .*remove "
-                     rf"{root / lease.WRITER_LEASE}", proc.stdout), proc.stdout[-2000:]
-    assert "worker" not in proc.stdout
-    assert sorted(p.name for p in root.iterdir()) == []
-
-
 def test_the_tracker_names_a_replacing_save_before_the_replaced_one_is_removed(tmp_path, monkeypatch):
     fake_save(tmp_path, 4)
     (tmp_path / checkpoint.TRACKER).write_text("2\n")
@@ -411,9 +395,11 @@ def test_the_tracker_names_a_replacing_save_before_the_replaced_one_is_removed(t
     assert (checkpoint.iter_dir(tmp_path, 4) / ".metadata").read_bytes() == b"new"
 
 
-@pytest.mark.e2e
-def test_ctrl_c_prints_one_line_per_rank_and_names_the_last_complete_checkpoint(data_cache, tmp_path):
-    args = [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={tmp_path}", "logger=none",
+@pytest.fixture(scope="module")
+def live_job(data_cache, tmp_path_factory):
+    """A job that trains for long (train.py, local launch), once it saved iteration 2."""
+    out = tmp_path_factory.mktemp("live")
+    args = [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={out}", "logger=none",
             f"data.cache_dir={data_cache}", "train.train_iters=1000", "optim.lr_warmup_iters=1",
             "checkpoint.save_interval=2"]
     proc = subprocess.Popen(args, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -422,18 +408,43 @@ def test_ctrl_c_prints_one_line_per_rank_and_names_the_last_complete_checkpoint(
         for line in proc.stdout:
             if "saved checkpoint at iteration 2" in line:
                 break
+        yield out, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+@pytest.mark.e2e
+def test_a_second_job_on_a_live_jobs_save_dir_is_refused_before_launch(live_job, train_run,
+                                                                       tmp_path):
+    out, proc = live_job
+    root = out / "checkpoints"
+    proc2 = train_run(tmp_path, f"checkpoint.save={root}", rc=2)
+    assert re.search(rf"error: checkpoint.save {root} is in use by run \w+, process {proc.pid} "
+                     rf"on \S+, last heartbeat \d+ s ago; .*remove {root / lease.WRITER_LEASE}",
+                     proc2.stdout), proc2.stdout[-2000:]
+    assert "worker" not in proc2.stdout
+    assert proc.poll() is None, "the first job trains on"
+    assert checkpoint.iter_dir(root, 2).is_dir()
+
+
+@pytest.mark.e2e
+def test_ctrl_c_prints_one_line_per_rank_and_names_the_last_complete_checkpoint(live_job):
+    out, proc = live_job
+    try:
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends to train.py (the workers are in
-        out = proc.stdout.read()          # sessions of their own: torch's agent stops them)
+        rest = proc.stdout.read()         # sessions of their own: torch's agent stops them)
         proc.wait(60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, out[-3000:]
-    assert "Traceback" not in out, out[-3000:]
-    assert sorted(re.findall(r"> rank (\d): interrupted", out)) == ["0", "1"], out[-3000:]
-    last = checkpoint.saved_iterations(tmp_path / "checkpoints")[-1]
-    closing = out.strip().splitlines()[-1]
+    assert proc.returncode == 130, rest[-3000:]
+    assert "Traceback" not in rest, rest[-3000:]
+    assert sorted(re.findall(r"> rank (\d): interrupted", rest)) == ["0", "1"], rest[-3000:]
+    root = out / "checkpoints"
+    last = checkpoint.saved_iterations(root)[-1]
+    closing = rest.strip().splitlines()[-1]
     assert closing.startswith(f"> interrupted (SIGINT): the last complete checkpoint is "
-                              f"{checkpoint.iter_dir(tmp_path / 'checkpoints', last)}; continue "
-                              f"with: python "), closing
-    assert closing.endswith("checkpoint.load=auto") and f"hydra.run.dir={tmp_path} " in closing
+                              f"{checkpoint.iter_dir(root, last)}; continue with: python "), closing
+    assert closing.endswith("checkpoint.load=auto") and f"hydra.run.dir={out} " in closing
