@@ -448,3 +448,21 @@ def test_ctrl_c_prints_one_line_per_rank_and_names_the_last_complete_checkpoint(
     assert closing.startswith(f"> interrupted (SIGINT): the last complete checkpoint is "
                               f"{checkpoint.iter_dir(root, last)}; continue with: python "), closing
     assert closing.endswith("checkpoint.load=auto") and f"hydra.run.dir={out} " in closing
+
+
+def test_the_other_ranks_of_a_job_refuse_a_save_dir_another_live_job_holds(tmp_path, monkeypatch):
+    """Under torchrun/Slurm every rank runs the pre-launch checks; rank 0 takes the lease, the
+    others refuse one of another job (and accept their own job's)."""
+    from omegaconf import open_dict
+
+    from recipes.launch import take_save_dir
+
+    cfg = make_cfg()
+    with open_dict(cfg):
+        cfg.checkpoint.save = str(tmp_path)
+    monkeypatch.setenv("SLURM_JOB_ID", "500")
+    _write_holder(tmp_path / lease.WRITER_LEASE, 0, run_id="r0", job_id="500", host="n1", pid=7)
+    assert take_save_dir(cfg, is_rank0=False) is None
+    _write_holder(tmp_path / lease.WRITER_LEASE, 0, run_id="r9", job_id="499", host="n1", pid=7)
+    with pytest.raises(lease.LeaseHeld, match=rf"run r9 \(job 499\).*remove {tmp_path / lease.WRITER_LEASE}"):
+        take_save_dir(cfg, is_rank0=False)
