@@ -799,8 +799,8 @@ def finalize_save(root, iteration: int, staged: Path) -> Path:
 
     A barrier first (a rank that died or failed while writing stops the others here, and the
     staged dir is never renamed); then global rank 0 moves any existing ``iter_*`` of the same
-    iteration aside, renames the staged dir into place, writes the tracker and then removes
-    the old one. Every step is a rename within ``root``: a crash at any point leaves either the old
+    iteration aside, renames the staged dir into place, writes the tracker, then removes the
+    old one. Every step is a rename within ``root``: a crash at any point leaves either the old
     or the new complete checkpoint under its name (or the old one as ``.iter_*.replaced``,
     which :func:`recover_replaced` puts back).
 

@@ -91,7 +91,8 @@ def take_save_dir(cfg, is_rank0: bool) -> str | None:
         _HELD.append(held)
         return note
     holder = lease.read(Path(root) / lease.WRITER_LEASE)
-    if holder is not None and holder.get("job_id") != job_id() and lease.stale_reason(holder, job_id()) is None:
+    mine = job_id()
+    if holder is not None and holder.get("job_id") != mine and lease.stale_reason(holder, mine) is None:
         raise lease.LeaseHeld(f"checkpoint.save {root} is in use by {lease.describe(holder)}; "
                               f"use another dir, or, if that run is gone, remove "
                               f"{Path(root) / lease.WRITER_LEASE}")
