@@ -800,8 +800,8 @@ def finalize_save(root, iteration: int, staged: Path) -> Path:
 
     A barrier first (a rank that died or failed while writing stops the others here, and the
     staged dir is never renamed); then global rank 0 moves any existing ``iter_*`` of the same
-    iteration aside, renames the staged dir into place, removes the old one and writes the
-    tracker. Every step is a rename within ``root``: a crash at any point leaves either the old
+    iteration aside, renames the staged dir into place, writes the tracker, then removes the
+    old one. Every step is a rename within ``root``: a crash at any point leaves either the old
     or the new complete checkpoint under its name (or the old one as ``.iter_*.replaced``,
     which :func:`recover_replaced` puts back).
 
@@ -811,6 +811,9 @@ def finalize_save(root, iteration: int, staged: Path) -> Path:
     _barrier()
     path = iter_dir(root, iteration)
     if _rank() == 0:
+        from recipes.lease import check_writer
+
+        check_writer(root)  # still this run's dir: one live writer (recipes/lease.py)
         replaced = Path(root) / f".{path.name}.replaced"
         if path.exists():
             if replaced.exists():
@@ -818,9 +821,10 @@ def finalize_save(root, iteration: int, staged: Path) -> Path:
             os.replace(path, replaced)
         os.replace(staged, path)
         fsync_dir(root)
+        # The tracker first: a crash before it leaves the old save aside for recover_replaced.
+        write_durable(Path(root) / TRACKER, f"{iteration}\n")
         if replaced.exists():
             shutil.rmtree(replaced)
-        write_durable(Path(root) / TRACKER, f"{iteration}\n")
     _barrier()
     return path
 

@@ -54,14 +54,15 @@ class Checkpointer:
                     or (iteration == train_iters and self.save_at_end))
 
     def save(self, iteration: int, model, optimizer, scheduler, common: dict, layout: dict,
-             on_done=None) -> Path:
+             on_done=None, sync: bool = False) -> Path:
         """Write the checkpoint of ``iteration`` (every rank calls this).
 
         Staged into a hidden dir (:func:`recipes.checkpoint.stage_save`), renamed into place
         and named by the tracker once every rank finished (:func:`recipes.checkpoint.finalize_save`),
         then older complete saves beyond ``keep_last`` are removed and ``on_done(iteration,
         path)`` runs (every rank). With ``checkpoint.async_save`` the files are written in the
-        background and all of that happens in a later :meth:`poll` / :meth:`wait`.
+        background and all of that happens in a later :meth:`poll` / :meth:`wait`, unless
+        ``sync`` (the save of an exit: complete on return, after the save in flight).
 
         Returns:
             The iter dir (complete on return only without ``async_save``).
@@ -89,7 +90,8 @@ class Checkpointer:
                 on_done(iteration, path)
 
         return checkpoint.save_checkpoint(self.root, iteration, model, optimizer, scheduler, common,
-                                          layout, async_saves=self.async_saves, on_done=done)
+                                          layout, async_saves=None if sync else self.async_saves,
+                                          on_done=done)
 
     def poll(self) -> None:
         """Finalize the background save in flight if every rank's writer has finished (a
@@ -113,6 +115,14 @@ class Checkpointer:
             self.async_saves.wait()
 
 
+def _is_rank0() -> bool:
+    """Global rank 0, or the one process before launch: under torchrun/Slurm every rank runs the
+    pre-launch checks, and only one may repair a save dir."""
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def _tracked(root) -> int | None:
     try:
         return checkpoint.read_tracker(root)
@@ -128,7 +138,7 @@ def resolve_load_iteration(ck) -> int | None:
     """
     if ck.load is None:
         return None
-    if Path(ck.load).is_dir():
+    if Path(ck.load).is_dir() and _is_rank0():
         checkpoint.recover_replaced(ck.load)
     return int(checkpoint.check_loadable(ck.load, ck.load_iteration).name[5:])
 
@@ -166,7 +176,8 @@ def check_save_dir(ck, load_iteration: int | None) -> None:
         return
     root = Path(ck.save)
     _check_writable(root)
-    checkpoint.recover_replaced(root)
+    if _is_rank0():
+        checkpoint.recover_replaced(root)
     saved = checkpoint.saved_iterations(root)
     tracked = _tracked(root) if (root / checkpoint.TRACKER).exists() else None
     if not saved and tracked is None:
@@ -177,12 +188,13 @@ def check_save_dir(ck, load_iteration: int | None) -> None:
     if ck.get("allow_existing_save", False):
         return
     what = f"complete saves of iterations {saved}" + (f", tracker at {tracked}" if tracked is not None else "")
+    newest = f"checkpoint.load=auto resumes from its newest complete save" + (
+        f", iteration {saved[-1]}" if saved else "")
     if same_dir:
-        how = (f"it would save over iterations after {load_iteration}: resume from its newest save "
-               f"(drop checkpoint.load_iteration) or save elsewhere (checkpoint.save=OTHER_DIR)")
+        how = (f"it would save over iterations after {load_iteration}: {newest}; or save "
+               f"elsewhere (checkpoint.save=OTHER_DIR)")
     else:
-        how = (f"load it (checkpoint.load={str(root)!r}) or save elsewhere "
-               f"(checkpoint.save=OTHER_DIR)")
+        how = (f"continue it ({newest}) or save elsewhere (checkpoint.save=OTHER_DIR)")
     raise CheckpointError(
         f"checkpoint.save={str(root)!r} already holds another run's checkpoints ({what}): {how}; "
         f"checkpoint.allow_existing_save=true saves into it anyway (a save of an existing "

@@ -159,7 +159,9 @@ class CheckpointConfig:
     name: str = "default"
     save: Optional[str] = "${hydra:runtime.output_dir}/checkpoints"
     save_interval: int = 50
-    # A checkpoint dir written by a previous run (any layout); null starts from scratch.
+    # A checkpoint dir written by a previous run (any layout); null starts from scratch; auto
+    # loads the newest complete save of `save` if there is one, else starts from scratch
+    # (recipes/requeue.py; the default under hydra/launcher=slurm and submitit_local).
     load: Optional[str] = None
     # Start from these weights only (a Hugging Face model dir or a checkpoint; any layout): fresh
     # optimizer, schedule and iteration, model fields from the source (recipes/pretrained.py).
@@ -220,6 +222,14 @@ class TrainConfig:
     # Validate the config for its world size and print the layout and per-rank sizes
     # (recipes/dry_run.py); builds nothing heavy and starts no process.
     dry_run: bool = False
+    # Exit with a save (recipes/preemption.py, Megatron-LM's --exit-signal-handler): on SIGTERM
+    # and this signal (e.g. SIGUSR2, submitit's), every rank saves at the next iteration
+    # boundary and the run exits 0.
+    exit_signal: str = "SIGTERM"
+    # Save and exit 0 after this many minutes of training (Megatron-LM's --exit-duration-in-mins).
+    exit_duration_in_mins: Optional[float] = None
+    # Save and exit 0 at the first iteration that is a multiple of this (--exit-interval).
+    exit_interval: Optional[int] = None
 
 
 @dataclass
@@ -256,6 +266,12 @@ def register_configs() -> None:
 
     Group yaml files name ``<group>/schema`` first in their defaults list so they are typed.
     """
+    from omegaconf import OmegaConf
+
+    from recipes.requeue import default_load
+
+    # checkpoint.load's default: auto under a submitit launcher (conf/checkpoint/default.yaml).
+    OmegaConf.register_new_resolver("recipes_default_load", default_load, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     for group, node in GROUPS.items():

@@ -36,66 +36,90 @@ def write_resolved_config(cfg, output_dir: str) -> Path:
 
 
 CLAIM = ".job_claim"
+# The leases this process holds for the job in flight (released when run() returns).
+_HELD: list = []
 
 
-def claim_job_dir(output_dir) -> None:
-    """Claim ``output_dir`` for this run: create ``<output_dir>/.job_claim`` exclusively, holding
-    this process's host and pid. A claim by a live process on this host (two runs started in the
-    same second share Hydra's default ``outputs/<date>/<time>``) is refused; a stale one (its
-    process is gone) is taken over. The claim is removed when this process exits.
+def claim_job_dir(output_dir) -> str | None:
+    """Claim ``output_dir`` for this run: ``<output_dir>/.job_claim``, a lease
+    (:class:`recipes.lease.Lease`: run id, job id, host, pid, heartbeat) taken exclusively. A
+    live holder (two runs started in the same second share Hydra's default
+    ``outputs/<date>/<time>``) is refused; a stale one (its process gone, its heartbeat stopped,
+    or this same Slurm/submitit job before a requeue) is taken over. Removed when the job ends
+    (:func:`run`) or this process exits.
+
+    Returns:
+        A note naming a stale holder taken over, or None.
 
     Raises:
-        ConfigError: naming the dir and the process that holds it.
+        ConfigError: naming the dir, the run that holds it and the file to remove.
     """
-    import atexit
-    import socket
-
+    from recipes.lease import Lease, LeaseHeld
     from recipes.validate import ConfigError
 
-    path = Path(output_dir) / CLAIM
-    path.parent.mkdir(parents=True, exist_ok=True)
-    me = f"{socket.gethostname()} {os.getpid()}"
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            holder = path.read_text().split()
-            host, pid = (holder + ["", "0"])[:2]
-            alive = host == socket.gethostname() and pid.isdigit() and _pid_alive(int(pid))
-            if alive or host != socket.gethostname():
-                raise ConfigError(
-                    f"job dir {output_dir} is in use by another run (process {pid} on "
-                    f"{host or '?'}); start again a second later or set hydra.run.dir=OTHER_DIR"
-                ) from None
-            path.unlink(missing_ok=True)  # stale: its process is gone
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(me + "\n")
-        atexit.register(lambda: path.unlink(missing_ok=True))
-        return
-    raise ConfigError(f"job dir {output_dir} is in use by another run; set hydra.run.dir=OTHER_DIR")
-
-
-def _pid_alive(pid: int) -> bool:
+    claim = Lease(Path(output_dir) / CLAIM)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        note = claim.take("job dir")
+    except LeaseHeld as exc:
+        raise ConfigError(f"{exc} (or set hydra.run.dir=OTHER_DIR)") from None
+    _HELD.append(claim)
+    return note
 
 
-def launch_local(config_path: Path, nproc: int) -> None:
-    """Start ``nproc`` workers on this machine and wait for them.
+def take_save_dir(cfg, is_rank0: bool) -> str | None:
+    """One live writer per ``checkpoint.save`` (:mod:`recipes.lease`): global rank 0 takes its
+    writer lease; the other ranks of a torchrun/Slurm job refuse a live lease of another job.
+
+    Returns:
+        A note naming a stale holder taken over, or None.
+
+    Raises:
+        LeaseHeld: naming the dir, the other job and the file to remove.
+    """
+    from recipes import lease
+    from recipes.requeue import job_id
+
+    root = cfg.checkpoint.save
+    if not root:
+        return None
+    try:
+        Path(root).mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None  # prepare_resume names the dir that cannot be written
+    if is_rank0:
+        held, note = lease.take_save_dir(root)
+        _HELD.append(held)
+        return note
+    holder = lease.read(Path(root) / lease.WRITER_LEASE)
+    mine = job_id()
+    if holder is not None and holder.get("job_id") != mine and lease.stale_reason(holder, mine) is None:
+        raise lease.LeaseHeld(f"checkpoint.save {root} is in use by {lease.describe(holder)}; "
+                              f"use another dir, or, if that run is gone, remove "
+                              f"{Path(root) / lease.WRITER_LEASE}")
+    return None
+
+
+def launch_local(config_path: Path, nproc: int, exit_signals: list[int] = (),
+                 save_root=None) -> None:
+    """Start ``nproc`` workers on this machine and wait for them. ``exit_signals`` received
+    here are passed on to the workers, which save and exit 0
+    (:func:`recipes.preemption.forward_to_workers`).
 
     Raises:
         SystemExit(1): a worker failed; its error (the first failure) is printed first.
+        SystemExit(128 + signal): Ctrl-C (or SIGHUP/SIGQUIT): torch's agent stopped the
+            workers; the last complete checkpoint of ``save_root`` is named.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from recipes.preemption import child_pids, forward_to_workers
+
+    previous = {signum: signal.getsignal(signum) for signum in exit_signals}
     config = LaunchConfig(
+        signals_to_handle=forward_to_workers(list(exit_signals),
+                                             lambda: child_pids("recipes.worker")),
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
@@ -119,8 +143,15 @@ def launch_local(config_path: Path, nproc: int) -> None:
                   file=sys.stderr)
             print(_failure_message(failure), file=sys.stderr)
         raise SystemExit(1) from None
+    except SignalException as exc:
+        from recipes.preemption import interrupted_message
+
+        print(interrupted_message(exc.sigval.name, save_root), file=sys.stderr, flush=True)
+        raise SystemExit(128 + int(exc.sigval)) from None
     finally:
         os.environ.pop(LAUNCHER_PID_ENV, None)  # for the workers of this launch only
+        for signum, handler in previous.items():  # a multirun's next job, or none
+            signal.signal(signum, handler)
 
 
 # Errors a rank raises because *another* rank went away: they are consequences, not causes.
@@ -175,6 +206,16 @@ def rank_env_from_submitit() -> dict | None:
 
 
 def run(cfg) -> None:
+    """:func:`run_job`, then give back the dir leases it took (a multirun runs many jobs in one
+    process; they are also given back at exit)."""
+    try:
+        run_job(cfg)
+    finally:
+        while _HELD:
+            _HELD.pop().release()
+
+
+def run_job(cfg) -> None:
     """Validate ``cfg``, settle the checkpoint to load and the save dir, write the resolved config
     (what runs), and run the job (local launch or as one rank); with ``train.dry_run`` only
     validate and print the dry-run report.
@@ -188,22 +229,32 @@ def run(cfg) -> None:
     from recipes.checkpointer import NothingToTrain, prepare_resume
 
     from recipes import pretrained
+    from recipes.requeue import AUTO, resolve_auto_load
 
     submitit_env = rank_env_from_submitit()
     if submitit_env is not None:
         os.environ.update(submitit_env)
-    pretrained.apply_source(cfg)  # model fields from checkpoint.pretrained, before validation
+    as_rank = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    is_rank0 = not as_rank or int(os.environ["RANK"]) == 0
+    dry_run = cfg.train.get("dry_run", False)
+    notes = [] if dry_run else [take_save_dir(cfg, is_rank0)]
+    auto = cfg.checkpoint.get("load") == AUTO
+    notes.append(resolve_auto_load(cfg, is_rank0 and not dry_run))
+    for note in notes:
+        if note and is_rank0:
+            print(note, flush=True)
+    # model fields from checkpoint.pretrained, before validation; a requeued fine-tune
+    # (checkpoint.load=auto found its own save) resumes that save.
+    pretrained.apply_source(cfg, requeued=auto)
     from recipes.data.tokenizers import check_before_launch
 
     check_before_launch(cfg.data)
     layout = validate(cfg, world_size_from_env(cfg))
-    if cfg.train.get("dry_run", False):
+    if dry_run:
         from recipes.dry_run import report
 
         print(report(cfg, layout), flush=True)
         return
-    as_rank = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    is_rank0 = not as_rank or int(os.environ["RANK"]) == 0
     try:
         prepare_resume(cfg, layout)
     except NothingToTrain as exc:
@@ -211,7 +262,9 @@ def run(cfg) -> None:
             print(f"> {exc}", flush=True)
         return
     if not as_rank:
-        claim_job_dir(cfg.output_dir)
+        note = claim_job_dir(cfg.output_dir)
+        if note:
+            print(note, flush=True)
     pretrained.prepare(cfg, is_rank0)
     resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     # Under torchrun/Slurm one rank writes the record; every rank runs its own resolved copy
@@ -220,9 +273,15 @@ def run(cfg) -> None:
     if is_rank0:
         config_path = write_resolved_config(resolved, cfg.output_dir)
         print(f"> job output dir: {cfg.output_dir}\n> layout: {layout.describe()}", flush=True)
+    from recipes import preemption
+
+    # The command that continues it (a submitit job is requeued by submitit instead).
+    if submitit_env is None and not any(a in ("-m", "--multirun") for a in sys.argv[1:]):
+        os.environ[preemption.CONTINUE_ENV] = preemption.continue_command(sys.argv, cfg.output_dir)
     if as_rank:
         from recipes.worker import run as run_worker
 
         run_worker(resolved)
     else:
-        launch_local(config_path, cfg.parallelism.nproc_per_node)
+        launch_local(config_path, cfg.parallelism.nproc_per_node,
+                     preemption.exit_signals(cfg.train), cfg.checkpoint.save)

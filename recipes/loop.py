@@ -8,7 +8,7 @@ from functools import partial
 
 import torch
 
-from recipes import faults
+from recipes import faults, preemption
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -198,9 +198,12 @@ def eval_due(iteration: int, cfg) -> bool:
     return iteration == t.train_iters or bool(t.eval_interval and iteration % t.eval_interval == 0)
 
 
-def train(state, cfg, logger, checkpointer, save_fn) -> None:
+def train(state, cfg, logger, checkpointer, save_fn) -> str | None:
     """Run iterations ``state.iteration + 1 .. train.train_iters``, with validation where
-    :func:`eval_due` (its metrics join that iteration's row).
+    :func:`eval_due` (its metrics join that iteration's row), or until
+    :func:`recipes.preemption.exit_reason` stops the run after an iteration: then that
+    iteration is saved synchronously (unless its regular save is already in flight, which is
+    waited for) and the reason returned.
 
     Args:
         state: the worker's ``RunState`` (model, optimizer, scheduler, data iterator, counters).
@@ -208,11 +211,13 @@ def train(state, cfg, logger, checkpointer, save_fn) -> None:
         logger: a ``MetricLogger`` on rank 0, else None.
         checkpointer: the run's :class:`recipes.checkpointer.Checkpointer` (when to save, the last
             good checkpoint).
-        save_fn: ``save_fn(iteration)`` writes a checkpoint (every rank calls it).
+        save_fn: ``save_fn(iteration, sync=False)`` writes a checkpoint (every rank calls it).
         checkpointer: the run's :class:`recipes.checkpointer.Checkpointer` (when to save, the last
             good checkpoint); its ``poll()`` runs on every rank after every iteration (finalizes a
             background save whose files are all written).
-        save_fn: ``save_fn(iteration)`` writes a checkpoint (every rank calls it).
+
+    Returns:
+        None at ``train.train_iters``; else what stopped the run early (``"SIGTERM"``...).
 
     Raises:
         NonFiniteError: a non-finite loss or grad norm (unless ``train.skip_nonfinite_iterations``),
@@ -245,6 +250,7 @@ def train(state, cfg, logger, checkpointer, save_fn) -> None:
         if logger is not None and (stop or validated or state.iteration % cfg.train.log_interval == 0):
             logger.log(state.iteration, metrics)
         if stop:
+            checkpointer.wait()  # every rank stops here: a save in flight still completes
             last = checkpointer.last_good
             raise NonFiniteError(
                 f"iteration {state.iteration}: lm loss {metrics['lm loss']}, grad-norm "
@@ -252,5 +258,13 @@ def train(state, cfg, logger, checkpointer, save_fn) -> None:
                 f"Last good checkpoint: {last if last else 'none (no save yet)'} "
                 f"(train.skip_nonfinite_iterations=true skips such steps instead)")
         checkpointer.poll()
-        if checkpointer.should_save(state.iteration, cfg.train.train_iters):
+        due = checkpointer.should_save(state.iteration, cfg.train.train_iters)
+        if due:
             save_fn(state.iteration)
+        reason = preemption.exit_reason(state.iteration, cfg.train)
+        if reason is not None:
+            if checkpointer.root and not due:
+                save_fn(state.iteration, sync=True)
+            checkpointer.wait()
+            return reason
+    return None

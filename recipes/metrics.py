@@ -172,9 +172,10 @@ class MetricLogger:
         steps = self._read_steps()
         steps[self.run_id] = step
         self._steps_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._steps_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(steps))
-        os.replace(tmp, self._steps_path)
+        from recipes.checkpoint import write_durable
+
+        # As the tracker: a temp name per writer, fsync, rename (two writers never collide).
+        write_durable(self._steps_path, json.dumps(steps))
 
     @property
     def last_step(self) -> int:

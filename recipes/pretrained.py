@@ -112,12 +112,14 @@ def source_config(path) -> tuple[dict, dict]:
     return dict(saved["model"]), data
 
 
-def apply_source(cfg, overrides: list[str] | None = None) -> None:
+def apply_source(cfg, overrides: list[str] | None = None, requeued: bool = False) -> None:
     """Fill ``cfg.model`` (and ``data.tokenizer``) from ``checkpoint.pretrained`` in place, as
     the module doc says; a no-op without ``checkpoint.pretrained``.
 
     Args:
         overrides: the command line's overrides (default: :func:`given_overrides`).
+        requeued: ``checkpoint.load`` was ``auto`` (resolved before this): a save it found is
+            this fine-tune's own, which the worker resumes instead of loading the source.
 
     Raises:
         ConfigError: ``checkpoint.load`` given too; a source that cannot be read; a given model
@@ -127,7 +129,7 @@ def apply_source(cfg, overrides: list[str] | None = None) -> None:
     src = cfg.checkpoint.get("pretrained")
     if not src:
         return
-    if cfg.checkpoint.get("load"):
+    if cfg.checkpoint.get("load") and not requeued:
         raise ConfigError(
             f"checkpoint.load={cfg.checkpoint.load} and checkpoint.pretrained={src}: load resumes "
             f"a run (optimizer, schedule, iteration), pretrained starts a new one from weights; "

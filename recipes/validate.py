@@ -261,6 +261,13 @@ def validate(cfg, world_size: int) -> Layout:
                           f"data.split={d.split!r} (train,valid,test weights, e.g. '98,2,0'), "
                           f"or train.eval_iters=0")
     _positive("train.log_interval", t.log_interval)
+    from recipes.preemption import EXIT_SIGNALS
+
+    if t.get("exit_signal", "SIGTERM") not in EXIT_SIGNALS:
+        raise ConfigError(f"train.exit_signal={t.exit_signal!r}: valid are {EXIT_SIGNALS}")
+    for name in ("exit_interval", "exit_duration_in_mins"):
+        if t.get(name) is not None and t[name] <= 0:
+            raise ConfigError(f"train.{name}={t[name]} must be > 0 or null (never)")
     _positive("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)
     decay = o.lr_decay_iters or t.train_iters
     # megatron's OptimizerParamScheduler asserts warmup < decay steps.

@@ -152,15 +152,17 @@ def run(cfg) -> None:
     """Train as configured, on the process group this process belongs to."""
     from megatron.core import parallel_state
 
-    from recipes import checkpoint
+    from recipes import checkpoint, preemption
     from recipes.checkpointer import Checkpointer, agree_load_iteration, planned_samples
     from recipes.config import to_dict
     from recipes.data import build_iterators, build_train_iterator
     from recipes.metrics import MetricLogger, plan_wandb_run
     from recipes.model import count_parameters
     from recipes.optim import apply_schedule_override
+    from recipes.requeue import job_id
     from recipes.validate import validate
 
+    preemption.install(cfg.train)  # a signal from here on: save at the next iteration boundary
     init_distributed()
     check_same_run(cfg)
     layout = validate(cfg, torch.distributed.get_world_size())
@@ -241,7 +243,7 @@ def run(cfg) -> None:
             logger.event("save", iteration=it, path=str(path))
             print(f"> saved checkpoint at iteration {it} to {path}", flush=True)
 
-    def save(it: int) -> None:
+    def save(it: int, sync: bool = False) -> None:
         from gtp.collectives import collective_device
 
         # rank 0's wandb step of this iteration's row: a fork from this checkpoint branches there.
@@ -249,21 +251,28 @@ def run(cfg) -> None:
                             device=collective_device())
         torch.distributed.broadcast(step, src=0)
         common = {"consumed_samples": state.consumed_samples, "wandb_run_id": run_id,
+                  "job_id": job_id(),  # Slurm/submitit's: a requeue of it is the same run
                   "wandb_step": int(step.item()), "config": config_dict,
                   "data_plan": train_state["data_plan"], "skipped_iterations": state.skipped}
-        checkpointer.save(it, model, optimizer, scheduler, common, layout_rec, on_done=saved)
+        checkpointer.save(it, model, optimizer, scheduler, common, layout_rec, on_done=saved,
+                          sync=sync)
 
     from recipes.loop import train
 
     try:
-        train(state, cfg, logger, checkpointer, save)
+        stopped = train(state, cfg, logger, checkpointer, save)
         checkpointer.wait()
     finally:
         if logger is not None:
             logger.close()
+    if stopped is not None and rank == 0:
+        print(preemption.exit_message(stopped, state.iteration,
+                                      checkpointer.last_good if ck.save else None), flush=True)
     torch.distributed.barrier()
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
+    if stopped is not None:
+        preemption.after_exit()  # submitit's handler of its signal: requeue the job
 
 
 def main(argv=None) -> None:
@@ -279,7 +288,11 @@ def main(argv=None) -> None:
     if len(argv) != 1:
         raise SystemExit(f"usage: python -m recipes.worker {RESOLVED_CONFIG}")
     cfg = OmegaConf.load(argv[0])
-    record(run)(cfg)
+    try:
+        record(run)(cfg)
+    except KeyboardInterrupt:  # Ctrl-C: one line per rank, the launcher names the checkpoint
+        print(f"> rank {os.environ.get('RANK', '?')}: interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -378,18 +378,30 @@ def test_ranks_that_resolved_different_run_dirs_stop_before_training(distributed
 
 
 def test_a_job_dir_is_claimed_by_one_live_run(tmp_path):
+    import json
     import os
 
     from recipes.launch import CLAIM, claim_job_dir
     from recipes.validate import ConfigError
 
     claim_job_dir(tmp_path)
-    assert (tmp_path / CLAIM).read_text().split()[1] == str(os.getpid())
-    with pytest.raises(ConfigError, match=f"job dir {tmp_path} is in use by another run"):
+    assert json.loads((tmp_path / CLAIM).read_text())["pid"] == os.getpid()
+    with pytest.raises(ConfigError, match=f"job dir {tmp_path} is in use by run .*process "
+                                          f"{os.getpid()}.*remove {tmp_path / CLAIM}"):
         claim_job_dir(tmp_path)
-    # A claim whose process is gone is taken over.
+    # A claim whose process is gone is taken over (also one in the older "HOST PID" form).
     (tmp_path / CLAIM).write_text(f"{os.uname().nodename} 999999999\n")
-    claim_job_dir(tmp_path)
+    assert "its process is gone" in claim_job_dir(tmp_path)
+    # One from another host: taken over when it is this same job (a requeue), else refused.
+    (tmp_path / CLAIM).write_text(json.dumps({"run_id": "r", "job_id": "77", "host": "n9", "pid": 1}))
+    os.environ["SLURM_JOB_ID"] = "77"
+    try:
+        assert "it is this job (77) before a requeue" in claim_job_dir(tmp_path)
+        (tmp_path / CLAIM).write_text(json.dumps({"run_id": "r", "job_id": "78", "host": "n9", "pid": 1}))
+        with pytest.raises(ConfigError, match=f"job 78.* on n9.*remove {tmp_path / CLAIM}"):
+            claim_job_dir(tmp_path)
+    finally:
+        del os.environ["SLURM_JOB_ID"]
     (tmp_path / CLAIM).unlink()
 
 

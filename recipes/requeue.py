@@ -1,0 +1,89 @@
+"""A command line that works the first time and after every requeue: ``checkpoint.load=auto``,
+and the job id that makes a requeued job the same run.
+
+``checkpoint.load=auto`` loads the newest complete save of ``checkpoint.save`` if there is one
+(and puts its tracker back in step with it), else starts from scratch. It is the default under
+``hydra/launcher=slurm`` and ``submitit_local`` (:func:`default_load`), whose jobs submitit
+requeues with the same command after a preemption or a time limit.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+AUTO = "auto"
+
+
+def job_id() -> str | None:
+    """The scheduler's id of this job, the same for every task and after a requeue: Slurm's
+    (``<array job>_<task>`` for an array task), else submitit's local executor's, else
+    torchrun's rendezvous id; None when none of them runs this process."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return (os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID")
+            or os.environ.get("TORCHELASTIC_RUN_ID") or None)
+
+
+def default_load():
+    """``checkpoint.load``'s default (the ``recipes_default_load`` resolver of
+    conf/checkpoint/default.yaml): ``"auto"`` when Hydra's launcher is a submitit one (its jobs
+    may be requeued), else None (start from scratch)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    target = str(HydraConfig.get().launcher.get("_target_", ""))
+    return AUTO if "submitit" in target else None
+
+
+def resolve_auto_load(cfg, is_rank0: bool = True) -> str | None:
+    """With ``checkpoint.load=auto``: set ``checkpoint.load`` (in place) to ``checkpoint.save``
+    and ``checkpoint.load_iteration`` to its newest complete save, or ``checkpoint.load`` to
+    null when it holds none. A tracker behind that save (a crash between the rename and the
+    tracker's write, a fork that moved it back) is rewritten to name it, by global rank 0.
+
+    Returns:
+        A note to print (what was found), or None when ``checkpoint.load`` is not ``auto``.
+
+    Raises:
+        ConfigError: ``auto`` without ``checkpoint.save``, or with ``checkpoint.load_iteration``.
+    """
+    from omegaconf import open_dict
+
+    from recipes import checkpoint
+    from recipes.checkpoint import TRACKER, CheckpointError
+    from recipes.validate import ConfigError
+
+    ck = cfg.checkpoint
+    if ck.load != AUTO:
+        return None
+    if not ck.save:
+        raise ConfigError("checkpoint.load=auto loads the newest save of checkpoint.save, which is "
+                          "null: set checkpoint.save=DIR, or checkpoint.load=PATH")
+    if ck.get("load_iteration") is not None:
+        raise ConfigError(f"checkpoint.load=auto loads the newest complete save; with "
+                          f"checkpoint.load_iteration={ck.load_iteration} set "
+                          f"checkpoint.load={str(ck.save)!r} instead")
+    root = Path(ck.save)
+    if root.is_dir() and is_rank0:
+        checkpoint.recover_replaced(root)
+    saved = checkpoint.saved_iterations(root) if root.is_dir() else []
+    with open_dict(cfg):
+        if not saved:
+            ck.load = None
+            return f"> checkpoint.load=auto: no complete save in {root}; starting from iteration 0"
+        newest = saved[-1]
+        ck.load, ck.load_iteration = str(root), newest
+    note = f"> checkpoint.load=auto: resuming from {checkpoint.iter_dir(root, newest)}"
+    try:
+        tracked = checkpoint.read_tracker(root)
+    except CheckpointError:
+        tracked = None
+    if tracked != newest:
+        if is_rank0:
+            checkpoint.write_durable(root / TRACKER, f"{newest}\n")
+        note += (f" ({TRACKER} named {tracked if tracked is not None else 'nothing'}; "
+                 f"rewritten to {newest})")
+    return note

@@ -1,0 +1,468 @@
+"""Cluster life: exit with a save on a signal, ``checkpoint.load=auto``, one live writer per
+save dir (recipes/preemption.py, recipes/requeue.py, recipes/lease.py)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from compose import make_cfg
+
+from recipes import checkpoint, lease, preemption
+from recipes.checkpoint import CheckpointError
+from recipes.metrics import read_metrics
+from recipes.requeue import resolve_auto_load
+from recipes.validate import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+# 12 iterations, a background save every 3: the signal lands while one may be in flight.
+RUN = ["train.train_iters=12", "optim.lr_warmup_iters=1", "logger=none",
+       "checkpoint.async_save=true", "checkpoint.save_interval=3"]
+# Slurm's default grace between SIGTERM and SIGKILL is 30 s (KillWait); --signal=TERM@120 gives 120.
+GRACE_S = 30
+
+
+def fake_save(root: Path, iteration: int) -> Path:
+    path = checkpoint.iter_dir(root, iteration)
+    path.mkdir(parents=True)
+    (path / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    (path / ".metadata").write_bytes(b"x")
+    return path
+
+
+def _rows(out) -> dict:
+    rows, _ = read_metrics(out)
+    return {r["iteration"]: r for r in rows}
+
+
+@pytest.fixture(scope="module")
+def preempted(train_run, data_cache, tmp_path_factory):
+    """An uninterrupted run; the same run sent SIGTERM after iteration 4 (its launcher only, as
+    ``kill -TERM`` of train.py); then the command it printed to continue."""
+    base = tmp_path_factory.mktemp("preempt")
+    train_run(base / "ref", *RUN)
+    out = base / "run"
+    args = [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={out}",
+            f"data.cache_dir={data_cache}", *RUN]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if re.search(r"iteration\s+4/12", line):  # the save of 3 may be in flight
+                break
+        signalled = time.time()
+        proc.send_signal(signal.SIGTERM)
+        lines += proc.stdout.readlines()
+        proc.wait(GRACE_S * 2)
+        seconds = time.time() - signalled
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stopped = "".join(lines)
+    again = re.search(r"continue with: (.*)", stopped)
+    assert again, stopped[-3000:]
+    cmd = shlex.split(again.group(1))
+    assert cmd[0] == "python" and Path(cmd[1]).name == "train.py", cmd
+    assert cmd[-1] == "checkpoint.load=auto", cmd
+    logged = sorted(_rows(out))
+    resumed = subprocess.run([sys.executable, str(REPO / "train.py"), *cmd[2:]], cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             timeout=600)
+    return {"ref": base / "ref", "out": out, "rc": proc.returncode, "stopped": stopped,
+            "seconds": seconds, "logged": logged, "resumed": resumed}
+
+
+@pytest.mark.e2e
+def test_sigterm_saves_the_iteration_reached_and_exits_0(preempted):
+    stopped = preempted["stopped"]
+    assert preempted["rc"] == 0, stopped[-3000:]
+    found = re.search(r"> exit on SIGTERM after iteration (\d+): checkpoint of iteration \1 saved "
+                      r"to (\S+); continue with: ", stopped)
+    assert found, stopped[-3000:]
+    n = int(found.group(1))
+    root = preempted["out"] / "checkpoints"
+    assert found.group(2) == str(checkpoint.iter_dir(root, n))
+    # No teardown: no traceback, no failed worker.
+    assert "Traceback" not in stopped and "failed" not in stopped, stopped[-3000:]
+    assert preempted["logged"] == list(range(1, n + 1)), "it stopped at the iteration it saved"
+    assert n <= 12 - 3, f"stopped at {n}: too late to compare 3 iterations after the resume"
+    assert preempted["seconds"] < 2 * GRACE_S
+    print(f"stopped after iteration {n}, {preempted['seconds']:.1f} s after SIGTERM")
+
+
+@pytest.mark.e2e
+def test_the_printed_command_continues_bit_equal_to_an_uninterrupted_run(preempted):
+    resumed = preempted["resumed"]
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert "> checkpoint.load=auto: resuming from" in resumed.stdout
+    ref, got = _rows(preempted["ref"]), _rows(preempted["out"])
+    assert sorted(got) == sorted(ref) == list(range(1, 13))
+    n = int(re.search(r"exit on SIGTERM after iteration (\d+)", preempted["stopped"]).group(1))
+    assert 12 - n >= 3
+    for it in ref:
+        for key in ("lm loss", "grad-norm", "learning-rate", "consumed-samples"):
+            assert got[it][key] == ref[it][key], (it, key, got[it][key], ref[it][key])
+    assert checkpoint.read_tracker(preempted["out"] / "checkpoints") == 12
+
+
+def _submitit_tasks(sweep: Path) -> list[int]:
+    """Pids of the submitit tasks of the sweep into ``sweep``."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"submitit.core._submit" in args and any(str(sweep).encode() in a for a in args):
+            found.append(int(cmdline.parent.name))
+    return found
+
+
+@pytest.mark.e2e
+def test_submitit_preemption_saves_requeues_and_resumes_bit_equal(preempted, data_cache, tmp_path):
+    """submitit's preemption signal (USR2, as its local executor and Slurm send it) to the
+    tasks of a submitit_local job after iteration 4: the job saves, submitit requeues it, the
+    requeued job (checkpoint.load defaults to auto) resumes and finishes with the figures of an
+    uninterrupted run."""
+    sweep = tmp_path / "sweep"
+    args = [sys.executable, str(REPO / "train.py"), "-m", f"hydra.sweep.dir={sweep}",
+            "hydra/launcher=submitit_local", "hydra.sweep.subdir=${hydra.job.num}",
+            f"data.cache_dir={data_cache}", *RUN]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            logs = list(sweep.glob(".submitit/*/*_0_log.out"))
+            if logs and re.search(r"iteration\s+4/12", logs[0].read_text()):
+                break
+            time.sleep(0.2)
+        tasks = _submitit_tasks(sweep)
+        assert len(tasks) == 2, tasks
+        for pid in tasks:
+            os.kill(pid, signal.SIGUSR2)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    log = "".join(p.read_text() for p in sorted(sweep.glob(".submitit/*/*_0_log.*")))
+    found = re.search(r"> exit on SIGUSR2 after iteration (\d+): checkpoint of iteration \1 saved", log)
+    assert found, log[-3000:]
+    assert "continue with" not in log  # submitit requeues it
+    assert re.search(r"Requeued job \S+", log), log[-3000:]
+    n = int(found.group(1))
+    assert n <= 9
+    rows, events = read_metrics(sweep / "0")
+    assert [(e["event"], e["iteration"]) for e in events if e["event"] != "save"] == [
+        ("start", 0), ("resume", n)]
+    ref = _rows(preempted["ref"])
+    assert [r["iteration"] for r in rows] == list(range(1, 13))
+    for row in rows:
+        for key in ("lm loss", "grad-norm", "learning-rate"):
+            assert row[key] == ref[row["iteration"]][key], (row["iteration"], key)
+
+
+# --- the exit decision without processes ----------------------------------------------------
+
+@pytest.fixture
+def handlers():
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+def test_exit_reasons_signal_duration_interval(handlers, monkeypatch):
+    train = make_cfg("train.exit_signal=SIGUSR1").train
+    preemption.install(train)
+    assert preemption.exit_reason(5, train) is None
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert preemption.exit_reason(5, train) == "SIGUSR1"
+    preemption.install(make_cfg().train)
+    assert preemption.exit_reason(5, make_cfg().train) is None
+    # SIGTERM is noted (not fatal) whatever train.exit_signal is.
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert preemption.exit_reason(1, make_cfg().train) == "SIGTERM"
+    preemption.install(make_cfg().train)
+    interval = make_cfg("train.exit_interval=4").train
+    assert [preemption.exit_reason(i, interval) for i in (3, 4)] == [None, "train.exit_interval=4"]
+    duration = make_cfg("train.exit_duration_in_mins=1.5").train
+    assert preemption.exit_reason(1, duration) is None
+    monkeypatch.setattr(preemption, "_started", time.time() - 91)
+    assert preemption.exit_reason(1, duration) == "train.exit_duration_in_mins=1.5"
+
+
+def test_under_submitit_its_signal_is_handled_and_its_handler_runs_after_the_save(handlers, monkeypatch):
+    monkeypatch.setenv("SUBMITIT_LOCAL_JOB_ID", "123")
+    called = []
+    signal.signal(signal.SIGUSR2, lambda s, f: called.append(s))  # submitit's requeue handler
+    train = make_cfg().train
+    assert preemption.exit_signals(train) == [signal.SIGTERM, signal.SIGUSR2]
+    preemption.install(train)
+    os.kill(os.getpid(), signal.SIGUSR2)
+    assert called == [] and preemption.exit_reason(1, train) == "SIGUSR2"
+    preemption.after_exit()
+    assert called == [signal.SIGUSR2]
+
+
+def test_bad_exit_fields_fail_before_launch():
+    from recipes.validate import validate
+
+    with pytest.raises(ConfigError, match=r"train.exit_signal='SIGKILL': valid are"):
+        validate(make_cfg("train.exit_signal=SIGKILL"), 2)
+    with pytest.raises(ConfigError, match=r"train.exit_interval=0 must be > 0"):
+        validate(make_cfg("train.exit_interval=0"), 2)
+
+
+def test_the_continue_command_pins_the_run_dir_and_loads_auto():
+    cmd = preemption.continue_command(["train.py", "parallelism=tp2", "checkpoint.load=/x",
+                                       "checkpoint.load_iteration=4", "data.paths=[a b]"], "/o/1")
+    assert cmd == ("python train.py parallelism=tp2 'data.paths=[a b]' hydra.run.dir=/o/1 "
+                   "checkpoint.load=auto")
+    assert "hydra.run.dir=/o/1" not in preemption.continue_command(
+        ["train.py", "hydra.run.dir=/mine"], "/o/1")
+
+
+# --- checkpoint.load=auto -------------------------------------------------------------------
+
+def test_load_auto_takes_the_newest_complete_save_and_rewrites_a_tracker_left_behind(tmp_path):
+    from omegaconf import open_dict
+
+    from recipes.checkpointer import check_save_dir
+
+    root = tmp_path / "ck"
+    fake_save(root, 3)
+    fake_save(root, 6)
+    checkpoint.staging_dir(root, 9).mkdir()  # an interrupted save: never loaded
+    (root / checkpoint.TRACKER).write_text("3\n")
+    cfg = make_cfg("checkpoint.load=auto")
+    with open_dict(cfg):
+        cfg.checkpoint.save = str(root)
+    note = resolve_auto_load(cfg)
+    assert (cfg.checkpoint.load, cfg.checkpoint.load_iteration) == (str(root), 6)
+    assert checkpoint.read_tracker(root) == 6
+    assert "resuming from" in note and "named 3; rewritten to 6" in note
+    check_save_dir(cfg.checkpoint, 6)  # continuing its own dir: not "another run's"
+
+
+def test_load_auto_starts_fresh_without_a_save_and_needs_a_save_dir(tmp_path):
+    from omegaconf import open_dict
+
+    for root in (tmp_path / "missing", tmp_path):
+        cfg = make_cfg("checkpoint.load=auto")
+        with open_dict(cfg):
+            cfg.checkpoint.save = str(root)
+        assert "starting from iteration 0" in resolve_auto_load(cfg)
+        assert cfg.checkpoint.load is None
+    with pytest.raises(ConfigError, match="checkpoint.load=auto .* checkpoint.save, which is null"):
+        resolve_auto_load(make_cfg("checkpoint.load=auto"))
+    cfg = make_cfg("checkpoint.load=auto", "checkpoint.load_iteration=3")
+    with open_dict(cfg):
+        cfg.checkpoint.save = str(tmp_path)
+    with pytest.raises(ConfigError, match="checkpoint.load_iteration=3 set checkpoint.load="):
+        resolve_auto_load(cfg)
+
+
+def test_load_defaults_to_auto_under_the_submitit_launchers():
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from compose import CONF
+
+    for launcher, want in (("submitit_local", "auto"), ("slurm", "auto"), ("basic", None)):
+        with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+            cfg = compose("config", return_hydra_config=True,
+                          overrides=[f"hydra/launcher={launcher}", "hydra.sweep.dir=/tmp/x",
+                                     "hydra.job.name=t", "hydra.runtime.output_dir=/tmp/x"])
+        HydraConfig.instance().set_config(cfg)
+        try:
+            assert OmegaConf.select(cfg, "checkpoint.load") == want, launcher
+        finally:
+            HydraConfig.instance().cfg = None
+
+
+# --- one live writer per save dir -----------------------------------------------------------
+
+def test_a_live_lease_is_refused_naming_the_holder_and_the_file(tmp_path):
+    first = lease.Lease(tmp_path / lease.WRITER_LEASE, run_id="aaa", job_id="11")
+    assert first.take("checkpoint.save") is None
+    second = lease.Lease(tmp_path / lease.WRITER_LEASE, run_id="bbb", job_id="22")
+    with pytest.raises(lease.LeaseHeld, match=rf"checkpoint.save {tmp_path} is in use by run aaa "
+                                              rf"\(job 11\), process {os.getpid()} on .*remove "
+                                              rf"{tmp_path / lease.WRITER_LEASE}"):
+        second.take("checkpoint.save")
+    first.release()
+    assert not (tmp_path / lease.WRITER_LEASE).exists()
+    assert second.take("checkpoint.save") is None
+    second.release()
+
+
+def _write_holder(path: Path, age_s: float, **holder) -> None:
+    path.write_text(json.dumps(holder))
+    os.utime(path, (time.time() - age_s, time.time() - age_s))
+
+
+def test_stale_leases_are_taken_over_with_a_note(tmp_path):
+    path = tmp_path / lease.WRITER_LEASE
+    here = socket.gethostname()
+    cases = [  # (holder, age of its heartbeat, taken over?)
+        ({"run_id": "x", "host": here, "pid": 999999999}, 0, "its process is gone"),
+        ({"run_id": "x", "host": "node7", "pid": 1}, lease.STALE_AFTER_S + 5, "no heartbeat"),
+        ({"run_id": "x", "host": "node7", "pid": 1, "job_id": "42"}, 0, "this job (42)"),
+        ({"run_id": "x", "host": "node7", "pid": 1, "job_id": "41"}, 0, None),
+    ]
+    for holder, age, why in cases:
+        _write_holder(path, age, **holder)
+        mine = lease.Lease(path, run_id="me", job_id="42")
+        if why is None:
+            with pytest.raises(lease.LeaseHeld, match=f"run x \\(job 41\\).*remove {path}"):
+                mine.take("checkpoint.save")
+            continue
+        note = mine.take("checkpoint.save")
+        assert note and why in note and "took over" in note, (holder, note)
+        assert json.loads(path.read_text())["run_id"] == "me"
+        mine.release()
+
+
+def _race(path: str, run_id: str, results) -> None:
+    try:
+        lease.Lease(path, run_id=run_id, job_id=None).take("checkpoint.save")
+        results.put(run_id)
+        time.sleep(2)  # hold it while the others try
+    except lease.LeaseHeld:
+        results.put(None)
+
+
+def test_of_jobs_starting_together_exactly_one_takes_the_lease(tmp_path):
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_race, args=(str(tmp_path / lease.WRITER_LEASE), f"r{i}", results))
+             for i in range(4)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=30) for _ in procs]
+    for p in procs:
+        p.join(10)
+    assert sum(g is not None for g in got) == 1, got
+
+
+def test_finalize_refuses_a_save_dir_another_run_took_over(tmp_path, monkeypatch):
+    old = fake_save(tmp_path, 4)
+    (tmp_path / checkpoint.TRACKER).write_text("4\n")
+    _write_holder(tmp_path / lease.WRITER_LEASE, 0, run_id="other", host="node7", pid=5)
+    staged = checkpoint.staging_dir(tmp_path, 4)
+    staged.mkdir()
+    (staged / ".metadata").write_bytes(b"mine")
+    monkeypatch.setenv(lease.RUN_ID_ENV, "me")
+    with pytest.raises(lease.LeaseHeld, match="is now held by run other.*not by this run \\(me\\)"):
+        checkpoint.finalize_save(tmp_path, 4, staged)
+    assert (old / ".metadata").read_bytes() == b"x", "the other run's iter_4 is untouched"
+    monkeypatch.setenv(lease.RUN_ID_ENV, "other")
+    checkpoint.finalize_save(tmp_path, 4, staged)
+    assert (old / ".metadata").read_bytes() == b"mine"
+
+
+def test_the_tracker_names_a_replacing_save_before_the_replaced_one_is_removed(tmp_path, monkeypatch):
+    fake_save(tmp_path, 4)
+    (tmp_path / checkpoint.TRACKER).write_text("2\n")
+    staged = checkpoint.staging_dir(tmp_path, 4)
+    staged.mkdir()
+    (staged / ".metadata").write_bytes(b"new")
+
+    def crash(path, *a, **k):  # the process dies while it removes the replaced save
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", crash)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.finalize_save(tmp_path, 4, staged)
+    assert checkpoint.read_tracker(tmp_path) == 4
+    assert (checkpoint.iter_dir(tmp_path, 4) / ".metadata").read_bytes() == b"new"
+
+
+@pytest.fixture(scope="module")
+def live_job(data_cache, tmp_path_factory):
+    """A job that trains for long (train.py, local launch), once it saved iteration 2."""
+    out = tmp_path_factory.mktemp("live")
+    args = [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={out}", "logger=none",
+            f"data.cache_dir={data_cache}", "train.train_iters=1000", "optim.lr_warmup_iters=1",
+            "checkpoint.save_interval=2"]
+    proc = subprocess.Popen(args, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "saved checkpoint at iteration 2" in line:
+                break
+        yield out, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+@pytest.mark.e2e
+def test_a_second_job_on_a_live_jobs_save_dir_is_refused_before_launch(live_job, train_run,
+                                                                       tmp_path):
+    out, proc = live_job
+    root = out / "checkpoints"
+    proc2 = train_run(tmp_path, f"checkpoint.save={root}", rc=2)
+    assert re.search(rf"error: checkpoint.save {root} is in use by run \w+, process {proc.pid} "
+                     rf"on \S+, last heartbeat \d+ s ago; .*remove {root / lease.WRITER_LEASE}",
+                     proc2.stdout), proc2.stdout[-2000:]
+    assert "worker" not in proc2.stdout
+    assert proc.poll() is None, "the first job trains on"
+    assert checkpoint.iter_dir(root, 2).is_dir()
+
+
+@pytest.mark.e2e
+def test_ctrl_c_prints_one_line_per_rank_and_names_the_last_complete_checkpoint(live_job):
+    out, proc = live_job
+    try:
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends to train.py (the workers are in
+        rest = proc.stdout.read()         # sessions of their own: torch's agent stops them)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, rest[-3000:]
+    assert "Traceback" not in rest, rest[-3000:]
+    assert sorted(re.findall(r"> rank (\d): interrupted", rest)) == ["0", "1"], rest[-3000:]
+    root = out / "checkpoints"
+    last = checkpoint.saved_iterations(root)[-1]
+    closing = rest.strip().splitlines()[-1]
+    assert closing.startswith(f"> interrupted (SIGINT): the last complete checkpoint is "
+                              f"{checkpoint.iter_dir(root, last)}; continue with: python "), closing
+    assert closing.endswith("checkpoint.load=auto") and f"hydra.run.dir={out} " in closing
+
+
+def test_the_other_ranks_of_a_job_refuse_a_save_dir_another_live_job_holds(tmp_path, monkeypatch):
+    """Under torchrun/Slurm every rank runs the pre-launch checks; rank 0 takes the lease, the
+    others refuse one of another job (and accept their own job's)."""
+    from omegaconf import open_dict
+
+    from recipes.launch import take_save_dir
+
+    cfg = make_cfg()
+    with open_dict(cfg):
+        cfg.checkpoint.save = str(tmp_path)
+    monkeypatch.setenv("SLURM_JOB_ID", "500")
+    _write_holder(tmp_path / lease.WRITER_LEASE, 0, run_id="r0", job_id="500", host="n1", pid=7)
+    assert take_save_dir(cfg, is_rank0=False) is None
+    _write_holder(tmp_path / lease.WRITER_LEASE, 0, run_id="r9", job_id="499", host="n1", pid=7)
+    with pytest.raises(lease.LeaseHeld, match=rf"run r9 \(job 499\).*remove {tmp_path / lease.WRITER_LEASE}"):
+        take_save_dir(cfg, is_rank0=False)
