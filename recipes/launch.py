@@ -16,7 +16,6 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from recipes.validate import validate, world_size_from_env
 from recipes.worker import LAUNCHER_PID_ENV, RESOLVED_CONFIG
 
 # A worker that died takes the others down within this many seconds (elastic agent's monitor).
@@ -190,7 +189,9 @@ def run(cfg) -> None:
     submitit_env = rank_env_from_submitit()
     if submitit_env is not None:
         os.environ.update(submitit_env)
-    layout = validate(cfg, world_size_from_env(cfg))
+    from recipes import prelaunch
+
+    layout = prelaunch.check(cfg)
     if cfg.train.get("dry_run", False):
         from recipes.dry_run import report
 
@@ -204,6 +205,7 @@ def run(cfg) -> None:
         if is_rank0:
             print(f"> {exc}", flush=True)
         return
+    prelaunch.clamp_warmup(cfg)  # a resume without a recorded schedule keeps this config's
     if not as_rank:
         claim_job_dir(cfg.output_dir)
     resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
