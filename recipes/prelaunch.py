@@ -235,10 +235,11 @@ def document_counts(data_cfg) -> list[tuple[str, int]]:
 def check_split(cfg) -> None:
     """Each prefix gives the train split (and, with ``train.eval_iters`` > 0, the validation
     split) at least one document (:func:`recipes.data.datasets.check_split_documents`)."""
-    from recipes.data.datasets import check_split_documents
+    from recipes.data.datasets import check_split as check_weights, check_split_documents
 
     validation = cfg.train.get("eval_iters", 0) > 0
     try:
+        check_weights(cfg.data.split)
         for what, n in document_counts(cfg.data):
             check_split_documents(n, cfg.data.split, validation, what)
     except (ValueError, FileNotFoundError) as exc:

@@ -86,7 +86,7 @@ def split_document_counts(num_documents: int, split: str) -> tuple[int, int, int
     )
 
     n = float(num_documents)
-    bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(_check_split(split)))
+    bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(check_split(split)))
     return tuple(0 if b is None else int(round(b[1] * n)) - int(round(b[0] * n))
                  for b in bounds)
 
@@ -111,7 +111,7 @@ def check_split_documents(num_documents: int, split: str, validation: bool, what
         trial = f"{100 - p},{p},0"
         c = split_document_counts(num_documents, trial)
         if c[0] > 0 and (c[1] > 0 or not validation):
-            ways.append(f"data.split='{trial}'")
+            ways.append(f"data.split={trial.replace(',', '/')}")
             break
     ways.append("more documents (a .txt file is one document, a .jsonl line is one)")
     raise ValueError(
@@ -119,7 +119,9 @@ def check_split_documents(num_documents: int, split: str, validation: bool, what
         f"document(s) of {what} (megatron splits whole documents); use " + ", or ".join(ways))
 
 
-def _check_split(split: Any) -> str:
+def check_split(split: Any) -> str:
+    """``data.split`` after checking it holds up to 3 weights train,valid,test with train > 0
+    (ValueError naming it and the form expected)."""
     split = str(split)
     parts = re.split(r"[,/]", split)
     try:
@@ -185,7 +187,7 @@ def build_datasets(
     data_cfg = cfg.data
     seq_length = int(cfg.model.seq_length)
     source = check_source(data_cfg)
-    split = _check_split(data_cfg.split)
+    split = check_split(data_cfg.split)
     if int(train_samples) < 1:
         raise ValueError(f"train_samples={train_samples} must be >= 1")
     # Cheap checks on every rank before any collective, so a bad config fails everywhere alike.
