@@ -48,3 +48,32 @@ def train_run(data_cache):
         return proc
 
     return run
+
+
+def _reaches(fn, name: str, module, seen: set) -> bool:
+    """Whether ``fn`` (or a function of ``module`` it calls, transitively) names ``name``."""
+    code = getattr(fn, "__code__", None)
+    if code is None or fn in seen:
+        return False
+    seen.add(fn)
+    names, stack = set(), [code]
+    while stack:  # nested functions and lambdas too
+        c = stack.pop()
+        names |= set(c.co_names)
+        stack += [k for k in c.co_consts if hasattr(k, "co_names")]
+    if name in names:
+        return True
+    return any(_reaches(getattr(module, n), name, module, seen) for n in names
+               if getattr(getattr(module, n, None), "__module__", None) == module.__name__)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark what ``make test-fast`` leaves out: ``e2e`` for tests that run train.py (the
+    ``train_run`` fixture, directly or through another fixture), ``multiprocess`` for tests that
+    reach ``run_distributed``."""
+    for item in items:
+        if "train_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.e2e)
+        fn, module = getattr(item, "function", None), getattr(item, "module", None)
+        if fn is not None and module is not None and _reaches(fn, "run_distributed", module, set()):
+            item.add_marker(pytest.mark.multiprocess)
