@@ -205,7 +205,7 @@ def run(cfg) -> None:
         if is_rank0:
             print(f"> {exc}", flush=True)
         return
-    prelaunch.clamp_warmup(cfg)  # a resume without a recorded schedule keeps this config's
+    prelaunch.clamp_warmup(cfg, resume_settled=True)  # the schedule that will run
     if not as_rank:
         claim_job_dir(cfg.output_dir)
     resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))

@@ -153,15 +153,17 @@ def _unknown_keys(node, schema, prefix: str) -> list[str]:
     return out
 
 
-def clamp_warmup(cfg) -> None:
+def clamp_warmup(cfg, resume_settled: bool = False) -> None:
     """``optim.lr_warmup_iters`` at or past the decay length (``optim.lr_decay_iters``, default
     ``train.train_iters``; megatron's OptimizerParamScheduler asserts warmup < decay) is clamped
-    to decay - 1 with a note. Left alone for a resume that takes its lr schedule from the
-    checkpoint (``recipes.checkpointer.prepare_resume`` sets it then)."""
+    to decay - 1 with a note. Before ``resume_settled`` it is left alone for a resume that takes
+    its lr schedule from the checkpoint (``recipes.checkpointer.prepare_resume`` sets it, then
+    this runs again with ``resume_settled=True`` on the values that will run)."""
     from omegaconf import open_dict
 
     o, t = cfg.optim, cfg.train
-    if cfg.checkpoint.get("load") is not None and not o.get("override_opt_param_scheduler", False):
+    if not resume_settled and cfg.checkpoint.get("load") is not None and \
+            not o.get("override_opt_param_scheduler", False):
         return
     if not isinstance(t.train_iters, int) or t.train_iters < 1:
         return  # validate names it

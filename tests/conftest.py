@@ -67,13 +67,32 @@ def _reaches(fn, name: str, module, seen: set) -> bool:
                if getattr(getattr(module, n, None), "__module__", None) == module.__name__)
 
 
+def _functions(item):
+    """The test function (under hypothesis: the test it wraps) and its fixtures' functions."""
+    fn = getattr(item, "function", None)
+    fn = getattr(getattr(fn, "hypothesis", None), "inner_test", fn)
+    out = [fn] if fn is not None else []
+    info = getattr(item, "_fixtureinfo", None)
+    for name in getattr(item, "fixturenames", ()):
+        for fixturedef in (info.name2fixturedefs.get(name, ()) if info else ()):
+            out.append(fixturedef.func)
+    return out
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark what ``make test-fast`` leaves out: ``e2e`` for tests that run train.py (the
-    ``train_run`` fixture, directly or through another fixture), ``multiprocess`` for tests that
-    reach ``run_distributed``."""
+    ``train_run`` fixture) or another script in a fresh interpreter (``subprocess``),
+    ``multiprocess`` for tests that reach ``run_distributed`` (directly or through a fixture)."""
+    import sys as _sys
+
     for item in items:
         if "train_run" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.e2e)
-        fn, module = getattr(item, "function", None), getattr(item, "module", None)
-        if fn is not None and module is not None and _reaches(fn, "run_distributed", module, set()):
-            item.add_marker(pytest.mark.multiprocess)
+        for fn in _functions(item):
+            module = _sys.modules.get(getattr(fn, "__module__", ""), None)
+            if module is None:
+                continue
+            if _reaches(fn, "run_distributed", module, set()):
+                item.add_marker(pytest.mark.multiprocess)
+            if _reaches(fn, "subprocess", module, set()):
+                item.add_marker(pytest.mark.e2e)
