@@ -96,17 +96,15 @@ def check_keys(cfg) -> None:
     parent, _, leaf = key.rpartition(".")
     schema = _schema_at(Config, parent)
     names = list(_schema_fields(schema)) if schema is not None else []
-    near = difflib.get_close_matches(leaf, names, n=1, cutoff=0.6)
-    if near:
-        hint = f"did you mean {parent + '.' if parent else ''}{near[0]}?"
-    else:
+    near = [f"{parent}.{n}" if parent else n
+            for n in difflib.get_close_matches(leaf, names, n=1, cutoff=0.6)]
+    if not near:  # the right name in another group (train.micro_batch_size -> data.)
         everywhere = [f"{g}.{n}" for g, n in _all_fields()]
         near = [k for k in everywhere if k.rsplit(".", 1)[1] == leaf] or \
             difflib.get_close_matches(key, everywhere, n=1, cutoff=0.6)
-        hint = f"did you mean {near[0]}?" if near else f"valid keys of {parent or 'the config'}: {names}"
-    raise ConfigError(f"{key} is not a config field (nothing reads it): {hint} "
-                      f"(set an existing field without '+', e.g. {parent + '.' if parent else ''}"
-                      f"{near[0].rsplit('.', 1)[-1] if near else names[0]}=...)")
+    hint = (f"did you mean {near[0]}? (an existing field is set without '+': {near[0]}=...)"
+            if near else f"valid keys of {parent or 'the config'}: {names}")
+    raise ConfigError(f"{key} is not a config field (nothing reads it): {hint}")
 
 
 def _all_fields():
