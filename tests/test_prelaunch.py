@@ -82,7 +82,18 @@ def checkpoint_dir(tmp_path_factory):
          f"data.cache_dir={out}/cache", "train.eval_iters=0"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:]
+    (out / "console.txt").write_text(proc.stdout)
     return out / "checkpoints"
+
+
+def test_the_console_of_a_run_is_quiet_and_copied_to_train_log(checkpoint_dir):
+    """The checkpoint fixture's run (logger=none, synchronous saves)."""
+    console = (checkpoint_dir.parent / "console.txt").read_text()
+    assert "async save is deprecated" not in console, console
+    assert "wandb run" not in console, console
+    assert "throughput per GPU (TFLOP/s/GPU)" in console and "peak memory per rank" in console
+    log = (checkpoint_dir.parent / "train.log").read_text()
+    assert " iteration      2/2" in log and "> saved checkpoint at iteration 2" in log, log
 
 
 # (overrides, substrings of the message: the bad value and the fix). {t}: text files dir,
