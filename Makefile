@@ -29,6 +29,12 @@ train: setup ## train the tiny GPT on the embedded corpus with 2 CPU processes (
 test: setup ## run unit, multi-process and end-to-end tests on CPU
 	$(PY) -m pytest $(ARGS)
 
+# Unit and config tests: no train.py run (e2e) and no multi-process world (multiprocess); the
+# markers come from pyproject.toml and tests/conftest.py (which marks tests using train_run or
+# run_distributed). Under 3 minutes on 2 cores.
+test-fast: setup ## run the unit and config tests only (no multi-process, no end-to-end)
+	$(PY) -m pytest -m "not multiprocess and not e2e" $(ARGS)
+
 gpu-smoke: setup ## one CUDA GPU: nccl, bf16, 20 iterations, save, resume (scripts/gpu_smoke.sh)
 	PY=$(PY) scripts/gpu_smoke.sh
 

@@ -21,15 +21,17 @@ warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigSto
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg) -> None:
     from recipes.checkpoint import CheckpointError
+    from recipes.console import job_log
     from recipes.launch import run
     from recipes.validate import ConfigError
 
-    try:
-        run(cfg)
-    except (ConfigError, CheckpointError) as exc:
-        # Bad input: say what and stop before any process starts.
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    with job_log(cfg.output_dir):  # <output_dir>/train.log: a copy of the console
+        try:
+            run(cfg)
+        except (ConfigError, CheckpointError) as exc:
+            # Bad input: say what and stop before any process starts.
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(2)
 
 
 if __name__ == "__main__":

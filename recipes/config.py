@@ -12,7 +12,20 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import II, MISSING, OmegaConf
+
+# ``parallelism.nproc_per_node``'s default: tp x pp x gtp_remat_size x dp (dp 1 when null).
+WORLD_RESOLVER = "gtp_recipes_world"
+
+
+def _world(*degrees) -> int:
+    world = 1
+    for d in degrees:
+        world *= 1 if d is None else int(d)
+    return world
+
+
+OmegaConf.register_new_resolver(WORLD_RESOLVER, _world, replace=True)
 
 
 @dataclass
@@ -51,11 +64,19 @@ class ModelConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     share_embeddings_and_output_weights: bool = False
+    # Activation recomputation (megatron's recompute_granularity): null stores every activation,
+    # "selective" recomputes attention's core (megatron's recompute_modules default), "full"
+    # keeps each layer's input only (recompute_method uniform, one layer per group).
+    recompute_granularity: Optional[str] = None
 
 
 @dataclass
 class ParallelismConfig:
-    """Process layout. World size = tp * pp * gtp_remat_size * dp (dp derived when null)."""
+    """Process layout. World size = tp * pp * gtp_remat_size * dp (dp derived when null).
+
+    ``nproc_per_node`` defaults to tp * pp * gtp_remat_size * dp (dp 1 when null), so a layout
+    override alone runs; a value given explicitly wins and is checked against the degrees.
+    """
 
     name: str = "dp2"
     tensor_model_parallel_size: int = 1
@@ -65,7 +86,9 @@ class ParallelismConfig:
     # null: derived as world_size / (tp * pp * gtp_remat_size).
     data_parallel_size: Optional[int] = None
     # Processes started on this machine by train.py (ignored when RANK/WORLD_SIZE are set).
-    nproc_per_node: int = 2
+    nproc_per_node: int = II(
+        f"{WORLD_RESOLVER}:${{.tensor_model_parallel_size}},${{.pipeline_model_parallel_size}},"
+        "${gtp.gtp_remat_size},${.data_parallel_size}")
 
 
 @dataclass
@@ -230,6 +253,8 @@ class TrainConfig:
     exit_duration_in_mins: Optional[float] = None
     # Save and exit 0 at the first iteration that is a multiple of this (--exit-interval).
     exit_interval: Optional[int] = None
+    # Memory of one accelerator, GiB: the dry run says whether a rank's estimate fits in it.
+    gpu_memory_gib: float = 80.0
 
 
 @dataclass
@@ -262,9 +287,11 @@ GROUPS: dict[str, type] = {
 
 
 def register_configs() -> None:
-    """Register ``Config`` and each group's schema (``<group>/schema``) in Hydra's ConfigStore.
+    """Register ``Config`` and each group's schema (``<group>_schema``) in Hydra's ConfigStore.
 
-    Group yaml files name ``<group>/schema`` first in their defaults list so they are typed.
+    Group yaml files name ``/<group>_schema@_here_`` first in their defaults list so they are
+    typed; the schemas are top-level configs, not group options, so ``model=...`` never offers
+    or accepts them.
     """
     from omegaconf import OmegaConf
 
@@ -275,7 +302,7 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     for group, node in GROUPS.items():
-        cs.store(group=group, name="schema", node=node)
+        cs.store(name=f"{group}_schema", node=node)
 
 
 def to_dict(cfg: Any) -> dict:

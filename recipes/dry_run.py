@@ -1,28 +1,37 @@
 """``train.dry_run=true``: check a whole config for its world size and say what each rank holds.
 
-Nothing heavy is built and no process starts: the config is validated (``recipes.validate``),
+Nothing heavy is built and no process starts: the config is validated (``recipes.prelaunch``),
 megatron's ``TransformerConfig`` is constructed (its own checks run), and the sizes come from
-``recipes.shapes``. Per rank, with megatron's DDP (fp32 gradient buffer,
-``grad_reduce_in_fp32``) and Adam without the distributed optimizer:
+``recipes.shapes``. Per rank of the most loaded pipeline stage, with megatron's DDP (fp32
+gradient buffer, ``grad_reduce_in_fp32``) and Adam, as Megatron-LM's
+``theoretical_memory_usage.compute_weight_and_optimizer_memory`` counts them:
 
 * parameters: ``params_dtype`` bytes each (GTP padding rows included: they are allocated);
 * gradients: 4 bytes each (fp32 ``main_grad`` buffer);
 * optimizer state: ``exp_avg`` and ``exp_avg_sq`` in fp32 (8 bytes), plus an fp32 main copy of
-  each parameter (4 bytes) when parameters are bf16.
+  each parameter (4 bytes) when parameters are bf16; with the distributed optimizer
+  (``optim.use_distributed_optimizer``) each data-parallel rank holds 1/dp of it. So bf16:
+  18 bytes per parameter without it, 6 + 12 / dp with it.
 
-Activations and temporary buffers are not counted.
+Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models", Table 2) as Megatron-LM's ``compute_activation_memory`` applies it, without
+sequence parallelism (this project does not set it); see :func:`activation_bytes`. Temporary
+buffers (all-gathers, the loss's logits copies) are not counted.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 _BYTES = {"fp32": 4, "bf16": 2}
+RECOMPUTE = (None, "selective", "full")
 
 
 @dataclass(frozen=True)
 class RankSizes:
-    """What one rank holds (every rank holds the same shapes at a given layout)."""
+    """What one rank of the most loaded pipeline stage holds (bytes unless named otherwise)."""
 
     total_parameters: int  # the whole model, padded vocabulary, no GTP padding
     parameters: int  # on one rank, GTP padding rows included
@@ -30,36 +39,174 @@ class RankSizes:
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
+    activation_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        """Parameters, gradients, optimizer state and activations."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+
+
+def _stage(name: str, num_layers: int, pp: int) -> tuple[int, ...]:
+    """Pipeline stages holding parameter ``name`` (megatron: the embedding on the first stage,
+    final norm and output layer on the last, layers split evenly; a shared output weight is a
+    copy of the embedding on the last stage)."""
+    if name.startswith("embedding."):
+        return (0,)
+    if name.startswith("decoder.layers."):
+        return (int(name.split(".")[2]) * pp // num_layers,)
+    return (pp - 1,)
 
 
 def rank_sizes(cfg, layout, vocab_size: int) -> RankSizes:
     """Per-rank parameter count and bytes of ``cfg`` at ``layout`` for a ``vocab_size``-token
-    tokenizer (padded as ``recipes.model.padded_vocab_size``)."""
+    tokenizer (padded as ``recipes.model.padded_vocab_size``), on the pipeline stage holding the
+    most parameters, activations included (:func:`activation_bytes`).
+
+    Optimizer bytes with the distributed optimizer: ``ceil(parameters * (8 + main copy) / dp)``.
+    """
     from recipes.model import padded_vocab_size
-    from recipes.shapes import count, local_shape, parameter_shapes
+    from recipes.shapes import local_shape, parameter_shapes
 
     tp, g, pad = layout.tensor_model_parallel_size, layout.gtp_remat_size, layout.pad_for_alignment
-    shapes = parameter_shapes(cfg.model, padded_vocab_size(
-        vocab_size, cfg.model.make_vocab_size_divisible_by, tp))
-    local, pad_rows = 0, 0
+    pp, m = layout.pipeline_model_parallel_size, cfg.model
+    padded = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
+    shapes = parameter_shapes(m, padded)
+    per_stage, pad_rows, total = [0] * pp, [0] * pp, 0
     for p in shapes:
         shape, pad_length = local_shape(p, tp, g, pad)
-        n = 1
-        for d in shape:
-            n *= d
-        local += n
-        pad_rows += pad_length
+        total += math.prod(p.shape)
+        stages = _stage(p.name, m.num_layers, pp)
+        if p.name == "embedding.word_embeddings.weight" and m.share_embeddings_and_output_weights \
+                and pp > 1:
+            stages = (0, pp - 1)
+        for s in stages:
+            per_stage[s] += math.prod(shape)
+            pad_rows[s] += pad_length
+    stage = max(range(pp), key=lambda s: per_stage[s])
+    local = per_stage[stage]
     dtype = cfg.precision.params_dtype
-    main_copy = 4 if dtype != "fp32" else 0
+    state = 8 + (4 if dtype != "fp32" else 0)
+    dp = layout.data_parallel_size if layout.use_distributed_optimizer else 1
     return RankSizes(
-        total_parameters=count(shapes), parameters=local, gtp_padding_rows=pad_rows,
+        total_parameters=total, parameters=local, gtp_padding_rows=pad_rows[stage],
         param_bytes=local * _BYTES[dtype], grad_bytes=local * 4,
-        optimizer_bytes=local * (8 + main_copy),
+        optimizer_bytes=-(-local * state // dp),
+        activation_bytes=activation_bytes(cfg, layout, padded),
     )
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+def attention_scores_stored(cfg) -> bool:
+    """Whether attention keeps its ``a x s x s`` scores for the backward: megatron's local
+    ``DotProductAttention`` does (without TransformerEngine), fused attention does not."""
+    from recipes import te
+
+    return not te.transformer_engine_usable()
+
+
+def activation_bytes(cfg, layout, padded_vocab: int, scores: bool | None = None) -> int:
+    """Activation bytes on a rank of the first pipeline stage (the most in flight).
+
+    Per layer, with ``s`` = seq_length, ``b`` = micro_batch_size, ``h`` = hidden_size, ``a`` =
+    heads, ``f`` = ffn_hidden_size, ``t`` = tp, no sequence parallelism (Korthikanti et al. 2022
+    Table 2, the 24 generalized to ``8 + 4 f / h`` as Megatron-LM's ``compute_activation_memory``):
+
+    * no recompute: ``s b h (10 + (8 + 4 f / h) / t) + 5 a s^2 b / t`` (the last term only when
+      the attention scores are stored, ``scores``; default :func:`attention_scores_stored`);
+    * ``model.recompute_granularity=selective``: the same without the ``5 a s^2 b / t`` term;
+    * ``full``: ``2 s b h`` (each layer's input).
+
+    Times ``num_layers`` (pp stages of num_layers / pp layers, pp micro-batches in flight on the
+    first), plus the embedding's ``8 s b pp + s b h pp``; then Megatron-LM's pipeline factors
+    (interleaved: ``1 + (pp - 1) / (pp vpp)``; 1F1B: ``min(1, micro-batches / pp)``) and, at
+    pp 1, the output layer and loss ``4 s b h + 4 s b v / t``. Megatron's constants count 16-bit
+    activations; fp32 parameters (fp32 activations) double the figure.
+    """
+    m, d = cfg.model, cfg.data
+    s, b, h, a = m.seq_length, d.micro_batch_size, m.hidden_size, m.num_attention_heads
+    f, L = m.ffn_hidden_size, m.num_layers
+    t, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
+    vpp = layout.virtual_pipeline_model_parallel_size
+    recompute = m.get("recompute_granularity")
+    scores = attention_scores_stored(cfg) if scores is None else scores
+    if recompute == "full":
+        layer = 2 * s * b * h
+    else:
+        layer = s * b * h * (10 + (8 + 4 * f / h) / t)
+        if recompute is None and scores:
+            layer += 5 * a * s * s * b / t
+    act = layer * L + 8 * s * b * pp + s * b * h * pp
+    if vpp:
+        act *= 1 + (pp - 1) / (pp * vpp)
+    elif pp > 1:
+        data_group = layout.data_parallel_size * layout.gtp_remat_size
+        micro_batches = d.global_batch_size // (d.micro_batch_size * data_group)
+        act *= min(1, micro_batches / pp)
+    if pp == 1:
+        act += 4 * s * b * h + 4 * s * b * padded_vocab / t
+    if cfg.precision.params_dtype == "fp32":
+        act *= 2
+    return int(math.ceil(act))
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in the largest binary unit that keeps it >= 1 (B, KiB, MiB, GiB, TiB)."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    i = 0
+    while i < len(units) - 1 and abs(n) >= 1024:
+        n /= 1024
+        i += 1
+    return f"{int(n)} B" if i == 0 else f"{n:.2f} {units[i]}"
+
+
+def _variant(cfg, layout, **changes):
+    """``(cfg, layout)`` with dotted-key ``changes`` applied to copies."""
+    from omegaconf import OmegaConf, open_dict
+
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    with open_dict(cfg):
+        for key, value in changes.items():
+            OmegaConf.update(cfg, key, value)
+    if "optim.use_distributed_optimizer" in changes:
+        layout = dataclasses.replace(
+            layout, use_distributed_optimizer=changes["optim.use_distributed_optimizer"],
+            distrib_optim_sharding_type="fully_reshardable")
+    return cfg, layout
+
+
+def fit_line(cfg, layout, vocab_size: int, sizes: RankSizes) -> str:
+    """Whether ``sizes.total_bytes`` fits ``train.gpu_memory_gib``; if not, the first of the
+    distributed optimizer (dp > 1), selective then full recompute and micro_batch_size 1, taken
+    in that order and cumulatively, that makes it fit."""
+    limit = float(cfg.train.get("gpu_memory_gib", 80.0))
+    budget = limit * 2**30
+    head = f"> fit: {format_bytes(sizes.total_bytes)} per rank"
+    if sizes.total_bytes <= budget:
+        return f"{head} fits train.gpu_memory_gib={limit:g}"
+    steps = []
+    if not layout.use_distributed_optimizer and layout.data_parallel_size > 1:
+        steps.append(("optim.use_distributed_optimizer", True))
+    rc = cfg.model.get("recompute_granularity")
+    if rc is None:
+        steps.append(("model.recompute_granularity", "selective"))
+    if rc != "full":
+        steps.append(("model.recompute_granularity", "full"))
+    if cfg.data.micro_batch_size > 1:
+        steps.append(("data.micro_batch_size", 1))
+    changes: dict = {}
+    for key, value in steps:
+        changes[key] = value
+        vcfg, vlayout = _variant(cfg, layout, **changes)
+        total = rank_sizes(vcfg, vlayout, vocab_size).total_bytes
+        if total <= budget:
+            sets = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}"
+                            for k, v in changes.items())
+            return (f"{head} does not fit train.gpu_memory_gib={limit:g}; fits with {sets} "
+                    f"({format_bytes(total)})")
+    return (f"{head} does not fit train.gpu_memory_gib={limit:g}, nor with the distributed "
+            f"optimizer, full recompute and micro-batch 1: raise "
+            f"parallelism.tensor_model_parallel_size, pipeline_model_parallel_size or "
+            f"gtp.gtp_remat_size")
 
 
 def report(cfg, layout) -> str:
@@ -76,18 +223,29 @@ def report(cfg, layout) -> str:
     tp = layout.tensor_model_parallel_size
     padded = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, tp)
     s = rank_sizes(cfg, layout, vocab)
-    total = s.param_bytes + s.grad_bytes + s.optimizer_bytes
+    dtype = cfg.precision.params_dtype
+    per_param = (s.param_bytes + s.grad_bytes + s.optimizer_bytes) / max(s.parameters, 1)
+    sharded = (f", 1/{layout.data_parallel_size} per rank: distributed optimizer"
+               if layout.use_distributed_optimizer else "")
+    rc = cfg.model.get("recompute_granularity")
+    stage = " (most loaded pipeline stage)" if layout.pipeline_model_parallel_size > 1 else ""
     lines = [
         "> dry run: config valid; nothing built, no process started",
         f"> layout: {layout.describe()}",
         f"> model: {cfg.model.name}, {s.total_parameters:,} parameters "
         f"(vocabulary {vocab:,} tokens, {padded:,} rows padded)",
-        f"> per rank: {s.parameters:,} parameters",
-        f">   parameters       {_gib(s.param_bytes)} ({cfg.precision.params_dtype})",
-        f">   gradients        {_gib(s.grad_bytes)} (fp32 grad buffer)",
-        f">   optimizer state  {_gib(s.optimizer_bytes)} (Adam moments fp32"
-        f"{', fp32 main params' if cfg.precision.params_dtype != 'fp32' else ''})",
-        f">   total            {_gib(total)} (activations not counted)",
+        f"> per rank{stage}: {s.parameters:,} parameters, {per_param:.4g} bytes each for "
+        f"weights, gradients and optimizer state",
+        f">   parameters       {format_bytes(s.param_bytes)} ({dtype})",
+        f">   gradients        {format_bytes(s.grad_bytes)} (fp32 grad buffer)",
+        f">   optimizer state  {format_bytes(s.optimizer_bytes)} (Adam moments fp32"
+        f"{', fp32 main params' if dtype != 'fp32' else ''}{sharded})",
+        f">   activations      {format_bytes(s.activation_bytes)} (micro-batch "
+        f"{cfg.data.micro_batch_size} x {cfg.model.seq_length} tokens, recompute "
+        f"{rc or 'none'}{', attention scores stored' if attention_scores_stored(cfg) and not rc else ''};"
+        f" Megatron-LM's formula, no sequence parallelism)",
+        f">   total            {format_bytes(s.total_bytes)}",
+        fit_line(cfg, layout, vocab, s),
     ]
     try:
         from recipes.data import check_data_paths

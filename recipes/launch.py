@@ -16,7 +16,6 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from recipes.validate import validate, world_size_from_env
 from recipes.worker import LAUNCHER_PID_ENV, RESOLVED_CONFIG
 
 # A worker that died takes the others down within this many seconds (elastic agent's monitor).
@@ -249,7 +248,9 @@ def run_job(cfg) -> None:
     from recipes.data.tokenizers import check_before_launch
 
     check_before_launch(cfg.data)
-    layout = validate(cfg, world_size_from_env(cfg))
+    from recipes import prelaunch
+
+    layout = prelaunch.check(cfg)
     if dry_run:
         from recipes.dry_run import report
 
@@ -261,6 +262,7 @@ def run_job(cfg) -> None:
         if is_rank0:
             print(f"> {exc}", flush=True)
         return
+    prelaunch.clamp_warmup(cfg, resume_settled=True)  # the schedule that will run
     if not as_rank:
         note = claim_job_dir(cfg.output_dir)
         if note:

@@ -8,7 +8,7 @@ from functools import partial
 
 import torch
 
-from recipes import faults, preemption
+from recipes import faults, preemption, throughput
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -198,6 +198,27 @@ def eval_due(iteration: int, cfg) -> bool:
     return iteration == t.train_iters or bool(t.eval_interval and iteration % t.eval_interval == 0)
 
 
+def _flops_per_iteration(cfg) -> float:
+    """Megatron-LM's model FLOPs of one iteration (``recipes.throughput``)."""
+    from recipes.data import build_tokenizer
+    from recipes.model import padded_vocab_size
+
+    padded = padded_vocab_size(build_tokenizer(cfg.data).vocab_size,
+                               cfg.model.make_vocab_size_divisible_by,
+                               cfg.parallelism.tensor_model_parallel_size)
+    return throughput.model_flops_per_iteration(cfg, padded)
+
+
+def _peak_memory_over_ranks() -> int:
+    """The largest peak memory of any rank, bytes (``recipes.throughput.peak_memory_bytes``)."""
+    from gtp.collectives import collective_device
+
+    peak = torch.tensor([throughput.peak_memory_bytes()], dtype=torch.int64,
+                        device=collective_device())
+    torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+    return int(peak.item())
+
+
 def train(state, cfg, logger, checkpointer, save_fn) -> str | None:
     """Run iterations ``state.iteration + 1 .. train.train_iters``, with validation where
     :func:`eval_due` (its metrics join that iteration's row), or until
@@ -225,6 +246,7 @@ def train(state, cfg, logger, checkpointer, save_fn) -> str | None:
     """
     d = cfg.data
     tokens_per_step = d.global_batch_size * cfg.model.seq_length
+    flops, world = _flops_per_iteration(cfg), torch.distributed.get_world_size()
     while state.iteration < cfg.train.train_iters:
         start = time.perf_counter()
         metrics = train_step(
@@ -240,6 +262,8 @@ def train(state, cfg, logger, checkpointer, save_fn) -> str | None:
         metrics.update({
             "iteration-time": elapsed,
             "tokens-per-sec": tokens_per_step / elapsed,
+            "throughput": throughput.tflops_per_gpu(flops, elapsed, world),
+            "peak-memory-bytes": _peak_memory_over_ranks(),
             "consumed-samples": state.consumed_samples,
             "skipped-iterations": state.skipped,
         })

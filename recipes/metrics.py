@@ -221,18 +221,26 @@ def format_progress(iteration: int, total: int, m: dict, elapsed_s: float | None
                     remaining_s: float | None = None, resumed_from: int | None = None) -> str:
     """One Megatron-style progress line; with ``elapsed_s``/``remaining_s`` (seconds) the
     job's elapsed time and the estimate of the rest, with ``resumed_from`` the iteration the job
-    resumed from."""
+    resumed from. tokens/s counts the whole job's tokens (all data-parallel ranks); the
+    throughput is per GPU (process) and the peak memory the largest of any rank."""
     resumed = f" (resumed from {resumed_from})" if resumed_from is not None else ""
     timing = ""
     if elapsed_s is not None:
         timing = f"elapsed: {format_duration(elapsed_s)} | "
         if remaining_s is not None:
             timing += f"remaining: {format_duration(remaining_s)} | "
+    perf = ""
+    if "throughput" in m:  # Megatron-LM's model TFLOP/s per GPU (recipes.throughput)
+        perf += f"throughput per GPU (TFLOP/s/GPU): {m['throughput']:.3g} | "
+    if "peak-memory-bytes" in m:
+        from recipes.dry_run import format_bytes
+
+        perf += f"peak memory per rank: {format_bytes(m['peak-memory-bytes'])} | "
     return (
         f" iteration {iteration:6d}/{total}{resumed} | {timing}"
         f"consumed samples {m['consumed-samples']:8d} | "
-        f"elapsed time per iteration (ms): {1000 * m['iteration-time']:8.1f} | "
-        f"tokens/s: {m['tokens-per-sec']:9.0f} | learning rate: {m['learning-rate']:.4E} | "
+        f"elapsed time per iteration (ms): {1000 * m['iteration-time']:8.1f} | {perf}"
+        f"tokens/s (global): {m['tokens-per-sec']:9.0f} | learning rate: {m['learning-rate']:.4E} | "
         f"lm loss: {m['lm loss']:.6E} | grad norm: {m['grad-norm']:.4f} | "
         f"num zeros: {m['num-zeros']:.0f}"
     )

@@ -128,6 +128,11 @@ def transformer_config(cfg, layout, use_te: bool | None = None):
         # ranks, so the peer's activation receive takes the gradient. megatron's unbatched ops
         # (p2p_communication._p2p_ops) put the two directions on two groups at pp2.
         kwargs["batch_p2p_comm"] = False
+    recompute = m.get("recompute_granularity")
+    if recompute:
+        kwargs["recompute_granularity"] = recompute
+        if recompute == "full":
+            kwargs.update(recompute_method="uniform", recompute_num_layers=1)
     kwargs.update(te.config_fields(cfg.gtp.quantization, use_te,
                                    cfg.gtp.get("fp8_param_gather", False)))
     if layout.gtp_remat_size > 1:

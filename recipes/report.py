@@ -15,8 +15,9 @@ layout resumed from. When a job resumed from a checkpoint written by another job
 (the event's ``load`` path lies in that job's dir), a dashed segment joins the parent's point at
 the resume iteration to the child's first point, so a chain of resumes reads as one curve. The
 table of final figures (job, layout, final iteration, final lm loss, final grad-norm, mean
-tokens/s) is printed and drawn under the panels. Mean tokens/s leaves out the first iteration of
-each start/resume (start-up), unless it is the only one.
+tokens/s, peak memory per rank) is printed and drawn under the panels, after one bar per job of
+mean tokens/s and peak memory (what an alignment sweep compares). Mean tokens/s leaves out the
+first iteration of each start/resume (start-up), unless it is the only one.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 from recipes.metrics import METRICS_FILE, read_metrics
 
 GRAD_NORM, LM_LOSS, TOKENS = "grad-norm", "lm loss", "tokens-per-sec"
+PEAK_MEMORY = "peak-memory-bytes"
 # Hydra overrides that never tell jobs apart in a plot.
 _IGNORED_OVERRIDE_PREFIXES = ("hydra.", "checkpoint.load", "checkpoint.save", "data.cache_dir",
                               "logger")
@@ -238,6 +240,8 @@ def summary(job: Job, reference: Job | None = None) -> dict:
         "final_lm_loss": last.get(LM_LOSS),
         "final_grad_norm": last.get(GRAD_NORM),
         "mean_tokens_per_sec": sum(speeds) / len(speeds) if speeds else None,
+        "peak_memory_bytes": max((r[PEAK_MEMORY] for r in rows if _finite(r.get(PEAK_MEMORY))),
+                                 default=None),
         "max_loss_diff_vs_first": diff,
         "resumes": sum(1 for s in job.segments if s.resume),
         "path": str(job.path),
@@ -248,7 +252,8 @@ _MARKERS = ["o", "s", "^", "D", "v", "P", "X", "<", ">", "*"]
 
 _COLUMNS = [("job", "job"), ("layout", "layout"), ("final_iteration", "iter"),
             ("final_lm_loss", "lm loss"), ("final_grad_norm", "grad-norm"),
-            ("mean_tokens_per_sec", "tokens/s"), ("max_loss_diff_vs_first", "max |d loss| vs 1st")]
+            ("mean_tokens_per_sec", "tokens/s"), ("peak_memory_bytes", "peak memory"),
+            ("max_loss_diff_vs_first", "max |d loss| vs 1st")]
 
 
 def _fmt(key: str, value) -> str:
@@ -260,6 +265,10 @@ def _fmt(key: str, value) -> str:
         return f"{value:.0f}"
     if key == "max_loss_diff_vs_first":
         return f"{value:.1e}"
+    if key == "peak_memory_bytes":
+        from recipes.dry_run import format_bytes
+
+        return format_bytes(value)
     return str(value)
 
 
@@ -288,8 +297,10 @@ def draw(jobs: list[Job], out: Path, title: str | None = None, logy: bool = Fals
     ncol = 1 if n <= 4 else 2
     legend_h = 0.22 * (math.ceil((n + 1) / ncol)) + 0.2
     table_h = 0.28 * (n + 1) + 0.2
-    fig = plt.figure(figsize=(14, 5.2 + legend_h + table_h))
-    grid = fig.add_gridspec(3, 2, height_ratios=[5.2, legend_h, table_h], hspace=0.3, wspace=0.18)
+    bars_h = 2.6
+    fig = plt.figure(figsize=(14, 5.2 + bars_h + legend_h + table_h))
+    grid = fig.add_gridspec(4, 2, height_ratios=[5.2, bars_h, legend_h, table_h], hspace=0.35,
+                            wspace=0.18)
     axes = {GRAD_NORM: fig.add_subplot(grid[0, 0]), LM_LOSS: fig.add_subplot(grid[0, 1])}
     colors = plt.get_cmap("tab10" if n <= 10 else "tab20")
     color_of = {id(job): colors(i % colors.N) for i, job in enumerate(jobs)}
@@ -341,12 +352,13 @@ def draw(jobs: list[Job], out: Path, title: str | None = None, logy: bool = Fals
         ax.grid(True, alpha=0.3)
     if logy:
         axes[GRAD_NORM].set_yscale("log")
-    lax = fig.add_subplot(grid[1, :])
+    _draw_bars(fig, grid, jobs, summaries, [color_of[id(j)] for j in jobs])
+    lax = fig.add_subplot(grid[2, :])
     lax.axis("off")
     handles, labels = axes[LM_LOSS].get_legend_handles_labels()
     lax.legend(handles, labels, loc="center", ncol=ncol, fontsize=8, frameon=False)
 
-    tax = fig.add_subplot(grid[2, :])
+    tax = fig.add_subplot(grid[3, :])
     tax.axis("off")
     table = tax.table(
         cellText=[[_fmt(k, s[k]) for k, _ in _COLUMNS] for s in summaries],
@@ -365,6 +377,21 @@ def draw(jobs: list[Job], out: Path, title: str | None = None, logy: bool = Fals
     fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return out
+
+
+def _draw_bars(fig, grid, jobs, summaries, colors) -> None:
+    """One bar per job: mean tokens/s (global) and peak memory per rank (MiB), what an
+    alignment sweep compares; a job without the figure gets no bar."""
+    names = [str(i + 1) for i in range(len(jobs))]
+    for col, (key, title, scale) in enumerate((
+            ("mean_tokens_per_sec", "mean tokens/s (global)", 1.0),
+            ("peak_memory_bytes", "peak memory per rank (MiB)", 2.0**-20))):
+        ax = fig.add_subplot(grid[1, col])
+        values = [s[key] * scale if s[key] is not None else 0.0 for s in summaries]
+        ax.bar(names, values, color=colors)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("job (table row)")
+        ax.grid(True, axis="y", alpha=0.3)
 
 
 def report(paths, out: str | os.PathLike | None = None, title: str | None = None,

@@ -270,8 +270,11 @@ def validate(cfg, world_size: int) -> Layout:
             raise ConfigError(f"train.{name}={t[name]} must be > 0 or null (never)")
     _positive("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)
     decay = o.lr_decay_iters or t.train_iters
-    # megatron's OptimizerParamScheduler asserts warmup < decay steps.
-    if o.lr_warmup_iters < 0 or o.lr_warmup_iters >= decay:
+    # megatron's OptimizerParamScheduler asserts warmup < decay steps (recipes.prelaunch clamps
+    # warmup first); a resume taking its schedule from the checkpoint is not judged on this one.
+    from_checkpoint = cfg.checkpoint.get("load") is not None and \
+        not o.get("override_opt_param_scheduler", False)
+    if o.lr_warmup_iters < 0 or (o.lr_warmup_iters >= decay and not from_checkpoint):
         raise ConfigError(
             f"optim.lr_warmup_iters={o.lr_warmup_iters} must lie in [0, {decay}) "
             f"(optim.lr_decay_iters, default train.train_iters={t.train_iters})"
@@ -352,6 +355,9 @@ def _check_model_options(m, tp: int) -> None:
     if m.position_embedding_type not in _POSITIONS:
         raise ConfigError(f"model.position_embedding_type={m.position_embedding_type!r}: "
                           f"valid are {_POSITIONS}")
+    if m.get("recompute_granularity") not in (None, "selective", "full"):
+        raise ConfigError(f"model.recompute_granularity={m.recompute_granularity!r}: valid are "
+                          f"null, 'selective', 'full'")
     groups = m.get("num_query_groups")
     if groups is None:
         return

@@ -25,6 +25,11 @@ from gtp.records import saved_layout
 # GPU packages (apex, TE) and deprecations that do not apply on this path; keep the log readable.
 for _module in ("megatron", "torch.distributed", "torch.utils.cpp_extension"):
     warnings.filterwarnings("ignore", module=_module)
+# torch logs "No CUDA runtime is found" once per process on import: once per job is enough.
+if int(os.environ.get("RANK", "0")) != 0:
+    import logging
+
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 RESOLVED_CONFIG = "resolved_config.yaml"
 # Set by train.py's local launch (recipes.launch.launch_local) to its pid: its workers die with it.
@@ -164,6 +169,9 @@ def run(cfg) -> None:
 
     preemption.install(cfg.train)  # a signal from here on: save at the next iteration boundary
     init_distributed()
+    from recipes.console import quiet_megatron
+
+    quiet_megatron(torch.distributed.get_rank(), bool(cfg.checkpoint.get("async_save", False)))
     check_same_run(cfg)
     layout = validate(cfg, torch.distributed.get_world_size())
     ck = cfg.checkpoint
@@ -226,8 +234,9 @@ def run(cfg) -> None:
         n_params = count_parameters(model)
         fork = (f" (fork of {plan['parent']['run_id']} at iteration {plan['parent']['iteration']})"
                 if plan["parent"] else " (continued)" if plan["resume"] else "")
-        print(f"> layout {layout.describe()}, parameters on rank 0: {n_params}, "
-              f"wandb run {run_id}{fork}", flush=True)
+        wandb_run = f", wandb run {run_id}{fork}" if cfg.logger.get("wandb", False) else ""
+        print(f"> layout {layout.describe()}, parameters on rank 0: {n_params}{wandb_run}",
+              flush=True)
         if resumed_from is not None:
             parent = plan["parent"]
             logger.event("resume", iteration=iteration, from_layout=resumed_from, layout=layout_rec,

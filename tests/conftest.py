@@ -48,3 +48,51 @@ def train_run(data_cache):
         return proc
 
     return run
+
+
+def _reaches(fn, name: str, module, seen: set) -> bool:
+    """Whether ``fn`` (or a function of ``module`` it calls, transitively) names ``name``."""
+    code = getattr(fn, "__code__", None)
+    if code is None or fn in seen:
+        return False
+    seen.add(fn)
+    names, stack = set(), [code]
+    while stack:  # nested functions and lambdas too
+        c = stack.pop()
+        names |= set(c.co_names)
+        stack += [k for k in c.co_consts if hasattr(k, "co_names")]
+    if name in names:
+        return True
+    return any(_reaches(getattr(module, n), name, module, seen) for n in names
+               if getattr(getattr(module, n, None), "__module__", None) == module.__name__)
+
+
+def _functions(item):
+    """The test function (under hypothesis: the test it wraps) and its fixtures' functions."""
+    fn = getattr(item, "function", None)
+    fn = getattr(getattr(fn, "hypothesis", None), "inner_test", fn)
+    out = [fn] if fn is not None else []
+    info = getattr(item, "_fixtureinfo", None)
+    for name in getattr(item, "fixturenames", ()):
+        for fixturedef in (info.name2fixturedefs.get(name, ()) if info else ()):
+            out.append(fixturedef.func)
+    return out
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark what ``make test-fast`` leaves out: ``e2e`` for tests that run train.py (the
+    ``train_run`` fixture) or another script in a fresh interpreter (``subprocess``),
+    ``multiprocess`` for tests that reach ``run_distributed`` (directly or through a fixture)."""
+    import sys as _sys
+
+    for item in items:
+        if "train_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.e2e)
+        for fn in _functions(item):
+            module = _sys.modules.get(getattr(fn, "__module__", ""), None)
+            if module is None:
+                continue
+            if _reaches(fn, "run_distributed", module, set()):
+                item.add_marker(pytest.mark.multiprocess)
+            if _reaches(fn, "subprocess", module, set()):
+                item.add_marker(pytest.mark.e2e)

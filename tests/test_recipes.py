@@ -85,8 +85,9 @@ def test_dry_run_of_llama3_8b_at_tp4_gtp2(capsys):
     per_rank = 2 * vocab * 4096 + 32 * layer + 4096
     assert f"> per rank: {per_rank:,} parameters" in out, out
     assert "8,030,261,248 parameters" in out and "tp4 x gtp2(pad 16) x dp1 (world 8)" in out, out
-    gib = per_rank * (2 + 4 + 12) / 2**30  # bf16 params, fp32 grads, Adam + fp32 main params
-    assert f"total            {gib:.2f} GiB" in out, out
+    # bf16 params, fp32 grads, Adam + fp32 main params: 2 + 4 + 12 bytes per parameter.
+    assert f"{per_rank:,} parameters, 18 bytes each" in out, out
+    assert f"optimizer state  {per_rank * 12 / 2**30:.2f} GiB" in out, out
     assert "0 padding rows" in out, out
 
 

@@ -151,3 +151,24 @@ def test_a_run_that_went_on_where_the_previous_stopped_is_its_own_segment(tmp_pa
     loaded = load_job(job)
     assert [[r["iteration"] for r in s.rows] for s in loaded.segments] == [[1, 2, 3, 4], [5, 6, 7, 8]]
     assert [s.resume is not None for s in loaded.segments] == [False, True]
+
+
+def test_bars_of_tokens_per_sec_and_peak_memory_per_job(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    root = tmp_path / "sweep"
+    for i, (tps, peak) in enumerate(((1000.0, 3 * 2**20), (600.0, 5 * 2**20))):
+        write_job(root / f"{i}_gtp.pad_for_alignment={16 * (i + 1)}",
+                  [{"event": "start", "iteration": 0, "layout": layout(g=2, dp=1, pad=16)}]
+                  + [{**row(it, 5.0, tps=tps), "peak-memory-bytes": peak - (3 - it) * 1024}
+                     for it in (1, 2, 3)],
+                  [f"gtp.pad_for_alignment={16 * (i + 1)}"])
+    figures = []
+    monkeypatch.setattr(plt, "close", lambda fig: figures.append(fig))
+    _, table, summaries = report([root], tmp_path / "r.png")
+    assert [s["peak_memory_bytes"] for s in summaries] == [3 * 2**20, 5 * 2**20]
+    assert "peak memory" in table.splitlines()[0] and "5.00 MiB" in table
+    bars = {ax.get_title(): [p.get_height() for p in ax.patches] for ax in figures[0].axes
+            if ax.patches}
+    assert bars["mean tokens/s (global)"] == [1000.0, 600.0]
+    assert bars["peak memory per rank (MiB)"] == [3.0, 5.0]

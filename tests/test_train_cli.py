@@ -45,13 +45,14 @@ def test_empty_checkpoint_dir_is_refused_before_launch(train_run, tmp_path):
     _no_worker_started(tmp_path / "out")
 
 
-def test_checkpoint_of_another_model_shape_names_tensor_and_shapes(train_run, tmp_path):
+def test_checkpoint_of_another_model_shape_is_refused_before_launch_naming_the_field(train_run, tmp_path):
     src = tmp_path / "src"
     train_run(src, "train.train_iters=2")
     proc = train_run(tmp_path / "dst", "model.hidden_size=96", f"checkpoint.load={src}/checkpoints",
-                     rc=1)
+                     rc=2)
     assert "holds a differently shaped model" in proc.stdout
-    assert "decoder.final_layernorm.weight: checkpoint (72,), this model (96,)" in proc.stdout
+    assert "model.hidden_size=96 (checkpoint: 72); set model.hidden_size=72" in proc.stdout
+    _no_worker_started(tmp_path / "dst")
 
 
 def test_bf16_trains_and_resumes_at_another_layout(train_run, tmp_path):

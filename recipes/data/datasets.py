@@ -70,7 +70,58 @@ def _train_split_tokens(prefix: str, split: str) -> int:
     return int(lengths[beg:end].sum())
 
 
-def _check_split(split: Any) -> str:
+SPLIT_NAMES = ("train", "validation", "test")
+
+
+def split_document_counts(num_documents: int, split: str) -> tuple[int, int, int]:
+    """Documents of one prefix in each of megatron's train/valid/test splits.
+
+    megatron splits whole documents: split ``i`` holds documents ``round(b0 * n)`` to
+    ``round(b1 * n)`` for its normalized bounds ``(b0, b1)``
+    (``BlendedMegatronDatasetBuilder._build_megatron_dataset_splits``); a weight of 0 gives 0.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    n = float(num_documents)
+    bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(check_split(split)))
+    return tuple(0 if b is None else int(round(b[1] * n)) - int(round(b[0] * n))
+                 for b in bounds)
+
+
+def check_split_documents(num_documents: int, split: str, validation: bool, what: str) -> None:
+    """Refuse a ``data.split`` that leaves the train split, or (``validation``: eval_iters > 0)
+    the validation split, without a document: megatron's ``GPTDataset`` would loop for ever
+    looking for tokens in an empty split (``_get_num_epochs``).
+
+    Raises:
+        ValueError: naming the split, the document count and the overrides that work.
+    """
+    counts = split_document_counts(num_documents, split)
+    empty = [i for i in ((0, 1) if validation else (0,)) if counts[i] == 0]
+    if not empty:
+        return
+    name = SPLIT_NAMES[empty[0]]
+    ways = []
+    if empty == [1]:
+        ways.append("train.eval_iters=0 (no validation)")
+    for p in range(1, 100):
+        trial = f"{100 - p},{p},0"
+        c = split_document_counts(num_documents, trial)
+        if c[0] > 0 and (c[1] > 0 or not validation):
+            ways.append(f"data.split={trial.replace(',', '/')}")
+            break
+    ways.append("more documents (a .txt file is one document, a .jsonl line is one)")
+    raise ValueError(
+        f"data.split={str(split)!r} gives the {name} split none of the {num_documents} "
+        f"document(s) of {what} (megatron splits whole documents); use " + ", or ".join(ways))
+
+
+def check_split(split: Any) -> str:
+    """``data.split`` after checking it holds up to 3 weights train,valid,test with train > 0
+    (ValueError naming it and the form expected)."""
     split = str(split)
     parts = re.split(r"[,/]", split)
     try:
@@ -123,6 +174,7 @@ def build_datasets(
 
     Raises:
         ValueError: as :func:`prepare_data`; a malformed ``data.split``; ``train_samples`` < 1; a
+            train split (or, with ``valid_samples``, a validation split) without a document; a
             train split with fewer than ``seq_length + 1`` tokens; a blend of several prefixes
             holding fewer than ``train_samples`` train samples.
         FileNotFoundError: as :func:`prepare_data`.
@@ -135,7 +187,7 @@ def build_datasets(
     data_cfg = cfg.data
     seq_length = int(cfg.model.seq_length)
     source = check_source(data_cfg)
-    split = _check_split(data_cfg.split)
+    split = check_split(data_cfg.split)
     if int(train_samples) < 1:
         raise ValueError(f"train_samples={train_samples} must be >= 1")
     # Cheap checks on every rank before any collective, so a bad config fails everywhere alike.
@@ -147,6 +199,7 @@ def build_datasets(
 
     prefixes = _rank0_first(lambda: prepare_data(data_cfg, seq_length))
     for prefix in prefixes:
+        check_split_documents(sequence_lengths(prefix).size, split, bool(valid_samples), prefix)
         tokens = _train_split_tokens(prefix, split)
         if tokens < seq_length + 1:
             raise ValueError(

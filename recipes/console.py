@@ -1,0 +1,108 @@
+"""What a run prints: a copy of the console in the job's ``train.log``, and megatron's
+once-per-process messages said once.
+
+:func:`job_log` copies file descriptors 1 and 2 (this process and the workers it starts, which
+inherit them) into ``<output_dir>/train.log`` while the console still shows everything.
+:func:`quiet_megatron` drops megatron log records that every rank repeats word for word.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+JOB_LOG = "train.log"
+
+
+def _under_other_launcher() -> bool:
+    """torchrun or Slurm/submitit started this process as one rank: they keep its output."""
+    return "RANK" in os.environ or any(k.startswith("SUBMITIT_") for k in os.environ)
+
+
+def _pump(read_fd: int, console_fd: int, log) -> None:
+    while True:
+        try:
+            chunk = os.read(read_fd, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        for out in (lambda c: os.write(console_fd, c), log.write):
+            try:
+                out(chunk)
+            except OSError:
+                pass
+        log.flush()
+    os.close(read_fd)
+
+
+@contextlib.contextmanager
+def job_log(output_dir):
+    """Within the block, everything written to stdout and stderr (by this process and by the
+    processes it starts) also goes to ``<output_dir>/train.log`` (appended). Nothing is copied
+    when this process is one rank of a torchrun/Slurm job."""
+    if _under_other_launcher() or output_dir is None:
+        yield
+        return
+    path = Path(str(output_dir)) / JOB_LOG
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(path, "ab", buffering=0)
+    saved, threads = {}, []
+    for fd in (1, 2):
+        (sys.stdout if fd == 1 else sys.stderr).flush()
+        read_fd, write_fd = os.pipe()
+        saved[fd] = os.dup(fd)
+        os.dup2(write_fd, fd)
+        os.close(write_fd)
+        t = threading.Thread(target=_pump, args=(read_fd, saved[fd], log), daemon=True)
+        t.start()
+        threads.append(t)
+    try:
+        yield
+    finally:
+        for fd in (1, 2):
+            with contextlib.suppress(Exception):
+                (sys.stdout if fd == 1 else sys.stderr).flush()
+            os.dup2(saved[fd], fd)  # the pipe's last writer here is gone: the pump sees EOF
+        for t in threads:
+            t.join(timeout=5)
+        for fd in saved.values():
+            os.close(fd)
+        log.close()
+
+
+# megatron messages each rank logs identically once per process.
+_ONCE_PER_JOB = ("GPTModel IS DEPRECATED",)
+# Printed by megatron's torch_dist strategy on the first save even when the save is synchronous
+# (its sync save runs its async path): noise unless checkpoint.async_save is on.
+_ASYNC_DEPRECATION = "MCore's async save is deprecated"
+
+
+class _MegatronFilter(logging.Filter):
+    def __init__(self, rank: int, async_save: bool) -> None:
+        super().__init__()
+        self.rank, self.async_save = rank, async_save
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        if message.startswith(_ASYNC_DEPRECATION):
+            return self.async_save and self.rank == 0
+        if self.rank != 0 and message.startswith(_ONCE_PER_JOB):
+            return False
+        return True
+
+
+def quiet_megatron(rank: int, async_save: bool) -> None:
+    """On every handler of the root logger and on megatron's loggers, drop megatron's repeated
+    messages except on global rank 0 (the async-save deprecation also when saves are
+    synchronous)."""
+    flt = _MegatronFilter(rank, async_save)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(flt)
+    for name in ("megatron", "megatron.core.dist_checkpointing.strategies.torch",
+                 "megatron.core.models.gpt.gpt_model"):
+        logging.getLogger(name).addFilter(flt)

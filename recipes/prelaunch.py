@@ -1,0 +1,295 @@
+"""Checks of a composed config that run once, in ``train.py``'s process, before any worker starts.
+
+:func:`check` adds to :func:`recipes.validate.validate` what needs the command line or the files
+a run reads: keys added with ``+key`` that no schema has, unknown experiment names, the default
+``parallelism.nproc_per_node``, warmup against the run length, the tokenizer, wandb credentials,
+the documents each ``data.split`` share gets, and the model shape against the checkpoint to load.
+Every refusal is a :class:`~recipes.validate.ConfigError` (``train.py`` exits 2) naming the value
+and an override that works.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import fields, is_dataclass
+from typing import Optional
+
+from recipes.validate import ConfigError, Layout, validate, world_size_from_env
+
+
+def check(cfg, choices: Optional[dict] = None) -> Layout:
+    """Validate ``cfg`` for launch; updates it in place (warmup clamp) so what runs is recorded.
+
+    Args:
+        cfg: the composed config (without the ``hydra`` node).
+        choices: Hydra's ``runtime.choices`` (group -> option); None: taken from the running
+            Hydra app when there is one.
+
+    Returns:
+        The resolved :class:`Layout` (:func:`recipes.validate.validate`).
+
+    Raises:
+        ConfigError: the first problem found.
+        CheckpointError: as :func:`recipes.validate.validate`.
+    """
+    check_choices(_hydra_choices() if choices is None else choices)
+    check_keys(cfg)
+    clamp_warmup(cfg)
+    layout = validate(cfg, world_size_from_env(cfg))
+    check_tokenizer(cfg)
+    check_wandb(cfg)
+    if not cfg.train.get("dry_run", False):
+        check_split(cfg)
+    if cfg.checkpoint.get("load") is not None:
+        check_model_shape(cfg)
+    return layout
+
+
+def _hydra_choices() -> dict:
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return {}
+    return dict(HydraConfig.get().runtime.choices)
+
+
+def _group_options(group: str) -> Optional[list[str]]:
+    from hydra.core.global_hydra import GlobalHydra
+
+    if not GlobalHydra.instance().is_initialized():
+        return None
+    return GlobalHydra.instance().config_loader().get_group_options(group)
+
+
+def check_choices(choices: dict) -> None:
+    """``experiment=NAME`` names a file of ``conf/experiment`` (the group is optional, so Hydra
+    skips an unknown name without a word)."""
+    name = choices.get("experiment")
+    if name is None:
+        return
+    valid = _group_options("experiment")
+    if valid is not None and name not in valid:
+        near = difflib.get_close_matches(str(name), valid, n=1)
+        hint = f"did you mean experiment={near[0]}? " if near else ""
+        raise ConfigError(f"experiment={name} does not exist: {hint}valid are {valid} "
+                          f"(conf/experiment/*.yaml)")
+
+
+def _schema_fields(schema) -> dict:
+    return {f.name: f for f in fields(schema)}
+
+
+def check_keys(cfg) -> None:
+    """Every key of ``cfg`` is a field of its schema: ``+train.trian_iters=12`` (Hydra's own
+    hint for a key it does not know) adds a key that nothing reads.
+
+    Raises:
+        ConfigError: naming the key and the nearest field.
+    """
+    from recipes.config import Config
+
+    unknown = _unknown_keys(cfg, Config, "")
+    if not unknown:
+        return
+    key = unknown[0]
+    parent, _, leaf = key.rpartition(".")
+    schema = _schema_at(Config, parent)
+    names = list(_schema_fields(schema)) if schema is not None else []
+    near = [f"{parent}.{n}" if parent else n
+            for n in difflib.get_close_matches(leaf, names, n=1, cutoff=0.6)]
+    if not near:  # the right name in another group (train.micro_batch_size -> data.)
+        everywhere = [f"{g}.{n}" for g, n in _all_fields()]
+        near = [k for k in everywhere if k.rsplit(".", 1)[1] == leaf] or \
+            difflib.get_close_matches(key, everywhere, n=1, cutoff=0.6)
+    hint = (f"did you mean {near[0]}? (an existing field is set without '+': {near[0]}=...)"
+            if near else f"valid keys of {parent or 'the config'}: {names}")
+    raise ConfigError(f"{key} is not a config field (nothing reads it): {hint}")
+
+
+def _all_fields():
+    from recipes.config import GROUPS, TrainConfig
+
+    for group, schema in {**GROUPS, "train": TrainConfig}.items():
+        for name in _schema_fields(schema):
+            yield group, name
+
+
+def _schema_at(schema, dotted: str):
+    for part in filter(None, dotted.split(".")):
+        f = _schema_fields(schema).get(part)
+        schema = _field_schema(f) if f is not None else None
+        if schema is None:
+            return None
+    return schema
+
+
+def _field_schema(f):
+    from recipes.config import GROUPS
+
+    if f.name in GROUPS:
+        return GROUPS[f.name]
+    if f.default_factory is not None and is_dataclass(f.default_factory):  # type: ignore[misc]
+        return f.default_factory
+    return None
+
+
+def _unknown_keys(node, schema, prefix: str) -> list[str]:
+    from omegaconf import DictConfig
+
+    out = []
+    known = _schema_fields(schema)
+    for key in node.keys() if isinstance(node, DictConfig) else node:
+        name = f"{prefix}{key}"
+        if key not in known:
+            out.append(name)
+            continue
+        sub = _field_schema(known[key])
+        value = node[key] if isinstance(node, DictConfig) else node.get(key)
+        if sub is not None and hasattr(value, "keys"):
+            out += _unknown_keys(value, sub, name + ".")
+    return out
+
+
+def clamp_warmup(cfg, resume_settled: bool = False) -> None:
+    """``optim.lr_warmup_iters`` at or past the decay length (``optim.lr_decay_iters``, default
+    ``train.train_iters``; megatron's OptimizerParamScheduler asserts warmup < decay) is clamped
+    to decay - 1 with a note. Before ``resume_settled`` it is left alone for a resume that takes
+    its lr schedule from the checkpoint (``recipes.checkpointer.prepare_resume`` sets it, then
+    this runs again with ``resume_settled=True`` on the values that will run)."""
+    from omegaconf import open_dict
+
+    o, t = cfg.optim, cfg.train
+    if not resume_settled and cfg.checkpoint.get("load") is not None and \
+            not o.get("override_opt_param_scheduler", False):
+        return
+    if not isinstance(t.train_iters, int) or t.train_iters < 1:
+        return  # validate names it
+    decay = o.lr_decay_iters or t.train_iters
+    if o.lr_warmup_iters < decay or decay < 1:
+        return
+    what = ("optim.lr_decay_iters" if o.lr_decay_iters else "train.train_iters") + f"={decay}"
+    with open_dict(cfg):
+        old, o.lr_warmup_iters = o.lr_warmup_iters, decay - 1
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"> note: optim.lr_warmup_iters={old} is not below {what} (megatron's lr scheduler "
+              f"needs warmup < decay): warmup clamped to {decay - 1}; set "
+              f"optim.lr_warmup_iters=N below {decay} to choose", flush=True)
+
+
+def check_tokenizer(cfg) -> None:
+    """``data.tokenizer`` builds (a path names a readable ``tokenizer.json``)."""
+    from recipes.data import build_tokenizer
+
+    try:
+        build_tokenizer(cfg.data)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _wandb_host() -> str:
+    from urllib.parse import urlparse
+
+    return urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or ""
+
+
+def check_wandb(cfg) -> None:
+    """``logger.mode=online`` has credentials: ``WANDB_API_KEY`` or a ``~/.netrc`` entry for the
+    wandb host (what ``wandb login`` writes)."""
+    lg = cfg.logger
+    if not lg.get("wandb", False) or lg.get("mode") != "online" or os.environ.get("WANDB_API_KEY"):
+        return
+    import netrc
+
+    host = _wandb_host()
+    try:
+        if netrc.netrc(os.environ.get("NETRC")).authenticators(host):
+            return
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        pass
+    raise ConfigError(f"logger.mode=online needs wandb credentials: WANDB_API_KEY is not set and "
+                      f"~/.netrc has no entry for {host}; export WANDB_API_KEY=<key> (or run "
+                      f"`wandb login`), or use logger.mode=offline or logger=none")
+
+
+def document_counts(data_cfg) -> list[tuple[str, int]]:
+    """``(what, documents)`` of each prefix the run will read, counted without tokenizing: a
+    non-empty ``.txt`` file is one document, a ``.jsonl`` file one per non-blank line (all text
+    files make one prefix), an indexed prefix its ``.idx`` count. pydoc and mock: none listed."""
+    from recipes.data.corpus import check_indexed_paths, check_text_paths, sequence_lengths
+
+    if data_cfg.source == "text":
+        files, n = check_text_paths(data_cfg), 0
+        for path in files:
+            if path.endswith(".txt"):
+                n += os.path.getsize(path) > 0
+            else:
+                with open(path, "rb") as f:
+                    n += sum(1 for line in f if line.strip())
+        return [(", ".join(str(p) for p in data_cfg.paths), n)]
+    if data_cfg.source == "indexed":
+        return [(p, int(sequence_lengths(p).size)) for p in check_indexed_paths(data_cfg)]
+    return []
+
+
+def check_split(cfg) -> None:
+    """Each prefix gives the train split (and, with ``train.eval_iters`` > 0, the validation
+    split) at least one document (:func:`recipes.data.datasets.check_split_documents`)."""
+    from recipes.data.datasets import check_split as check_weights, check_split_documents
+
+    validation = cfg.train.get("eval_iters", 0) > 0
+    try:
+        check_weights(cfg.data.split)
+        for what, n in document_counts(cfg.data):
+            check_split_documents(n, cfg.data.split, validation, what)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError(str(exc)) from None
+
+
+# Model fields that change a parameter's shape (recipes.shapes.parameter_shapes reads them).
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                "ffn_hidden_size", "swiglu", "normalization", "add_bias_linear",
+                "position_embedding_type", "seq_length", "share_embeddings_and_output_weights")
+
+
+def check_model_shape(cfg) -> None:
+    """The checkpoint to load holds this model's parameter shapes (vocabulary aside, which
+    ``recipes.validate`` checks): compared on the logical shapes of both configs, so a change of
+    layout never counts.
+
+    Raises:
+        CheckpointError: naming each changed field with the checkpoint's value and the override.
+    """
+    from omegaconf import OmegaConf
+
+    from recipes.checkpoint import CheckpointError, load_common
+    from recipes.checkpointer import resolve_load_iteration
+    from recipes.shapes import parameter_shapes
+
+    ck = cfg.checkpoint
+    path, common = load_common(ck.load, resolve_load_iteration(ck))
+    saved = ((common.get("train_state") or {}).get("config") or {}).get("model")
+    if not saved:
+        return
+    now = OmegaConf.to_container(cfg.model, resolve=True)
+    merged = OmegaConf.merge(now, saved)
+
+    def shapes(m):
+        return {p.name: tuple(p.shape) for p in parameter_shapes(m, 64)}
+
+    if shapes(OmegaConf.create(now)) == shapes(merged):
+        return
+    changed = [f for f in SHAPE_FIELDS if f in saved and saved.get(f) != now.get(f)]
+    fixes = " ".join(f"model.{f}={_override_value(saved.get(f))}" for f in changed)
+    diffs = ", ".join(f"model.{f}={now.get(f)!r} (checkpoint: {saved.get(f)!r})" for f in changed)
+    raise CheckpointError(
+        f"{path} holds a differently shaped model: {diffs}; set {fixes} to resume it, or "
+        f"checkpoint.load=null to start from scratch")
+
+
+def _override_value(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return str(v).lower()
+    return str(v)

@@ -1,0 +1,119 @@
+"""Dry-run figures against Megatron-LM's formulas (theoretical_memory_usage.py) and the paper's.
+
+Goldens are written here from the formulas, not from ``recipes.shapes``:
+* weights and optimizer: Megatron-LM ``compute_weight_and_optimizer_memory`` (most loaded
+  shard at pp 1, untied embeddings; 18 bytes per parameter, 6 + 12 / dp with the distributed
+  optimizer), with Llama's RMSNorm (weight only) and the norms held whole on every TP rank;
+* activations: Korthikanti et al. 2022, Table 2, "tensor parallel" row (no sequence
+  parallelism) for ffn = 4h, plus Megatron-LM's embedding and output-layer terms.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from compose import make_cfg
+
+from recipes.dry_run import activation_bytes, fit_line, format_bytes, rank_sizes, report
+from recipes.validate import validate
+
+LLAMA3_VOCAB = 128256
+
+
+def megatron_shard_parameters(L, h, a, groups, ffn, vocab, tp) -> int:
+    """Megatron-LM's most-loaded-shard count for a SwiGLU Llama at pp 1, untied embeddings."""
+    matrices = 2 * L * h * h * ((1 + groups / a) + ffn / h * 3 / 2)
+    embeddings = 2 * h * vocab
+    norms = 2 * h * L + h
+    per_rank = (matrices + embeddings) / tp + norms
+    assert per_rank == int(per_rank)
+    return int(per_rank)
+
+
+LLAMA3 = {
+    "llama3_8b_tp4_gtp2_fp8": dict(L=32, h=4096, a=32, groups=8, ffn=14336),
+    "llama3_70b_tp8_gtp2_bf16": dict(L=80, h=8192, a=64, groups=8, ffn=28672),
+}
+
+
+@pytest.mark.parametrize("experiment, world, tp", [
+    ("llama3_8b_tp4_gtp2_fp8", 32, 4),
+    ("llama3_70b_tp8_gtp2_bf16", 128, 8),
+])
+@pytest.mark.parametrize("distributed", [False, True])
+def test_weight_and_optimizer_bytes_follow_megatron(experiment, world, tp, distributed):
+    cfg = make_cfg(f"experiment={experiment}", "gtp.gtp_remat_size=1", "train.dry_run=true",
+                   f"optim.use_distributed_optimizer={str(distributed).lower()}")
+    layout = validate(cfg, world)
+    dp = world // tp
+    assert (layout.tensor_model_parallel_size, layout.data_parallel_size) == (tp, dp)
+    s = rank_sizes(cfg, layout, LLAMA3_VOCAB)
+    n = megatron_shard_parameters(**LLAMA3[experiment], vocab=LLAMA3_VOCAB, tp=tp)
+    assert s.parameters == n
+    assert (s.param_bytes, s.grad_bytes) == (2 * n, 4 * n)  # bf16 weights, fp32 grad buffer
+    if distributed:
+        assert s.optimizer_bytes == math.ceil(12 * n / dp)  # 6 + 12 / dp bytes per parameter
+    else:
+        assert s.param_bytes + s.grad_bytes + s.optimizer_bytes == 18 * n
+
+
+def test_70b_recipe_at_dp16_shards_its_optimizer_state(monkeypatch):
+    """The issue's figure: 49.30 GiB of Adam state per rank without sharding, 3.08 GiB with."""
+    cfg = make_cfg("experiment=llama3_70b_tp8_gtp2_bf16", "train.dry_run=true")
+    # GTP 2 halves every weight matrix again (no padding at these sizes); norms stay whole.
+    shard = megatron_shard_parameters(**LLAMA3["llama3_70b_tp8_gtp2_bf16"],
+                                      vocab=LLAMA3_VOCAB, tp=8 * 2)
+    for distributed, gib in ((False, 49.30), (True, 3.08)):
+        cfg.optim.use_distributed_optimizer = distributed
+        layout = validate(cfg, 256)
+        s = rank_sizes(cfg, layout, LLAMA3_VOCAB)
+        assert s.parameters == shard
+        assert f"{s.optimizer_bytes / 2**30:.2f}" == f"{gib:.2f}"
+        assert f"optimizer state  {gib:.2f} GiB" in report(cfg, layout)
+
+
+def paper_tp_row_per_layer(s, b, h, a, t, recompute) -> float:
+    """Korthikanti et al. 2022 Table 2 (bytes per layer, tensor parallel, no sequence parallel)."""
+    if recompute == "full":
+        return 2 * s * b * h
+    if recompute == "selective":
+        return s * b * h * (10 + 24 / t)
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+@pytest.mark.parametrize("recompute", [None, "selective", "full"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_activation_bytes_follow_the_paper(recompute, tp):
+    rc = "null" if recompute is None else recompute
+    cfg = make_cfg("model=gpt125m", "precision=bf16", f"model.recompute_granularity={rc}",
+                   f"parallelism.tensor_model_parallel_size={tp}", "data.micro_batch_size=2")
+    layout = validate(cfg, 2)
+    s, b, h, a, L, v = 256, 2, 768, 12, 12, 320
+    golden = (L * paper_tp_row_per_layer(s, b, h, a, tp, recompute)
+              + 8 * s * b + s * b * h             # embedding input and its dropout (pp 1)
+              + 4 * s * b * h + 4 * s * b * v / tp)  # output layer input and the logits
+    assert activation_bytes(cfg, layout, v, scores=True) == math.ceil(golden)
+    cfg.precision.params_dtype = "fp32"  # fp32 activations: twice Megatron's 16-bit figure
+    assert activation_bytes(cfg, layout, v, scores=True) == math.ceil(2 * golden)
+
+
+def test_bytes_are_printed_in_the_unit_that_fits(capsys):
+    assert [format_bytes(n) for n in (0, 1023, 1024, 5 * 2**20 + 2**19, 3 * 2**40)] == [
+        "0 B", "1023 B", "1.00 KiB", "5.50 MiB", "3.00 TiB"]
+    cfg = make_cfg("train.dry_run=true")
+    out = report(cfg, validate(cfg, 2))
+    assert "0.00 GiB" not in out and "KiB (fp32)" in out, out
+
+
+def test_fit_line_says_what_would_fit():
+    cfg = make_cfg("experiment=llama3_70b_tp8_gtp2_bf16", "train.dry_run=true")
+    layout = validate(cfg, 256)
+    s = rank_sizes(cfg, layout, LLAMA3_VOCAB)
+    line = fit_line(cfg, layout, LLAMA3_VOCAB, s)
+    assert f"{format_bytes(s.total_bytes)} per rank does not fit train.gpu_memory_gib=80" in line
+    assert "fits with optim.use_distributed_optimizer=true" in line, line
+    cfg.train.gpu_memory_gib = 10_000
+    assert "fits train.gpu_memory_gib=10000" in fit_line(cfg, layout, LLAMA3_VOCAB, s)
+    tiny = make_cfg("train.dry_run=true")
+    assert "per rank fits train.gpu_memory_gib=80" in report(tiny, validate(tiny, 2))

@@ -1,0 +1,301 @@
+"""Every bad input a newcomer tries is refused before any worker starts, naming the value and a fix.
+
+Most cases run ``recipes.launch.run`` in this process, as ``train.py`` calls it (Hydra's compose
+API, Hydra's runtime config installed so experiment names and choices are seen), with the local
+launcher replaced by a tripwire; a few run ``train.py`` itself to see exit code 2 and no traceback.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from compose import CONF
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf, open_dict
+
+from recipes.checkpoint import CheckpointError
+from recipes.validate import ConfigError
+
+TEXT = "The quick brown fox jumps over the lazy dog. " * 40
+
+
+@pytest.fixture
+def launch_tripwire(monkeypatch):
+    """Fail the test if a worker would start."""
+    import recipes.launch
+    import recipes.worker
+
+    def started(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(recipes.launch, "launch_local", started)
+    monkeypatch.setattr(recipes.worker, "run", started)
+    for key in ("RANK", "WORLD_SIZE", "WANDB_API_KEY"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("NETRC", "/nonexistent/netrc")
+
+
+def run_in_process(out: Path, *overrides: str):
+    """``recipes.launch.run`` on the config ``train.py`` would compose from ``overrides``."""
+    from recipes.launch import run
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("config", overrides=[
+            f"output_dir={out}", f"checkpoint.save={out}/checkpoints",
+            f"data.cache_dir={out}/cache", "logger=none", "train.train_iters=4", *overrides],
+            return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        with open_dict(cfg):
+            del cfg["hydra"]
+        run(cfg)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def text_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("text")
+    (d / "one.txt").write_text(TEXT)
+    (d / "two.txt").write_text(TEXT)
+    (d / "lines.jsonl").write_text('{"text": "a b c"}\n' * 3)
+    (d / "empty").mkdir()
+    (d / "x.bin").write_bytes(b"")
+    (d / "x.idx").write_bytes(b"")
+    return d
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    """A tiny model's checkpoint (2 iterations, 1 process)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    out = tmp_path_factory.mktemp("ckpt_src")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={out}", "parallelism=tp1",
+         "train.train_iters=2", "optim.lr_warmup_iters=1", "logger=none",
+         f"data.cache_dir={out}/cache", "train.eval_iters=0"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    (out / "console.txt").write_text(proc.stdout)
+    return out / "checkpoints"
+
+
+def test_the_console_of_a_run_is_quiet_and_copied_to_train_log(checkpoint_dir):
+    """The checkpoint fixture's run (logger=none, synchronous saves)."""
+    console = (checkpoint_dir.parent / "console.txt").read_text()
+    assert "async save is deprecated" not in console, console
+    assert "wandb run" not in console, console
+    assert "throughput per GPU (TFLOP/s/GPU)" in console and "peak memory per rank" in console
+    log = (checkpoint_dir.parent / "train.log").read_text()
+    assert " iteration      2/2" in log and "> saved checkpoint at iteration 2" in log, log
+
+
+# (overrides, substrings of the message: the bad value and the fix). {t}: text files dir,
+# {c}: a tiny model's checkpoint, {e}: an empty dir.
+CASES = [
+    (["experiment=nope"], ["experiment=nope does not exist", "cpu_alignment_sweep"]),
+    (["experiment=llama3_8b_tp4_gtp2_fp"], ["experiment=llama3_8b_tp4_gtp2_fp ",
+                                            "did you mean experiment=llama3_8b_tp4_gtp2_fp8"]),
+    (["+train.trian_iters=12"], ["train.trian_iters is not a config field",
+                                 "did you mean train.train_iters"]),
+    (["+model.hidden_sise=96"], ["model.hidden_sise", "did you mean model.hidden_size"]),
+    (["+train.micro_batch_size=2"], ["train.micro_batch_size", "did you mean data.micro_batch_size"]),
+    (["+foo=1"], ["foo is not a config field", "valid keys of the config"]),
+    (["data=text", "data.paths=[{t}/one.txt]"],
+     ["data.split='98,2,0' gives the validation split none of the 1 document",
+      "train.eval_iters=0"]),
+    (["data=text", "data.paths=[{t}/one.txt,{t}/two.txt]"],
+     ["validation split none of the 2 document", "data.split=74/26/0"]),
+    (["data=text", "data.paths=[{t}/one.txt,{t}/two.txt]", "data.split=10/90/0"],
+     ["data.split='10/90/0' gives the train split none of the 2", "data.split=74/26/0"]),
+    (["data.split=0/100/0"], ["data.split='0/100/0'", "train > 0 (e.g. '98,2,0')"]),
+    (["data.split=abc"], ["data.split='abc'", "e.g. '98,2,0'"]),
+    (["train.eval_iters=2", "data.split=100/0/0"], ["data.split='100/0/0'", "train.eval_iters=0"]),
+    (["data=text"], ["data.paths is empty", "needs files with suffix in ('.txt', '.jsonl')"]),
+    (["data=text", "data.paths=[{t}/nope.csv]"], ["nope.csv", "valid are ('.txt', '.jsonl')"]),
+    (["data=indexed", "data.vocab_size=257", "data.eod_id=256", "data.paths=[{t}/one.bin]"],
+     ["one.bin", "drop the .bin/.idx suffix"]),
+    (["data=indexed", "data.paths=[{t}/x]"], ["data.vocab_size is null", "vocab_size=257, eod_id=256"]),
+    (["data.tokenizer=/nope/tokenizer.json"],
+     ["data.tokenizer='/nope/tokenizer.json'", "a path to a Hugging Face tokenizer.json"]),
+    (["data.tokenizer={e}"], ["data.tokenizer=", "no such tokenizer.json file or directory holding one"]),
+    (["logger=wandb", "logger.mode=online"],
+     ["logger.mode=online needs wandb credentials", "export WANDB_API_KEY", "logger.mode=offline"]),
+    (["logger=wandb", "logger.mode=onlin"], ["logger.mode='onlin'", "valid are"]),
+    (["checkpoint.load={c}", "model.hidden_size=96"],
+     ["model.hidden_size=96 (checkpoint: 72)", "set model.hidden_size=72", "checkpoint.load=null"]),
+    (["checkpoint.load={c}", "model=tiny_swiglu"], ["model.swiglu=True (checkpoint: False)",
+                                                    "set model.swiglu=false"]),
+    (["checkpoint.load={c}", "model.num_layers=3"], ["model.num_layers=3 (checkpoint: 2)",
+                                                     "set model.num_layers=2"]),
+    (["checkpoint.load={e}"], ["has no latest_checkpointed_iteration.txt", "empty"]),
+    (["checkpoint.load={e}/missing"], ["missing", "no such directory"]),
+    (["parallelism=tp2", "parallelism.nproc_per_node=3"],
+     ["world size 3 is not divisible", "parallelism.nproc_per_node=2"]),
+    (["parallelism.data_parallel_size=3", "parallelism.nproc_per_node=2"],
+     ["parallelism.data_parallel_size=3", "set it to 2 or null"]),
+    (["parallelism=pp2", "model.num_layers=3"], ["model.num_layers=3", "multiple of 2"]),
+    (["parallelism.virtual_pipeline_model_parallel_size=2"],
+     ["virtual_pipeline_model_parallel_size=2", "virtual_pipeline_model_parallel_size=null"]),
+    (["train.train_iters=0"], ["train.train_iters=0 is invalid", ">= 1"]),
+    (["optim.lr_warmup_iters=-1"], ["optim.lr_warmup_iters=-1", "must lie in [0, 4)"]),
+    (["optim.min_lr=1"], ["optim.min_lr=1", "[0, optim.lr=0.003]"]),
+    (["optim.lr_decay_style=cosin"], ["optim.lr_decay_style='cosin'", "valid are"]),
+    (["optim.optimizer=sgd"], ["optim.optimizer='sgd'", "valid is 'adam'"]),
+    (["optim.use_distributed_optimizer=true", "optim.distrib_optim_sharding_type=dp_reshardable"],
+     ["'dp_reshardable'", "use 'fully_reshardable'"]),
+    (["precision.params_dtype=fp16"], ["precision.params_dtype='fp16'", "valid are"]),
+    (["data.global_batch_size=10"], ["data.global_batch_size=10", "must be a multiple of"]),
+    (["data.micro_batch_size=0"], ["data.micro_batch_size=0 is invalid", ">= 1"]),
+    (["model.num_attention_heads=5"], ["model.hidden_size=72", "divisible by model.num_attention_heads=5"]),
+    (["model.normalization=BatchNorm"], ["model.normalization='BatchNorm'", "valid are"]),
+    (["model.recompute_granularity=some"], ["model.recompute_granularity='some'", "'selective'"]),
+    (["model=llama_tiny", "model.num_query_groups=4"], ["num_query_groups=4", "must divide"]),
+    (["gtp.quantization=fp9"], ["gtp.quantization='fp9'", "fp8"]),
+    (["gtp.checkpoint_layout=padded"], ["gtp.checkpoint_layout='padded'", "valid are"]),
+    (["checkpoint.save_interval=-1"], ["checkpoint.save_interval=-1", "must be >= 0"]),
+    (["checkpoint.keep_last=0"], ["checkpoint.keep_last=0", ">= 1 or null"]),
+    (["train.log_interval=0"], ["train.log_interval=0 is invalid", ">= 1"]),
+]
+
+
+def _fill(items, text_files, checkpoint: str, empty) -> list[str]:
+    return [s.replace("{t}", str(text_files)).replace("{c}", checkpoint).replace("{e}", str(empty))
+            for s in items]
+
+
+# Cases that need a trained checkpoint (a train.py run) are left out of `make test-fast`.
+@pytest.mark.parametrize("overrides, expected", [
+    pytest.param(o, e, id=" ".join(o), marks=[pytest.mark.e2e] if any("{c}" in x for x in o) else [])
+    for o, e in CASES])
+def test_bad_input_is_refused_before_launch(overrides, expected, launch_tripwire, text_files,
+                                            tmp_path, request):
+    checkpoint = str(request.getfixturevalue("checkpoint_dir")) if any(
+        "{c}" in o for o in overrides) else ""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = tmp_path / "out"
+    with pytest.raises((ConfigError, CheckpointError)) as info:
+        run_in_process(out, *_fill(overrides, text_files, checkpoint, empty))
+    message = str(info.value)
+    for part in _fill(expected, text_files, checkpoint, empty):
+        assert part in message, message
+    assert not (out / "resolved_config.yaml").exists() and not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("overrides, expected", [
+    (["data=text", "data.paths=[{t}/one.txt]"], "train.eval_iters=0"),
+    (["experiment=nope"], "experiment=nope does not exist"),
+    (["+train.trian_iters=12"], "did you mean train.train_iters"),
+    (["logger=wandb", "logger.mode=online"], "export WANDB_API_KEY"),
+], ids=["single-txt", "experiment", "plus-key", "wandb-online"])
+def test_train_py_exits_2_without_traceback(overrides, expected, train_run, text_files, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
+    env["NETRC"] = "/nonexistent/netrc"
+    proc = train_run(tmp_path, *_fill(overrides, text_files, "", tmp_path), rc=2, timeout=120,
+                     env=env)
+    assert f"error: " in proc.stdout and expected in proc.stdout, proc.stdout
+    assert "Traceback" not in proc.stdout, proc.stdout
+    assert not (tmp_path / "metrics.jsonl").exists()
+    assert expected in (tmp_path / "train.log").read_text()  # the job's log holds the refusal
+
+
+def test_schema_is_not_a_group_option():
+    from hydra.core.global_hydra import GlobalHydra
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        loader = GlobalHydra.instance().config_loader()
+        for group in ("model", "parallelism", "gtp", "data", "optim", "logger"):
+            assert "schema" not in loader.get_group_options(group), group
+        with pytest.raises(ConfigCompositionException, match="model/schema"):
+            compose("config", overrides=["model=schema"])
+
+
+def test_group_options_are_still_typed():
+    from recipes.config import ModelConfig
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        assert OmegaConf.get_type(compose("config", overrides=["model=llama_tiny"]).model) \
+            is ModelConfig
+        with pytest.raises(ConfigCompositionException, match="hidden_sise"):
+            compose("config", overrides=["model=llama_tiny", "model.hidden_sise=3"])
+
+
+@pytest.mark.parametrize("overrides, world, layout", [
+    (["parallelism=tp2", "gtp=tp2_align16"], 4, (2, 2, 1)),
+    (["parallelism=tp2", "parallelism.data_parallel_size=2"], 4, (2, 1, 2)),
+    (["parallelism=tp1", "gtp=tp2_align16"], 2, (1, 2, 1)),
+    (["parallelism=tp2pp2"], 4, (2, 1, 1)),
+    (["parallelism=tp2", "gtp=tp2_align16", "parallelism.nproc_per_node=8"], 8, (2, 2, 2)),
+    ([], 2, (1, 1, 2)),  # dp2 (the default) names its 2 processes
+])
+def test_nproc_per_node_defaults_to_the_product_of_the_degrees(overrides, world, layout):
+    from compose import make_cfg
+
+    from recipes.validate import validate
+
+    cfg = make_cfg(*overrides)
+    assert cfg.parallelism.nproc_per_node == world
+    got = validate(cfg, cfg.parallelism.nproc_per_node)
+    assert (got.tensor_model_parallel_size, got.gtp_remat_size, got.data_parallel_size) == layout
+
+
+def test_warmup_past_the_run_is_clamped_with_a_note(launch_tripwire, monkeypatch, tmp_path, capsys):
+    import recipes.launch
+
+    started = {}
+    monkeypatch.setattr(recipes.launch, "launch_local", lambda path, n: started.update(path=path))
+    run_in_process(tmp_path, "train.train_iters=5", "optim.lr_warmup_iters=10")
+    out = capsys.readouterr().out
+    assert "optim.lr_warmup_iters=10 is not below train.train_iters=5" in out, out
+    assert "warmup clamped to 4" in out, out
+    assert OmegaConf.load(started["path"]).optim.lr_warmup_iters == 4  # what runs is recorded
+
+
+def test_resume_with_the_checkpoint_schedule_is_not_refused_for_warmup(
+        launch_tripwire, monkeypatch, tmp_path, checkpoint_dir, capsys):
+    import recipes.launch
+
+    started = {}
+    monkeypatch.setattr(recipes.launch, "launch_local", lambda path, n: started.update(path=path))
+    run_in_process(tmp_path, "parallelism=tp1", "train.train_iters=3", "optim.lr_warmup_iters=10",
+                   f"checkpoint.load={checkpoint_dir}")
+    ran = OmegaConf.load(started["path"])
+    assert ran.optim.lr_warmup_iters == 1, "the checkpoint's schedule (warmup 1) runs"
+    assert "clamped" not in capsys.readouterr().out
+
+
+def test_split_without_a_validation_document_never_hangs_the_dataset_builder(text_files, tmp_path):
+    """Direct torchrun use skips train.py's checks: megatron's builder must still not loop."""
+    import signal
+
+    from compose import make_cfg
+
+    from recipes.data import build_datasets, build_tokenizer
+
+    cfg = make_cfg("data=text", f"data.paths=[{text_files}/one.txt]",
+                   f"data.cache_dir={tmp_path}")
+    signal.signal(signal.SIGALRM, lambda *a: pytest.fail("build_datasets hangs"))
+    signal.alarm(60)
+    try:
+        with pytest.raises(ValueError, match="validation split none of the 1 document"):
+            build_datasets(cfg, build_tokenizer(cfg.data), 16, 32)
+    finally:
+        signal.alarm(0)
+
+
+def test_single_jsonl_of_several_documents_passes_the_split_check(launch_tripwire, text_files,
+                                                                  tmp_path, monkeypatch):
+    import recipes.launch
+
+    monkeypatch.setattr(recipes.launch, "launch_local", lambda path, n: None)
+    lines = tmp_path / "many.jsonl"
+    lines.write_text("".join(f'{{"text": "{TEXT[:200]} {i}"}}\n' for i in range(60)))
+    run_in_process(tmp_path / "out", "data=text", f"data.paths=[{lines}]")
