@@ -207,11 +207,14 @@ def rank_env_from_submitit() -> dict | None:
 def run(cfg) -> None:
     """:func:`run_job`, then give back the dir leases it took (a multirun runs many jobs in one
     process; they are also given back at exit)."""
+    from recipes.lease import RUN_ID_ENV
+
     try:
         run_job(cfg)
     finally:
         while _HELD:
             _HELD.pop().release()
+        os.environ.pop(RUN_ID_ENV, None)  # the next job of a multirun is another run
 
 
 def run_job(cfg) -> None:

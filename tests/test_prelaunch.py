@@ -251,7 +251,7 @@ def test_warmup_past_the_run_is_clamped_with_a_note(launch_tripwire, monkeypatch
     import recipes.launch
 
     started = {}
-    monkeypatch.setattr(recipes.launch, "launch_local", lambda path, n: started.update(path=path))
+    monkeypatch.setattr(recipes.launch, "launch_local", lambda path, n, *rest: started.update(path=path))
     run_in_process(tmp_path, "train.train_iters=5", "optim.lr_warmup_iters=10")
     out = capsys.readouterr().out
     assert "optim.lr_warmup_iters=10 is not below train.train_iters=5" in out, out
@@ -264,7 +264,7 @@ def test_resume_with_the_checkpoint_schedule_is_not_refused_for_warmup(
     import recipes.launch
 
     started = {}
-    monkeypatch.setattr(recipes.launch, "launch_local", lambda path, n: started.update(path=path))
+    monkeypatch.setattr(recipes.launch, "launch_local", lambda path, n, *rest: started.update(path=path))
     run_in_process(tmp_path, "parallelism=tp1", "train.train_iters=3", "optim.lr_warmup_iters=10",
                    f"checkpoint.load={checkpoint_dir}")
     ran = OmegaConf.load(started["path"])
@@ -295,7 +295,7 @@ def test_single_jsonl_of_several_documents_passes_the_split_check(launch_tripwir
                                                                   tmp_path, monkeypatch):
     import recipes.launch
 
-    monkeypatch.setattr(recipes.launch, "launch_local", lambda path, n: None)
+    monkeypatch.setattr(recipes.launch, "launch_local", lambda path, n, *rest: None)
     lines = tmp_path / "many.jsonl"
     lines.write_text("".join(f'{{"text": "{TEXT[:200]} {i}"}}\n' for i in range(60)))
     run_in_process(tmp_path / "out", "data=text", f"data.paths=[{lines}]")
