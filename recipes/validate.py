@@ -237,14 +237,14 @@ def validate(cfg, world_size: int) -> Layout:
         )
     if layout.gtp_remat_size > 1:
         _check_gtp_dims(cfg, layout)
-        if layout.pipeline_model_parallel_size > 1 and m.share_embeddings_and_output_weights:
-            # megatron hands the last stage's copy of the tied weight to the output layer as a
-            # GTP shard, which ColumnParallelLinear refuses (its rows are the padded shard's).
+        if m.share_embeddings_and_output_weights:
+            # megatron-core 0.19.2 hands the tied weight to the output layer as its GTP shard,
+            # which ColumnParallelLinear refuses on the first forward (at any pp).
             raise ConfigError(
                 "model.share_embeddings_and_output_weights=true with GTP "
-                f"(gtp_remat_size={layout.gtp_remat_size}) and pipeline_model_parallel_size="
-                f"{layout.pipeline_model_parallel_size} is not supported: set "
-                "model.share_embeddings_and_output_weights=false, gtp=off or pp 1"
+                f"(gtp_remat_size={layout.gtp_remat_size}) is not supported by megatron-core "
+                "0.19.2 (the output layer gets the embedding's GTP shard): set "
+                "model.share_embeddings_and_output_weights=false or gtp=off"
             )
     if o.optimizer != "adam":
         raise ConfigError(f"optim.optimizer={o.optimizer!r}: valid is 'adam'")
