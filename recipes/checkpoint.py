@@ -810,22 +810,35 @@ def finalize_save(root, iteration: int, staged: Path) -> Path:
     """
     _barrier()
     path = iter_dir(root, iteration)
+    failure = [None]
     if _rank() == 0:
         from recipes.lease import check_writer
 
-        check_writer(root)  # still this run's dir: one live writer (recipes/lease.py)
-        replaced = Path(root) / f".{path.name}.replaced"
-        if path.exists():
+        try:
+            check_writer(root)  # still this run's dir: one live writer (recipes/lease.py)
+            replaced = Path(root) / f".{path.name}.replaced"
+            if path.exists():
+                if replaced.exists():
+                    shutil.rmtree(replaced)
+                os.replace(path, replaced)
+            os.replace(staged, path)
+            fsync_dir(root)
+            # The tracker first: a crash before it leaves the old save aside for
+            # recover_replaced.
+            write_durable(Path(root) / TRACKER, f"{iteration}\n")
             if replaced.exists():
                 shutil.rmtree(replaced)
-            os.replace(path, replaced)
-        os.replace(staged, path)
-        fsync_dir(root)
-        # The tracker first: a crash before it leaves the old save aside for recover_replaced.
-        write_durable(Path(root) / TRACKER, f"{iteration}\n")
-        if replaced.exists():
-            shutil.rmtree(replaced)
-    _barrier()
+        except (CheckpointError, OSError) as exc:
+            failure[0] = exc
+    # Every rank raises rank 0's error (none waits alone in a later collective).
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        message = [None if failure[0] is None else f"{type(failure[0]).__name__}: {failure[0]}"]
+        torch.distributed.broadcast_object_list(message, src=0)
+        if failure[0] is None and message[0] is not None:
+            raise CheckpointError(f"finalizing the save of iteration {iteration} into {root} "
+                                  f"failed on rank 0: {message[0]}")
+    if failure[0] is not None:
+        raise failure[0]
     return path
 
 
@@ -1032,7 +1045,7 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
 
     path, common = load_common(root, iteration)
     if verify:
-        _verify_before_load(path)
+        verify_before_load(path)
     message = vocab.refusal(common.get(vocab.RECORD_KEY), vocab.real_vocab_size(model), path)
     if message:
         raise CheckpointError(message)
@@ -1116,7 +1129,7 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
     return common
 
 
-def _verify_before_load(path: Path) -> None:
+def verify_before_load(path: Path) -> None:
     """:func:`gtp.verify.check_share` on every rank; a problem any rank finds fails the load on
     every rank, each naming the same files and items (a collective)."""
     from gtp import verify

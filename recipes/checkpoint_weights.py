@@ -18,16 +18,18 @@ from recipes.checkpoint import (
     load_model_state,
     model_sharded_state_dict,
     stored_shapes,
+    verify_before_load,
 )
 
 
-def load_model_weights(path, model) -> Path:
+def load_model_weights(path, model, verify: bool = True) -> Path:
     """Load the model tensors of ``path`` (a checkpoint root, its tracker's iteration, or an
     ``iter_*`` dir) into ``model`` (one DDP-wrapped model or a list of chunks) in place.
 
     Collective: every rank calls it. Tensors are resharded to this run's TP/PP/GTP layout by
     dist_checkpointing; at another padded vocabulary size the real rows load exactly and the
-    padding rows are zero (:mod:`recipes.vocab`).
+    padding rows are zero (:mod:`recipes.vocab`). With ``verify`` every byte it reads is
+    checked first (:func:`recipes.checkpoint.verify_before_load`).
 
     Returns:
         The iter dir read.
@@ -45,6 +47,8 @@ def load_model_weights(path, model) -> Path:
     path = Path(path)
     iteration = int(path.name[5:]) if path.name.startswith("iter_") else None
     path, common = load_common(path.parent if iteration is not None else path, iteration)
+    if verify:  # before any weight is overwritten (checkpoint.verify_on_load)
+        verify_before_load(path)
     real = vocab.real_vocab_size(model)
     message = vocab.refusal(common.get(vocab.RECORD_KEY), real, path)
     if message:

@@ -144,21 +144,28 @@ def resolve_load_iteration(ck) -> int | None:
 
 
 def agree_load_iteration(ck) -> int | None:
-    """Every rank's iteration to load: global rank 0 resolves it (unless the config pins it)
-    and broadcasts it, so a dir that another run is saving into cannot give ranks different
-    iterations."""
-    if ck.load is None:
-        return None
-    box = [None]
+    """Every rank's checkpoint to load: global rank 0's ``checkpoint.load`` and the iteration
+    it resolves (unless the config pins it), broadcast, so a dir that another run is saving
+    into, or a ``checkpoint.load=auto`` that each torchrun/Slurm rank resolved on its own while
+    rank 0 repaired the dir, cannot give ranks different checkpoints. Sets ``ck.load`` to rank
+    0's (every rank calls this: a collective)."""
+    from omegaconf import open_dict
+
+    box = [None, None]
     if torch.distributed.get_rank() == 0:
-        try:
-            box[0] = resolve_load_iteration(ck)
-        except CheckpointError as exc:
-            box[0] = exc
+        box[0] = ck.load
+        if ck.load is not None:
+            try:
+                box[1] = resolve_load_iteration(ck)
+            except CheckpointError as exc:
+                box[1] = exc
     torch.distributed.broadcast_object_list(box, src=0)
-    if isinstance(box[0], CheckpointError):
-        raise box[0]
-    return box[0]
+    if isinstance(box[1], CheckpointError):
+        raise box[1]
+    if ck.load != box[0]:
+        with open_dict(ck):
+            ck.load = box[0]
+    return box[1] if box[0] is not None else None
 
 
 def check_save_dir(ck, load_iteration: int | None) -> None:

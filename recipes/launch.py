@@ -86,7 +86,10 @@ def take_save_dir(cfg, is_rank0: bool) -> str | None:
     except OSError:
         return None  # prepare_resume names the dir that cannot be written
     if is_rank0:
-        held, note = lease.take_save_dir(root)
+        try:
+            held, note = lease.take_save_dir(root)
+        except OSError:
+            return None  # a dir that cannot be written: prepare_resume names it
         _HELD.append(held)
         return note
     holder = lease.read(Path(root) / lease.WRITER_LEASE)

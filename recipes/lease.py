@@ -106,7 +106,8 @@ class Lease:
 
     def take(self, what: str) -> str | None:
         """Create the lease file exclusively; a stale one (:func:`stale_reason`) is moved away
-        first (a rename: of two takers only one wins).
+        first: a rename, after which the file moved is read again, and put back when it is no
+        longer the stale holder judged (another taker's fresh lease).
 
         Args:
             what: the dir's role for messages, e.g. ``"checkpoint.save"``.
@@ -117,10 +118,10 @@ class Lease:
         Raises:
             LeaseHeld: a live holder, named with the file to remove should it be wrong.
         """
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         note = None
         for _ in range(3):
             try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 holder = read(self.path)
@@ -138,6 +139,17 @@ class Lease:
                     os.replace(self.path, aside)
                 except FileNotFoundError:
                     continue  # another taker moved it first
+                moved = read(aside)
+                if moved is None or moved.get("run_id") != holder.get("run_id") or (
+                        moved.get("pid") != holder.get("pid")):
+                    # Another taker replaced the stale lease with its own between our read and
+                    # the rename: put it back (unless a third one already took the name).
+                    try:
+                        os.link(aside, self.path)
+                    except FileExistsError:
+                        pass
+                    aside.unlink(missing_ok=True)
+                    continue
                 aside.unlink(missing_ok=True)
                 note = f"> note: took over {what} {self.path.parent} from {describe(holder)}: {why}"
                 continue

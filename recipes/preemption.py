@@ -127,8 +127,13 @@ def interrupted_message(signame: str, save_root) -> str:
 
 def after_exit() -> None:
     """After the run stopped on a signal and saved: run the handler that :func:`install`
-    replaced for it, if it was a Python one (submitit's requeues the job and exits)."""
-    signum = received()
+    replaced for it, if it was a Python one (submitit's requeues the job and exits). Of several
+    signals received, submitit's preemption signal wins (its handler requeues; submitit's
+    SIGTERM handler only logs), else the first."""
+    preempt = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
+    preempt = getattr(signal, "SIG" + preempt, None) if any(
+        k.startswith("SUBMITIT_") for k in os.environ) else None
+    signum = preempt if preempt in _received else received()
     handler = _previous.get(signum) if signum is not None else None
     if callable(handler):
         handler(signum, None)

@@ -221,7 +221,8 @@ def load_weights(cfg, model, optimizer) -> None:
     from recipes.checkpoint_weights import load_model_weights
 
     torch.distributed.barrier()  # the import (global rank 0, before its launch) is complete
-    load_model_weights(checkpoint_root(cfg), model)
+    load_model_weights(checkpoint_root(cfg), model,
+                       verify=cfg.checkpoint.get("verify_on_load", True))
     optimizer.reload_model_params()
 
 

@@ -17,13 +17,13 @@ AUTO = "auto"
 
 def job_id() -> str | None:
     """The scheduler's id of this job, the same for every task and after a requeue: Slurm's
-    (``<array job>_<task>`` for an array task), else submitit's local executor's, else
-    torchrun's rendezvous id; None when none of them runs this process."""
+    (``<array job>_<task>`` for an array task), else submitit's local executor's; None when
+    neither runs this process. Never torchrun's rendezvous id: it is the literal ``none`` for
+    every static-rendezvous job, so two unrelated jobs would look like one requeued job."""
     array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
     if array and task:
         return f"{array}_{task}"
-    return (os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID")
-            or os.environ.get("TORCHELASTIC_RUN_ID") or None)
+    return os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID") or None
 
 
 def default_load():

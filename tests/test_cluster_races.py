@@ -1,0 +1,120 @@
+"""Cluster-life corner cases found in review: a lease taken over by two takers at once, the
+job id of torchrun jobs, submitit's handler after SIGTERM and USR2, ranks that resolved
+``checkpoint.load=auto`` differently, and a finalize that fails on rank 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+
+import pytest
+from compose import make_cfg
+from multiproc import run_distributed
+
+from recipes import checkpoint, lease, preemption
+from recipes.requeue import job_id
+
+
+def test_a_lease_another_taker_just_took_is_put_back(tmp_path, monkeypatch):
+    """B judged the old holder stale; before B's rename, A replaced it with its own live lease.
+    B must not delete A's lease: it puts it back and is refused."""
+    path = tmp_path / lease.WRITER_LEASE
+    stale = {"run_id": "old", "host": socket.gethostname(), "pid": 999999999}
+    fresh = {"run_id": "a", "host": socket.gethostname(), "pid": os.getpid()}
+    path.write_text(json.dumps(fresh))  # what is on disk when B renames
+    real_read, calls = lease.read, []
+
+    def read(p):
+        calls.append(p)
+        return dict(stale, heartbeat=time.time()) if len(calls) == 1 else real_read(p)
+
+    monkeypatch.setattr(lease, "read", read)
+    with pytest.raises(lease.LeaseHeld, match="in use by run a"):
+        lease.Lease(path, run_id="b", job_id=None).take("checkpoint.save")
+    assert json.loads(path.read_text())["run_id"] == "a", "A's lease was removed"
+    assert not list(tmp_path.glob("*.stale.*"))
+
+
+def test_torchrun_jobs_have_no_requeue_identity(monkeypatch):
+    for key in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_JOB_ID", "SUBMITIT_LOCAL_JOB_ID"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's static rendezvous
+    assert job_id() is None
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    assert job_id() == "77"
+
+
+@pytest.fixture
+def handlers():
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR2)}
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+def test_submitits_requeue_handler_runs_when_sigterm_came_first(handlers, monkeypatch):
+    monkeypatch.setenv("SUBMITIT_LOCAL_JOB_ID", "123")
+    called = []
+    signal.signal(signal.SIGTERM, lambda s, f: called.append("term"))  # submitit's: only logs
+    signal.signal(signal.SIGUSR2, lambda s, f: called.append("requeue"))
+    train = make_cfg().train
+    preemption.install(train)
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGUSR2)
+    assert preemption.exit_reason(1, train) == "SIGTERM"
+    preemption.after_exit()
+    assert called == ["requeue"]
+
+
+def _agree(load_by_rank, root):
+    import torch
+    from omegaconf import OmegaConf
+
+    from recipes.checkpointer import agree_load_iteration
+
+    # Loadability is not what this tests (the dir holds a stand-in save).
+    checkpoint.check_loadable = lambda root, it: checkpoint.iter_dir(root, it)
+    rank = torch.distributed.get_rank()
+    load = load_by_rank[rank]  # checkpoint.load=auto as each rank resolved it
+    ck = OmegaConf.create({"load": load, "load_iteration": 6 if load else None, "save": root})
+    return agree_load_iteration(ck), ck.load
+
+
+def test_ranks_that_resolved_auto_differently_load_rank_0s_checkpoint(tmp_path):
+    from test_preemption import fake_save
+
+    fake_save(tmp_path, 6)
+    (tmp_path / checkpoint.TRACKER).write_text("6\n")
+    got = run_distributed(_agree, 2, [str(tmp_path), None], str(tmp_path), timeout=120)
+    assert got == [(6, str(tmp_path)), (6, str(tmp_path))]
+    got = run_distributed(_agree, 2, [None, str(tmp_path)], str(tmp_path), timeout=120)
+    assert got == [(None, None), (None, None)]
+
+
+def _finalize_with_rank0_refused(root):
+    import torch
+
+    from recipes.checkpoint import CheckpointError
+
+    rank = torch.distributed.get_rank()
+    os.environ[lease.RUN_ID_ENV] = "me" if rank == 0 else "other"
+    staged = checkpoint.staging_dir(root, 4)
+    if rank == 0:
+        staged.mkdir()
+    try:
+        checkpoint.finalize_save(root, 4, staged)
+    except CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def test_a_finalize_refused_on_rank_0_fails_on_every_rank(tmp_path):
+    (tmp_path / lease.WRITER_LEASE).write_text(json.dumps(
+        {"run_id": "other", "host": "node7", "pid": 5}))
+    got = run_distributed(_finalize_with_rank0_refused, 2, str(tmp_path), timeout=120)
+    assert got[0] and got[0].startswith("LeaseHeld") and "not by this run (me)" in got[0], got
+    assert got[1] and "failed on rank 0: LeaseHeld" in got[1], got
+    assert not checkpoint.iter_dir(tmp_path, 4).exists()
