@@ -119,16 +119,18 @@ def test_the_printed_command_continues_bit_equal_to_an_uninterrupted_run(preempt
 
 
 def _submitit_tasks(sweep: Path) -> list[int]:
-    """Pids of the submitit tasks of the sweep into ``sweep``."""
-    found = []
+    """Pids of the submitit tasks of the sweep into ``sweep`` (not their forks, e.g. an async
+    save's writer, which carry the same command line)."""
+    found = {}
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             args = cmdline.read_bytes().split(b"\0")
+            stat = (cmdline.parent / "stat").read_text()
         except OSError:
             continue
         if b"submitit.core._submit" in args and any(str(sweep).encode() in a for a in args):
-            found.append(int(cmdline.parent.name))
-    return found
+            found[int(cmdline.parent.name)] = int(stat.rsplit(")", 1)[1].split()[1])  # ppid
+    return sorted(pid for pid, ppid in found.items() if ppid not in found)
 
 
 @pytest.mark.e2e
