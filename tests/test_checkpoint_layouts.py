@@ -1069,7 +1069,7 @@ def test_install_replaces_megatron_functions_everywhere_and_uninstall_restores()
 
 
 def _spec(L, tp, tp_rank, g, gtp_rank, a, tp_axis=0, gated=False, cols=3, prepend=((0, 1, 2),)):
-    from gtp.checkpoint import LogicalSpec
+    from gtp.logical_factory import LogicalSpec
     from gtp.layout import TensorLayout
 
     layout = TensorLayout(L=L, tp=tp, tp_rank=tp_rank, g=g, gtp_rank=gtp_rank,
@@ -1080,13 +1080,13 @@ def _spec(L, tp, tp_rank, g, gtp_rank, a, tp_axis=0, gated=False, cols=3, prepen
 def test_factory_pieces_of_the_spec_worked_case():
     """Spec section 3: tp=2, g=2, L=10, a=3 (pad 2, shard 6). Hand-computed: TP rank k, GTP
     rank r holds logical rows [6r, min(6r+6, 10)) of TP shard k, i.e. full rows 10k + those."""
-    from gtp.checkpoint import _make_factory
+    from gtp.logical_factory import make_factory
 
     want = {(0, 0): (0, 6), (0, 1): (6, 4), (1, 0): (10, 6), (1, 1): (16, 4)}
     for (k, r), (offset, rows) in want.items():
         spec = _spec(10, 2, k, 2, r, 3)
         shard = torch.arange(6 * 3, dtype=torch.float32).reshape(6, 3) + 100
-        factory = _make_factory(shard, "w", spec, replica_id=(0, 0, 0))
+        factory = make_factory(shard, "w", spec, replica_id=(0, 0, 0))
         assert factory.live_param is shard and factory.data is shard
         (piece,) = factory.build()
         assert piece.global_shape == (2, 20, 3) and piece.global_offset == (1, offset, 0)
@@ -1098,16 +1098,16 @@ def test_factory_pieces_of_the_spec_worked_case():
 
 
 def test_factory_all_padding_shard_and_row_parallel():
-    from gtp.checkpoint import _make_factory
+    from gtp.logical_factory import make_factory
 
     # L=72, g=4, a=32: rank 3 holds only padding -> one empty piece at the end of the tensor.
     spec = _spec(72, 1, 0, 4, 3, 32, tp_axis=1, cols=5)
-    (piece,) = _make_factory(torch.ones(32, 5), "w", spec, 0).build()
+    (piece,) = make_factory(torch.ones(32, 5), "w", spec, 0).build()
     assert piece.data.shape == (1, 0, 5)
     assert piece.global_shape == (2, 72, 5) and piece.global_offset == (1, 72, 0)
     # Row-parallel at tp2: the TP split stays on dim 1.
     spec = _spec(72, 2, 1, 4, 2, 32, tp_axis=1, cols=5)
-    (piece,) = _make_factory(torch.ones(32, 5), "w", spec, 0).build()
+    (piece,) = make_factory(torch.ones(32, 5), "w", spec, 0).build()
     assert piece.global_shape == (2, 72, 10) and piece.global_offset == (1, 64, 5)
     assert piece.data.shape == (1, 8, 5)
 
@@ -1116,16 +1116,16 @@ def test_factory_gated_fc1_straddling_gate_and_up():
     """tp2 x g2/a16, L=200 (gate 100 + up 100 rows per TP rank), pad 24, shard 112: GTP rank 0
     of TP rank 1 holds gate rows 0-99 and up rows 0-11 of TP rank 1; the file is
     [W_0; W_1; V_0; V_1] (400 rows): gate at 100, up at 300."""
-    from gtp.checkpoint import _make_factory
+    from gtp.logical_factory import make_factory
 
     spec = _spec(200, 2, 1, 2, 0, 16, gated=True, cols=2)
     shard = torch.arange(112 * 2, dtype=torch.float32).reshape(112, 2)
-    gate, up = _make_factory(shard, "fc1", spec, 0).build()
+    gate, up = make_factory(shard, "fc1", spec, 0).build()
     assert (gate.global_offset, gate.data.shape) == ((1, 100, 0), (1, 100, 2))
     assert (up.global_offset, up.data.shape) == ((1, 300, 0), (1, 12, 2))
     assert gate.global_shape == up.global_shape == (2, 400, 2)
     spec = _spec(200, 2, 1, 2, 1, 16, gated=True, cols=2)  # rank 1: up rows 12-99 only
-    (up,) = _make_factory(shard, "fc1", spec, 0).build()
+    (up,) = make_factory(shard, "fc1", spec, 0).build()
     assert (up.global_offset, up.data.shape) == ((1, 312, 0), (1, 88, 2))
 
 
@@ -1141,7 +1141,7 @@ def test_optimizer_lookup_uses_the_back_link_and_refuses_a_miss(patched):
     entry_a = ShardedTensor.from_rank_offsets("a", a)
     # An entry whose data is a new tensor (as a trimmed view or a dequantized copy would be).
     spec = _spec(6, 1, 0, 1, 0, 0, cols=3, prepend=())
-    entry_b = patched._make_factory(b, "b", spec, 0)
+    entry_b = patched.make_factory(b, "b", spec, 0)
     entry_b.data = b.detach().clone()
     assert set(stock({"a": entry_a, "b": entry_b}, [a, b])) == {0}  # b silently dropped
     assert set(dopt.get_param_id_to_sharded_param_map({"a": entry_a, "b": entry_b}, [a, b])) == {0, 1}
@@ -1154,14 +1154,14 @@ def test_factory_save_pieces_alias_the_shard_without_a_storage_to_clone(tmp_path
     tensor (``torch.save`` writes whole storages). A trimmed piece of a padded shard shares the
     shard's memory yet owns a storage of exactly its rows: the writer neither clones it nor writes
     the padding rows."""
-    from gtp.checkpoint import _make_factory
+    from gtp.logical_factory import make_factory
 
     # tp2 x g2/a16, L=200, TP rank 1: GTP rank 0 holds gate rows 0-99 and up rows 0-11 (two
     # pieces of the 112-row shard); GTP rank 1 holds up rows 12-99 and 24 padding rows.
     shard = torch.randn(112, 64).to(torch.bfloat16)
     row_bytes = 64 * shard.element_size()
     for gtp_rank, los in ((0, (0, 100)), (1, (0,))):
-        pieces = _make_factory(shard, "fc1", _spec(200, 2, 1, 2, gtp_rank, 16, gated=True, cols=64),
+        pieces = make_factory(shard, "fc1", _spec(200, 2, 1, 2, gtp_rank, 16, gated=True, cols=64),
                                0).build()
         assert len(pieces) == len(los)
         for piece, lo in zip(pieces, los):
@@ -1187,7 +1187,7 @@ def test_factory_merge_fills_the_live_shard_in_place():
     returns a new zero-padded shard."""
     import dataclasses
 
-    from gtp.checkpoint import _make_factory, _merge_pieces
+    from gtp.logical_factory import _merge_pieces, make_factory
 
     spec = _spec(200, 2, 1, 2, 1, 16, gated=True, cols=2)  # up rows 12-99 (88 rows), pad 24
     want = torch.zeros(112, 2)
@@ -1198,7 +1198,7 @@ def test_factory_merge_fills_the_live_shard_in_place():
         assert torch.equal(target, want)
 
     live = torch.nn.Parameter(torch.full((112, 2), SENTINEL))
-    factory = _make_factory(live, "fc1", spec, 0)
+    factory = make_factory(live, "fc1", spec, 0)
     (piece,) = factory.build()
     piece.data.copy_(want[:88].view(1, 88, 2))  # as the reader does
     check(factory.merge_fn([piece.data]), live)
@@ -1221,11 +1221,11 @@ def test_stored_rows_limit_reads_only_the_kept_rows():
     from a file of 258 rows of which 257 are real: one piece of rows 160-256 at offset 160 of
     258; merge fills them in place and zeroes the rest. With every row of the rank past the
     kept ones, one empty piece at the end of the stored tensor (as an all-padding shard)."""
-    from gtp.checkpoint import GTPCheckpointError, _make_factory, with_stored_rows
+    from gtp.logical_factory import GTPCheckpointError, make_factory, with_stored_rows
 
     spec = _spec(320, 1, 0, 2, 1, 16, cols=2, prepend=())
     live = torch.nn.Parameter(torch.full((160, 2), SENTINEL))
-    factory = with_stored_rows(_make_factory(live, "output_layer.weight", spec, 0), 258, 257)
+    factory = with_stored_rows(make_factory(live, "output_layer.weight", spec, 0), 258, 257)
     (piece,) = factory.build()
     assert (piece.global_shape, piece.global_offset, tuple(piece.data.shape)) == (
         (258, 2), (160, 0), (97, 2))
@@ -1243,13 +1243,13 @@ def test_stored_rows_limit_reads_only_the_kept_rows():
     assert optim_factory.merge_fn([loaded.clone()]).data_ptr() == moment.data_ptr()
     assert torch.equal(moment[:97], loaded) and not moment[97:].any()
 
-    (empty,) = with_stored_rows(_make_factory(live, "k", spec, 0), 258, 100).build()
+    (empty,) = with_stored_rows(make_factory(live, "k", spec, 0), 258, 100).build()
     assert (empty.global_offset[0], empty.global_shape[0], empty.data.shape[0]) == (258, 258, 0)
     with pytest.raises(GTPCheckpointError, match="kept_rows=300 not within"):
-        with_stored_rows(_make_factory(live, "k", spec, 0), 258, 300)
+        with_stored_rows(make_factory(live, "k", spec, 0), 258, 300)
     gated = _spec(200, 2, 1, 2, 1, 16, gated=True, cols=2, prepend=())
     with pytest.raises(GTPCheckpointError, match="column-parallel, non-gated"):
-        with_stored_rows(_make_factory(torch.zeros(112, 2), "fc1", gated, 0), 200, 100)
+        with_stored_rows(make_factory(torch.zeros(112, 2), "fc1", gated, 0), 200, 100)
 
 
 def test_native_fp8_weight_goes_through_a_dequantized_copy(monkeypatch):
@@ -1260,7 +1260,8 @@ def test_native_fp8_weight_goes_through_a_dequantized_copy(monkeypatch):
     import megatron.core.fp8_utils as fp8_utils
     from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp_mod
 
-    from gtp.checkpoint import _high_precision, _make_factory, get_param_id_to_sharded_param_map
+    from gtp.checkpoint import get_param_id_to_sharded_param_map
+    from gtp.logical_factory import high_precision_data, make_factory
 
     live = torch.nn.Parameter(torch.full((112, 2), 3.0))
     copies = []
@@ -1268,12 +1269,12 @@ def test_native_fp8_weight_goes_through_a_dequantized_copy(monkeypatch):
     monkeypatch.setattr(gtp_mod, "dequantize_gtp_native_fp8",
                         lambda t: copies.append(t.detach().clone()) or copies[-1])
     plain = torch.nn.Parameter(torch.zeros(112, 2))
-    assert _high_precision(plain) is plain and not copies
-    data = _high_precision(live)
+    assert high_precision_data(plain) is plain and not copies
+    data = high_precision_data(live)
     assert copies == [data] and data.data_ptr() != live.data_ptr()
 
     spec = _spec(200, 2, 1, 2, 1, 16, cols=2, prepend=())  # rows 0-87 logical, pad 24
-    factory = _make_factory(live, "fc2", spec, 0, data=data)
+    factory = make_factory(live, "fc2", spec, 0, data=data)
     assert factory.live_param is live and factory.data is data
     (piece,) = factory.build()
     assert piece.data.data_ptr() == data.data_ptr()
