@@ -1,7 +1,7 @@
 """Checkpoint save and load: the logical GTP layout (gtp/ on) against megatron-core 0.19.2's.
 
-    python -m benchmarks.checkpoint_io                 # gpt125m, 5 interleaved repeats (~5-7 min)
-    python -m benchmarks.checkpoint_io --quick         # tiny model, 2 repeats (~1-2 min)
+    python -m benchmarks.checkpoint_io                 # gpt125m, 5 interleaved repeats
+    python -m benchmarks.checkpoint_io --quick         # tiny model, 2 repeats
     python -m benchmarks.checkpoint_io --repeats 9 --no-padded --out outputs/bench
     python -m benchmarks checkpoint                    # the same, through the suite
 
@@ -114,8 +114,8 @@ TARGET_LOAD_RATIO = 1.15
 TARGET_THROUGHPUT_FRACTION = 0.5
 # training time lost to an asynchronous save (checkpoint.async_save) / the synchronous save's time
 TARGET_ASYNC_LOST_RATIO = 0.2
-# Training steps run after each save of [4]'s cost measurement (gpt125m: about 5 s, which
-# outlasts an async save's write of about 1 s).
+# Training steps run after each save of [4]'s cost measurement: enough to outlast an async
+# save's write (the figures: benchmarks/README.md).
 TRAIN_STEPS = 2
 
 
@@ -180,8 +180,8 @@ def _measure(fn) -> dict:
 def _in_turn(items, rep: int) -> list:
     """``items`` in the order of repeat ``rep``: as given on even repeats, reversed on odd ones
     (A B, B A, A B, ...), so that neither one always runs right after the other's kind of
-    operation (the first load of a pair measured up to 1.2x slower than the second, whichever
-    file it read)."""
+    operation (the first load of a pair runs slower than the second, whichever file it read:
+    benchmarks/README.md)."""
     items = list(items)
     return items if rep % 2 == 0 else items[::-1]
 
@@ -515,7 +515,7 @@ def _verdict(value: float, limit: float, at_most: bool = True) -> str:
 
 def _span(marks: list[tuple[float, float]]) -> float:
     """A collective's span over its ranks' ``(start, end)`` clock marks: from the last rank's
-    start (the ranks leave a barrier up to 0.3 s apart on a loaded machine; a rank that left
+    start (on a loaded machine the ranks leave a barrier at different times; a rank that left
     early only waits inside) to the last rank's end."""
     return max(e for _, e in marks) - max(t for t, _ in marks)
 

@@ -46,7 +46,8 @@ def _child(hf_dir: str, out: str) -> None:
     from benchmarks.memory import PeakRSS
     from gtp import hf_import
 
-    # Modules imported before the measurement starts (megatron alone is ~190 MiB of code).
+    # Modules imported before the measurement starts: their code is no part of the import's
+    # memory (benchmarks/README.md).
     import torch.distributed.checkpoint  # noqa: F401
     import transformers  # noqa: F401
     from megatron.core.dist_checkpointing import core  # noqa: F401

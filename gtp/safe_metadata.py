@@ -77,7 +77,7 @@ def reused():
 
     One checkpoint load (``recipes.checkpoint.load_checkpoint``) reads a file's metadata six
     times (the storage check, the shape check and four reads inside megatron and torch DCP),
-    and unpickling it costs about 5 ms per 1000 stored chunks. Each copy has its own top-level
+    and the unpickling cost grows with the stored chunks (``benchmarks/README.md``). Each copy has its own top-level
     dicts and ``storage_meta`` (DCP sets ``storage_meta.load_id`` per reader); the per-tensor
     entries are shared, as a single read's are between its users. Nested blocks share the
     outer cache; it is dropped when the outermost block exits. The cache is the calling
