@@ -9,7 +9,7 @@ record (:func:`layout_metadata`, built by :mod:`gtp.gtp_layout_record`).
 Usage::
 
     from gtp import checkpoint
-    checkpoint.configure(cfg.gtp.checkpoint_layout)   # "logical" -> install(); "stock" -> uninstall()
+    checkpoint.configure(cfg.checkpoint.format)   # "logical" -> install(); "stock" -> uninstall()
     ...
     state["gtp_layout"] = checkpoint.layout_metadata(model, state["model"])
 
@@ -65,6 +65,7 @@ from gtp.logical_factory import (  # noqa: F401 - the factory names, also read a
     with_stored_rows,
 )
 from gtp.records import (  # noqa: F401 - the record names, also read as gtp.checkpoint.*
+    CHECKPOINT_FORMATS,
     CHECKPOINT_LAYOUTS,
     GTP_FORMAT_LOGICAL,
     GTP_FORMAT_STOCK,
@@ -101,7 +102,7 @@ def make_tp_sharded_tensor_for_checkpoint(tensor, key, tp_axis=0, replica_id=Non
                                           prepend_offsets=(), **kwargs):
     """Replacement of ``megatron.core.utils.make_tp_sharded_tensor_for_checkpoint``.
 
-    A GTP param gets a :class:`LogicalGTPFactory` (logical layout); anything else goes to
+    A GTP param gets a :class:`LogicalGTPFactory` (logical format); anything else goes to
     megatron's original with the same arguments.
     """
     from megatron.core import parallel_state
@@ -209,7 +210,7 @@ def _swap_everywhere(name: str, old, new) -> list[str]:
 
 
 def install() -> None:
-    """Switch megatron-core 0.19.2 to the logical checkpoint layout (idempotent).
+    """Switch megatron-core 0.19.2 to the logical checkpoint format (idempotent).
 
     Raises:
         RuntimeError: megatron-core is not 0.19.2, or a target is not megatron's original
@@ -248,24 +249,25 @@ def uninstall() -> None:
 
 
 def is_installed() -> bool:
-    """Whether the logical layout is active in this process."""
+    """Whether the logical format is active in this process."""
     return _INSTALLED
 
 
-def configure(checkpoint_layout: str) -> None:
-    """Apply ``gtp.checkpoint_layout``: "logical" installs the patch, "stock" leaves (or puts
-    back) megatron-core 0.19.2's own behaviour.
+def configure(checkpoint_format: str) -> None:
+    """Apply ``checkpoint.format`` (old name ``gtp.checkpoint_layout``): "logical" installs the
+    patch, "stock" leaves (or puts back) megatron-core 0.19.2's own behaviour.
 
     Raises:
         ValueError: another value.
     """
-    if checkpoint_layout == "logical":
+    if checkpoint_format == "logical":
         install()
-    elif checkpoint_layout == "stock":
+    elif checkpoint_format == "stock":
         uninstall()
     else:
         raise ValueError(
-            f"gtp.checkpoint_layout={checkpoint_layout!r} is invalid; valid: {list(CHECKPOINT_LAYOUTS)}"
+            f"checkpoint.format={checkpoint_format!r} (old name gtp.checkpoint_layout) is "
+            f"invalid; valid: {list(CHECKPOINT_FORMATS)}"
         )
 
 

@@ -6,7 +6,7 @@ Commands (CKPT: a checkpoint root holding ``latest_checkpointed_iteration.txt``,
     python -m gtp inspect CKPT [--layout SPEC]
         Saving layout, format, and for each tensor: logical shape, stored shape, GTP layout
         (TP-local rows L, padding, column/row-parallel, gated) and whether it is stored in the
-        legacy padded layout of megatron-core 0.19.2; the optimizer step, with a warning when it
+        legacy padded format of megatron-core 0.19.2; the optimizer step, with a warning when it
         is not the iteration minus the skipped iterations. Exit 0, or 2 when the checkpoint
         cannot be read exactly (the message says what is ambiguous).
 
@@ -124,7 +124,7 @@ def cmd_inspect(args, out=sys.stdout) -> int:
     for r in [header, *rows]:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip(), file=out)
     n_legacy = sum(i.legacy for i in analysis.tensors.values())
-    print(f"{len(rows)} tensors, {n_legacy} stored in the legacy padded layout", file=out)
+    print(f"{len(rows)} tensors, {n_legacy} stored in the legacy padded format", file=out)
     return 0
 
 
@@ -140,7 +140,7 @@ def describe_parallelism(rec: dict) -> str:
 
 
 def optimizer_format(common: dict) -> str | None:
-    """The distributed optimizer's checkpoint format in ``common`` (``param_state_sharding_type``),
+    """The distributed optimizer's checkpoint sharding type in ``common`` (``param_state_sharding_type``),
     None for megatron's non-distributed optimizer."""
     node = common.get("optimizer") or {}
     if node and all(isinstance(k, int) for k in node):
@@ -401,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layout-a", default=None)
     p.add_argument("--layout-b", default=None)
     p.set_defaults(func=cmd_compare)
-    p = sub.add_parser("convert", help="write a checkpoint in the logical layout")
+    p = sub.add_parser("convert", help="write a checkpoint in the logical format")
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--layout", default=None)

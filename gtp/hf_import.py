@@ -4,7 +4,7 @@
 ``import_hf(HF_DIR, OUT)`` reads ``config.json`` (``transformers.AutoConfig``, local files only)
 and the safetensors weights (``model.safetensors``, or the shards a
 ``model.safetensors.index.json`` names) and writes ``OUT/iter_0000000`` plus
-``latest_checkpointed_iteration.txt``: a torch_dist checkpoint in the logical layout
+``latest_checkpointed_iteration.txt``: a torch_dist checkpoint in the logical format
 (``docs/checkpoint-format.md``) that loads at any layout, with the common state of a
 gtp-recipes checkpoint (iteration 0, a tp1 ``layout`` record, a ``logical-v1`` ``gtp_layout``
 record, the real ``vocab_size``, no optimizer state) and, in ``train_state["config"]``, the run

@@ -36,7 +36,7 @@ from gtp.layout import TensorLayout, logical_pieces
 
 
 class GTPCheckpointError(RuntimeError):
-    """The logical layout cannot describe a tensor, or an optimizer param has no model entry."""
+    """The logical format cannot describe a tensor, or an optimizer param has no model entry."""
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class LogicalSpec:
 
 @dataclass
 class LogicalGTPFactory(ShardedTensorFactory):
-    """``ShardedTensorFactory`` of one GTP weight in the logical layout.
+    """``ShardedTensorFactory`` of one GTP weight in the logical format.
 
     ``data`` is the live param in the model's entry and an optimizer tensor of that param in the
     optimizer's (megatron's ``dataclasses.replace``); both extra fields are dataclass fields, so

@@ -3,10 +3,12 @@
 * :data:`TRACKER` - megatron's tracker file in a checkpoint root: the latest complete iteration.
 * :data:`METADATA_KEY` - the common-state key of :mod:`gtp.checkpoint`'s ``gtp_layout`` record,
   and its format tags :data:`GTP_FORMAT_LOGICAL` / :data:`GTP_FORMAT_STOCK`.
-* :data:`CHECKPOINT_LAYOUTS` - the values of ``gtp.checkpoint_layout``.
-* :data:`LAYOUT_KEY` - the common-state key of the run's process layout (tensor, pipeline, GTP
-  and data parallel sizes, optimizer); ``pad_for_alignment`` is not in it but in the
-  ``gtp_layout`` record, its one owner. :func:`saved_layout` joins the two.
+* :data:`CHECKPOINT_FORMATS` - the values of ``checkpoint.format`` (old name
+  ``gtp.checkpoint_layout``; :data:`CHECKPOINT_LAYOUTS` is the old name of this tuple).
+* :data:`LAYOUT_KEY` - the common-state key of the ``layout`` record: the parallel layout of the
+  run that wrote the checkpoint (tensor, pipeline, GTP and data parallel sizes, optimizer);
+  ``pad_for_alignment`` is not in it but in the ``gtp_layout`` record, its one owner.
+  :func:`saved_layout` joins the two.
 * :func:`megatron_core_version` - the megatron-core version both records hold.
 
 ``docs/checkpoint-format.md`` describes the records.
@@ -18,7 +20,8 @@ TRACKER = "latest_checkpointed_iteration.txt"
 METADATA_KEY = "gtp_layout"
 GTP_FORMAT_LOGICAL = "logical-v1"
 GTP_FORMAT_STOCK = "stock-0.19.2"
-CHECKPOINT_LAYOUTS = ("logical", "stock")
+CHECKPOINT_FORMATS = ("logical", "stock")
+CHECKPOINT_LAYOUTS = CHECKPOINT_FORMATS  # the old name, kept for its importers
 LAYOUT_KEY = "layout"
 PAD_KEY = "pad_for_alignment"
 

@@ -27,6 +27,21 @@ def _world(*degrees) -> int:
 
 OmegaConf.register_new_resolver(WORLD_RESOLVER, _world, replace=True)
 
+# ``checkpoint.format``'s default: the value of its old name ``gtp.checkpoint_layout`` when that
+# was given (an alias that keeps working), else "logical". The old key itself interpolates
+# ``${checkpoint.format}``, so both name the format whichever one is typed.
+FORMAT_RESOLVER = "gtp_recipes_checkpoint_format"
+
+
+def _checkpoint_format(*, _root_) -> str:
+    node = _root_.gtp._get_node("checkpoint_layout") if "gtp" in _root_ else None
+    if node is None or node._is_interpolation():  # the alias was not given
+        return "logical"
+    return node._value()
+
+
+OmegaConf.register_new_resolver(FORMAT_RESOLVER, _checkpoint_format, replace=True)
+
 
 @dataclass
 class ModelConfig:
@@ -110,9 +125,8 @@ class GTPConfig:
     # pipeline parallelism and weight_prefetch off (recipes.gtp_setup.overlap_settings).
     weight_prefetch: Optional[bool] = None
     async_reduction: Optional[bool] = None
-    # How GTP weights are written: "logical" (gtp/'s fix: padding never reaches disk, loads at
-    # any layout) or "stock" (megatron-core 0.19.2's padded layout; for comparisons and tests).
-    checkpoint_layout: str = "logical"
+    # The old name of checkpoint.format (an alias: either may be typed; both hold the value).
+    checkpoint_layout: str = "${checkpoint.format}"
 
 
 @dataclass
@@ -167,8 +181,8 @@ class OptimConfig:
     clip_grad: float = 1.0
     # megatron's DistributedOptimizer (ZeRO-1): Adam state and fp32 main params sharded over DP.
     use_distributed_optimizer: bool = False
-    # Its checkpoint format (megatron's metadata["distrib_optim_sharding_type"]); only formats
-    # that survive a DP/TP/PP change are accepted: fully_reshardable.
+    # How its state is sharded in a checkpoint (megatron's metadata["distrib_optim_sharding_type"]);
+    # only the sharding type that survives a DP/TP/PP change is accepted: fully_reshardable.
     distrib_optim_sharding_type: str = "fully_reshardable"
     # On resume, take lr/min_lr/warmup/decay/weight decay from this config instead of the
     # checkpoint's (Megatron-LM's --override-opt_param-scheduler).
@@ -204,6 +218,10 @@ class CheckpointConfig:
     # Resume although seed, data, seq length or a batch size not dividing the consumed samples
     # changed (refused by default: the run would see other samples than planned).
     allow_data_change: bool = False
+    # How GTP weights are written on disk: "logical" (gtp/'s fix: padding never reaches disk,
+    # loads at any parallel layout) or "stock" (megatron-core 0.19.2's padded format; for
+    # comparisons and tests). Old name: gtp.checkpoint_layout (docs/checkpoint-format.md).
+    format: str = f"${{{FORMAT_RESOLVER}:}}"
     # Before a resume, check every byte of the checkpoint (python -m gtp verify, each rank a
     # share of the data files) and refuse a damaged one before any weight is overwritten.
     verify_on_load: bool = True

@@ -15,6 +15,7 @@ import os
 from dataclasses import fields, is_dataclass
 from typing import Optional
 
+from gtp.records import CHECKPOINT_FORMATS
 from recipes.validate import ConfigError, Layout, validate, world_size_from_env
 
 
@@ -35,6 +36,7 @@ def check(cfg, choices: Optional[dict] = None) -> Layout:
     """
     check_choices(_hydra_choices() if choices is None else choices)
     check_keys(cfg)
+    check_checkpoint_format(cfg)
     clamp_warmup(cfg)
     layout = validate(cfg, world_size_from_env(cfg))
     check_tokenizer(cfg)
@@ -149,6 +151,24 @@ def _unknown_keys(node, schema, prefix: str) -> list[str]:
         if sub is not None and hasattr(value, "keys"):
             out += _unknown_keys(value, sub, name + ".")
     return out
+
+
+def check_checkpoint_format(cfg) -> None:
+    """Refuse a ``checkpoint.format`` that is not one of :data:`gtp.records.CHECKPOINT_FORMATS`,
+    and one that disagrees with its old name ``gtp.checkpoint_layout`` (both typed, with
+    different values: the config holds either one's value in both, ``recipes.config``).
+
+    Raises:
+        ConfigError: naming both keys and the valid values.
+    """
+    new = cfg.checkpoint.get("format", "logical")
+    old = cfg.gtp.get("checkpoint_layout", new)
+    if new != old:
+        raise ConfigError(f"checkpoint.format={new!r} and its old name gtp.checkpoint_layout={old!r} "
+                          f"disagree: give one of them (checkpoint.format={old!r} or {new!r})")
+    if new not in CHECKPOINT_FORMATS:
+        raise ConfigError(f"checkpoint.format={new!r} (gtp.checkpoint_layout={old!r}): valid are "
+                          f"{CHECKPOINT_FORMATS}")
 
 
 def clamp_warmup(cfg, resume_settled: bool = False) -> None:

@@ -1064,7 +1064,7 @@ def test_install_replaces_megatron_functions_everywhere_and_uninstall_restores()
             dopt.get_param_id_to_sharded_param_map) == originals
     assert layers.make_tp_sharded_tensor_for_checkpoint is originals[0]
     assert mopt.get_param_id_to_sharded_param_map is originals[2]
-    with pytest.raises(ValueError, match="checkpoint_layout='padded'.*logical.*stock"):
+    with pytest.raises(ValueError, match="checkpoint.format='padded'.*logical.*stock"):
         gtp_checkpoint.configure("padded")
 
 

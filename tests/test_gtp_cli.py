@@ -59,17 +59,17 @@ def test_inspect_shows_logical_shapes_and_legacy_flags(ckpts):
     assert "stock, same rows as logical" in _line(out, "embedding.word_embeddings.weight")
     bias = _line(out, "decoder.layers.mlp.linear_fc1.bias")
     assert "(2, 200)" in bias and "LEGACY" not in bias
-    assert "51 tensors, 12 stored in the legacy padded layout" in out
+    assert "51 tensors, 12 stored in the legacy padded format" in out
 
 
 def test_inspect_of_logical_checkpoints_flags_nothing(ckpts):
     for name in ("logical_twin", "tp2", "legacy/gtp_converted"):
         rc, out = cli("inspect", ckpts / "tiny_swiglu" / name)
         assert rc == 0, out
-        assert "LEGACY" not in out and "0 stored in the legacy padded layout" in out, name
+        assert "LEGACY" not in out and "0 stored in the legacy padded format" in out, name
         assert "(2, 400, 72)" in _line(out, "decoder.layers.mlp.linear_fc1.weight"), name
     rc, out = cli("inspect", ckpts / "tiny_swiglu" / "logical_twin")
-    assert "logical layout; saved at tp2 x gtp2 (pad_for_alignment=16)" in out
+    assert "logical format; saved at tp2 x gtp2 (pad_for_alignment=16)" in out
     assert "gated" in _line(out, "decoder.layers.mlp.linear_fc1.weight")
 
 

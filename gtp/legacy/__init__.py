@@ -1,4 +1,4 @@
-"""Read GTP checkpoints written in megatron-core 0.19.2's padded layout ("legacy"/"stock").
+"""Read GTP checkpoints written in megatron-core 0.19.2's padded format ("legacy"/"stock").
 
 Stock 0.19.2 writes every GTP-sharded weight in a padded, TP-shifted layout that upstream can read
 only into the exact layout that wrote it (:mod:`gtp.legacy.rowmaps`). This package reconstructs

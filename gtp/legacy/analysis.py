@@ -100,7 +100,7 @@ def analyze(ckpt, layout=None, common: Optional[Mapping] = None) -> Analysis:
 
 
 def is_legacy(ckpt, layout=None) -> bool:
-    """Whether ``ckpt`` holds GTP weights in stock 0.19.2's padded layout (see :func:`analyze`)."""
+    """Whether ``ckpt`` holds GTP weights in stock 0.19.2's padded format (see :func:`analyze`)."""
     return analyze(ckpt, layout).legacy
 
 

@@ -48,7 +48,7 @@ def prepare_load(path, common: Mapping, layout_record: Optional[Mapping] = None,
     legacy one (stock 0.19.2 GTP layout with padded or gated GTP weights) it returns
     ``(converted_iter_dir, True)``: rank 0 converts it once (:func:`convert`) into
     ``<cache_root or path.parent/gtp_converted>/iter_XXXXXXX`` and later loads reuse it while the
-    source is unchanged. Exception: when the loader itself writes the stock layout
+    source is unchanged. Exception: when the loader itself writes the stock format
     (``stock_writer``) and its layout record equals the checkpoint's, the stock file is loaded
     as is (megatron's same-layout resume is self-consistent).
 
@@ -84,7 +84,7 @@ def prepare_load(path, common: Mapping, layout_record: Optional[Mapping] = None,
                     decision = ("convert", str(staging))
                 except OSError as exc:
                     decision = ("error", (
-                        f"{path} is a legacy GTP checkpoint (megatron-core 0.19.2 padded layout) "
+                        f"{path} is a legacy GTP checkpoint (megatron-core 0.19.2 padded format) "
                         f"and its converted copy cannot be written to {cache_root}: {exc}. "
                         f"Convert it elsewhere: `python -m gtp convert {path} DST` and load DST"))
         except LegacyCheckpointError as exc:

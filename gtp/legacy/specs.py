@@ -112,8 +112,8 @@ class Analysis:
     def describe(self) -> str:
         lay = self.layout.describe() if self.layout else "unknown"
         kind = ("legacy padded GTP layout (megatron-core 0.19.2)" if self.legacy else
-                "logical layout" if self.format == "logical" else
-                "stock layout, nothing padded or shifted")
+                "logical format" if self.format == "logical" else
+                "stock format, nothing padded or shifted")
         return f"{kind}; saved at {lay} [{self.layout_source}]"
 
 
