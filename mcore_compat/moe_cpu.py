@@ -132,11 +132,11 @@ def install(force: bool = False) -> bool:
         return False
     import megatron.core
 
-    from mcore_compat.cpu import _CpuTorch
+    from mcore_compat.cpu import cpu_torch_proxy
 
     check_megatron_version(megatron.core.__version__,
                            "mcore_compat.moe_cpu patches megatron's MoE and sequence parallelism")
-    proxy = _CpuTorch()
+    proxy = cpu_torch_proxy()
     for name in PATCHED_MODULES:
         importlib.import_module(name).torch = proxy
     _patch_uneven_gather(importlib.import_module("megatron.core.tensor_parallel.mappings"))

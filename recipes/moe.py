@@ -209,7 +209,7 @@ def resolve_expert_layout(cfg, world_size: int, tp: int, pp: int) -> dict:
         ConfigError: a size < 1, or world_size not divisible by etp x ep x pp x
             expert_gtp_remat_size (megatron's expert grid), naming the valid sizes.
     """
-    from recipes.validate import ConfigError, _positive
+    from recipes.validate import ConfigError
 
     par = cfg.parallelism
     ep = par.get("expert_model_parallel_size", 1)
@@ -221,7 +221,8 @@ def resolve_expert_layout(cfg, world_size: int, tp: int, pp: int) -> dict:
                         ("parallelism.expert_tensor_parallel_size", etp),
                         ("gtp.expert_gtp_remat_size", egtp),
                         ("parallelism.context_parallel_size", cp)):
-        _positive(name, value)
+        if value is None or int(value) < 1:
+            raise ConfigError(f"{name}={value} is invalid: it must be an integer >= 1")
     grid = etp * ep * pp * egtp
     if world_size % grid:
         fits = [d for d in range(1, world_size + 1) if world_size % d == 0]
