@@ -21,7 +21,7 @@ groups coincide (expert parallel size 1 and EGTP equal to the dense GTP size):
    is ``1 / (GTP x dp)``. Fix: after DDP, the expert buckets' ``gradient_scaling_factor`` is
    multiplied by ``EGTP / GTP``.
 
-Both are needed; a layout test (tests/test_moe_e2e.py) breaks each and sees the gradient norm
+Both are needed; tests/test_moe_layouts.py breaks each and sees the gradient norm
 move.
 """
 

@@ -15,7 +15,7 @@ gradient buffer, ``grad_reduce_in_fp32``) and Adam, as Megatron-LM's
 
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", Table 2) as Megatron-LM's ``compute_activation_memory`` applies it, without
-sequence parallelism (this project does not set it); see :func:`activation_bytes`. Temporary
+sequence parallelism (its 1/tp share of norms and dropout is not counted); see :func:`activation_bytes`. Temporary
 buffers (all-gathers, the loss's logits copies) are not counted.
 """
 
