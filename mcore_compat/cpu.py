@@ -345,3 +345,9 @@ def install(force: bool = False) -> bool:
 def is_installed() -> bool:
     """Whether :func:`install` has patched megatron-core in this process."""
     return _INSTALLED
+
+
+def cpu_torch_proxy() -> types.ModuleType:
+    """A new proxy of the ``torch`` module that maps CUDA devices to CPU (the one :func:`install`
+    puts into :data:`PATCHED_MODULES`), for other modules' patches (``mcore_compat.moe_cpu``)."""
+    return _CpuTorch()

@@ -14,15 +14,23 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, OmegaConf
 
-# ``parallelism.nproc_per_node``'s default: tp x pp x gtp_remat_size x dp (dp 1 when null).
+# ``parallelism.nproc_per_node``'s default: tp x pp x gtp_remat_size x dp (dp 1 when null); with
+# dp null, the least multiple of that which the expert grid (etp x ep x pp x expert_gtp_remat_size)
+# also divides.
 WORLD_RESOLVER = "gtp_recipes_world"
 
 
-def _world(*degrees) -> int:
-    world = 1
-    for d in degrees:
-        world *= 1 if d is None else int(d)
-    return world
+def _world(tp, pp, g, dp=None, ep=1, etp=None, egtp=1) -> int:
+    import math
+
+    def n(d):
+        return 1 if d is None else int(d)
+
+    dense = n(tp) * n(pp) * n(g) * n(dp)
+    if dp is not None:
+        return dense
+    expert = n(etp if etp is not None else tp) * n(ep) * n(pp) * n(egtp)
+    return math.lcm(dense, expert)
 
 
 OmegaConf.register_new_resolver(WORLD_RESOLVER, _world, replace=True)
@@ -83,6 +91,22 @@ class ModelConfig:
     # "selective" recomputes attention's core (megatron's recompute_modules default), "full"
     # keeps each layer's input only (recompute_method uniform, one layer per group).
     recompute_granularity: Optional[str] = None
+    # Attention head width (megatron's kv_channels); null: hidden_size / num_attention_heads.
+    kv_channels: Optional[int] = None
+    # RMSNorm/LayerNorm over each query and key head before attention (Qwen3, OLMo-2).
+    qk_layernorm: bool = False
+    # Mixture of Experts (megatron TransformerConfig names; docs/moe.md). null: a dense MLP.
+    num_moe_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    # Width of each routed expert's MLP; null: ffn_hidden_size.
+    moe_ffn_hidden_size: Optional[int] = None
+    # Width of the shared expert every token goes through (DeepSeek, Qwen2-MoE); null: none.
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | global_aux_loss | none
+    moe_aux_loss_coeff: float = 0.0
+    moe_token_dispatcher_type: str = "alltoall"  # allgather | alltoall
+    # 1: every layer is MoE; N: every N-th layer (megatron's int form of moe_layer_freq).
+    moe_layer_freq: int = 1
 
 
 @dataclass
@@ -100,10 +124,21 @@ class ParallelismConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = None
     # null: derived as world_size / (tp * pp * gtp_remat_size).
     data_parallel_size: Optional[int] = None
+    # Megatron's sequence parallelism: norms, dropout and the MoE dispatch see 1/tp of the
+    # sequence (required by megatron for MoE with tp > 1; recipes.validate says so).
+    sequence_parallel: bool = False
+    # MoE layouts (megatron names): experts split over expert_model_parallel_size ranks, each
+    # expert's linears over expert_tensor_parallel_size ranks (null: tensor_model_parallel_size);
+    # the expert data-parallel size is derived: world / (etp x ep x pp x gtp.expert_gtp_remat_size).
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
+    # Needs TransformerEngine's attention (refused before launch without it).
+    context_parallel_size: int = 1
     # Processes started on this machine by train.py (ignored when RANK/WORLD_SIZE are set).
     nproc_per_node: int = II(
         f"{WORLD_RESOLVER}:${{.tensor_model_parallel_size}},${{.pipeline_model_parallel_size}},"
-        "${gtp.gtp_remat_size},${.data_parallel_size}")
+        "${gtp.gtp_remat_size},${.data_parallel_size},${.expert_model_parallel_size},"
+        "${.expert_tensor_parallel_size},${gtp.expert_gtp_remat_size}")
 
 
 @dataclass
@@ -112,6 +147,9 @@ class GTPConfig:
 
     name: str = "off"
     gtp_remat_size: int = 1
+    # Expert GTP (megatron's expert_gtp_remat_size / expert_gtp_weight_remat_size): routed
+    # expert weights sharded over their own remat group; same pad_for_alignment as gtp_remat_size.
+    expert_gtp_remat_size: int = 1
     # null: the quantization recipe's default (none -> 1, fp8 -> 16, mxfp8 -> 32, nvfp4 -> 16).
     pad_for_alignment: Optional[int] = None
     quantization: str = "none"  # none | fp8 | mxfp8 | nvfp4

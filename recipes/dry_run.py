@@ -15,7 +15,7 @@ gradient buffer, ``grad_reduce_in_fp32``) and Adam, as Megatron-LM's
 
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", Table 2) as Megatron-LM's ``compute_activation_memory`` applies it, without
-sequence parallelism (this project does not set it); see :func:`activation_bytes`. Temporary
+sequence parallelism (its 1/tp share of norms and dropout is not counted); see :func:`activation_bytes`. Temporary
 buffers (all-gathers, the loss's logits copies) are not counted.
 """
 
@@ -40,6 +40,8 @@ class RankSizes:
     grad_bytes: int
     optimizer_bytes: int
     activation_bytes: int = 0
+    active_parameters: int = 0  # per token: routed experts count topk / num_moe_experts
+    expert_parameters: int = 0  # routed-expert parameters on one rank (of ``parameters``)
 
     @property
     def total_bytes(self) -> int:
@@ -73,8 +75,18 @@ def rank_sizes(cfg, layout, vocab_size: int) -> RankSizes:
     padded = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
     shapes = parameter_shapes(m, padded)
     per_stage, pad_rows, total = [0] * pp, [0] * pp, 0
+    experts_per_stage = [0] * pp
+    ep, etp, egtp = (layout.expert_model_parallel_size, layout.expert_tensor_parallel_size,
+                     layout.expert_gtp_remat_size)
+    local_experts = (m.num_moe_experts // ep) if m.get("num_moe_experts") else 0
     for p in shapes:
-        shape, pad_length = local_shape(p, tp, g, pad)
+        if p.expert:  # an EP rank holds num_moe_experts / ep experts, split by etp x egtp
+            if int(p.name.split(".local_experts.")[1].split(".")[0]) >= local_experts:
+                total += math.prod(p.shape)
+                continue
+            shape, pad_length = local_shape(p, etp, egtp, pad)
+        else:
+            shape, pad_length = local_shape(p, tp, g, pad)
         total += math.prod(p.shape)
         stages = _stage(p.name, m.num_layers, pp)
         if p.name == "embedding.word_embeddings.weight" and m.share_embeddings_and_output_weights \
@@ -83,12 +95,18 @@ def rank_sizes(cfg, layout, vocab_size: int) -> RankSizes:
         for s in stages:
             per_stage[s] += math.prod(shape)
             pad_rows[s] += pad_length
+            if p.expert:
+                experts_per_stage[s] += math.prod(shape)
     stage = max(range(pp), key=lambda s: per_stage[s])
     local = per_stage[stage]
     dtype = cfg.precision.params_dtype
     state = 8 + (4 if dtype != "fp32" else 0)
     dp = layout.data_parallel_size if layout.use_distributed_optimizer else 1
+    from recipes.shapes import parameter_counts
+
     return RankSizes(
+        active_parameters=parameter_counts(m, padded)[1],
+        expert_parameters=experts_per_stage[stage],
         total_parameters=total, parameters=local, gtp_padding_rows=pad_rows[stage],
         param_bytes=local * _BYTES[dtype], grad_bytes=local * 4,
         optimizer_bytes=-(-local * state // dp),
@@ -253,6 +271,11 @@ def report(cfg, layout) -> str:
         check_data_paths(cfg.data)
     except (ValueError, FileNotFoundError) as exc:
         lines.append(f"> data not checked: {exc} (a real run refuses this before launch)")
+    if cfg.model.get("num_moe_experts"):
+        lines.insert(3, f"> MoE: {s.active_parameters:,} active parameters per token "
+                        f"(top-{cfg.model.moe_router_topk} of {cfg.model.num_moe_experts} experts); "
+                        f"per rank {s.expert_parameters:,} routed-expert parameters, "
+                        f"{format_bytes(s.expert_parameters * _BYTES[dtype])} ({dtype})")
     if layout.gtp_remat_size > 1:
         lines.append(
             f"> GTP: gtp_remat_size={layout.gtp_remat_size}, pad_for_alignment="

@@ -55,7 +55,10 @@ def gtp_weight_dims(cfg, tensor_model_parallel_size: int) -> dict[str, int]:
       layer has no weight of its own when embeddings and output weights are shared;
     - ``linear_qkv`` (column-parallel): (heads + 2 * query groups) * kv_channels / tp;
     - ``linear_fc1`` (column-parallel): ffn / tp, twice that with SwiGLU (gate and up rows);
-    - ``linear_proj``, ``linear_fc2`` (row-parallel, TP splits dim 1): hidden, whatever the TP.
+    - ``linear_proj``, ``linear_fc2`` (row-parallel, TP splits dim 1): hidden, whatever the TP;
+    - routed experts' ``linear_fc1`` / ``linear_fc2`` only under expert GTP
+      (``gtp.expert_gtp_remat_size > 1``; megatron shards them over the expert GTP group), as one
+      expert-parallel rank holds them, with expert tensor parallelism instead of TP.
 
     Names are those of ``GPTModel.named_parameters()`` (``recipes.gtp_setup.after_model`` checks
     the built model against this table). The vocab rows are left out when the tokenizer cannot be
@@ -72,8 +75,27 @@ def gtp_weight_dims(cfg, tensor_model_parallel_size: int) -> dict[str, int]:
     except ValueError:
         vocab = None
     vocab_rows = ("embedding.word_embeddings.weight", "output_layer.weight")
-    return {p.name: tp_local_shape(p, tp)[0] for p in parameter_shapes(m, vocab or tp)
-            if p.gtp and (vocab is not None or p.name not in vocab_rows)}
+    dense = {p.name: tp_local_shape(p, tp)[0] for p in parameter_shapes(m, vocab or tp)
+             if p.gtp and not p.expert and (vocab is not None or p.name not in vocab_rows)}
+    return {**dense, **_expert_gtp_weight_dims(cfg, tp)}
+
+
+def _expert_gtp_weight_dims(cfg, tp: int) -> dict[str, int]:
+    """Routed-expert entries of :func:`gtp_weight_dims`: only under expert GTP
+    (``gtp.expert_gtp_remat_size > 1``), named as one EP rank holds them
+    (``local_experts.0 .. num_moe_experts / ep - 1``), dim 0 after expert tensor parallelism."""
+    from recipes.shapes import parameter_shapes, tp_local_shape
+
+    par = cfg.parallelism
+    if cfg.gtp.get("expert_gtp_remat_size", 1) <= 1 or not cfg.model.get("num_moe_experts"):
+        return {}
+    etp = par.get("expert_tensor_parallel_size") or tp
+    local = int(cfg.model.num_moe_experts) // int(par.get("expert_model_parallel_size", 1))
+    out = {}
+    for p in parameter_shapes(cfg.model, tp):
+        if p.expert and p.gtp and int(p.name.split(".local_experts.")[1].split(".")[0]) < local:
+            out[p.name] = tp_local_shape(p, etp)[0]
+    return out
 
 
 def transformer_config(cfg, layout, use_te: bool | None = None):
@@ -137,6 +159,9 @@ def transformer_config(cfg, layout, use_te: bool | None = None):
                                    cfg.gtp.get("fp8_param_gather", False)))
     if layout.gtp_remat_size > 1:
         kwargs["gtp_weight_remat_size"] = layout.gtp_remat_size
+    from recipes import moe
+
+    kwargs.update(moe.transformer_config_fields(m, layout))
     return TransformerConfig(**kwargs)
 
 
@@ -179,10 +204,14 @@ def _gpt(cfg, config, vocab: int, pre: bool, post: bool, vp_stage, tied: bool, u
 
     from recipes import te
 
+    from recipes import moe
+
     m = cfg.model
+    spec = (moe.layer_spec(m, config, use_te, vp_stage) if moe.is_moe(m)
+            else te.layer_spec(m, use_te))
     return GPTModel(
         config=config,
-        transformer_layer_spec=te.layer_spec(m, use_te),
+        transformer_layer_spec=spec,
         vocab_size=vocab,
         max_sequence_length=m.seq_length,
         pre_process=pre,
@@ -239,6 +268,9 @@ def build_model(cfg, layout, vocab_size: int, reseed=lambda: None):
     vpp = layout.virtual_pipeline_model_parallel_size
     vocab = padded_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by,
                               layout.tensor_model_parallel_size)
+    from recipes import moe
+
+    seed = torch.initial_seed()  # the run's seed (worker.set_seed), for the experts' draws
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
@@ -250,9 +282,14 @@ def build_model(cfg, layout, vocab_size: int, reseed=lambda: None):
             reseed()
             offset = get_transformer_layer_offset(config, vp_stage=stage)
             if offset:
-                _draw_like_layers_before(cfg, config, vocab, offset, use_te)
-        chunk = _gpt(cfg, config, vocab, pre, post, stage,
-                     cfg.model.share_embeddings_and_output_weights, use_te)
+                with moe.experts_leave_rng_alone():
+                    _draw_like_layers_before(cfg, config, vocab, offset, use_te)
+        with moe.experts_leave_rng_alone():
+            chunk = _gpt(cfg, config, vocab, pre, post, stage,
+                         cfg.model.share_embeddings_and_output_weights, use_te)
+        if moe.is_moe(cfg.model):
+            # Same expert weights at every expert layout (recipes.moe.init_experts).
+            moe.init_experts(chunk, config, seed)
         # Checkpoints record the real vocabulary (recipes.checkpoint refuses another one).
         chunk.real_vocab_size = vocab_size
         if post:

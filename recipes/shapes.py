@@ -30,6 +30,9 @@ class ParamShape:
     shape: tuple[int, ...]
     tp_axis: Optional[int] = None
     gtp: bool = False
+    # A routed expert's weight: split over expert_model_parallel_size (whole experts), its
+    # tp_axis over expert_tensor_parallel_size, GTP-sharded over expert_gtp_remat_size.
+    expert: bool = False
 
 
 def query_groups(m) -> int:
@@ -38,11 +41,29 @@ def query_groups(m) -> int:
     return groups or m.num_attention_heads
 
 
+def _get(m):
+    return m.get if hasattr(m, "get") else lambda k, d=None: getattr(m, k, d)
+
+
+def kv_channels(m) -> int:
+    """Width of one attention head: ``model.kv_channels``, or hidden / heads when null."""
+    return _get(m)("kv_channels") or m.hidden_size // m.num_attention_heads
+
+
 def qkv_rows(m) -> int:
-    """Full dim 0 of ``linear_qkv``: ``(heads + 2 * groups) * kv_channels``, kv_channels =
-    hidden / heads (megatron ``SelfAttention``: per query group, its query heads then K then V)."""
-    kv_channels = m.hidden_size // m.num_attention_heads
-    return (m.num_attention_heads + 2 * query_groups(m)) * kv_channels
+    """Full dim 0 of ``linear_qkv``: ``(heads + 2 * groups) * kv_channels`` (megatron
+    ``SelfAttention``: per query group, its query heads then K then V)."""
+    return (m.num_attention_heads + 2 * query_groups(m)) * kv_channels(m)
+
+
+def is_moe_layer(m, layer: int) -> bool:
+    """Whether 0-based ``layer`` has an MoE MLP: ``num_moe_experts`` set and ``layer`` a multiple
+    of ``moe_layer_freq`` (megatron's int ``moe_layer_freq``: layer i is MoE when
+    ``i % freq == 0``)."""
+    get = _get(m)
+    if not get("num_moe_experts"):
+        return False
+    return layer % int(get("moe_layer_freq", 1) or 1) == 0
 
 
 def parameter_shapes(m, padded_vocab: int) -> list[ParamShape]:
@@ -57,19 +78,28 @@ def parameter_shapes(m, padded_vocab: int) -> list[ParamShape]:
         ``add_bias_linear``, the learned position embedding and the output layer (absent when
         embeddings and output weights are shared) follow megatron's module tree.
     """
-    get = m.get if hasattr(m, "get") else lambda k, d=None: getattr(m, k, d)
+    get = _get(m)
     h, ffn = m.hidden_size, m.ffn_hidden_size
     bias = get("add_bias_linear", True)
     norm_bias = get("normalization", "LayerNorm") == "LayerNorm"
-    fc1 = (2 if m.swiglu else 1) * ffn
+    gated = 2 if m.swiglu else 1
+    attn = m.num_attention_heads * kv_channels(m)
     out = [ParamShape("embedding.word_embeddings.weight", (padded_vocab, h), 0, True)]
     if get("position_embedding_type", "learned_absolute") == "learned_absolute":
         out.append(ParamShape("embedding.position_embeddings.weight", (m.seq_length, h)))
 
-    def norm(prefix):
-        out.append(ParamShape(f"{prefix}.weight", (h,)))
+    def norm(prefix, width=h):
+        out.append(ParamShape(f"{prefix}.weight", (width,)))
         if norm_bias:
-            out.append(ParamShape(f"{prefix}.bias", (h,)))
+            out.append(ParamShape(f"{prefix}.bias", (width,)))
+
+    def mlp(prefix, width, expert=False):
+        out.append(ParamShape(f"{prefix}.linear_fc1.weight", (gated * width, h), 0, True, expert))
+        if bias:
+            out.append(ParamShape(f"{prefix}.linear_fc1.bias", (gated * width,), 0, False, expert))
+        out.append(ParamShape(f"{prefix}.linear_fc2.weight", (h, width), 1, True, expert))
+        if bias:
+            out.append(ParamShape(f"{prefix}.linear_fc2.bias", (h,), None, False, expert))
 
     for i in range(m.num_layers):
         layer = f"decoder.layers.{i}"
@@ -77,20 +107,42 @@ def parameter_shapes(m, padded_vocab: int) -> list[ParamShape]:
         out.append(ParamShape(f"{layer}.self_attention.linear_qkv.weight", (qkv_rows(m), h), 0, True))
         if bias:
             out.append(ParamShape(f"{layer}.self_attention.linear_qkv.bias", (qkv_rows(m),), 0))
-        out.append(ParamShape(f"{layer}.self_attention.linear_proj.weight", (h, h), 1, True))
+        if get("qk_layernorm", False):
+            norm(f"{layer}.self_attention.q_layernorm", kv_channels(m))
+            norm(f"{layer}.self_attention.k_layernorm", kv_channels(m))
+        out.append(ParamShape(f"{layer}.self_attention.linear_proj.weight", (h, attn), 1, True))
         if bias:
             out.append(ParamShape(f"{layer}.self_attention.linear_proj.bias", (h,)))
         norm(f"{layer}.pre_mlp_layernorm")
-        out.append(ParamShape(f"{layer}.mlp.linear_fc1.weight", (fc1, h), 0, True))
-        if bias:
-            out.append(ParamShape(f"{layer}.mlp.linear_fc1.bias", (fc1,), 0))
-        out.append(ParamShape(f"{layer}.mlp.linear_fc2.weight", (h, ffn), 1, True))
-        if bias:
-            out.append(ParamShape(f"{layer}.mlp.linear_fc2.bias", (h,)))
+        if not is_moe_layer(m, i):
+            mlp(f"{layer}.mlp", ffn)
+            continue
+        # megatron's MoELayer: TopKRouter (weight [experts, hidden], replicated), SequentialMLP
+        # (local_experts.<i>, an MLP each), then the optional SharedExpertMLP.
+        experts = int(get("num_moe_experts"))
+        out.append(ParamShape(f"{layer}.mlp.router.weight", (experts, h)))
+        width = get("moe_ffn_hidden_size") or ffn
+        for e in range(experts):
+            mlp(f"{layer}.mlp.experts.local_experts.{e}", width, expert=True)
+        shared = get("moe_shared_expert_intermediate_size")
+        if shared:
+            mlp(f"{layer}.mlp.shared_experts", shared)
     norm("decoder.final_layernorm")
     if not m.share_embeddings_and_output_weights:
         out.append(ParamShape("output_layer.weight", (padded_vocab, h), 0, True))
     return out
+
+
+def parameter_counts(m, padded_vocab: int) -> tuple[int, int]:
+    """``(total, active)`` parameters of the model: active counts, of each MoE layer's routed
+    experts, the ``moe_router_topk`` a token goes through (``topk / num_moe_experts`` of them),
+    and everything else whole. Dense models: ``(total, total)``."""
+    shapes = parameter_shapes(m, padded_vocab)
+    total, experts = count(shapes), count([p for p in shapes if p.expert])
+    if not experts:
+        return total, total
+    get = _get(m)
+    return total, total - experts + experts * int(get("moe_router_topk")) // int(get("num_moe_experts"))
 
 
 def count(shapes: list[ParamShape]) -> int:

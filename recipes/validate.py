@@ -35,6 +35,21 @@ class Layout:
     # megatron's DistributedOptimizer and its checkpoint format (None without it).
     use_distributed_optimizer: bool = False
     distrib_optim_sharding_type: Optional[str] = None
+    # megatron's sequence parallelism (only at tp > 1) and the MoE grid: expert parallel,
+    # expert tensor parallel (megatron's default: tp), expert GTP; expert data-parallel size
+    # = world / (etp x ep x pp x expert_gtp_remat_size).
+    sequence_parallel: bool = False
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1
+    expert_gtp_remat_size: int = 1
+    context_parallel_size: int = 1
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """Ranks holding the same expert shard: world / (etp x ep x pp x expert_gtp_remat_size)."""
+        return self.world_size // (self.expert_tensor_parallel_size *
+                                   self.expert_model_parallel_size *
+                                   self.pipeline_model_parallel_size * self.expert_gtp_remat_size)
 
     def describe(self) -> str:
         """A short human-readable form, e.g. ``tp2 x pp2 x gtp2(pad 16) x dp1 (world 8)``."""
@@ -49,9 +64,17 @@ class Layout:
             pp = f" x pp{self.pipeline_model_parallel_size}" + (f"(vpp {vpp})" if vpp else "")
         opt = (f", distributed optimizer ({self.distrib_optim_sharding_type})"
                if self.use_distributed_optimizer else "")
+        sp = "+sp" if self.sequence_parallel else ""
+        experts = ""
+        if self.expert_model_parallel_size > 1 or self.expert_gtp_remat_size > 1 or \
+                self.expert_tensor_parallel_size != self.tensor_model_parallel_size:
+            egtp = (f" x egtp{self.expert_gtp_remat_size}" if self.expert_gtp_remat_size > 1 else "")
+            experts = (f"; experts ep{self.expert_model_parallel_size} x "
+                       f"etp{self.expert_tensor_parallel_size}{egtp} x "
+                       f"edp{self.expert_data_parallel_size}")
         return (
-            f"tp{self.tensor_model_parallel_size}{pp}{gtp} x dp{self.data_parallel_size}"
-            f" (world {self.world_size}){opt}"
+            f"tp{self.tensor_model_parallel_size}{sp}{pp}{gtp} x dp{self.data_parallel_size}"
+            f" (world {self.world_size}){experts}{opt}"
         )
 
 
@@ -129,10 +152,13 @@ def resolve_layout(cfg, world_size: int) -> Layout:
             f"parallelism.data_parallel_size={par.data_parallel_size} does not match world size "
             f"{world_size} / (tp {tp} x pp {pp} x gtp_remat_size {g}) = {dp}; set it to {dp} or null"
         )
+    from recipes import moe
+
+    experts = moe.resolve_expert_layout(cfg, world_size, tp, pp)
     # Without GTP nothing is padded: the layout (and the checkpoint's record of it) says 0.
-    pad = resolved_pad if g > 1 else 0
+    pad = resolved_pad if g > 1 or experts["expert_gtp_remat_size"] > 1 else 0
     distopt, sharding = _distributed_optimizer(cfg)
-    return Layout(world_size, tp, pp, g, dp, pad, vpp, distopt, sharding)
+    return Layout(world_size, tp, pp, g, dp, pad, vpp, distopt, sharding, **experts)
 
 
 # megatron-core 0.19.2 DistributedOptimizer checkpoint formats (metadata
@@ -189,6 +215,9 @@ def validate(cfg, world_size: int) -> Layout:
     from recipes.optim import LR_DECAY_STYLES
 
     layout = resolve_layout(cfg, world_size)
+    from recipes import moe
+
+    moe.check(cfg, layout)
     m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
     tp = layout.tensor_model_parallel_size
     for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length"):
@@ -396,7 +425,8 @@ def _check_gtp_dims(cfg, layout: Layout) -> None:
     g, pad = layout.gtp_remat_size, layout.pad_for_alignment
     from recipes.model import gtp_weight_dims
 
-    dims = gtp_weight_dims(cfg, layout.tensor_model_parallel_size)
+    dims = {name: dim for name, dim in gtp_weight_dims(cfg, layout.tensor_model_parallel_size).items()
+            if ".local_experts." not in name}
     try:
         validate_gtp_dims(dims.values(), g, pad)
     except ValueError as exc:

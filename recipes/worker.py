@@ -88,17 +88,20 @@ def setup(cfg, layout, optimizer_cfg=None):
     )
 
     from mcore_compat import cpu as cpu_compat
-    from recipes import gtp_setup, te
+    from mcore_compat import moe_cpu
+    from recipes import gtp_setup, moe, te
     from recipes.model import build_model
     from recipes.optim import build_optimizer, build_scheduler
 
     cpu_compat.install()
-    gtp_setup.before_model(cfg, layout)
+    moe_cpu.install()
+    gtp_setup.before_model(cfg, moe.gtp_hook_layout(layout))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tensor_model_parallel_size,
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
         gtp_remat_size=layout.gtp_remat_size,
+        **moe.parallel_state_fields(layout),
     )
     set_seed(cfg.train.seed)
     from recipes.data import build_tokenizer
@@ -111,6 +114,7 @@ def setup(cfg, layout, optimizer_cfg=None):
             # As Megatron-LM's get_model: built on CPU (use_cpu_initialization), trained on the GPU.
             chunk.cuda(torch.cuda.current_device())
         gtp_setup.after_model(chunk, layout)
+        moe.after_model(chunk, layout)
     if config.bf16:
         from megatron.core.transformer.module import Float16Module
 
@@ -123,7 +127,8 @@ def setup(cfg, layout, optimizer_cfg=None):
     ddp = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
            for i, chunk in enumerate(chunks)]
     for chunk in ddp:
-        gtp_setup.after_ddp(chunk, layout)
+        gtp_setup.after_ddp(chunk, moe.gtp_hook_layout(layout))
+        moe.after_ddp(chunk, layout)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [chunk.no_sync for chunk in ddp] if len(ddp) > 1 else ddp[0].no_sync
     if layout.use_distributed_optimizer:
@@ -267,6 +272,9 @@ def run(cfg) -> None:
                           sync=sync)
 
     from recipes.loop import train
+    from recipes.moe import attach_metrics
+
+    attach_metrics(cfg, state, logger)  # the load-balancing loss of MoE models (else nothing)
 
     try:
         stopped = train(state, cfg, logger, checkpointer, save)

@@ -1,0 +1,421 @@
+"""Mixture of Experts in a run: megatron's MoE fields, its layer spec, expert initialization that
+is the same at every layout, the checks before launch, and the load-balancing loss metric.
+
+Experts are megatron's local ``SequentialMLP`` (``local_experts.<i>``, one ``MLP`` each) from
+``get_gpt_decoder_block_spec``; the token dispatchers are megatron's ``allgather`` and
+``alltoall``. ``docs/moe.md`` lists the layouts and what is not done yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+
+import torch
+
+DISPATCHERS = ("allgather", "alltoall")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+# megatron's name of the aux loss in its MoE metrics tracker, and ours in metrics.jsonl/wandb.
+AUX_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+                  "global_aux_loss": "global_load_balancing_loss"}
+
+
+def is_moe(model_cfg) -> bool:
+    """Whether the ``model`` config has routed experts (``num_moe_experts`` set)."""
+    return bool(model_cfg.get("num_moe_experts"))
+
+
+def transformer_config_fields(model_cfg, layout) -> dict:
+    """megatron ``TransformerConfig`` keyword arguments for the MoE fields, ``qk_layernorm``,
+    ``kv_channels`` and the layout's expert, sequence and context parallel sizes."""
+    m = model_cfg
+    out = {
+        "sequence_parallel": layout.sequence_parallel,
+        "context_parallel_size": layout.context_parallel_size,
+        "qk_layernorm": bool(m.get("qk_layernorm", False)),
+    }
+    if m.get("kv_channels"):
+        out["kv_channels"] = int(m.kv_channels)
+    if not is_moe(m):
+        return out
+    out.update(
+        num_moe_experts=int(m.num_moe_experts),
+        moe_router_topk=int(m.moe_router_topk),
+        moe_ffn_hidden_size=int(m.get("moe_ffn_hidden_size") or m.ffn_hidden_size),
+        moe_shared_expert_intermediate_size=m.get("moe_shared_expert_intermediate_size"),
+        moe_router_load_balancing_type=m.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=float(m.moe_aux_loss_coeff),
+        moe_token_dispatcher_type=m.moe_token_dispatcher_type,
+        moe_layer_freq=int(m.get("moe_layer_freq", 1)),
+        moe_grouped_gemm=False,  # SequentialMLP: the local spec's experts (no TE grouped GEMM)
+        expert_model_parallel_size=layout.expert_model_parallel_size,
+        expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
+    )
+    if layout.expert_gtp_remat_size > 1:
+        out["expert_gtp_weight_remat_size"] = layout.expert_gtp_remat_size
+    return out
+
+
+def layer_spec(model_cfg, config, use_te: bool, vp_stage):
+    """megatron's decoder block spec for an MoE model (``get_gpt_decoder_block_spec``: MoE or
+    dense MLP per layer from ``moe_layer_freq``, q/k norms from ``qk_layernorm``)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                      normalization=model_cfg.get("normalization", "LayerNorm"),
+                                      vp_stage=vp_stage)
+
+
+@contextlib.contextmanager
+def experts_leave_rng_alone():
+    """While active, building a ``SequentialMLP`` draws nothing from torch's CPU generator as
+    seen by the rest of the model: its state is put back after the experts are built.
+
+    With CPU initialization each expert draws its full weight from that generator, so how many
+    experts a rank builds (num_moe_experts / expert_model_parallel_size) would shift every
+    later draw. :func:`init_experts` gives the experts their weights instead."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    original = SequentialMLP.__init__
+
+    def __init__(self, *args, **kwargs):
+        state = torch.get_rng_state()
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            torch.set_rng_state(state)
+
+    SequentialMLP.__init__ = __init__
+    try:
+        yield
+    finally:
+        SequentialMLP.__init__ = original
+
+
+def _expert_seed(seed: int, layer: int, expert: int, name: str) -> int:
+    return zlib.crc32(f"{seed}/{layer}/{expert}/{name}".encode())
+
+
+def init_experts(chunk, config, seed: int) -> int:
+    """Give every routed expert weight of ``chunk`` its logical value, the same at any layout.
+
+    Expert ``g`` (global index: ``ep_rank * local experts + i``) of layer ``l`` (megatron's
+    1-based ``layer_number``) draws its full weight with megatron's init method (``init_method``
+    for fc1, ``output_layer_init_method`` for fc2, as ``MLP`` uses them) from a generator seeded
+    by ``(seed, l, g, name)``; this rank keeps its expert-TP part (``partition_dim``, stride 2 for
+    a gated fc1: ``[gate | up]`` per rank, as megatron's ``_initialize_affine_weight_cpu``) and,
+    under expert GTP, its rows of the zero-padded part.
+
+    Returns:
+        The number of weights set.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.generalized_tensor_parallelism import is_gtp_param
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    etp, etp_rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+    ep_rank = ps.get_expert_model_parallel_rank()
+    n = 0
+    for transformer_layer in chunk.decoder.layers:
+        module = getattr(transformer_layer.mlp, "experts", None)
+        if not isinstance(module, SequentialMLP):
+            continue
+        layer = transformer_layer.layer_number
+        for i, expert in enumerate(module.local_experts):
+            g = ep_rank * module.num_local_experts + i
+            for lin_name, init in (("linear_fc1", config.init_method),
+                                   ("linear_fc2", config.output_layer_init_method)):
+                param = getattr(expert, lin_name).weight
+                dim = param.partition_dim
+                stride = 2 if lin_name == "linear_fc1" and config.gated_linear_unit else 1
+                local = list(param._unsharded_shape if is_gtp_param(param) else param.shape)
+                full = list(local)
+                full[dim] *= etp
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(_expert_seed(seed, layer, g, lin_name))
+                    master = torch.empty(full, dtype=torch.float32)
+                    init(master)
+                pieces = torch.split(master, local[dim] // stride, dim=dim)
+                part = torch.cat(pieces[etp_rank::etp], dim=dim).to(param.dtype)
+                if is_gtp_param(param):
+                    part = torch.nn.functional.pad(part, (0, 0, 0, param.pad_length))
+                    rows = param.shape[0]
+                    r = param.group.rank()
+                    part = part[r * rows:(r + 1) * rows]
+                with torch.no_grad():
+                    param.data.copy_(part)
+                n += 1
+    return n
+
+
+def aux_loss_name(model_cfg) -> str | None:
+    """The metric name of the load-balancing loss the router records (None: none)."""
+    if not is_moe(model_cfg) or not model_cfg.get("moe_aux_loss_coeff"):
+        return None
+    return AUX_LOSS_NAMES.get(model_cfg.get("moe_router_load_balancing_type"))
+
+
+def reduce_aux_loss(model_cfg, num_microbatches: int) -> dict:
+    """The iteration's load-balancing loss from megatron's MoE metrics tracker
+    (``moe_logging.get_moe_metrics_tracker``), then the tracker cleared. Collective: every rank
+    calls it after each step.
+
+    As megatron's ``MoEMetricsTracker.report``: per layer summed over the pipeline group and
+    the entry's reduce group, averaged over its average group and the data group (gloo has no
+    ``AVG`` reduction: a sum divided by the group size), times ``1 / num_microbatches``, then
+    the mean over MoE layers. Megatron records the loss without ``moe_aux_loss_coeff``.
+
+    Returns:
+        ``{"load_balancing_loss": float}`` (megatron's name for ``aux_loss``), empty without one.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    from recipes.shapes import is_moe_layer
+
+    name = aux_loss_name(model_cfg)
+    if name is None:
+        return {}
+    tracker = get_moe_metrics_tracker()
+    tracker.ensure_initialized(name, int(model_cfg.num_layers), device="cpu")
+    entry = tracker.metrics[name]
+    v = entry.values
+    dist = torch.distributed
+
+    def avg(group):
+        dist.all_reduce(v, group=group)
+        v.div_(dist.get_world_size(group))
+
+    dist.all_reduce(v, group=ps.get_pipeline_model_parallel_group())
+    if entry.reduce_group is not None:
+        dist.all_reduce(v, group=entry.reduce_group)
+    if entry.avg_group is not None:
+        avg(entry.avg_group)
+    if entry.needs_dp_avg:
+        avg(ps.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False))
+    moe_layers = sum(is_moe_layer(model_cfg, i) for i in range(int(model_cfg.num_layers)))
+    value = float(v.sum()) / num_microbatches / max(moe_layers, 1)
+    tracker.clear()
+    return {name: value}
+
+
+def resolve_expert_layout(cfg, world_size: int, tp: int, pp: int) -> dict:
+    """The expert and sequence fields of ``recipes.validate.Layout`` for ``world_size``.
+
+    ``sequence_parallel`` holds only at tp > 1 (megatron turns it off at tp 1, as Megatron-LM
+    does); ``expert_tensor_parallel_size`` null is megatron's default, tp.
+
+    Raises:
+        ConfigError: a size < 1, or world_size not divisible by etp x ep x pp x
+            expert_gtp_remat_size (megatron's expert grid), naming the valid sizes.
+    """
+    from recipes.validate import ConfigError
+
+    par = cfg.parallelism
+    ep = par.get("expert_model_parallel_size", 1)
+    etp = par.get("expert_tensor_parallel_size")
+    etp = tp if etp is None else etp
+    egtp = cfg.gtp.get("expert_gtp_remat_size", 1)
+    cp = par.get("context_parallel_size", 1)
+    for name, value in (("parallelism.expert_model_parallel_size", ep),
+                        ("parallelism.expert_tensor_parallel_size", etp),
+                        ("gtp.expert_gtp_remat_size", egtp),
+                        ("parallelism.context_parallel_size", cp)):
+        if value is None or int(value) < 1:
+            raise ConfigError(f"{name}={value} is invalid: it must be an integer >= 1")
+    grid = etp * ep * pp * egtp
+    if world_size % grid:
+        fits = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ConfigError(
+            f"world size {world_size} is not divisible by the expert grid "
+            f"expert_tensor_parallel_size={etp} x expert_model_parallel_size={ep} x "
+            f"pipeline_model_parallel_size={pp} x gtp.expert_gtp_remat_size={egtp} = {grid} "
+            f"(megatron: expert data-parallel size = world / that); with {world_size} processes "
+            f"the product must be one of {fits}, or run a multiple of {grid} processes "
+            f"(parallelism.nproc_per_node)")
+    return {"sequence_parallel": bool(par.get("sequence_parallel", False)) and tp > 1,
+            "expert_model_parallel_size": int(ep), "expert_tensor_parallel_size": int(etp),
+            "expert_gtp_remat_size": int(egtp), "context_parallel_size": int(cp)}
+
+
+def check(cfg, layout) -> None:
+    """MoE, sequence- and context-parallel rules, before any process starts.
+
+    Raises:
+        ConfigError: the first problem, naming the value and what is valid.
+    """
+    from recipes.validate import ConfigError
+
+    m, par = cfg.model, cfg.parallelism
+    tp, ep = layout.tensor_model_parallel_size, layout.expert_model_parallel_size
+    etp, egtp = layout.expert_tensor_parallel_size, layout.expert_gtp_remat_size
+    if layout.context_parallel_size > 1:
+        from recipes import te
+
+        why = ("megatron-core 0.19.2's local attention (DotProductAttention) asserts "
+               "context_parallel_size == 1: context parallelism exists only in "
+               "TransformerEngine's TEDotProductAttention")
+        if not te.transformer_engine_usable():
+            raise ConfigError(f"parallelism.context_parallel_size={layout.context_parallel_size} "
+                              f"needs TransformerEngine, which is not importable here ({why}); "
+                              f"set parallelism.context_parallel_size=1")
+        raise ConfigError(f"parallelism.context_parallel_size={layout.context_parallel_size}: "
+                          f"context parallelism is not wired into these recipes yet (the batch "
+                          f"split over CP ranks); set parallelism.context_parallel_size=1")
+    if not is_moe(m):
+        for name, value, default in (("parallelism.expert_model_parallel_size", ep, 1),
+                                     ("gtp.expert_gtp_remat_size", egtp, 1)):
+            if value != default:
+                raise ConfigError(f"{name}={value} needs routed experts: model.{m.name} is dense "
+                                  f"(model.num_moe_experts is null); set {name}={default} or "
+                                  f"choose an MoE model (e.g. model=moe_tiny)")
+        return
+    experts = int(m.num_moe_experts)
+    if experts < 1:
+        raise ConfigError(f"model.num_moe_experts={experts} must be >= 1 (or null: dense)")
+    if experts % ep:
+        valid = [d for d in range(1, experts + 1) if experts % d == 0]
+        raise ConfigError(f"model.num_moe_experts={experts} is not divisible by "
+                          f"parallelism.expert_model_parallel_size={ep}: each EP rank holds "
+                          f"num_moe_experts / ep whole experts; valid ep: {valid}")
+    if not 1 <= m.moe_router_topk <= experts:
+        raise ConfigError(f"model.moe_router_topk={m.moe_router_topk} must lie in [1, "
+                          f"model.num_moe_experts={experts}]")
+    if m.moe_token_dispatcher_type not in DISPATCHERS:
+        raise ConfigError(f"model.moe_token_dispatcher_type={m.moe_token_dispatcher_type!r}: valid "
+                          f"are {DISPATCHERS} (megatron's 'flex' needs DeepEP or HybridEP)")
+    if m.moe_router_load_balancing_type not in LOAD_BALANCING_TYPES:
+        raise ConfigError(f"model.moe_router_load_balancing_type="
+                          f"{m.moe_router_load_balancing_type!r}: valid are {LOAD_BALANCING_TYPES}")
+    if int(m.get("moe_layer_freq", 1)) < 1:
+        raise ConfigError(f"model.moe_layer_freq={m.moe_layer_freq} must be >= 1")
+    width = m.get("moe_ffn_hidden_size") or m.ffn_hidden_size
+    if width % etp:
+        raise ConfigError(f"model.moe_ffn_hidden_size={width} must be divisible by "
+                          f"parallelism.expert_tensor_parallel_size={etp}")
+    shared = m.get("moe_shared_expert_intermediate_size")
+    if shared and shared % tp:
+        raise ConfigError(f"model.moe_shared_expert_intermediate_size={shared} must be divisible "
+                          f"by parallelism.tensor_model_parallel_size={tp}")
+    if tp > 1 and not layout.sequence_parallel:
+        # MoELayer.forward raises in training: "performance may degrade if MoE and tensor
+        # parallelism are enabled without also enabling sequence parallelism".
+        raise ConfigError(f"an MoE model at parallelism.tensor_model_parallel_size={tp} needs "
+                          f"sequence parallelism (megatron's MoELayer refuses to train "
+                          f"without it): set parallelism.sequence_parallel=true")
+    if m.get("add_bias_linear", True) and etp > 1:
+        raise ConfigError(f"model.add_bias_linear=true with expert_tensor_parallel_size={etp}: "
+                          f"megatron supports MoE biases only at expert tensor parallel size 1; "
+                          f"set model.add_bias_linear=false or "
+                          f"parallelism.expert_tensor_parallel_size=1")
+    if egtp > 1:
+        _check_expert_gtp(cfg, layout)
+    ck = cfg.checkpoint
+    for key in ("save", "load", "pretrained"):
+        if ck.get(key) is not None:
+            # docs/moe.md: expert weights are not in the layout-independent checkpoint format yet.
+            raise ConfigError(
+                f"checkpoint.{key}={ck[key]!r} with an MoE model (model.{m.name}): checkpoints of "
+                f"expert weights are not supported yet (a save would not load exactly at another "
+                f"layout, and stock megatron writes expert-GTP padding into it); train without "
+                f"checkpoints: checkpoint=none")
+    if cfg.logger.get("grad_norm_detail", False):
+        raise ConfigError("logger.grad_norm_detail=true with an MoE model: the per-part grad norms "
+                          "do not count expert shards yet; set logger.grad_norm_detail=false")
+
+
+def _check_expert_gtp(cfg, layout) -> None:
+    from gtp.alignment import validate_gtp_dims
+    from recipes.model import gtp_weight_dims
+    from recipes.validate import ConfigError
+
+    egtp = layout.expert_gtp_remat_size
+    if layout.use_distributed_optimizer:
+        raise ConfigError(f"gtp.expert_gtp_remat_size={egtp} with "
+                          f"optim.use_distributed_optimizer=true: megatron-core 0.19.2 builds no "
+                          f"gloo expert data-parallel groups under expert GTP and the pairing is "
+                          f"untested here; set optim.use_distributed_optimizer=false")
+    if layout.gtp_remat_size > 1 and layout.gtp_remat_size != egtp:
+        raise ConfigError(f"gtp.expert_gtp_remat_size={egtp} with gtp.gtp_remat_size="
+                          f"{layout.gtp_remat_size}: set them equal, or gtp.gtp_remat_size=1")
+    dims = {n: d for n, d in gtp_weight_dims(cfg, layout.tensor_model_parallel_size).items()
+            if ".local_experts." in n}
+    try:
+        validate_gtp_dims(dims.values(), egtp, layout.pad_for_alignment)
+    except ValueError as exc:
+        raise ConfigError(f"gtp.expert_gtp_remat_size={egtp} with gtp.pad_for_alignment="
+                          f"{layout.pad_for_alignment}: {exc}") from None
+
+
+def gtp_hook_layout(layout):
+    """The layout ``recipes.gtp_setup.before_model`` / ``after_ddp`` set GTP up for: under expert
+    GTP without dense GTP, one with ``gtp_remat_size = expert_gtp_remat_size``, so the gloo GTP
+    backend, megatron's GTP recipe and the alignment are installed for the expert weights."""
+    import dataclasses
+
+    if layout.gtp_remat_size == 1 and layout.expert_gtp_remat_size > 1:
+        return dataclasses.replace(layout, gtp_remat_size=layout.expert_gtp_remat_size)
+    return layout
+
+
+def parallel_state_fields(layout) -> dict:
+    """``parallel_state.initialize_model_parallel`` keyword arguments of the expert grid."""
+    return {"expert_model_parallel_size": layout.expert_model_parallel_size,
+            "expert_tensor_parallel_size": layout.expert_tensor_parallel_size,
+            "expert_gtp_remat_size": layout.expert_gtp_remat_size}
+
+
+def after_model(chunk, layout) -> None:
+    """Before DDP: expert GTP's first gradient fix (``gtp.expert_grads.tag_expert_params``) and,
+    without dense GTP (``recipes.gtp_setup.after_model`` checks it otherwise), the expert shards'
+    alignment (``gtp.alignment.check_pad_applied``)."""
+    from gtp import expert_grads
+
+    if layout.expert_gtp_remat_size <= 1:
+        return
+    expert_grads.tag_expert_params(chunk, layout.expert_gtp_remat_size)
+    if layout.gtp_remat_size == 1:
+        from gtp import alignment
+
+        alignment.check_pad_applied(chunk, layout.pad_for_alignment)
+
+
+def after_ddp(ddp_chunk, layout) -> None:
+    """After DDP: expert GTP's second gradient fix (``gtp.expert_grads.scale_expert_gradients``)."""
+    from gtp import expert_grads
+
+    expert_grads.scale_expert_gradients(ddp_chunk, layout.expert_gtp_remat_size,
+                                        layout.gtp_remat_size)
+
+
+def attach_metrics(cfg, state, logger) -> None:
+    """Add the load-balancing loss (:func:`reduce_aux_loss`) to every logged iteration of an
+    MoE run: megatron's tracker is cleared when a step starts (``optimizer.zero_grad``), reduced
+    on every rank after the optimizer step, and merged into the metrics rank 0's ``logger``
+    writes (metrics.jsonl and wandb). Nothing happens without an aux loss."""
+    if aux_loss_name(cfg.model) is None:
+        return
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    optimizer, pending = state.optimizer, {}
+    zero_grad, step = optimizer.zero_grad, optimizer.step
+
+    def zero_grad_and_clear(*args, **kwargs):
+        get_moe_metrics_tracker().clear()
+        return zero_grad(*args, **kwargs)
+
+    def step_and_reduce(*args, **kwargs):
+        out = step(*args, **kwargs)
+        pending.update(reduce_aux_loss(cfg.model, state.num_microbatches))
+        return out
+
+    optimizer.zero_grad, optimizer.step = zero_grad_and_clear, step_and_reduce
+    if logger is not None:
+        log = logger.log
+
+        def log_with_aux(iteration, metrics):
+            metrics = {**metrics, **pending}
+            pending.clear()
+            return log(iteration, metrics)
+
+        logger.log = log_with_aux

@@ -1,0 +1,114 @@
+"""Layouts in one 2-process gloo world, through the worker's own setup (``recipes.worker.setup``:
+process groups, CPU shims, model, DDP, optimizer) and train step (``recipes.loop.train_step``):
+
+* each expert-GTP gradient fix of ``gtp.expert_grads``, switched off in turn, moves the first
+  step's ``grad-norm`` away from the same model without expert GTP (the fixes are needed);
+* dense ``tp2`` with sequence parallelism computes what ``tp2`` without it does (the norm's
+  ``sequence_parallel`` tag of ``mcore_compat.moe_cpu`` included: without it the norm gradients,
+  hence the grad norm, differ), and a second iteration after an Adam step agrees too.
+
+Every layout reads the same global batch (one synthetic micro-batch per data-parallel rank and
+step) from the same initial weights (CPU initialization; experts: ``recipes.moe.init_experts``).
+"""
+
+from __future__ import annotations
+
+import pytest
+from compose import make_cfg
+from multiproc import run_distributed
+from omegaconf import OmegaConf
+
+RTOL = 1e-5
+COMMON = ("checkpoint=none", "logger=none", "optim.lr_warmup_iters=0", "train.train_iters=2",
+          "data.micro_batch_size=2", "data.global_batch_size=8")
+
+
+def _batches(cfg, dp_rank, dp_size, step):
+    import torch
+
+    n = cfg.data.global_batch_size // cfg.data.micro_batch_size // dp_size
+    s, b = cfg.model.seq_length, cfg.data.micro_batch_size
+    out = []
+    for j in range(n):
+        g = torch.Generator().manual_seed(1000 * step + dp_rank * n + j)
+        tokens = torch.randint(0, 257, (b, s + 1), generator=g)
+        out.append({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+                    "position_ids": torch.arange(s).expand(b, s).contiguous(),
+                    "loss_mask": torch.ones(b, s)})
+    return out
+
+
+def _run(cfg_dict, broken):
+    """Two train steps at ``cfg_dict``'s layout; ``broken``: the gtp.expert_grads fix switched
+    off (a no-op in its place) or None. Returns [(lm loss, grad-norm)] per step."""
+    import torch
+    from megatron.core import parallel_state
+
+    from gtp import expert_grads
+    from multiproc import reset_model_parallel
+    from recipes.loop import train_step
+    from recipes.validate import validate
+    from recipes.worker import setup
+
+    cfg = OmegaConf.create(cfg_dict)
+    layout = validate(cfg, torch.distributed.get_world_size())
+    original = getattr(expert_grads, broken) if broken else None
+    if broken:
+        setattr(expert_grads, broken, lambda *a, **k: 0)
+    try:
+        _, model, optimizer, scheduler = setup(cfg, layout)
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        dp_rank, dp_size = group.rank(), group.size()
+        out = []
+        for step in range(2):
+            batches = _batches(cfg, dp_rank, dp_size, step)
+            m = train_step(model, optimizer, scheduler, iter(batches), len(batches), cfg)
+            out.append((m["lm loss"], m["grad-norm"]))
+        return out
+    finally:
+        if broken:
+            setattr(expert_grads, broken, original)
+        reset_model_parallel()
+
+
+def _world(cases):
+    return {name: _run(cfg, broken) for name, (cfg, broken) in cases.items()}
+
+
+def _cfg(*overrides):
+    return OmegaConf.to_container(make_cfg(*COMMON, *overrides), resolve=True)
+
+
+@pytest.fixture(scope="module")
+def results():
+    egtp = ("model=moe_tiny", "gtp.expert_gtp_remat_size=2", "gtp.pad_for_alignment=16",
+            "parallelism=tp1", "parallelism.nproc_per_node=2")
+    cases = {
+        "moe ep1": (_cfg("model=moe_tiny", "parallelism=tp1", "parallelism.nproc_per_node=2"), None),
+        "moe egtp2": (_cfg(*egtp), None),
+        "moe egtp2, no expert tag": (_cfg(*egtp), "tag_expert_params"),
+        "moe egtp2, no expert scale": (_cfg(*egtp), "scale_expert_gradients"),
+        "dense tp2": (_cfg("model=llama_tiny", "parallelism=tp2"), None),
+        "dense tp2+sp": (_cfg("model=llama_tiny", "parallelism=tp2",
+                              "parallelism.sequence_parallel=true"), None),
+    }
+    return run_distributed(_world, 2, cases, timeout=600)[0]
+
+
+def test_expert_gtp_equals_no_gtp(results):
+    for (loss, gn), (ref_loss, ref_gn) in zip(results["moe egtp2"], results["moe ep1"]):
+        assert loss == pytest.approx(ref_loss, rel=RTOL)
+        assert gn == pytest.approx(ref_gn, rel=RTOL)
+
+
+@pytest.mark.parametrize("broken", ["no expert tag", "no expert scale"])
+def test_each_expert_gtp_fix_is_needed(results, broken):
+    (loss, gn), ref = results[f"moe egtp2, {broken}"][0], results["moe ep1"][0]
+    assert loss == pytest.approx(ref[0], rel=RTOL)  # the forward is right either way
+    assert abs(gn - ref[1]) > 1e-3 * ref[1], (broken, gn, ref)
+
+
+def test_sequence_parallel_changes_no_math(results):
+    for (loss, gn), (ref_loss, ref_gn) in zip(results["dense tp2+sp"], results["dense tp2"]):
+        assert loss == pytest.approx(ref_loss, rel=RTOL)
+        assert gn == pytest.approx(ref_gn, rel=RTOL)
