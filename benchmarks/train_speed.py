@@ -156,9 +156,10 @@ def _environ(values: dict[str, str]):
 
 
 def compose_config(model: str, g: int, world: int, pad: int, run_dir: Path, cache: Path,
-                   overlap: bool = True):
+                   overlap: bool = True, extra: tuple[str, ...] = ()):
     """The resolved run config of one case (Hydra compose, as train.py would build it);
-    ``overlap=False``: megatron's GTP prefetch and async reduce-scatter off (in order)."""
+    ``overlap=False``: megatron's GTP prefetch and async reduce-scatter off (in order);
+    ``extra``: more overrides, applied last (e.g. ``optim=muon``)."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -176,7 +177,7 @@ def compose_config(model: str, g: int, world: int, pad: int, run_dir: Path, cach
             "parallelism=dp2", f"parallelism.nproc_per_node={world}",
             "checkpoint=none", "logger=none", f"output_dir={run_dir}",
             f"data.cache_dir={cache}", f"train.train_iters={warmup + iters}",
-            "optim.lr_warmup_iters=0",
+            "optim.lr_warmup_iters=0", *extra,
         ])
     plain = OmegaConf.to_container(cfg, resolve=True)
     plain["bench"] = {"iters": iters, "warmup": warmup}

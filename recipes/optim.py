@@ -144,7 +144,9 @@ def apply_schedule_override(optimizer, scheduler, cfg) -> None:
     o = cfg.optim
     values = {"max_lr": o.lr, "min_lr": o.min_lr, "start_wd": o.weight_decay, "end_wd": o.weight_decay,
               # torch's load_state_dict restored the checkpoint's Adam hyper-parameters.
-              "betas": (o.adam_beta1, o.adam_beta2), "eps": o.adam_eps}
+              "betas": (o.adam_beta1, o.adam_beta2), "eps": o.adam_eps,
+              # Muon's groups (TensorParallelMuon) hold its momentum.
+              "momentum": o.get("muon_momentum", 0.95)}
     for group in optimizer.param_groups:
         for key, value in values.items():
             if key in group:
