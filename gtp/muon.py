@@ -66,7 +66,7 @@ def logical_orthogonalize(optimizer, param, logical: torch.Tensor) -> torch.Tens
     if partition_dim == -1:
         partition_dim = None
     shapes = getattr(param, "qkv_split_shapes", None) or optimizer.qkv_split_shapes
-    if not (optimizer.split_qkv and getattr(param, "is_qkv", False)):
+    if not (optimizer.split_qkv and optimizer.is_qkv_fn is not None and optimizer.is_qkv_fn(param)):
         return optimizer.scaled_orthogonalize_fn(logical, tp_group, partition_dim)
     if shapes is None or logical.shape[0] % sum(shapes):
         raise RuntimeError(f"Muon q/k/v split of a {tuple(logical.shape)} linear_qkv weight into "

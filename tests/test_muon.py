@@ -33,6 +33,7 @@ def _muon(group):
     pgs = types.SimpleNamespace(tp=None, expt_tp=None, gtp_remat=group, expt_gtp_remat=None)
     return TensorParallelMuon([torch.nn.Parameter(torch.zeros(2, 2))], split_qkv=True,
                               qkv_split_shapes=QKV_SPLIT, fp32_matmul_prec="highest",
+                              is_qkv_fn=lambda p: getattr(p, "is_qkv", False),
                               pg_collection=pgs, tp_mode="duplicated")
 
 
