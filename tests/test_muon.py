@@ -18,7 +18,6 @@ import torch
 
 from multiproc import run_distributed
 
-pytestmark = pytest.mark.multiprocess
 
 COLS = 24
 # (rows, pad_length, is_qkv): 30 rows padded to 32 (16-row shards); a linear_qkv of 2 query
@@ -110,3 +109,84 @@ def test_install_refuses_other_megatron_versions(monkeypatch):
     monkeypatch.setattr(megatron.core, "__version__", "0.20.0")
     with pytest.raises(RuntimeError, match="0.19.2"):
         muon.install()
+
+
+# ---- config and pre-launch checks (no processes) ----------------------------------------------
+
+def test_optim_muon_composes_with_megatrons_field_names():
+    from compose import make_cfg
+    from recipes.optim import MUON_FIELDS, muon_fields
+    from recipes.validate import validate
+
+    cfg = make_cfg("optim=muon")
+    layout = validate(cfg, 2)
+    assert cfg.optim.optimizer == "muon" and layout.use_distributed_optimizer is False
+    fields = muon_fields(cfg.optim)
+    from megatron.core.optimizer import OptimizerConfig
+
+    config = OptimizerConfig(optimizer="muon", **fields)
+    assert set(fields) == set(MUON_FIELDS)
+    assert (config.muon_tp_mode, config.muon_fp32_matmul_prec) == ("duplicated", "highest")
+    assert muon_fields(make_cfg().optim) == {}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.optimizer=sgd", r"optim.optimizer='sgd': valid are \('adam', 'muon'\)"),
+    ("optim.muon_tp_mode=rowwise", r"optim.muon_tp_mode='rowwise': valid are"),
+    ("optim.muon_fp32_matmul_prec=low", r"optim.muon_fp32_matmul_prec='low': valid are"),
+    ("optim.muon_coefficient_type=cubic", r"optim.muon_coefficient_type='cubic': valid are"),
+    ("optim.muon_num_ns_steps=0", r"optim.muon_num_ns_steps=0 must be >= 1"),
+    ("optim.use_distributed_optimizer=true",
+     r"layer-wise distributed optimizer for Muon is not supported.*"
+     r"optim.use_distributed_optimizer=false"),
+])
+def test_bad_muon_settings_are_refused_before_launch(override, message):
+    from compose import make_cfg
+    from recipes.validate import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=message):
+        validate(make_cfg("optim=muon", override), 2)
+
+
+def _layout(tp):
+    return types.SimpleNamespace(tensor_model_parallel_size=tp)
+
+
+def test_resume_across_optimizers_or_precisions_is_refused(tmp_path):
+    from compose import make_cfg
+    from recipes.checkpoint import CheckpointError
+    from recipes.checkpointer import _check_optimizer
+    from recipes.config import to_dict
+
+    adam_saved, muon_saved = to_dict(make_cfg()), to_dict(make_cfg("optim=muon"))
+    with pytest.raises(CheckpointError, match=r"written by optim.optimizer=adam and this run is "
+                       r"optim.optimizer=muon.*resume with optim=adam.*checkpoint.pretrained="):
+        _check_optimizer(make_cfg("optim=muon"), _layout(1), adam_saved, {}, tmp_path)
+    with pytest.raises(CheckpointError, match=r"written by optim.optimizer=muon and this run is "
+                       r"optim.optimizer=adam"):
+        _check_optimizer(make_cfg(), _layout(1), muon_saved, {}, tmp_path)
+    # A checkpoint from before optim.optimizer was recorded is Adam's.
+    del adam_saved["optim"]["optimizer"]
+    with pytest.raises(CheckpointError, match="optim.optimizer=adam and this run"):
+        _check_optimizer(make_cfg("optim=muon"), _layout(1), adam_saved, {}, tmp_path)
+    with pytest.raises(CheckpointError, match=r"precision.params_dtype=fp32; changing it to bf16"):
+        _check_optimizer(make_cfg("optim=muon", "precision=bf16"), _layout(1), muon_saved, {},
+                         tmp_path)
+    _check_optimizer(make_cfg("optim=muon"), _layout(2), muon_saved,
+                     {"tensor_model_parallel_size": 1}, tmp_path)  # duplicated: any TP
+
+
+def test_blockwise_resume_at_another_tp_is_warned(tmp_path, capsys):
+    from compose import make_cfg
+    from recipes.checkpointer import _check_optimizer
+    from recipes.config import to_dict
+
+    saved = to_dict(make_cfg("optim=muon", "optim.muon_tp_mode=blockwise"))
+    _check_optimizer(make_cfg("optim=muon", "optim.muon_tp_mode=blockwise"), _layout(2), saved,
+                     {"tensor_model_parallel_size": 2}, tmp_path)
+    assert capsys.readouterr().out == ""
+    _check_optimizer(make_cfg("optim=muon", "optim.muon_tp_mode=blockwise"), _layout(1), saved,
+                     {"tensor_model_parallel_size": 2}, tmp_path)
+    out = capsys.readouterr().out
+    assert "warning: optim.muon_tp_mode=blockwise" in out and "tensor_model_parallel_size=1" in out
+    assert "(saved at 2)" in out
