@@ -67,7 +67,42 @@ def _worker(patched: bool):
         torch.distributed.all_gather(gathered, mine.contiguous(), group=group)
         out.append((torch.cat(gathered), golden))
     muon.install()
-    return out
+    return out, (_egtp_groups() if patched else None)
+
+
+def _egtp_groups():
+    """Which grad-stats group gtp.muon gives each optimizer of a chain at EGTP 2 and EGTP 1:
+    the group's global ranks, or the untouched placeholder's name."""
+    from megatron.core import parallel_state as ps
+
+    from gtp import muon
+
+    seen = {}
+    for egtp in (2, 1):
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        ps.initialize_model_parallel(expert_gtp_remat_size=egtp)
+        expert, dense = _param((4, 4), False), _param((4, 4), False)
+        expert.allreduce = False  # megatron's tag of expert-parallel params
+        chain = types.SimpleNamespace(chained_optimizers=[
+            types.SimpleNamespace(optimizer=_muon_of([dense]), grad_stats_parallel_group="mp"),
+            types.SimpleNamespace(optimizer=_muon_of([expert]), grad_stats_parallel_group="tp_ep_pp"),
+            types.SimpleNamespace(optimizer=torch.optim.Adam([expert]),
+                                  grad_stats_parallel_group="tp_ep_pp"),
+        ])
+        changed = muon._fix_expert_grad_stats_group(chain)
+        seen[egtp] = (changed, [g if isinstance(g, str) else
+                                torch.distributed.get_process_group_ranks(g)
+                                for g in (o.grad_stats_parallel_group
+                                          for o in chain.chained_optimizers)])
+    ps.destroy_model_parallel()
+    return seen
+
+
+def _muon_of(params):
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+
+    return TensorParallelMuon(params)
 
 
 @pytest.fixture(scope="module")
@@ -76,26 +111,35 @@ def results():
             for patched in (True, False)}
 
 
+def test_expert_muon_grad_norm_spans_the_egtp_group(results):
+    """No MoE model here: a chain of a dense Muon, an expert Muon (params tagged
+    ``allreduce=False``) and an expert Adam. At EGTP 2 only the expert Muon's group changes, to
+    the expert tensor-model-pipeline group merged over EGTP (both ranks); at EGTP 1 none."""
+    groups = results[True][1]
+    assert groups[2] == (1, ["mp", [0, 1], "tp_ep_pp"])
+    assert groups[1] == (0, ["mp", "tp_ep_pp", "tp_ep_pp"])
+
+
 def _same_update(full: torch.Tensor, golden: torch.Tensor, rows: int) -> None:
     assert torch.count_nonzero(full[rows:]) == 0, "padding rows got an update"
     torch.testing.assert_close(full[:rows], golden, rtol=1e-5, atol=1e-6)
 
 
 def test_gtp_shards_update_as_the_logical_matrix(results):
-    for (full, golden), (rows, _, _) in zip(results[True], CASES):
+    for (full, golden), (rows, _, _) in zip(results[True][0], CASES):
         _same_update(full, golden, rows)
 
 
 def test_megatron_0_19_2_scales_by_the_padded_shape(results):
     """The patch taken out: the comparison above fails (the scale fix is what passes it)."""
-    (full, golden), (rows, pad, _) = results[False][0], CASES[0]
+    (full, golden), (rows, pad, _) = results[False][0][0], CASES[0]
     with pytest.raises(AssertionError):
         _same_update(full, golden, rows)
     # spectral scale sqrt(max(1, rows / cols)): 32 padded rows instead of 30.
     ratio = float(full[:rows].norm() / golden.norm())
     assert ratio == pytest.approx(math.sqrt((rows + pad) / rows), rel=1e-4)
     # The q/k/v weight: megatron cannot split an 18-row shard and orthogonalizes it whole.
-    (full, golden), (rows, _, _) = results[False][1], CASES[1]
+    (full, golden), (rows, _, _) = results[False][0][1], CASES[1]
     with pytest.raises(AssertionError):
         _same_update(full, golden, rows)
 
