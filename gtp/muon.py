@@ -27,6 +27,10 @@ from __future__ import annotations
 
 import torch
 
+from mcore_compat.version import check_megatron_version
+
+# megatron's optimizer modules are imported on use: recipes import this module only for
+# optim=muon, and the TensorParallelMuon class needs the optional emerging-optimizers package.
 _PATCHED = False
 
 
@@ -150,8 +154,6 @@ def install() -> None:
     import megatron.core
     from megatron.core import optimizer as optimizer_module
     from megatron.core.optimizer import emerging_optimizers
-
-    from mcore_compat.version import check_megatron_version
 
     check_megatron_version(megatron.core.__version__, "gtp.muon patches TensorParallelMuon."
                            "orthogonalize and optimizer._get_megatron_emerging_optimizer")

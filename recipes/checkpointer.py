@@ -376,8 +376,13 @@ def prepare_resume(cfg, layout) -> None:
 
 
 def _check_optimizer(cfg, layout, saved: dict, saved_layout: dict, root) -> None:
-    """Refuse a resume into another optimizer (Adam <-> Muon) before launch; warn when a Muon
-    run in ``muon_tp_mode=blockwise`` (per-TP-shard orthogonalization) changes TP size."""
+    """Refuse a resume into another optimizer (Adam <-> Muon), and a Muon resume that changes
+    ``precision.params_dtype``, before launch; warn when a Muon run in
+    ``muon_tp_mode=blockwise`` (per-TP-shard orthogonalization) changes TP size.
+
+    Raises:
+        CheckpointError: naming both values and the ways on.
+    """
     before = _get(saved, "optim.optimizer") or "adam"
     now = cfg.optim.optimizer
     if saved and before != now:
@@ -388,7 +393,7 @@ def _check_optimizer(cfg, layout, saved: dict, saved_layout: dict, root) -> None
             f"with optim={before}, or start {now} from these weights only with "
             f"checkpoint.pretrained={root} and checkpoint.load=null")
     dtype_then = _get(saved, "precision.params_dtype")
-    if now == "muon" and saved and dtype_then != cfg.precision.params_dtype:
+    if now == "muon" and dtype_then is not None and dtype_then != cfg.precision.params_dtype:
         raise CheckpointError(
             f"{root} is a Muon run in precision.params_dtype={dtype_then}; changing it to "
             f"{cfg.precision.params_dtype} on resume is not supported with optim.optimizer=muon "

@@ -72,6 +72,7 @@ def build_optimizer(cfg, ddp_chunks):
     if o.optimizer == "muon":
         from gtp import muon
 
+        muon.install()
         muon.tag_qkv(ddp_chunks)
     config = OptimizerConfig(
         optimizer=o.optimizer,
@@ -93,12 +94,9 @@ def build_optimizer(cfg, ddp_chunks):
 
 def muon_fields(o) -> dict:
     """``OptimizerConfig`` keyword arguments of ``optim.optimizer=muon`` (the
-    :data:`MUON_FIELDS`), after installing :mod:`gtp.muon`; ``{}`` for Adam."""
+    :data:`MUON_FIELDS`); ``{}`` for Adam."""
     if o.optimizer != "muon":
         return {}
-    from gtp import muon
-
-    muon.install()
     return {name: o[name] for name in MUON_FIELDS}
 
 
