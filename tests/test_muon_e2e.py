@@ -37,6 +37,11 @@ LAYOUTS = {
     "tp2_g2a16": (["parallelism=tp2dp2", "gtp=tp2_align16", "train.train_iters=6",
                    "checkpoint.save_interval=3", "train.exit_interval=3"], (1, 2, 3)),
 }
+# The tiny model's 2-D weights that megatron gives to Muon (checkpoint keys, layers stacked).
+MUON_WEIGHTS = {"embedding.position_embeddings.weight",
+                "decoder.layers.self_attention.linear_qkv.weight",
+                "decoder.layers.self_attention.linear_proj.weight",
+                "decoder.layers.mlp.linear_fc1.weight", "decoder.layers.mlp.linear_fc2.weight"}
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +88,8 @@ def test_resume_at_another_layout_continues_the_uninterrupted_run(runs):
 
 def test_the_checkpoint_holds_muon_momentum_in_the_logical_layout(runs):
     """Every 2-D weight but the word embeddings and output layer has a momentum buffer, saved at
-    its logical (unpadded, unsharded) shape; Adam's moments for the rest."""
+    its weight's logical shape (layers stacked, unsharded, no GTP padding: linear_qkv's 3 x 72
+    rows, not tp2 x g2/a16's padded 2 x 128); Adam's moments for the rest."""
     import torch.distributed.checkpoint as dcp
 
     path = runs[0]["tp2_g2a16"] / "checkpoints" / "iter_0000003"
@@ -92,12 +98,11 @@ def test_the_checkpoint_holds_muon_momentum_in_the_logical_layout(runs):
                if not k.startswith(("optimizer", "chained", "rng", "common")) and hasattr(v, "size")}
     momentum = {k.split("momentum_buffer.", 1)[1]: tuple(v.size) for k, v in meta.items()
                 if ".optimizer.state.momentum_buffer." in k}
-    two_d = {k: s for k, s in weights.items() if len(s) == 2
-             and k not in ("embedding.word_embeddings.weight", "output_layer.weight")}
-    assert momentum == two_d
-    assert "decoder.layers.0.self_attention.linear_proj.weight" in momentum
+    assert set(momentum) == MUON_WEIGHTS
+    assert momentum == {k: weights[k] for k in MUON_WEIGHTS}
+    assert momentum["decoder.layers.self_attention.linear_qkv.weight"] == (2, 216, 72)
     adam = {k.split("exp_avg.", 1)[1] for k in meta if ".optimizer.state.exp_avg." in k}
-    assert adam == set(weights) - set(two_d)
+    assert adam == set(weights) - MUON_WEIGHTS
 
 
 def test_resume_into_adam_is_refused_before_launch(runs):
