@@ -24,8 +24,8 @@ def optim_refusal(o) -> str | None:
     if o.get("use_distributed_optimizer", False):
         return ("optim.optimizer=muon with optim.use_distributed_optimizer=true: megatron's "
                 "layer-wise distributed optimizer for Muon is not supported by these recipes "
-                "(its checkpoints are not in the logical layout); set "
-                "optim.use_distributed_optimizer=false")
+                "(megatron-core 0.19.2's LayerWiseDistributedOptimizer writes checkpoints for a "
+                "fixed data-parallel size only); set optim.use_distributed_optimizer=false")
     for name, valid in (("muon_tp_mode", MUON_TP_MODES), ("muon_scale_mode", MUON_SCALE_MODES),
                         ("muon_fp32_matmul_prec", MUON_MATMUL_PRECISIONS)):
         if o[name] not in valid:
