@@ -289,6 +289,8 @@ def resume_changes(saved: dict, now: dict, consumed_samples: int) -> list[Change
         old, new = flat_saved.get(name), flat_now.get(name)
         if old == new or name.endswith(".name") or name.split(".")[0] in _NEUTRAL or name in _NEUTRAL:
             continue
+        if name.startswith("optim.muon_") and _get(now, "optim.optimizer") != "muon":
+            continue  # no effect on Adam (and absent from checkpoints older than optim=muon)
         if name in DATA_FIELDS:
             effect = "REFUSED: changes the data seen (checkpoint.allow_data_change=true allows it)"
         elif name == "data.global_batch_size":

@@ -238,3 +238,20 @@ def test_blockwise_resume_at_another_tp_is_warned(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "warning: optim.muon_tp_mode=blockwise" in out and "tensor_model_parallel_size=1" in out
     assert "(saved at 2)" in out
+
+
+def test_muon_fields_are_no_change_for_adam():
+    """An Adam resume from a checkpoint recorded before the muon_* fields existed lists none of
+    them; a Muon resume lists a changed one."""
+    from compose import make_cfg
+    from recipes.checkpointer import resume_changes
+    from recipes.config import to_dict
+
+    old = to_dict(make_cfg())
+    for key in [k for k in old["optim"] if k.startswith("muon_")]:
+        del old["optim"][key]
+    assert [c.field for c in resume_changes(old, to_dict(make_cfg()), 0)] == []
+    muon_now = to_dict(make_cfg("optim=muon", "optim.muon_num_ns_steps=6"))
+    changes = {c.field: c.effect for c in resume_changes(to_dict(make_cfg("optim=muon")),
+                                                           muon_now, 0)}
+    assert changes == {"optim.muon_num_ns_steps": "used from now on"}
