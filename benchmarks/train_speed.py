@@ -110,7 +110,9 @@ def _worker(cfg_path: str, out_path: str) -> None:
 
     from megatron.core.tensor_parallel.generalized_tensor_parallelism import is_gtp_param
 
-    inner = getattr(optimizer, "optimizer", optimizer)
+    # One torch optimizer, or Muon's chain (Muon + Adam): every state tensor counts.
+    inners = [getattr(o, "optimizer", o)
+              for o in getattr(optimizer, "chained_optimizers", [optimizer])]
     mine = {
         "rank": torch.distributed.get_rank(),
         "param_bytes": nbytes(model.parameters()),
@@ -119,7 +121,8 @@ def _worker(cfg_path: str, out_path: str) -> None:
         # at tp1 the model's parameter count.
         "logical_param_numel": sum(prod(p._unsharded_shape) if is_gtp_param(p) else p.numel()
                                    for p in model.parameters()),
-        "optimizer_state_bytes": sum(nbytes(s.values()) for s in inner.state.values()),
+        "optimizer_state_bytes": sum(nbytes(s.values()) for inner in inners
+                                     for s in inner.state.values()),
         "step_times": times[cfg.bench.warmup:],
         "max_rss": max_rss(),
         "rss_before_steps": sampler.base,
@@ -156,9 +159,10 @@ def _environ(values: dict[str, str]):
 
 
 def compose_config(model: str, g: int, world: int, pad: int, run_dir: Path, cache: Path,
-                   overlap: bool = True):
+                   overlap: bool = True, extra: tuple[str, ...] = ()):
     """The resolved run config of one case (Hydra compose, as train.py would build it);
-    ``overlap=False``: megatron's GTP prefetch and async reduce-scatter off (in order)."""
+    ``overlap=False``: megatron's GTP prefetch and async reduce-scatter off (in order);
+    ``extra``: more overrides, applied last (e.g. ``optim=muon``)."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -176,7 +180,7 @@ def compose_config(model: str, g: int, world: int, pad: int, run_dir: Path, cach
             "parallelism=dp2", f"parallelism.nproc_per_node={world}",
             "checkpoint=none", "logger=none", f"output_dir={run_dir}",
             f"data.cache_dir={cache}", f"train.train_iters={warmup + iters}",
-            "optim.lr_warmup_iters=0",
+            "optim.lr_warmup_iters=0", *extra,
         ])
     plain = OmegaConf.to_container(cfg, resolve=True)
     plain["bench"] = {"iters": iters, "warmup": warmup}

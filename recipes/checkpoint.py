@@ -1063,6 +1063,7 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
     try:
         mine = optim_checkpoint.kind_of(optimizer)
         saved = optim_checkpoint.saved_kind(common.get("optimizer", {}))
+        optim_checkpoint.check_same_optimizer(optimizer, common.get("optimizer", {}))
     except optim_checkpoint.OptimizerCheckpointError as exc:
         raise CheckpointError(f"{path}: {exc}") from exc
     optim_checkpoint.prepare_for_load(optimizer)

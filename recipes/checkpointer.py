@@ -234,7 +234,9 @@ SCHEDULE_FIELDS = ("optim.lr", "optim.min_lr", "optim.lr_warmup_iters", "optim.l
 # Adam's param-group hyper-parameters: torch's load_state_dict restores the checkpoint's, so they
 # follow the lr schedule's policy (kept, or written after the load with the override).
 ADAM_FIELDS = ("optim.adam_beta1", "optim.adam_beta2", "optim.adam_eps")
-KEPT_ON_RESUME = SCHEDULE_FIELDS + ADAM_FIELDS
+# Muon's param-group momentum: restored from the checkpoint like Adam's betas.
+MUON_GROUP_FIELDS = ("optim.muon_momentum",)
+KEPT_ON_RESUME = SCHEDULE_FIELDS + ADAM_FIELDS + MUON_GROUP_FIELDS
 # Resharded or reread on load; no effect on the saved state.
 _NEUTRAL = ("parallelism", "logger", "checkpoint", "output_dir", "data.cache_dir")
 
@@ -287,6 +289,8 @@ def resume_changes(saved: dict, now: dict, consumed_samples: int) -> list[Change
         old, new = flat_saved.get(name), flat_now.get(name)
         if old == new or name.endswith(".name") or name.split(".")[0] in _NEUTRAL or name in _NEUTRAL:
             continue
+        if name.startswith("optim.muon_") and _get(now, "optim.optimizer") != "muon":
+            continue  # no effect on Adam (and absent from checkpoints older than optim=muon)
         if name in DATA_FIELDS:
             effect = "REFUSED: changes the data seen (checkpoint.allow_data_change=true allows it)"
         elif name == "data.global_batch_size":
@@ -349,6 +353,7 @@ def prepare_resume(cfg, layout) -> None:
     _, common = checkpoint.load_common(ck.load, iteration)
     _check_stock_layout(cfg, layout, saved_layout(common), ck.load)
     saved = common["train_state"].get("config") or {}
+    _check_optimizer(cfg, layout, saved, saved_layout(common), ck.load)
     consumed = int(common["train_state"].get("consumed_samples", 0))
     now = to_dict(cfg)
     changes = resume_changes(saved, now, consumed) if saved else []
@@ -367,9 +372,43 @@ def prepare_resume(cfg, layout) -> None:
         if saved and not cfg.optim.get("override_opt_param_scheduler", False):
             for name in KEPT_ON_RESUME:
                 key = name.split(".")[1]
-                if _get(saved, name) is None and name in ADAM_FIELDS:
+                if _get(saved, name) is None and name in ADAM_FIELDS + MUON_GROUP_FIELDS:
                     continue  # a checkpoint from before the field was recorded
                 cfg.optim[key] = _decay_iters(saved) if key == "lr_decay_iters" else _get(saved, name)
+
+
+def _check_optimizer(cfg, layout, saved: dict, saved_layout: dict, root) -> None:
+    """Refuse a resume into another optimizer (Adam <-> Muon), and a Muon resume that changes
+    ``precision.params_dtype``, before launch; warn when a Muon run in
+    ``muon_tp_mode=blockwise`` (per-TP-shard orthogonalization) changes TP size.
+
+    Raises:
+        CheckpointError: naming both values and the ways on.
+    """
+    before = _get(saved, "optim.optimizer") or "adam"
+    now = cfg.optim.optimizer
+    if saved and before != now:
+        raise CheckpointError(
+            f"{root} was written by optim.optimizer={before} and this run is "
+            f"optim.optimizer={now}: {before}'s state (" + ("Muon momentum buffers"
+            if before == "muon" else "Adam moments") + f") cannot continue as {now}'s; resume "
+            f"with optim={before}, or start {now} from these weights only with "
+            f"checkpoint.pretrained={root} and checkpoint.load=null")
+    dtype_then = _get(saved, "precision.params_dtype")
+    if now == "muon" and dtype_then is not None and dtype_then != cfg.precision.params_dtype:
+        raise CheckpointError(
+            f"{root} is a Muon run in precision.params_dtype={dtype_then}; changing it to "
+            f"{cfg.precision.params_dtype} on resume is not supported with optim.optimizer=muon "
+            f"(megatron's chained Muon + Adam optimizer state); resume with "
+            f"precision.params_dtype={dtype_then}")
+    tp_then = saved_layout.get("tensor_model_parallel_size")
+    tp_now = layout.tensor_model_parallel_size
+    modes = {_get(saved, "optim.muon_tp_mode"), cfg.optim.get("muon_tp_mode")}
+    if now == "muon" and "blockwise" in modes and tp_then not in (None, tp_now) and _is_rank0():
+        print(f"> warning: optim.muon_tp_mode=blockwise orthogonalizes each tensor-parallel "
+              f"shard on its own, so this resume at tensor_model_parallel_size={tp_now} "
+              f"(saved at {tp_then}) trains differently from the uninterrupted run; "
+              f"optim.muon_tp_mode=duplicated gives the same update at any TP", flush=True)
 
 
 def _check_stock_layout(cfg, layout, saved_layout: dict, root) -> None:

@@ -212,7 +212,7 @@ def validate(cfg, world_size: int) -> Layout:
     from recipes.data import SOURCES
     from recipes.metrics import LOGGER_MODES
     from recipes.model import PARAMS_DTYPES
-    from recipes.optim import LR_DECAY_STYLES
+    from recipes.optim import LR_DECAY_STYLES, optim_refusal
 
     layout = resolve_layout(cfg, world_size)
     from recipes import moe
@@ -275,8 +275,9 @@ def validate(cfg, world_size: int) -> Layout:
                 "0.19.2 (the output layer gets the embedding's GTP shard): set "
                 "model.share_embeddings_and_output_weights=false or gtp=off"
             )
-    if o.optimizer != "adam":
-        raise ConfigError(f"optim.optimizer={o.optimizer!r}: valid is 'adam'")
+    refusal = optim_refusal(o)
+    if refusal:
+        raise ConfigError(refusal)
     if o.lr_decay_style not in LR_DECAY_STYLES:
         raise ConfigError(f"optim.lr_decay_style={o.lr_decay_style!r}: valid are {LR_DECAY_STYLES}")
     if not (0 <= o.min_lr <= o.lr):
