@@ -23,6 +23,8 @@ import types
 
 import torch
 
+from mcore_compat.patches import megatron_patch
+
 # megatron modules whose module-global ``torch`` is replaced, with the calls that need it.
 PATCHED_MODULES: dict[str, str] = {
     "megatron.core.utils": "GlobalMemoryBuffer.get_tensor: device=torch.cuda.current_device()",
@@ -309,6 +311,9 @@ def _patch_rng_state_functions():
 _INSTALLED = False
 
 
+@megatron_patch("the module-global torch of PATCHED_MODULES, tensor_parallel.random."
+                "_get/_set_cuda_rng_state, clip_grads.clip_grad_by_total_norm_fp32, "
+                "Float16OptimizerWithFloat16Params.__init__, torch.Tensor.cuda methods")
 def install(force: bool = False) -> bool:
     """Redirect megatron-core's CUDA-only calls to CPU when CUDA is unavailable.
 

@@ -24,6 +24,8 @@ import os
 import signal
 import time
 
+from mcore_compat.patches import megatron_patch
+
 ENV = "GTP_RECIPES_FAULT"
 ACTIONS = ("kill", "raise")
 POINTS = ("train", "write", "save", "async_write")
@@ -59,6 +61,8 @@ def maybe_fail(point: str, iteration: int, rank: int) -> None:
 
 
 @contextlib.contextmanager
+@megatron_patch("dist_checkpointing.strategies.filesystem_async._write_item (while a write "
+                "fault is armed)")
 def while_writing(iteration: int, rank: int):
     """While active, the ``write`` fault of ``iteration`` fires inside megatron's file writer,
     right after one item went into an open data file (a rank dying mid-write)."""

@@ -23,7 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
-from recipes.checkpoint import CheckpointError
+from recipes.checkpoint.errors import CheckpointError
 
 WRITER_LEASE = ".writer_lease"
 # Set for the workers (and by rank 0 under torchrun/Slurm): the run id holding the writer lease.

@@ -219,7 +219,7 @@ def _peak_memory_over_ranks() -> int:
     return int(peak.item())
 
 
-def train(state, cfg, logger, checkpointer, save_fn) -> str | None:
+def train(state, cfg, logger, checkpoints) -> str | None:
     """Run iterations ``state.iteration + 1 .. train.train_iters``, with validation where
     :func:`eval_due` (its metrics join that iteration's row), or until
     :func:`recipes.preemption.exit_reason` stops the run after an iteration: then that
@@ -230,12 +230,9 @@ def train(state, cfg, logger, checkpointer, save_fn) -> str | None:
         state: the worker's ``RunState`` (model, optimizer, scheduler, data iterator, counters).
         cfg: the run config.
         logger: a ``MetricLogger`` on rank 0, else None.
-        checkpointer: the run's :class:`recipes.checkpointer.Checkpointer` (when to save, the last
-            good checkpoint).
-        save_fn: ``save_fn(iteration, sync=False)`` writes a checkpoint (every rank calls it).
-        checkpointer: the run's :class:`recipes.checkpointer.Checkpointer` (when to save, the last
-            good checkpoint); its ``poll()`` runs on every rank after every iteration (finalizes a
-            background save whose files are all written).
+        checkpoints: the run's :class:`recipes.checkpoint.manager.CheckpointManager`; its
+            ``step`` runs on every rank after every iteration (finalizes a finished background
+            save, saves when due), its ``stop`` when the run stops early.
 
     Returns:
         None at ``train.train_iters``; else what stopped the run early (``"SIGTERM"``...).
@@ -274,21 +271,16 @@ def train(state, cfg, logger, checkpointer, save_fn) -> str | None:
         if logger is not None and (stop or validated or state.iteration % cfg.train.log_interval == 0):
             logger.log(state.iteration, metrics)
         if stop:
-            checkpointer.wait()  # every rank stops here: a save in flight still completes
-            last = checkpointer.last_good
+            checkpoints.wait()  # every rank stops here: a save in flight still completes
+            last = checkpoints.last_good
             raise NonFiniteError(
                 f"iteration {state.iteration}: lm loss {metrics['lm loss']}, grad-norm "
                 f"{metrics['grad-norm']}: not finite; the step was not applied and the run stops. "
                 f"Last good checkpoint: {last if last else 'none (no save yet)'} "
                 f"(train.skip_nonfinite_iterations=true skips such steps instead)")
-        checkpointer.poll()
-        due = checkpointer.should_save(state.iteration, cfg.train.train_iters)
-        if due:
-            save_fn(state.iteration)
+        checkpoints.step(state, cfg.train.train_iters, logger)
         reason = preemption.exit_reason(state.iteration, cfg.train)
         if reason is not None:
-            if checkpointer.root and not due:
-                save_fn(state.iteration, sync=True)
-            checkpointer.wait()
+            checkpoints.stop(state, logger)
             return reason
     return None
