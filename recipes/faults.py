@@ -24,6 +24,8 @@ import os
 import signal
 import time
 
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+
 from mcore_compat.patches import megatron_patch
 
 ENV = "GTP_RECIPES_FAULT"
@@ -70,8 +72,6 @@ def while_writing(iteration: int, rank: int):
     if not spec or parse(spec)[1:] != ("write", iteration, rank):
         yield
         return
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
     original = filesystem_async._write_item
 
     @functools.wraps(original)  # megatron inspects its signature

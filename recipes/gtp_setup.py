@@ -1,6 +1,9 @@
 """Where a run switches GTP on: the hooks the worker calls around model construction.
 
 With ``gtp.gtp_remat_size == 1`` every hook does nothing.
+
+megatron and the modules that import it are imported inside the hooks (start-up time:
+``recipes.validate`` imports :func:`overlap_settings` before launch).
 """
 
 from __future__ import annotations

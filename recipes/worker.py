@@ -3,6 +3,9 @@
 Started by ``train.py`` through torch's elastic launcher (or run directly under torchrun/Slurm,
 with RANK/WORLD_SIZE/MASTER_ADDR set). Reads the resolved config that ``train.py`` wrote; never
 runs Hydra.
+
+megatron and the modules that import it are imported inside the functions (start-up time:
+``recipes.launch`` imports this module before launch, for its constants).
 """
 
 from __future__ import annotations

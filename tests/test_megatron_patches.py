@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("mcore_compat", "gtp", "recipes")
 # The patches installed today, "module.function" (a new one is added here when it is written).
@@ -97,55 +99,58 @@ def _public_callers(tree: ast.Module, name: str, module: str) -> set[str]:
     return callers or {f"{module}.{name}"}
 
 
-def _registered() -> dict:
-    """``mcore_compat.patches.PATCHES`` once every module of the three packages is imported."""
+# In a fresh interpreter: import every module of the three packages, record the registry, then
+# call each patch (none installed yet) with megatron-core reporting 0.18.0.
+_PROBE = """
+import importlib, json, warnings
+warnings.simplefilter("ignore")
+import megatron.core
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+for m in MODULES:
+    importlib.import_module(m)
+from mcore_compat import cpu
+from mcore_compat.patches import PATCHES
+refused = {}
+for name in sorted(PATCHES):
+    module, fn = name.rsplit(".", 1)
+    target = getattr(importlib.import_module(module), fn)
+    args = {"set_write_results_queue": (object(),), "while_writing": (1, 0)}.get(fn, ())
+    megatron.core.__version__ = "0.18.0"
+    try:
+        out = target(*args)
+        if fn == "while_writing":
+            out.__enter__()
+        refused[name] = "patched"
+    except RuntimeError as exc:
+        refused[name] = str(exc)
+    megatron.core.__version__ = "0.19.2"
+untouched = getattr(filesystem_async, "_results_queue", None) is None and not cpu.is_installed()
+print(json.dumps({"registered": PATCHES, "refused": refused, "untouched": untouched}))
+"""
+
+
+@pytest.fixture(scope="module")
+def probe() -> dict:
     modules = [_module_name(p) for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))
                if p.name != "__main__.py"]
-    code = ("import importlib, json, warnings\nwarnings.simplefilter('ignore')\n"
-            f"for m in {modules!r}: importlib.import_module(m)\n"
-            "from mcore_compat.patches import PATCHES\nprint(json.dumps(PATCHES))\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run([sys.executable, "-c", f"MODULES = {modules!r}" + _PROBE], cwd=ROOT,
+                         capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_every_megatron_patch_is_declared_through_the_gate():
-    registered = _registered()
+def test_every_megatron_patch_is_declared_through_the_gate(probe):
+    registered = probe["registered"]
     assert set(registered) == EXPECTED, "a patch was added or removed: update EXPECTED"
     assert _patching_functions() <= set(registered), (
         "a function writes into megatron without mcore_compat.patches.megatron_patch")
     assert all(registered.values()), "each patch names what it patches"
 
 
-def test_every_registered_patch_is_refused_on_another_megatron_version():
-    """In a fresh process (nothing installed yet) each patch, called with megatron-core
-    reporting 0.18.0, raises the gate's error and leaves megatron as it was."""
-    code = (
-        "import importlib, json, warnings\nwarnings.simplefilter('ignore')\n"
-        "import megatron.core\n"
-        "from megatron.core.dist_checkpointing.strategies import filesystem_async\n"
-        "results = {}\n"
-        f"for name in {sorted(EXPECTED)!r}:\n"
-        "    module, fn = name.rsplit('.', 1)\n"
-        "    target = getattr(importlib.import_module(module), fn)\n"
-        "    megatron.core.__version__ = '0.18.0'\n"
-        "    try:\n"
-        "        args = {'set_write_results_queue': (object(),), 'while_writing': (1, 0)}\n"
-        "        out = target(*args.get(fn, ()))\n"
-        "        if fn == 'while_writing': out.__enter__()\n"
-        "        results[name] = 'patched'\n"
-        "    except RuntimeError as exc:\n"
-        "        results[name] = str(exc)\n"
-        "    megatron.core.__version__ = '0.19.2'\n"
-        "from mcore_compat import cpu\n"
-        "results['queue untouched'] = getattr(filesystem_async, '_results_queue', None) is None\n"
-        "results['cpu untouched'] = not cpu.is_installed()\n"
-        "print(json.dumps(results))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         check=True)
-    results = json.loads(out.stdout.strip().splitlines()[-1])
-    assert results.pop("queue untouched") and results.pop("cpu untouched")
-    for name, message in results.items():
+def test_every_registered_patch_is_refused_on_another_megatron_version(probe):
+    """Each patch, called with megatron-core reporting 0.18.0, raises the gate's error naming
+    it, and leaves megatron as it was."""
+    assert probe["untouched"]
+    assert set(probe["refused"]) == EXPECTED
+    for name, message in probe["refused"].items():
         assert "written for megatron-core 0.19.2" in message and "found megatron-core 0.18.0" \
             in message and name in message, (name, message)
