@@ -78,8 +78,8 @@ def _patching_functions() -> set[str]:
                     targets = node.targets if isinstance(node, ast.Assign) else []
                     hit = any(isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
                               and t.value.id in local for t in targets)
-                    hit |= (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr"
-                            and node.args and isinstance(node.args[0], ast.Name)
+                    hit |= (isinstance(node, ast.Call)
+                            and getattr(node.func, "id", None) == "setattr" and node.args and isinstance(node.args[0], ast.Name)
                             and node.args[0].id in local)
                     if hit:
                         found |= _public_callers(tree, fn.name, _module_name(path))
@@ -131,8 +131,8 @@ print(json.dumps({"registered": PATCHES, "refused": refused, "untouched": untouc
 
 @pytest.fixture(scope="module")
 def probe() -> dict:
-    modules = [_module_name(p) for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))
-               if p.name != "__main__.py"]
+    modules = [_module_name(p) for package in PACKAGES
+               for p in sorted((ROOT / package).rglob("*.py")) if p.name != "__main__.py"]
     out = subprocess.run([sys.executable, "-c", f"MODULES = {modules!r}" + _PROBE], cwd=ROOT,
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -306,9 +306,10 @@ _FORK_HOOK_REGISTERED = False
 
 def _writer_fork_hook() -> None:
     """``os.register_at_fork`` child hook: in the writer forked by :meth:`AsyncSaves.schedule`,
-    leave the rank's scheduling group at once (:func:`recipes.lifetime.leave_parent_autogroup`), before Python's
-    process start-up, which would otherwise run at the rank's weight while the rank returns to
-    training. Forks by other threads, by other code and by the writer itself are left alone."""
+    leave the rank's scheduling group at once (:func:`recipes.lifetime.leave_parent_autogroup`),
+    before Python's process start-up, which would otherwise run at the rank's weight while the
+    rank returns to training. Forks by other threads, by other code and by the writer itself are
+    left alone."""
     global _WRITER_PARENT
     parent, _WRITER_PARENT = _WRITER_PARENT, None
     if parent is not None and parent[1] == threading.get_ident():

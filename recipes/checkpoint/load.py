@@ -192,8 +192,8 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
     def what(failure) -> str:
         if failure is None:
             return f"cannot load {path}"
-        return f"{path} " + ("lacks tensors this model needs" if "unexpected" in str(failure).lower()
-                             else "cannot be loaded")
+        absent = "unexpected" in str(failure).lower()
+        return f"{path} " + ("lacks tensors this model needs" if absent else "cannot be loaded")
 
     # Every byte of these files was just verified: the reader need not CRC them again.
     loaded = _read(state, ckpt, crc_checked=not (verify and not ckpt.converted), what=what)

@@ -135,7 +135,8 @@ class CheckpointManager:
         return common
 
     def should_save(self, iteration: int, train_iters: int) -> bool:
-        """Save after ``iteration``: every ``save_interval``, and at the end with ``save_at_end``."""
+        """Save after ``iteration``: every ``save_interval``, and at the end with
+        ``save_at_end``."""
         if not self.root:
             return False
         return bool((self.interval and iteration % self.interval == 0)
