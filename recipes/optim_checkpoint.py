@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from mcore_compat.patches import megatron_patch
+
 PLAIN = "adam"
 DISTRIBUTED = "distributed_adam"
 
@@ -271,6 +273,8 @@ def finish_load(optimizer, loaded: dict, common: dict, mine: str, saved: str,
 _PATCHED = False
 
 
+@megatron_patch("optimizer.distrib_optimizer.DistributedOptimizer."
+                "_set_main_param_and_optimizer_states and load_state_dict")
 def install() -> None:
     """Fix megatron-core 0.19.2's distributed-optimizer load without TransformerEngine/apex
     (idempotent; refused on another version).
@@ -283,13 +287,8 @@ def install() -> None:
     global _PATCHED
     if _PATCHED:
         return
-    import megatron.core
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from mcore_compat.version import check_megatron_version
-
-    check_megatron_version(megatron.core.__version__,
-                           "recipes.optim_checkpoint patches DistributedOptimizer state loading")
     original = DistributedOptimizer._set_main_param_and_optimizer_states
 
     def _set_main_param_and_optimizer_states(self, model_param, tensors):
