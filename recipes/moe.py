@@ -203,7 +203,7 @@ def reduce_aux_loss(model_cfg, num_microbatches: int) -> dict:
 
 
 def resolve_expert_layout(cfg, world_size: int, tp: int, pp: int) -> dict:
-    """The expert and sequence fields of ``recipes.validate.Layout`` for ``world_size``.
+    """The expert and sequence fields of ``recipes.validate.ParallelLayout`` for ``world_size``.
 
     ``sequence_parallel`` holds only at tp > 1 (megatron turns it off at tp 1, as Megatron-LM
     does); ``expert_tensor_parallel_size`` null is megatron's default, tp.
