@@ -319,9 +319,6 @@ def check(cfg, layout) -> None:
                 f"expert weights are not supported yet (a save would not load exactly at another "
                 f"layout, and stock megatron writes expert-GTP padding into it); train without "
                 f"checkpoints: checkpoint=none")
-    if cfg.logger.get("grad_norm_detail", False):
-        raise ConfigError("logger.grad_norm_detail=true with an MoE model: the per-part grad norms "
-                          "do not count expert shards yet; set logger.grad_norm_detail=false")
 
 
 def _check_expert_gtp(cfg, layout) -> None:
@@ -389,33 +386,44 @@ def after_ddp(ddp_chunk, layout) -> None:
 
 
 def attach_metrics(cfg, state, logger) -> None:
-    """Add the load-balancing loss (:func:`reduce_aux_loss`) to every logged iteration of an
-    MoE run: megatron's tracker is cleared when a step starts (``optimizer.zero_grad``), reduced
-    on every rank after the optimizer step, and merged into the metrics rank 0's ``logger``
-    writes (metrics.jsonl and wandb). Nothing happens without an aux loss."""
-    if aux_loss_name(cfg.model) is None:
+    """Add MoE figures to every logged iteration of an MoE run: the load-balancing loss
+    (:func:`reduce_aux_loss`, with an aux loss) and the per-layer tokens-per-expert ratios
+    (``recipes.moe_metrics.TokensPerExpert``). Megatron's tracker and the token counts are
+    cleared when a step starts (``optimizer.zero_grad``), reduced on every rank after the
+    optimizer step, and merged into the metrics rank 0's ``logger`` writes (metrics.jsonl and
+    wandb). Nothing happens for a dense model."""
+    if not is_moe(cfg.model):
         return
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
+    from recipes.model import model_chunks
+    from recipes.moe_metrics import TokensPerExpert
+
+    tokens = TokensPerExpert(model_chunks(state.model), int(cfg.model.num_layers),
+                             int(cfg.model.num_moe_experts))
+    with_aux = aux_loss_name(cfg.model) is not None
     optimizer, pending = state.optimizer, {}
     zero_grad, step = optimizer.zero_grad, optimizer.step
 
     def zero_grad_and_clear(*args, **kwargs):
         get_moe_metrics_tracker().clear()
+        tokens.clear()
         return zero_grad(*args, **kwargs)
 
     def step_and_reduce(*args, **kwargs):
         out = step(*args, **kwargs)
-        pending.update(reduce_aux_loss(cfg.model, state.num_microbatches))
+        if with_aux:
+            pending.update(reduce_aux_loss(cfg.model, state.num_microbatches))
+        pending.update(tokens.reduce())
         return out
 
     optimizer.zero_grad, optimizer.step = zero_grad_and_clear, step_and_reduce
     if logger is not None:
         log = logger.log
 
-        def log_with_aux(iteration, metrics):
+        def log_with_moe(iteration, metrics):
             metrics = {**metrics, **pending}
             pending.clear()
             return log(iteration, metrics)
 
-        logger.log = log_with_aux
+        logger.log = log_with_moe

@@ -112,7 +112,6 @@ def test_mixtral_recipe_layout_dry_run(capsys):
     (["gtp.expert_gtp_remat_size=2", "optim.use_distributed_optimizer=true"], 2,
      "set optim.use_distributed_optimizer=false"),
     (["parallelism.context_parallel_size=2"], 2, "TEDotProductAttention"),
-    (["logger.grad_norm_detail=true"], 2, "logger.grad_norm_detail=false"),
 ])
 def test_bad_moe_layouts_are_refused(overrides, world, message):
     cfg = make_cfg("model=moe_tiny", *overrides)
