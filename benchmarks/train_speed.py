@@ -110,7 +110,9 @@ def _worker(cfg_path: str, out_path: str) -> None:
 
     from megatron.core.tensor_parallel.generalized_tensor_parallelism import is_gtp_param
 
-    inner = getattr(optimizer, "optimizer", optimizer)
+    # megatron's ChainedOptimizer: one inner torch optimizer per part (dense, experts).
+    inners = [getattr(o, "optimizer", o)
+              for o in getattr(optimizer, "chained_optimizers", [optimizer])]
     mine = {
         "rank": torch.distributed.get_rank(),
         "param_bytes": nbytes(model.parameters()),
@@ -119,7 +121,8 @@ def _worker(cfg_path: str, out_path: str) -> None:
         # at tp1 the model's parameter count.
         "logical_param_numel": sum(prod(p._unsharded_shape) if is_gtp_param(p) else p.numel()
                                    for p in model.parameters()),
-        "optimizer_state_bytes": sum(nbytes(s.values()) for s in inner.state.values()),
+        "optimizer_state_bytes": sum(nbytes(s.values()) for inner in inners
+                                     for s in inner.state.values()),
         "step_times": times[cfg.bench.warmup:],
         "max_rss": max_rss(),
         "rss_before_steps": sampler.base,
