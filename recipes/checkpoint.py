@@ -233,14 +233,19 @@ def _rng_sharded_object():
 
 def optimizer_metadata(optimizer) -> dict:
     """The ``metadata`` megatron's ``sharded_state_dict`` takes: the distributed optimizer's
-    checkpoint format (``distrib_optim_sharding_type``) when it is one, else empty."""
+    checkpoint format (``distrib_optim_sharding_type``) when it is one, and
+    ``chained_optim_avoid_prefix``."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+    # Tensor keys without megatron's per-optimizer "chained_<i>." prefix: an MoE model has a
+    # dense and an expert optimizer where experts are split (EP, ETP != TP, expert GTP), one
+    # elsewhere; the keys of each param's moments are then the same at every layout.
+    out = {"chained_optim_avoid_prefix": True}
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if isinstance(opt, DistributedOptimizer):
             # The one layout-changing format (recipes.validate refuses the others).
-            return {"distrib_optim_sharding_type": "fully_reshardable"}
-    return {}
+            out["distrib_optim_sharding_type"] = "fully_reshardable"
+    return out
 
 
 def _model_sharded_state_dict(model) -> dict:

@@ -310,15 +310,6 @@ def check(cfg, layout) -> None:
                           f"parallelism.expert_tensor_parallel_size=1")
     if egtp > 1:
         _check_expert_gtp(cfg, layout)
-    ck = cfg.checkpoint
-    for key in ("save", "load", "pretrained"):
-        if ck.get(key) is not None:
-            # docs/moe.md: expert weights are not in the layout-independent checkpoint format yet.
-            raise ConfigError(
-                f"checkpoint.{key}={ck[key]!r} with an MoE model (model.{m.name}): checkpoints of "
-                f"expert weights are not supported yet (a save would not load exactly at another "
-                f"layout, and stock megatron writes expert-GTP padding into it); train without "
-                f"checkpoints: checkpoint=none")
 
 
 def _check_expert_gtp(cfg, layout) -> None:
