@@ -39,7 +39,7 @@ gpu-smoke: setup ## one CUDA GPU: nccl, bf16, 20 iterations, save, resume (scrip
 	PY=$(PY) scripts/gpu_smoke.sh
 
 golden: setup ## regenerate tests/golden/loss_curve.json (the golden loss curve; say why in the commit)
-	$(PY) tests/golden_curve.py
+	$(PY) tests/helpers/golden_curve.py
 
 bench: setup ## run the benchmarks and print their tables
 	$(PY) -m benchmarks $(ARGS)

@@ -22,6 +22,7 @@ from pathlib import Path
 # (name, module with main(argv)); run in this order.
 BENCHMARKS: list[tuple[str, str]] = [
     ("train_speed", "benchmarks.train_speed"),
+    ("muon_speed", "benchmarks.muon_speed"),
     ("checkpoint", "benchmarks.checkpoint_io"),
     ("verify", "benchmarks.checkpoint_verify"),
     ("parallel_layouts", "benchmarks.parallel_layouts"),

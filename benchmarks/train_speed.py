@@ -110,7 +110,8 @@ def _worker(cfg_path: str, out_path: str) -> None:
 
     from megatron.core.tensor_parallel.generalized_tensor_parallelism import is_gtp_param
 
-    # megatron's ChainedOptimizer: one inner torch optimizer per part (dense, experts).
+    # One torch optimizer, or megatron's chain (Muon + Adam; dense + experts): every state
+    # tensor counts.
     inners = [getattr(o, "optimizer", o)
               for o in getattr(optimizer, "chained_optimizers", [optimizer])]
     mine = {
@@ -159,9 +160,10 @@ def _environ(values: dict[str, str]):
 
 
 def compose_config(model: str, g: int, world: int, pad: int, run_dir: Path, cache: Path,
-                   overlap: bool = True):
+                   overlap: bool = True, extra: tuple[str, ...] = ()):
     """The resolved run config of one case (Hydra compose, as train.py would build it);
-    ``overlap=False``: megatron's GTP prefetch and async reduce-scatter off (in order)."""
+    ``overlap=False``: megatron's GTP prefetch and async reduce-scatter off (in order);
+    ``extra``: more overrides, applied last (e.g. ``optim=muon``)."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -179,7 +181,7 @@ def compose_config(model: str, g: int, world: int, pad: int, run_dir: Path, cach
             "parallelism=dp2", f"parallelism.nproc_per_node={world}",
             "checkpoint=none", "logger=none", f"output_dir={run_dir}",
             f"data.cache_dir={cache}", f"train.train_iters={warmup + iters}",
-            "optim.lr_warmup_iters=0",
+            "optim.lr_warmup_iters=0", *extra,
         ])
     plain = OmegaConf.to_container(cfg, resolve=True)
     plain["bench"] = {"iters": iters, "warmup": warmup}

@@ -38,7 +38,8 @@ from unittest.mock import MagicMock
 
 import torch
 
-from mcore_compat.version import check_megatron_version
+from mcore_compat.patches import megatron_patch
+from mcore_compat.version import check_megatron_version  # noqa: F401 - gtp.backend.check_megatron_version
 
 logger = logging.getLogger(__name__)
 
@@ -306,6 +307,8 @@ def _releasing_bwd_gather(all_gather_and_prefetch_bwd, gtp_module):
     return wrapped
 
 
+@megatron_patch("tensor_parallel.generalized_tensor_parallelism internals (gather/reduce-scatter, "
+                "TE stand-ins, GTPShardedParam.all_gather_and_prefetch_bwd, GTP_CONFIG)")
 def install() -> bool:
     """Make megatron-core 0.19.2's GTP weight remat run without TransformerEngine.
 
@@ -329,10 +332,6 @@ def install() -> bool:
     global _INSTALLED
     if _INSTALLED:
         return True
-    import megatron.core
-
-    check_megatron_version(megatron.core.__version__,
-                           "gtp.backend patches generalized_tensor_parallelism internals")
     gtp = importlib.import_module(_GTP_MODULE)
     if gtp.HAVE_TE:
         logger.info("gtp.backend: TransformerEngine is usable for GTP; portable backend not used")

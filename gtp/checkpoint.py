@@ -71,6 +71,7 @@ from gtp.records import (  # noqa: F401 - the record names, also read as gtp.che
     GTP_FORMAT_STOCK,
     METADATA_KEY,
 )
+from mcore_compat.patches import megatron_patch
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +210,7 @@ def _swap_everywhere(name: str, old, new) -> list[str]:
     return swapped
 
 
+@megatron_patch("the sharded-state-dict functions of _TARGETS, wherever megatron imported them")
 def install() -> None:
     """Switch megatron-core 0.19.2 to the logical checkpoint format (idempotent).
 
@@ -219,12 +221,6 @@ def install() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
-    import megatron.core
-
-    from mcore_compat.version import check_megatron_version
-
-    check_megatron_version(megatron.core.__version__,
-                           "gtp.checkpoint patches the sharded-state-dict functions")
     for mod in _IMPORT_FIRST:
         importlib.import_module(mod)
     for name, (home, new) in _TARGETS.items():

@@ -26,7 +26,7 @@ import importlib
 
 import torch
 
-from mcore_compat.version import check_megatron_version
+from mcore_compat.patches import megatron_patch
 
 
 # Modules that bound ``count_zeros_fp32`` by name at import time (``from .clip_grads import ...``).
@@ -143,17 +143,16 @@ def _copy_gtp_attributes(destination, source):
     setattr(destination, PAD_FROM_ATTR, max(0, min(destination.numel(), logical - start)))
 
 
+@megatron_patch("optimizer.clip_grads.count_zeros_fp32 (and its importers), "
+                "tensor_parallel.copy_gtp_attributes")
 def install() -> None:
     """Make megatron's ``num-zeros`` skip GTP padding rows (idempotent). Install before the
     optimizer is built (the fp32 master copies of bf16 params are tagged at construction)."""
     global _original_count_zeros, _original_copy_gtp_attributes
     if _original_count_zeros is not None:
         return
-    import megatron.core
     from megatron.core import tensor_parallel
 
-    check_megatron_version(megatron.core.__version__,
-                           "gtp.grad_stats patches optimizer.clip_grads.count_zeros_fp32")
     modules = [importlib.import_module(name) for name in _COUNT_ZEROS_USERS]
     _original_count_zeros = modules[0].count_zeros_fp32
     for module in modules:

@@ -22,6 +22,11 @@ import sys
 import types
 
 import torch
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+from megatron.core.utils import to_local_if_dtensor
+
+from mcore_compat.patches import megatron_patch
 
 # megatron modules whose module-global ``torch`` is replaced, with the calls that need it.
 PATCHED_MODULES: dict[str, str] = {
@@ -193,8 +198,6 @@ def _clip_grad_by_total_norm_fp32_cpu(parameters, max_norm, total_norm, use_deco
     Raises:
         TypeError: a grad is not fp32/bf16 (decoupled) or not fp32 (regular), as upstream asserts.
     """
-    from megatron.core.utils import to_local_if_dtensor
-
     attr = "decoupled_grad" if use_decoupled_grad else "grad"
     allowed = (torch.float32, torch.bfloat16) if use_decoupled_grad else (torch.float32,)
     grads = []
@@ -249,9 +252,6 @@ def _patch_float16_optimizer_init():
     (``_build_model_and_main_param_groups``) sort params by ``param.type()`` and accept only
     ``torch.cuda.{Half,BFloat16,Float}Tensor``; run them with CPU tensors reporting those
     names, so bf16 runs and the distributed optimizer get megatron's fp32 main params on CPU too."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
-
     for cls in (Float16OptimizerWithFloat16Params, DistributedOptimizer):
         original = cls.__init__
 
@@ -309,6 +309,9 @@ def _patch_rng_state_functions():
 _INSTALLED = False
 
 
+@megatron_patch("the module-global torch of PATCHED_MODULES, tensor_parallel.random."
+                "_get/_set_cuda_rng_state, clip_grads.clip_grad_by_total_norm_fp32, "
+                "Float16OptimizerWithFloat16Params.__init__, torch.Tensor.cuda methods")
 def install(force: bool = False) -> bool:
     """Redirect megatron-core's CUDA-only calls to CPU when CUDA is unavailable.
 

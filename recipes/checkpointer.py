@@ -1,12 +1,12 @@
-"""Checkpoint policy of one run: when and where to save, retention, which iteration to load,
-what a resume may change.
+"""Checkpoint policy of a resume: which iteration to load, which save dir may be written, what
+a resume may change.
 
-The file format and the staged write live in :mod:`recipes.checkpoint`; this module decides.
-Before launch (one process) :func:`prepare_resume` resolves the iteration to load, refuses a save
-dir that holds another run's checkpoints, compares the config with the checkpoint's and prints
-the changes; in the workers a :class:`Checkpointer` saves (staged, then renamed into place when
-every rank finished) and prunes, and :func:`agree_load_iteration` makes every rank load the
-iteration global rank 0 resolved.
+The file format, the staged write and the run's lifecycle live in :mod:`recipes.checkpoint`
+(:class:`recipes.checkpoint.manager.CheckpointManager`); this module decides. Before launch
+:func:`prepare_resume` takes the resolved :class:`~recipes.checkpoint.manager.ResumePlan`,
+refuses a save dir that holds another run's checkpoints, compares the config with the
+checkpoint's, prints the changes and pins the iteration; in the workers
+:func:`agree_load_iteration` makes every rank load the iteration global rank 0 resolved.
 """
 
 from __future__ import annotations
@@ -17,102 +17,16 @@ from pathlib import Path
 
 import torch
 
+from omegaconf import open_dict
+
 from gtp.records import saved_layout
 from recipes import checkpoint, precision_change
 from recipes.checkpoint import CheckpointError
+from recipes.config import to_dict
 
 
 class NothingToTrain(Exception):
     """The checkpoint to load is already at or past ``train.train_iters`` (not an error)."""
-
-
-class Checkpointer:
-    """Saves of one run (every rank holds one; global rank 0 renames and prunes).
-
-    Args:
-        ck: the ``checkpoint`` config group (``save``, ``save_interval``, ``save_at_end``,
-            ``keep_last``).
-        loaded: the iteration this run resumed from (kept by retention), or None.
-    """
-
-    def __init__(self, ck, loaded: int | None = None):
-        self.root = ck.save
-        self.interval = ck.save_interval
-        self.save_at_end = ck.save_at_end
-        self.keep_last = ck.keep_last
-        self.loaded = loaded
-        # The newest complete checkpoint of this run's lineage (for messages): where it resumed.
-        self.last_good: Path | None = None
-        # checkpoint.async_save: saves written in the background, finalized in poll()/wait().
-        self.async_saves = checkpoint.AsyncSaves() if ck.get("async_save", False) else None
-
-    def should_save(self, iteration: int, train_iters: int) -> bool:
-        """Save after ``iteration``: every ``save_interval``, and at the end with ``save_at_end``."""
-        if not self.root:
-            return False
-        return bool((self.interval and iteration % self.interval == 0)
-                    or (iteration == train_iters and self.save_at_end))
-
-    def save(self, iteration: int, model, optimizer, scheduler, common: dict, layout: dict,
-             on_done=None, sync: bool = False) -> Path:
-        """Write the checkpoint of ``iteration`` (every rank calls this).
-
-        Staged into a hidden dir (:func:`recipes.checkpoint.stage_save`), renamed into place
-        and named by the tracker once every rank finished (:func:`recipes.checkpoint.finalize_save`),
-        then older complete saves beyond ``keep_last`` are removed and ``on_done(iteration,
-        path)`` runs (every rank). With ``checkpoint.async_save`` the files are written in the
-        background and all of that happens in a later :meth:`poll` / :meth:`wait`, unless
-        ``sync`` (the save of an exit: complete on return, after the save in flight).
-
-        Returns:
-            The iter dir (complete on return only without ``async_save``).
-        """
-        rank = torch.distributed.get_rank()
-        if self.async_saves is not None:
-            self.async_saves.wait()  # the save still in flight moves the tracker first
-        previous = _tracked(self.root) if rank == 0 else None
-
-        def done(path: Path) -> None:
-            self.last_good = path
-            if rank == 0:
-                if previous is not None and previous > iteration:
-                    retention = (f", or checkpoint.keep_last={self.keep_last} removes it once "
-                                 f"{self.keep_last} newer complete save(s) exist"
-                                 if self.keep_last else "")
-                    print(f"> note: {checkpoint.TRACKER} in {self.root} moves back from {previous} "
-                          f"to {iteration}; {checkpoint.iter_dir(self.root, previous).name} stays "
-                          f"(checkpoint.load_iteration={previous} loads it) unless this run saves "
-                          f"iteration {previous} too, which replaces it{retention}", flush=True)
-                if self.keep_last:
-                    keep = (iteration,) if self.loaded is None else (iteration, self.loaded)
-                    checkpoint.remove_old_checkpoints(self.root, self.keep_last, keep=keep)
-            if on_done is not None:
-                on_done(iteration, path)
-
-        return checkpoint.save_checkpoint(self.root, iteration, model, optimizer, scheduler, common,
-                                          layout, async_saves=None if sync else self.async_saves,
-                                          on_done=done)
-
-    def poll(self) -> None:
-        """Finalize the background save in flight if every rank's writer has finished (a
-        collective; no-op without ``async_save``).
-
-        Raises:
-            CheckpointError: as :meth:`wait`.
-        """
-        if self.async_saves is not None:
-            self.async_saves.poll()
-
-    def wait(self) -> None:
-        """Wait for the background save in flight and finalize it (a collective; no-op without
-        ``async_save``).
-
-        Raises:
-            CheckpointError: a rank's writer failed or died; nothing was renamed into place,
-                the tracker still names the previous checkpoint.
-        """
-        if self.async_saves is not None:
-            self.async_saves.wait()
 
 
 def _is_rank0() -> bool:
@@ -123,18 +37,12 @@ def _is_rank0() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def _tracked(root) -> int | None:
-    try:
-        return checkpoint.read_tracker(root)
-    except CheckpointError:
-        return None
-
-
 def resolve_load_iteration(ck) -> int | None:
-    """The iteration ``ck.load`` resolves to now: ``ck.load_iteration`` or the tracker's.
+    """The iteration ``ck.load`` resolves to now: ``ck.load_iteration`` or the tracker's (a
+    loadability check; global rank 0 first puts back a save a crash left aside).
 
     Raises:
-        CheckpointError: as :func:`recipes.checkpoint.check_loadable`.
+        CheckpointError: as :func:`recipes.checkpoint.integrity.check_loadable`.
     """
     if ck.load is None:
         return None
@@ -148,13 +56,15 @@ def agree_load_iteration(ck) -> int | None:
     it resolves (unless the config pins it), broadcast, so a dir that another run is saving
     into, or a ``checkpoint.load=auto`` that each torchrun/Slurm rank resolved on its own while
     rank 0 repaired the dir, cannot give ranks different checkpoints. Sets ``ck.load`` to rank
-    0's (every rank calls this: a collective)."""
-    from omegaconf import open_dict
-
+    0's (every rank calls this: a collective). A pinned iteration (the launcher's
+    :func:`prepare_resume` pins it) is taken as is: each rank's
+    :meth:`~recipes.checkpoint.manager.ResumePlan.open` checks it."""
     box = [None, None]
     if torch.distributed.get_rank() == 0:
         box[0] = ck.load
-        if ck.load is not None:
+        if ck.load is not None and ck.load_iteration is not None:
+            box[1] = int(ck.load_iteration)
+        elif ck.load is not None:
             try:
                 box[1] = resolve_load_iteration(ck)
             except CheckpointError as exc:
@@ -186,7 +96,7 @@ def check_save_dir(ck, load_iteration: int | None) -> None:
     if _is_rank0():
         checkpoint.recover_replaced(root)
     saved = checkpoint.saved_iterations(root)
-    tracked = _tracked(root) if (root / checkpoint.TRACKER).exists() else None
+    tracked = checkpoint.tracked(root) if (root / checkpoint.TRACKER).exists() else None
     if not saved and tracked is None:
         return
     same_dir = ck.load is not None and Path(ck.load).resolve() == root.resolve()
@@ -234,7 +144,9 @@ SCHEDULE_FIELDS = ("optim.lr", "optim.min_lr", "optim.lr_warmup_iters", "optim.l
 # Adam's param-group hyper-parameters: torch's load_state_dict restores the checkpoint's, so they
 # follow the lr schedule's policy (kept, or written after the load with the override).
 ADAM_FIELDS = ("optim.adam_beta1", "optim.adam_beta2", "optim.adam_eps")
-KEPT_ON_RESUME = SCHEDULE_FIELDS + ADAM_FIELDS
+# Muon's param-group momentum: restored from the checkpoint like Adam's betas.
+MUON_GROUP_FIELDS = ("optim.muon_momentum",)
+KEPT_ON_RESUME = SCHEDULE_FIELDS + ADAM_FIELDS + MUON_GROUP_FIELDS
 # Resharded or reread on load; no effect on the saved state.
 _NEUTRAL = ("parallelism", "logger", "checkpoint", "output_dir", "data.cache_dir")
 
@@ -287,6 +199,8 @@ def resume_changes(saved: dict, now: dict, consumed_samples: int) -> list[Change
         old, new = flat_saved.get(name), flat_now.get(name)
         if old == new or name.endswith(".name") or name.split(".")[0] in _NEUTRAL or name in _NEUTRAL:
             continue
+        if name.startswith("optim.muon_") and _get(now, "optim.optimizer") != "muon":
+            continue  # no effect on Adam (and absent from checkpoints older than optim=muon)
         if name in DATA_FIELDS:
             effect = "REFUSED: changes the data seen (checkpoint.allow_data_change=true allows it)"
         elif name == "data.global_batch_size":
@@ -320,9 +234,11 @@ def format_changes(changes: list[Change]) -> str:
                      for r in rows)
 
 
-def prepare_resume(cfg, layout) -> None:
+def prepare_resume(cfg, layout, plan=None) -> None:
     """Pre-launch checks and decisions of a run that loads a checkpoint (and of every run's save
-    dir). Updates ``cfg`` in place so the recorded config is what runs:
+    dir). ``plan``: the :class:`~recipes.checkpoint.manager.ResumePlan` of ``checkpoint.load``
+    already resolved in this process (None: resolved here). Updates ``cfg`` in place so the
+    recorded config is what runs:
     ``checkpoint.load_iteration`` pinned to the iteration resolved now (every rank loads it) and,
     unless ``optim.override_opt_param_scheduler``, the lr schedule fields and Adam's betas and eps
     set to the checkpoint's (:data:`KEPT_ON_RESUME`).
@@ -332,12 +248,13 @@ def prepare_resume(cfg, layout) -> None:
         CheckpointError: the checkpoint cannot be loaded, the save dir is taken, a refused change
             (data, batch size, stock GTP layout across layouts), naming the fields and the way on.
     """
-    from omegaconf import open_dict
-
-    from recipes.config import to_dict
-
     ck = cfg.checkpoint
-    iteration = resolve_load_iteration(ck)
+    if plan is None and ck.load is not None:
+        # Lazy (start-up time): megatron is imported before launch only by a run that loads.
+        from recipes.checkpoint.manager import ResumePlan
+
+        plan = ResumePlan.resolve(ck, repair=_is_rank0())
+    iteration = None if plan is None else plan.iteration
     check_save_dir(ck, iteration)
     if iteration is None:
         return
@@ -346,9 +263,10 @@ def prepare_resume(cfg, layout) -> None:
             f"nothing to train: {checkpoint.iter_dir(ck.load, iteration)} is at iteration "
             f"{iteration} and train.train_iters={cfg.train.train_iters}; raise train.train_iters "
             f"to continue (the checkpoint is left untouched)")
-    _, common = checkpoint.load_common(ck.load, iteration)
+    common = plan.common
     _check_stock_layout(cfg, layout, saved_layout(common), ck.load)
     saved = common["train_state"].get("config") or {}
+    _check_optimizer(cfg, layout, saved, saved_layout(common), ck.load)
     consumed = int(common["train_state"].get("consumed_samples", 0))
     now = to_dict(cfg)
     changes = resume_changes(saved, now, consumed) if saved else []
@@ -367,9 +285,43 @@ def prepare_resume(cfg, layout) -> None:
         if saved and not cfg.optim.get("override_opt_param_scheduler", False):
             for name in KEPT_ON_RESUME:
                 key = name.split(".")[1]
-                if _get(saved, name) is None and name in ADAM_FIELDS:
+                if _get(saved, name) is None and name in ADAM_FIELDS + MUON_GROUP_FIELDS:
                     continue  # a checkpoint from before the field was recorded
                 cfg.optim[key] = _decay_iters(saved) if key == "lr_decay_iters" else _get(saved, name)
+
+
+def _check_optimizer(cfg, layout, saved: dict, saved_layout: dict, root) -> None:
+    """Refuse a resume into another optimizer (Adam <-> Muon), and a Muon resume that changes
+    ``precision.params_dtype``, before launch; warn when a Muon run in
+    ``muon_tp_mode=blockwise`` (per-TP-shard orthogonalization) changes TP size.
+
+    Raises:
+        CheckpointError: naming both values and the ways on.
+    """
+    before = _get(saved, "optim.optimizer") or "adam"
+    now = cfg.optim.optimizer
+    if saved and before != now:
+        raise CheckpointError(
+            f"{root} was written by optim.optimizer={before} and this run is "
+            f"optim.optimizer={now}: {before}'s state (" + ("Muon momentum buffers"
+            if before == "muon" else "Adam moments") + f") cannot continue as {now}'s; resume "
+            f"with optim={before}, or start {now} from these weights only with "
+            f"checkpoint.pretrained={root} and checkpoint.load=null")
+    dtype_then = _get(saved, "precision.params_dtype")
+    if now == "muon" and dtype_then is not None and dtype_then != cfg.precision.params_dtype:
+        raise CheckpointError(
+            f"{root} is a Muon run in precision.params_dtype={dtype_then}; changing it to "
+            f"{cfg.precision.params_dtype} on resume is not supported with optim.optimizer=muon "
+            f"(megatron's chained Muon + Adam optimizer state); resume with "
+            f"precision.params_dtype={dtype_then}")
+    tp_then = saved_layout.get("tensor_model_parallel_size")
+    tp_now = layout.tensor_model_parallel_size
+    modes = {_get(saved, "optim.muon_tp_mode"), cfg.optim.get("muon_tp_mode")}
+    if now == "muon" and "blockwise" in modes and tp_then not in (None, tp_now) and _is_rank0():
+        print(f"> warning: optim.muon_tp_mode=blockwise orthogonalizes each tensor-parallel "
+              f"shard on its own, so this resume at tensor_model_parallel_size={tp_now} "
+              f"(saved at {tp_then}) trains differently from the uninterrupted run; "
+              f"optim.muon_tp_mode=duplicated gives the same update at any TP", flush=True)
 
 
 def _check_stock_layout(cfg, layout, saved_layout: dict, root) -> None:

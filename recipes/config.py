@@ -202,7 +202,7 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """Adam with linear warmup then cosine decay (megatron's OptimizerParamScheduler)."""
+    """Adam (or Muon) with linear warmup then cosine decay (megatron's OptimizerParamScheduler)."""
 
     name: str = "adam"
     optimizer: str = "adam"
@@ -225,6 +225,20 @@ class OptimConfig:
     # On resume, take lr/min_lr/warmup/decay/weight decay from this config instead of the
     # checkpoint's (Megatron-LM's --override-opt_param-scheduler).
     override_opt_param_scheduler: bool = False
+    # optimizer=muon (conf/optim/muon.yaml, docs/muon.md): megatron's OptimizerConfig names.
+    # Muon for 2-D weights, Adam (the adam_* fields) for embeddings, output layer, norms, biases.
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = False
+    muon_split_qkv: bool = True
+    muon_scale_mode: str = "spectral"
+    # "highest": full fp32 Newton-Schulz matmuls, the same update at every layout.
+    muon_fp32_matmul_prec: str = "highest"
+    muon_coefficient_type: str = "quintic"
+    muon_num_ns_steps: int = 5
+    # "duplicated": each TP rank orthogonalizes the whole matrix (same math at any TP);
+    # "blockwise" (megatron's default) orthogonalizes each TP shard on its own.
+    muon_tp_mode: str = "duplicated"
+    muon_extra_scale_factor: float = 1.0
 
 
 @dataclass

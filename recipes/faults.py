@@ -24,6 +24,10 @@ import os
 import signal
 import time
 
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+from mcore_compat.patches import megatron_patch
+
 ENV = "GTP_RECIPES_FAULT"
 ACTIONS = ("kill", "raise")
 POINTS = ("train", "write", "save", "async_write")
@@ -59,6 +63,8 @@ def maybe_fail(point: str, iteration: int, rank: int) -> None:
 
 
 @contextlib.contextmanager
+@megatron_patch("dist_checkpointing.strategies.filesystem_async._write_item (while a write "
+                "fault is armed)")
 def while_writing(iteration: int, rank: int):
     """While active, the ``write`` fault of ``iteration`` fires inside megatron's file writer,
     right after one item went into an open data file (a rank dying mid-write)."""
@@ -66,8 +72,6 @@ def while_writing(iteration: int, rank: int):
     if not spec or parse(spec)[1:] != ("write", iteration, rank):
         yield
         return
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
     original = filesystem_async._write_item
 
     @functools.wraps(original)  # megatron inspects its signature

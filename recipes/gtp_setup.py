@@ -1,12 +1,12 @@
 """Where a run switches GTP on: the hooks the worker calls around model construction.
 
 With ``gtp.gtp_remat_size == 1`` every hook does nothing.
+
+megatron and the modules that import it are imported inside the hooks (start-up time:
+``recipes.validate`` imports :func:`overlap_settings` before launch).
 """
 
 from __future__ import annotations
-
-# The run config, kept by before_model for after_model's cross-check.
-_STATE: dict = {}
 
 
 def before_model(cfg, layout) -> None:
@@ -27,7 +27,6 @@ def before_model(cfg, layout) -> None:
 
     backend.install()
     grad_stats.install()
-    _STATE["cfg"] = cfg
     quant = cfg.gtp.quantization
     gtp_impl.configure_gtp_remat_from_recipe(
         fp4=quant == "nvfp4",
@@ -84,10 +83,15 @@ def overlap_settings(gtp_cfg, pipeline_model_parallel_size: int, te_usable: bool
     return out
 
 
-def after_model(model, layout) -> None:
+def after_model(model, layout, cfg) -> None:
     """Verify the built model's GTP shards carry the resolved alignment, and that the weights
-    megatron sharded are exactly those pre-launch validation checked
-    (``recipes.model.gtp_weight_dims``); rank 0 prints what it verified."""
+    megatron sharded are exactly those pre-launch validation checked for ``cfg`` (the run
+    config; ``recipes.model.gtp_weight_dims``); rank 0 prints what it verified.
+
+    Raises:
+        RuntimeError: a GTP shard's padding differs from ``layout.pad_for_alignment``, or the
+            sharded weights (name, TP-local dim 0) differ from the validated ones.
+    """
     if layout.gtp_remat_size == 1:
         return
     import torch
@@ -101,15 +105,13 @@ def after_model(model, layout) -> None:
 
     checked = alignment.check_pad_applied(model, layout.pad_for_alignment)
     built = {name: p._unsharded_shape[0] for name, p in model.named_parameters() if is_gtp_param(p)}
-    cfg = _STATE.get("cfg")
-    if cfg is not None:
-        expected = _stage_share(gtp_weight_dims(cfg, layout.tensor_model_parallel_size), model, cfg)
-        if built != expected:
-            diff = sorted(set(built.items()) ^ set(expected.items()))
-            raise RuntimeError(
-                "GTP-sharded weights (name, TP-local dim 0) differ from what pre-launch validation "
-                f"checked (recipes.model.gtp_weight_dims): {diff}"
-            )
+    expected = _stage_share(gtp_weight_dims(cfg, layout.tensor_model_parallel_size), model, cfg)
+    if built != expected:
+        diff = sorted(set(built.items()) ^ set(expected.items()))
+        raise RuntimeError(
+            "GTP-sharded weights (name, TP-local dim 0) differ from what pre-launch validation "
+            f"checked (recipes.model.gtp_weight_dims): {diff}"
+        )
     if torch.distributed.get_rank() == 0:
         pad_rows = sum(p.pad_length for p in model.parameters() if is_gtp_param(p))
         print(f"> GTP: {checked} weights sharded over gtp_remat_size={layout.gtp_remat_size}, "

@@ -256,14 +256,21 @@ def run_job(cfg) -> None:
     check_before_launch(cfg.data)
     from recipes import prelaunch
 
-    layout = prelaunch.check(cfg)
+    plan = None
+    if cfg.checkpoint.get("load") is not None:
+        # Lazy (start-up time): megatron is imported before launch only by a run that loads.
+        from recipes.checkpoint.manager import ResumePlan
+
+        # The one resolution of what this process loads (recipes/checkpoint/manager.py).
+        plan = ResumePlan.resolve(cfg.checkpoint, repair=is_rank0 and not dry_run)
+    layout = prelaunch.check(cfg, plan=plan)
     if dry_run:
         from recipes.dry_run import report
 
         print(report(cfg, layout), flush=True)
         return
     try:
-        prepare_resume(cfg, layout)
+        prepare_resume(cfg, layout, plan)
     except NothingToTrain as exc:
         if is_rank0:
             print(f"> {exc}", flush=True)
@@ -289,7 +296,7 @@ def run_job(cfg) -> None:
     if as_rank:
         from recipes.worker import run as run_worker
 
-        run_worker(resolved)
+        run_worker(resolved, plan)
     else:
         launch_local(config_path, cfg.parallelism.nproc_per_node,
                      preemption.exit_signals(cfg.train), cfg.checkpoint.save)

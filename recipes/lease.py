@@ -23,7 +23,8 @@ import time
 import uuid
 from pathlib import Path
 
-from recipes.checkpoint import CheckpointError
+from recipes.checkpoint.errors import CheckpointError
+from recipes.requeue import job_id as scheduler_job_id
 
 WRITER_LEASE = ".writer_lease"
 # Set for the workers (and by rank 0 under torchrun/Slurm): the run id holding the writer lease.
@@ -95,8 +96,6 @@ class Lease:
     :data:`HEARTBEAT_S` by a daemon thread and removed at exit, if still this run's."""
 
     def __init__(self, path, run_id: str | None = None, job_id: str | None = None):
-        from recipes.requeue import job_id as scheduler_job_id
-
         self.path = Path(path)
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.job_id = job_id if job_id is not None else scheduler_job_id()

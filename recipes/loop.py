@@ -7,8 +7,15 @@ import time
 from functools import partial
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import unwrap_model
 
+from gtp.collectives import collective_device
+from gtp.grad_stats import grad_norms_by_part
 from recipes import faults, preemption, throughput
+from recipes.data import build_tokenizer
+from recipes.model import model_chunks, padded_vocab_size
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -40,10 +47,6 @@ def forward_step(data_iterator, model):
 
 
 def _mean_over_data_group(value: torch.Tensor) -> torch.Tensor:
-    from megatron.core import parallel_state
-
-    from gtp.collectives import collective_device
-
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     value = value.detach().to(collective_device(group), copy=True)
     torch.distributed.all_reduce(value, group=group)
@@ -58,10 +61,6 @@ def _lm_loss(losses: list) -> float:
     stage over each pipeline group, so rank 0 logs it, as Megatron-LM's last rank reports it. A
     broadcast (not a reduction) carries a NaN/inf as it is, for the non-finite check.
     """
-    from megatron.core import parallel_state
-
-    from gtp.collectives import collective_device
-
     if losses:
         local = _mean_over_data_group(torch.stack([x["lm loss"] for x in losses]).mean())
     else:
@@ -77,8 +76,6 @@ def _lm_loss(losses: list) -> float:
 def _layer_offset(chunk) -> int:
     """Global index of ``chunk``'s first transformer layer (megatron's 1-based, global
     ``TransformerLayer.layer_number``); 0 for a chunk without layers."""
-    from megatron.core.utils import unwrap_model
-
     layers = unwrap_model(chunk).decoder.layers
     return layers[0].layer_number - 1 if len(layers) else 0
 
@@ -103,12 +100,6 @@ def train_step(model, optimizer, scheduler, data_iterator, num_microbatches: int
         ``logger.grad_norm_detail``, ``grad-norm/<layer type>`` and ``grad-norm/layer-<i>``
         (:func:`gtp.grad_stats.grad_norms_by_part`).
     """
-    import math
-
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from recipes.model import model_chunks
-
     chunks = model_chunks(model)
     for chunk in chunks:
         chunk.zero_grad_buffer()
@@ -126,8 +117,6 @@ def train_step(model, optimizer, scheduler, data_iterator, num_microbatches: int
     lr = optimizer.param_groups[0]["lr"]
     detail = {}
     if cfg.logger.get("grad_norm_detail", False):
-        from gtp.grad_stats import grad_norms_by_part
-
         # Before the step: it clips the gradients in place.
         detail = grad_norms_by_part([(c.named_parameters(), _layer_offset(c)) for c in chunks],
                                     cfg.model.num_layers, *_grad_stats_groups(optimizer, cfg))
@@ -179,10 +168,6 @@ def evaluate(model, validation, cfg) -> dict:
         ``{"lm loss validation": loss, "lm loss validation ppl": exp(min(20, loss))}`` (Megatron-LM's
         names; the exponent is clamped at 20 as in its ``evaluate_and_print_results``).
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from recipes.model import model_chunks
-
     chunks = model_chunks(model)
     for chunk in chunks:
         chunk.eval()
@@ -216,9 +201,6 @@ def eval_due(iteration: int, cfg) -> bool:
 
 def _flops_per_iteration(cfg) -> float:
     """Megatron-LM's model FLOPs of one iteration (``recipes.throughput``)."""
-    from recipes.data import build_tokenizer
-    from recipes.model import padded_vocab_size
-
     padded = padded_vocab_size(build_tokenizer(cfg.data).vocab_size,
                                cfg.model.make_vocab_size_divisible_by,
                                cfg.parallelism.tensor_model_parallel_size)
@@ -227,15 +209,13 @@ def _flops_per_iteration(cfg) -> float:
 
 def _peak_memory_over_ranks() -> int:
     """The largest peak memory of any rank, bytes (``recipes.throughput.peak_memory_bytes``)."""
-    from gtp.collectives import collective_device
-
     peak = torch.tensor([throughput.peak_memory_bytes()], dtype=torch.int64,
                         device=collective_device())
     torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
     return int(peak.item())
 
 
-def train(state, cfg, logger, checkpointer, save_fn) -> str | None:
+def train(state, cfg, logger, checkpoints) -> str | None:
     """Run iterations ``state.iteration + 1 .. train.train_iters``, with validation where
     :func:`eval_due` (its metrics join that iteration's row), or until
     :func:`recipes.preemption.exit_reason` stops the run after an iteration: then that
@@ -246,12 +226,9 @@ def train(state, cfg, logger, checkpointer, save_fn) -> str | None:
         state: the worker's ``RunState`` (model, optimizer, scheduler, data iterator, counters).
         cfg: the run config.
         logger: a ``MetricLogger`` on rank 0, else None.
-        checkpointer: the run's :class:`recipes.checkpointer.Checkpointer` (when to save, the last
-            good checkpoint).
-        save_fn: ``save_fn(iteration, sync=False)`` writes a checkpoint (every rank calls it).
-        checkpointer: the run's :class:`recipes.checkpointer.Checkpointer` (when to save, the last
-            good checkpoint); its ``poll()`` runs on every rank after every iteration (finalizes a
-            background save whose files are all written).
+        checkpoints: the run's :class:`recipes.checkpoint.manager.CheckpointManager`; its
+            ``step`` runs on every rank after every iteration (finalizes a finished background
+            save, saves when due), its ``stop`` when the run stops early.
 
     Returns:
         None at ``train.train_iters``; else what stopped the run early (``"SIGTERM"``...).
@@ -290,21 +267,16 @@ def train(state, cfg, logger, checkpointer, save_fn) -> str | None:
         if logger is not None and (stop or validated or state.iteration % cfg.train.log_interval == 0):
             logger.log(state.iteration, metrics)
         if stop:
-            checkpointer.wait()  # every rank stops here: a save in flight still completes
-            last = checkpointer.last_good
+            checkpoints.wait()  # every rank stops here: a save in flight still completes
+            last = checkpoints.last_good
             raise NonFiniteError(
                 f"iteration {state.iteration}: lm loss {metrics['lm loss']}, grad-norm "
                 f"{metrics['grad-norm']}: not finite; the step was not applied and the run stops. "
                 f"Last good checkpoint: {last if last else 'none (no save yet)'} "
                 f"(train.skip_nonfinite_iterations=true skips such steps instead)")
-        checkpointer.poll()
-        due = checkpointer.should_save(state.iteration, cfg.train.train_iters)
-        if due:
-            save_fn(state.iteration)
+        checkpoints.step(state, cfg.train.train_iters, logger)
         reason = preemption.exit_reason(state.iteration, cfg.train)
         if reason is not None:
-            if checkpointer.root and not due:
-                save_fn(state.iteration, sync=True)
-            checkpointer.wait()
+            checkpoints.stop(state, logger)
             return reason
     return None

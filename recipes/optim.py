@@ -1,13 +1,52 @@
-"""Megatron's optimizer (Adam, fp32 main params) and its lr scheduler from the config."""
+"""Megatron's optimizer (Adam or Muon, fp32 main params) and its lr scheduler from the config."""
 
 from __future__ import annotations
 
 # lr decay styles of megatron's OptimizerParamScheduler that ``optim.lr_decay_style`` may take.
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
+OPTIMIZERS = ("adam", "muon")
+# megatron's OptimizerConfig fields of Muon that the config carries (docs/muon.md).
+MUON_FIELDS = ("muon_momentum", "muon_nesterov", "muon_split_qkv", "muon_scale_mode",
+               "muon_fp32_matmul_prec", "muon_coefficient_type", "muon_num_ns_steps",
+               "muon_tp_mode", "muon_extra_scale_factor")
+MUON_TP_MODES = ("duplicated", "blockwise", "distributed")
+MUON_SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
+MUON_MATMUL_PRECISIONS = ("highest", "high", "medium")
+
+
+def optim_refusal(o) -> str | None:
+    """Why the ``optim`` group cannot run (a message naming the value and what is valid), or
+    None."""
+    if o.optimizer not in OPTIMIZERS:
+        return f"optim.optimizer={o.optimizer!r}: valid are {OPTIMIZERS}"
+    if o.optimizer != "muon":
+        return None
+    if o.get("use_distributed_optimizer", False):
+        return ("optim.optimizer=muon with optim.use_distributed_optimizer=true: megatron's "
+                "layer-wise distributed optimizer for Muon is not supported by these recipes "
+                "(megatron-core 0.19.2's LayerWiseDistributedOptimizer writes checkpoints for a "
+                "fixed data-parallel size only); set optim.use_distributed_optimizer=false")
+    for name, valid in (("muon_tp_mode", MUON_TP_MODES), ("muon_scale_mode", MUON_SCALE_MODES),
+                        ("muon_fp32_matmul_prec", MUON_MATMUL_PRECISIONS)):
+        if o[name] not in valid:
+            return f"optim.{name}={o[name]!r}: valid are {valid}"
+    if o.muon_num_ns_steps < 1:
+        return f"optim.muon_num_ns_steps={o.muon_num_ns_steps} must be >= 1"
+    if not 0 <= o.muon_momentum < 1:
+        return f"optim.muon_momentum={o.muon_momentum} must lie in [0, 1)"
+    from megatron.core.optimizer import emerging_optimizers
+
+    if not emerging_optimizers.HAVE_EMERGING_OPTIMIZERS:
+        return ("optim.optimizer=muon needs the emerging-optimizers and absl-py packages "
+                "(`make setup` installs them)")
+    valid = emerging_optimizers.get_supported_coefficient_types()
+    if o.muon_coefficient_type not in valid:
+        return f"optim.muon_coefficient_type={o.muon_coefficient_type!r}: valid are {valid}"
+    return None
 
 
 def build_optimizer(cfg, ddp_chunks):
-    """Adam through megatron's ``get_megatron_optimizer`` (fp32 grads), megatron's
+    """Adam or Muon through megatron's ``get_megatron_optimizer`` (fp32 grads), megatron's
     ``DistributedOptimizer`` when ``optim.use_distributed_optimizer`` (Adam state and fp32 main
     params sharded over the data-parallel group; the DDP chunks must have been built with
     ``use_distributed_optimizer=True``).
@@ -21,13 +60,22 @@ def build_optimizer(cfg, ddp_chunks):
     duplicates and the pipeline copy of a tied embedding in
     ``MegatronOptimizer.get_main_grads_for_grad_norm``, and reduces over the model-parallel
     group, plus the data-parallel group with the distributed optimizer).
+
+    ``optim.optimizer=muon``: megatron's ``ChainedOptimizer`` of ``TensorParallelMuon`` for 2-D
+    weights and Adam for embeddings, output layer, norms and biases
+    (``emerging_optimizers._is_nonlinear_or_embedding``), with :mod:`gtp.muon`'s fixes installed.
     """
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     o = cfg.optim
     bf16 = cfg.precision.params_dtype == "bf16"
+    if o.optimizer == "muon":
+        from gtp import muon
+
+        muon.install()
+        muon.tag_qkv(ddp_chunks)
     config = OptimizerConfig(
-        optimizer="adam",
+        optimizer=o.optimizer,
         lr=o.lr,
         min_lr=o.min_lr,
         weight_decay=o.weight_decay,
@@ -39,8 +87,17 @@ def build_optimizer(cfg, ddp_chunks):
         params_dtype=ddp_chunks[0].config.params_dtype,
         use_distributed_optimizer=bool(o.get("use_distributed_optimizer", False)),
         log_num_zeros_in_grad=True,
+        **muon_fields(o),
     )
     return get_megatron_optimizer(config, list(ddp_chunks))
+
+
+def muon_fields(o) -> dict:
+    """``OptimizerConfig`` keyword arguments of ``optim.optimizer=muon`` (the
+    :data:`MUON_FIELDS`); ``{}`` for Adam."""
+    if o.optimizer != "muon":
+        return {}
+    return {name: o[name] for name in MUON_FIELDS}
 
 
 def build_scheduler(cfg, optimizer):
@@ -85,7 +142,9 @@ def apply_schedule_override(optimizer, scheduler, cfg) -> None:
     o = cfg.optim
     values = {"max_lr": o.lr, "min_lr": o.min_lr, "start_wd": o.weight_decay, "end_wd": o.weight_decay,
               # torch's load_state_dict restored the checkpoint's Adam hyper-parameters.
-              "betas": (o.adam_beta1, o.adam_beta2), "eps": o.adam_eps}
+              "betas": (o.adam_beta1, o.adam_beta2), "eps": o.adam_eps,
+              # Muon's groups (TensorParallelMuon) hold its momentum.
+              "momentum": o.get("muon_momentum", 0.95)}
     for group in optimizer.param_groups:
         for key, value in values.items():
             if key in group:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from mcore_compat.patches import megatron_patch
+
 PLAIN = "adam"
 DISTRIBUTED = "distributed_adam"
 
@@ -135,6 +137,51 @@ def saved_kind(common_optimizer) -> str:
             f"the checkpoint's distributed optimizer state is in megatron's {fmt!r} format, which "
             f"cannot be loaded at another layout or optimizer; only 'fully_reshardable' can")
     return DISTRIBUTED
+
+
+def optimizer_name(optimizer) -> str:
+    """``"muon"`` when a chained optimizer is megatron's ``TensorParallelMuon``, else ``"adam"``."""
+    from megatron.core.optimizer.emerging_optimizers import HAVE_EMERGING_OPTIMIZERS
+
+    if not HAVE_EMERGING_OPTIMIZERS:
+        return "adam"
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    return "muon" if any(isinstance(getattr(o, "optimizer", None), TensorParallelMuon)
+                         for o in chained) else "adam"
+
+
+def saved_optimizer_name(common_optimizer) -> str:
+    """``"muon"`` when ``common_optimizer`` (a checkpoint's common ``optimizer`` entry) holds a
+    Muon param group (``momentum`` and no Adam ``betas``), else ``"adam"``."""
+    nodes = [common_optimizer]
+    if isinstance(common_optimizer, dict) and common_optimizer and all(
+            isinstance(k, int) for k in common_optimizer):
+        nodes = list(common_optimizer.values())
+    for node in nodes:
+        node = node.get("optimizer", node) if isinstance(node, dict) else {}
+        for group in node.get("param_groups", []) if isinstance(node, dict) else []:
+            if "momentum" in group and "betas" not in group:
+                return "muon"
+    return "adam"
+
+
+def check_same_optimizer(optimizer, common_optimizer) -> None:
+    """Refuse a checkpoint written by another optimizer (Adam <-> Muon): Muon keeps one momentum
+    buffer per 2-D weight and Adam two moments, so neither state can continue the other's run.
+
+    Raises:
+        OptimizerCheckpointError: naming both optimizers and the ways on.
+    """
+    mine, saved = optimizer_name(optimizer), saved_optimizer_name(common_optimizer)
+    if mine != saved:
+        raise OptimizerCheckpointError(
+            f"the checkpoint was written by optim.optimizer={saved}, this run is "
+            f"optim.optimizer={mine}: {saved}'s state (" + ("Muon momentum buffers"
+            if saved == "muon" else "Adam moments") + f") cannot continue as {mine}'s; resume "
+            f"with optim={saved}, or start {mine} from these weights only with "
+            f"checkpoint.pretrained=<the checkpoint dir> and checkpoint.load=null")
 
 
 def prepare_for_load(optimizer) -> None:
@@ -256,6 +303,8 @@ def finish_load(optimizer, loaded: dict, common: dict, mine: str, saved: str,
     bf16_now = "fp32_from_fp16_params" in loaded
     if mine == saved and (mine == DISTRIBUTED or bf16_now == ("param_groups" not in common)):
         return loaded
+    if mine == saved and common and all(isinstance(k, int) for k in common):
+        return loaded  # megatron's ChainedOptimizer (Muon + Adam): the same chain on both sides
     opt = _single(optimizer)
     own = opt.optimizer.state_dict()["param_groups"]
     if mine == PLAIN:
@@ -297,6 +346,8 @@ def finish_load(optimizer, loaded: dict, common: dict, mine: str, saved: str,
 _PATCHED = False
 
 
+@megatron_patch("optimizer.distrib_optimizer.DistributedOptimizer."
+                "_set_main_param_and_optimizer_states and load_state_dict")
 def install() -> None:
     """Fix megatron-core 0.19.2's distributed-optimizer load without TransformerEngine/apex
     (idempotent; refused on another version).
@@ -309,13 +360,8 @@ def install() -> None:
     global _PATCHED
     if _PATCHED:
         return
-    import megatron.core
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from mcore_compat.version import check_megatron_version
-
-    check_megatron_version(megatron.core.__version__,
-                           "recipes.optim_checkpoint patches DistributedOptimizer state loading")
     original = DistributedOptimizer._set_main_param_and_optimizer_states
 
     def _set_main_param_and_optimizer_states(self, model_param, tensors):

@@ -19,13 +19,15 @@ from gtp.records import CHECKPOINT_FORMATS
 from recipes.validate import ConfigError, Layout, validate, world_size_from_env
 
 
-def check(cfg, choices: Optional[dict] = None) -> Layout:
+def check(cfg, choices: Optional[dict] = None, plan=None) -> Layout:
     """Validate ``cfg`` for launch; updates it in place (warmup clamp) so what runs is recorded.
 
     Args:
         cfg: the composed config (without the ``hydra`` node).
         choices: Hydra's ``runtime.choices`` (group -> option); None: taken from the running
             Hydra app when there is one.
+        plan: the resolved :class:`recipes.checkpoint.manager.ResumePlan` of ``checkpoint.load``
+            (None: each check opens the checkpoint itself).
 
     Returns:
         The resolved :class:`Layout` (:func:`recipes.validate.validate`).
@@ -38,13 +40,13 @@ def check(cfg, choices: Optional[dict] = None) -> Layout:
     check_keys(cfg)
     check_checkpoint_format(cfg)
     clamp_warmup(cfg)
-    layout = validate(cfg, world_size_from_env(cfg))
+    layout = validate(cfg, world_size_from_env(cfg), plan)
     check_tokenizer(cfg)
     check_wandb(cfg)
     if not cfg.train.get("dry_run", False):
         check_split(cfg)
     if cfg.checkpoint.get("load") is not None:
-        check_model_shape(cfg)
+        check_model_shape(cfg, plan)
     return layout
 
 
@@ -272,10 +274,10 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_g
                 "position_embedding_type", "seq_length", "share_embeddings_and_output_weights")
 
 
-def check_model_shape(cfg) -> None:
+def check_model_shape(cfg, plan=None) -> None:
     """The checkpoint to load holds this model's parameter shapes (vocabulary aside, which
     ``recipes.validate`` checks): compared on the logical shapes of both configs, so a change of
-    layout never counts.
+    layout never counts. ``plan``: its resolved ``ResumePlan`` (None: opened here).
 
     Raises:
         CheckpointError: naming each changed field with the checkpoint's value and the override.
@@ -287,7 +289,10 @@ def check_model_shape(cfg) -> None:
     from recipes.shapes import parameter_shapes
 
     ck = cfg.checkpoint
-    path, common = load_common(ck.load, resolve_load_iteration(ck))
+    if plan is None:
+        path, common = load_common(ck.load, resolve_load_iteration(ck))
+    else:
+        path, common = plan.path, plan.common
     saved = ((common.get("train_state") or {}).get("config") or {}).get("model")
     if not saved:
         return

@@ -214,11 +214,11 @@ def load_weights(cfg, model, optimizer) -> None:
     scheduler and RNG are left as built (iteration 0).
 
     Raises:
-        CheckpointError: as :func:`recipes.checkpoint_weights.load_model_weights`.
+        CheckpointError: as :func:`recipes.checkpoint.load.load_model_weights`.
     """
     import torch
 
-    from recipes.checkpoint_weights import load_model_weights
+    from recipes.checkpoint.load import load_model_weights
 
     torch.distributed.barrier()  # the import (global rank 0, before its launch) is complete
     load_model_weights(checkpoint_root(cfg), model,

@@ -199,8 +199,11 @@ def _distributed_optimizer(cfg) -> tuple[bool, Optional[str]]:
     return True, fmt
 
 
-def validate(cfg, world_size: int) -> Layout:
+def validate(cfg, world_size: int, plan=None) -> Layout:
     """Validate the whole composed config for ``world_size`` processes.
+
+    ``plan``: the :class:`recipes.checkpoint.manager.ResumePlan` of ``checkpoint.load`` when this
+    process has resolved it (its checkpoint is then not opened again).
 
     Returns:
         The resolved :class:`Layout`.
@@ -212,7 +215,7 @@ def validate(cfg, world_size: int) -> Layout:
     from recipes.data import SOURCES
     from recipes.metrics import LOGGER_MODES
     from recipes.model import PARAMS_DTYPES
-    from recipes.optim import LR_DECAY_STYLES
+    from recipes.optim import LR_DECAY_STYLES, optim_refusal
 
     layout = resolve_layout(cfg, world_size)
     from recipes import moe
@@ -275,8 +278,9 @@ def validate(cfg, world_size: int) -> Layout:
                 "0.19.2 (the output layer gets the embedding's GTP shard): set "
                 "model.share_embeddings_and_output_weights=false or gtp=off"
             )
-    if o.optimizer != "adam":
-        raise ConfigError(f"optim.optimizer={o.optimizer!r}: valid is 'adam'")
+    refusal = optim_refusal(o)
+    if refusal:
+        raise ConfigError(refusal)
     if o.lr_decay_style not in LR_DECAY_STYLES:
         raise ConfigError(f"optim.lr_decay_style={o.lr_decay_style!r}: valid are {LR_DECAY_STYLES}")
     if not (0 <= o.min_lr <= o.lr):
@@ -334,10 +338,7 @@ def validate(cfg, world_size: int) -> Layout:
     if ck.keep_last is not None and ck.keep_last < 1:
         raise ConfigError(f"checkpoint.keep_last={ck.keep_last} must be >= 1 or null (keep all)")
     if ck.load is not None:
-        from recipes.checkpoint import check_loadable
-
-        check_loadable(ck.load, ck.load_iteration)
-        _check_checkpoint_vocab(cfg)
+        _check_checkpoint_vocab(cfg, plan)
     if not cfg.train.get("dry_run", False):
         # A dry run sizes a recipe before its data exist; it says so in its report.
         _check_data_files(d)
@@ -401,18 +402,22 @@ def _check_model_options(m, tp: int) -> None:
             f"{[d for d in range(1, groups + 1) if groups % d == 0]}")
 
 
-def _check_checkpoint_vocab(cfg) -> None:
-    """The checkpoint to load was trained with this run's real vocabulary size."""
+def _check_checkpoint_vocab(cfg, plan=None) -> None:
+    """The checkpoint to load is loadable and was trained with this run's real vocabulary
+    size (``plan``: its resolved ``ResumePlan``, else it is opened here)."""
     from recipes import vocab
     from recipes.checkpoint import CheckpointError, load_common
 
+    if plan is None:
+        path, common = load_common(cfg.checkpoint.load, cfg.checkpoint.load_iteration)
+    else:
+        path, common = plan.path, plan.common
     try:
         from recipes.data import build_tokenizer
 
         current = build_tokenizer(cfg.data).vocab_size
     except ValueError:
         return  # the data checks report it
-    path, common = load_common(cfg.checkpoint.load, cfg.checkpoint.load_iteration)
     message = vocab.refusal(common.get(vocab.RECORD_KEY), current, path)
     if message:
         raise CheckpointError(message)

@@ -3,6 +3,9 @@
 Started by ``train.py`` through torch's elastic launcher (or run directly under torchrun/Slurm,
 with RANK/WORLD_SIZE/MASTER_ADDR set). Reads the resolved config that ``train.py`` wrote; never
 runs Hydra.
+
+megatron and the modules that import it are imported inside the functions (start-up time:
+``recipes.launch`` imports this module before launch, for its constants).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import os
 import random
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import warnings
@@ -50,6 +53,8 @@ class RunState:
     # recipes.data.ValidationBatches, or None without validation.
     validation: Any = None
     skipped: int = 0
+    # The checkpoint's fixed train-state entries of this run (wandb_run_id, config, data_plan).
+    train_state: dict = field(default_factory=dict)
 
 
 def init_distributed() -> None:
@@ -113,7 +118,7 @@ def setup(cfg, layout, optimizer_cfg=None):
         if torch.cuda.is_available():
             # As Megatron-LM's get_model: built on CPU (use_cpu_initialization), trained on the GPU.
             chunk.cuda(torch.cuda.current_device())
-        gtp_setup.after_model(chunk, layout)
+        gtp_setup.after_model(chunk, layout, cfg)
         moe.after_model(chunk, layout)
     if config.bf16:
         from megatron.core.transformer.module import Float16Module
@@ -158,18 +163,22 @@ def check_same_run(cfg) -> None:
                            f"hydra.run.dir (and checkpoint.save) explicitly for every rank")
 
 
-def run(cfg) -> None:
-    """Train as configured, on the process group this process belongs to."""
+def run(cfg, resume=None) -> None:
+    """Train as configured, on the process group this process belongs to.
+
+    ``resume``: the :class:`recipes.checkpoint.manager.ResumePlan` this process resolved before
+    launch (a rank that ran its own pre-launch checks), reused when every rank agrees on it.
+    """
     from megatron.core import parallel_state
 
     from recipes import checkpoint, preemption
-    from recipes.checkpointer import Checkpointer, agree_load_iteration, planned_samples
+    from recipes.checkpoint.manager import CheckpointManager, ResumePlan
+    from recipes.checkpointer import agree_load_iteration, planned_samples
     from recipes.config import to_dict
     from recipes.data import build_iterators, build_train_iterator
     from recipes.metrics import MetricLogger, plan_wandb_run
     from recipes.model import count_parameters
     from recipes.optim import apply_schedule_override
-    from recipes.requeue import job_id
     from recipes.validate import validate
 
     preemption.install(cfg.train)  # a signal from here on: save at the next iteration boundary
@@ -178,12 +187,16 @@ def run(cfg) -> None:
 
     quiet_megatron(torch.distributed.get_rank(), bool(cfg.checkpoint.get("async_save", False)))
     check_same_run(cfg)
-    layout = validate(cfg, torch.distributed.get_world_size())
     ck = cfg.checkpoint
     load_iteration = agree_load_iteration(ck)
+    if load_iteration is None:
+        resume = None
+    elif resume is None or (resume.load, resume.iteration) != (str(ck.load), load_iteration):
+        resume = ResumePlan.open(ck.load, load_iteration)  # this rank's one read of it
+    layout = validate(cfg, torch.distributed.get_world_size(), resume)
     saved_cfg, optimizer_cfg = None, None
-    if load_iteration is not None:
-        saved_cfg = checkpoint.load_common(ck.load, load_iteration)[1]["train_state"].get("config")
+    if resume is not None:
+        saved_cfg = resume.saved_config
         if saved_cfg and cfg.optim.get("override_opt_param_scheduler", False):
             optimizer_cfg = OmegaConf.merge(cfg, {"optim": {
                 k: saved_cfg["optim"][k] for k in ("lr", "min_lr", "weight_decay")}})
@@ -193,15 +206,13 @@ def run(cfg) -> None:
 
     train_state = {"consumed_samples": 0}
     iteration, resumed_from = 0, None
-    checkpointer = Checkpointer(ck, loaded=load_iteration)
-    if load_iteration is not None:
-        common = checkpoint.load_checkpoint(ck.load, model, optimizer, scheduler, layout_rec,
-                                            load_iteration, verify=ck.get("verify_on_load", True))
+    manager = CheckpointManager(ck, resume, layout_rec)
+    common = manager.load(model, optimizer, scheduler)
+    if common is not None:
         if optimizer_cfg is not None:
             apply_schedule_override(optimizer, scheduler, cfg)
         iteration, train_state = common["iteration"], dict(common["train_state"])
         resumed_from = saved_layout(common)
-        checkpointer.last_good = checkpoint.iter_dir(ck.load, load_iteration)
     elif ck.get("pretrained"):
         from recipes import pretrained
 
@@ -229,9 +240,11 @@ def run(cfg) -> None:
         num_microbatches=cfg.data.global_batch_size // (cfg.data.micro_batch_size * dp_size),
         iteration=iteration, consumed_samples=train_state["consumed_samples"],
         validation=validation, skipped=train_state.get("skipped_iterations", 0),
+        train_state={"wandb_run_id": run_id, "config": to_dict(cfg),
+                     "data_plan": train_state["data_plan"]},
     )
 
-    config_dict = to_dict(cfg)
+    config_dict = state.train_state["config"]
     logger = MetricLogger(cfg, cfg.output_dir, plan, config_dict,
                           resumed_from=iteration if resumed_from is not None else None) \
         if rank == 0 else None
@@ -252,39 +265,20 @@ def run(cfg) -> None:
 
             logger.event("start", iteration=0, layout=layout_rec, **describe(cfg))
 
-    def saved(it: int, path) -> None:
-        if rank == 0:
-            logger.event("save", iteration=it, path=str(path))
-            print(f"> saved checkpoint at iteration {it} to {path}", flush=True)
-
-    def save(it: int, sync: bool = False) -> None:
-        from gtp.collectives import collective_device
-
-        # rank 0's wandb step of this iteration's row: a fork from this checkpoint branches there.
-        step = torch.tensor([logger.last_step if logger is not None else 0],
-                            device=collective_device())
-        torch.distributed.broadcast(step, src=0)
-        common = {"consumed_samples": state.consumed_samples, "wandb_run_id": run_id,
-                  "job_id": job_id(),  # Slurm/submitit's: a requeue of it is the same run
-                  "wandb_step": int(step.item()), "config": config_dict,
-                  "data_plan": train_state["data_plan"], "skipped_iterations": state.skipped}
-        checkpointer.save(it, model, optimizer, scheduler, common, layout_rec, on_done=saved,
-                          sync=sync)
-
     from recipes.loop import train
     from recipes.moe import attach_metrics
 
     attach_metrics(cfg, state, logger)  # the load-balancing loss of MoE models (else nothing)
 
     try:
-        stopped = train(state, cfg, logger, checkpointer, save)
-        checkpointer.wait()
+        stopped = train(state, cfg, logger, manager)
+        manager.wait()
     finally:
         if logger is not None:
             logger.close()
     if stopped is not None and rank == 0:
         print(preemption.exit_message(stopped, state.iteration,
-                                      checkpointer.last_good if ck.save else None), flush=True)
+                                      manager.last_good if ck.save else None), flush=True)
     torch.distributed.barrier()
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()

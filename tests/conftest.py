@@ -11,6 +11,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Helpers shared between test files (multiproc, compose, resume_checks, wandb_offline, golden_curve).
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 # Small and fast: the tiny model, few iterations, one warmup step.
 FAST = ["train.train_iters=4", "optim.lr_warmup_iters=1", "logger=none"]

@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from multiproc import run_distributed
 
-from recipes import checkpoint
+from recipes import checkpoint, lifetime
 from recipes.metrics import read_metrics
 
 COMMON = ["train.train_iters=4", "optim.lr_warmup_iters=1", "checkpoint.save_interval=2"]
@@ -125,7 +125,9 @@ def _saves_with_cached_plans(root: str) -> list:
 
     cpu_compat.install()  # as a training process: megatron's writer syncs "CUDA" before forking
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    checkpoint._use_in_process_results_queue(True)
+    from recipes.checkpoint import async_save
+
+    async_save.use_in_process_results_queue(True)
     saves = checkpoint.AsyncSaves()
     seen = []
     for n, (split, extra) in enumerate(PLAN):
@@ -337,14 +339,14 @@ def test_autogroup_nice_is_retried_while_the_kernel_answers_eagain(monkeypatch):
                 state["nice"] = self.getvalue()
             super().close()
 
-    monkeypatch.setattr(checkpoint, "open", lambda path, mode="r": Autogroup(mode), raising=False)
-    assert checkpoint._set_autogroup_nice(10) is True
+    monkeypatch.setattr(lifetime, "open", lambda path, mode="r": Autogroup(mode), raising=False)
+    assert lifetime.set_autogroup_nice(10) is True
     assert state == {"eagain": 0, "writes": 3, "nice": "10", "error": None}
     state.update(eagain=100, writes=0)
-    assert checkpoint._set_autogroup_nice(10, attempts=5) is False and state["writes"] == 5
+    assert lifetime.set_autogroup_nice(10, attempts=5) is False and state["writes"] == 5
     state.update(eagain=0, writes=0, error=PermissionError(1, "Operation not permitted"))
-    assert checkpoint._set_autogroup_nice(12) is False and state["writes"] == 1
+    assert lifetime.set_autogroup_nice(12) is False and state["writes"] == 1
     state.update(error=None, nice="3")
-    monkeypatch.setattr(checkpoint, "open", lambda path, mode="r": Autogroup(mode)
+    monkeypatch.setattr(lifetime, "open", lambda path, mode="r": Autogroup(mode)
                         if "r" in mode else io.StringIO(), raising=False)
-    assert checkpoint._set_autogroup_nice(10) is False  # the value did not take
+    assert lifetime.set_autogroup_nice(10) is False  # the value did not take

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from compose import make_cfg
 from multiproc import run_distributed
 
 from recipes import checkpoint, checkpointer
+from recipes.checkpoint import manager
 from recipes.checkpoint import CheckpointError
 
 
@@ -94,7 +96,7 @@ def test_load_iteration_newer_than_the_tracker_loads_when_complete(tmp_path, mon
     fake_save(tmp_path, 50)
     fake_save(tmp_path, 100)
     (tmp_path / checkpoint.TRACKER).write_text("50\n")
-    monkeypatch.setattr(checkpoint, "_check_storage", lambda path: None)  # fake files: no tensors
+    monkeypatch.setattr(checkpoint.integrity, "check_storage", lambda path: None)  # fake files: no tensors
     assert checkpoint.check_loadable(tmp_path, 100).name == "iter_0000100"
 
 
@@ -107,8 +109,8 @@ def _agree_while_tracker_moves(root):
 
     rank = torch.distributed.get_rank()
     # A live writer moves the tracker between the ranks' reads: each rank would read another.
-    ckpt.read_tracker = lambda path: 10 + rank
-    ckpt._check_storage = lambda path: None  # fake files hold no tensors
+    ckpt.integrity.read_tracker = lambda path: 10 + rank
+    ckpt.integrity.check_storage = lambda path: None  # fake files hold no tensors
     ck = make_cfg().checkpoint
     ck.load = root
     return policy.agree_load_iteration(ck)
@@ -234,11 +236,11 @@ def test_crafted_metadata_is_refused_without_running_it(tmp_path):
 def test_our_own_checkpoint_objects_load_with_weights_only(train_checkpoint):
     from megatron.core import dist_checkpointing
 
-    from recipes.checkpoint import _rng_state
+    from recipes.checkpoint.state import rng_state
 
     common = dist_checkpointing.load_common_state_dict(str(Path(train_checkpoint) / "iter_0000002"))
     ours = {k: common[k] for k in ("iteration", "train_state", "layout", "opt_param_scheduler")}
-    for obj in (ours, _rng_state()):
+    for obj in (ours, rng_state()):
         buf = io.BytesIO()
         torch.save(obj, buf)
         buf.seek(0)
@@ -295,7 +297,7 @@ def _collectives_under_nccl_rule():
 
     from recipes import checkpoint as ckpt
     from recipes.data.datasets import _rank0_first
-    from gtp.collectives import collective_device
+    from gtp.collectives import any_rank_failed, collective_device
 
     originals = {}
 
@@ -317,7 +319,7 @@ def _collectives_under_nccl_rule():
     try:
         state = {"w": torch.zeros(3, device="cpu")}
         ckpt.expected_checkpoint_bytes(state)
-        ckpt.any_rank_failed(False)
+        any_rank_failed(False)
         _rank0_first(lambda: 1)
         from gtp.grad_stats import grad_norms_by_part
 
@@ -420,21 +422,28 @@ def test_the_moves_back_note_reads_the_tracker_after_the_save_in_flight(tmp_path
             while pending:
                 pending.pop(0)()
 
-    def save_checkpoint(root, iteration, *args, async_saves=None, on_done=None):
-        def finalize():
-            fake_save(Path(root), iteration)
-            (Path(root) / checkpoint.TRACKER).write_text(f"{iteration}\n")
-            on_done(checkpoint.iter_dir(root, iteration))
+    def stage_save(root, iteration, *args, async_saves=None, on_written=None):
+        staged = checkpoint.staging_dir(root, iteration)
         async_saves.wait()
-        pending.append(finalize)
+        pending.append(lambda: on_written(staged))
+        return staged
+
+    def finalize_save(root, iteration, staged):
+        fake_save(Path(root), iteration)
+        (Path(root) / checkpoint.TRACKER).write_text(f"{iteration}\n")
         return checkpoint.iter_dir(root, iteration)
 
-    monkeypatch.setattr(checkpoint, "save_checkpoint", save_checkpoint)
+    monkeypatch.setattr(manager, "stage_save", stage_save)
+    monkeypatch.setattr(manager, "finalize_save", finalize_save)
+    monkeypatch.setattr(manager, "job_id", lambda: None)
+    monkeypatch.setattr(manager, "collective_device", lambda *a: torch.device("cpu"))
     monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 0)
-    saver = checkpointer.Checkpointer(ck_cfg(save=str(tmp_path), keep_last=keep_last))
+    monkeypatch.setattr(torch.distributed, "broadcast", lambda *a, **k: None)
+    saver = manager.CheckpointManager(ck_cfg(save=str(tmp_path), keep_last=keep_last))
     saver.async_saves = InFlight()
     for iteration in (1, 2):
-        saver.save(iteration, None, None, None, {}, {})
+        saver.save(SimpleNamespace(iteration=iteration, model=None, optimizer=None,
+                                   scheduler=None, consumed_samples=0, skipped=0, train_state={}))
     saver.wait()
     notes = [line for line in capsys.readouterr().out.splitlines() if "moves back" in line]
     assert notes == [f"> note: {checkpoint.TRACKER} in {tmp_path} moves back from 12 to 1; "

@@ -390,7 +390,7 @@ def test_the_tracker_names_a_replacing_save_before_the_replaced_one_is_removed(t
     def crash(path, *a, **k):  # the process dies while it removes the replaced save
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(checkpoint.shutil, "rmtree", crash)
+    monkeypatch.setattr(checkpoint.save.shutil, "rmtree", crash)
     with pytest.raises(KeyboardInterrupt):
         checkpoint.finalize_save(tmp_path, 4, staged)
     assert checkpoint.read_tracker(tmp_path) == 4

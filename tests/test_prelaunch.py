@@ -147,7 +147,7 @@ CASES = [
     (["optim.lr_warmup_iters=-1"], ["optim.lr_warmup_iters=-1", "must lie in [0, 4)"]),
     (["optim.min_lr=1"], ["optim.min_lr=1", "[0, optim.lr=0.003]"]),
     (["optim.lr_decay_style=cosin"], ["optim.lr_decay_style='cosin'", "valid are"]),
-    (["optim.optimizer=sgd"], ["optim.optimizer='sgd'", "valid is 'adam'"]),
+    (["optim.optimizer=sgd"], ["optim.optimizer='sgd'", "valid are ('adam', 'muon')"]),
     (["optim.use_distributed_optimizer=true", "optim.distrib_optim_sharding_type=dp_reshardable"],
      ["'dp_reshardable'", "use 'fully_reshardable'"]),
     (["precision.params_dtype=fp16"], ["precision.params_dtype='fp16'", "valid are"]),

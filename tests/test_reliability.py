@@ -239,7 +239,7 @@ def test_saves_and_loads_run_with_the_cyclic_gc_paused_and_restore_it():
             raise CheckpointError("stop here")
         return "done"
 
-    paused = checkpoint._gc_paused(body)
+    paused = checkpoint.save.gc_paused(body)
     assert gc.isenabled()
     assert paused(False) == "done" and gc.isenabled()
     with pytest.raises(CheckpointError, match="stop here"):

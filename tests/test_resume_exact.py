@@ -5,7 +5,7 @@ distributed-optimizer load drifted from the second resumed iteration on).
 Four uninterrupted runs of the tiny GPT train 6 iterations and save at 3 (lr_decay_iters pinned
 so every run has the same schedule):
 
-* ``plain``: dp2, fp32, plain Adam (the golden-curve config, ``tests/golden_curve.py``);
+* ``plain``: dp2, fp32, plain Adam (the golden-curve config, ``tests/helpers/golden_curve.py``);
 * ``distopt``: dp2, fp32, distributed optimizer;
 * ``bf16_g2_distopt``: dp2 x gtp2/a16 (4 processes), bf16, distributed optimizer;
 * ``bf16_pp2``: pp2, bf16, plain Adam.

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from recipes.config import register_configs
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
+CONF = str(Path(__file__).resolve().parents[2] / "conf")
 register_configs()
 
 

@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden" / "loss_curve.json"
 # The tiny GPT at dp2 (the defaults), fp32, plain Adam; saves at 3 (tests/test_resume_exact.py
 # resumes from it).

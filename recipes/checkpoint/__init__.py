@@ -1,0 +1,69 @@
+"""Save and load Megatron ``torch_dist`` checkpoints that reshard across TP, PP, DP and GTP layouts
+and between megatron's plain and distributed optimizer.
+
+What one checkpoint holds: ``model`` and ``optimizer`` (Adam moments, fp32 main params and
+``step``, sharded like their params), the lr scheduler, ``iteration``, the training state
+(consumed samples, wandb run id), the resolved run config, the layout it was saved at and each
+rank's RNG state (:mod:`recipes.checkpoint.state`). ``docs/checkpointing.md`` describes the
+lifecycle a run goes through (:class:`~recipes.checkpoint.manager.CheckpointManager`).
+
+Modules, one concern each:
+
+* :mod:`~recipes.checkpoint.errors` - :class:`CheckpointError` and torch DCP's per-rank errors;
+* :mod:`~recipes.checkpoint.files` - names, the tracker, durable writes, disk space, retention;
+* :mod:`~recipes.checkpoint.integrity` - is a checkpoint loadable (before any tensor is read);
+* :mod:`~recipes.checkpoint.state` - the sharded state dicts, RNG state and layout record;
+* :mod:`~recipes.checkpoint.async_save` - saves written in the background;
+* :mod:`~recipes.checkpoint.save` - one save, staged then renamed into place;
+* :mod:`~recipes.checkpoint.load` - a resume, or the model weights alone;
+* :mod:`~recipes.checkpoint.manager` - the run's checkpoint lifecycle.
+
+The names below are the package's API. The modules that import megatron are loaded on first
+use of one of their names (start-up time: ``train.py`` imports this package before launch).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from gtp.records import TRACKER
+from recipes.checkpoint.errors import CheckpointError
+from recipes.checkpoint.files import (
+    ITER_NAME,
+    ensure_disk_space,
+    fsync_dir,
+    iter_dir,
+    read_tracker,
+    recover_replaced,
+    remove_old_checkpoints,
+    saved_iterations,
+    staging_dir,
+    tracked,
+    write_durable,
+)
+
+_LAZY = {
+    "integrity": ("check_loadable", "check_shapes", "stored_shapes", "verify_before_load"),
+    "state": ("layout_record", "optimizer_metadata"),
+    "async_save": ("AsyncSaves", "WRITER_NICE", "structure_fingerprint"),
+    "save": ("expected_checkpoint_bytes", "finalize_save", "save_checkpoint", "stage_save"),
+    "load": ("load_checkpoint", "load_common", "load_model_weights"),
+    "manager": ("CheckpointManager", "ResumePlan"),
+}
+_HOME = {name: module for module, names in _LAZY.items() for name in names}
+
+__all__ = ["TRACKER", "CheckpointError", "ITER_NAME", "ensure_disk_space", "fsync_dir", "iter_dir",
+           "read_tracker", "recover_replaced", "remove_old_checkpoints", "saved_iterations",
+           "staging_dir", "tracked", "write_durable", *_HOME]
+
+
+def __getattr__(name: str):
+    """The lazily loaded modules and names of :data:`_LAZY` (PEP 562)."""
+    if name in _LAZY:  # a submodule: recipes.checkpoint.save ...
+        return importlib.import_module(f"{__name__}.{name}")
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

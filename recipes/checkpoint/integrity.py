@@ -1,0 +1,150 @@
+"""Is a checkpoint loadable, before any tensor is read: its tracker and files complete, its
+data files as long as its metadata says, every byte as written (``gtp.verify``), every requested
+tensor present with its shape."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+from gtp import safe_metadata, verify
+from gtp.collectives import any_rank_failed
+from recipes.checkpoint.errors import CheckpointError, unreadable
+from recipes.checkpoint.files import iter_dir, read_tracker, saved_iterations
+
+
+def check_loadable(root: str | os.PathLike, iteration: int | None = None) -> Path:
+    """Cheap pre-launch check that ``root`` holds a complete checkpoint; returns its iter dir.
+
+    Args:
+        root: the checkpoint dir.
+        iteration: a specific saved iteration; None: the one the tracker names. Any complete
+            ``iter_*`` dir loads, also one newer than the tracker (saves are renamed into place
+            only when complete).
+
+    Raises:
+        CheckpointError: as :func:`recipes.checkpoint.files.read_tracker`, the iteration is
+            missing or incomplete, its data files are truncated, or its metadata is not what a
+            checkpoint holds.
+    """
+    latest = read_tracker(root)
+    if iteration is None:
+        iteration = latest
+    elif not iter_dir(root, iteration).is_dir():
+        raise CheckpointError(
+            f"checkpoint.load_iteration={iteration}: no complete save of it in {root}; "
+            f"complete iterations there: {saved_iterations(root)}"
+        )
+    path = iter_dir(root, iteration)
+    # megatron 0.19.2 keeps the common state inside .metadata (older versions: common.pt).
+    for name in ("metadata.json", ".metadata"):
+        if not (path / name).is_file():
+            raise CheckpointError(f"{path} is incomplete: {name} is missing")
+    check_storage(path)
+    return path
+
+
+def check_storage(path: Path) -> None:
+    """Every item the checkpoint's metadata lists lies inside its data file.
+
+    Cheap (one stat per file) and done before any tensor is read, so a truncated or missing
+    ``.distcp`` file fails the load before it changes anything.
+
+    Raises:
+        CheckpointError: naming the file, its size, what should be there and one tensor in it.
+    """
+    safe_metadata.install()
+    try:
+        metadata = safe_metadata.read_metadata(path)
+    except safe_metadata.UnsafeMetadataError as exc:
+        raise CheckpointError(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - a torn .metadata
+        raise unreadable(path / ".metadata", exc, "a torch_dist checkpoint's metadata") from exc
+    needed: dict[str, tuple[int, str]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        end = info.offset + info.length
+        if end > needed.get(info.relative_path, (-1, ""))[0]:
+            needed[info.relative_path] = (end, index.fqn)
+    for name, (end, fqn) in sorted(needed.items()):
+        file = path / name
+        size = file.stat().st_size if file.is_file() else None
+        if size is None or size < end:
+            state = "is missing" if size is None else f"has {size} bytes"
+            raise CheckpointError(
+                f"{file} {state}, but the checkpoint's metadata places data up to byte {end} "
+                f"in it (e.g. tensor {fqn!r}): the checkpoint is truncated or incomplete"
+            )
+
+
+def verify_before_load(path: Path) -> None:
+    """:func:`gtp.verify.check_share` on every rank; a problem any rank finds fails the load on
+    every rank, each naming the same files and items (a collective)."""
+    problems = verify.check_share(path, torch.distributed.get_rank(),
+                                  torch.distributed.get_world_size())
+    if any_rank_failed(bool(problems)):
+        found: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(found, problems[:5])
+        problems = list(dict.fromkeys(p for mine in found for p in mine))  # .metadata's: all
+        raise CheckpointError(
+            f"{verify.CheckpointDamaged(path, problems)}: not loaded "
+            f"(checkpoint.verify_on_load); load another iteration (checkpoint.load_iteration=N) "
+            f"or another checkpoint.load")
+
+
+def stored_shapes(path) -> dict:
+    """``{key: global shape}`` of every tensor in the checkpoint at ``path``.
+
+    Raises:
+        CheckpointError: its metadata cannot be read (named).
+    """
+    try:
+        stored = dist_checkpointing.load_tensors_metadata(str(path))
+    except Exception as exc:
+        raise unreadable(Path(path) / ".metadata", exc,
+                         "a torch_dist checkpoint's metadata") from exc
+    return {key: tuple(sh.global_shape) for key, sh in stored.items()}
+
+
+def check_shapes(sharded_state: dict, path, stored: dict | None = None,
+                 skip_prefixes: tuple = ()) -> dict:
+    """Compare every requested tensor's global shape with the checkpoint's, before loading.
+
+    Tensors megatron marks ``allow_shape_mismatch`` (vocab rows padded per TP) are skipped, and
+    absent keys starting with one of ``skip_prefixes`` (main params, which
+    ``recipes.optim_checkpoint`` maps between optimizer kinds) are not reported.
+    Every rank reads the same metadata and so raises the same error.
+
+    Args:
+        stored: the checkpoint's ``{key: global shape}`` (read from ``path`` when None).
+
+    Returns:
+        ``stored``.
+
+    Raises:
+        CheckpointError: naming the first tensors whose shapes differ (both shapes) or that the
+            checkpoint lacks.
+    """
+    if stored is None:
+        stored = stored_shapes(path)
+    wrong, absent = [], []
+    for sh in nested_values(sharded_state):
+        if not isinstance(sh, ShardedTensor) or sh.allow_shape_mismatch:
+            continue
+        if sh.key not in stored:
+            if not sh.key.startswith(skip_prefixes):
+                absent.append(sh.key)
+        elif tuple(stored[sh.key]) != tuple(sh.global_shape):
+            wrong.append(f"{sh.key}: checkpoint {tuple(stored[sh.key])}, "
+                         f"this model {tuple(sh.global_shape)}")
+    if wrong:
+        raise CheckpointError(
+            f"{path} holds a differently shaped model: " + "; ".join(sorted(set(wrong))[:5])
+            + " (check model.* against the checkpoint's run config)")
+    if absent:
+        raise CheckpointError(f"{path} lacks tensors this model needs: {sorted(set(absent))[:10]}")
+    return stored

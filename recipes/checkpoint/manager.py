@@ -1,0 +1,254 @@
+"""The checkpoint lifecycle of one run, owned by one :class:`CheckpointManager` per rank.
+
+1. **Resolve** (before launch, once): :meth:`ResumePlan.resolve` settles ``checkpoint.load`` and
+   the iteration to load, and reads its common state; ``recipes.checkpointer.prepare_resume``
+   pins ``checkpoint.load_iteration`` in the resolved config the workers read. In the workers
+   every rank takes global rank 0's (``recipes.checkpointer.agree_load_iteration``) and opens
+   it once (:meth:`ResumePlan.open`).
+2. **Load** (:meth:`CheckpointManager.load`): the run state from the plan's checkpoint.
+3. **Step** (:meth:`CheckpointManager.step`, once per iteration): finalize a background save
+   whose writers have all finished, then save when ``checkpoint.save_interval`` (or
+   ``save_at_end``) says so.
+4. **Save**: staged, renamed into place and named by the tracker once every rank finished
+   (:mod:`recipes.checkpoint.save`); then retention (``checkpoint.keep_last``) and the run's
+   ``save`` event. With ``checkpoint.async_save`` the tensors are written in the background and
+   that completion runs in a later step.
+5. **Stop** (:meth:`CheckpointManager.stop`): a run that stops early saves the iteration it
+   stopped after (unless that save is already under way), then waits for the save in flight.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gtp.collectives import collective_device
+from recipes.checkpoint.async_save import AsyncSaves
+from recipes.checkpoint.files import (
+    TRACKER,
+    iter_dir,
+    recover_replaced,
+    remove_old_checkpoints,
+    tracked,
+)
+from recipes.checkpoint.load import load_checkpoint, load_common
+from recipes.checkpoint.save import finalize_save, stage_save
+from recipes.requeue import job_id
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """The checkpoint a run loads, resolved once per process.
+
+    Attributes:
+        load: the checkpoint dir (``checkpoint.load``).
+        iteration: the iteration loaded.
+        path: its iter dir.
+        common: its common state (:func:`recipes.checkpoint.load.load_common`).
+    """
+
+    load: str
+    iteration: int
+    path: Path
+    common: dict
+
+    @classmethod
+    def resolve(cls, ck, repair: bool = False) -> "ResumePlan | None":
+        """``ck.load`` at ``ck.load_iteration`` (None: the tracker's), checked and its common
+        state read; None without ``ck.load``. ``repair`` (global rank 0 before launch): first
+        put back a complete save that a crash left aside
+        (:func:`recipes.checkpoint.files.recover_replaced`).
+
+        Raises:
+            CheckpointError: as :func:`recipes.checkpoint.load.load_common`.
+        """
+        if ck.load is None:
+            return None
+        if repair and Path(ck.load).is_dir():
+            recover_replaced(ck.load)
+        return cls.open(ck.load, ck.load_iteration)
+
+    @classmethod
+    def open(cls, load, iteration: int | None) -> "ResumePlan":
+        """The plan of ``load`` at ``iteration`` (None: the tracker's): one loadability check
+        and one read of the common state.
+
+        Raises:
+            CheckpointError: as :func:`recipes.checkpoint.load.load_common`.
+        """
+        path, common = load_common(load, iteration)
+        return cls(str(load), int(path.name[5:]), path, common)
+
+    @property
+    def saved_config(self) -> dict | None:
+        """The run config the checkpoint recorded (None for one that recorded none)."""
+        return self.common["train_state"].get("config")
+
+
+class CheckpointManager:
+    """Load, save, finalize and prune the checkpoints of one run (every rank holds one; global
+    rank 0 renames and prunes). Every method but :meth:`should_save` is a collective.
+
+    Args:
+        ck: the ``checkpoint`` config group (``save``, ``save_interval``, ``save_at_end``,
+            ``keep_last``, ``async_save``, ``verify_on_load``).
+        plan: what this run loads (:class:`ResumePlan`), or None.
+        layout_record: this run's :func:`recipes.checkpoint.state.layout_record`.
+    """
+
+    def __init__(self, ck, plan: ResumePlan | None = None, layout_record: dict | None = None):
+        self.root = ck.save
+        self.interval = ck.save_interval
+        self.save_at_end = ck.save_at_end
+        self.keep_last = ck.keep_last
+        self.verify = ck.get("verify_on_load", True)
+        self.plan = plan
+        self.layout_record = layout_record or {}
+        # The iteration this run resumed from (kept by retention), or None.
+        self.loaded = plan.iteration if plan is not None else None
+        # The newest complete checkpoint of this run's lineage (for messages): where it resumed.
+        self.last_good: Path | None = None
+        # checkpoint.async_save: saves written in the background, finalized in poll()/wait().
+        self.async_saves = AsyncSaves() if ck.get("async_save", False) else None
+        self._started: int | None = None  # iteration of the last save started
+
+    def load(self, model, optimizer, scheduler) -> dict | None:
+        """Load the plan's checkpoint into ``model``, ``optimizer`` and ``scheduler``
+        (:func:`recipes.checkpoint.load.load_checkpoint`, from the plan's common state).
+
+        Returns:
+            The checkpoint's common state; None without a plan (nothing loaded).
+
+        Raises:
+            CheckpointError: as :func:`recipes.checkpoint.load.load_checkpoint`.
+        """
+        if self.plan is None:
+            return None
+        plan = self.plan
+        common = load_checkpoint(plan.load, model, optimizer, scheduler, self.layout_record,
+                                 plan.iteration, verify=self.verify,
+                                 opened=(plan.path, plan.common))
+        self.last_good = iter_dir(plan.load, plan.iteration)
+        return common
+
+    def should_save(self, iteration: int, train_iters: int) -> bool:
+        """Save after ``iteration``: every ``save_interval``, and at the end with
+        ``save_at_end``."""
+        if not self.root:
+            return False
+        return bool((self.interval and iteration % self.interval == 0)
+                    or (iteration == train_iters and self.save_at_end))
+
+    def step(self, state, train_iters: int, logger=None) -> None:
+        """After each iteration: finalize the background save in flight if every rank's writer
+        has finished, then save ``state`` if :meth:`should_save`.
+
+        Raises:
+            CheckpointError: as :meth:`wait`, or a save that cannot start (disk space).
+        """
+        self.poll()
+        if self.should_save(state.iteration, train_iters):
+            self.save(state, logger)
+
+    def stop(self, state, logger=None) -> None:
+        """The run stops after ``state.iteration``: save it synchronously unless its save has
+        already started (a regular save of this iteration, waited for), then wait for the save
+        in flight. Without ``checkpoint.save`` only the wait.
+
+        Raises:
+            CheckpointError: as :meth:`wait`.
+        """
+        if self.root and self._started != state.iteration:
+            self.save(state, logger, sync=True)
+        self.wait()
+
+    def save(self, state, logger=None, sync: bool = False) -> Path:
+        """Write the checkpoint of ``state.iteration`` (every rank calls this).
+
+        Staged into a hidden dir, renamed into place and named by the tracker once every rank
+        finished (:func:`recipes.checkpoint.save.finalize_save`), then older complete saves
+        beyond ``keep_last`` are removed and rank 0 logs the ``save`` event. With
+        ``checkpoint.async_save`` the files are written in the background and all of that
+        happens in a later :meth:`poll` / :meth:`wait`, unless ``sync`` (the save of an exit:
+        complete on return, after the save in flight).
+
+        Args:
+            state: the worker's ``RunState`` (model, optimizer, scheduler, counters and
+                ``train_state``: the run's fixed training-state entries).
+            logger: the ``MetricLogger`` on rank 0, else None.
+
+        Returns:
+            The iter dir (complete on return only without ``async_save``, or with ``sync``).
+        """
+        iteration = state.iteration
+        if self.async_saves is not None:
+            self.async_saves.wait()  # the save still in flight moves the tracker first
+        previous = tracked(self.root) if torch.distributed.get_rank() == 0 else None
+        complete = functools.partial(self._complete, iteration, previous, logger)
+        async_saves = None if sync else self.async_saves
+        self._started = iteration
+        staged = stage_save(self.root, iteration, state.model, state.optimizer, state.scheduler,
+                            self._train_state(state, logger), self.layout_record,
+                            async_saves=async_saves, on_written=complete)
+        if async_saves is None:
+            complete(staged)
+        return iter_dir(self.root, iteration)
+
+    def _train_state(self, state, logger) -> dict:
+        """The checkpoint's ``train_state``: the counters of ``state``, its fixed entries, this
+        job's id and rank 0's wandb step of this iteration's row (a fork from this checkpoint
+        branches there; a broadcast)."""
+        step = torch.tensor([logger.last_step if logger is not None else 0],
+                            device=collective_device())
+        torch.distributed.broadcast(step, src=0)
+        fixed = state.train_state
+        return {"consumed_samples": state.consumed_samples,
+                "wandb_run_id": fixed.get("wandb_run_id"),
+                "job_id": job_id(),  # Slurm/submitit's: a requeue of it is the same run
+                "wandb_step": int(step.item()), "config": fixed.get("config"),
+                "data_plan": fixed.get("data_plan"), "skipped_iterations": state.skipped}
+
+    def _complete(self, iteration: int, previous: int | None, logger, staged: Path) -> None:
+        """Every rank, once every rank's files of ``iteration`` are written: rename the staged
+        save into place, then (rank 0) note a tracker that moves back, prune and log."""
+        path = finalize_save(self.root, iteration, staged)
+        self.last_good = path
+        if torch.distributed.get_rank() != 0:
+            return
+        if previous is not None and previous > iteration:
+            retention = (f", or checkpoint.keep_last={self.keep_last} removes it once "
+                         f"{self.keep_last} newer complete save(s) exist" if self.keep_last else "")
+            print(f"> note: {TRACKER} in {self.root} moves back from {previous} to {iteration}; "
+                  f"{iter_dir(self.root, previous).name} stays (checkpoint.load_iteration="
+                  f"{previous} loads it) unless this run saves iteration {previous} too, which "
+                  f"replaces it{retention}", flush=True)
+        if self.keep_last:
+            keep = (iteration,) if self.loaded is None else (iteration, self.loaded)
+            remove_old_checkpoints(self.root, self.keep_last, keep=keep)
+        if logger is not None:
+            logger.event("save", iteration=iteration, path=str(path))
+        print(f"> saved checkpoint at iteration {iteration} to {path}", flush=True)
+
+    def poll(self) -> None:
+        """Finalize the background save in flight if every rank's writer has finished (a
+        collective; no-op without ``async_save``).
+
+        Raises:
+            CheckpointError: as :meth:`wait`.
+        """
+        if self.async_saves is not None:
+            self.async_saves.poll()
+
+    def wait(self) -> None:
+        """Wait for the background save in flight and finalize it (a collective; no-op without
+        ``async_save``).
+
+        Raises:
+            CheckpointError: a rank's writer failed or died; nothing was renamed into place,
+                the tracker still names the previous checkpoint.
+        """
+        if self.async_saves is not None:
+            self.async_saves.wait()
