@@ -64,7 +64,9 @@ def optimizer_metadata(optimizer) -> dict:
     ``chained_optim_avoid_prefix`` when megatron built an expert optimizer."""
     chain = getattr(optimizer, "chained_optimizers", [optimizer])
     out = {}
-    if any(g.get("is_expert_parallel") for opt in chain for g in opt.optimizer.param_groups):
+    groups = [g for opt in chain
+              for g in getattr(getattr(opt, "optimizer", None), "param_groups", [])]
+    if any(g.get("is_expert_parallel") for g in groups):
         # An MoE model has a dense and an expert optimizer where its experts are split (EP,
         # ETP != TP, expert GTP), one elsewhere: without megatron's "chained_<i>." prefix the
         # keys of each param's moments are the same at every layout.
