@@ -27,14 +27,7 @@ move.
 
 from __future__ import annotations
 
-from mcore_compat.version import check_megatron_version
-
-def _check_version() -> None:
-    import megatron.core
-
-    check_megatron_version(megatron.core.__version__,
-                           "gtp.expert_grads fixes megatron's expert GTP gradient reduction")
-
+from mcore_compat.patches import megatron_patch
 
 def expert_parameters(model):
     """``(name, param)`` of every routed-expert parameter of ``model`` (the params of each
@@ -47,6 +40,7 @@ def expert_parameters(model):
                 yield f"{mod_name}.local_experts.{name}", param
 
 
+@megatron_patch("the allreduce tag megatron's SequentialMLP experts carry (lost in the GTP wrap)")
 def tag_expert_params(model, expert_gtp_remat_size: int) -> int:
     """Fix 1: mark routed-expert params ``allreduce = False`` before DDP is built (only with
     ``expert_gtp_remat_size > 1``; otherwise megatron's tags are right and nothing changes).
@@ -56,7 +50,6 @@ def tag_expert_params(model, expert_gtp_remat_size: int) -> int:
     """
     if expert_gtp_remat_size <= 1:
         return 0
-    _check_version()
     n = 0
     for _, param in expert_parameters(model):
         param.allreduce = False
@@ -64,6 +57,7 @@ def tag_expert_params(model, expert_gtp_remat_size: int) -> int:
     return n
 
 
+@megatron_patch("distributed.DistributedDataParallel's expert buckets' gradient_scaling_factor")
 def scale_expert_gradients(ddp_model, expert_gtp_remat_size: int, gtp_remat_size: int) -> int:
     """Fix 2: multiply the gradient scaling factor of each expert bucket of ``ddp_model`` (a
     megatron ``DistributedDataParallel``) by ``expert_gtp_remat_size / gtp_remat_size``.
@@ -74,7 +68,6 @@ def scale_expert_gradients(ddp_model, expert_gtp_remat_size: int, gtp_remat_size
     """
     if expert_gtp_remat_size <= 1:
         return 0
-    _check_version()
     factor = expert_gtp_remat_size / gtp_remat_size
     n = 0
     for buffer in ddp_model.expert_parallel_buffers:

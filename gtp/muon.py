@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from mcore_compat.version import check_megatron_version
+from mcore_compat.patches import megatron_patch
 
 # megatron's optimizer modules are imported on use: recipes import this module only for
 # optim=muon, and the TensorParallelMuon class needs the optional emerging-optimizers package.
@@ -141,6 +141,8 @@ def _fix_expert_grad_stats_group(optimizer) -> int:
     return changed
 
 
+@megatron_patch("optimizer.emerging_optimizers.TensorParallelMuon.orthogonalize and "
+                "optimizer._get_megatron_emerging_optimizer")
 def install() -> None:
     """Install both patches (idempotent).
 
@@ -151,12 +153,9 @@ def install() -> None:
     global _PATCHED
     if _PATCHED:
         return
-    import megatron.core
     from megatron.core import optimizer as optimizer_module
     from megatron.core.optimizer import emerging_optimizers
 
-    check_megatron_version(megatron.core.__version__, "gtp.muon patches TensorParallelMuon."
-                           "orthogonalize and optimizer._get_megatron_emerging_optimizer")
     if not emerging_optimizers.HAVE_EMERGING_OPTIMIZERS:
         raise ImportError("optim.optimizer=muon needs the emerging-optimizers and absl-py "
                           "packages (pyproject.toml; `make setup` installs them)")
@@ -175,6 +174,8 @@ def install() -> None:
     _PATCHED = True
 
 
+@megatron_patch("optimizer.emerging_optimizers.TensorParallelMuon.orthogonalize and "
+                "optimizer._get_megatron_emerging_optimizer (puts megatron's back)")
 def uninstall() -> None:
     """Put megatron's two functions back (tests: the unfixed behaviour)."""
     global _PATCHED

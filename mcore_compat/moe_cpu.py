@@ -35,7 +35,7 @@ import importlib
 
 import torch
 
-from mcore_compat.version import check_megatron_version
+from mcore_compat.patches import megatron_patch
 
 # Modules whose module-global ``torch`` becomes mcore_compat.cpu's CPU proxy, with the call.
 PATCHED_MODULES: dict[str, str] = {
@@ -113,6 +113,9 @@ def _patch_torch_norm(torch_norm) -> None:
     cls.__new__ = __new__
 
 
+@megatron_patch("the module-global torch of PATCHED_MODULES (MoE router, token dispatchers, "
+                "mappings), tensor_parallel.mappings' uneven gather, moe token_dispatcher split "
+                "sizes, transformer.torch_norm.WrappedTorchNorm")
 def install(force: bool = False) -> bool:
     """Apply the patches of this module's table (idempotent).
 
@@ -130,12 +133,8 @@ def install(force: bool = False) -> bool:
         return True
     if torch.cuda.is_available() and not force:
         return False
-    import megatron.core
-
     from mcore_compat.cpu import cpu_torch_proxy
 
-    check_megatron_version(megatron.core.__version__,
-                           "mcore_compat.moe_cpu patches megatron's MoE and sequence parallelism")
     proxy = cpu_torch_proxy()
     for name in PATCHED_MODULES:
         importlib.import_module(name).torch = proxy

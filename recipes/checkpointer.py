@@ -325,18 +325,18 @@ def _check_optimizer(cfg, layout, saved: dict, saved_layout: dict, root) -> None
 
 
 def _check_stock_layout(cfg, layout, saved_layout: dict, root) -> None:
-    """megatron-core 0.19.2's stock GTP layout reads files at the offsets of the run's own
+    """megatron-core 0.19.2's stock GTP format reads files at the offsets of the run's own
     padding: it loads only a checkpoint saved at the same tp, gtp_remat_size and alignment."""
-    if cfg.gtp.get("checkpoint_layout", "logical") != "stock" or layout.gtp_remat_size == 1:
+    if cfg.checkpoint.get("format", "logical") != "stock" or layout.gtp_remat_size == 1:
         return
     keys = ("tensor_model_parallel_size", "gtp_remat_size", "pad_for_alignment")
     mine = {k: getattr(layout, k) for k in keys}
     theirs = {k: saved_layout.get(k) for k in keys}
     if mine != theirs:
         raise CheckpointError(
-            f"gtp.checkpoint_layout=stock cannot load {root}: it was saved at {theirs}, this run "
-            f"is {mine}, and the stock layout would read its rows at shifted offsets; use "
-            f"gtp.checkpoint_layout=logical (loads any layout)")
+            f"checkpoint.format=stock cannot load {root}: it was saved at {theirs}, this run "
+            f"is {mine}, and the stock format would read its rows at shifted offsets; use "
+            f"checkpoint.format=logical (loads any layout)")
 
 
 def planned_samples(train_state: dict, iteration: int, saved_cfg: dict | None, cfg) -> list[int]:

@@ -14,11 +14,11 @@ def before_model(cfg, layout) -> None:
     patch (``gtp.grad_stats``: GTP padding rows are not gradient elements), run megatron's recipe
     hook, then apply the resolved ``pad_for_alignment`` (megatron 0.19.2 would keep 16).
 
-    First, at every layout (GTP off included): ``gtp.checkpoint_layout`` picks how GTP weights
+    First, at every layout (GTP off included): ``checkpoint.format`` picks how GTP weights
     are checkpointed ("logical": ``gtp.checkpoint`` patch installed; "stock": megatron 0.19.2)."""
     from gtp import checkpoint as gtp_checkpoint
 
-    gtp_checkpoint.configure(cfg.gtp.get("checkpoint_layout", "logical"))
+    gtp_checkpoint.configure(cfg.checkpoint.get("format", "logical"))
     if layout.gtp_remat_size == 1:
         return
     from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp_impl

@@ -99,7 +99,7 @@ def _expert_gtp_weight_dims(cfg, tp: int) -> dict[str, int]:
 
 
 def transformer_config(cfg, layout, use_te: bool | None = None):
-    """megatron ``TransformerConfig`` for ``cfg.model`` at ``layout`` (a ``recipes.validate.Layout``).
+    """megatron ``TransformerConfig`` for ``cfg.model`` at ``layout`` (a ``recipes.validate.ParallelLayout``).
 
     ``use_te``: TransformerEngine layers and the quantization recipe's FP8/FP4 fields
     (``recipes.te``); None: when TransformerEngine is importable.
@@ -249,7 +249,7 @@ def build_model(cfg, layout, vocab_size: int, reseed=lambda: None):
 
     Args:
         cfg: the run config; ``cfg.model`` gives the shape.
-        layout: the resolved ``recipes.validate.Layout``.
+        layout: the resolved ``recipes.validate.ParallelLayout``.
         vocab_size: the tokenizer's vocabulary size (padded here for TP).
         reseed: re-seeds every RNG with the run's seed (called before each chunk under pipeline
             parallelism).

@@ -13,6 +13,8 @@ import zlib
 
 import torch
 
+from mcore_compat.patches import megatron_patch
+
 DISPATCHERS = ("allgather", "alltoall")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 # megatron's name of the aux loss in its MoE metrics tracker, and ours in metrics.jsonl/wandb.
@@ -67,6 +69,7 @@ def layer_spec(model_cfg, config, use_te: bool, vp_stage):
 
 
 @contextlib.contextmanager
+@megatron_patch("transformer.moe.experts.SequentialMLP.__init__ (while experts are built)")
 def experts_leave_rng_alone():
     """While active, building a ``SequentialMLP`` draws nothing from torch's CPU generator as
     seen by the rest of the model: its state is put back after the experts are built.
@@ -200,7 +203,7 @@ def reduce_aux_loss(model_cfg, num_microbatches: int) -> dict:
 
 
 def resolve_expert_layout(cfg, world_size: int, tp: int, pp: int) -> dict:
-    """The expert and sequence fields of ``recipes.validate.Layout`` for ``world_size``.
+    """The expert and sequence fields of ``recipes.validate.ParallelLayout`` for ``world_size``.
 
     ``sequence_parallel`` holds only at tp > 1 (megatron turns it off at tp 1, as Megatron-LM
     does); ``expert_tensor_parallel_size`` null is megatron's default, tp.

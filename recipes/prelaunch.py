@@ -16,10 +16,10 @@ from dataclasses import fields, is_dataclass
 from typing import Optional
 
 from gtp.records import CHECKPOINT_FORMATS
-from recipes.validate import ConfigError, Layout, validate, world_size_from_env
+from recipes.validate import ConfigError, ParallelLayout, validate, world_size_from_env
 
 
-def check(cfg, choices: Optional[dict] = None, plan=None) -> Layout:
+def check(cfg, choices: Optional[dict] = None, plan=None) -> ParallelLayout:
     """Validate ``cfg`` for launch; updates it in place (warmup clamp) so what runs is recorded.
 
     Args:
@@ -30,7 +30,7 @@ def check(cfg, choices: Optional[dict] = None, plan=None) -> Layout:
             (None: each check opens the checkpoint itself).
 
     Returns:
-        The resolved :class:`Layout` (:func:`recipes.validate.validate`).
+        The resolved :class:`ParallelLayout` (:func:`recipes.validate.validate`).
 
     Raises:
         ConfigError: the first problem found.

@@ -17,8 +17,8 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class Layout:
-    """The process layout a run uses (and a checkpoint records).
+class ParallelLayout:
+    """The parallel layout a run uses (its layout record is what a checkpoint stores of it).
 
     world_size = tensor_model_parallel_size * pipeline_model_parallel_size * gtp_remat_size *
     data_parallel_size (megatron's ``initialize_model_parallel`` order).
@@ -100,7 +100,7 @@ def _positive(name: str, value) -> None:
         raise ConfigError(f"{name}={value} is invalid: it must be an integer >= 1")
 
 
-def resolve_layout(cfg, world_size: int) -> Layout:
+def resolve_layout(cfg, world_size: int) -> ParallelLayout:
     """Derive the data-parallel size and resolved GTP alignment for ``world_size`` processes.
 
     Raises:
@@ -158,7 +158,7 @@ def resolve_layout(cfg, world_size: int) -> Layout:
     # Without GTP nothing is padded: the layout (and the checkpoint's record of it) says 0.
     pad = resolved_pad if g > 1 or experts["expert_gtp_remat_size"] > 1 else 0
     distopt, sharding = _distributed_optimizer(cfg)
-    return Layout(world_size, tp, pp, g, dp, pad, vpp, distopt, sharding, **experts)
+    return ParallelLayout(world_size, tp, pp, g, dp, pad, vpp, distopt, sharding, **experts)
 
 
 # megatron-core 0.19.2 DistributedOptimizer checkpoint formats (metadata
@@ -199,19 +199,19 @@ def _distributed_optimizer(cfg) -> tuple[bool, Optional[str]]:
     return True, fmt
 
 
-def validate(cfg, world_size: int, plan=None) -> Layout:
+def validate(cfg, world_size: int, plan=None) -> ParallelLayout:
     """Validate the whole composed config for ``world_size`` processes.
 
     ``plan``: the :class:`recipes.checkpoint.manager.ResumePlan` of ``checkpoint.load`` when this
     process has resolved it (its checkpoint is then not opened again).
 
     Returns:
-        The resolved :class:`Layout`.
+        The resolved :class:`ParallelLayout`.
 
     Raises:
         ConfigError: the first problem found, naming the key, its value and what is valid.
     """
-    from gtp.records import CHECKPOINT_LAYOUTS
+    from gtp.records import CHECKPOINT_FORMATS
     from recipes.data import SOURCES
     from recipes.metrics import LOGGER_MODES
     from recipes.model import PARAMS_DTYPES
@@ -327,9 +327,10 @@ def validate(cfg, world_size: int, plan=None) -> Layout:
                                           layout.use_distributed_optimizer)
     if refusal:
         raise ConfigError(refusal)
-    if cfg.gtp.get("checkpoint_layout", "logical") not in CHECKPOINT_LAYOUTS:
-        raise ConfigError(f"gtp.checkpoint_layout={cfg.gtp.checkpoint_layout!r}: valid are "
-                          f"{CHECKPOINT_LAYOUTS}")
+    fmt = cfg.checkpoint.get("format", "logical")
+    if fmt not in CHECKPOINT_FORMATS:
+        raise ConfigError(f"checkpoint.format={fmt!r} (old name gtp.checkpoint_layout): valid are "
+                          f"{CHECKPOINT_FORMATS}")
     if cfg.logger.mode not in LOGGER_MODES:
         raise ConfigError(f"logger.mode={cfg.logger.mode!r}: valid are {LOGGER_MODES}")
     ck = cfg.checkpoint
@@ -346,7 +347,7 @@ def validate(cfg, world_size: int, plan=None) -> Layout:
     return layout
 
 
-def _check_pipeline_split(cfg, layout: Layout) -> None:
+def _check_pipeline_split(cfg, layout: ParallelLayout) -> None:
     """megatron splits ``num_layers`` evenly over pp x vpp model chunks (no uneven split here)."""
     pp, vpp = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size
     if pp == 1:
@@ -423,7 +424,7 @@ def _check_checkpoint_vocab(cfg, plan=None) -> None:
         raise CheckpointError(message)
 
 
-def _check_gtp_dims(cfg, layout: Layout) -> None:
+def _check_gtp_dims(cfg, layout: ParallelLayout) -> None:
     """Every GTP-sharded TP-local dim 0 must shard over gtp_remat_size (pad 0 needs divisibility)."""
     from gtp.alignment import validate_gtp_dims
 
@@ -450,7 +451,7 @@ def _short(name: str) -> str:
     return parts[-2] if parts[-1] == "weight" else name
 
 
-def _announce_quantization(cfg, layout: Layout) -> None:
+def _announce_quantization(cfg, layout: ParallelLayout) -> None:
     """One line, once per launch (not again in each worker), when a quantized recipe is chosen:
     what it quantizes with TransformerEngine (``recipes.te``), or, without it, that it only
     picks the GTP alignment."""

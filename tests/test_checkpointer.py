@@ -196,7 +196,7 @@ def test_stock_layout_refuses_a_checkpoint_of_another_layout(train_checkpoint):
                    "train.train_iters=4", "optim.lr_warmup_iters=1",
                    f"checkpoint.load={train_checkpoint}")
     layout = validate(cfg, 4)
-    with pytest.raises(CheckpointError, match="use gtp.checkpoint_layout=logical"):
+    with pytest.raises(CheckpointError, match="use checkpoint.format=logical"):
         checkpointer.prepare_resume(cfg, layout)
 
 

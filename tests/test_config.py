@@ -90,7 +90,7 @@ def test_virtual_pipeline_stages_are_accepted_when_layers_and_micro_batches_spli
         (["optim.min_lr=1.0"], 2, r"optim.min_lr=1.0 must lie in"),
         (["data.source=hdf5"], 2, r"data.source='hdf5'"),
         (["checkpoint.keep_last=0"], 2, r"checkpoint.keep_last=0"),
-        (["gtp.checkpoint_layout=padded"], 2, r"gtp.checkpoint_layout='padded'"),
+        (["gtp.checkpoint_layout=padded"], 2, r"checkpoint.format='padded' \(old name gtp.checkpoint_layout\)"),
     ],
 )
 def test_bad_values_are_named_with_what_is_valid(overrides, world, message):

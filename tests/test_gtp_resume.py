@@ -95,8 +95,8 @@ def test_stock_layout_refuses_a_checkpoint_of_another_layout(runs):
     (tests/test_checkpoint_layouts.py shows the rows) and train on: refused before launch, naming
     the layout that loads it."""
     out = runs["f_tp2_g2a128_stock"]
-    assert "error: gtp.checkpoint_layout=stock cannot load" in out, out[-2000:]
-    assert "use gtp.checkpoint_layout=logical" in out
+    assert "error: checkpoint.format=stock cannot load" in out, out[-2000:]
+    assert "use checkpoint.format=logical" in out
     assert not (runs["a"].parent / "f_tp2_g2a128_stock" / "metrics.jsonl").exists()
 
 

@@ -26,6 +26,12 @@ EXPECTED = {
     "mcore_compat.dist_checkpointing.set_write_results_queue",
     "recipes.optim_checkpoint.install",
     "recipes.faults.while_writing",
+    "mcore_compat.moe_cpu.install",
+    "gtp.expert_grads.tag_expert_params",
+    "gtp.expert_grads.scale_expert_gradients",
+    "gtp.muon.install",
+    "gtp.muon.uninstall",
+    "recipes.moe.experts_leave_rng_alone",
 }
 
 
