@@ -26,6 +26,7 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("checkpoint", "benchmarks.checkpoint_io"),
     ("verify", "benchmarks.checkpoint_verify"),
     ("parallel_layouts", "benchmarks.parallel_layouts"),
+    ("moe_dispatch", "benchmarks.moe_dispatch"),
     ("hf_import_memory", "benchmarks.hf_import_memory"),
 ]
 

@@ -110,7 +110,8 @@ def _worker(cfg_path: str, out_path: str) -> None:
 
     from megatron.core.tensor_parallel.generalized_tensor_parallelism import is_gtp_param
 
-    # One torch optimizer, or Muon's chain (Muon + Adam): every state tensor counts.
+    # One torch optimizer, or megatron's chain (Muon + Adam; dense + experts): every state
+    # tensor counts.
     inners = [getattr(o, "optimizer", o)
               for o in getattr(optimizer, "chained_optimizers", [optimizer])]
     mine = {

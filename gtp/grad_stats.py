@@ -171,13 +171,16 @@ def is_installed() -> bool:
 
 # Layer types of :func:`grad_norms_by_part`, in a fixed order (the first match of a name wins).
 LAYER_TYPES = ("embedding", "output", "norms", "attention", "mlp")
+# With routed experts, their params (``mlp.experts.``) form their own group, ahead of ``mlp``.
+MOE_LAYER_TYPES = ("embedding", "output", "norms", "attention", "experts", "mlp")
 
 
-def layer_type(name: str) -> str:
+def layer_type(name: str, moe: bool = False) -> str:
     """The layer type of a GPTModel parameter name (``module.`` wrappers allowed):
     ``embedding`` (word and position embeddings), ``output`` (output_layer), ``norms`` (every
     LayerNorm/RMSNorm, the final one included), ``attention`` (self_attention's linears),
-    ``mlp`` (the MLP's linears).
+    with ``moe`` ``experts`` (the routed experts, megatron's ``mlp.experts.``), ``mlp`` (the
+    MLP's linears; in an MoE layer the router and shared experts).
 
     Raises:
         ValueError: a name matching none of them.
@@ -190,6 +193,8 @@ def layer_type(name: str) -> str:
         return "norms"
     if ".self_attention." in name:
         return "attention"
+    if moe and ".mlp.experts." in f".{name}":
+        return "experts"
     if ".mlp." in name:
         return "mlp"
     raise ValueError(f"parameter {name!r} is of no known layer type {LAYER_TYPES}")
@@ -204,13 +209,22 @@ def _layer_index(name: str, offset: int) -> int | None:
     return None
 
 
-def grad_norms_by_part(chunks, num_layers: int, group) -> dict:
+def grad_norms_by_part(chunks, num_layers: int, group, expert_group=None,
+                       expert_tp_group=None) -> dict:
     """L2 norms of the reduced gradients (``main_grad``) per layer type and per transformer layer,
     each logical element counted once at any layout, as megatron's total ``grad-norm``
     (``optimizer.clip_grads.get_grad_norm_fp32`` over ``get_main_grads_for_grad_norm``): shared
     params, TP duplicates and GTP duplicates are skipped, GTP padding rows are left out, and the
     squares are summed over ``group`` (the optimizer's ``get_grad_stats_parallel_group()``).
-    Collective over ``group``: every rank of it calls this with its own parameters.
+    Collective over ``group`` (and ``expert_group``): every rank calls this with its own
+    parameters.
+
+    With routed experts (``expert_group`` given), params megatron reduces over the expert
+    data-parallel group (``allreduce = False``) are handled as megatron's expert optimizer does
+    them (``optimizer.get_megatron_optimizer``: its ``grad_stats_parallel_group`` is
+    ``expt_tp_pp_with_egtp_remat``, the expert tensor x expert model x pipeline x expert-GTP
+    group; duplicates filtered over ``expert_tp_group``): their squares are summed over
+    ``expert_group``, the others' over ``group``, and ``grad-norm/experts`` is added.
 
     Call it after the backward pass and gradient reduction, before the optimizer step (which
     clips gradients in place).
@@ -221,10 +235,13 @@ def grad_norms_by_part(chunks, num_layers: int, group) -> dict:
             transformer layer (0 without pipeline parallelism).
         num_layers: transformer layers of the whole model.
         group: the gradient-statistics process group (it spans the pipeline stages too).
+        expert_group: the expert gradient-statistics group (None: a dense model).
+        expert_tp_group: the expert tensor-parallel group (with ``expert_group``).
 
     Returns:
-        ``{"grad-norm/<type>": float}`` for each of :data:`LAYER_TYPES` and
-        ``{"grad-norm/layer-<i>": float}`` for ``i`` in ``range(num_layers)`` (0-based).
+        ``{"grad-norm/<type>": float}`` for each of :data:`LAYER_TYPES` (:data:`MOE_LAYER_TYPES`
+        with ``expert_group``) and ``{"grad-norm/layer-<i>": float}`` for ``i`` in
+        ``range(num_layers)`` (0-based).
     """
     from megatron.core.tensor_parallel import (
         param_is_not_gtp_duplicate,
@@ -234,8 +251,11 @@ def grad_norms_by_part(chunks, num_layers: int, group) -> dict:
 
     from gtp.collectives import collective_device
 
-    # Summed where the group's collective needs them (CUDA under NCCL, CPU under gloo).
-    sums = torch.zeros(len(LAYER_TYPES) + num_layers, dtype=torch.float64,
+    moe = expert_group is not None
+    types = MOE_LAYER_TYPES if moe else LAYER_TYPES
+    # Summed where the group's collective needs them (CUDA under NCCL, CPU under gloo); row 0
+    # over ``group``, row 1 (experts) over ``expert_group``.
+    sums = torch.zeros(2, len(types) + num_layers, dtype=torch.float64,
                        device=collective_device(group))
     for named_params, layer_offset in chunks:
         for name, param in named_params:
@@ -244,19 +264,25 @@ def grad_norms_by_part(chunks, num_layers: int, group) -> dict:
                 grad = param.grad
             if grad is None:
                 continue
-            if not (param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param)
+            if not (param_is_not_shared(param)
+                    and param_is_not_tensor_parallel_duplicate(
+                        param, expert_tp_group=expert_tp_group if moe else None)
                     and param_is_not_gtp_duplicate(param)):
                 continue
             rows = logical_rows_in_shard(param)
             if rows is not None and grad.dim() > 0 and grad.shape[0] == param.shape[0]:
                 grad = grad[:rows]
             square = grad.detach().double().square().sum().to(sums.device)
-            sums[LAYER_TYPES.index(layer_type(name))] += square
+            row = 1 if moe and not getattr(param, "allreduce", True) else 0
+            sums[row, types.index(layer_type(name, moe))] += square
             layer = _layer_index(name, layer_offset)
             if layer is not None:
-                sums[len(LAYER_TYPES) + layer] += square
-    torch.distributed.all_reduce(sums, group=group)
-    norms = sums.sqrt().tolist()
-    out = {f"grad-norm/{t}": norms[i] for i, t in enumerate(LAYER_TYPES)}
-    out.update({f"grad-norm/layer-{i}": norms[len(LAYER_TYPES) + i] for i in range(num_layers)})
+                sums[row, len(types) + layer] += square
+    dense, experts = sums[0].clone(), sums[1].clone()
+    torch.distributed.all_reduce(dense, group=group)
+    if moe:
+        torch.distributed.all_reduce(experts, group=expert_group)
+    norms = (dense + experts).sqrt().tolist()
+    out = {f"grad-norm/{t}": norms[i] for i, t in enumerate(types)}
+    out.update({f"grad-norm/layer-{i}": norms[len(types) + i] for i in range(num_layers)})
     return out

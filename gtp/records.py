@@ -26,10 +26,19 @@ LAYOUT_KEY = "layout"
 PAD_KEY = "pad_for_alignment"
 
 
+def layout_defaults(rec: dict) -> dict:
+    """The layout keys a record written before they existed lacks, at the value such a run had:
+    no sequence parallelism, expert parallel size 1, expert tensor parallel size = the record's
+    ``tensor_model_parallel_size`` (megatron's default), no expert GTP, context parallel size 1."""
+    return {"sequence_parallel": False, "expert_model_parallel_size": 1,
+            "expert_tensor_parallel_size": rec.get("tensor_model_parallel_size", 1),
+            "expert_gtp_remat_size": 1, "context_parallel_size": 1}
+
+
 def saved_layout(common) -> dict | None:
     """A checkpoint's layout with its ``pad_for_alignment``: the :data:`LAYOUT_KEY` record
-    with the pad of the :data:`METADATA_KEY` record (a checkpoint without that record keeps the
-    pad its layout record holds, if any).
+    (keys it lacks at :func:`layout_defaults`) with the pad of the :data:`METADATA_KEY` record
+    (a checkpoint without that record keeps the pad its layout record holds, if any).
 
     Args:
         common: the checkpoint's common state (a mapping).
@@ -41,7 +50,7 @@ def saved_layout(common) -> dict | None:
     if not isinstance(rec, dict):
         return None
     meta = common.get(METADATA_KEY)
-    out = dict(rec)
+    out = {**layout_defaults(rec), **rec}
     if isinstance(meta, dict) and meta.get(PAD_KEY) is not None:
         out[PAD_KEY] = int(meta[PAD_KEY])
     return out

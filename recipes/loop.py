@@ -119,8 +119,7 @@ def train_step(model, optimizer, scheduler, data_iterator, num_microbatches: int
     if cfg.logger.get("grad_norm_detail", False):
         # Before the step: it clips the gradients in place.
         detail = grad_norms_by_part([(c.named_parameters(), _layer_offset(c)) for c in chunks],
-                                    cfg.model.num_layers,
-                                    optimizer.get_grad_stats_parallel_group())
+                                    cfg.model.num_layers, *_grad_stats_groups(optimizer, cfg))
     loss = _lm_loss(losses)
     if cfg.train.get("check_for_nan_in_loss_and_grad", True):
         # megatron's MegatronOptimizer.step, split so the norm is seen before any update.
@@ -141,6 +140,23 @@ def train_step(model, optimizer, scheduler, data_iterator, num_microbatches: int
         "skipped": False,
         **detail,
     }
+
+
+def _grad_stats_groups(optimizer, cfg) -> tuple:
+    """``(group, expert_group, expert_tp_group)`` of :func:`gtp.grad_stats.grad_norms_by_part`:
+    the dense optimizer's gradient-statistics group and, for an MoE model, the expert one
+    megatron's ``get_megatron_optimizer`` gives its expert optimizer
+    (``expt_tp_pp_with_egtp_remat``) with the expert tensor-parallel group."""
+    from megatron.core import parallel_state as ps
+
+    from recipes.moe import is_moe
+
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    group = chained[0].get_grad_stats_parallel_group()
+    if not is_moe(cfg.model):
+        return group, None, None
+    return (group, ps.get_expert_tensor_model_pipeline_parallel_group(with_egtp_remat=True),
+            ps.get_expert_tensor_parallel_group())
 
 
 def evaluate(model, validation, cfg) -> dict:

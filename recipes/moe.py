@@ -313,18 +313,37 @@ def check(cfg, layout) -> None:
                           f"parallelism.expert_tensor_parallel_size=1")
     if egtp > 1:
         _check_expert_gtp(cfg, layout)
-    ck = cfg.checkpoint
-    for key in ("save", "load", "pretrained"):
-        if ck.get(key) is not None:
-            # docs/moe.md: expert weights are not in the layout-independent checkpoint format yet.
-            raise ConfigError(
-                f"checkpoint.{key}={ck[key]!r} with an MoE model (model.{m.name}): checkpoints of "
-                f"expert weights are not supported yet (a save would not load exactly at another "
-                f"layout, and stock megatron writes expert-GTP padding into it); train without "
-                f"checkpoints: checkpoint=none")
-    if cfg.logger.get("grad_norm_detail", False):
-        raise ConfigError("logger.grad_norm_detail=true with an MoE model: the per-part grad norms "
-                          "do not count expert shards yet; set logger.grad_norm_detail=false")
+    _check_checkpoints(cfg, layout)
+
+
+def _check_checkpoints(cfg, layout) -> None:
+    """What MoE checkpoints support (docs/moe.md, Checkpoints): fp32 parameters, megatron's
+    non-distributed optimizer and the logical format; pretrained (Hugging Face) starts are not
+    wired for MoE models. Anything else is refused, naming why."""
+    from recipes.validate import ConfigError
+
+    ck, m = cfg.checkpoint, cfg.model
+    used = [key for key in ("save", "load") if ck.get(key) is not None]
+    if ck.get("pretrained") is not None:
+        raise ConfigError(f"checkpoint.pretrained={ck.pretrained!r} with an MoE model "
+                          f"(model.{m.name}): importing Hugging Face MoE weights is not "
+                          f"supported yet; set checkpoint.pretrained=null")
+    if not used:
+        return
+    why = None
+    if layout.use_distributed_optimizer:
+        why = ("optim.use_distributed_optimizer=true (its MoE state is untested across layouts); "
+               "set optim.use_distributed_optimizer=false")
+    elif cfg.precision.params_dtype != "fp32":
+        why = (f"precision.params_dtype={cfg.precision.params_dtype} (the bf16 optimizer's MoE "
+               f"state is untested across layouts); use precision=fp32")
+    elif ck.get("format", "logical") != "logical":
+        why = (f"checkpoint.format={ck.format!r}: stock megatron-core 0.19.2 writes the expert "
+               f"GTP padding into expert weights; use checkpoint.format=logical")
+    if why:
+        raise ConfigError(f"checkpoint.{used[0]}={ck[used[0]]!r} with an MoE model "
+                          f"(model.{m.name}) and {why}, or train without checkpoints: "
+                          f"checkpoint=none")
 
 
 def _check_expert_gtp(cfg, layout) -> None:
@@ -392,33 +411,44 @@ def after_ddp(ddp_chunk, layout) -> None:
 
 
 def attach_metrics(cfg, state, logger) -> None:
-    """Add the load-balancing loss (:func:`reduce_aux_loss`) to every logged iteration of an
-    MoE run: megatron's tracker is cleared when a step starts (``optimizer.zero_grad``), reduced
-    on every rank after the optimizer step, and merged into the metrics rank 0's ``logger``
-    writes (metrics.jsonl and wandb). Nothing happens without an aux loss."""
-    if aux_loss_name(cfg.model) is None:
+    """Add MoE figures to every logged iteration of an MoE run: the load-balancing loss
+    (:func:`reduce_aux_loss`, with an aux loss) and the per-layer tokens-per-expert ratios
+    (``recipes.moe_metrics.TokensPerExpert``). Megatron's tracker and the token counts are
+    cleared when a step starts (``optimizer.zero_grad``), reduced on every rank after the
+    optimizer step, and merged into the metrics rank 0's ``logger`` writes (metrics.jsonl and
+    wandb). Nothing happens for a dense model."""
+    if not is_moe(cfg.model):
         return
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
+    from recipes.model import model_chunks
+    from recipes.moe_metrics import TokensPerExpert
+
+    tokens = TokensPerExpert(model_chunks(state.model), int(cfg.model.num_layers),
+                             int(cfg.model.num_moe_experts))
+    with_aux = aux_loss_name(cfg.model) is not None
     optimizer, pending = state.optimizer, {}
     zero_grad, step = optimizer.zero_grad, optimizer.step
 
     def zero_grad_and_clear(*args, **kwargs):
         get_moe_metrics_tracker().clear()
+        tokens.clear()
         return zero_grad(*args, **kwargs)
 
     def step_and_reduce(*args, **kwargs):
         out = step(*args, **kwargs)
-        pending.update(reduce_aux_loss(cfg.model, state.num_microbatches))
+        if with_aux:
+            pending.update(reduce_aux_loss(cfg.model, state.num_microbatches))
+        pending.update(tokens.reduce())
         return out
 
     optimizer.zero_grad, optimizer.step = zero_grad_and_clear, step_and_reduce
     if logger is not None:
         log = logger.log
 
-        def log_with_aux(iteration, metrics):
+        def log_with_moe(iteration, metrics):
             metrics = {**metrics, **pending}
             pending.clear()
             return log(iteration, metrics)
 
-        logger.log = log_with_aux
+        logger.log = log_with_moe

@@ -40,6 +40,77 @@ def _single(optimizer):
     return chained[0]
 
 
+def _chain(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def chain_length(common_optimizer) -> int:
+    """How many megatron optimizers wrote ``common_optimizer`` (a ``ChainedOptimizer`` of more
+    than one keeps one entry per optimizer under keys 0, 1, ...)."""
+    node = common_optimizer
+    if isinstance(node, dict) and node and all(isinstance(k, int) for k in node):
+        return len(node)
+    return 1
+
+
+def _rechain(optimizer, loaded: dict, common: dict, mine: str, saved: str):
+    """The state dict for a running chain of another length than the file's: an MoE model has
+    a dense and an expert optimizer where its experts are split (expert parallel size > 1,
+    expert tensor parallel size != tensor parallel size, expert GTP: megatron's
+    ``get_megatron_optimizer`` gives params with ``allreduce = False`` their own), one otherwise.
+
+    The moments are model-space tensors under each param's own key (the request put them in
+    the running chain's places); the hyper-parameters of each running param group come from
+    the file's group with the same identity (``param_group_identifier_keys``; a group of the
+    other side's expert optimizer differs only in ``is_expert_parallel``), ``common_step``
+    from the file (the same in every part: ``ChainedOptimizer._synchronize_steps``).
+
+    Raises:
+        OptimizerCheckpointError: a distributed or bf16 optimizer on either side (not supported
+            across chain lengths), or no matching param group / step.
+    """
+    chain = _chain(optimizer)
+    parts = [common[k] for k in sorted(common)] if chain_length(common) > 1 else [common]
+    if mine != PLAIN or saved != PLAIN or any("param_groups" not in p for p in parts):
+        raise OptimizerCheckpointError(
+            f"an MoE optimizer state written by {len(parts)} megatron optimizer(s) resumed by "
+            f"{len(chain)}: supported for the non-distributed fp32 optimizer only")
+    groups = [g for p in parts for g in p["param_groups"]]
+    steps = {p.get("state", {}).get("common_step") for p in parts}
+    steps = {None if v is None else float(v) for v in steps}
+    if len(steps) != 1 or None in steps:
+        raise OptimizerCheckpointError(f"the checkpoint's optimizer parts hold steps {steps}")
+    step = torch.tensor(steps.pop())
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    keys = [k for k in param_group_identifier_keys if k != "is_expert_parallel"]
+
+    def ident(group):
+        return tuple(group.get(k, group.get(f"pre_{k}")) for k in keys)
+
+    by_id = {}
+    for g in groups:
+        by_id.setdefault(ident(g), g)
+    nodes = [loaded[i] for i in range(len(chain))] if len(chain) > 1 else [loaded]
+    out = []
+    for opt, node in zip(chain, nodes):
+        hyper = []
+        for own in opt.optimizer.state_dict()["param_groups"]:
+            got = by_id.get(ident(own))
+            if got is None:
+                raise OptimizerCheckpointError(
+                    f"no param group of the checkpoint matches this optimizer's group "
+                    f"{ident(own)} (lr/weight-decay settings differ)")
+            hyper.append({k: v for k, v in got.items() if k not in ("params", "step",
+                                                                    "is_expert_parallel")}
+                         | {"params": own["params"],
+                            "is_expert_parallel": own.get("is_expert_parallel", False)})
+        state = {k: v for k, v in node["state"].items() if k != "common_step"}
+        state["common_step"] = step
+        out.append({"state": state, "param_groups": hyper})
+    return out if len(chain) > 1 else out[0]
+
+
 def kind_of(optimizer) -> str:
     """``"distributed_adam"`` for megatron's DistributedOptimizer, else ``"adam"``."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -227,6 +298,8 @@ def finish_load(optimizer, loaded: dict, common: dict, mine: str, saved: str,
     Raises:
         OptimizerCheckpointError: the file's param groups or step cannot be matched.
     """
+    if chain_length(common) != len(_chain(optimizer)):
+        return _rechain(optimizer, loaded, common, mine, saved)
     bf16_now = "fp32_from_fp16_params" in loaded
     if mine == saved and (mine == DISTRIBUTED or bf16_now == ("param_groups" not in common)):
         return loaded

@@ -112,7 +112,6 @@ def test_mixtral_recipe_layout_dry_run(capsys):
     (["gtp.expert_gtp_remat_size=2", "optim.use_distributed_optimizer=true"], 2,
      "set optim.use_distributed_optimizer=false"),
     (["parallelism.context_parallel_size=2"], 2, "TEDotProductAttention"),
-    (["logger.grad_norm_detail=true"], 2, "logger.grad_norm_detail=false"),
 ])
 def test_bad_moe_layouts_are_refused(overrides, world, message):
     cfg = make_cfg("model=moe_tiny", *overrides)
@@ -127,12 +126,18 @@ def test_expert_sizes_need_an_moe_model():
     assert "needs routed experts" in str(info.value) and "model=moe_tiny" in str(info.value)
 
 
-def test_moe_checkpoints_are_refused_before_launch():
-    # Expert weights are not in the layout-independent checkpoint format yet (docs/moe.md).
+@pytest.mark.parametrize("overrides, message", [
+    (("optim.use_distributed_optimizer=true",), "set optim.use_distributed_optimizer=false"),
+    (("precision=bf16",), "use precision=fp32"),
+    (("checkpoint.format=stock",), "writes the expert GTP padding"),
+])
+def test_moe_checkpoints_that_are_not_supported_are_refused_before_launch(overrides, message):
+    # docs/moe.md, Checkpoints: fp32, the non-distributed optimizer, the logical format.
     with pytest.raises(ConfigError) as info:
-        validate(make_cfg("model=moe_tiny", "checkpoint.save=/tmp/somewhere"), 2)
-    assert "checkpoint=none" in str(info.value)
-    validate(make_cfg("model=moe_tiny", "checkpoint=none"), 2)
+        validate(make_cfg("model=moe_tiny", "checkpoint.save=/tmp/somewhere", *overrides), 2)
+    assert message in str(info.value) and "checkpoint=none" in str(info.value), str(info.value)
+    validate(make_cfg("model=moe_tiny", "checkpoint.save=/tmp/somewhere"), 2)
+    validate(make_cfg("model=moe_tiny", "checkpoint=none", *overrides), 2)
 
 
 def test_default_world_covers_the_expert_grid():

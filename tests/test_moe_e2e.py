@@ -11,7 +11,9 @@ All read the same global batch from the same initial weights (CPU initialization
 full draw; experts draw per (layer, global expert), ``recipes.moe.init_experts``), so
 iteration 1's ``lm loss``, ``grad-norm``, ``num-zeros`` and ``load_balancing_loss`` agree to fp32
 reduction-order noise (relative 1e-5). ``grad-norm`` at ``ep2``/``etp2``/``egtp2`` equal to
-``ep1``'s means each expert element is counted once.
+``ep1``'s means each expert element is counted once. So do ``logger.grad_norm_detail``'s
+per-part norms (the ``experts`` group among them), whose squares add up to ``grad-norm``, and
+the per-layer tokens-per-expert ratios (integer counts over the same global batch: exactly).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ pytestmark = pytest.mark.e2e
 RTOL = 1e-5
 ZEROS_RTOL = 1e-3
 MOE = ("model=moe_tiny", "checkpoint=none", "train.train_iters=2", "train.eval_iters=0",
-       "parallelism=tp1", "parallelism.nproc_per_node=2")
+       "parallelism=tp1", "parallelism.nproc_per_node=2", "logger.grad_norm_detail=true")
+PARTS = ("embedding", "output", "norms", "attention", "experts", "mlp")
 LAYOUTS = {
     "ep1": (),
     "ep2": ("parallelism.expert_model_parallel_size=2",),
@@ -76,3 +79,31 @@ def test_iteration_one_is_the_same_at_every_layout(runs):
         # replicas are not counted (a gradient cancelling to 0.0 under one reduction order moves
         # it by one now and then, as tests/test_gtp_e2e.py notes).
         assert abs(first["num-zeros"] - ref["num-zeros"]) <= ZEROS_RTOL * ref["num-zeros"], name
+
+
+def test_grad_norm_detail_has_an_experts_group_counted_once(runs):
+    ref = runs["ep1"][0][0]
+    assert ref["grad-norm/experts"] > 0.01 * ref["grad-norm"], ref  # present, not empty
+    for name, (rows, _) in runs.items():
+        for r in rows:
+            # The parts partition the parameters: their squares add up to megatron's grad-norm.
+            total = sum(r[f"grad-norm/{p}"] ** 2 for p in PARTS) ** 0.5
+            assert total == pytest.approx(r["grad-norm"], rel=RTOL), (name, r)
+            assert sum(r[f"grad-norm/layer-{i}"] ** 2 for i in range(2)) < r["grad-norm"] ** 2
+        for key in [f"grad-norm/{p}" for p in PARTS] + ["grad-norm/layer-0", "grad-norm/layer-1"]:
+            assert rows[0][key] == pytest.approx(ref[key], rel=RTOL), (name, key, rows[0], ref)
+
+
+def test_tokens_per_expert_ratios_are_the_same_at_every_layout(runs):
+    from recipes.moe_metrics import metric_names
+
+    keys = [k for layer in range(2) for k in metric_names(layer)]
+    ref = runs["ep1"][0]
+    for r in ref:
+        for layer in range(2):
+            high, low = metric_names(layer)
+            # 4 experts: the most-loaded takes more than the mean, at most 4x; the least less.
+            assert 1.0 < r[high] <= 4.0 and 0.0 <= r[low] < 1.0, r
+    for name, (rows, _) in runs.items():
+        for r, want in zip(rows[:1], ref[:1]):
+            assert {k: r[k] for k in keys} == {k: want[k] for k in keys}, name

@@ -60,12 +60,22 @@ def rng_sharded_object() -> ShardedObject:
 
 def optimizer_metadata(optimizer) -> dict:
     """The ``metadata`` megatron's ``sharded_state_dict`` takes: the distributed optimizer's
-    checkpoint format (``distrib_optim_sharding_type``) when it is one, else empty."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    checkpoint format (``distrib_optim_sharding_type``) when it is one, and
+    ``chained_optim_avoid_prefix`` when megatron built an expert optimizer."""
+    chain = getattr(optimizer, "chained_optimizers", [optimizer])
+    out = {}
+    groups = [g for opt in chain
+              for g in getattr(getattr(opt, "optimizer", None), "param_groups", [])]
+    if any(g.get("is_expert_parallel") for g in groups):
+        # An MoE model has a dense and an expert optimizer where its experts are split (EP,
+        # ETP != TP, expert GTP), one elsewhere: without megatron's "chained_<i>." prefix the
+        # keys of each param's moments are the same at every layout.
+        out["chained_optim_avoid_prefix"] = True
+    for opt in chain:
         if isinstance(opt, DistributedOptimizer):
             # The one layout-changing format (recipes.validate refuses the others).
-            return {"distrib_optim_sharding_type": "fully_reshardable"}
-    return {}
+            out["distrib_optim_sharding_type"] = "fully_reshardable"
+    return out
 
 
 def model_sharded_state_dict(model) -> dict:

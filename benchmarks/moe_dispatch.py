@@ -1,0 +1,128 @@
+"""MoE training speed at expert parallel sizes 1, 2 and 4 with each token dispatcher, side by
+side on CPU.
+
+    python -m benchmarks.moe_dispatch             # moe_tiny, 2 repeats
+    python -m benchmarks.moe_dispatch --quick     # fewer steps
+
+Six cases on the same 4 processes and the same global batch (moe_tiny: 4 SwiGLU experts, top-2),
+launched interleaved (ep1/allgather, ep1/alltoall, ep2/allgather, ... then again), each one
+worker group of ``benchmarks.train_speed``'s worker (``recipes.worker.setup`` +
+``recipes.loop.train_step``): tp1 x dp4, experts split over ``expert_model_parallel_size`` ranks,
+tokens exchanged by megatron's ``allgather`` or ``alltoall`` dispatcher.
+
+Rows: tokens/s, the ratio to ep1 with the same dispatcher and to allgather at the same EP, and
+the parameter bytes per rank (experts / EP). Figures depend on the machine and its load; there
+is no threshold. Output: the table on stdout and ``<out>/results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+from benchmarks import tables, train_speed
+
+REPO = train_speed.REPO
+WORLD = 4
+EP_SIZES = (1, 2, 4)
+DISPATCHERS = ("allgather", "alltoall")
+CASES = [(ep, d) for ep in EP_SIZES for d in DISPATCHERS]
+# (iterations timed, warm-up iterations)
+STEPS = {"full": (6, 2), "quick": (3, 1)}
+
+
+def case_name(ep: int, dispatcher: str) -> str:
+    return f"ep{ep} {dispatcher}"
+
+
+def compose_config(ep: int, dispatcher: str, run_dir: Path, cache: Path, steps: tuple[int, int]):
+    """The resolved run config of one case (Hydra compose, as train.py builds it)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from recipes.config import register_configs
+
+    register_configs()
+    iters, warmup = steps
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[
+            "model=moe_tiny", "data=mock", "parallelism=tp1",
+            f"parallelism.nproc_per_node={WORLD}", f"parallelism.expert_model_parallel_size={ep}",
+            f"model.moe_token_dispatcher_type={dispatcher}", "data.global_batch_size=16",
+            "checkpoint=none", "logger=none", f"output_dir={run_dir}", f"data.cache_dir={cache}",
+            f"train.train_iters={warmup + iters}", "optim.lr_warmup_iters=0",
+        ])
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    plain["bench"] = {"iters": iters, "warmup": warmup}
+    return OmegaConf.create(plain)
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ["case", "layout", "tokens/s", "vs ep1 (same dispatcher)", "alltoall vs allgather",
+            "param MiB per rank"]
+    speed = {(r["ep"], r["dispatcher"]): r["tokens_per_sec"] for r in rows if "error" not in r}
+    cells = []
+    for r in rows:
+        if "error" in r:
+            cells.append([r["case"], "error: " + r["error"], *[""] * 4])
+            continue
+        ep, d = r["ep"], r["dispatcher"]
+        base = speed.get((1, d))
+        other = speed.get((ep, "allgather"))
+        cells.append([
+            r["case"], r["layout"], f"{r['tokens_per_sec']:.0f}",
+            f"{r['tokens_per_sec'] / base:.2f}x" if base else "-",
+            f"{r['tokens_per_sec'] / other:.2f}x" if other and d == "alltoall" else "-",
+            train_speed._mib(r["param_bytes_per_rank"]),
+        ])
+    return tables.table(head, cells)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.moe_dispatch",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer timed steps (2 repeats)")
+    parser.add_argument("--repeats", type=int, default=None, help="launches per case (default 2)")
+    parser.add_argument("--out", default=None, help="output dir (default outputs/benchmarks/...)")
+    args = parser.parse_args(argv)
+    args.repeats = args.repeats or 2
+    steps = STEPS["quick" if args.quick else "full"]
+    out = Path(args.out or REPO / "outputs" / "benchmarks" / time.strftime("%Y-%m-%d_%H-%M-%S")
+               / "moe_dispatch").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ["BENCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // WORLD))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    names = [case_name(*c) for c in CASES]
+    print(f"> moe_dispatch: moe_tiny, cases {names}, world {WORLD}, {args.repeats} interleaved "
+          f"repeats; writing {out}", flush=True)
+    raw: dict[tuple[int, str], list[dict]] = {}
+    for rep in range(args.repeats):
+        for ep, d in CASES:
+            run_dir = out / "runs" / f"ep{ep}_{d}_r{rep}"
+            cfg = compose_config(ep, d, run_dir, out / "cache", steps)
+            result = train_speed.launch(cfg, run_dir, WORLD)
+            raw.setdefault((ep, d), []).append(result)
+            what = result.get("error") or (
+                f"median step {1000 * statistics.median(result['ranks'][0]['step_times']):.1f} ms")
+            print(f"  {case_name(ep, d)} run {rep + 1}/{args.repeats}: {what}", flush=True)
+    rows = []
+    for ep, d in CASES:
+        row = train_speed.summarize("moe_tiny", 0, raw[(ep, d)])
+        row.pop("g", None)
+        rows.append({**row, "case": case_name(ep, d), "ep": ep, "dispatcher": d})
+    table = format_table(rows)
+    print(table, flush=True)
+    (out / "results.json").write_text(json.dumps({
+        "benchmark": "moe_dispatch", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "rows": rows, "table": table}, indent=1))
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,83 @@
+"""Per-layer tokens-per-expert figures of an MoE run: how evenly each layer's router spreads the
+iteration's tokens over its experts.
+
+What is counted is what megatron's ``TopKRouter._apply_expert_bias`` adds to
+``local_tokens_per_expert`` (the count its expert-bias update balances): the router's
+``routing_map`` (tokens x experts, one True per token and chosen expert) summed over tokens, in
+training forwards with gradients enabled only (not in evaluation, nor twice under activation
+recomputation), then summed over the tensor x data x context-parallel group as megatron's
+``moe_utils.get_updated_expert_bias`` does and over the pipeline stages (each holds its own
+layers). ``docs/moe.md`` names the metrics.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def metric_names(layer: int) -> tuple[str, str]:
+    """The two metrics of MoE layer ``layer`` (0-based, as ``grad-norm/layer-<i>``): the most and
+    the fewest tokens any expert received, each over the mean per expert (1.0 everywhere:
+    perfectly balanced; ``max-to-mean`` = number of experts: every token went to one)."""
+    return (f"tokens-per-expert/layer-{layer}/max-to-mean",
+            f"tokens-per-expert/layer-{layer}/min-to-mean")
+
+
+class TokensPerExpert:
+    """Counts routed tokens per (layer, expert) on this rank through forward hooks on every
+    ``TopKRouter`` of ``chunks``; :meth:`reduce` gives the iteration's figures.
+
+    Args:
+        chunks: this rank's model chunks (megatron ``GPTModel``, DDP-wrapped or not).
+        num_layers: transformer layers of the whole model.
+        num_experts: routed experts per MoE layer (``num_moe_experts``).
+    """
+
+    def __init__(self, chunks, num_layers: int, num_experts: int):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        self.handles = []
+        for chunk in chunks:
+            for module in chunk.modules():
+                if isinstance(module, TopKRouter):
+                    self.handles.append(module.register_forward_hook(self._hook))
+
+    def _hook(self, module, args, output) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        routing_map = output[1]
+        with torch.no_grad():
+            # megatron's layer_number is the global 1-based index of the transformer layer.
+            self.counts[module.layer_number - 1] += routing_map.sum(dim=0).double().cpu()
+
+    def clear(self) -> None:
+        """Forget the counts (at the start of each step)."""
+        self.counts.zero_()
+
+    def reduce(self) -> dict:
+        """The iteration's figures, then the counts cleared. Collective: every rank calls it.
+
+        Returns:
+            For each layer that routed tokens, its :func:`metric_names` -> float (same on every
+            rank).
+        """
+        from megatron.core import parallel_state as ps
+
+        from gtp.collectives import collective_device
+
+        group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        counts = self.counts.to(collective_device(group))
+        torch.distributed.all_reduce(counts, group=group)
+        torch.distributed.all_reduce(counts, group=ps.get_pipeline_model_parallel_group())
+        counts = counts.cpu()
+        out = {}
+        for layer, row in enumerate(counts):
+            total = float(row.sum())
+            if total == 0:  # a dense layer (moe_layer_freq), or nothing routed
+                continue
+            mean = total / row.numel()
+            high, low = metric_names(layer)
+            out[high], out[low] = float(row.max()) / mean, float(row.min()) / mean
+        self.clear()
+        return out

@@ -1,0 +1,94 @@
+"""MoE-era layout records and checkpoints written before them; no processes are started."""
+
+from __future__ import annotations
+
+import pytest
+from compose import make_cfg
+
+from gtp.records import LAYOUT_KEY, saved_layout, stored_layout
+from recipes.validate import validate
+
+# The keys part 1 of the MoE work added to every layout record.
+NEW_KEYS = ("sequence_parallel", "expert_model_parallel_size", "expert_tensor_parallel_size",
+            "expert_gtp_remat_size", "context_parallel_size")
+
+
+@pytest.mark.parametrize("overrides", [("parallelism=tp2",), ("parallelism=tp1",)])
+def test_a_record_from_before_the_expert_keys_is_the_same_layout(overrides):
+    from recipes.checkpoint import layout_record
+
+    now = layout_record(validate(make_cfg(*overrides), 2))
+    old = {k: v for k, v in stored_layout(now).items() if k not in NEW_KEYS}
+    assert len(old) == len(stored_layout(now)) - len(NEW_KEYS)
+    back = saved_layout({LAYOUT_KEY: old})
+    # pad_for_alignment comes from the gtp_layout record (absent here): compare the rest.
+    assert {k: v for k, v in back.items()} == {k: v for k, v in now.items()
+                                               if k != "pad_for_alignment"}
+
+
+def test_a_record_with_the_expert_keys_keeps_them():
+    from recipes.checkpoint import layout_record
+
+    now = layout_record(validate(make_cfg("model=moe_tiny", "parallelism=tp2",
+                                          "parallelism.sequence_parallel=true",
+                                          "parallelism.expert_tensor_parallel_size=1"), 2))
+    back = saved_layout({LAYOUT_KEY: stored_layout(now)})
+    assert back["sequence_parallel"] is True and back["expert_tensor_parallel_size"] == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Through train.py: moe_tiny (4 SwiGLU experts of width 100, hidden 72, 2 layers, fp32, Adam).
+# A: ep2 x egtp2/a16 on 4 processes, 9 iterations uninterrupted, saving every 3 (expert fc1 200
+#    rows per expert, 224 padded under a16; a dense and an expert optimizer);
+# B: tp1 on 1 process, no GTP, from A's iteration 3 to 9 (one optimizer);
+# C: tp2+sp x ep2 (etp1) on 2 processes, from B's iteration 6 to 9 (dense and expert optimizers
+#    again). Exactness of every expert tensor at each layout pair: test_moe_checkpoint_layouts.py.
+# --------------------------------------------------------------------------------------------
+MOE = ("model=moe_tiny", "parallelism=tp1", "train.eval_iters=0", "logger=none",
+       "optim.lr_warmup_iters=1", "train.train_iters=9", "checkpoint.save_interval=3")
+A_LAYOUT = ("parallelism.expert_model_parallel_size=2", "gtp.expert_gtp_remat_size=2",
+            "gtp.pad_for_alignment=16", "parallelism.nproc_per_node=4")
+C_LAYOUT = ("parallelism.tensor_model_parallel_size=2", "parallelism.sequence_parallel=true",
+            "parallelism.expert_model_parallel_size=2", "parallelism.expert_tensor_parallel_size=1",
+            "parallelism.nproc_per_node=2")
+
+
+@pytest.fixture(scope="module")
+def moe_runs(train_run, tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_resume")
+    a, b, c = root / "a", root / "b", root / "c"
+    train_run(a, *MOE, *A_LAYOUT)
+    train_run(b, *MOE, "parallelism.nproc_per_node=1", f"checkpoint.load={a}/checkpoints",
+              "checkpoint.load_iteration=3")
+    train_run(c, *MOE, *C_LAYOUT, f"checkpoint.load={b}/checkpoints",
+              "checkpoint.load_iteration=6")
+    return a, b, c
+
+
+@pytest.mark.e2e
+def test_moe_resumes_across_expert_layouts(moe_runs):
+    from resume_checks import assert_same_step, by_iteration
+
+    a, b, c = (by_iteration(run)[0] for run in moe_runs)
+    assert sorted(a) == list(range(1, 10)) and sorted(b) == list(range(4, 10))
+    assert sorted(c) == list(range(7, 10))
+    for it in range(4, 10):  # ep2 x egtp2/a16 -> tp1, no GTP: 6 iterations after the resume
+        assert_same_step(b[it], a[it])
+    for it in range(7, 10):  # tp1 -> tp2+sp x ep2: 3 iterations
+        assert_same_step(c[it], a[it])
+
+
+@pytest.mark.e2e
+def test_expert_weights_and_moments_are_stored_in_the_logical_layout(moe_runs):
+    """Discriminating: stock megatron-core 0.19.2 stores an expert-GTP weight over its padded
+    rows (fc1 224 of 200 per expert at a16, fc2 96 of 72) and marks it allow_shape_mismatch."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(moe_runs[0] / "checkpoints" / "iter_0000003")).read_metadata()
+    sizes = {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if hasattr(v, "size")}
+    # (layers, experts, rows, columns): fc1 [gate | up] 2 x 100 rows, fc2 72 rows of 100.
+    want = {"linear_fc1.weight": (2, 4, 200, 72), "linear_fc2.weight": (2, 4, 72, 100)}
+    for name, shape in want.items():
+        for prefix in ("", "optimizer.state.exp_avg.", "optimizer.state.exp_avg_sq."):
+            key = f"{prefix}decoder.layers.mlp.experts.experts.{name}"
+            assert sizes.get(key) == shape, (key, sizes.get(key), sorted(sizes)[:40])
