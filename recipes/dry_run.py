@@ -14,8 +14,8 @@ gradient buffer, ``grad_reduce_in_fp32``) and Adam, as Megatron-LM's
   18 bytes per parameter without it, 6 + 12 / dp with it.
 
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-Transformer Models", Table 2) as Megatron-LM's ``compute_activation_memory`` applies it, without
-sequence parallelism (its 1/tp share of norms and dropout is not counted); see :func:`activation_bytes`. Temporary
+Transformer Models", Table 2) as Megatron-LM's ``compute_activation_memory`` applies it, with
+or without sequence parallelism; see :func:`activation_bytes`. Temporary
 buffers (all-gathers, the loss's logits copies) are not counted.
 """
 
@@ -126,18 +126,21 @@ def activation_bytes(cfg, layout, padded_vocab: int, scores: bool | None = None)
     """Activation bytes on a rank of the first pipeline stage (the most in flight).
 
     Per layer, with ``s`` = seq_length, ``b`` = micro_batch_size, ``h`` = hidden_size, ``a`` =
-    heads, ``f`` = ffn_hidden_size, ``t`` = tp, no sequence parallelism (Korthikanti et al. 2022
-    Table 2, the 24 generalized to ``8 + 4 f / h`` as Megatron-LM's ``compute_activation_memory``):
+    heads, ``f`` = ffn_hidden_size, ``t`` = tp (Korthikanti et al. 2022 Table 2, the 24
+    generalized to ``8 + 4 f / h`` as Megatron-LM's ``compute_activation_memory``):
 
     * no recompute: ``s b h (10 + (8 + 4 f / h) / t) + 5 a s^2 b / t`` (the last term only when
       the attention scores are stored, ``scores``; default :func:`attention_scores_stored`);
+      with ``parallelism.sequence_parallel`` (t > 1) the norms' and dropouts' ``10`` is split
+      too: ``s b h (10 + 8 + 4 f / h) / t``;
     * ``model.recompute_granularity=selective``: the same without the ``5 a s^2 b / t`` term;
-    * ``full``: ``2 s b h`` (each layer's input).
+    * ``full``: ``2 s b h`` (each layer's input; ``/ t`` with sequence parallelism).
 
     Times ``num_layers`` (pp stages of num_layers / pp layers, pp micro-batches in flight on the
     first), plus the embedding's ``8 s b pp + s b h pp``; then Megatron-LM's pipeline factors
     (interleaved: ``1 + (pp - 1) / (pp vpp)``; 1F1B: ``min(1, micro-batches / pp)``) and, at
-    pp 1, the output layer and loss ``4 s b h + 4 s b v / t``. Megatron's constants count 16-bit
+    pp 1, the output layer and loss ``4 s b h + 4 s b v / t``; with sequence parallelism the
+    embedding's and output layer's ``s b h`` terms are divided by t. Megatron's constants count 16-bit
     activations; fp32 parameters (fp32 activations) double the figure.
     """
     m, d = cfg.model, cfg.data
@@ -147,13 +150,14 @@ def activation_bytes(cfg, layout, padded_vocab: int, scores: bool | None = None)
     vpp = layout.virtual_pipeline_model_parallel_size
     recompute = m.get("recompute_granularity")
     scores = attention_scores_stored(cfg) if scores is None else scores
+    sp = t if layout.sequence_parallel and t > 1 else 1  # the sequence split over tp ranks
     if recompute == "full":
-        layer = 2 * s * b * h
+        layer = 2 * s * b * h / sp
     else:
-        layer = s * b * h * (10 + (8 + 4 * f / h) / t)
+        layer = s * b * h * (10 / sp + (8 + 4 * f / h) / t)
         if recompute is None and scores:
             layer += 5 * a * s * s * b / t
-    act = layer * L + 8 * s * b * pp + s * b * h * pp
+    act = layer * L + (8 * s * b * pp + s * b * h * pp) / sp
     if vpp:
         act *= 1 + (pp - 1) / (pp * vpp)
     elif pp > 1:
@@ -161,7 +165,7 @@ def activation_bytes(cfg, layout, padded_vocab: int, scores: bool | None = None)
         micro_batches = d.global_batch_size // (d.micro_batch_size * data_group)
         act *= min(1, micro_batches / pp)
     if pp == 1:
-        act += 4 * s * b * h + 4 * s * b * padded_vocab / t
+        act += 4 * s * b * h / sp + 4 * s * b * padded_vocab / t
     if cfg.precision.params_dtype == "fp32":
         act *= 2
     return int(math.ceil(act))
@@ -223,7 +227,8 @@ def fit_line(cfg, layout, vocab_size: int, sizes: RankSizes) -> str:
                     f"({format_bytes(total)})")
     return (f"{head} does not fit train.gpu_memory_gib={limit:g}, nor with the distributed "
             f"optimizer, full recompute and micro-batch 1: raise "
-            f"parallelism.tensor_model_parallel_size, pipeline_model_parallel_size or "
+            f"parallelism.tensor_model_parallel_size, pipeline_model_parallel_size"
+            f"{', expert_model_parallel_size' if sizes.expert_parameters else ''} or "
             f"gtp.gtp_remat_size")
 
 
@@ -240,6 +245,8 @@ def report(cfg, layout) -> str:
     vocab = build_tokenizer(cfg.data).vocab_size
     tp = layout.tensor_model_parallel_size
     padded = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, tp)
+    sp_text = ("sequence parallel" if layout.sequence_parallel and tp > 1
+               else "no sequence parallelism")
     s = rank_sizes(cfg, layout, vocab)
     dtype = cfg.precision.params_dtype
     per_param = (s.param_bytes + s.grad_bytes + s.optimizer_bytes) / max(s.parameters, 1)
@@ -261,7 +268,7 @@ def report(cfg, layout) -> str:
         f">   activations      {format_bytes(s.activation_bytes)} (micro-batch "
         f"{cfg.data.micro_batch_size} x {cfg.model.seq_length} tokens, recompute "
         f"{rc or 'none'}{', attention scores stored' if attention_scores_stored(cfg) and not rc else ''};"
-        f" Megatron-LM's formula, no sequence parallelism)",
+        f" Megatron-LM's formula, {sp_text})",
         f">   total            {format_bytes(s.total_bytes)}",
         fit_line(cfg, layout, vocab, s),
     ]

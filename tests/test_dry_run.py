@@ -117,3 +117,30 @@ def test_fit_line_says_what_would_fit():
     assert "fits train.gpu_memory_gib=10000" in fit_line(cfg, layout, LLAMA3_VOCAB, s)
     tiny = make_cfg("train.dry_run=true")
     assert "per rank fits train.gpu_memory_gib=80" in report(tiny, validate(tiny, 2))
+
+
+def paper_sp_row_per_layer(s, b, h, a, t, recompute) -> float:
+    """Korthikanti et al. 2022 Table 2 (bytes per layer, tensor and sequence parallel); full
+    recompute keeps each layer's input, which sequence parallelism splits over the t ranks."""
+    if recompute == "full":
+        return 2 * s * b * h / t
+    if recompute == "selective":
+        return s * b * h * 34 / t
+    return s * b * h * (34 / t + 5 * a * s / (h * t))
+
+
+@pytest.mark.parametrize("recompute", [None, "selective", "full"])
+def test_activation_bytes_with_sequence_parallelism_follow_the_paper(recompute):
+    rc = "null" if recompute is None else recompute
+    tp = 2
+    cfg = make_cfg("model=gpt125m", "precision=bf16", f"model.recompute_granularity={rc}",
+                   f"parallelism.tensor_model_parallel_size={tp}", "data.micro_batch_size=2",
+                   "parallelism.sequence_parallel=true")
+    layout = validate(cfg, 2)
+    assert layout.sequence_parallel
+    s, b, h, a, L, v = 256, 2, 768, 12, 12, 320
+    golden = (L * paper_sp_row_per_layer(s, b, h, a, tp, recompute)
+              + (8 * s * b + s * b * h) / tp          # embedding input and dropout, split
+              + 4 * s * b * h / tp + 4 * s * b * v / tp)  # output layer input, logits
+    assert activation_bytes(cfg, layout, v, scores=True) == math.ceil(golden)
+    assert "sequence parallel)" in report(cfg, layout)
