@@ -14,13 +14,26 @@ MUON_SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
 MUON_MATMUL_PRECISIONS = ("highest", "high", "medium")
 
 
-def optim_refusal(o) -> str | None:
+def optim_refusal(o, params_dtype: str = "bf16", gtp_remat_size: int = 1) -> str | None:
     """Why the ``optim`` group cannot run (a message naming the value and what is valid), or
-    None."""
+    None. ``params_dtype`` (``precision.params_dtype``) and ``gtp_remat_size`` (the layout's)
+    bound Muon's layer-wise distributed optimizer."""
     if o.optimizer not in OPTIMIZERS:
         return f"optim.optimizer={o.optimizer!r}: valid are {OPTIMIZERS}"
     if o.optimizer != "muon":
         return None
+    if layer_wise(o) and params_dtype != "bf16":
+        # LayerWiseDistributedOptimizer.__init__ wraps its torch optimizers in megatron's
+        # Float16OptimizerWithFloat16Params only under bf16; otherwise ChainedOptimizer fails.
+        return (f"optim.optimizer=muon with optim.use_distributed_optimizer=true needs "
+                f"precision=bf16 (precision.params_dtype={params_dtype!r}: megatron-core "
+                f"0.19.2's LayerWiseDistributedOptimizer builds no fp32 optimizer); set "
+                f"precision=bf16 or optim.use_distributed_optimizer=false")
+    if layer_wise(o) and gtp_remat_size > 1:
+        return (f"optim.optimizer=muon with optim.use_distributed_optimizer=true and GTP "
+                f"(gtp_remat_size={gtp_remat_size}) is untested here; set "
+                f"optim.use_distributed_optimizer=false or gtp=off (a checkpoint of either "
+                f"loads into the other)")
     for name, valid in (("muon_tp_mode", MUON_TP_MODES), ("muon_scale_mode", MUON_SCALE_MODES),
                         ("muon_fp32_matmul_prec", MUON_MATMUL_PRECISIONS)):
         if o[name] not in valid:

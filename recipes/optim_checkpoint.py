@@ -33,7 +33,7 @@ class OptimizerCheckpointError(RuntimeError):
 
 
 def leaves(optimizer) -> list:
-    """The megatron optimizers under ``optimizer``, nested ``ChainedOptimizer``\ s flattened
+    """The megatron optimizers under ``optimizer``, nested chained optimizers flattened
     (Muon with the distributed optimizer: ``[LayerWiseDistributedOptimizer's Muon,
     DistributedOptimizer's Adam]``)."""
     chained = getattr(optimizer, "chained_optimizers", None)
