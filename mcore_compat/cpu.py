@@ -40,6 +40,9 @@ PATCHED_MODULES: dict[str, str] = {
     "megatron.core.optimizer.distrib_optimizer": (
         "DistributedOptimizer: buffers on current_device() (get_parameter_state_dp_zero...)"
     ),
+    "megatron.core.optimizer.layer_wise_optimizer": (
+        "LayerWiseDistributedOptimizer.has_grad_norm_group: torch.tensor(device='cuda')"
+    ),
     "megatron.core.optimizer.clip_grads": (
         "get_grad_norm_fp32 / clip_grad_by_total_norm_fp32 / count_zeros_fp32: device='cuda'"
     ),

@@ -14,18 +14,26 @@ MUON_SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
 MUON_MATMUL_PRECISIONS = ("highest", "high", "medium")
 
 
-def optim_refusal(o) -> str | None:
+def optim_refusal(o, params_dtype: str = "bf16", gtp_remat_size: int = 1) -> str | None:
     """Why the ``optim`` group cannot run (a message naming the value and what is valid), or
-    None."""
+    None. ``params_dtype`` (``precision.params_dtype``) and ``gtp_remat_size`` (the layout's)
+    bound Muon's layer-wise distributed optimizer."""
     if o.optimizer not in OPTIMIZERS:
         return f"optim.optimizer={o.optimizer!r}: valid are {OPTIMIZERS}"
     if o.optimizer != "muon":
         return None
-    if o.get("use_distributed_optimizer", False):
-        return ("optim.optimizer=muon with optim.use_distributed_optimizer=true: megatron's "
-                "layer-wise distributed optimizer for Muon is not supported by these recipes "
-                "(megatron-core 0.19.2's LayerWiseDistributedOptimizer writes checkpoints for a "
-                "fixed data-parallel size only); set optim.use_distributed_optimizer=false")
+    if layer_wise(o) and params_dtype != "bf16":
+        # LayerWiseDistributedOptimizer.__init__ wraps its torch optimizers in megatron's
+        # Float16OptimizerWithFloat16Params only under bf16; otherwise ChainedOptimizer fails.
+        return (f"optim.optimizer=muon with optim.use_distributed_optimizer=true needs "
+                f"precision=bf16 (precision.params_dtype={params_dtype!r}: megatron-core "
+                f"0.19.2's LayerWiseDistributedOptimizer builds no fp32 optimizer); set "
+                f"precision=bf16 or optim.use_distributed_optimizer=false")
+    if layer_wise(o) and gtp_remat_size > 1:
+        return (f"optim.optimizer=muon with optim.use_distributed_optimizer=true and GTP "
+                f"(gtp_remat_size={gtp_remat_size}) is untested here; set "
+                f"optim.use_distributed_optimizer=false or gtp=off (a checkpoint of either "
+                f"loads into the other)")
     for name, valid in (("muon_tp_mode", MUON_TP_MODES), ("muon_scale_mode", MUON_SCALE_MODES),
                         ("muon_fp32_matmul_prec", MUON_MATMUL_PRECISIONS)):
         if o[name] not in valid:
@@ -86,10 +94,43 @@ def build_optimizer(cfg, ddp_chunks):
         bf16=bf16,
         params_dtype=ddp_chunks[0].config.params_dtype,
         use_distributed_optimizer=bool(o.get("use_distributed_optimizer", False)),
+        use_layer_wise_distributed_optimizer=layer_wise(o),
         log_num_zeros_in_grad=True,
         **muon_fields(o),
     )
     return get_megatron_optimizer(config, list(ddp_chunks))
+
+
+def layer_wise(o) -> bool:
+    """Whether ``optim`` builds megatron's ``LayerWiseDistributedOptimizer`` (Muon with
+    ``optim.use_distributed_optimizer``: whole 2-D weights assigned to data-parallel ranks, the
+    rest in a ``DistributedOptimizer``)."""
+    return o.optimizer == "muon" and bool(o.get("use_distributed_optimizer", False))
+
+
+def layer_wise_param_layouts(cfg, chunks, ddp_config) -> list | None:
+    """The ``full_param_layout`` of each model chunk (not yet DDP-wrapped) for megatron's
+    layer-wise distributed optimizer, or None when :func:`layer_wise` is false.
+
+    As megatron-core 0.19.2's ``megatron.training.training.wrap_model_chunks_with_ddp`` with
+    ``use_layer_wise_param_layout``: params tagged by ``tag_params_for_buffer_routing`` (2-D
+    non-embedding weights into shard-aligned buffers, the rest into byte-sharded ones) and
+    ``LayerWiseDistributedOptimizer.compute_full_param_layout`` over the data-parallel group
+    (only the first chunk bucketed, as the DDP wrapping here).
+    """
+    if not layer_wise(cfg.optim):
+        return None
+    from megatron.core import parallel_state
+    from megatron.core.optimizer.layer_wise_optimizer import (
+        LayerWiseDistributedOptimizer, tag_params_for_buffer_routing)
+
+    tag_params_for_buffer_routing(chunks)
+    dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    expert_dp = parallel_state.get_expert_data_parallel_world_size()
+    return [LayerWiseDistributedOptimizer.compute_full_param_layout(
+        [p for p in chunk.parameters() if p.requires_grad],
+        ddp_config.bucket_size if i == 0 else None, dp, ddp_config,
+        expert_data_parallel_world_size=expert_dp) for i, chunk in enumerate(chunks)]
 
 
 def muon_fields(o) -> dict:

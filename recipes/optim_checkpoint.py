@@ -32,6 +32,16 @@ class OptimizerCheckpointError(RuntimeError):
     """An optimizer checkpoint this optimizer cannot take exactly."""
 
 
+def leaves(optimizer) -> list:
+    """The megatron optimizers under ``optimizer``, nested chained optimizers flattened
+    (Muon with the distributed optimizer: ``[LayerWiseDistributedOptimizer's Muon,
+    DistributedOptimizer's Adam]``)."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is None:
+        return [optimizer]
+    return [leaf for opt in chained for leaf in leaves(opt)]
+
+
 def _single(optimizer):
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
     if len(chained) != 1:
@@ -115,8 +125,8 @@ def kind_of(optimizer) -> str:
     """``"distributed_adam"`` for megatron's DistributedOptimizer, else ``"adam"``."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    chained = getattr(optimizer, "chained_optimizers", [optimizer])
-    return DISTRIBUTED if any(isinstance(o, DistributedOptimizer) for o in chained) else PLAIN
+    return DISTRIBUTED if any(isinstance(o, DistributedOptimizer) for o in leaves(optimizer)) \
+        else PLAIN
 
 
 def saved_kind(common_optimizer) -> str:
@@ -126,9 +136,12 @@ def saved_kind(common_optimizer) -> str:
     Raises:
         OptimizerCheckpointError: a distributed-optimizer format that does not change layout.
     """
+    if _is_chain(common_optimizer):
+        # Chained optimizers, one entry each: distributed when one of them is (Muon's
+        # layer-wise chain is a plain Muon entry and a distributed Adam one).
+        kinds = [saved_kind(node) for _, node in sorted(common_optimizer.items())]
+        return DISTRIBUTED if DISTRIBUTED in kinds else PLAIN
     node = common_optimizer
-    if isinstance(node, dict) and node and all(isinstance(k, int) for k in node):
-        node = node[min(node)]  # chained optimizers: one entry each, same kind
     fmt = node.get("param_state_sharding_type") if isinstance(node, dict) else None
     if fmt is None:
         return PLAIN
@@ -147,9 +160,8 @@ def optimizer_name(optimizer) -> str:
         return "adam"
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
-    chained = getattr(optimizer, "chained_optimizers", [optimizer])
     return "muon" if any(isinstance(getattr(o, "optimizer", None), TensorParallelMuon)
-                         for o in chained) else "adam"
+                         for o in leaves(optimizer)) else "adam"
 
 
 def saved_optimizer_name(common_optimizer) -> str:
@@ -187,9 +199,11 @@ def check_same_optimizer(optimizer, common_optimizer) -> None:
 def prepare_for_load(optimizer) -> None:
     """Give a distributed optimizer that never stepped its Adam state and ``step`` (megatron's
     ``DistributedOptimizer.state_dict`` needs one ``step``; the load overwrites all of it)."""
-    if kind_of(optimizer) != DISTRIBUTED:
-        return
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in leaves(optimizer):
+        if not isinstance(opt, DistributedOptimizer):
+            continue  # megatron's Float16/FP32 optimizers initialize their state at the request
         opt.init_state_fn(opt.optimizer, opt.config)
         for group in opt.optimizer.param_groups:
             for p in group["params"]:
@@ -211,7 +225,45 @@ def _main_param_entries(opt_request, mine: str):
     return out
 
 
-def prepare_request(opt_request: dict, stored_keys, mine: str, saved: str) -> list:
+def _is_chain(node) -> bool:
+    """Whether ``node`` is megatron's ``ChainedOptimizer`` state of several optimizers (one entry
+    per optimizer, keyed by its index)."""
+    return isinstance(node, dict) and bool(node) and all(isinstance(k, int) for k in node)
+
+
+def _entry_kind(node) -> str:
+    """The kind that wrote one (not chained) optimizer's common state."""
+    return DISTRIBUTED if isinstance(node, dict) and "param_state_sharding_type" in node \
+        else PLAIN
+
+
+def _chain_pairs(optimizer, opt_request: dict, common: dict):
+    """``[(index, optimizer, request entry, common entry)]`` of a chain on both sides.
+
+    Raises:
+        OptimizerCheckpointError: the checkpoint's chain has other entries than this one.
+    """
+    chained = list(getattr(optimizer, "chained_optimizers", []))
+    if not _is_chain(common) or sorted(common) != sorted(opt_request) or len(chained) != len(
+            opt_request):
+        raise OptimizerCheckpointError(
+            f"the checkpoint's optimizer holds entries {sorted(common) if _is_chain(common) else 1}"
+            f", this optimizer chains {len(chained)}: they cannot be matched")
+    return [(i, chained[i], opt_request[i], common[i]) for i in sorted(opt_request)]
+
+
+def prepare_request(opt_request: dict, stored_keys, mine: str, saved: str, optimizer=None,
+                    common: dict | None = None):
+    """:func:`prepare_one` for each entry of a chained optimizer (``optimizer`` given and the
+    request a chain; then each entry's own kinds, and ``{index: dropped}`` returned), else for
+    the one optimizer."""
+    if mine == saved or optimizer is None or not _is_chain(opt_request):
+        return prepare_one(opt_request, stored_keys, mine, saved)
+    return {i: prepare_one(request, stored_keys, kind_of(opt), _entry_kind(node))
+            for i, opt, request, node in _chain_pairs(optimizer, opt_request, common)}
+
+
+def prepare_one(opt_request: dict, stored_keys, mine: str, saved: str) -> list:
     """Point the main-param requests of ``opt_request`` at what a ``saved``-kind file holds.
 
     ``optimizer.state.param.K`` <-> ``optimizer.state.fp32_param.K``; a distributed optimizer's
@@ -232,16 +284,17 @@ def prepare_request(opt_request: dict, stored_keys, mine: str, saved: str) -> li
                 else ("optimizer.state.fp32_param.", "optimizer.state.param."))
     dropped = []
     for container, key, entry in _main_param_entries(opt_request, mine):
-        if not entry.key.startswith(src):
+        prefix, found, name = entry.key.partition(src)  # prefix: a chain's "chained_<i>."
+        if not found or prefix.count(".") > 1:
             continue
-        new = dst + entry.key[len(src):]
+        new = prefix + dst + name
         if new in stored_keys:
             entry.key = new
         elif mine == DISTRIBUTED:
             del container[key]
         else:
             raise OptimizerCheckpointError(
-                f"the checkpoint holds no fp32 main param for {entry.key[len(src):]!r} "
+                f"the checkpoint holds no fp32 main param for {name!r} "
                 f"(neither {entry.key!r} nor {new!r})")
     if mine == DISTRIBUTED:
         dropped = [i for i, state in opt_request["param_state"].items() if "param" not in state]
@@ -279,8 +332,17 @@ def _plain_node(common: dict) -> dict:
     return common if "param_groups" in common else common["optimizer"]
 
 
-def finish_load(optimizer, loaded: dict, common: dict, mine: str, saved: str,
-                dropped: list) -> dict:
+def finish_load(optimizer, loaded: dict, common: dict, mine: str, saved: str, dropped) -> dict:
+    """:func:`finish_one` for each entry of a chained optimizer (``dropped`` a dict, from
+    :func:`prepare_request` of a chain), else for the one optimizer."""
+    if not isinstance(dropped, dict):
+        return finish_one(optimizer, loaded, common, mine, saved, dropped)
+    return {i: finish_one(opt, entry, node, kind_of(opt), _entry_kind(node), dropped[i])
+            for i, opt, entry, node in _chain_pairs(optimizer, loaded, common)}
+
+
+def finish_one(optimizer, loaded: dict, common: dict, mine: str, saved: str,
+               dropped: list) -> dict:
     """The state dict the running optimizer's ``load_state_dict`` takes.
 
     Same kind and precision: ``loaded`` as it is. A plain optimizer resumed from another kind

@@ -96,7 +96,7 @@ def setup(cfg, layout, optimizer_cfg=None):
     from mcore_compat import moe_cpu
     from recipes import gtp_setup, moe, te
     from recipes.model import build_model
-    from recipes.optim import build_optimizer, build_scheduler
+    from recipes.optim import build_optimizer, build_scheduler, layer_wise_param_layouts
 
     cpu_compat.install()
     moe_cpu.install()
@@ -128,8 +128,10 @@ def setup(cfg, layout, optimizer_cfg=None):
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=layout.use_distributed_optimizer,
         **te.ddp_fields(config))
+    layouts = layer_wise_param_layouts(cfg, chunks, ddp_config)
     # As Megatron-LM: only the first chunk's buffer is bucketed (interleaved schedule).
-    ddp = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+    ddp = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0,
+                                   **({"full_param_layout": layouts[i]} if layouts else {}))
            for i, chunk in enumerate(chunks)]
     for chunk in ddp:
         gtp_setup.after_ddp(chunk, moe.gtp_hook_layout(layout))

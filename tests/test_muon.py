@@ -185,8 +185,8 @@ def test_optim_muon_composes_with_megatrons_field_names():
     ("optim.muon_coefficient_type=cubic", r"optim.muon_coefficient_type='cubic': valid are"),
     ("optim.muon_num_ns_steps=0", r"optim.muon_num_ns_steps=0 must be >= 1"),
     ("optim.use_distributed_optimizer=true",
-     r"layer-wise distributed optimizer for Muon is not supported.*"
-     r"optim.use_distributed_optimizer=false"),
+     r"optim.use_distributed_optimizer=true needs precision=bf16 \(precision.params_dtype="
+     r"'fp32'.*set precision=bf16 or optim.use_distributed_optimizer=false"),
 ])
 def test_bad_muon_settings_are_refused_before_launch(override, message):
     from compose import make_cfg
@@ -255,3 +255,15 @@ def test_muon_fields_are_no_change_for_adam():
     changes = {c.field: c.effect for c in resume_changes(to_dict(make_cfg("optim=muon")),
                                                            muon_now, 0)}
     assert changes == {"optim.muon_num_ns_steps": "used from now on"}
+
+
+def test_distributed_muon_with_gtp_is_refused_before_launch():
+    from compose import make_cfg
+    from recipes.validate import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=r"use_distributed_optimizer=true and GTP "
+                       r"\(gtp_remat_size=2\) is untested here"):
+        validate(make_cfg("optim=muon", "precision=bf16", "optim.use_distributed_optimizer=true",
+                          "gtp=tp2_align16"), 2)
+    assert validate(make_cfg("optim=muon", "precision=bf16",
+                             "optim.use_distributed_optimizer=true"), 2).use_distributed_optimizer

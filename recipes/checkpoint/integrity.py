@@ -5,6 +5,7 @@ tensor present with its shape."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -115,7 +116,8 @@ def check_shapes(sharded_state: dict, path, stored: dict | None = None,
     """Compare every requested tensor's global shape with the checkpoint's, before loading.
 
     Tensors megatron marks ``allow_shape_mismatch`` (vocab rows padded per TP) are skipped, and
-    absent keys starting with one of ``skip_prefixes`` (main params, which
+    absent keys starting with one of ``skip_prefixes``, after a chained optimizer's
+    ``chained_<i>.`` (main params, which
     ``recipes.optim_checkpoint`` maps between optimizer kinds) are not reported.
     Every rank reads the same metadata and so raises the same error.
 
@@ -136,7 +138,8 @@ def check_shapes(sharded_state: dict, path, stored: dict | None = None,
         if not isinstance(sh, ShardedTensor) or sh.allow_shape_mismatch:
             continue
         if sh.key not in stored:
-            if not sh.key.startswith(skip_prefixes):
+            # A chained optimizer's keys carry its "chained_<i>." prefix.
+            if not re.sub(r"^chained_\d+\.", "", sh.key).startswith(skip_prefixes):
                 absent.append(sh.key)
         elif tuple(stored[sh.key]) != tuple(sh.global_shape):
             wrong.append(f"{sh.key}: checkpoint {tuple(stored[sh.key])}, "

@@ -186,7 +186,8 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
         state, ckpt.stored, mine, precision_change.saved_is_bf16(
             common["train_state"].get("config"), ckpt.stored),
         precision_change.is_bf16(model_chunks(model)))
-    dropped = optim_checkpoint.prepare_request(state["optimizer"], ckpt.stored, mine, saved)
+    dropped = optim_checkpoint.prepare_request(state["optimizer"], ckpt.stored, mine, saved,
+                                               optimizer, common.get("optimizer"))
     same_layout = saved_layout(common) == dict(layout_dict) and not ckpt.converted
     if same_layout:
         state["rng_state"] = rng_sharded_object()
