@@ -40,25 +40,13 @@ def case_name(ep: int, dispatcher: str) -> str:
 
 
 def compose_config(ep: int, dispatcher: str, run_dir: Path, cache: Path, steps: tuple[int, int]):
-    """The resolved run config of one case (Hydra compose, as train.py builds it)."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from recipes.config import register_configs
-
-    register_configs()
+    """The resolved run config of one case (:func:`benchmarks.train_speed.bench_config`)."""
     iters, warmup = steps
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[
-            "model=moe_tiny", "data=mock", "parallelism=tp1",
-            f"parallelism.nproc_per_node={WORLD}", f"parallelism.expert_model_parallel_size={ep}",
-            f"model.moe_token_dispatcher_type={dispatcher}", "data.global_batch_size=16",
-            "checkpoint=none", "logger=none", f"output_dir={run_dir}", f"data.cache_dir={cache}",
-            f"train.train_iters={warmup + iters}", "optim.lr_warmup_iters=0",
-        ])
-    plain = OmegaConf.to_container(cfg, resolve=True)
-    plain["bench"] = {"iters": iters, "warmup": warmup}
-    return OmegaConf.create(plain)
+    return train_speed.bench_config([
+        "model=moe_tiny", "data=mock", "parallelism=tp1", f"parallelism.nproc_per_node={WORLD}",
+        f"parallelism.expert_model_parallel_size={ep}",
+        f"model.moe_token_dispatcher_type={dispatcher}", "data.global_batch_size=16",
+    ], run_dir, cache, iters, warmup)
 
 
 def format_table(rows: list[dict]) -> str:

@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 from benchmarks import tables
-from benchmarks.train_speed import CASES, DEFAULT_PAD, REPO, _median_step, compose_config, launch
+from benchmarks.train_speed import (CASES, DEFAULT_PAD, REPO, compose_config, launch,
+                                     median_step, prepare_run)
 
 OPTIMIZERS = ("adam", "muon")
 
@@ -40,8 +41,8 @@ def summarize(results: dict) -> list[dict]:
             row["error"] = runs[0]["error"] if runs else "no run"
         else:
             row.update(layout=ok[0]["layout"], runs=len(ok),
-                       median_step_s=statistics.median(_median_step(r) for r in ok),
-                       step_s_per_run=[_median_step(r) for r in ok],
+                       median_step_s=statistics.median(median_step(r) for r in ok),
+                       step_s_per_run=[median_step(r) for r in ok],
                        final_loss=ok[0]["losses"][-1])
         rows.append(row)
     base = {(r["model"], r["g"]): r.get("median_step_s") for r in rows if r["optimizer"] == "adam"}
@@ -82,18 +83,7 @@ def main(argv=None) -> int:
     if args.quick and args.models == list(CASES):
         args.models = ["tiny"]
     repeats = args.repeats or 2
-    world = args.world or max(args.g)
-    bad = [g for g in args.g if g < 1 or world % g]
-    if bad:
-        parser.error(f"--g {bad}: every GTP degree must divide the world size {world}")
-    out = Path(args.out or REPO / "outputs" / "benchmarks" / time.strftime("%Y-%m-%d_%H-%M-%S")
-               / "muon_speed").resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    threads = args.threads or max(1, (os.cpu_count() or 1) // world)
-    os.environ["BENCH_THREADS"] = str(threads)
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    world, out, threads = prepare_run(parser, args, "muon_speed")
     print(f"> muon_speed: models {args.models}, g {args.g}, world {world}, {threads} torch "
           f"thread(s) per rank, {repeats} interleaved repeats; writing {out}", flush=True)
     results: dict = {}
@@ -107,7 +97,7 @@ def main(argv=None) -> int:
                     t0 = time.perf_counter()
                     result = launch(cfg, run_dir, world)
                     results.setdefault((model, g, name), []).append(result)
-                    what = result.get("error") or f"median step {1000 * _median_step(result):.1f} ms"
+                    what = result.get("error") or f"median step {1000 * median_step(result):.1f} ms"
                     print(f"  {model} g{g} {name} run {rep + 1}/{repeats}: {what} "
                           f"({time.perf_counter() - t0:.0f}s with start-up)", flush=True)
     rows = summarize(results)

@@ -44,23 +44,11 @@ MODELS: dict[str, tuple[list[str], int, int]] = {
 
 
 def compose_config(model: str, layout: str, run_dir: Path, cache: Path):
-    """The resolved run config of one case (Hydra compose, as train.py builds it)."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from recipes.config import register_configs
-
-    register_configs()
+    """The resolved run config of one case (:func:`benchmarks.train_speed.bench_config`)."""
     overrides, iters, warmup = MODELS[model]
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[
-            *overrides, *LAYOUTS[layout], f"parallelism.nproc_per_node={WORLD}",
-            "checkpoint=none", "logger=none", f"output_dir={run_dir}", f"data.cache_dir={cache}",
-            f"train.train_iters={warmup + iters}", "optim.lr_warmup_iters=0",
-        ])
-    plain = OmegaConf.to_container(cfg, resolve=True)
-    plain["bench"] = {"iters": iters, "warmup": warmup}
-    return OmegaConf.create(plain)
+    return train_speed.bench_config([*overrides, *LAYOUTS[layout],
+                                     f"parallelism.nproc_per_node={WORLD}"],
+                                    run_dir, cache, iters, warmup)
 
 
 def format_table(rows: list[dict]) -> str:

@@ -159,33 +159,62 @@ def _environ(values: dict[str, str]):
                 os.environ[k] = v
 
 
-def compose_config(model: str, g: int, world: int, pad: int, run_dir: Path, cache: Path,
-                   overlap: bool = True, extra: tuple[str, ...] = ()):
-    """The resolved run config of one case (Hydra compose, as train.py would build it);
-    ``overlap=False``: megatron's GTP prefetch and async reduce-scatter off (in order);
-    ``extra``: more overrides, applied last (e.g. ``optim=muon``)."""
+def bench_config(overrides: list[str], run_dir: Path, cache: Path, iters: int, warmup: int):
+    """The resolved run config of one benchmark case (Hydra compose, as train.py would build it):
+    ``overrides`` plus no checkpoints, no logger, ``warmup + iters`` iterations without lr
+    warmup, and a ``bench`` node with ``iters`` and ``warmup`` for the worker."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     from recipes.config import register_configs
 
     register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[
+            *overrides, "checkpoint=none", "logger=none", f"output_dir={run_dir}",
+            f"data.cache_dir={cache}", f"train.train_iters={warmup + iters}",
+            "optim.lr_warmup_iters=0",
+        ])
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    plain["bench"] = {"iters": iters, "warmup": warmup}
+    return OmegaConf.create(plain)
+
+
+def prepare_run(parser, args, name: str) -> tuple[int, Path, int]:
+    """``(world, out_dir, threads)`` of a GTP-degree benchmark's ``args`` (``--world``,
+    ``--g``, ``--out``, ``--threads``): the out dir is created, and ``BENCH_THREADS``,
+    ``PYTHONPATH`` and ``PYTHONWARNINGS`` are set for the launched ranks.
+
+    Raises:
+        SystemExit: (``parser.error``) a ``--g`` that does not divide the world size."""
+    world = args.world or max(args.g)
+    bad = [g for g in args.g if g < 1 or world % g]
+    if bad:
+        parser.error(f"--g {bad}: every GTP degree must divide the world size {world}")
+    out = Path(args.out or REPO / "outputs" / "benchmarks" / time.strftime("%Y-%m-%d_%H-%M-%S")
+               / name).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // world)
+    os.environ["BENCH_THREADS"] = str(threads)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    return world, out, threads
+
+
+def compose_config(model: str, g: int, world: int, pad: int, run_dir: Path, cache: Path,
+                   overlap: bool = True, extra: tuple[str, ...] = ()):
+    """The resolved run config of one case (:func:`bench_config`); ``overlap=False``:
+    megatron's GTP prefetch and async reduce-scatter off (in order); ``extra``: more overrides,
+    applied last (e.g. ``optim=muon``)."""
     overrides, iters, warmup = CASES[model]
     gtp = ["gtp=off"] if g == 1 else ["gtp=tp2_align16", f"gtp.gtp_remat_size={g}",
                                       f"gtp.pad_for_alignment={pad}"]
     if g > 1 and not overlap:
         gtp += ["gtp.weight_prefetch=false", "gtp.async_reduction=false"]
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[
-            *(o.format(world=world) for o in overrides), *gtp,
-            "parallelism=dp2", f"parallelism.nproc_per_node={world}",
-            "checkpoint=none", "logger=none", f"output_dir={run_dir}",
-            f"data.cache_dir={cache}", f"train.train_iters={warmup + iters}",
-            "optim.lr_warmup_iters=0", *extra,
-        ])
-    plain = OmegaConf.to_container(cfg, resolve=True)
-    plain["bench"] = {"iters": iters, "warmup": warmup}
-    return OmegaConf.create(plain)
+    return bench_config([*(o.format(world=world) for o in overrides), *gtp, "parallelism=dp2",
+                         f"parallelism.nproc_per_node={world}", *extra],
+                        run_dir, cache, iters, warmup)
 
 
 def launch(cfg, run_dir: Path, world: int, module: str = "benchmarks.train_speed") -> dict:
@@ -228,7 +257,7 @@ def launch(cfg, run_dir: Path, world: int, module: str = "benchmarks.train_speed
     return json.loads(out_path.read_text())
 
 
-def _median_step(result: dict) -> float:
+def median_step(result: dict) -> float:
     return statistics.median(result["ranks"][0]["step_times"])
 
 
@@ -243,14 +272,14 @@ def summarize(model: str, g: int, results: list[dict], mode: str = "overlapped",
     if not ok:
         return {"model": model, "g": g, "mode": mode,
                 "error": results[0]["error"] if results else "no run"}
-    step = statistics.median(_median_step(r) for r in ok)
+    step = statistics.median(median_step(r) for r in ok)
     ranks = ok[0]["ranks"]
     return {
         "model": model, "g": g, "mode": mode, "layout": ok[0]["layout"],
         "runs": len(ok),
         "model_parameters": ranks[0].get("logical_param_numel"),
         "median_step_s": step, "tokens_per_sec": ok[0]["tokens_per_step"] / step,
-        "step_s_per_run": [_median_step(r) for r in ok],
+        "step_s_per_run": [median_step(r) for r in ok],
         "param_bytes_per_rank": [r["param_bytes"] for r in ranks],
         "optimizer_state_bytes_per_rank": [r["optimizer_state_bytes"] for r in ranks],
         "peak_rss_bytes_per_rank": [r.get("max_rss") for r in ranks],
@@ -386,18 +415,7 @@ def main(argv=None) -> int:
     if args.quick and args.models == list(CASES):
         args.models = ["tiny"]
     args.repeats = args.repeats or 2
-    world = args.world or max(args.g)
-    bad = [g for g in args.g if g < 1 or world % g]
-    if bad:
-        parser.error(f"--g {bad}: every GTP degree must divide the world size {world}")
-    out = Path(args.out or REPO / "outputs" / "benchmarks" / time.strftime("%Y-%m-%d_%H-%M-%S")
-               / "train_speed").resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    threads = args.threads or max(1, (os.cpu_count() or 1) // world)
-    os.environ["BENCH_THREADS"] = str(threads)
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    world, out, threads = prepare_run(parser, args, "train_speed")
     print(f"> train_speed: models {args.models}, g {args.g}, world {world}, {threads} torch "
           f"thread(s) per rank, {args.repeats} interleaved repeats; writing {out}", flush=True)
 
@@ -429,7 +447,7 @@ def main(argv=None) -> int:
                 else:
                     raw.setdefault((model, g, mode), []).append(result)
                 what = result.get("error") or (
-                    f"median step {1000 * _median_step(result):.1f} ms, final loss "
+                    f"median step {1000 * median_step(result):.1f} ms, final loss "
                     f"{result['losses'][-1]:.4f}")
                 print(f"  {model} {tag} run {rep + 1}/{args.repeats}: {what} "
                       f"({time.perf_counter() - t0:.0f}s with start-up)", flush=True)

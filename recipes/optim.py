@@ -14,10 +14,12 @@ MUON_SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
 MUON_MATMUL_PRECISIONS = ("highest", "high", "medium")
 
 
-def optim_refusal(o, params_dtype: str = "bf16", gtp_remat_size: int = 1) -> str | None:
+def optim_refusal(o, params_dtype: str = "bf16", gtp_remat_size: int = 1,
+                  num_moe_experts: int | None = None) -> str | None:
     """Why the ``optim`` group cannot run (a message naming the value and what is valid), or
-    None. ``params_dtype`` (``precision.params_dtype``) and ``gtp_remat_size`` (the layout's)
-    bound Muon's layer-wise distributed optimizer."""
+    None. ``params_dtype`` (``precision.params_dtype``), ``gtp_remat_size`` (the layout's) and
+    ``num_moe_experts`` (``model.num_moe_experts``) bound Muon's layer-wise distributed
+    optimizer."""
     if o.optimizer not in OPTIMIZERS:
         return f"optim.optimizer={o.optimizer!r}: valid are {OPTIMIZERS}"
     if o.optimizer != "muon":
@@ -34,6 +36,12 @@ def optim_refusal(o, params_dtype: str = "bf16", gtp_remat_size: int = 1) -> str
                 f"(gtp_remat_size={gtp_remat_size}) is untested here; set "
                 f"optim.use_distributed_optimizer=false or gtp=off (a checkpoint of either "
                 f"loads into the other)")
+    if layer_wise(o) and num_moe_experts:
+        # megatron-core 0.19.2 asserts at start-up: its layer-wise layout has no expert buffers.
+        return (f"optim.optimizer=muon with optim.use_distributed_optimizer=true and an MoE "
+                f"model (model.num_moe_experts={num_moe_experts}) is not supported by "
+                f"megatron-core 0.19.2's LayerWiseDistributedOptimizer; set "
+                f"optim.use_distributed_optimizer=false")
     for name, valid in (("muon_tp_mode", MUON_TP_MODES), ("muon_scale_mode", MUON_SCALE_MODES),
                         ("muon_fp32_matmul_prec", MUON_MATMUL_PRECISIONS)):
         if o[name] not in valid:

@@ -278,7 +278,8 @@ def validate(cfg, world_size: int, plan=None) -> ParallelLayout:
                 "0.19.2 (the output layer gets the embedding's GTP shard): set "
                 "model.share_embeddings_and_output_weights=false or gtp=off"
             )
-    refusal = optim_refusal(o, cfg.precision.params_dtype, layout.gtp_remat_size)
+    refusal = optim_refusal(o, cfg.precision.params_dtype, layout.gtp_remat_size,
+                            cfg.model.get("num_moe_experts"))
     if refusal:
         raise ConfigError(refusal)
     if o.lr_decay_style not in LR_DECAY_STYLES:

@@ -267,3 +267,7 @@ def test_distributed_muon_with_gtp_is_refused_before_launch():
                           "gtp=tp2_align16"), 2)
     assert validate(make_cfg("optim=muon", "precision=bf16",
                              "optim.use_distributed_optimizer=true"), 2).use_distributed_optimizer
+    with pytest.raises(ConfigError, match=r"an MoE model \(model.num_moe_experts=4\) is not "
+                       r"supported"):
+        validate(make_cfg("optim=muon", "precision=bf16", "optim.use_distributed_optimizer=true",
+                          "model=moe_tiny", "checkpoint=none"), 2)
