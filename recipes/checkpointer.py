@@ -21,6 +21,7 @@ from omegaconf import open_dict
 
 from gtp.records import saved_layout
 from recipes import checkpoint, precision_change
+from recipes.optim_checkpoint import optimizer_mismatch
 from recipes.checkpoint import CheckpointError
 from recipes.config import to_dict
 
@@ -301,12 +302,7 @@ def _check_optimizer(cfg, layout, saved: dict, saved_layout: dict, root) -> None
     before = _get(saved, "optim.optimizer") or "adam"
     now = cfg.optim.optimizer
     if saved and before != now:
-        raise CheckpointError(
-            f"{root} was written by optim.optimizer={before} and this run is "
-            f"optim.optimizer={now}: {before}'s state (" + ("Muon momentum buffers"
-            if before == "muon" else "Adam moments") + f") cannot continue as {now}'s; resume "
-            f"with optim={before}, or start {now} from these weights only with "
-            f"checkpoint.pretrained={root} and checkpoint.load=null")
+        raise CheckpointError(optimizer_mismatch(str(root), before, now, str(root)))
     dtype_then = _get(saved, "precision.params_dtype")
     if now == "muon" and dtype_then is not None and dtype_then != cfg.precision.params_dtype:
         raise CheckpointError(

@@ -188,12 +188,18 @@ def check_same_optimizer(optimizer, common_optimizer) -> None:
     """
     mine, saved = optimizer_name(optimizer), saved_optimizer_name(common_optimizer)
     if mine != saved:
-        raise OptimizerCheckpointError(
-            f"the checkpoint was written by optim.optimizer={saved}, this run is "
-            f"optim.optimizer={mine}: {saved}'s state (" + ("Muon momentum buffers"
-            if saved == "muon" else "Adam moments") + f") cannot continue as {mine}'s; resume "
-            f"with optim={saved}, or start {mine} from these weights only with "
-            f"checkpoint.pretrained=<the checkpoint dir> and checkpoint.load=null")
+        raise OptimizerCheckpointError(optimizer_mismatch("the checkpoint", saved, mine,
+                                                          "<the checkpoint dir>"))
+
+
+def optimizer_mismatch(written: str, saved: str, mine: str, root: str) -> str:
+    """The message refusing a resume of ``saved``'s optimizer state (``written`` by it) as
+    ``mine``, naming the two ways on (``root``: the checkpoint dir as the user would type it)."""
+    state = "Muon momentum buffers" if saved == "muon" else "Adam moments"
+    return (f"{written} was written by optim.optimizer={saved} and this run is "
+            f"optim.optimizer={mine}: {saved}'s state ({state}) cannot continue as {mine}'s; "
+            f"resume with optim={saved}, or start {mine} from these weights only with "
+            f"checkpoint.pretrained={root} and checkpoint.load=null")
 
 
 def prepare_for_load(optimizer) -> None:
