@@ -16,6 +16,8 @@ along dim 0 in the checkpoint, ``[num_layers, ...]``):
 * **Llama family** (RMSNorm, no linear bias, SwiGLU, RoPE) -> ``LlamaForCausalLM``, from the
   model config fields ``normalization``, ``add_bias_linear``, ``num_query_groups``,
   ``kv_channels``, ``rotary_base`` and ``layernorm_epsilon`` when the run recorded them.
+* **MoE** (``num_moe_experts`` set) -> ``MixtralForCausalLM``, or ``Qwen3MoeForCausalLM`` with
+  ``qk_layernorm``: :mod:`gtp.hf_export_moe` (class choice, routing, refusals).
 
 The fused QKV weight is megatron's per-query-group layout (``SelfAttention.get_query_key_value_tensors``):
 rows ``[groups, (heads_per_group + 2) * head_dim]`` with each group's queries, then its key, then
