@@ -340,8 +340,8 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None) -> 
     missing = sorted(set(model.state_dict()) - set(state) - {"lm_head.weight"})
     if missing:  # e.g. transformers < 5 keeps MoE experts per expert, not fused
         raise ExportError(f"transformers {transformers.__version__}'s {_CLASSES[arch]} has "
-                          f"weights this export does not write: {missing[:4]} (MoE export needs "
-                          f"transformers >= 5, fused experts)")
+                          f"weights this export does not write: {missing[:4]} (MoE export "
+                          f"needs transformers >= 5, fused experts)")
     model.load_state_dict(state, strict=True)
     if config.tie_word_embeddings:
         model.tie_weights()

@@ -21,20 +21,17 @@ expert bias, group-limited routing, token dropping (capacity factor), shared exp
 (``moe_shared_expert_intermediate_size``: neither class has an ungated shared expert), dense
 layers between MoE layers (``moe_layer_freq`` != 1) and RoPE scaling (untested here).
 
-Tensors (the checkpoint's logical layout, per-layer tensors stacked along dim 0, experts along
-dim 1 by global expert index):
+Tensors (the checkpoint's logical layout: per-layer tensors stacked along dim 0, experts along
+dim 1 by global expert index) -> transformers >= 5 (fused experts), under ``model.layers.<l>.``:
 
-==============================================================  ================================
-megatron                                                        transformers (>= 5, fused experts)
-==============================================================  ================================
-``decoder.layers.mlp.router.weight`` [L, E, H]                  ``layers.<l>.mlp.gate.weight`` [E, H]
-``decoder.layers.mlp.experts.experts.linear_fc1.weight``        ``layers.<l>.mlp.experts.gate_up_proj``
-[L, E, 2F, H], rows ``[gate | up]``                             [E, 2F, H], ``chunk(2)`` = gate, up
-``decoder.layers.mlp.experts.experts.linear_fc2.weight``        ``layers.<l>.mlp.experts.down_proj``
-[L, E, H, F]                                                    [E, H, F]
-``decoder.layers.mlp.linear_fc1.layer_norm_weight`` [L, H]      ``layers.<l>.post_attention_layernorm``
-``decoder.layers.self_attention.{q,k}_layernorm.weight``        ``layers.<l>.self_attn.{q,k}_norm``
-==============================================================  ================================
+* ``decoder.layers.mlp.router.weight`` [L, E, H] -> ``mlp.gate.weight`` [E, H];
+* ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` [L, E, 2F, H], rows ``[gate | up]``
+  -> ``mlp.experts.gate_up_proj`` [E, 2F, H] (transformers splits it with ``chunk(2)``: gate, up);
+* ``decoder.layers.mlp.experts.experts.linear_fc2.weight`` [L, E, H, F]
+  -> ``mlp.experts.down_proj`` [E, H, F];
+* ``decoder.layers.mlp.linear_fc1.layer_norm_weight`` [L, H] (the pre-MLP norm)
+  -> ``post_attention_layernorm.weight``;
+* ``decoder.layers.self_attention.{q,k}_layernorm.weight`` [L, D] -> ``self_attn.{q,k}_norm.weight``.
 
 ``save_pretrained`` writes the experts in the Hub's per-expert form (Mixtral ``w1``/``w3``/``w2``,
 Qwen3-MoE ``gate_proj``/``up_proj``/``down_proj``). Attention and embeddings are mapped as for
@@ -121,7 +118,8 @@ def build(arch: str, t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict
     common = dict(
         vocab_size=vocab, hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=groups, head_dim=d, max_position_embeddings=m["seq_length"],
-        rms_norm_eps=m.get("layernorm_epsilon", 1e-5), rope_theta=float(m.get("rotary_base", 10000)),
+        rms_norm_eps=m.get("layernorm_epsilon", 1e-5),
+        rope_theta=float(m.get("rotary_base", 10000)),
         hidden_act="silu", tie_word_embeddings=shared, num_experts_per_tok=topk,
         attention_dropout=0.0, architectures=[CLASSES[arch]], **ids)
     if arch == "mixtral":

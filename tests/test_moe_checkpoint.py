@@ -140,8 +140,8 @@ def _megatron_logits(jobs: list, tokens):
                 for name, p in model.named_parameters():
                     if "norm" in name:
                         p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
-            checkpoint.save_checkpoint(path, 1, model, optimizer, scheduler,
-                                       {"consumed_samples": 0, "config": OmegaConf.to_container(cfg)},
+            common = {"consumed_samples": 0, "config": OmegaConf.to_container(cfg)}
+            checkpoint.save_checkpoint(path, 1, model, optimizer, scheduler, common,
                                        checkpoint.layout_record(layout))
         model.eval()
         with torch.no_grad():
