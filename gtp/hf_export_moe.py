@@ -121,7 +121,8 @@ def build(arch: str, t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict
         rms_norm_eps=m.get("layernorm_epsilon", 1e-5),
         rope_theta=float(m.get("rotary_base", 10000)),
         hidden_act="silu", tie_word_embeddings=shared, num_experts_per_tok=topk,
-        attention_dropout=0.0, architectures=[CLASSES[arch]], **ids)
+        attention_dropout=0.0, router_aux_loss_coef=float(m.get("moe_aux_loss_coeff") or 0.0),
+        architectures=[CLASSES[arch]], **ids)
     if arch == "mixtral":
         config = transformers.MixtralConfig(
             intermediate_size=ffn, num_local_experts=experts, sliding_window=None,
