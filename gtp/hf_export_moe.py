@@ -53,7 +53,7 @@ _EXPORTABLE = (
     ("moe_router_group_topk", None, lambda v: v is None, "null"),
     ("moe_expert_capacity_factor", None, lambda v: v is None, "null (dropless)"),
     ("moe_shared_expert_intermediate_size", None, lambda v: not v, "null (no shared expert)"),
-    ("moe_layer_freq", 1, lambda v: int(v) == 1, "1 (every layer MoE)"),
+    ("moe_layer_freq", 1, lambda v: v in (None, 1), "1 (every layer MoE)"),
     ("rope_scaling", False, lambda v: not v, "false"),
 )
 
