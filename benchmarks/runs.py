@@ -3,6 +3,7 @@ arguments, its output folder and the environment its launched ranks inherit."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -31,3 +32,11 @@ def prepare_out(out: str | None, name: str, threads: int) -> Path:
         [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     return path
+
+
+def write_rows(out: Path, name: str, rows: list[dict], table: str) -> None:
+    """Write ``<out>/results.json``: the benchmark ``name``, the time, its ``rows`` and printed
+    ``table``."""
+    (out / "results.json").write_text(json.dumps({
+        "benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows,
+        "table": table}, indent=1))
