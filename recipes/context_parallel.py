@@ -7,8 +7,8 @@ split over the CP ranks of a data-parallel replica, as Megatron-LM's ``pretrain_
 * The batch (:func:`batch_on_this_rank`): megatron's
   ``megatron.core.utils.get_batch_on_this_cp_rank`` (per-sequence zigzag: ``2 x CP`` chunks,
   rank ``r`` keeps chunks ``r`` and ``2 CP - 1 - r``, so every rank gets the same
-  causal-attention work). The CP ranks of one replica read the same
-  micro-batches (the data group is megatron's data-parallel group without CP).
+  causal-attention work). The CP ranks of one replica read the same micro-batches (the data
+  group is megatron's data-parallel group without CP).
 * The loss (:func:`loss_over_cp`): Megatron-LM ``pretrain_gpt.loss_func`` with
   ``context_parallel_size``: loss sums and token counts all-reduced over the CP group.
 """
