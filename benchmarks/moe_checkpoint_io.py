@@ -84,7 +84,10 @@ def _worker(cfg_path: str, out_path: str) -> None:
     layout = validate(cfg, torch.distributed.get_world_size())
     _, model, opt, sched = setup(cfg, layout)
     for co in getattr(opt, "chained_optimizers", [opt]):
-        co.init_state_fn(co.optimizer, co.config)  # Adam moments, as after a step
+        co.init_state_fn(co.optimizer, co.config)  # Adam moments and step, as after a step
+        for group in co.optimizer.param_groups:
+            for p in group["params"]:
+                co.optimizer.state[p]["step"] = torch.tensor(1.0)
     record = checkpoint.layout_record(layout)
     root = Path(cfg.output_dir) / "files"
     state = {"consumed_samples": 0}
