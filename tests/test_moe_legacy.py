@@ -10,11 +10,12 @@ and both Adam moments set to garbage before saving:
    writer): fc1 stored (2, 4, 256, 72) for 200 logical rows, each expert-TP rank's shards at
    shifted offsets, gate and up halves mislabelled;
 2. ``B``: ep2 x egtp2/a64 (etp1), stock: fc1 stored (2, 4, 256, 72) too (200 rows padded to
-   256). In B's model, megatron's own loader reads A's expert fc1 (the naive read at another
-   layout: the global shapes agree, nothing complains) and most rows come out wrong; then,
-   the logical format switched on in the same model, ``recipes.checkpoint.load_checkpoint``
-   reads A (converted once by ``gtp.legacy``) into sentinel-filled tensors: every weight and
-   moment exact. (At B's alignment 16, megatron
+   256). B's own file, loaded at B in the stock format, is read as is (not converted, its
+   garbage padding rows too) into sentinel-filled tensors: exact. In B's model, megatron's own loader reads A's expert fc1 (the
+   naive read at another layout: the global shapes agree, nothing complains) and most rows come
+   out wrong; then, the logical format switched on in the same model,
+   ``recipes.checkpoint.load_checkpoint`` reads A (converted once by ``gtp.legacy``) into
+   sentinel-filled tensors: every weight and moment exact. (At B's alignment 16, megatron
    refuses A's fc1 instead: global shape mismatch, 256 stored rows against 224.)
 3. ``C``: ep2 x etp2 without expert GTP, logical format: A and B each loaded into sentinel-filled
    tensors, every weight and moment exact.
@@ -58,11 +59,9 @@ FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
 FC2 = "decoder.layers.mlp.experts.experts.linear_fc2.weight"
 
 
-@torch.no_grad()
-def _garbage_padding(model, optimizer) -> int:
-    """Set the expert-GTP padding rows of every GTP weight and its Adam moments to GARBAGE
-    (what a stock file then holds in its padding rows); returns the rows set on this rank."""
-    rows = 0
+def _padding(model, optimizer):
+    """(padding rows, their row count) of every expert-GTP weight and its Adam moments on this
+    rank (views: the tail of the TP-local weight that falls in this rank's shard)."""
     tensors = {id(p): [p] for p in model.module.parameters()}
     for opt, p in _opt_states(optimizer):
         tensors[id(p)] += [opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]]
@@ -70,11 +69,31 @@ def _garbage_padding(model, optimizer) -> int:
         if getattr(p, "pad_length", 0) <= 0:
             continue
         s, r, L = p.shape[0], p.group.rank(), int(p._unsharded_shape[0])
-        first = max(0, min(s, L - r * s))  # padding is the tail of the TP-local weight
+        first = max(0, min(s, L - r * s))
         for t in tensors[id(p)]:
-            t[first:] = GARBAGE
-        rows += s - first
+            yield t[first:], s - first
+
+
+@torch.no_grad()
+def _garbage_padding(model, optimizer) -> int:
+    """Set the padding rows to GARBAGE (what a stock file then holds in its padding rows);
+    returns the rows set on this rank."""
+    rows = 0
+    for view, n in _padding(model, optimizer):
+        view.fill_(GARBAGE)
+        rows += n
     return rows
+
+
+@torch.no_grad()
+def _padding_was_garbage_then_zero(model, optimizer) -> bool:
+    """Whether every padding row holds GARBAGE (a stock file read as is); zeroes them, as the
+    golden has them."""
+    ok = True
+    for view, _ in _padding(model, optimizer):
+        ok &= bool((view == GARBAGE).all())
+        view.zero_()
+    return ok
 
 
 def _naive_stock_read(model, path, cfg) -> tuple:
@@ -113,7 +132,13 @@ def _world(root: str, cfgs: dict) -> dict:
         out["garbage_rows"][name] = _garbage_padding(model, opt)
         checkpoint.save_checkpoint(root / name, 1, model, opt, sched, {"consumed_samples": 0},
                                    record)
-    # still at B (stock): megatron's own read of A; then gtp.legacy's, into the same model in
+    # still at B (stock): its own file, read as is (gtp.legacy.prepare_load: same layout)
+    _fill_sentinel(model, opt)
+    checkpoint.load_checkpoint(root / "B", model, opt, sched, record)
+    out["B_as_is"] = (not (root / "B" / "gtp_converted").exists(),
+                      _padding_was_garbage_then_zero(model, opt))
+    out["loads"][("B", "B")] = _check(model, opt, cfg)
+    # megatron's own read of A; then gtp.legacy's, into the same model in
     # the logical format (a stock run loads only its own layout: recipes.checkpointer refuses)
     out["naive"] = _naive_stock_read(model, root / "A" / "iter_0000001", cfg)
     gtp_checkpoint.configure("logical")
@@ -160,7 +185,9 @@ def test_stock_expert_checkpoints_load_exactly_at_other_expert_layouts(world):
     # the last expert-GTP rank of each shard pair holds padding rows (now garbage)
     assert all(sum(res["garbage_rows"][name] for res in results) > 0 for name in ("A", "B"))
     for rank, res in enumerate(results):
-        assert set(res["loads"]) == {("A", "B"), ("A", "C"), ("B", "C")}
+        assert set(res["loads"]) == {("B", "B"), ("A", "B"), ("A", "C"), ("B", "C")}
+        # a stock run reads its own layout's stock file as is: not converted, padding rows too
+        assert res["B_as_is"] == (True, True), (rank, res["B_as_is"])
         for pair, (experts, n, problems) in res["loads"].items():
             assert not problems, (rank, pair, problems[:5])
             assert experts > 0 and n > experts, (rank, pair, experts, n)

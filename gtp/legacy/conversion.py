@@ -24,7 +24,9 @@ def fingerprint(path: Path) -> dict:
 
 
 def _expert_saved_layout(analysis: Analysis) -> dict:
-    """The routed experts' saving layout, for a checkpoint with expert GTP weights ({} else)."""
+    """The routed experts' saving layout, for a checkpoint with expert GTP weights ({} else);
+    its ``pad_for_alignment`` (one value for dense and expert GTP) is the one of whichever was
+    sharded."""
     lay = analysis.expert_layout
     if lay is None:
         return {}
