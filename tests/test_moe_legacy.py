@@ -232,6 +232,14 @@ def test_reader_reconstructs_every_expert_row_against_the_plain_sliced_golden(wo
             assert torch.equal(tensors[k], want), k
             checked += 1
     assert checked == 6
+    # the copy the loads read (gtp.legacy.prepare_load): logical, expert saving layout recorded
+    conv = legacy.analyze(root / "A" / legacy.CONVERTED_DIR)
+    assert conv.format == "logical" and not conv.legacy
+    assert conv.tensors[FC1].stored_shape == (2, 4, 200, 72)
+    saved = conv.common[legacy.CONVERTED_KEY]["saved_layout"]
+    assert (saved["expert_tensor_parallel_size"], saved["expert_gtp_remat_size"],
+            saved["pad_for_alignment"]) == (2, 2, 16), saved
+    assert conv.common["layout"]["expert_gtp_remat_size"] == 1
 
 
 def test_stored_rows_read_as_they_lie_are_not_the_logical_rows(world):
