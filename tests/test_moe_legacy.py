@@ -264,3 +264,14 @@ def test_stored_rows_read_as_they_lie_are_not_the_logical_rows(world):
     rows_wrong = int((naive != want).any(dim=-1).sum())
     assert rows_wrong > 2 * 4 * 100, rows_wrong  # more than half of the rows
     assert bool((stored[FC1] == GARBAGE).any())
+
+
+def test_a_given_expert_layout_that_cannot_explain_the_stored_shapes_is_refused(world):
+    from gtp import legacy
+
+    root, _ = world
+    with pytest.raises(legacy.LegacyCheckpointError) as err:
+        legacy.analyze(root / "A", "etp=2,egtp=2,pad=32")
+    msg = str(err.value)
+    assert msg.startswith("routed-expert weights (read with tp = expert_tensor_parallel_size")
+    assert f"{FC2} is stored with shape (2, 4, 96, 100)" in msg and "gives dim 0 128" in msg
