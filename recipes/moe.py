@@ -303,9 +303,10 @@ def check(cfg, layout) -> None:
 
 
 def _check_checkpoints(cfg, layout) -> None:
-    """What MoE checkpoints support (docs/moe.md, Checkpoints): fp32 parameters, megatron's
-    non-distributed optimizer and the logical format; pretrained (Hugging Face) starts are not
-    wired for MoE models. Anything else is refused, naming why."""
+    """What MoE checkpoints support (docs/moe.md, Checkpoints): fp32 parameters and megatron's
+    non-distributed optimizer, in either checkpoint.format (a stock one is read at other layouts
+    through gtp.legacy); pretrained (Hugging Face) starts are not wired for MoE models. Anything
+    else is refused, naming why."""
     from recipes.validate import ConfigError
 
     ck, m = cfg.checkpoint, cfg.model
@@ -323,9 +324,6 @@ def _check_checkpoints(cfg, layout) -> None:
     elif cfg.precision.params_dtype != "fp32":
         why = (f"precision.params_dtype={cfg.precision.params_dtype} (the bf16 optimizer's MoE "
                f"state is untested across layouts); use precision=fp32")
-    elif ck.get("format", "logical") != "logical":
-        why = (f"checkpoint.format={ck.format!r}: stock megatron-core 0.19.2 writes the expert "
-               f"GTP padding into expert weights; use checkpoint.format=logical")
     if why:
         raise ConfigError(f"checkpoint.{used[0]}={ck[used[0]]!r} with an MoE model "
                           f"(model.{m.name}) and {why}, or train without checkpoints: "

@@ -129,7 +129,6 @@ def test_expert_sizes_need_an_moe_model():
 @pytest.mark.parametrize("overrides, message", [
     (("optim.use_distributed_optimizer=true",), "set optim.use_distributed_optimizer=false"),
     (("precision=bf16",), "use precision=fp32"),
-    (("checkpoint.format=stock",), "writes the expert GTP padding"),
 ])
 def test_moe_checkpoints_that_are_not_supported_are_refused_before_launch(overrides, message):
     # docs/moe.md, Checkpoints: fp32, the non-distributed optimizer, the logical format.
@@ -138,6 +137,14 @@ def test_moe_checkpoints_that_are_not_supported_are_refused_before_launch(overri
     assert message in str(info.value) and "checkpoint=none" in str(info.value), str(info.value)
     validate(make_cfg("model=moe_tiny", "checkpoint.save=/tmp/somewhere"), 2)
     validate(make_cfg("model=moe_tiny", "checkpoint=none", *overrides), 2)
+
+
+def test_moe_checkpoints_in_the_stock_format_are_accepted():
+    # gtp.legacy reads stock expert-GTP checkpoints at other layouts (tests/test_moe_legacy.py).
+    layout = validate(make_cfg("model=moe_tiny", "checkpoint.save=/tmp/somewhere",
+                               "checkpoint.format=stock", "parallelism.expert_model_parallel_size=2",
+                               "gtp.expert_gtp_remat_size=2", "gtp.pad_for_alignment=16"), 4)
+    assert layout.expert_gtp_remat_size == 2
 
 
 def test_default_world_covers_the_expert_grid():
