@@ -65,8 +65,10 @@ def rank_sizes(cfg, layout, vocab_size: int) -> RankSizes:
     tokenizer (padded as ``recipes.model.padded_vocab_size``), on the pipeline stage holding the
     most parameters, activations included (:func:`activation_bytes`).
 
-    Optimizer bytes with the distributed optimizer: ``ceil(parameters * (8 + main copy) / (dp
-    x cp))`` (megatron shards it over the data-parallel group with context parallelism).
+    Optimizer bytes with the distributed optimizer: ``ceil(dense parameters * (8 + main copy) /
+    (dp x cp)) + ceil(routed-expert parameters * (8 + main copy) / expert dp)`` (megatron-core's
+    ``optimizer.get_megatron_optimizer`` shards the dense state over the data-parallel group
+    with context parallelism, the experts' over the expert data-parallel group).
     """
     from recipes.model import padded_vocab_size
     from recipes.shapes import local_shape, parameter_shapes
@@ -102,8 +104,9 @@ def rank_sizes(cfg, layout, vocab_size: int) -> RankSizes:
     local = per_stage[stage]
     dtype = cfg.precision.params_dtype
     state = 8 + (4 if dtype != "fp32" else 0)
-    dp = (layout.data_parallel_size * layout.context_parallel_size
-          if layout.use_distributed_optimizer else 1)
+    dp, edp = ((layout.data_parallel_size * layout.context_parallel_size,
+                layout.expert_data_parallel_size) if layout.use_distributed_optimizer else (1, 1))
+    experts = experts_per_stage[stage]
     from recipes.shapes import parameter_counts
 
     return RankSizes(
@@ -111,7 +114,7 @@ def rank_sizes(cfg, layout, vocab_size: int) -> RankSizes:
         expert_parameters=experts_per_stage[stage],
         total_parameters=total, parameters=local, gtp_padding_rows=pad_rows[stage],
         param_bytes=local * _BYTES[dtype], grad_bytes=local * 4,
-        optimizer_bytes=-(-local * state // dp),
+        optimizer_bytes=-(-(local - experts) * state // dp) - (-experts * state // edp),
         activation_bytes=activation_bytes(cfg, layout, padded),
     )
 
@@ -262,6 +265,8 @@ def report(cfg, layout) -> str:
     sharded = (f", 1/{layout.data_parallel_size * layout.context_parallel_size} per rank: "
                f"distributed optimizer"
                if layout.use_distributed_optimizer else "")
+    if sharded and s.expert_parameters:
+        sharded += f"; routed experts 1/{layout.expert_data_parallel_size}: expert data parallel"
     rc = cfg.model.get("recompute_granularity")
     stage = " (most loaded pipeline stage)" if layout.pipeline_model_parallel_size > 1 else ""
     lines = [

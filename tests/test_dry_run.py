@@ -144,3 +144,20 @@ def test_activation_bytes_with_sequence_parallelism_follow_the_paper(recompute):
               + 4 * s * b * h / tp + 4 * s * b * v / tp)  # output layer input, logits
     assert activation_bytes(cfg, layout, v, scores=True) == math.ceil(golden)
     assert "sequence parallel)" in report(cfg, layout)
+
+
+def test_expert_optimizer_state_is_sharded_over_expert_data_parallel():
+    """Mixtral-8x7B at pp4 x ep8 on 64 ranks with the distributed optimizer: megatron shards the
+    dense state over dp 16 and the routed experts' over expert dp 2 (64 / (ep8 x pp4)). A rank of
+    a stage holds 8 layers x 1 expert x 3 x 4096 x 14336 expert parameters (fc1 [gate|up], fc2)."""
+    cfg = make_cfg("experiment=mixtral_8x7b_ep8_pp4_bf16", "train.dry_run=true",
+                   "optim.use_distributed_optimizer=true")
+    layout = validate(cfg, 64)
+    assert (layout.data_parallel_size, layout.expert_data_parallel_size) == (16, 2)
+    s = rank_sizes(cfg, layout, 32000)
+    experts = 8 * 1 * 3 * 4096 * 14336
+    assert s.expert_parameters == experts
+    dense = s.parameters - experts
+    assert s.optimizer_bytes == math.ceil(12 * dense / 16) + math.ceil(12 * experts / 2)
+    assert f"{s.optimizer_bytes / 2**30:.2f}" == "8.20"
+    assert "routed experts 1/2: expert data parallel" in report(cfg, layout)
