@@ -98,6 +98,9 @@ class ModelConfig:
     # Mixture of Experts (megatron TransformerConfig names; docs/moe.md). null: a dense MLP.
     num_moe_experts: Optional[int] = None
     moe_router_topk: int = 2
+    # Softmax over all experts before the top-k (no renormalisation); megatron requires it at
+    # top-1. false: top-k of the logits, then softmax over those k (Mixtral's routing).
+    moe_router_pre_softmax: bool = False
     # Width of each routed expert's MLP; null: ffn_hidden_size.
     moe_ffn_hidden_size: Optional[int] = None
     # Width of the shared expert every token goes through (DeepSeek, Qwen2-MoE); null: none.

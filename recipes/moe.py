@@ -24,7 +24,7 @@ AUX_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_b
 
 def is_moe(model_cfg) -> bool:
     """Whether the ``model`` config has routed experts (``num_moe_experts`` set)."""
-    return bool(model_cfg.get("num_moe_experts"))
+    return model_cfg.get("num_moe_experts") is not None
 
 
 def transformer_config_fields(model_cfg, layout) -> dict:
@@ -43,6 +43,7 @@ def transformer_config_fields(model_cfg, layout) -> dict:
     out.update(
         num_moe_experts=int(m.num_moe_experts),
         moe_router_topk=int(m.moe_router_topk),
+        moe_router_pre_softmax=bool(m.get("moe_router_pre_softmax", False)),
         moe_ffn_hidden_size=int(m.get("moe_ffn_hidden_size") or m.ffn_hidden_size),
         moe_shared_expert_intermediate_size=m.get("moe_shared_expert_intermediate_size"),
         moe_router_load_balancing_type=m.moe_router_load_balancing_type,
@@ -270,6 +271,14 @@ def check(cfg, layout) -> None:
     if not 1 <= m.moe_router_topk <= experts:
         raise ConfigError(f"model.moe_router_topk={m.moe_router_topk} must lie in [1, "
                           f"model.num_moe_experts={experts}]")
+    if m.moe_router_topk == 1 and not m.get("moe_router_pre_softmax", False):
+        # megatron's TopKRouter: a softmax over the one chosen logit is always 1.
+        raise ConfigError("model.moe_router_topk=1 needs model.moe_router_pre_softmax=true "
+                          "(softmax over all experts before the top-1; megatron refuses top-1 "
+                          "without it), or model.moe_router_topk >= 2")
+    if m.moe_aux_loss_coeff < 0:
+        raise ConfigError(f"model.moe_aux_loss_coeff={m.moe_aux_loss_coeff} must be >= 0 "
+                          f"(0: no load-balancing loss)")
     if m.moe_token_dispatcher_type not in DISPATCHERS:
         raise ConfigError(f"model.moe_token_dispatcher_type={m.moe_token_dispatcher_type!r}: valid "
                           f"are {DISPATCHERS} (megatron's 'flex' needs DeepEP or HybridEP)")

@@ -271,7 +271,9 @@ def check_split(cfg) -> None:
 # Model fields that change a parameter's shape (recipes.shapes.parameter_shapes reads them).
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                 "ffn_hidden_size", "swiglu", "normalization", "add_bias_linear",
-                "position_embedding_type", "seq_length", "share_embeddings_and_output_weights")
+                "position_embedding_type", "seq_length", "share_embeddings_and_output_weights",
+                "kv_channels", "qk_layernorm", "num_moe_experts", "moe_ffn_hidden_size",
+                "moe_shared_expert_intermediate_size", "moe_layer_freq")
 
 
 def check_model_shape(cfg, plan=None) -> None:
@@ -302,9 +304,17 @@ def check_model_shape(cfg, plan=None) -> None:
     def shapes(m):
         return {p.name: tuple(p.shape) for p in parameter_shapes(m, 64)}
 
-    if shapes(OmegaConf.create(now)) == shapes(merged):
+    mine, theirs = shapes(OmegaConf.create(now)), shapes(merged)
+    if mine == theirs:
         return
     changed = [f for f in SHAPE_FIELDS if f in saved and saved.get(f) != now.get(f)]
+    if not changed:  # a field outside SHAPE_FIELDS: name the parameters instead
+        differ = sorted(set(mine) ^ set(theirs) | {k for k in set(mine) & set(theirs)
+                                                   if mine[k] != theirs[k]})
+        raise CheckpointError(
+            f"{path} holds a differently shaped model: parameters {differ[:4]} differ from this "
+            f"config's; resume with the checkpoint's model fields (its resolved_config.yaml), "
+            f"or checkpoint.load=null to start from scratch")
     fixes = " ".join(f"model.{f}={_override_value(saved.get(f))}" for f in changed)
     diffs = ", ".join(f"model.{f}={now.get(f)!r} (checkpoint: {saved.get(f)!r})" for f in changed)
     raise CheckpointError(

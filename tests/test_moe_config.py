@@ -112,6 +112,10 @@ def test_mixtral_recipe_layout_dry_run(capsys):
     (["gtp.expert_gtp_remat_size=2", "optim.use_distributed_optimizer=true"], 2,
      "set optim.use_distributed_optimizer=false"),
     (["parallelism.context_parallel_size=2"], 2, "TEDotProductAttention"),
+    (["model.num_moe_experts=0"], 2, "model.num_moe_experts=0 must be >= 1 (or null: dense)"),
+    (["model.moe_router_topk=1"], 2,
+     "model.moe_router_topk=1 needs model.moe_router_pre_softmax=true"),
+    (["model.moe_aux_loss_coeff=-1"], 2, "model.moe_aux_loss_coeff=-1.0 must be >= 0"),
 ])
 def test_bad_moe_layouts_are_refused(overrides, world, message):
     cfg = make_cfg("model=moe_tiny", *overrides)
@@ -161,3 +165,34 @@ def test_default_world_covers_the_expert_grid():
 def test_sequence_parallel_is_off_at_tp1():
     layout = validate(make_cfg("parallelism.sequence_parallel=true"), 2)
     assert layout.sequence_parallel is False
+
+
+def test_top1_routing_with_pre_softmax_reaches_megatron():
+    """Top-1 is valid with the softmax over all experts first (megatron's TopKRouter refuses it
+    otherwise); the field reaches the TransformerConfig arguments."""
+    from recipes.moe import transformer_config_fields
+
+    cfg = make_cfg("model=moe_tiny", "model.moe_router_topk=1", "model.moe_router_pre_softmax=true")
+    fields = transformer_config_fields(cfg.model, validate(cfg, 2))
+    assert (fields["moe_router_topk"], fields["moe_router_pre_softmax"]) == (1, True)
+
+
+@pytest.mark.parametrize("field, value", [("num_moe_experts", 8), ("moe_ffn_hidden_size", 96),
+                                          ("qk_layernorm", True), ("moe_layer_freq", 2)])
+def test_a_resume_into_another_moe_shape_names_the_field(field, value):
+    """The checkpoint's model differs from this config's in one MoE field: the refusal names
+    it with the checkpoint's value (was an empty field list)."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from recipes.checkpoint import CheckpointError
+    from recipes.prelaunch import check_model_shape
+
+    saved = OmegaConf.to_container(make_cfg("model=moe_tiny").model, resolve=True)
+    cfg = make_cfg("model=moe_tiny", f"model.{field}={value}", "checkpoint.load=/tmp/unused")
+    plan = SimpleNamespace(path="CKPT", common={"train_state": {"config": {"model": saved}}})
+    with pytest.raises(CheckpointError) as info:
+        check_model_shape(cfg, plan)
+    assert f"model.{field}={value!r} (checkpoint: {saved[field]!r})" in str(info.value)
+    assert f"set model.{field}=" in str(info.value)
