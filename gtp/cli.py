@@ -132,13 +132,21 @@ def cmd_inspect(args, out=sys.stdout) -> int:
 
 def describe_parallelism(rec: dict) -> str:
     """``tp2 x pp2 (vpp -) x gtp2 (pad 16) x dp1, world 4`` from a recorded layout (records
-    written before pipeline parallelism lack pp/vpp: pp1)."""
+    written before pipeline parallelism lack pp/vpp: pp1), with ``+sp`` after tp under sequence
+    parallelism and ``; experts ep2 x etp1 x egtp2`` when experts are laid out otherwise than
+    the dense weights (records written before MoE lack those keys: none shown)."""
     g = rec.get("gtp_remat_size", 1)
     gtp = f"gtp{g} (pad {rec.get('pad_for_alignment', 0)})" if g > 1 else "gtp1"
     vpp = rec.get("virtual_pipeline_model_parallel_size")
-    return (f"tp{rec.get('tensor_model_parallel_size', '?')} x "
-            f"pp{rec.get('pipeline_model_parallel_size', 1)} (vpp {vpp or '-'}) x {gtp} x "
-            f"dp{rec.get('data_parallel_size', '?')}, world {rec.get('world_size', '?')}")
+    tp = rec.get("tensor_model_parallel_size", "?")
+    sp = "+sp" if rec.get("sequence_parallel") else ""
+    ep, etp = rec.get("expert_model_parallel_size", 1), rec.get("expert_tensor_parallel_size", tp)
+    egtp = rec.get("expert_gtp_remat_size", 1)
+    experts = (f"; experts ep{ep} x etp{etp} x egtp{egtp}"
+               if (ep, etp, egtp) != (1, tp, 1) else "")
+    return (f"tp{tp}{sp} x pp{rec.get('pipeline_model_parallel_size', 1)} (vpp {vpp or '-'}) x "
+            f"{gtp} x dp{rec.get('data_parallel_size', '?')}, world "
+            f"{rec.get('world_size', '?')}{experts}")
 
 
 def optimizer_format(common: dict) -> str | None:

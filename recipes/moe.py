@@ -9,6 +9,7 @@ Experts are megatron's local ``SequentialMLP`` (``local_experts.<i>``, one ``MLP
 from __future__ import annotations
 
 import contextlib
+import os
 import zlib
 
 import torch
@@ -234,7 +235,7 @@ def resolve_expert_layout(cfg, world_size: int, tp: int, pp: int) -> dict:
             f"pipeline_model_parallel_size={pp} x gtp.expert_gtp_remat_size={egtp} = {grid} "
             f"(megatron: expert data-parallel size = world / that); with {world_size} processes "
             f"the product must be one of {fits}, or run a multiple of {grid} processes "
-            f"(parallelism.nproc_per_node)")
+            f"({'WORLD_SIZE' if 'WORLD_SIZE' in os.environ else 'parallelism.nproc_per_node'})")
     return {"sequence_parallel": bool(par.get("sequence_parallel", False)) and tp > 1,
             "expert_model_parallel_size": int(ep), "expert_tensor_parallel_size": int(etp),
             "expert_gtp_remat_size": int(egtp)}

@@ -153,3 +153,15 @@ def test_verify_passes_checkpoints_of_every_writer(ckpts):
         for name in ("legacy", "logical_twin", "tp2", "perturbed", "legacy/gtp_converted"):
             rc, out = cli("verify", ckpts / model / name)
             assert rc == 0 and out.startswith("OK "), (model, name, out)
+
+
+def test_inspect_names_the_expert_layout_and_sequence_parallelism():
+    from gtp.cli import describe_parallelism
+
+    dense = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1,
+             "gtp_remat_size": 1, "data_parallel_size": 2, "world_size": 4}
+    assert describe_parallelism(dense) == "tp2 x pp1 (vpp -) x gtp1 x dp2, world 4"
+    moe = {**dense, "sequence_parallel": True, "expert_model_parallel_size": 2,
+           "expert_tensor_parallel_size": 1, "expert_gtp_remat_size": 2}
+    assert describe_parallelism(moe) == ("tp2+sp x pp1 (vpp -) x gtp1 x dp2, world 4; "
+                                         "experts ep2 x etp1 x egtp2")
