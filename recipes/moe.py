@@ -317,9 +317,9 @@ def check(cfg, layout) -> None:
 
 
 def _check_checkpoints(cfg, layout) -> None:
-    """What MoE checkpoints support (docs/moe.md, Checkpoints): fp32 parameters, megatron's
-    non-distributed optimizer and the logical format; pretrained (Hugging Face) starts are not
-    wired for MoE models. Anything else is refused, naming why."""
+    """What MoE checkpoints support (docs/moe.md, Checkpoints): the logical format (fp32 or
+    bf16 parameters, megatron's plain or distributed optimizer); pretrained (Hugging Face)
+    starts are not wired for MoE models. Anything else is refused, naming why."""
     from recipes.validate import ConfigError
 
     ck, m = cfg.checkpoint, cfg.model
@@ -328,22 +328,12 @@ def _check_checkpoints(cfg, layout) -> None:
         raise ConfigError(f"checkpoint.pretrained={ck.pretrained!r} with an MoE model "
                           f"(model.{m.name}): importing Hugging Face MoE weights is not "
                           f"supported yet; set checkpoint.pretrained=null")
-    if not used:
-        return
-    why = None
-    if layout.use_distributed_optimizer:
-        why = ("optim.use_distributed_optimizer=true (its MoE state is untested across layouts); "
-               "set optim.use_distributed_optimizer=false")
-    elif cfg.precision.params_dtype != "fp32":
-        why = (f"precision.params_dtype={cfg.precision.params_dtype} (the bf16 optimizer's MoE "
-               f"state is untested across layouts); use precision=fp32")
-    elif ck.get("format", "logical") != "logical":
-        why = (f"checkpoint.format={ck.format!r}: stock megatron-core 0.19.2 writes the expert "
-               f"GTP padding into expert weights; use checkpoint.format=logical")
-    if why:
+    if used and ck.get("format", "logical") != "logical":
         raise ConfigError(f"checkpoint.{used[0]}={ck[used[0]]!r} with an MoE model "
-                          f"(model.{m.name}) and {why}, or train without checkpoints: "
-                          f"checkpoint=none")
+                          f"(model.{m.name}) and checkpoint.format={ck.format!r}: stock "
+                          f"megatron-core 0.19.2 writes the expert GTP padding into expert "
+                          f"weights; use checkpoint.format=logical, or train without "
+                          f"checkpoints: checkpoint=none")
 
 
 def _check_expert_gtp(cfg, layout) -> None:
