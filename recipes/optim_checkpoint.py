@@ -15,7 +15,10 @@ layout change (TP, PP, DP, GTP) is megatron's ordinary resharding. They differ i
 
 :func:`prepare_request` renames or drops the main-param requests the file cannot answer (before
 the load) and :func:`finish_load` rebuilds the non-tensor part in the form the running optimizer's
-``load_state_dict`` takes (after it). Same kind: both do nothing.
+``load_state_dict`` takes (after it). Same kind: both do nothing. An MoE model's chain of a
+dense and an expert optimizer (megatron's ``ChainedOptimizer``; keys without its
+``chained_<i>.`` prefix) resumes a chain of another length, kind or precision entry by running
+entry (:func:`_rechain`).
 """
 
 from __future__ import annotations
@@ -64,10 +67,11 @@ def chain_length(common_optimizer) -> int:
 
 
 def _rechain(optimizer, loaded: dict, common: dict, dropped) -> dict | list:
-    """The state dict for a running chain of another length than the file's: an MoE model has
-    a dense and an expert optimizer where its experts are split (expert parallel size > 1,
-    expert tensor parallel size != tensor parallel size, expert GTP: megatron's
-    ``get_megatron_optimizer`` gives params with ``allreduce = False`` their own), one otherwise.
+    """The state dict for a running chain that differs from the file's (:func:`_regroup`) in
+    length, kind (plain / distributed) or precision: an MoE model has a dense and an expert
+    optimizer where its experts are split (expert parallel size > 1, expert tensor parallel
+    size != tensor parallel size, expert GTP: megatron's ``get_megatron_optimizer`` gives
+    params with ``allreduce = False`` their own), one otherwise.
 
     The moments (and a distributed optimizer's main params) are model-space tensors under each
     param's own key (the request put them in the running chain's places, whichever entry of
