@@ -299,14 +299,17 @@ def _is_bf16(opt) -> bool:
 
 def _regroup(optimizer, common: dict) -> bool:
     """Whether :func:`_rechain` rebuilds the state: a chain on either side (an MoE model's
-    dense and expert optimizer) whose file entries differ from the running ones in number, kind
-    or (plain optimizer) precision, the running entries all of one kind. The same structure
-    loads as it is; a chain mixing kinds (Muon's layer-wise one) is matched entry by entry."""
+    dense and expert optimizer) whose file entries differ from the running ones in number, or
+    in kind or (plain optimizer) precision with each side's entries all of one kind. The same
+    structure loads as it is; a chain mixing kinds (Muon's layer-wise one, whose Muon and Adam
+    param groups may share an identity) is matched entry by entry."""
     chain = _chain(optimizer)
     parts = [common[k] for k in sorted(common)] if _is_chain(common) else [common]
     if len(chain) == 1 and len(parts) == 1 or len({kind_of(o) for o in chain}) != 1:
         return False
-    return len(parts) != len(chain) or any(
+    if len(parts) != len(chain):
+        return True
+    return len({_entry_kind(p) for p in parts}) == 1 and any(
         kind_of(opt) != _entry_kind(part)
         or kind_of(opt) == PLAIN and _is_bf16(opt) != ("param_groups" not in part)
         for opt, part in zip(chain, parts))
@@ -360,10 +363,7 @@ def _groups_by_identity(groups: list, ignore: tuple = ()) -> dict:
     def ident(group):
         return tuple(group.get(k, group.get(f"pre_{k}")) for k in keys)
 
-    by_id = {}
-    for g in groups:
-        by_id.setdefault(ident(g), g)
-    return by_id, ident
+    return {ident(g): g for g in groups}, ident
 
 
 def _hyper(groups: list, own_groups: list, ignore: tuple = ()) -> list:

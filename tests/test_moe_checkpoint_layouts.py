@@ -6,16 +6,15 @@ One 4-process gloo world hosts every layout in turn (megatron's process groups r
 each): moe_tiny (4 SwiGLU experts of width 100, hidden 72, 2 layers, Adam) at
 
 * ``ep1``: tp1 x dp4, every rank holds all 4 experts (one optimizer);
-* ``ep2etp2``: experts split over 2 ranks (a dense and an expert optimizer) x expert tensor
-  parallel 2 (each expert's [gate | up] fc1 split by rows);
+* ``ep2do_bf16``: experts split over 2 ranks (a dense and an expert optimizer) with megatron's
+  distributed optimizer (dense data parallel 4, expert data parallel 2: each rank holds a flat
+  slice of each param's main param and moments) and bf16 weights;
+* ``ep2etp2``: ep2 x expert tensor parallel 2 (each expert's [gate | up] fc1 split by rows);
 * ``ep2egtp2``: ep2 x expert GTP 2 at alignment 16 (fc1 200 -> 224 rows, fc2 72 -> 96);
 * ``tp2sp_ep2``: tp2 + sequence parallelism, ep2 x etp1;
 * ``pp2ep2``: pipeline parallel 2 (one layer per stage) x ep2;
 * ``ep4_bf16``: one expert per rank, bf16 weights (megatron's fp32 main params in the plain
-  optimizer);
-* ``ep2do_bf16``: ep2 with megatron's distributed optimizer (dense data parallel 4, expert data
-  parallel 2: each rank holds a flat slice of each param's main param and moments) and bf16
-  weights.
+  optimizer).
 
 Each layout builds the model through ``recipes.worker.setup``, sets every weight, fp32 main
 param and Adam moment to a golden and saves through ``recipes.checkpoint``; then each layout
@@ -57,18 +56,19 @@ COMMON = ("model=moe_tiny", "parallelism=tp1", f"parallelism.nproc_per_node={WOR
 EP2 = ("parallelism.expert_model_parallel_size=2",)
 LAYOUTS = {
     "ep1": (),
+    "ep2do_bf16": (*EP2, "optim.use_distributed_optimizer=true", "precision=bf16"),
     "ep2etp2": (*EP2, "parallelism.expert_tensor_parallel_size=2"),
     "ep2egtp2": (*EP2, "gtp.expert_gtp_remat_size=2", "gtp.pad_for_alignment=16"),
     "tp2sp_ep2": ("parallelism.tensor_model_parallel_size=2", "parallelism.sequence_parallel=true",
                   *EP2, "parallelism.expert_tensor_parallel_size=1"),
     "pp2ep2": ("parallelism.pipeline_model_parallel_size=2", *EP2),
     "ep4_bf16": ("parallelism.expert_model_parallel_size=4", "precision=bf16"),
-    "ep2do_bf16": (*EP2, "optim.use_distributed_optimizer=true", "precision=bf16"),
 }
 # Layout i loads the saves of layouts i+1, i+2 and i+4 (mod 7): {1, 2, 4} and its negatives
 # {6, 5, 3} split the non-zero residues, so every pair of layouts is loaded once, in one
-# direction; each save is read at 3 other layouts and each layout reads 3 saves
-# (distributed <-> plain optimizer, pp2 <-> pp1, bf16 <-> fp32 among them).
+# direction; each save is read at 3 other layouts and each layout reads 3 saves. In this order
+# the distributed-optimizer save is read at ep1 (one plain fp32 optimizer), tp2sp_ep2 and
+# ep4_bf16, and it reads ep2etp2, ep2egtp2 and pp2ep2 (pp2 <-> pp1 among the others too).
 _ORDER = list(LAYOUTS)
 PAIRS = [(_ORDER[(i + d) % len(_ORDER)], dst) for i, dst in enumerate(_ORDER) for d in (1, 2, 4)]
 _LOCAL = re.compile(r"\.local_experts\.(\d+)\.")
