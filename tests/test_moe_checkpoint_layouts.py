@@ -293,7 +293,8 @@ def _matrix_worker(root: str, cfgs: dict, pairs: list) -> dict:
     out = {"loads": {}, "padded": {}, "kinds": {}, "shared_steps": {}}
     for name, cfg_yaml in cfgs.items():
         model, opt, sched, record, cfg = _build(cfg_yaml)
-        out["padded"][name] = sum(getattr(p, "pad_length", 0) > 0 for _, _, p in _params(model, cfg))
+        out["padded"][name] = sum(getattr(p, "pad_length", 0) > 0
+                                  for _, _, p in _params(model, cfg))
         out["kinds"][name] = sorted(type(o).__name__ for o in
                                     getattr(opt, "chained_optimizers", [opt]))
         _fill(model, opt, cfg, sentinel=False)
