@@ -28,7 +28,9 @@ Commands (CKPT: a checkpoint root holding ``latest_checkpointed_iteration.txt``,
     python -m gtp export CKPT OUT [--layout SPEC]
         Write CKPT as a Hugging Face transformers model directory OUT (config.json +
         model.safetensors): GPT models as GPT2LMHeadModel, Llama-family ones as
-        LlamaForCausalLM (:mod:`gtp.hf_export`). Needs the ``hf`` extra. Exit 0, or 2 on error.
+        LlamaForCausalLM, MoE ones as MixtralForCausalLM or (with qk_layernorm)
+        Qwen3MoeForCausalLM (:mod:`gtp.hf_export`, :mod:`gtp.hf_export_moe`). Needs the ``hf``
+        extra. Exit 0, or 2 on error.
 
     python -m gtp import HF_DIR OUT
         Write a Hugging Face model directory (GPT-2 or Llama family, safetensors) as a logical

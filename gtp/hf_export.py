@@ -16,6 +16,8 @@ along dim 0 in the checkpoint, ``[num_layers, ...]``):
 * **Llama family** (RMSNorm, no linear bias, SwiGLU, RoPE) -> ``LlamaForCausalLM``, from the
   model config fields ``normalization``, ``add_bias_linear``, ``num_query_groups``,
   ``kv_channels``, ``rotary_base`` and ``layernorm_epsilon`` when the run recorded them.
+* **MoE** (``num_moe_experts`` set) -> ``MixtralForCausalLM``, or ``Qwen3MoeForCausalLM`` with
+  ``qk_layernorm``: :mod:`gtp.hf_export_moe` (class choice, routing, refusals).
 
 The fused QKV weight is megatron's per-query-group layout (``SelfAttention.get_query_key_value_tensors``):
 rows ``[groups, (heads_per_group + 2) * head_dim]`` with each group's queries, then its key, then
@@ -111,11 +113,20 @@ def _token_ids(common: dict, eod) -> dict:
 
 
 def architecture(model: dict) -> str:
-    """``"gpt2"`` or ``"llama"`` for a recorded ``model`` config dict.
+    """``"gpt2"``, ``"llama"``, or for an MoE model (``num_moe_experts`` set) ``"mixtral"`` or
+    ``"qwen3_moe"`` (:func:`gtp.hf_export_moe.moe_architecture`), for a recorded ``model``
+    config dict.
 
     Raises:
         ExportError: a combination no transformers class computes exactly (named).
     """
+    if model.get("num_moe_experts"):
+        from gtp.hf_export_moe import moe_architecture
+
+        return moe_architecture(model)
+    if model.get("qk_layernorm"):
+        raise ExportError("model.qk_layernorm=True: GPT2LMHeadModel and LlamaForCausalLM have no "
+                          "per-head query/key norm (exportable dense models: qk_layernorm=False)")
     norm = model.get("normalization", "LayerNorm")
     bias = model.get("add_bias_linear", True)
     pos = model.get("position_embedding_type", "learned_absolute")
@@ -218,20 +229,33 @@ def _llama(t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict]:
         sd["lm_head.weight"] = t["output_layer.weight"][:vocab]
     for i in range(layers):
         p = f"model.layers.{i}."
-        q, k, v = _split_qkv(t[L + "self_attention.linear_qkv.weight"][i], heads, groups, d)
         fc1 = t[L + "mlp.linear_fc1.weight"][i]
+        sd.update(llama_attention(t, m, i, p))
         sd.update({
-            p + "input_layernorm.weight": t[L + "self_attention.linear_qkv.layer_norm_weight"][i],
-            p + "self_attn.q_proj.weight": q,
-            p + "self_attn.k_proj.weight": k,
-            p + "self_attn.v_proj.weight": v,
-            p + "self_attn.o_proj.weight": t[L + "self_attention.linear_proj.weight"][i],
             p + "post_attention_layernorm.weight": t[L + "mlp.linear_fc1.layer_norm_weight"][i],
             p + "mlp.gate_proj.weight": fc1[:ffn],
             p + "mlp.up_proj.weight": fc1[ffn:],
             p + "mlp.down_proj.weight": t[L + "mlp.linear_fc2.weight"][i],
         })
     return config, sd
+
+
+def llama_attention(t: dict, m: dict, i: int, p: str) -> dict:
+    """Layer ``i``'s input norm and attention of a Llama-family model (also Mixtral's and
+    Qwen3-MoE's) under the transformers prefix ``p`` (``model.layers.<i>.``): the fused QKV
+    split per query group (:func:`_split_qkv`), ``linear_proj`` as ``o_proj``."""
+    heads = m["num_attention_heads"]
+    groups = m.get("num_query_groups") or heads
+    d = m.get("kv_channels") or m["hidden_size"] // heads
+    L = "decoder.layers."
+    q, k, v = _split_qkv(t[L + "self_attention.linear_qkv.weight"][i], heads, groups, d)
+    return {
+        p + "input_layernorm.weight": t[L + "self_attention.linear_qkv.layer_norm_weight"][i],
+        p + "self_attn.q_proj.weight": q,
+        p + "self_attn.k_proj.weight": k,
+        p + "self_attn.v_proj.weight": v,
+        p + "self_attn.o_proj.weight": t[L + "self_attention.linear_proj.weight"][i],
+    }
 
 
 def _rope_scaling(m: dict) -> dict:
@@ -253,9 +277,20 @@ def _cat(parts):
     return torch.cat(parts, dim=0)
 
 
-_BUILDERS: dict[str, Callable] = {"gpt2": _gpt2, "llama": _llama}
-_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
-_EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}
+def _moe(arch: str) -> Callable:
+    def build(t: dict, m: dict, vocab: int, ids: dict):
+        from gtp import hf_export_moe
+
+        return hf_export_moe.build(arch, t, m, vocab, ids)
+    return build
+
+
+_BUILDERS: dict[str, Callable] = {"gpt2": _gpt2, "llama": _llama, "mixtral": _moe("mixtral"),
+                                  "qwen3_moe": _moe("qwen3_moe")}
+_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+            "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+_EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight",
+              "mixtral": "model.embed_tokens.weight", "qwen3_moe": "model.embed_tokens.weight"}
 
 
 def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None) -> Path:
@@ -302,6 +337,11 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None) -> 
              for k, v in progress(state.items(), "export", total=len(state), unit="tensor")}
     if config.tie_word_embeddings:  # the output layer is the embedding (one tensor in the file)
         state["lm_head.weight"] = state[_EMBEDDING[arch]]
+    missing = sorted(set(model.state_dict()) - set(state) - {"lm_head.weight"})
+    if missing:  # e.g. transformers < 5 keeps MoE experts per expert, not fused
+        raise ExportError(f"transformers {transformers.__version__}'s {_CLASSES[arch]} has "
+                          f"weights this export does not write: {missing[:4]} (MoE export "
+                          f"needs transformers >= 5, fused experts)")
     model.load_state_dict(state, strict=True)
     if config.tie_word_embeddings:
         model.tie_weights()

@@ -57,13 +57,20 @@ class RunState:
     train_state: dict = field(default_factory=dict)
 
 
-def init_distributed() -> None:
-    """Join the process group from torchrun-style env vars (gloo on CPU, nccl on CUDA)."""
-    if not torch.distributed.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        torch.distributed.init_process_group(backend)
+def init_distributed() -> bool:
+    """Join the process group from torchrun-style env vars (gloo on CPU, nccl on CUDA).
+
+    Returns:
+        Whether this call created it (False: the caller's process group is used and left to
+        the caller to destroy).
+    """
+    if torch.distributed.is_initialized():
+        return False
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    torch.distributed.init_process_group(backend)
+    return True
 
 
 def set_seed(seed: int) -> None:
@@ -184,7 +191,7 @@ def run(cfg, resume=None) -> None:
     from recipes.validate import validate
 
     preemption.install(cfg.train)  # a signal from here on: save at the next iteration boundary
-    init_distributed()
+    created_world = init_distributed()
     from recipes.console import quiet_megatron
 
     quiet_megatron(torch.distributed.get_rank(), bool(cfg.checkpoint.get("async_save", False)))
@@ -283,7 +290,8 @@ def run(cfg, resume=None) -> None:
                                       manager.last_good if ck.save else None), flush=True)
     torch.distributed.barrier()
     parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
+    if created_world:
+        torch.distributed.destroy_process_group()
     if stopped is not None:
         preemption.after_exit()  # submitit's handler of its signal: requeue the job
 

@@ -52,6 +52,20 @@ def train_run(data_cache):
     return run
 
 
+@pytest.fixture(scope="session")
+def train_jobs(data_cache):
+    """``train_jobs([(out_dir, [override, ...]), ...])``: train those jobs in order, consecutive
+    jobs of one world size in one gloo world, each as a torchrun rank runs it
+    (``tests/helpers/inworld.py``); returns an ``inworld.Job`` per job. Cheaper than a
+    ``train.py`` process tree per job; every job must succeed."""
+    from inworld import train_jobs as run
+
+    def jobs(specs, timeout: float = 900):
+        return run(data_cache, specs, timeout=timeout)
+
+    return jobs
+
+
 def _reaches(fn, name: str, module, seen: set) -> bool:
     """Whether ``fn`` (or a function of ``module`` it calls, transitively) names ``name``."""
     code = getattr(fn, "__code__", None)
@@ -83,12 +97,12 @@ def _functions(item):
 
 def pytest_collection_modifyitems(config, items):
     """Mark what ``make test-fast`` leaves out: ``e2e`` for tests that run train.py (the
-    ``train_run`` fixture) or another script in a fresh interpreter (``subprocess``),
+    ``train_run`` or ``train_jobs`` fixture) or another script in a fresh interpreter (``subprocess``),
     ``multiprocess`` for tests that reach ``run_distributed`` (directly or through a fixture)."""
     import sys as _sys
 
     for item in items:
-        if "train_run" in getattr(item, "fixturenames", ()):
+        if {"train_run", "train_jobs"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.e2e)
         for fn in _functions(item):
             module = _sys.modules.get(getattr(fn, "__module__", ""), None)

@@ -1,4 +1,5 @@
-"""End to end through train.py: save under GTP, resume under other layouts (gtp/checkpoint.py).
+"""End to end (the jobs run as train.py's workers run them, tests/helpers/inworld.py; the
+refusal through train.py): save under GTP, resume under other layouts (gtp/checkpoint.py).
 
 A trains the tiny GPT at ``gtp=tp2_align16`` (tp1 x gtp2 x dp1, 2 processes) for 6 iterations and
 saves at 3 and 6 (the uninterrupted run). From A's iteration 3:
@@ -41,19 +42,19 @@ STOCK = ["gtp=tp2_align16", "gtp.pad_for_alignment=128", "parallelism=tp2dp2",
 
 
 @pytest.fixture(scope="module")
-def runs(train_run, tmp_path_factory):
+def runs(train_run, train_jobs, tmp_path_factory):
     root = tmp_path_factory.mktemp("gtp_resume")
     a = root / "a_g2a16"
-    train_run(a, *COMMON, "gtp=tp2_align16", "train.train_iters=6", "checkpoint.save_interval=3")
-    out = {"a": a}
-    for name, overrides in RESUMED.items():
-        out[name] = root / name
-        train_run(out[name], *COMMON, *overrides, "train.train_iters=6",
-                  "checkpoint.save_interval=100", f"checkpoint.load={a}/checkpoints",
-                  "checkpoint.load_iteration=3")
+    out = {"a": a, **{name: root / name for name in RESUMED}}
+    load = [f"checkpoint.load={a}/checkpoints", "checkpoint.load_iteration=3"]
+    # By world size: a (2 processes), then the 4-process resumes, then tp1 (1 process).
+    order = sorted(RESUMED, key=lambda name: name == "b_off_tp1")
+    train_jobs([(a, [*COMMON, "gtp=tp2_align16", "train.train_iters=6",
+                     "checkpoint.save_interval=3"]),
+                *[(out[name], [*COMMON, *RESUMED[name], "train.train_iters=6",
+                               "checkpoint.save_interval=100", *load]) for name in order]])
     out["f_tp2_g2a128_stock"] = train_run(
-        root / "f_tp2_g2a128_stock", *COMMON, *STOCK, "train.train_iters=5",
-        f"checkpoint.load={a}/checkpoints", "checkpoint.load_iteration=3", rc=2).stdout
+        root / "f_tp2_g2a128_stock", *COMMON, *STOCK, "train.train_iters=5", *load, rc=2).stdout
     return out
 
 

@@ -9,7 +9,9 @@ reads. GPT models and the layouts are covered in tests/test_eval_export_layouts.
 from __future__ import annotations
 
 import os
+import re
 
+import pytest
 import torch
 
 from multiproc import run_distributed
@@ -83,3 +85,110 @@ def test_llama_export_logits_equal_megatron(tmp_path):
         hf = model(tokens).logits
     diff = (hf - logits[..., :VOCAB]).abs().max().item()
     assert diff <= 1e-4, diff
+
+
+# --------------------------------------------------------------------------------------------
+# MoE: which transformers class, refusals, and megatron's routing against the exported router
+# (no processes; the logits through train.py checkpoints: tests/test_moe_checkpoint.py).
+# --------------------------------------------------------------------------------------------
+MOE = {"name": "moe_tiny", "num_layers": 2, "hidden_size": 72, "num_attention_heads": 4,
+       "num_query_groups": 2, "ffn_hidden_size": 200, "seq_length": 64, "swiglu": True,
+       "normalization": "RMSNorm", "add_bias_linear": False, "position_embedding_type": "rope",
+       "share_embeddings_and_output_weights": False, "num_moe_experts": 4, "moe_router_topk": 2,
+       "moe_ffn_hidden_size": 100, "moe_layer_freq": 1, "qk_layernorm": False,
+       "moe_shared_expert_intermediate_size": None}
+
+
+def _moe_tensors(m: dict) -> dict:
+    """Zero logical tensors of every key the MoE export reads, in the checkpoint's shapes."""
+    h, L, e, f = m["hidden_size"], m["num_layers"], m["num_moe_experts"], m["moe_ffn_hidden_size"]
+    d = h // m["num_attention_heads"]
+    qkv = (m["num_attention_heads"] + 2 * m["num_query_groups"]) * d
+    p = "decoder.layers."
+    shapes = {"embedding.word_embeddings.weight": (320, h), "output_layer.weight": (320, h),
+              "decoder.final_layernorm.weight": (h,),
+              p + "self_attention.linear_qkv.layer_norm_weight": (L, h),
+              p + "self_attention.linear_qkv.weight": (L, qkv, h),
+              p + "self_attention.linear_proj.weight": (L, h, h),
+              p + "self_attention.q_layernorm.weight": (L, d),
+              p + "self_attention.k_layernorm.weight": (L, d),
+              p + "mlp.linear_fc1.layer_norm_weight": (L, h), p + "mlp.router.weight": (L, e, h),
+              p + "mlp.experts.experts.linear_fc1.weight": (L, e, 2 * f, h),
+              p + "mlp.experts.experts.linear_fc2.weight": (L, e, h, f)}
+    return {k: torch.zeros(s) for k, s in shapes.items()}
+
+
+@pytest.mark.parametrize("changes,arch", [({}, "mixtral"), ({"qk_layernorm": True}, "qwen3_moe"),
+                                          ({"qk_layernorm": True, "moe_router_pre_softmax": True},
+                                           "qwen3_moe")])
+def test_moe_class_follows_qk_layernorm(changes, arch):
+    from gtp.hf_export import architecture
+
+    assert architecture({**MOE, **changes}) == arch
+
+
+@pytest.mark.parametrize("changes,named", [
+    ({"moe_shared_expert_intermediate_size": 64}, "moe_shared_expert_intermediate_size=64"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq=2"),
+    ({"moe_router_score_function": "sigmoid"}, "moe_router_score_function='sigmoid'"),
+    ({"moe_router_topk_scaling_factor": 2.5}, "moe_router_topk_scaling_factor=2.5"),
+    ({"moe_router_enable_expert_bias": True}, "moe_router_enable_expert_bias=True"),
+    ({"moe_expert_capacity_factor": 1.0}, "moe_expert_capacity_factor=1.0"),
+    ({"moe_router_pre_softmax": True}, "moe_router_pre_softmax=True with qk_layernorm=False"),
+    ({"normalization": "LayerNorm"}, "normalization='LayerNorm'"),
+    ({"add_bias_linear": True}, "add_bias_linear=True"),
+])
+def test_moe_settings_no_transformers_class_computes_are_refused(changes, named):
+    from gtp.hf_export import ExportError, architecture
+
+    with pytest.raises(ExportError, match=re.escape(named)):
+        architecture({**MOE, **changes})
+
+
+def test_dense_qk_layernorm_is_refused():
+    from gtp.hf_export import ExportError, architecture
+
+    dense = {k: v for k, v in MODEL.items()}
+    assert architecture(dense) == "llama"
+    with pytest.raises(ExportError, match="qk_layernorm=True"):
+        architecture({**dense, "qk_layernorm": True})
+
+
+@pytest.mark.parametrize("changes", [{}, {"qk_layernorm": True},
+                                     {"qk_layernorm": True, "moe_router_pre_softmax": True}])
+def test_exported_router_weights_equal_megatrons(changes):
+    """megatron-core 0.19.2's top-k routing (``moe_utils.topk_routing_with_score_function``, as
+    ``TopKRouter.routing`` calls it) and the exported config's transformers router pick the same
+    experts with the same weights (each token's weights over its top-k)."""
+    import transformers
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    from gtp.hf_export import architecture
+    from gtp.hf_export_moe import CLASSES, build
+
+    m = {**MOE, **changes}
+    arch = architecture(m)
+    config, _ = build(arch, _moe_tensors(m), m, 257, {})
+    router = getattr(transformers, CLASSES[arch])(config).model.layers[0].mlp.gate
+    logits = torch.randn(500, 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(4, 72))  # router logits = the first 4 hidden values
+        _, weights, index = router(torch.nn.functional.pad(logits, (0, 68)))
+    hf = torch.zeros_like(logits).scatter(1, index, weights)
+    megatron, routed = topk_routing_with_score_function(
+        logits, 2, use_pre_softmax=bool(m.get("moe_router_pre_softmax", False)))
+    assert torch.equal(routed, hf > 0)
+    torch.testing.assert_close(hf, megatron, rtol=0, atol=1e-6)
+    renormalised = not m.get("moe_router_pre_softmax", False)
+    assert torch.allclose(hf.sum(1), torch.ones(500)) == renormalised
+
+
+def test_expert_widths_are_not_taken_for_ffn_hidden_size():
+    """The checkpoint reader the export goes through infers ffn_hidden_size from a dense fc2
+    only: moe_tiny's experts are 100 wide, its recorded ffn_hidden_size is 200."""
+    from gtp.legacy.specs import infer_dims
+
+    shapes = {k: tuple(v.shape) for k, v in _moe_tensors(MOE).items()}
+    assert infer_dims(shapes) == {"hidden_size": 72}
+    shapes["decoder.layers.mlp.linear_fc2.weight"] = (2, 72, 200)
+    assert infer_dims(shapes)["ffn_hidden_size"] == 200

@@ -1,8 +1,10 @@
-"""MoE-era layout records and checkpoints written before them; no processes are started."""
+"""MoE-era layout records and checkpoints written before them (no processes); MoE resumes
+across expert layouts through train.py, and the Hugging Face export of their checkpoints."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from compose import make_cfg
 
 from gtp.records import LAYOUT_KEY, saved_layout, stored_layout
@@ -104,3 +106,102 @@ def test_expert_weights_and_moments_are_stored_in_the_logical_layout(moe_runs):
         for prefix in ("", "optimizer.state.exp_avg.", "optimizer.state.exp_avg_sq."):
             key = f"{prefix}decoder.layers.mlp.experts.experts.{name}"
             assert sizes.get(key) == shape, (key, sizes.get(key), sorted(sizes)[:40])
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face export (gtp/hf_export_moe.py). A's iteration-9 checkpoint (ep2 x egtp2/a16, 4
+# processes, through train.py) -> MixtralForCausalLM; a moe_tiny with qk_layernorm saved at tp1
+# -> Qwen3MoeForCausalLM. megatron's logits come from one process at tp1/ep1 without GTP that
+# loads the checkpoint (recipes.checkpoint.load_model_weights), not from the exported files.
+# --------------------------------------------------------------------------------------------
+VOCAB = 257  # the byte tokenizer; moe_tiny pads it to 320 rows
+EXPORT_ATOL = 1e-4  # fp32; the issue's bound
+TOKENS_SEED = 11
+
+
+def _ep1_cfg(*overrides: str) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(make_cfg("model=moe_tiny", "parallelism=tp1",
+                                      "parallelism.nproc_per_node=1", *overrides))
+
+
+def _megatron_logits(jobs: list, tokens):
+    """One process, each job in turn: ``("load", cfg, ckpt)`` loads ``ckpt``'s weights into the
+    tp1/ep1 model of ``cfg``; ``("save", cfg, root)`` gives every norm weight a value away from 1
+    (a misplaced or swapped norm then shows) and saves the model at iteration 1. Returns the
+    logits of ``tokens`` (eval mode) after each job."""
+    from multiproc import reset_model_parallel
+    from omegaconf import OmegaConf
+
+    from recipes import checkpoint, worker
+    from recipes.checkpoint.load import load_model_weights
+
+    out = []
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    for kind, cfg_yaml, path in jobs:
+        reset_model_parallel()
+        cfg = OmegaConf.create(cfg_yaml)
+        layout = validate(cfg, 1)
+        _, model, optimizer, scheduler = worker.setup(cfg, layout)
+        if kind == "load":
+            load_model_weights(path, model)
+        else:
+            gen = torch.Generator().manual_seed(5)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "norm" in name:
+                        p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+            common = {"consumed_samples": 0, "config": OmegaConf.to_container(cfg)}
+            checkpoint.save_checkpoint(path, 1, model, optimizer, scheduler, common,
+                                       checkpoint.layout_record(layout))
+        model.eval()
+        with torch.no_grad():
+            out.append(model(tokens, positions, None))
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(moe_runs, tmp_path_factory):
+    """``{name: (hf dir, megatron logits)}`` for ``mixtral`` (A's iteration 9) and ``qwen3_moe``."""
+    from multiproc import run_distributed
+
+    from gtp import cli
+
+    root = tmp_path_factory.mktemp("moe_export")
+    tokens = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(TOKENS_SEED))
+    a_ckpt = moe_runs[0] / "checkpoints" / "iter_0000009"
+    jobs = [("load", _ep1_cfg(), str(a_ckpt)),
+            ("save", _ep1_cfg("model.qk_layernorm=true"), str(root / "qwen"))]
+    mixtral, qwen = run_distributed(_megatron_logits, 1, jobs, tokens, timeout=600)[0]
+    out = {}
+    for name, src, logits in (("mixtral", a_ckpt, mixtral), ("qwen3_moe", root / "qwen", qwen)):
+        assert cli.main(["export", str(src), str(root / f"hf_{name}")]) == 0
+        out[name] = (root / f"hf_{name}", logits)
+    return tokens, out
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name,cls", [("mixtral", "MixtralForCausalLM"),
+                                      ("qwen3_moe", "Qwen3MoeForCausalLM")])
+def test_moe_export_logits_equal_megatron(exported, name, cls):
+    """The exported model, loaded by transformers (fp32, CPU), gives megatron's logits on the
+    same tokens (padded vocabulary rows dropped), and routes like megatron (renormalised top-2)."""
+    import json
+
+    import transformers
+
+    tokens, out = exported
+    hf_dir, megatron = out[name]
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert config["architectures"] == [cls] and config["num_experts_per_tok"] == 2
+    assert config.get("num_local_experts", config.get("num_experts")) == 4
+    if name == "qwen3_moe":
+        assert config["norm_topk_prob"] is True and config["moe_intermediate_size"] == 100
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    assert type(model).__name__ == cls
+    with torch.no_grad():
+        hf = model(tokens).logits
+    assert megatron.shape == (2, 64, 320) and hf.shape == (2, 64, VOCAB)
+    diff = (hf - megatron[..., :VOCAB]).abs().max().item()
+    assert diff <= EXPORT_ATOL, (name, diff)

@@ -1,4 +1,5 @@
-"""End to end: ``train.py model=moe_tiny`` (4 SwiGLU experts, top-2, alltoall dispatcher, aux
+"""End to end (each job run as train.py's workers run it, tests/helpers/inworld.py):
+``model=moe_tiny`` (4 SwiGLU experts, top-2, alltoall dispatcher, aux
 loss 0.01) on 2 CPU processes at five layouts, 2 iterations each:
 
 * ``ep1``: tp1 x dp2, every rank holds all 4 experts;
@@ -48,14 +49,10 @@ DESCRIBED = {
 
 
 @pytest.fixture(scope="module")
-def runs(train_run, tmp_path_factory):
-    out = {}
-    for name, overrides in LAYOUTS.items():
-        job = tmp_path_factory.mktemp(f"moe_{name.replace('+', '_')}")
-        proc = train_run(job, *MOE, *overrides)
-        rows, _ = read_metrics(job)
-        out[name] = (rows, proc.stdout)
-    return out
+def runs(train_jobs, tmp_path_factory):
+    dirs = {name: tmp_path_factory.mktemp(f"moe_{name.replace('+', '_')}") for name in LAYOUTS}
+    done = train_jobs([(dirs[name], [*MOE, *overrides]) for name, overrides in LAYOUTS.items()])
+    return {name: (read_metrics(dirs[name])[0], job.stdout) for name, job in zip(LAYOUTS, done)}
 
 
 def test_each_layout_ran_as_asked(runs):

@@ -1,5 +1,5 @@
-"""End to end through train.py: ``optim=muon`` with ``optim.use_distributed_optimizer=true``
-(megatron's ``LayerWiseDistributedOptimizer``: whole 2-D weights assigned to data-parallel ranks
+"""End to end (jobs run as train.py's workers run them, tests/helpers/inworld.py):
+``optim=muon`` with ``optim.use_distributed_optimizer=true`` (megatron's ``LayerWiseDistributedOptimizer``: whole 2-D weights assigned to data-parallel ranks
 for Muon, a ``DistributedOptimizer`` for the Adam rest; bf16, as megatron-core 0.19.2 wraps the
 layer-wise optimizers only then).
 
@@ -29,17 +29,17 @@ DISTOPT = "optim.use_distributed_optimizer=true"
 
 
 @pytest.fixture(scope="module")
-def runs(train_run, tmp_path_factory):
+def runs(train_jobs, tmp_path_factory):
     root = tmp_path_factory.mktemp("muon_distopt")
     out = {name: root / name for name in ("plain", "distopt", "dp4_undistributed",
                                           "undistributed")}
-    train_run(out["plain"], *COMMON, "train.train_iters=3", "checkpoint.save_interval=3")
-    train_run(out["distopt"], *COMMON, DISTOPT, "train.train_iters=6",
-              "checkpoint.save_interval=3")
     load = [f"checkpoint.load={out['distopt']}/checkpoints", "checkpoint.load_iteration=3",
             "train.train_iters=6", "checkpoint.save=null"]
-    train_run(out["dp4_undistributed"], *COMMON, "parallelism.nproc_per_node=4", *load)
-    train_run(out["undistributed"], *COMMON, *load)
+    train_jobs([(out["plain"], [*COMMON, "train.train_iters=3", "checkpoint.save_interval=3"]),
+                (out["distopt"], [*COMMON, DISTOPT, "train.train_iters=6",
+                                  "checkpoint.save_interval=3"]),
+                (out["undistributed"], [*COMMON, *load]),
+                (out["dp4_undistributed"], [*COMMON, "parallelism.nproc_per_node=4", *load])])
     return out
 
 

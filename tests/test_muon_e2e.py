@@ -45,18 +45,17 @@ MUON_WEIGHTS = {"embedding.position_embeddings.weight",
 
 
 @pytest.fixture(scope="module")
-def runs(train_run, tmp_path_factory):
+def runs(train_run, train_jobs, tmp_path_factory):
     root = tmp_path_factory.mktemp("muon")
-    out = {"tp1": root / "tp1"}
-    train_run(out["tp1"], *COMMON, "parallelism=dp2", "train.train_iters=6",
-              "checkpoint.save=null")
-    for name, (overrides, _) in LAYOUTS.items():
-        out[name] = root / name
-        train_run(out[name], *COMMON, *overrides)
+    out = {name: root / name for name in ("tp1", *LAYOUTS, "resumed")}
     load = [f"checkpoint.load={out['tp2_g2a16']}/checkpoints", "checkpoint.load_iteration=3"]
-    out["resumed"] = root / "resumed"
-    train_run(out["resumed"], *COMMON, "parallelism=dp2", "train.train_iters=6",
-              "checkpoint.save=null", *load)
+    # One 4-process world, then one 2-process world (the resume loads the 4-process save).
+    train_jobs([*[(out[name], [*COMMON, *LAYOUTS[name][0]]) for name in ("tp2_g2a32", "tp2_g2a16")],
+                (out["tp1"], [*COMMON, "parallelism=dp2", "train.train_iters=6",
+                              "checkpoint.save=null"]),
+                *[(out[name], [*COMMON, *LAYOUTS[name][0]]) for name in ("tp2", "g2a16")],
+                (out["resumed"], [*COMMON, "parallelism=dp2", "train.train_iters=6",
+                                  "checkpoint.save=null", *load])])
     refused = train_run(root / "into_adam", "optim=adam", "optim.lr_decay_iters=6",
                         "train.train_iters=6", *load, rc=2).stdout
     return out, refused

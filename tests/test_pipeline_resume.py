@@ -1,5 +1,5 @@
-"""End to end through train.py: pipeline parallelism and the distributed optimizer resume at
-other layouts.
+"""End to end, each job run as train.py's workers run it (tests/helpers/inworld.py): pipeline
+parallelism and the distributed optimizer resume at other layouts.
 
 A chain of runs of the tiny SwiGLU GPT. Run i resumes from run i-1's checkpoint of iteration i,
 trains to iteration i + 4 and saves every iteration, so each link compares the three
@@ -51,29 +51,32 @@ FIRST_ITERATION = {"tied_tp1_it1": ["parallelism=tp1"],
 
 
 @pytest.fixture(scope="module")
-def chain(train_run, tmp_path_factory):
+def chain(train_jobs, tmp_path_factory):
     root = tmp_path_factory.mktemp("pp_resume")
-    dirs = {}
-    prev = None
+    dirs = {name: root / name for name, _ in CHAIN}
+    jobs, prev = [], None
     for i, (name, overrides) in enumerate(CHAIN):
-        d = root / name
         load = [] if prev is None else [f"checkpoint.load={prev}/checkpoints",
                                         f"checkpoint.load_iteration={i}"]
-        train_run(d, *COMMON, *SWIGLU, *overrides, f"train.train_iters={i + 4}", *load)
-        dirs[name], prev = d, d
-    dirs["tied_pp2"] = root / "tied_pp2"
-    train_run(dirs["tied_pp2"], *COMMON, *TIED, "parallelism=pp2", "train.train_iters=4")
-    dirs["tied_tp1"] = root / "tied_tp1"
-    train_run(dirs["tied_tp1"], *COMMON, *TIED, "parallelism=tp1", "train.train_iters=4",
-              f"checkpoint.load={dirs['tied_pp2']}/checkpoints", "checkpoint.load_iteration=1")
-    dirs["tied_pp2vpp2"] = root / "tied_pp2vpp2"
-    train_run(dirs["tied_pp2vpp2"], *COMMON, *TIED, *VPP2, "train.train_iters=4")
-    dirs["tied_vpp_tp1"] = root / "tied_vpp_tp1"
-    train_run(dirs["tied_vpp_tp1"], *COMMON, *TIED, "parallelism=tp1", "train.train_iters=4",
-              f"checkpoint.load={dirs['tied_pp2vpp2']}/checkpoints", "checkpoint.load_iteration=1")
-    for name, overrides in FIRST_ITERATION.items():
-        dirs[name] = root / name
-        train_run(dirs[name], *COMMON, *TIED, *overrides, "train.train_iters=1")
+        jobs.append((dirs[name], [*COMMON, *SWIGLU, *overrides, f"train.train_iters={i + 4}",
+                                  *load]))
+        prev = dirs[name]
+    dirs.update({name: root / name for name in ("tied_pp2", "tied_pp2vpp2", "tied_tp1",
+                                                "tied_vpp_tp1", *FIRST_ITERATION)})
+    # Grouped by world size (one world per group): 2 processes, then 1.
+    jobs += [(dirs["tied_pp2"], [*COMMON, *TIED, "parallelism=pp2", "train.train_iters=4"]),
+             (dirs["tied_pp2vpp2"], [*COMMON, *TIED, *VPP2, "train.train_iters=4"]),
+             (dirs["tied_dp2_distopt_it1"], [*COMMON, *TIED, *FIRST_ITERATION["tied_dp2_distopt_it1"],
+                                             "train.train_iters=1"]),
+             (dirs["tied_tp1"], [*COMMON, *TIED, "parallelism=tp1", "train.train_iters=4",
+                                 f"checkpoint.load={dirs['tied_pp2']}/checkpoints",
+                                 "checkpoint.load_iteration=1"]),
+             (dirs["tied_vpp_tp1"], [*COMMON, *TIED, "parallelism=tp1", "train.train_iters=4",
+                                     f"checkpoint.load={dirs['tied_pp2vpp2']}/checkpoints",
+                                     "checkpoint.load_iteration=1"]),
+             (dirs["tied_tp1_it1"], [*COMMON, *TIED, *FIRST_ITERATION["tied_tp1_it1"],
+                                     "train.train_iters=1"])]
+    train_jobs(jobs)
     return dirs
 
 

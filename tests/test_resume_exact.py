@@ -1,6 +1,7 @@
-"""End to end through train.py: a resume stays on the uninterrupted trajectory at every
-iteration after it, not only the first (issue: the shared Adam ``step`` after a
-distributed-optimizer load drifted from the second resumed iteration on).
+"""End to end (each job run as train.py's workers run it, tests/helpers/inworld.py): a resume
+stays on the uninterrupted trajectory at every iteration after it, not only the first (issue:
+the shared Adam ``step`` after a distributed-optimizer load drifted from the second resumed
+iteration on).
 
 Four uninterrupted runs of the tiny GPT train 6 iterations and save at 3 (lr_decay_iters pinned
 so every run has the same schedule):
@@ -75,26 +76,28 @@ def _load(runs, src):
 
 
 @pytest.fixture(scope="module")
-def runs(train_run, tmp_path_factory):
+def runs(train_jobs, tmp_path_factory):
     root = tmp_path_factory.mktemp("resume_exact")
-    out, stdout = {}, {}
-    for name, overrides in REFS.items():
-        out[name] = root / name
+    out = {}
+    jobs = []
+    # The 4-process reference first (one world), then every 2-process job (another).
+    for name in sorted(REFS, key=lambda n: "nproc_per_node=4" not in " ".join(REFS[n])):
+        overrides = REFS[name]
+        out[name], out[f"{name}_again"] = root / name, root / f"{name}_again"
         base = GOLDEN_OVERRIDES if name == "plain" else [
             *COMMON, "train.train_iters=6", "checkpoint.save_interval=3"]
-        train_run(out[name], *base, *overrides)
-        out[f"{name}_again"] = root / f"{name}_again"
-        train_run(out[f"{name}_again"], *COMMON, *overrides, "train.train_iters=6",
-                  "checkpoint.save_interval=3", *_load(out, name))
+        jobs.append((out[name], [*base, *overrides]))
+        jobs.append((out[f"{name}_again"], [*COMMON, *overrides, "train.train_iters=6",
+                                            "checkpoint.save_interval=3", *_load(out, name)]))
     for name, (src, overrides) in CROSS.items():
         out[name] = root / name
-        stdout[name] = train_run(out[name], *COMMON, "train.train_iters=6",
-                                 "checkpoint.save_interval=100", *overrides,
-                                 *_load(out, src)).stdout
+        jobs.append((out[name], [*COMMON, "train.train_iters=6", "checkpoint.save_interval=100",
+                                 *overrides, *_load(out, src)]))
     for name, (src, overrides) in PRECISION.items():
         out[name] = root / name
-        stdout[name] = train_run(out[name], *COMMON, *overrides, *FROZEN,
-                                 *_load(out, src)).stdout
+        jobs.append((out[name], [*COMMON, *overrides, *FROZEN, *_load(out, src)]))
+    done = dict(zip([str(d) for d, _ in jobs], train_jobs(jobs)))
+    stdout = {name: done[str(out[name])].stdout for name in (*CROSS, *PRECISION)}
     return out, stdout
 
 

@@ -277,6 +277,8 @@ def infer_dims(shapes: Mapping[str, tuple]) -> dict:
     out: dict = {}
     model = {k: v for k, v in shapes.items() if not split_key(k)[0]}
     for key, shape in model.items():
+        if ".experts." in key or ".shared_experts." in key:
+            continue  # MoE experts: their widths are moe_(shared_expert_)ffn sizes, not ffn_hidden_size
         kind = gtp_kind(key)
         if kind == "qkv" and len(shape) >= 2:
             out.setdefault("hidden_size", shape[-1])

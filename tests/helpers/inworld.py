@@ -1,0 +1,113 @@
+"""Train several jobs, one after another, in one multi-process gloo world.
+
+A ``train.py`` job on CPU spends most of its time starting processes (the launcher, then every
+worker importing torch and megatron-core) rather than training a tiny model for a few
+iterations. Tests that need many short jobs of the same world size run them here instead: each
+rank of one :func:`multiproc.run_distributed` world runs every job through
+``recipes.launch.run`` as a torchrun/Slurm rank does (``RANK``/``WORLD_SIZE`` set: the same
+validation, resume plan, resolved config and ``recipes.worker.run`` as ``train.py`` under
+torchrun), then drops the job's process groups and megatron's globals before the next one.
+
+    from inworld import train_jobs
+
+    results = train_jobs(cache, [(dir_a, ["parallelism=dp2"]), (dir_b, [...])])
+    results[0].stdout      # rank 0's console of job 0 ("> layout ...", resume table, ...)
+
+Consecutive jobs of the same world size (``parallelism.nproc_per_node``, as ``train.py`` would
+start) share a world; the jobs run in the order given, so a job may load an earlier one's save.
+
+Every job must succeed (a failure raises, naming the job and its console): refusals before
+launch are tested through ``train.py`` itself, where the exit code is part of the behaviour.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from multiproc import reset_model_parallel, run_distributed
+
+REPO = Path(__file__).resolve().parents[2]
+# As tests/conftest.py's train_run: the tiny model, few iterations, one warmup step.
+FAST = ("train.train_iters=4", "optim.lr_warmup_iters=1", "logger=none")
+
+
+@dataclass
+class Job:
+    """One finished job: rank 0's console (stdout and stderr) while it ran."""
+
+    out_dir: Path
+    stdout: str
+
+
+def compose_job(out_dir, cache_dir, overrides) -> object:
+    """The config ``python train.py hydra.run.dir=OUT_DIR ...FAST overrides`` would run, with
+    Hydra's run-time interpolations (output dir, save dir) filled in as Hydra fills them."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from recipes.config import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        given = {o.split("=", 1)[0] for o in overrides}
+        filled = [f"{key}={value}" for key, value in (
+            ("output_dir", out_dir), ("checkpoint.save", f"{out_dir}/checkpoints"),
+            ("data.cache_dir", cache_dir)) if key not in given]
+        cfg = compose("config", overrides=[*filled, *FAST, *overrides])
+    return cfg
+
+
+def world_size_of(cfg) -> int:
+    """The processes ``train.py`` starts for ``cfg`` (``parallelism.nproc_per_node``)."""
+    return int(cfg.parallelism.nproc_per_node)
+
+
+def _jobs(cache_dir, jobs):
+    import torch.distributed as dist
+
+    from recipes import launch
+
+    rank = dist.get_rank()
+    consoles = []
+    for out_dir, overrides in jobs:
+        cfg = compose_job(out_dir, cache_dir, overrides)
+        assert world_size_of(cfg) == dist.get_world_size(), (out_dir, world_size_of(cfg))
+        buf = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+                launch.run(cfg)
+        except BaseException:  # noqa: BLE001 - name the job, keep its console
+            raise RuntimeError(f"job {out_dir} ({' '.join(overrides)}) failed on rank {rank}:\n"
+                               f"{buf.getvalue()[-4000:]}\n{traceback.format_exc()}") from None
+        finally:
+            os.environ.pop("GTP_RECIPES_CONTINUE", None)
+            reset_model_parallel()
+        dist.barrier()  # every rank done with this job's files before the next job starts
+        consoles.append(buf.getvalue() if rank == 0 else "")
+    return consoles
+
+
+def train_jobs(cache_dir, jobs, timeout: float = 900) -> list[Job]:
+    """Run ``jobs`` (``[(out_dir, [override, ...]), ...]``, in order), consecutive jobs of one
+    world size in one world; return a :class:`Job` per job.
+
+    Raises:
+        multiproc.DistributedTestError: a job failed (its rank-0 console and traceback named).
+    """
+    jobs = [(str(out), list(overrides)) for out, overrides in jobs]
+    groups: list[tuple[int, list]] = []
+    for out, overrides in jobs:
+        size = world_size_of(compose_job(out, cache_dir, overrides))
+        if not groups or groups[-1][0] != size:
+            groups.append((size, []))
+        groups[-1][1].append((out, overrides))
+    consoles = []
+    for size, group in groups:
+        consoles += run_distributed(_jobs, size, str(cache_dir), group, timeout=timeout)[0]
+    return [Job(Path(out), text) for (out, _), text in zip(jobs, consoles)]
