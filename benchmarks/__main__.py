@@ -27,6 +27,7 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("verify", "benchmarks.checkpoint_verify"),
     ("parallel_layouts", "benchmarks.parallel_layouts"),
     ("moe_dispatch", "benchmarks.moe_dispatch"),
+    ("moe_checkpoint", "benchmarks.moe_checkpoint_io"),
     ("hf_import_memory", "benchmarks.hf_import_memory"),
 ]
 

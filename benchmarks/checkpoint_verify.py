@@ -8,7 +8,7 @@
 One launch of worker processes (``benchmarks.train_speed.launch``) builds the model, DDP, Adam
 and scheduler (``recipes.worker.setup``), runs one training step and saves once; then, in each
 repeat, in turn (A B C D, D C B A, ...), each timed barrier to barrier on every rank
-(``benchmarks.checkpoint_io._measure``; a repeat counts its slowest rank):
+(``benchmarks.measure.measure``; a repeat counts its slowest rank):
 
 * **load, verified**: ``recipes.checkpoint.load_checkpoint(..., verify=True)`` (the default:
   each rank reads its share of the data files whole and checks every CRC-32 first);
@@ -46,7 +46,7 @@ def _worker(cfg_path: str, out_path: str) -> None:
     from megatron.core import parallel_state
     from omegaconf import OmegaConf
 
-    from benchmarks.checkpoint_io import _in_turn, _measure
+    from benchmarks.measure import in_turn, measure
     from gtp import dcp_reader, verify
     from recipes import checkpoint
     from recipes.data import build_train_iterator
@@ -67,7 +67,7 @@ def _worker(cfg_path: str, out_path: str) -> None:
     record = checkpoint.layout_record(layout)
     root = Path(cfg.bench.files)
     common = {"consumed_samples": cfg.data.global_batch_size, "wandb_run_id": None}
-    save = _measure(lambda: checkpoint.save_checkpoint(root, 1, model, optimizer, scheduler,
+    save = measure(lambda: checkpoint.save_checkpoint(root, 1, model, optimizer, scheduler,
                                                        common, record))
     path = checkpoint.iter_dir(root, 1)
 
@@ -93,8 +93,8 @@ def _worker(cfg_path: str, out_path: str) -> None:
         fns[name]()
     times: dict[str, list] = {name: [] for name in CASES}
     for rep in range(int(cfg.bench.repeats)):
-        for name in _in_turn(CASES, rep):
-            times[name].append(_measure(fns[name]))
+        for name in in_turn(CASES, rep):
+            times[name].append(measure(fns[name]))
     gathered: list = [None] * world
     torch.distributed.all_gather_object(gathered, {"save": save, "times": times})
     if rank == 0:
@@ -146,7 +146,7 @@ def format_table(s: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from benchmarks.checkpoint_io import compose_config
+    from benchmarks.checkpoint_io_setup import compose_config
     from benchmarks.train_speed import launch
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.checkpoint_verify",

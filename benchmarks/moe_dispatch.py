@@ -18,15 +18,11 @@ is no threshold. Output: the table on stdout and ``<out>/results.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import time
 from pathlib import Path
 
-from benchmarks import tables, train_speed
+from benchmarks import runs, tables, train_speed
 
-REPO = train_speed.REPO
 WORLD = 4
 EP_SIZES = (1, 2, 4)
 DISPATCHERS = ("allgather", "alltoall")
@@ -73,19 +69,11 @@ def format_table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.moe_dispatch",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer timed steps (2 repeats)")
-    parser.add_argument("--repeats", type=int, default=None, help="launches per case (default 2)")
-    parser.add_argument("--out", default=None, help="output dir (default outputs/benchmarks/...)")
+    runs.add_run_args(parser, "fewer timed steps (2 repeats)")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or 2
     steps = STEPS["quick" if args.quick else "full"]
-    out = Path(args.out or REPO / "outputs" / "benchmarks" / time.strftime("%Y-%m-%d_%H-%M-%S")
-               / "moe_dispatch").resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    os.environ["BENCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // WORLD))
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    out = runs.prepare_out(args.out, "moe_dispatch", max(1, (os.cpu_count() or 1) // WORLD))
     names = [case_name(*c) for c in CASES]
     print(f"> moe_dispatch: moe_tiny, cases {names}, world {WORLD}, {args.repeats} interleaved "
           f"repeats; writing {out}", flush=True)
@@ -94,11 +82,8 @@ def main(argv=None) -> int:
         for ep, d in CASES:
             run_dir = out / "runs" / f"ep{ep}_{d}_r{rep}"
             cfg = compose_config(ep, d, run_dir, out / "cache", steps)
-            result = train_speed.launch(cfg, run_dir, WORLD)
-            raw.setdefault((ep, d), []).append(result)
-            what = result.get("error") or (
-                f"median step {1000 * statistics.median(result['ranks'][0]['step_times']):.1f} ms")
-            print(f"  {case_name(ep, d)} run {rep + 1}/{args.repeats}: {what}", flush=True)
+            raw.setdefault((ep, d), []).append(train_speed.launch_case(
+                cfg, run_dir, WORLD, f"{case_name(ep, d)} run {rep + 1}/{args.repeats}"))
     rows = []
     for ep, d in CASES:
         row = train_speed.summarize("moe_tiny", 0, raw[(ep, d)])
@@ -106,9 +91,7 @@ def main(argv=None) -> int:
         rows.append({**row, "case": case_name(ep, d), "ep": ep, "dispatcher": d})
     table = format_table(rows)
     print(table, flush=True)
-    (out / "results.json").write_text(json.dumps({
-        "benchmark": "moe_dispatch", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "rows": rows, "table": table}, indent=1))
+    runs.write_rows(out, "moe_dispatch", rows, table)
     return 1 if any("error" in r for r in rows) else 0
 
 

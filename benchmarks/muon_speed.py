@@ -21,10 +21,8 @@ import json
 import os
 import statistics
 import time
-from pathlib import Path
-
-from benchmarks import tables
-from benchmarks.train_speed import (CASES, DEFAULT_PAD, REPO, compose_config, launch,
+from benchmarks import runs, tables
+from benchmarks.train_speed import (CASES, DEFAULT_PAD, compose_config, launch,
                                      median_step, prepare_run)
 
 OPTIMIZERS = ("adam", "muon")
@@ -34,11 +32,11 @@ def summarize(results: dict) -> list[dict]:
     """Rows ``{model, g, optimizer, median_step_s, vs_adam}`` from ``{(model, g, optimizer):
     [launch results]}``."""
     rows = []
-    for (model, g, name), runs in results.items():
-        ok = [r for r in runs if "error" not in r]
+    for (model, g, name), launches in results.items():
+        ok = [r for r in launches if "error" not in r]
         row = {"model": model, "g": g, "optimizer": name}
         if not ok:
-            row["error"] = runs[0]["error"] if runs else "no run"
+            row["error"] = launches[0]["error"] if launches else "no run"
         else:
             row.update(layout=ok[0]["layout"], runs=len(ok),
                        median_step_s=statistics.median(median_step(r) for r in ok),
@@ -72,13 +70,11 @@ def main(argv=None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--g", nargs="+", type=int, default=[1, 2], help="GTP degrees")
-    parser.add_argument("--quick", action="store_true", help="tiny model only (2 repeats)")
+    runs.add_run_args(parser, "tiny model only (2 repeats)")
     parser.add_argument("--world", type=int, default=None, help="processes (default: max g)")
     parser.add_argument("--pad", type=int, default=DEFAULT_PAD, help="pad_for_alignment at g>1")
-    parser.add_argument("--repeats", type=int, default=None, help="launches per case (default 2)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per rank (default: CPU cores / world, at least 1)")
-    parser.add_argument("--out", default=None, help="output dir (default outputs/benchmarks/...)")
     args = parser.parse_args(argv)
     if args.quick and args.models == list(CASES):
         args.models = ["tiny"]

@@ -20,15 +20,11 @@ threshold. Output: the table on stdout and ``<out>/results.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import time
 from pathlib import Path
 
-from benchmarks import tables, train_speed
+from benchmarks import runs, tables, train_speed
 
-REPO = train_speed.REPO
 WORLD = 2
 LAYOUTS: dict[str, list[str]] = {
     "pp1": ["parallelism=dp2"],
@@ -76,20 +72,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.parallel_layouts",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--quick", action="store_true", help="tiny model only (2 repeats)")
-    parser.add_argument("--repeats", type=int, default=None, help="launches per case (default 2)")
-    parser.add_argument("--out", default=None, help="output dir (default outputs/benchmarks/...)")
+    runs.add_run_args(parser, "tiny model only (2 repeats)")
     args = parser.parse_args(argv)
     if args.quick and args.models == list(MODELS):
         args.models = ["tiny"]
     args.repeats = args.repeats or 2
-    out = Path(args.out or REPO / "outputs" / "benchmarks" / time.strftime("%Y-%m-%d_%H-%M-%S")
-               / "parallel_layouts").resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    os.environ["BENCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // WORLD))
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    out = runs.prepare_out(args.out, "parallel_layouts", max(1, (os.cpu_count() or 1) // WORLD))
     print(f"> parallel_layouts: models {args.models}, cases {list(LAYOUTS)}, world {WORLD}, "
           f"{args.repeats} interleaved repeats; writing {out}", flush=True)
     raw: dict[tuple[str, str], list[dict]] = {}
@@ -98,11 +86,8 @@ def main(argv=None) -> int:
             for case in LAYOUTS:
                 run_dir = out / "runs" / f"{model}_{case.replace(' ', '_')}_r{rep}"
                 cfg = compose_config(model, case, run_dir, out / "cache")
-                result = train_speed.launch(cfg, run_dir, WORLD)
-                raw.setdefault((model, case), []).append(result)
-                what = result.get("error") or (
-                    f"median step {1000 * statistics.median(result['ranks'][0]['step_times']):.1f} ms")
-                print(f"  {model} {case} run {rep + 1}/{args.repeats}: {what}", flush=True)
+                raw.setdefault((model, case), []).append(train_speed.launch_case(
+                    cfg, run_dir, WORLD, f"{model} {case} run {rep + 1}/{args.repeats}"))
     rows = []
     for model in args.models:
         for case in LAYOUTS:
@@ -111,9 +96,7 @@ def main(argv=None) -> int:
             rows.append({**row, "case": case})
     table = format_table(rows)
     print(table, flush=True)
-    (out / "results.json").write_text(json.dumps({
-        "benchmark": "parallel_layouts", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "rows": rows, "table": table}, indent=1))
+    runs.write_rows(out, "parallel_layouts", rows, table)
     return 0
 
 

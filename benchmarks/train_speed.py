@@ -46,10 +46,10 @@ import time
 import uuid
 from pathlib import Path
 
-from benchmarks import tables
+from benchmarks import runs, tables
 from benchmarks.memory import MALLOC_ENV
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = runs.REPO
 
 # model case -> (config overrides, timed iterations, warmup iterations); {world} is filled in.
 CASES: dict[str, tuple[list[str], int, int]] = {
@@ -191,15 +191,8 @@ def prepare_run(parser, args, name: str) -> tuple[int, Path, int]:
     bad = [g for g in args.g if g < 1 or world % g]
     if bad:
         parser.error(f"--g {bad}: every GTP degree must divide the world size {world}")
-    out = Path(args.out or REPO / "outputs" / "benchmarks" / time.strftime("%Y-%m-%d_%H-%M-%S")
-               / name).resolve()
-    out.mkdir(parents=True, exist_ok=True)
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)
-    os.environ["BENCH_THREADS"] = str(threads)
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-    os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    return world, out, threads
+    return world, runs.prepare_out(args.out, name, threads), threads
 
 
 def compose_config(model: str, g: int, world: int, pad: int, run_dir: Path, cache: Path,
@@ -259,6 +252,15 @@ def launch(cfg, run_dir: Path, world: int, module: str = "benchmarks.train_speed
 
 def median_step(result: dict) -> float:
     return statistics.median(result["ranks"][0]["step_times"])
+
+
+def launch_case(cfg, run_dir: Path, world: int, label: str) -> dict:
+    """:func:`launch` one case of this worker and print ``  <label>: <median step or error>``;
+    return its result."""
+    result = launch(cfg, run_dir, world)
+    what = result.get("error") or f"median step {1000 * median_step(result):.1f} ms"
+    print(f"  {label}: {what}", flush=True)
+    return result
 
 
 # How a g > 1 case runs its GTP collectives: megatron's overlap on (the default), off, or on
@@ -387,11 +389,10 @@ def main(argv=None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--g", nargs="+", type=int, default=[1, 2, 4], help="GTP degrees")
-    parser.add_argument("--quick", action="store_true", help="tiny model only (2 repeats)")
+    runs.add_run_args(parser, "tiny model only (2 repeats)",
+                      repeats_help="launches per case (interleaved; default 2)")
     parser.add_argument("--world", type=int, default=None, help="processes (default: max g)")
     parser.add_argument("--pad", type=int, default=DEFAULT_PAD, help="pad_for_alignment at g>1")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="launches per case (interleaved; default 2)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per rank (default: CPU cores / world, at least 1)")
     parser.add_argument("--in-order", action=argparse.BooleanOptionalAction, default=True,
@@ -405,7 +406,6 @@ def main(argv=None) -> int:
                         help="also launch each g once per repeat with freed memory returned to "
                              "the OS (benchmarks.memory.MALLOC_ENV) for the step RSS peak: "
                              "glibc's default heap keeps freed blocks (default on)")
-    parser.add_argument("--out", default=None, help="output dir (default outputs/benchmarks/...)")
     parser.add_argument("--worker", nargs=2, metavar=("CONFIG", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:

@@ -47,6 +47,11 @@ def gtp_layout_record(model, model_sharded_state_dict=None, *, logical: bool) ->
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp = tp_group.size()
     g = parallel_state.get_gtp_weight_remat_world_size()
+    # Routed experts are split over the expert tensor parallel group (megatron's SequentialMLP
+    # keys ``...experts.experts.``), and sharded over the expert GTP group.
+    etp_group = parallel_state.get_expert_tensor_parallel_group(check_initialized=False)
+    etp = etp_group.size() if etp_group is not None else tp
+    eg = max(1, parallel_state.get_expert_gtp_weight_remat_world_size())  # 0: no group
     tensors: dict[str, dict] = {}
     for entry in nested_values(model_sharded_state_dict):
         param = getattr(entry, "live_param", None)
@@ -58,8 +63,9 @@ def gtp_layout_record(model, model_sharded_state_dict=None, *, logical: bool) ->
         if spec is not None:
             layout = spec.layout
         else:  # stock 0.19.2 entry: the layout comes from the param
-            layout = tensor_layout_of(param, int(getattr(param, "partition_dim", 0)), tp,
-                                      tp_group.rank(), gated=id(param) in gated_ids)
+            group = etp_group if ".experts.experts." in entry.key and etp_group else tp_group
+            layout = tensor_layout_of(param, int(getattr(param, "partition_dim", 0)),
+                                      group.size(), group.rank(), gated=id(param) in gated_ids)
         cols = int(param.shape[1]) * (layout.tp if layout.tp_axis == 1 else 1)
         record = {
             "L": layout.L, "pad": layout.pad, "shard_rows": layout.shard_rows,
@@ -83,12 +89,14 @@ def gtp_layout_record(model, model_sharded_state_dict=None, *, logical: bool) ->
                     rec = {**rec, "params": sorted({*merged[key]["params"], *rec["params"]})}
                 merged[key] = rec
         tensors = dict(sorted(merged.items()))
-    has_gtp = bool(tensors) or g > 1
+    has_gtp = bool(tensors) or g > 1 or eg > 1
     return {
         "gtp_format": GTP_FORMAT_STOCK if (has_gtp and not logical) else GTP_FORMAT_LOGICAL,
         "tp": tp,
         "gtp_remat_size": g,
-        "pad_for_alignment": applied_pad_for_alignment() if g > 1 else 0,
+        "expert_tensor_parallel_size": etp,
+        "expert_gtp_remat_size": eg,
+        "pad_for_alignment": applied_pad_for_alignment() if max(g, eg) > 1 else 0,
         "megatron_core": megatron_core_version(),
         "tensors": tensors,
     }

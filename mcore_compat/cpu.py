@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import sys
 import types
 
 import torch
@@ -329,23 +328,17 @@ def install(force: bool = False) -> bool:
         ImportError: a module in :data:`PATCHED_MODULES` is missing (wrong megatron-core version).
     """
     global _INSTALLED
-    if _INSTALLED:
-        return True
-    if torch.cuda.is_available() and not force:
-        return False
-    proxy = _CpuTorch()
-    for name in PATCHED_MODULES:
-        module = importlib.import_module(name)
-        module.torch = proxy
-    _patch_rng_state_functions()
-    _patch_float16_optimizer_init()
-    _patch_tensor_cuda_methods()
-    for name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
-        importlib.import_module(name).clip_grad_by_total_norm_fp32 = (
-            _clip_grad_by_total_norm_fp32_cpu
-        )
-    _INSTALLED = True
-    return True
+    if not _INSTALLED and needs_cpu_patches(force):
+        redirect_torch(PATCHED_MODULES)
+        _patch_rng_state_functions()
+        _patch_float16_optimizer_init()
+        _patch_tensor_cuda_methods()
+        for name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
+            importlib.import_module(name).clip_grad_by_total_norm_fp32 = (
+                _clip_grad_by_total_norm_fp32_cpu
+            )
+        _INSTALLED = True
+    return _INSTALLED
 
 
 def is_installed() -> bool:
@@ -353,7 +346,19 @@ def is_installed() -> bool:
     return _INSTALLED
 
 
-def cpu_torch_proxy() -> types.ModuleType:
-    """A new proxy of the ``torch`` module that maps CUDA devices to CPU (the one :func:`install`
-    puts into :data:`PATCHED_MODULES`), for other modules' patches (``mcore_compat.moe_cpu``)."""
-    return _CpuTorch()
+def needs_cpu_patches(force: bool = False) -> bool:
+    """Whether an ``install(force)`` of CPU patches should patch: CUDA is unavailable, or
+    ``force`` (tests). Each installer also keeps its own flag so that it patches once."""
+    return force or not torch.cuda.is_available()
+
+
+@megatron_patch("the module-global torch of the named megatron modules")
+def redirect_torch(module_names) -> None:
+    """Replace the module-global ``torch`` of each megatron module named in ``module_names``
+    (an iterable of import paths) with a proxy that maps CUDA devices to CPU (:class:`_CpuTorch`).
+
+    Raises:
+        ImportError: a module named is missing (wrong megatron-core version)."""
+    proxy = _CpuTorch()
+    for name in module_names:
+        importlib.import_module(name).torch = proxy

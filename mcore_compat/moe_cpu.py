@@ -35,6 +35,7 @@ import importlib
 
 import torch
 
+from mcore_compat.cpu import needs_cpu_patches, redirect_torch
 from mcore_compat.patches import megatron_patch
 
 # Modules whose module-global ``torch`` becomes mcore_compat.cpu's CPU proxy, with the call.
@@ -129,20 +130,14 @@ def install(force: bool = False) -> bool:
         RuntimeError: megatron-core is not the version these patches were written for.
     """
     global _INSTALLED
-    if _INSTALLED:
-        return True
-    if torch.cuda.is_available() and not force:
-        return False
-    from mcore_compat.cpu import cpu_torch_proxy
-
-    proxy = cpu_torch_proxy()
-    for name in PATCHED_MODULES:
-        importlib.import_module(name).torch = proxy
-    _patch_uneven_gather(importlib.import_module("megatron.core.tensor_parallel.mappings"))
-    _patch_split_sizes(importlib.import_module("megatron.core.transformer.moe.token_dispatcher"))
-    _patch_torch_norm(importlib.import_module("megatron.core.transformer.torch_norm"))
-    _INSTALLED = True
-    return True
+    if not _INSTALLED and needs_cpu_patches(force):
+        redirect_torch(PATCHED_MODULES)
+        _patch_uneven_gather(importlib.import_module("megatron.core.tensor_parallel.mappings"))
+        _patch_split_sizes(
+            importlib.import_module("megatron.core.transformer.moe.token_dispatcher"))
+        _patch_torch_norm(importlib.import_module("megatron.core.transformer.torch_norm"))
+        _INSTALLED = True
+    return _INSTALLED
 
 
 def is_installed() -> bool:

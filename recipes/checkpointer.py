@@ -323,9 +323,11 @@ def _check_optimizer(cfg, layout, saved: dict, saved_layout: dict, root) -> None
 def _check_stock_layout(cfg, layout, saved_layout: dict, root) -> None:
     """megatron-core 0.19.2's stock GTP format reads files at the offsets of the run's own
     padding: it loads only a checkpoint saved at the same tp, gtp_remat_size and alignment."""
-    if cfg.checkpoint.get("format", "logical") != "stock" or layout.gtp_remat_size == 1:
+    if cfg.checkpoint.get("format", "logical") != "stock" or \
+            max(layout.gtp_remat_size, layout.expert_gtp_remat_size) == 1:
         return
-    keys = ("tensor_model_parallel_size", "gtp_remat_size", "pad_for_alignment")
+    keys = ("tensor_model_parallel_size", "gtp_remat_size", "pad_for_alignment",
+            "expert_tensor_parallel_size", "expert_gtp_remat_size")
     mine = {k: getattr(layout, k) for k in keys}
     theirs = {k: saved_layout.get(k) for k in keys}
     if mine != theirs:

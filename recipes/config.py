@@ -14,19 +14,19 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, OmegaConf
 
-# ``parallelism.nproc_per_node``'s default: tp x pp x gtp_remat_size x dp (dp 1 when null); with
-# dp null, the least multiple of that which the expert grid (etp x ep x pp x expert_gtp_remat_size)
-# also divides.
+# ``parallelism.nproc_per_node``'s default: tp x pp x cp x gtp_remat_size x dp (dp 1 when null);
+# with dp null, the least multiple of that which the expert grid (etp x ep x pp x
+# expert_gtp_remat_size) also divides.
 WORLD_RESOLVER = "gtp_recipes_world"
 
 
-def _world(tp, pp, g, dp=None, ep=1, etp=None, egtp=1) -> int:
+def _world(tp, pp, g, dp=None, ep=1, etp=None, egtp=1, cp=1) -> int:
     import math
 
     def n(d):
         return 1 if d is None else int(d)
 
-    dense = n(tp) * n(pp) * n(g) * n(dp)
+    dense = n(tp) * n(pp) * n(cp) * n(g) * n(dp)
     if dp is not None:
         return dense
     expert = n(etp if etp is not None else tp) * n(ep) * n(pp) * n(egtp)
@@ -111,9 +111,9 @@ class ModelConfig:
 
 @dataclass
 class ParallelismConfig:
-    """Process layout. World size = tp * pp * gtp_remat_size * dp (dp derived when null).
+    """Process layout. World size = tp * pp * cp * gtp_remat_size * dp (dp derived when null).
 
-    ``nproc_per_node`` defaults to tp * pp * gtp_remat_size * dp (dp 1 when null), so a layout
+    ``nproc_per_node`` defaults to tp * pp * cp * gtp_remat_size * dp (dp 1 when null), so a layout
     override alone runs; a value given explicitly wins and is checked against the degrees.
     """
 
@@ -122,7 +122,7 @@ class ParallelismConfig:
     pipeline_model_parallel_size: int = 1
     # Model chunks per pipeline stage (megatron's interleaved 1F1B schedule); null: one chunk.
     virtual_pipeline_model_parallel_size: Optional[int] = None
-    # null: derived as world_size / (tp * pp * gtp_remat_size).
+    # null: derived as world_size / (tp * pp * cp * gtp_remat_size).
     data_parallel_size: Optional[int] = None
     # Megatron's sequence parallelism: norms, dropout and the MoE dispatch see 1/tp of the
     # sequence (required by megatron for MoE with tp > 1; recipes.validate says so).
@@ -132,13 +132,14 @@ class ParallelismConfig:
     # the expert data-parallel size is derived: world / (etp x ep x pp x gtp.expert_gtp_remat_size).
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None
-    # Needs TransformerEngine's attention (refused before launch without it).
+    # Context parallelism: each sequence split over this many ranks (recipes.context_parallel);
+    # needs TransformerEngine's attention (refused before launch without it).
     context_parallel_size: int = 1
     # Processes started on this machine by train.py (ignored when RANK/WORLD_SIZE are set).
     nproc_per_node: int = II(
         f"{WORLD_RESOLVER}:${{.tensor_model_parallel_size}},${{.pipeline_model_parallel_size}},"
         "${gtp.gtp_remat_size},${.data_parallel_size},${.expert_model_parallel_size},"
-        "${.expert_tensor_parallel_size},${gtp.expert_gtp_remat_size}")
+        "${.expert_tensor_parallel_size},${gtp.expert_gtp_remat_size},${.context_parallel_size}")
 
 
 @dataclass

@@ -65,7 +65,8 @@ def rank_sizes(cfg, layout, vocab_size: int) -> RankSizes:
     tokenizer (padded as ``recipes.model.padded_vocab_size``), on the pipeline stage holding the
     most parameters, activations included (:func:`activation_bytes`).
 
-    Optimizer bytes with the distributed optimizer: ``ceil(parameters * (8 + main copy) / dp)``.
+    Optimizer bytes with the distributed optimizer: ``ceil(parameters * (8 + main copy) / (dp
+    x cp))`` (megatron shards it over the data-parallel group with context parallelism).
     """
     from recipes.model import padded_vocab_size
     from recipes.shapes import local_shape, parameter_shapes
@@ -101,7 +102,8 @@ def rank_sizes(cfg, layout, vocab_size: int) -> RankSizes:
     local = per_stage[stage]
     dtype = cfg.precision.params_dtype
     state = 8 + (4 if dtype != "fp32" else 0)
-    dp = layout.data_parallel_size if layout.use_distributed_optimizer else 1
+    dp = (layout.data_parallel_size * layout.context_parallel_size
+          if layout.use_distributed_optimizer else 1)
     from recipes.shapes import parameter_counts
 
     return RankSizes(
@@ -140,7 +142,9 @@ def activation_bytes(cfg, layout, padded_vocab: int, scores: bool | None = None)
     first), plus the embedding's ``8 s b pp + s b h pp``; then Megatron-LM's pipeline factors
     (interleaved: ``1 + (pp - 1) / (pp vpp)``; 1F1B: ``min(1, micro-batches / pp)``) and, at
     pp 1, the output layer and loss ``4 s b h + 4 s b v / t``; with sequence parallelism the
-    embedding's and output layer's ``s b h`` terms are divided by t. Megatron's constants count 16-bit
+    embedding's and output layer's ``s b h`` terms are divided by t. With context parallelism
+    each rank holds ``s / cp`` of every sequence: the whole is divided by cp (the ``s^2`` term
+    too: each rank's queries against every key). Megatron's constants count 16-bit
     activations; fp32 parameters (fp32 activations) double the figure.
     """
     m, d = cfg.model, cfg.data
@@ -166,6 +170,7 @@ def activation_bytes(cfg, layout, padded_vocab: int, scores: bool | None = None)
         act *= min(1, micro_batches / pp)
     if pp == 1:
         act += 4 * s * b * h / sp + 4 * s * b * padded_vocab / t
+    act /= layout.context_parallel_size
     if cfg.precision.params_dtype == "fp32":
         act *= 2
     return int(math.ceil(act))
@@ -206,7 +211,8 @@ def fit_line(cfg, layout, vocab_size: int, sizes: RankSizes) -> str:
     if sizes.total_bytes <= budget:
         return f"{head} fits train.gpu_memory_gib={limit:g}"
     steps = []
-    if not layout.use_distributed_optimizer and layout.data_parallel_size > 1:
+    if not layout.use_distributed_optimizer and \
+            layout.data_parallel_size * layout.context_parallel_size > 1:
         steps.append(("optim.use_distributed_optimizer", True))
     rc = cfg.model.get("recompute_granularity")
     if rc is None:
@@ -247,10 +253,14 @@ def report(cfg, layout) -> str:
     padded = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, tp)
     sp_text = ("sequence parallel" if layout.sequence_parallel and tp > 1
                else "no sequence parallelism")
+    if layout.context_parallel_size > 1:
+        sp_text += (f", context parallel: {cfg.model.seq_length // layout.context_parallel_size} "
+                    f"tokens of each sequence per rank")
     s = rank_sizes(cfg, layout, vocab)
     dtype = cfg.precision.params_dtype
     per_param = (s.param_bytes + s.grad_bytes + s.optimizer_bytes) / max(s.parameters, 1)
-    sharded = (f", 1/{layout.data_parallel_size} per rank: distributed optimizer"
+    sharded = (f", 1/{layout.data_parallel_size * layout.context_parallel_size} per rank: "
+               f"distributed optimizer"
                if layout.use_distributed_optimizer else "")
     rc = cfg.model.get("recompute_granularity")
     stage = " (most loaded pipeline stage)" if layout.pipeline_model_parallel_size > 1 else ""

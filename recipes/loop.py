@@ -13,22 +13,28 @@ from megatron.core.utils import unwrap_model
 
 from gtp.collectives import collective_device
 from gtp.grad_stats import grad_norms_by_part
-from recipes import faults, preemption, throughput
+from recipes import context_parallel, faults, preemption, throughput
 from recipes.data import build_tokenizer
 from recipes.model import model_chunks, padded_vocab_size
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Mean token loss of one micro-batch, as Megatron-LM's ``pretrain_gpt.loss_func``
-    (without per-token normalization).
+    (without per-token normalization); with context parallelism, over the whole sequence
+    (:func:`recipes.context_parallel.loss_over_cp`).
 
     Args:
-        loss_mask: float [micro_batch_size, seq_length], 1 for tokens that count.
-        output_tensor: float [micro_batch_size, seq_length] per-token cross entropy from GPTModel.
+        loss_mask: float [micro_batch_size, seq_length / CP], 1 for tokens that count.
+        output_tensor: float [micro_batch_size, seq_length / CP] per-token cross entropy from
+            GPTModel.
 
     Returns:
         ``(loss, {"lm loss": loss})``: the scalar megatron's schedule back-propagates.
     """
+    if parallel_state.get_context_parallel_world_size() > 1:
+        loss, reported = context_parallel.loss_over_cp(
+            loss_mask, output_tensor, parallel_state.get_context_parallel_group())
+        return loss, {"lm loss": reported}
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask) / mask.sum()
@@ -37,8 +43,9 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(data_iterator, model):
-    """megatron ``forward_step_func``: one micro-batch through the model."""
-    batch = next(data_iterator)
+    """megatron ``forward_step_func``: one micro-batch (this rank's share of its sequence with
+    context parallelism) through the model."""
+    batch = context_parallel.batch_on_this_rank(next(data_iterator))
     device = next(model.parameters()).device
     if device.type != "cpu":
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}

@@ -219,11 +219,9 @@ def resolve_expert_layout(cfg, world_size: int, tp: int, pp: int) -> dict:
     etp = par.get("expert_tensor_parallel_size")
     etp = tp if etp is None else etp
     egtp = cfg.gtp.get("expert_gtp_remat_size", 1)
-    cp = par.get("context_parallel_size", 1)
     for name, value in (("parallelism.expert_model_parallel_size", ep),
                         ("parallelism.expert_tensor_parallel_size", etp),
-                        ("gtp.expert_gtp_remat_size", egtp),
-                        ("parallelism.context_parallel_size", cp)):
+                        ("gtp.expert_gtp_remat_size", egtp)):
         if value is None or int(value) < 1:
             raise ConfigError(f"{name}={value} is invalid: it must be an integer >= 1")
     grid = etp * ep * pp * egtp
@@ -238,11 +236,12 @@ def resolve_expert_layout(cfg, world_size: int, tp: int, pp: int) -> dict:
             f"(parallelism.nproc_per_node)")
     return {"sequence_parallel": bool(par.get("sequence_parallel", False)) and tp > 1,
             "expert_model_parallel_size": int(ep), "expert_tensor_parallel_size": int(etp),
-            "expert_gtp_remat_size": int(egtp), "context_parallel_size": int(cp)}
+            "expert_gtp_remat_size": int(egtp)}
 
 
 def check(cfg, layout) -> None:
-    """MoE, sequence- and context-parallel rules, before any process starts.
+    """MoE and sequence-parallel rules, before any process starts (context parallelism:
+    ``recipes.context_parallel.check``).
 
     Raises:
         ConfigError: the first problem, naming the value and what is valid.
@@ -252,19 +251,6 @@ def check(cfg, layout) -> None:
     m, par = cfg.model, cfg.parallelism
     tp, ep = layout.tensor_model_parallel_size, layout.expert_model_parallel_size
     etp, egtp = layout.expert_tensor_parallel_size, layout.expert_gtp_remat_size
-    if layout.context_parallel_size > 1:
-        from recipes import te
-
-        why = ("megatron-core 0.19.2's local attention (DotProductAttention) asserts "
-               "context_parallel_size == 1: context parallelism exists only in "
-               "TransformerEngine's TEDotProductAttention")
-        if not te.transformer_engine_usable():
-            raise ConfigError(f"parallelism.context_parallel_size={layout.context_parallel_size} "
-                              f"needs TransformerEngine, which is not importable here ({why}); "
-                              f"set parallelism.context_parallel_size=1")
-        raise ConfigError(f"parallelism.context_parallel_size={layout.context_parallel_size}: "
-                          f"context parallelism is not wired into these recipes yet (the batch "
-                          f"split over CP ranks); set parallelism.context_parallel_size=1")
     if not is_moe(m):
         for name, value, default in (("parallelism.expert_model_parallel_size", ep, 1),
                                      ("gtp.expert_gtp_remat_size", egtp, 1)):
@@ -318,8 +304,9 @@ def check(cfg, layout) -> None:
 
 def _check_checkpoints(cfg, layout) -> None:
     """What MoE checkpoints support (docs/moe.md, Checkpoints): the logical format (fp32 or
-    bf16 parameters, megatron's plain or distributed optimizer); pretrained (Hugging Face)
-    starts are not wired for MoE models. Anything else is refused, naming why."""
+    bf16 parameters, megatron's plain or distributed optimizer) and the stock one with fp32
+    parameters and the plain optimizer (read at other layouts through gtp.legacy); pretrained
+    (Hugging Face) starts are not wired for MoE models. Anything else is refused, naming why."""
     from recipes.validate import ConfigError
 
     ck, m = cfg.checkpoint, cfg.model
@@ -328,12 +315,19 @@ def _check_checkpoints(cfg, layout) -> None:
         raise ConfigError(f"checkpoint.pretrained={ck.pretrained!r} with an MoE model "
                           f"(model.{m.name}): importing Hugging Face MoE weights is not "
                           f"supported yet; set checkpoint.pretrained=null")
-    if used and ck.get("format", "logical") != "logical":
+    if not used or ck.get("format", "logical") == "logical":
+        return
+    why = None
+    if layout.use_distributed_optimizer:
+        why = ("optim.use_distributed_optimizer=true (untested with stock MoE checkpoints); "
+               "set optim.use_distributed_optimizer=false or checkpoint.format=logical")
+    elif cfg.precision.params_dtype != "fp32":
+        why = (f"precision.params_dtype={cfg.precision.params_dtype} (untested with stock MoE "
+               f"checkpoints); use precision=fp32 or checkpoint.format=logical")
+    if why:
         raise ConfigError(f"checkpoint.{used[0]}={ck[used[0]]!r} with an MoE model "
-                          f"(model.{m.name}) and checkpoint.format={ck.format!r}: stock "
-                          f"megatron-core 0.19.2 writes the expert GTP padding into expert "
-                          f"weights; use checkpoint.format=logical, or train without "
-                          f"checkpoints: checkpoint=none")
+                          f"(model.{m.name}), checkpoint.format={ck.format!r} and {why}, or "
+                          f"train without checkpoints: checkpoint=none")
 
 
 def _check_expert_gtp(cfg, layout) -> None:

@@ -20,8 +20,9 @@ class ConfigError(ValueError):
 class ParallelLayout:
     """The parallel layout a run uses (its layout record is what a checkpoint stores of it).
 
-    world_size = tensor_model_parallel_size * pipeline_model_parallel_size * gtp_remat_size *
-    data_parallel_size (megatron's ``initialize_model_parallel`` order).
+    world_size = tensor_model_parallel_size * pipeline_model_parallel_size *
+    context_parallel_size * gtp_remat_size * data_parallel_size (megatron's
+    ``initialize_model_parallel`` order).
     """
 
     world_size: int
@@ -72,8 +73,9 @@ class ParallelLayout:
             experts = (f"; experts ep{self.expert_model_parallel_size} x "
                        f"etp{self.expert_tensor_parallel_size}{egtp} x "
                        f"edp{self.expert_data_parallel_size}")
+        cp = f" x cp{self.context_parallel_size}" if self.context_parallel_size > 1 else ""
         return (
-            f"tp{self.tensor_model_parallel_size}{sp}{pp}{gtp} x dp{self.data_parallel_size}"
+            f"tp{self.tensor_model_parallel_size}{sp}{pp}{cp}{gtp} x dp{self.data_parallel_size}"
             f" (world {self.world_size}){experts}{opt}"
         )
 
@@ -105,13 +107,15 @@ def resolve_layout(cfg, world_size: int) -> ParallelLayout:
 
     Raises:
         ConfigError: pipeline parallelism requested, sizes < 1, or world_size not divisible by
-            tp * pp * gtp_remat_size, or an explicit data_parallel_size that does not match.
+            tp * pp * cp * gtp_remat_size, or an explicit data_parallel_size that does not match.
     """
     par, gtp = cfg.parallelism, cfg.gtp
     tp, pp, g = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, gtp.gtp_remat_size
+    cp = par.get("context_parallel_size", 1)
     for name, value in (
         ("parallelism.tensor_model_parallel_size", tp),
         ("parallelism.pipeline_model_parallel_size", pp),
+        ("parallelism.context_parallel_size", cp),
         ("gtp.gtp_remat_size", g),
         ("world size", world_size),
     ):
@@ -135,22 +139,26 @@ def resolve_layout(cfg, world_size: int) -> ParallelLayout:
     except ValueError as exc:
         key = "quantization" if gtp.quantization not in RECIPE_DEFAULT_PAD else "pad_for_alignment"
         raise ConfigError(f"gtp.{key}={gtp[key]!r} is invalid: {exc}") from None
-    model_parallel = tp * pp * g
+    model_parallel = tp * pp * cp * g
+    # The context-parallel size is named only where it is set (CP needs TransformerEngine).
+    cp_name, cp_short = (f" x context_parallel_size={cp}", f" x cp {cp}") if cp > 1 else ("", "")
     if world_size % model_parallel != 0:
         valid = sorted({d for d in range(1, world_size + 1) if world_size % d == 0})
         want_dp = par.data_parallel_size or 1
+        product = "tp * pp * cp * gtp_remat_size" if cp > 1 else "tp * pp * gtp_remat_size"
         raise ConfigError(
             f"world size {world_size} is not divisible by tensor_model_parallel_size={tp} x "
-            f"pipeline_model_parallel_size={pp} x gtp_remat_size={g} = {model_parallel}; with "
-            f"{world_size} processes tp * pp * gtp_remat_size must be one of {valid}, or run "
-            f"tp * pp * gtp_remat_size * dp processes: e.g. "
+            f"pipeline_model_parallel_size={pp}{cp_name} x gtp_remat_size={g} = {model_parallel}; "
+            f"with {world_size} processes {product} must be one of {valid}, or run "
+            f"{product} * dp processes: e.g. "
             f"parallelism.nproc_per_node={model_parallel * want_dp} (dp{want_dp})"
         )
     dp = world_size // model_parallel
     if par.data_parallel_size is not None and par.data_parallel_size != dp:
         raise ConfigError(
             f"parallelism.data_parallel_size={par.data_parallel_size} does not match world size "
-            f"{world_size} / (tp {tp} x pp {pp} x gtp_remat_size {g}) = {dp}; set it to {dp} or null"
+            f"{world_size} / (tp {tp} x pp {pp}{cp_short} x gtp_remat_size {g}) = {dp}; set it to "
+            f"{dp} or null"
         )
     from recipes import moe
 
@@ -158,7 +166,8 @@ def resolve_layout(cfg, world_size: int) -> ParallelLayout:
     # Without GTP nothing is padded: the layout (and the checkpoint's record of it) says 0.
     pad = resolved_pad if g > 1 or experts["expert_gtp_remat_size"] > 1 else 0
     distopt, sharding = _distributed_optimizer(cfg)
-    return ParallelLayout(world_size, tp, pp, g, dp, pad, vpp, distopt, sharding, **experts)
+    return ParallelLayout(world_size, tp, pp, g, dp, pad, vpp, distopt, sharding, **experts,
+                          context_parallel_size=int(cp))
 
 
 # megatron-core 0.19.2 DistributedOptimizer checkpoint formats (metadata
@@ -218,9 +227,10 @@ def validate(cfg, world_size: int, plan=None) -> ParallelLayout:
     from recipes.optim import LR_DECAY_STYLES, optim_refusal
 
     layout = resolve_layout(cfg, world_size)
-    from recipes import moe
+    from recipes import context_parallel, moe
 
     moe.check(cfg, layout)
+    context_parallel.check(cfg, layout)
     m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
     tp = layout.tensor_model_parallel_size
     for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length"):

@@ -85,6 +85,22 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def model_parallel_fields(layout) -> dict:
+    """megatron ``parallel_state.initialize_model_parallel`` keyword arguments of ``layout`` (a
+    ``recipes.validate.ParallelLayout``): tensor, pipeline, context parallel and GTP sizes and
+    the expert grid (``recipes.moe.parallel_state_fields``)."""
+    from recipes import moe
+
+    return dict(
+        tensor_model_parallel_size=layout.tensor_model_parallel_size,
+        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
+        context_parallel_size=layout.context_parallel_size,
+        gtp_remat_size=layout.gtp_remat_size,
+        **moe.parallel_state_fields(layout),
+    )
+
+
 def setup(cfg, layout, optimizer_cfg=None):
     """Process groups, GTP backend, model, DDP, optimizer, scheduler (no data, no checkpoint).
 
@@ -108,13 +124,7 @@ def setup(cfg, layout, optimizer_cfg=None):
     cpu_compat.install()
     moe_cpu.install()
     gtp_setup.before_model(cfg, moe.gtp_hook_layout(layout))
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tensor_model_parallel_size,
-        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
-        gtp_remat_size=layout.gtp_remat_size,
-        **moe.parallel_state_fields(layout),
-    )
+    parallel_state.initialize_model_parallel(**model_parallel_fields(layout))
     set_seed(cfg.train.seed)
     from recipes.data import build_tokenizer
 
@@ -231,7 +241,9 @@ def run(cfg, resume=None) -> None:
     run_id = plan["run_id"]
     train_state["data_plan"] = planned_samples(train_state, iteration, saved_cfg, cfg)
 
-    dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    # Without CP: the context-parallel ranks of a replica read the same micro-batches and split
+    # each one's sequence (recipes.context_parallel), as Megatron-LM's data loader.
+    dp_group = parallel_state.get_data_parallel_group(with_context_parallel=False)
     dp_rank, dp_size = torch.distributed.get_rank(dp_group), torch.distributed.get_world_size(dp_group)
     # Every pipeline stage (and virtual stage) reads the same micro-batches: the first uses the
     # tokens, the last the labels and loss mask.

@@ -1,10 +1,12 @@
-"""Shared fixtures: run ``train.py`` as a user would, in a subprocess, into a temp dir."""
+"""Shared fixtures: run ``train.py`` as a user would, in a subprocess, into a temp dir; an
+importable TransformerEngine stand-in."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 # Small and fast: the tiny model, few iterations, one warmup step.
 FAST = ["train.train_iters=4", "optim.lr_warmup_iters=1", "logger=none"]
+
+
+@pytest.fixture
+def stand_in_te(monkeypatch):
+    """An importable ``transformer_engine.pytorch`` (no GPU code behind it)."""
+    package = types.ModuleType("transformer_engine")
+    package.__path__ = []
+    pytorch = types.ModuleType("transformer_engine.pytorch")
+    package.pytorch = pytorch
+    monkeypatch.setitem(sys.modules, "transformer_engine", package)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", pytorch)
+    return pytorch
 
 
 @pytest.fixture(scope="session")

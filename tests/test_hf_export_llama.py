@@ -185,10 +185,11 @@ def test_exported_router_weights_equal_megatrons(changes):
 
 def test_expert_widths_are_not_taken_for_ffn_hidden_size():
     """The checkpoint reader the export goes through infers ffn_hidden_size from a dense fc2
-    only: moe_tiny's experts are 100 wide, its recorded ffn_hidden_size is 200."""
+    only, and moe_ffn_hidden_size from a routed expert's: moe_tiny's experts are 100 wide, its
+    recorded ffn_hidden_size is 200."""
     from gtp.legacy.specs import infer_dims
 
     shapes = {k: tuple(v.shape) for k, v in _moe_tensors(MOE).items()}
-    assert infer_dims(shapes) == {"hidden_size": 72}
+    assert infer_dims(shapes) == {"hidden_size": 72, "moe_ffn_hidden_size": 100}
     shapes["decoder.layers.mlp.linear_fc2.weight"] = (2, 72, 200)
     assert infer_dims(shapes)["ffn_hidden_size"] == 200

@@ -23,6 +23,7 @@ EXPECTED = {
     "gtp.checkpoint.install",
     "gtp.grad_stats.install",
     "mcore_compat.cpu.install",
+    "mcore_compat.cpu.redirect_torch",
     "mcore_compat.dist_checkpointing.set_write_results_queue",
     "recipes.optim_checkpoint.install",
     "recipes.faults.while_writing",

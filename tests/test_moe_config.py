@@ -126,14 +126,19 @@ def test_expert_sizes_need_an_moe_model():
     assert "needs routed experts" in str(info.value) and "model=moe_tiny" in str(info.value)
 
 
-def test_moe_checkpoints_in_the_stock_format_are_refused_before_launch():
-    # docs/moe.md, Checkpoints: the logical format only (stock 0.19.2 pads expert GTP weights).
+@pytest.mark.parametrize("overrides, message", [
+    (("optim.use_distributed_optimizer=true",), "set optim.use_distributed_optimizer=false"),
+    (("precision=bf16",), "use precision=fp32"),
+])
+def test_stock_moe_checkpoints_with_bf16_or_the_distributed_optimizer_are_refused(overrides,
+                                                                                  message):
+    # docs/moe.md, Checkpoints: stock MoE checkpoints are tested with fp32 and the plain optimizer.
     with pytest.raises(ConfigError) as info:
         validate(make_cfg("model=moe_tiny", "checkpoint.save=/tmp/somewhere",
-                          "checkpoint.format=stock"), 2)
-    message = str(info.value)
-    assert "writes the expert GTP padding" in message and "checkpoint=none" in message, message
-    validate(make_cfg("model=moe_tiny", "checkpoint=none", "checkpoint.format=stock"), 2)
+                          "checkpoint.format=stock", *overrides), 2)
+    assert message in str(info.value) and "checkpoint=none" in str(info.value), str(info.value)
+    validate(make_cfg("model=moe_tiny", "checkpoint=none", "checkpoint.format=stock",
+                      *overrides), 2)
 
 
 @pytest.mark.parametrize("overrides", [("optim.use_distributed_optimizer=true",),
@@ -143,6 +148,14 @@ def test_moe_checkpoints_with_bf16_or_the_distributed_optimizer_are_accepted(ove
     # tests/test_moe_checkpoint_layouts.py restores them exactly at other layouts.
     validate(make_cfg("model=moe_tiny", "checkpoint.save=/tmp/somewhere",
                       "parallelism.expert_model_parallel_size=2", *overrides), 2)
+
+
+def test_moe_checkpoints_in_the_stock_format_are_accepted():
+    # gtp.legacy reads stock expert-GTP checkpoints at other layouts (tests/test_moe_legacy.py).
+    layout = validate(make_cfg("model=moe_tiny", "checkpoint.save=/tmp/somewhere",
+                               "checkpoint.format=stock", "parallelism.expert_model_parallel_size=2",
+                               "gtp.expert_gtp_remat_size=2", "gtp.pad_for_alignment=16"), 4)
+    assert layout.expert_gtp_remat_size == 2
 
 
 def test_default_world_covers_the_expert_grid():

@@ -4,7 +4,6 @@ with TransformerEngine absent (as in CI) and present (a stand-in module)."""
 from __future__ import annotations
 
 import sys
-import types
 
 import pytest
 from compose import make_cfg
@@ -12,18 +11,6 @@ from compose import make_cfg
 from recipes import te
 from recipes.model import transformer_config
 from recipes.validate import validate
-
-
-@pytest.fixture
-def stand_in_te(monkeypatch):
-    """An importable ``transformer_engine.pytorch`` (no GPU code behind it)."""
-    package = types.ModuleType("transformer_engine")
-    package.__path__ = []
-    pytorch = types.ModuleType("transformer_engine.pytorch")
-    package.pytorch = pytorch
-    monkeypatch.setitem(sys.modules, "transformer_engine", package)
-    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", pytorch)
-    return pytorch
 
 
 def test_usable_with_the_stand_in(stand_in_te):

@@ -146,9 +146,16 @@ def _layout_items(common: dict, user: dict, meta: Mapping) -> tuple[dict, list]:
         sources.append("given by the caller")
     if meta:
         for src_key, k in (("tp", "tensor_model_parallel_size"), ("gtp_remat_size", "gtp_remat_size"),
+                           ("expert_tensor_parallel_size", "expert_tensor_parallel_size"),
+                           ("expert_gtp_remat_size", "expert_gtp_remat_size"),
                            ("pad_for_alignment", "pad_for_alignment")):
-            if meta.get(src_key) is not None:
-                items.setdefault(k, int(meta[src_key]))
+            if meta.get(src_key) is None:
+                continue
+            if k == "pad_for_alignment" and max(items.get("gtp_remat_size", 1),
+                                                items.get("expert_gtp_remat_size", 1)) == 1:
+                # records before the expert keys wrote pad 0 when only expert GTP was on
+                continue
+            items.setdefault(k, int(meta[src_key]))
         sources.append(f"{METADATA_KEY} record")
     cfg_items, cfg_src = config_layout(common)
     if cfg_items:

@@ -23,6 +23,18 @@ def fingerprint(path: Path) -> dict:
             "metadata_mtime_ns": st.st_mtime_ns}
 
 
+def _expert_saved_layout(analysis: Analysis) -> dict:
+    """The routed experts' saving layout, for a checkpoint with expert GTP weights ({} else);
+    its ``pad_for_alignment`` (one value for dense and expert GTP) is the one of whichever was
+    sharded."""
+    lay = analysis.expert_layout
+    if lay is None:
+        return {}
+    return {"expert_tensor_parallel_size": lay.tp, "expert_gtp_remat_size": lay.g,
+            "pad_for_alignment": lay.pad_for_alignment if lay.g > 1
+            else analysis.layout.pad_for_alignment if analysis.layout else 0}
+
+
 def _converted_common(analysis: Analysis) -> dict:
     import copy
 
@@ -34,6 +46,8 @@ def _converted_common(analysis: Analysis) -> dict:
         new = dict(orig_layout)
         g = int(new.get("gtp_remat_size", 1) or 1)
         new["gtp_remat_size"] = 1
+        if new.get("expert_gtp_remat_size") is not None:
+            new["expert_gtp_remat_size"] = 1  # (the expert data-parallel size is derived)
         new.pop("pad_for_alignment", None)  # the gtp_layout record below owns it
         if new.get("data_parallel_size") is not None:
             new["data_parallel_size"] = int(new["data_parallel_size"]) * g
@@ -45,7 +59,8 @@ def _converted_common(analysis: Analysis) -> dict:
     common[CONVERTED_KEY] = {
         "converted_by": f"gtp.legacy v{CONVERTER_VERSION}",
         "saved_layout": {"tensor_model_parallel_size": lay.tp, "gtp_remat_size": lay.g,
-                         "pad_for_alignment": lay.pad_for_alignment},
+                         "pad_for_alignment": lay.pad_for_alignment,
+                         **_expert_saved_layout(analysis)},
         "layout_source": analysis.layout_source,
         "layout": orig_layout,
         METADATA_KEY: analysis.common.get(METADATA_KEY),

@@ -61,8 +61,9 @@ def prepare_load(path, common: Mapping, layout_record: Optional[Mapping] = None,
     path = Path(path)
     if checkpoint_format(common) == "logical":
         return path, False
-    layout_g = get_path(common, "layout", "gtp_remat_size") or get_path(common, METADATA_KEY, "gtp_remat_size")
-    if not layout_g or int(layout_g) <= 1:
+    degrees = [get_path(common, rec, key) for rec in ("layout", METADATA_KEY)
+               for key in ("gtp_remat_size", "expert_gtp_remat_size")]
+    if max(int(d or 0) for d in degrees) <= 1:
         return path, False
     if stock_writer and layout_record is not None and saved_layout(common) == dict(layout_record):
         return path, False

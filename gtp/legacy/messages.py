@@ -12,7 +12,8 @@ from gtp.legacy.specs import GRID_A, GRID_G, GRID_TP, SavedLayout, TensorSpec, s
 LAYOUT_HELP = (
     "to read it, pass the layout that wrote it: `python -m gtp <inspect|compare|convert> CKPT "
     "--layout tp=T,gtp=G,pad=A[,hidden_size=..,ffn_hidden_size=..,swiglu=true|false,"
-    "padded_vocab_size=..]` (compare: --layout-a/--layout-b), or in Python "
+    "padded_vocab_size=..][,etp=..,egtp=..,moe_ffn_hidden_size=.. for routed experts]` "
+    "(compare: --layout-a/--layout-b), or in Python "
     "gtp.legacy.convert(src, dst, layout={'tensor_model_parallel_size': T, 'gtp_remat_size': G, "
     "'pad_for_alignment': A, ...}) and load dst"
 )

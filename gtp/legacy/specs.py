@@ -18,14 +18,24 @@ from gtp.legacy.format import LegacyCheckpointError
 # What a user may pass as ``layout`` (aliases in parentheses):
 #   tensor_model_parallel_size (tp), gtp_remat_size (gtp, g), pad_for_alignment (pad, a),
 #   hidden_size, ffn_hidden_size, swiglu, num_attention_heads, num_query_groups, kv_channels,
-#   qkv_rows (global out_features of linear_qkv), padded_vocab_size (vocab).
+#   qkv_rows (global out_features of linear_qkv), padded_vocab_size (vocab), and for routed
+#   experts (MoE): expert_tensor_parallel_size (etp), expert_gtp_remat_size (egtp),
+#   moe_ffn_hidden_size.
 LAYOUT_KEYS = (
     "tensor_model_parallel_size", "gtp_remat_size", "pad_for_alignment", "hidden_size",
     "ffn_hidden_size", "swiglu", "num_attention_heads", "num_query_groups", "kv_channels",
-    "qkv_rows", "padded_vocab_size",
+    "qkv_rows", "padded_vocab_size", "expert_tensor_parallel_size", "expert_gtp_remat_size",
+    "moe_ffn_hidden_size",
 )
 _ALIASES = {"tp": "tensor_model_parallel_size", "gtp": "gtp_remat_size", "g": "gtp_remat_size",
-            "pad": "pad_for_alignment", "a": "pad_for_alignment", "vocab": "padded_vocab_size"}
+            "pad": "pad_for_alignment", "a": "pad_for_alignment", "vocab": "padded_vocab_size",
+            "etp": "expert_tensor_parallel_size", "egtp": "expert_gtp_remat_size"}
+# The layout items of the routed experts, and the dense items they stand for when the expert
+# weights are read (megatron splits an expert's linears over the expert tensor parallel group and
+# shards them over the expert GTP group; their width is moe_ffn_hidden_size).
+EXPERT_ITEMS = {"expert_tensor_parallel_size": "tensor_model_parallel_size",
+                "expert_gtp_remat_size": "gtp_remat_size",
+                "moe_ffn_hidden_size": "ffn_hidden_size"}
 
 # Grid searched when the checkpoint records no layout.
 GRID_TP = (1, 2, 4, 8, 16)
@@ -44,7 +54,16 @@ _GTP_PATTERNS = (
 )
 # Tensors GTP never shards (megatron wraps only Column/RowParallelLinear and
 # VocabParallelEmbedding weights).
-PLAIN = re.compile(r"(\.bias|norm_weight|norm_bias|norm\.weight|position_embeddings\.weight)$")
+PLAIN = re.compile(r"(\.bias|norm_weight|norm_bias|norm\.weight|position_embeddings\.weight|"
+                   r"\.router\.weight|\.router\.expert_bias)$")
+# Routed-expert weights (megatron's SequentialMLP keys: ``...mlp.experts.experts.linear_fc1.weight``
+# with a prepended expert axis; shared experts are ``shared_experts.`` and dense-parallel).
+_ROUTED_EXPERT = re.compile(r"(^|\.)experts\.")
+
+
+def is_routed_expert(key: str) -> bool:
+    """Whether a model key is a routed expert's (split by expert TP, sharded by expert GTP)."""
+    return bool(_ROUTED_EXPERT.search(key))
 
 
 @dataclass(frozen=True)
@@ -108,9 +127,13 @@ class Analysis:
     legacy: bool
     tensors: dict  # stored key -> TensorInfo
     notes: list = field(default_factory=list)
+    # The routed experts' layout (expert TP as tp, expert GTP as g), None without expert weights.
+    expert_layout: Optional[SavedLayout] = None
 
     def describe(self) -> str:
         lay = self.layout.describe() if self.layout else "unknown"
+        if self.expert_layout is not None:
+            lay += f"; routed experts at expert {self.expert_layout.describe()}"
         kind = ("legacy padded GTP layout (megatron-core 0.19.2)" if self.legacy else
                 "logical format" if self.format == "logical" else
                 "stock format, nothing padded or shifted")
@@ -217,7 +240,8 @@ def config_layout(common: Mapping) -> tuple[dict, str]:
     out, src = {}, []
     rec = common.get("layout")
     if isinstance(rec, Mapping):
-        for k in ("tensor_model_parallel_size", "gtp_remat_size", "pad_for_alignment"):
+        for k in ("tensor_model_parallel_size", "gtp_remat_size", "pad_for_alignment",
+                  "expert_tensor_parallel_size", "expert_gtp_remat_size"):
             if rec.get(k) is not None:
                 out[k] = int(rec[k])
         if out:
@@ -226,7 +250,7 @@ def config_layout(common: Mapping) -> tuple[dict, str]:
     if isinstance(cfg, Mapping):
         m = cfg.get("model") or {}
         for k in ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                  "kv_channels"):
+                  "kv_channels", "moe_ffn_hidden_size"):
             if m.get(k) is not None:
                 out.setdefault(k, int(m[k]))
         if m.get("swiglu") is not None:
@@ -236,7 +260,14 @@ def config_layout(common: Mapping) -> tuple[dict, str]:
             out.setdefault("tensor_model_parallel_size", int(par["tensor_model_parallel_size"]))
         if gtp_cfg.get("gtp_remat_size") is not None:
             out.setdefault("gtp_remat_size", int(gtp_cfg["gtp_remat_size"]))
-        if "pad_for_alignment" not in out and out.get("gtp_remat_size", 1) > 1:
+        if m.get("num_moe_experts"):
+            # megatron's expert TP defaults to TP; expert GTP to none
+            etp = par.get("expert_tensor_parallel_size") or out.get("tensor_model_parallel_size")
+            if etp is not None:
+                out.setdefault("expert_tensor_parallel_size", int(etp))
+            out.setdefault("expert_gtp_remat_size", int(gtp_cfg.get("expert_gtp_remat_size") or 1))
+        if "pad_for_alignment" not in out and max(out.get("gtp_remat_size", 1),
+                                                  out.get("expert_gtp_remat_size", 1)) > 1:
             try:
                 from gtp.alignment import resolve_pad_for_alignment
 
@@ -277,11 +308,13 @@ def infer_dims(shapes: Mapping[str, tuple]) -> dict:
     out: dict = {}
     model = {k: v for k, v in shapes.items() if not split_key(k)[0]}
     for key, shape in model.items():
-        if ".experts." in key or ".shared_experts." in key:
-            continue  # MoE experts: their widths are moe_(shared_expert_)ffn sizes, not ffn_hidden_size
+        if ".shared_experts." in key:
+            continue  # its width is moe_shared_expert_intermediate_size, not ffn_hidden_size
         kind = gtp_kind(key)
         if kind == "qkv" and len(shape) >= 2:
             out.setdefault("hidden_size", shape[-1])
+        elif kind == "fc2" and len(shape) >= 2 and is_routed_expert(key):
+            out.setdefault("moe_ffn_hidden_size", shape[-1])
         elif kind == "fc2" and len(shape) >= 2:
             out.setdefault("ffn_hidden_size", shape[-1])
         elif key.endswith("linear_qkv.bias"):
@@ -299,7 +332,7 @@ def infer_dims(shapes: Mapping[str, tuple]) -> dict:
 def dims_problems(given: Mapping, inferred: Mapping, source: str) -> list[str]:
     return [
         f"{k}={given[k]} ({source}) but the stored tensors imply {k}={inferred[k]}"
-        for k in ("hidden_size", "ffn_hidden_size", "qkv_rows", "swiglu")
+        for k in ("hidden_size", "ffn_hidden_size", "qkv_rows", "swiglu", "moe_ffn_hidden_size")
         if k in given and k in inferred and given[k] != inferred[k]
     ]
 

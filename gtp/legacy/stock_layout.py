@@ -23,6 +23,7 @@ from gtp.legacy.messages import (
 )
 from gtp.legacy.rowmaps import candidate_Ls, expected_stored_rows, is_identity, row_map
 from gtp.legacy.specs import (
+    EXPERT_ITEMS,
     GRID_A,
     GRID_G,
     GRID_TP,
@@ -32,6 +33,7 @@ from gtp.legacy.specs import (
     TensorSpec,
     StoredCheckpoint,
     gtp_kind,
+    is_routed_expert,
     logical_rows_global,
     spec_for,
     split_key,
@@ -40,7 +42,63 @@ from gtp.legacy.specs import (
 
 
 def analyze_stock(ck: StoredCheckpoint) -> Analysis:
-    """A stock checkpoint: resolve the saving layout, then each GTP weight's row map."""
+    """A stock checkpoint: resolve the saving layout, then each GTP weight's row map.
+
+    Routed-expert weights are resolved on their own (:func:`_expert_view`): megatron splits them
+    over the expert tensor parallel group and shards them over the expert GTP group, with the
+    same ``pad_for_alignment``.
+    """
+    dense, experts = _dense_view(ck), _expert_view(ck)
+    lay, source, plans, notes = _resolve(dense)
+    expert_lay = None
+    if experts.gtp_bases:
+        try:
+            expert_lay, esource, eplans, enotes = _resolve(experts)
+        except LegacyCheckpointError as exc:
+            raise LegacyCheckpointError(
+                f"routed-expert weights (read with tp = expert_tensor_parallel_size (etp), gtp = "
+                f"expert_gtp_remat_size (egtp), ffn_hidden_size = moe_ffn_hidden_size): {exc}"
+            ) from None
+        plans.update(eplans)
+        notes += [f"routed experts: {n}" for n in enotes]
+        if esource != source:
+            source = f"{source}; routed experts: {esource}"
+    infos, legacy_any = _tensor_infos(ck.shapes, plans)
+    if plans and not legacy_any:
+        notes.append("stored rows equal the logical rows (no padding, no gated GTP weight)")
+    return Analysis(ck.path, ck.common, ck.format, lay, source, legacy_any, infos, notes,
+                    expert_lay)
+
+
+def _dense_view(ck: StoredCheckpoint) -> StoredCheckpoint:
+    """``ck`` without its routed-expert weights."""
+    bases = {b: v for b, v in ck.gtp_bases.items() if not is_routed_expert(b)}
+    return dataclasses.replace(ck, gtp_bases=bases)
+
+
+def _expert_view(ck: StoredCheckpoint) -> StoredCheckpoint:
+    """``ck``'s routed-expert weights, with the expert layout items and dims in the place of the
+    dense ones (:data:`EXPERT_ITEMS`), so the dense machinery reads them."""
+    bases = {b: v for b, v in ck.gtp_bases.items() if is_routed_expert(b)}
+    items = {k: v for k, v in ck.items.items() if k not in EXPERT_ITEMS.values()}
+    dims = {k: v for k, v in ck.dims.items() if k not in EXPERT_ITEMS.values()}
+    for expert_key, dense_key in EXPERT_ITEMS.items():
+        if expert_key in ck.items:
+            items[dense_key] = ck.items[expert_key]
+        if expert_key in ck.dims:
+            dims[dense_key] = ck.dims[expert_key]
+    # moe_ffn_hidden_size unset: megatron's experts are ffn_hidden_size wide
+    dims.setdefault("ffn_hidden_size", ck.dims.get("ffn_hidden_size"))
+    if dims["ffn_hidden_size"] is None:
+        del dims["ffn_hidden_size"]
+    # a record of the dense GTP weights does not describe the experts
+    meta = ({**ck.meta, "tensors": {b: r for b, r in ck.meta_tensors.items() if b in bases}}
+            if ck.meta else {})
+    return dataclasses.replace(ck, gtp_bases=bases, items=items, dims=dims, meta=meta)
+
+
+def _resolve(ck: StoredCheckpoint) -> tuple:
+    """``(layout, source, {base: (spec, row map)}, notes)`` of the GTP weights of ``ck``."""
     notes: list[str] = []
     tp, g, a = (ck.items.get(k) for k in ("tensor_model_parallel_size", "gtp_remat_size",
                                           "pad_for_alignment"))
@@ -50,7 +108,7 @@ def analyze_stock(ck: StoredCheckpoint) -> Analysis:
             f"know to be GTP-sharded or not: {ck.unknown[:5]}; only megatron GPT (local spec) "
             "weights are supported")
     if g == 1 or (g is None and not ck.gtp_bases):
-        return ck.as_stored(SavedLayout(tp or 1, 1, 0), ck.source, notes)
+        return SavedLayout(tp or 1, 1, 0), ck.source, {}, notes
 
     if g is None and not ck.meta and _all_at_logical_size(ck):
         # Nothing says GTP was used and every GTP-able weight of known size is stored at its
@@ -58,8 +116,7 @@ def analyze_stock(ck: StoredCheckpoint) -> Analysis:
         # zero padding would look the same: pass the layout to rule that out.)
         notes.append("no layout recorded; every GTP-able weight of known size is stored at "
                      "its logical size: read as stored (assumed written without GTP)")
-        return ck.as_stored(SavedLayout(tp, 1, 0) if tp else None,
-                            ck.source + "; assumed no GTP", notes)
+        return (SavedLayout(tp, 1, 0) if tp else None), ck.source + "; assumed no GTP", {}, notes
 
     if tp is not None and g is not None and a is not None:
         lay = SavedLayout(tp, g, a)
@@ -78,11 +135,7 @@ def analyze_stock(ck: StoredCheckpoint) -> Analysis:
             notes.append(f"layout not recorded; {len(viable)} layouts explain the stored shapes "
                          f"and all read the same rows (e.g. {layout_text(lay)})")
         source = f"inferred from the stored shapes ({len(viable)} equivalent layouts)"
-
-    infos, legacy_any = _tensor_infos(ck.shapes, plans)
-    if not legacy_any:
-        notes.append("stored rows equal the logical rows (no padding, no gated GTP weight)")
-    return Analysis(ck.path, ck.common, ck.format, lay, source, legacy_any, infos, notes)
+    return lay, source, plans, notes
 
 
 def _all_at_logical_size(ck: StoredCheckpoint) -> bool:

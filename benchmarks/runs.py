@@ -1,0 +1,42 @@
+"""What every launching benchmark sets up the same way: its ``--quick``/``--repeats``/``--out``
+arguments, its output folder and the environment its launched ranks inherit."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def add_run_args(parser, quick_help: str, repeats_help: str = "launches per case (default 2)"):
+    """Add ``--quick`` (``store_true``, help ``quick_help``), ``--repeats N`` (default None: the
+    benchmark's own) and ``--out DIR`` to the argparse ``parser``."""
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--repeats", type=int, default=None, help=repeats_help)
+    parser.add_argument("--out", default=None, help="output dir (default outputs/benchmarks/...)")
+
+
+def prepare_out(out: str | None, name: str, threads: int) -> Path:
+    """The benchmark's output folder, created: ``out``, or ``outputs/benchmarks/<time>/<name>``
+    under the repository; absolute. Sets what the launched ranks inherit: ``BENCH_THREADS``
+    (torch threads per rank, ``threads``), ``PYTHONPATH`` (the repository first) and
+    ``PYTHONWARNINGS=ignore`` unless set."""
+    path = Path(out or REPO / "outputs" / "benchmarks" / time.strftime("%Y-%m-%d_%H-%M-%S")
+                / name).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["BENCH_THREADS"] = str(threads)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    return path
+
+
+def write_rows(out: Path, name: str, rows: list[dict], table: str) -> None:
+    """Write ``<out>/results.json``: the benchmark ``name``, the time, its ``rows`` and printed
+    ``table``."""
+    (out / "results.json").write_text(json.dumps({
+        "benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows,
+        "table": table}, indent=1))
