@@ -188,7 +188,7 @@ def _local(full, name, p):
     return t
 
 
-def _goldens(model, cfg) -> dict:
+def _goldens_by_param(model, cfg) -> dict:
     """{id(param): (global name, param, weight, exp_avg, exp_avg_sq)} expected on this rank
     (fp32; bf16 weights hold the weight golden rounded)."""
     index = {n: k for k, n in enumerate(_all_logical_names(model, cfg), start=1)}
@@ -197,6 +197,38 @@ def _goldens(model, cfg) -> dict:
         full = _golden_full(index[glob], _full_shape(name, p))
         out[id(p)] = (glob, p, *(_local(f, name, p) for f in (full, full + 0.5, full * 2)))
     return out
+
+
+def _goldens(model, cfg) -> dict:
+    """{local name: (param, weight, exp_avg, exp_avg_sq)} expected on this rank (pp1;
+    tests/test_moe_legacy.py's form)."""
+    gold = _goldens_by_param(model, cfg)
+    return {name: gold[id(p)][1:] for name, _, p in _params(model, cfg)}
+
+
+def _opt_states(optimizer):
+    """(torch optimizer, param) of a plain optimizer's states (tests/test_moe_legacy.py)."""
+    for co in getattr(optimizer, "chained_optimizers", [optimizer]):
+        co.init_state_fn(co.optimizer, co.config)
+        for group in co.optimizer.param_groups:
+            for p in group["params"]:
+                yield co.optimizer, p
+
+
+def _set_golden(model, optimizer, cfg) -> None:
+    _fill(model, optimizer, cfg, sentinel=False)
+
+
+@torch.no_grad()
+def _fill_sentinel(model, optimizer) -> None:
+    """Every weight, main param, moment and step the sentinel (no goldens needed)."""
+    for p in model.parameters():
+        p.fill_(SENTINEL)
+    for opt, _, main, _ in _entries(optimizer):
+        main.fill_(SENTINEL)
+        for key in ("exp_avg", "exp_avg_sq"):
+            opt.state[main][key].fill_(SENTINEL)
+        opt.state[main]["step"] = torch.tensor(SENTINEL)
 
 
 def _entries(optimizer):
@@ -236,7 +268,7 @@ def _cut(t: torch.Tensor, sl) -> torch.Tensor:
 def _fill(model, optimizer, cfg, sentinel: bool) -> int:
     """Set every weight, main param, moment and step to its golden (or the sentinel); returns
     how many optimizer entries were set."""
-    gold = _goldens(model, cfg)
+    gold = _goldens_by_param(model, cfg)
     for _, p, want, _, _ in gold.values():
         p.copy_(torch.full_like(p, SENTINEL) if sentinel else want)
     n = 0
@@ -261,7 +293,7 @@ def _diff(what, got, want):
 @torch.no_grad()
 def _check(model, optimizer, cfg) -> tuple:
     """(expert tensors compared, all tensors compared, problems)."""
-    gold = _goldens(model, cfg)
+    gold = _goldens_by_param(model, cfg)
     problems, n, experts = [], 0, 0
     for glob, p, want, _, _ in gold.values():
         problems.append(_diff(f"{glob} weight", p.detach(), want.to(p.dtype)))
