@@ -313,10 +313,10 @@ def check(cfg, layout) -> None:
 
 
 def _check_checkpoints(cfg, layout) -> None:
-    """What MoE checkpoints support (docs/moe.md, Checkpoints): fp32 parameters and megatron's
-    non-distributed optimizer, in either checkpoint.format (a stock one is read at other layouts
-    through gtp.legacy); pretrained (Hugging Face) starts are not wired for MoE models. Anything
-    else is refused, naming why."""
+    """What MoE checkpoints support (docs/moe.md, Checkpoints): the logical format (fp32 or
+    bf16 parameters, megatron's plain or distributed optimizer) and the stock one with fp32
+    parameters and the plain optimizer (read at other layouts through gtp.legacy); pretrained
+    (Hugging Face) starts are not wired for MoE models. Anything else is refused, naming why."""
     from recipes.validate import ConfigError
 
     ck, m = cfg.checkpoint, cfg.model
@@ -325,19 +325,19 @@ def _check_checkpoints(cfg, layout) -> None:
         raise ConfigError(f"checkpoint.pretrained={ck.pretrained!r} with an MoE model "
                           f"(model.{m.name}): importing Hugging Face MoE weights is not "
                           f"supported yet; set checkpoint.pretrained=null")
-    if not used:
+    if not used or ck.get("format", "logical") == "logical":
         return
     why = None
     if layout.use_distributed_optimizer:
-        why = ("optim.use_distributed_optimizer=true (its MoE state is untested across layouts); "
-               "set optim.use_distributed_optimizer=false")
+        why = ("optim.use_distributed_optimizer=true (untested with stock MoE checkpoints); "
+               "set optim.use_distributed_optimizer=false or checkpoint.format=logical")
     elif cfg.precision.params_dtype != "fp32":
-        why = (f"precision.params_dtype={cfg.precision.params_dtype} (the bf16 optimizer's MoE "
-               f"state is untested across layouts); use precision=fp32")
+        why = (f"precision.params_dtype={cfg.precision.params_dtype} (untested with stock MoE "
+               f"checkpoints); use precision=fp32 or checkpoint.format=logical")
     if why:
         raise ConfigError(f"checkpoint.{used[0]}={ck[used[0]]!r} with an MoE model "
-                          f"(model.{m.name}) and {why}, or train without checkpoints: "
-                          f"checkpoint=none")
+                          f"(model.{m.name}), checkpoint.format={ck.format!r} and {why}, or "
+                          f"train without checkpoints: checkpoint=none")
 
 
 def _check_expert_gtp(cfg, layout) -> None:

@@ -15,7 +15,10 @@ layout change (TP, PP, DP, GTP) is megatron's ordinary resharding. They differ i
 
 :func:`prepare_request` renames or drops the main-param requests the file cannot answer (before
 the load) and :func:`finish_load` rebuilds the non-tensor part in the form the running optimizer's
-``load_state_dict`` takes (after it). Same kind: both do nothing.
+``load_state_dict`` takes (after it). Same kind: both do nothing. An MoE model's chain of a
+dense and an expert optimizer (megatron's ``ChainedOptimizer``; keys without its
+``chained_<i>.`` prefix) resumes a chain of another length, kind or precision entry by running
+entry (:func:`_rechain`).
 """
 
 from __future__ import annotations
@@ -63,62 +66,75 @@ def chain_length(common_optimizer) -> int:
     return 1
 
 
-def _rechain(optimizer, loaded: dict, common: dict, mine: str, saved: str):
-    """The state dict for a running chain of another length than the file's: an MoE model has
-    a dense and an expert optimizer where its experts are split (expert parallel size > 1,
-    expert tensor parallel size != tensor parallel size, expert GTP: megatron's
-    ``get_megatron_optimizer`` gives params with ``allreduce = False`` their own), one otherwise.
+def _rechain(optimizer, loaded: dict, common: dict, dropped) -> dict | list:
+    """The state dict for a running chain that differs from the file's (:func:`_regroup`) in
+    length, kind (plain / distributed) or precision: an MoE model has a dense and an expert
+    optimizer where its experts are split (expert parallel size > 1, expert tensor parallel
+    size != tensor parallel size, expert GTP: megatron's ``get_megatron_optimizer`` gives
+    params with ``allreduce = False`` their own), one otherwise.
 
-    The moments are model-space tensors under each param's own key (the request put them in
-    the running chain's places); the hyper-parameters of each running param group come from
-    the file's group with the same identity (``param_group_identifier_keys``; a group of the
-    other side's expert optimizer differs only in ``is_expert_parallel``), ``common_step``
-    from the file (the same in every part: ``ChainedOptimizer._synchronize_steps``).
+    The moments (and a distributed optimizer's main params) are model-space tensors under each
+    param's own key (the request put them in the running chain's places, whichever entry of
+    the file wrote them); each running optimizer gets them in its own structure
+    (:func:`_rebuilt`), the hyper-parameters of each param group from the file's group with the
+    same identity (``param_group_identifier_keys``; a group of the other side's expert
+    optimizer differs only in ``is_expert_parallel``) and the step from the file (the same in
+    every part: ``ChainedOptimizer._synchronize_steps``; the plain optimizer's
+    ``state.common_step``, the distributed one's ``step`` of each param group).
+
+    Args:
+        dropped: :func:`prepare_request`'s result (``{index: dropped}`` for a running chain).
 
     Raises:
-        OptimizerCheckpointError: a distributed or bf16 optimizer on either side (not supported
-            across chain lengths), or no matching param group / step.
+        OptimizerCheckpointError: the file's parts hold different steps, none, or no param
+            group matching a running one.
     """
     chain = _chain(optimizer)
-    parts = [common[k] for k in sorted(common)] if chain_length(common) > 1 else [common]
-    if mine != PLAIN or saved != PLAIN or any("param_groups" not in p for p in parts):
-        raise OptimizerCheckpointError(
-            f"an MoE optimizer state written by {len(parts)} megatron optimizer(s) resumed by "
-            f"{len(chain)}: supported for the non-distributed fp32 optimizer only")
-    groups = [g for p in parts for g in p["param_groups"]]
-    steps = {p.get("state", {}).get("common_step") for p in parts}
-    steps = {None if v is None else float(v) for v in steps}
+    parts = [common[k] for k in sorted(common)] if _is_chain(common) else [common]
+    groups, steps = [], set()
+    for part in parts:
+        if _entry_kind(part) == DISTRIBUTED:
+            part_groups = part["optimizer"]["param_groups"]
+            steps |= {float(g["step"]) for g in part_groups if g.get("step") is not None}
+        else:
+            node = _plain_node(part)
+            part_groups, step = node["param_groups"], node.get("state", {}).get("common_step")
+            steps.add(None if step is None else float(step))
+        groups += part_groups
     if len(steps) != 1 or None in steps:
         raise OptimizerCheckpointError(f"the checkpoint's optimizer parts hold steps {steps}")
-    step = torch.tensor(steps.pop())
-    from megatron.core.optimizer.optimizer import param_group_identifier_keys
-
-    keys = [k for k in param_group_identifier_keys if k != "is_expert_parallel"]
-
-    def ident(group):
-        return tuple(group.get(k, group.get(f"pre_{k}")) for k in keys)
-
-    by_id = {}
-    for g in groups:
-        by_id.setdefault(ident(g), g)
+    step = steps.pop()
     nodes = [loaded[i] for i in range(len(chain))] if len(chain) > 1 else [loaded]
-    out = []
-    for opt, node in zip(chain, nodes):
-        hyper = []
-        for own in opt.optimizer.state_dict()["param_groups"]:
-            got = by_id.get(ident(own))
-            if got is None:
-                raise OptimizerCheckpointError(
-                    f"no param group of the checkpoint matches this optimizer's group "
-                    f"{ident(own)} (lr/weight-decay settings differ)")
-            hyper.append({k: v for k, v in got.items() if k not in ("params", "step",
-                                                                    "is_expert_parallel")}
-                         | {"params": own["params"],
-                            "is_expert_parallel": own.get("is_expert_parallel", False)})
-        state = {k: v for k, v in node["state"].items() if k != "common_step"}
-        state["common_step"] = step
-        out.append({"state": state, "param_groups": hyper})
+    drops = dropped if isinstance(dropped, dict) else {0: dropped}
+    out = [_rebuilt(opt, node, groups, step, drops.get(i) or [])
+           for i, (opt, node) in enumerate(zip(chain, nodes))]
     return out if len(chain) > 1 else out[0]
+
+
+def _rebuilt(opt, node: dict, groups: list, step: float, dropped: list) -> dict:
+    """One running megatron optimizer's state dict from its loaded request ``node``, the file's
+    param ``groups`` (any chain entry) and ``step``: the distributed optimizer's
+    ``{optimizer: {param_groups}, param_state, param_state_sharding_type}``, the plain fp32
+    one's ``{state, param_groups}``, the plain bf16 one's ``{optimizer: {state, param_groups},
+    fp32_from_fp16_params}``. ``dropped``: as :func:`prepare_one`."""
+    own = opt.optimizer.state_dict()["param_groups"]
+    hyper = _hyper(groups, own, ignore=("is_expert_parallel",))
+    if kind_of(opt) == DISTRIBUTED:
+        param_state = dict(node["param_state"])
+        if dropped:
+            params = _params_in_fully_reshardable_order(opt)
+            for i in dropped:
+                param_state[i] = {**param_state[i], "param": params[i].detach()}
+        return {"optimizer": {"param_groups": [g | {"step": step} for g in hyper]},
+                "param_state": param_state, "param_state_sharding_type": "fully_reshardable"}
+    bf16 = "fp32_from_fp16_params" in node
+    moments = node["optimizer"]["state"] if bf16 else node["state"]
+    inner = {"state": {k: v for k, v in moments.items() if k != "common_step"},
+             "param_groups": hyper}
+    inner["state"]["common_step"] = torch.tensor(step)
+    if bf16:
+        return {"fp32_from_fp16_params": node["fp32_from_fp16_params"], "optimizer": inner}
+    return inner
 
 
 def kind_of(optimizer) -> str:
@@ -263,10 +279,40 @@ def prepare_request(opt_request: dict, stored_keys, mine: str, saved: str, optim
     """:func:`prepare_one` for each entry of a chained optimizer (``optimizer`` given and the
     request a chain; then each entry's own kinds, and ``{index: dropped}`` returned), else for
     the one optimizer."""
+    if optimizer is not None and common is not None and _regroup(optimizer, common):
+        # Keys carry no chain prefix: each running entry's requests, whichever entry wrote them.
+        chain = _chain(optimizer)
+        if not _is_chain(opt_request):
+            return prepare_one(opt_request, stored_keys, kind_of(chain[0]), saved)
+        return {i: prepare_one(opt_request[i], stored_keys, kind_of(opt), saved)
+                for i, opt in enumerate(chain)}
     if mine == saved or optimizer is None or not _is_chain(opt_request):
         return prepare_one(opt_request, stored_keys, mine, saved)
     return {i: prepare_one(request, stored_keys, kind_of(opt), _entry_kind(node))
             for i, opt, request, node in _chain_pairs(optimizer, opt_request, common)}
+
+
+def _is_bf16(opt) -> bool:
+    """Whether a (not chained) megatron optimizer keeps fp32 main params of bf16 weights."""
+    return kind_of(opt) == PLAIN and hasattr(opt, "fp32_from_float16_groups")
+
+
+def _regroup(optimizer, common: dict) -> bool:
+    """Whether :func:`_rechain` rebuilds the state: a chain on either side (an MoE model's
+    dense and expert optimizer) whose file entries differ from the running ones in number, or
+    in kind or (plain optimizer) precision with each side's entries all of one kind. The same
+    structure loads as it is; a chain mixing kinds (Muon's layer-wise one, whose Muon and Adam
+    param groups may share an identity) is matched entry by entry."""
+    chain = _chain(optimizer)
+    parts = [common[k] for k in sorted(common)] if _is_chain(common) else [common]
+    if len(chain) == 1 and len(parts) == 1 or len({kind_of(o) for o in chain}) != 1:
+        return False
+    if len(parts) != len(chain):
+        return True
+    return len({_entry_kind(p) for p in parts}) == 1 and any(
+        kind_of(opt) != _entry_kind(part)
+        or kind_of(opt) == PLAIN and _is_bf16(opt) != ("param_groups" not in part)
+        for opt, part in zip(chain, parts))
 
 
 def prepare_one(opt_request: dict, stored_keys, mine: str, saved: str) -> list:
@@ -290,6 +336,8 @@ def prepare_one(opt_request: dict, stored_keys, mine: str, saved: str) -> list:
                 else ("optimizer.state.fp32_param.", "optimizer.state.param."))
     dropped = []
     for container, key, entry in _main_param_entries(opt_request, mine):
+        if entry.key in stored_keys:
+            continue  # a chain's entry of the file's kind (Muon's layer-wise chain)
         prefix, found, name = entry.key.partition(src)  # prefix: a chain's "chained_<i>."
         if not found or prefix.count(".") > 1:
             continue
@@ -307,19 +355,22 @@ def prepare_one(opt_request: dict, stored_keys, mine: str, saved: str) -> list:
     return dropped
 
 
-def _groups_by_identity(groups: list) -> dict:
+def _groups_by_identity(groups: list, ignore: tuple = ()) -> dict:
     from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
+    keys = [k for k in param_group_identifier_keys if k not in ignore]
+
     def ident(group):
-        return tuple(group.get(k, group.get(f"pre_{k}")) for k in param_group_identifier_keys)
+        return tuple(group.get(k, group.get(f"pre_{k}")) for k in keys)
 
     return {ident(g): g for g in groups}, ident
 
 
-def _hyper(groups: list, own_groups: list) -> list:
+def _hyper(groups: list, own_groups: list, ignore: tuple = ()) -> list:
     """The file's param groups (hyper-parameters) in the running optimizer's group order, each
-    with this optimizer's own ``params``."""
-    by_id, ident = _groups_by_identity(groups)
+    with this optimizer's own ``params`` (and its own values of the identity keys ``ignore``d
+    in matching)."""
+    by_id, ident = _groups_by_identity(groups, ignore)
     out = []
     for own in own_groups:
         saved = by_id.get(ident(own))
@@ -327,8 +378,8 @@ def _hyper(groups: list, own_groups: list) -> list:
             raise OptimizerCheckpointError(
                 f"no param group of the checkpoint matches this optimizer's group "
                 f"{ident(own)} (lr/weight-decay settings differ)")
-        out.append({k: v for k, v in saved.items() if k not in ("params", "step")}
-                   | {"params": own["params"]})
+        out.append({k: v for k, v in saved.items() if k not in ("params", "step", *ignore)}
+                   | {"params": own["params"]} | {k: own.get(k, False) for k in ignore})
     return out
 
 
@@ -341,6 +392,8 @@ def _plain_node(common: dict) -> dict:
 def finish_load(optimizer, loaded: dict, common: dict, mine: str, saved: str, dropped) -> dict:
     """:func:`finish_one` for each entry of a chained optimizer (``dropped`` a dict, from
     :func:`prepare_request` of a chain), else for the one optimizer."""
+    if _regroup(optimizer, common):
+        return _rechain(optimizer, loaded, common, dropped)
     if not isinstance(dropped, dict):
         return finish_one(optimizer, loaded, common, mine, saved, dropped)
     return {i: finish_one(opt, entry, node, kind_of(opt), _entry_kind(node), dropped[i])
@@ -367,7 +420,7 @@ def finish_one(optimizer, loaded: dict, common: dict, mine: str, saved: str,
         OptimizerCheckpointError: the file's param groups or step cannot be matched.
     """
     if chain_length(common) != len(_chain(optimizer)):
-        return _rechain(optimizer, loaded, common, mine, saved)
+        return _rechain(optimizer, loaded, common, dropped)
     bf16_now = "fp32_from_fp16_params" in loaded
     if mine == saved and (mine == DISTRIBUTED or bf16_now == ("param_groups" not in common)):
         return loaded

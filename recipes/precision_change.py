@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from recipes.optim_checkpoint import DISTRIBUTED
+from recipes.optim_checkpoint import DISTRIBUTED, PLAIN
 
 _MAIN_PREFIXES = ("optimizer.state.fp32_param.", "optimizer.state.param.")
 
@@ -89,6 +89,10 @@ def _ident(name: str, entry) -> tuple:
     live = getattr(entry, "live_param", None)
     if live is not None:
         return name, id(live)
+    if not hasattr(entry, "global_offset") and hasattr(entry, "build"):
+        # megatron's SwiGLU factory (an expert's fc1 of every layer and expert under one key):
+        # the offsets of the pieces it builds.
+        return name, tuple(tuple(piece.global_offset) for _, piece in _walk(entry.build()))
     return name, tuple(getattr(entry, "global_offset", None) or ())
 
 
@@ -104,7 +108,13 @@ def _pop(node, path):
 
 
 def _main_requests(opt_request: dict, mine: str):
-    """``(path, entry)`` of the main-param requests, paths relative to ``opt_request``."""
+    """``(path, entry)`` of the main-param requests, paths relative to ``opt_request``; of each
+    entry of megatron's ``ChainedOptimizer`` request (keyed 0, 1...: an MoE model's dense and
+    expert optimizer), each entry's kind told by its structure."""
+    if opt_request and all(isinstance(k, int) for k in opt_request):
+        return [((i, *path), entry) for i, sub in sorted(opt_request.items())
+                for path, entry in _main_requests(
+                    sub, DISTRIBUTED if "param_state" in sub else PLAIN)]
     if mine == DISTRIBUTED:
         return [(("param_state", i, "param"), state["param"])
                 for i, state in (opt_request.get("param_state") or {}).items() if "param" in state]

@@ -40,44 +40,56 @@ def test_a_record_with_the_expert_keys_keeps_them():
 
 # --------------------------------------------------------------------------------------------
 # Through train.py: moe_tiny (4 SwiGLU experts of width 100, hidden 72, 2 layers, fp32, Adam).
-# A: ep2 x egtp2/a16 on 4 processes, 9 iterations uninterrupted, saving every 3 (expert fc1 200
+# A: ep2 x egtp2/a16 on 4 processes, 10 iterations uninterrupted, saving every 3 (expert fc1 200
 #    rows per expert, 224 padded under a16; a dense and an expert optimizer);
-# B: tp1 on 1 process, no GTP, from A's iteration 3 to 9 (one optimizer);
-# C: tp2+sp x ep2 (etp1) on 2 processes, from B's iteration 6 to 9 (dense and expert optimizers
-#    again). Exactness of every expert tensor at each layout pair: test_moe_checkpoint_layouts.py.
+# B: tp1 on 1 process, no GTP, from A's iteration 3 to 10 (one optimizer);
+# C: tp2+sp x ep2 (etp1) on 2 processes, from B's iteration 6 to 10 (dense and expert optimizers
+#    again), saving every iteration;
+# D: pp2 x ep2 with megatron's distributed optimizer on 4 processes (dense data parallel 2,
+#    expert data parallel 1), from C's iteration 7 to 10: plain -> distributed optimizer, and
+#    megatron's distributed-optimizer load through untie_steps (a step shared by every param
+#    would bias-correct wrongly from the second iteration after the load on).
+# Exactness of every expert tensor at each layout pair: test_moe_checkpoint_layouts.py.
 # --------------------------------------------------------------------------------------------
 MOE = ("model=moe_tiny", "parallelism=tp1", "train.eval_iters=0", "logger=none",
-       "optim.lr_warmup_iters=1", "train.train_iters=9", "checkpoint.save_interval=3")
+       "optim.lr_warmup_iters=1", "train.train_iters=10", "checkpoint.save_interval=3")
 A_LAYOUT = ("parallelism.expert_model_parallel_size=2", "gtp.expert_gtp_remat_size=2",
             "gtp.pad_for_alignment=16", "parallelism.nproc_per_node=4")
 C_LAYOUT = ("parallelism.tensor_model_parallel_size=2", "parallelism.sequence_parallel=true",
             "parallelism.expert_model_parallel_size=2", "parallelism.expert_tensor_parallel_size=1",
             "parallelism.nproc_per_node=2")
+D_LAYOUT = ("parallelism.pipeline_model_parallel_size=2",
+            "parallelism.expert_model_parallel_size=2", "optim.use_distributed_optimizer=true",
+            "parallelism.nproc_per_node=4")
 
 
 @pytest.fixture(scope="module")
 def moe_runs(train_run, tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_resume")
-    a, b, c = root / "a", root / "b", root / "c"
+    a, b, c, d = root / "a", root / "b", root / "c", root / "d"
     train_run(a, *MOE, *A_LAYOUT)
     train_run(b, *MOE, "parallelism.nproc_per_node=1", f"checkpoint.load={a}/checkpoints",
               "checkpoint.load_iteration=3")
     train_run(c, *MOE, *C_LAYOUT, f"checkpoint.load={b}/checkpoints",
-              "checkpoint.load_iteration=6")
-    return a, b, c
+              "checkpoint.load_iteration=6", "checkpoint.save_interval=1")
+    train_run(d, *MOE, *D_LAYOUT, f"checkpoint.load={c}/checkpoints",
+              "checkpoint.load_iteration=7")
+    return a, b, c, d
 
 
 @pytest.mark.e2e
 def test_moe_resumes_across_expert_layouts(moe_runs):
     from resume_checks import assert_same_step, by_iteration
 
-    a, b, c = (by_iteration(run)[0] for run in moe_runs)
-    assert sorted(a) == list(range(1, 10)) and sorted(b) == list(range(4, 10))
-    assert sorted(c) == list(range(7, 10))
-    for it in range(4, 10):  # ep2 x egtp2/a16 -> tp1, no GTP: 6 iterations after the resume
+    a, b, c, d = (by_iteration(run)[0] for run in moe_runs)
+    assert sorted(a) == list(range(1, 11)) and sorted(b) == list(range(4, 11))
+    assert sorted(c) == list(range(7, 11)) and sorted(d) == list(range(8, 11))
+    for it in range(4, 11):  # ep2 x egtp2/a16 -> tp1, no GTP: 7 iterations after the resume
         assert_same_step(b[it], a[it])
-    for it in range(7, 10):  # tp1 -> tp2+sp x ep2: 3 iterations
+    for it in range(7, 11):  # tp1 -> tp2+sp x ep2: 4 iterations
         assert_same_step(c[it], a[it])
+    for it in range(8, 11):  # tp2+sp x ep2 -> pp2 x ep2 + distributed optimizer: 3 iterations
+        assert_same_step(d[it], a[it])
 
 
 @pytest.mark.e2e

@@ -134,13 +134,24 @@ def test_expert_sizes_need_an_moe_model():
     (("optim.use_distributed_optimizer=true",), "set optim.use_distributed_optimizer=false"),
     (("precision=bf16",), "use precision=fp32"),
 ])
-def test_moe_checkpoints_that_are_not_supported_are_refused_before_launch(overrides, message):
-    # docs/moe.md, Checkpoints: fp32, the non-distributed optimizer, the logical format.
+def test_stock_moe_checkpoints_with_bf16_or_the_distributed_optimizer_are_refused(overrides,
+                                                                                  message):
+    # docs/moe.md, Checkpoints: stock MoE checkpoints are tested with fp32 and the plain optimizer.
     with pytest.raises(ConfigError) as info:
-        validate(make_cfg("model=moe_tiny", "checkpoint.save=/tmp/somewhere", *overrides), 2)
+        validate(make_cfg("model=moe_tiny", "checkpoint.save=/tmp/somewhere",
+                          "checkpoint.format=stock", *overrides), 2)
     assert message in str(info.value) and "checkpoint=none" in str(info.value), str(info.value)
-    validate(make_cfg("model=moe_tiny", "checkpoint.save=/tmp/somewhere"), 2)
-    validate(make_cfg("model=moe_tiny", "checkpoint=none", *overrides), 2)
+    validate(make_cfg("model=moe_tiny", "checkpoint=none", "checkpoint.format=stock",
+                      *overrides), 2)
+
+
+@pytest.mark.parametrize("overrides", [("optim.use_distributed_optimizer=true",),
+                                       ("precision=bf16",),
+                                       ("precision=bf16", "optim.use_distributed_optimizer=true")])
+def test_moe_checkpoints_with_bf16_or_the_distributed_optimizer_are_accepted(overrides):
+    # tests/test_moe_checkpoint_layouts.py restores them exactly at other layouts.
+    validate(make_cfg("model=moe_tiny", "checkpoint.save=/tmp/somewhere",
+                      "parallelism.expert_model_parallel_size=2", *overrides), 2)
 
 
 def test_moe_checkpoints_in_the_stock_format_are_accepted():
