@@ -165,6 +165,8 @@ def summarize_save(res: dict) -> dict:
 
 
 def summarize_cross(res: dict, name: str, source_same_layout_s: float) -> dict:
+    """Per-load statistics (seconds, across ranks) of one cross-layout load case, with its
+    ratio to the source's same-layout load ``source_same_layout_s``."""
     if "error" in res:
         return {"error": res["error"]}
     loads = {k: _stats(res["ranks"], "loads", k) for k in res["ranks"][0]["loads"]}
@@ -186,6 +188,7 @@ CONTROL_LABEL = "tp2, gtp off (world 2)"
 
 
 def format_tables(summary: dict, head: dict) -> str:
+    """The printed tables of a checkpoint benchmark run: saves, then loads at each layout."""
     saves = summary["saves"]
     main = saves[head["source_name"]]
     reps = head["repeats"]

@@ -46,6 +46,7 @@ TRAIN_STEPS = 2
 
 
 def describe(tp: int, g: int, pad) -> str:
+    """``tp2 x g2/a16`` or ``tp1, gtp off``: a case's layout as the tables name it."""
     return f"tp{tp}" + (f" x g{g}/a{pad}" if g > 1 else ", gtp off")
 
 

@@ -64,6 +64,8 @@ def _param_count(iter_path: Path) -> dict:
 
 
 def worker(cfg_path: str, out_path: str) -> None:
+    """One rank of a benchmark launch: build the model of ``cfg_path``, time its saves and
+    loads, write this rank's timings (seconds) as JSON to ``out_path``."""
     import torch
     from megatron.core import parallel_state
     from omegaconf import OmegaConf

@@ -12,6 +12,7 @@ from benchmarks.memory import PeakRSS
 
 
 def barrier() -> None:
+    """Every rank of the benchmark's world waits here (torch.distributed.barrier)."""
     import torch
 
     torch.distributed.barrier()

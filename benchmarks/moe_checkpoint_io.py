@@ -47,6 +47,8 @@ FORMATS = ("logical", "stock")
 
 
 def compose_config(run_dir: Path, cache: Path, quick: bool, repeats: int):
+    """The benchmark's run config: moe_tiny (widened unless ``quick``) at the measured layout,
+    mock data, ``repeats`` timed saves and loads per format."""
     cfg = train_speed.bench_config(["model=moe_tiny", "data=mock", *LAYOUT,
                                     *(() if quick else FULL_MODEL)], run_dir, cache, 1, 0)
     cfg.bench.repeats = repeats
@@ -134,6 +136,8 @@ def _ratio(a: list, b: list) -> str:
 
 
 def format_table(res: dict, model: str) -> str:
+    """The printed table of one run's results: seconds per save and load, logical and stock, and
+    their ratio (logical / stock), measured side by side."""
     t = res["times"]
     rows = []
     for op in ("save", "load"):
@@ -155,6 +159,7 @@ def format_table(res: dict, model: str) -> str:
 
 
 def main(argv=None) -> int:
+    """Command line: run the benchmark, print its table, write results.json; returns 0."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.moe_checkpoint_io",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="moe_tiny as is, 2 repeats")

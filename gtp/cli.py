@@ -133,8 +133,9 @@ def cmd_inspect(args, out=sys.stdout) -> int:
 def describe_parallelism(rec: dict) -> str:
     """``tp2 x pp2 (vpp -) x gtp2 (pad 16) x dp1, world 4`` from a recorded layout (records
     written before pipeline parallelism lack pp/vpp: pp1), with ``+sp`` after tp under sequence
-    parallelism and ``; experts ep2 x etp1 x egtp2`` when experts are laid out otherwise than
-    the dense weights (records written before MoE lack those keys: none shown)."""
+    parallelism, `` x cp2`` under context parallelism and ``; experts ep2 x etp1 x egtp2``
+    when experts are laid out otherwise than the dense weights (records written before MoE lack
+    those keys: none shown)."""
     g = rec.get("gtp_remat_size", 1)
     gtp = f"gtp{g} (pad {rec.get('pad_for_alignment', 0)})" if g > 1 else "gtp1"
     vpp = rec.get("virtual_pipeline_model_parallel_size")
@@ -142,11 +143,13 @@ def describe_parallelism(rec: dict) -> str:
     sp = "+sp" if rec.get("sequence_parallel") else ""
     ep, etp = rec.get("expert_model_parallel_size", 1), rec.get("expert_tensor_parallel_size", tp)
     egtp = rec.get("expert_gtp_remat_size", 1)
-    experts = (f"; experts ep{ep} x etp{etp} x egtp{egtp}"
+    epad = f" (pad {rec.get('pad_for_alignment', 0)})" if egtp > 1 and g == 1 else ""
+    experts = (f"; experts ep{ep} x etp{etp} x egtp{egtp}{epad}"
                if (ep, etp, egtp) != (1, tp, 1) else "")
+    cp = rec.get("context_parallel_size", 1)
     return (f"tp{tp}{sp} x pp{rec.get('pipeline_model_parallel_size', 1)} (vpp {vpp or '-'}) x "
-            f"{gtp} x dp{rec.get('data_parallel_size', '?')}, world "
-            f"{rec.get('world_size', '?')}{experts}")
+            f"{gtp}{f' x cp{cp}' if cp > 1 else ''} x dp{rec.get('data_parallel_size', '?')}, "
+            f"world {rec.get('world_size', '?')}{experts}")
 
 
 def optimizer_format(common: dict) -> str | None:

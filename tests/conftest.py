@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # Helpers shared between test files (multiproc, compose, resume_checks, wandb_offline, golden_curve).
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
-# Small and fast: the tiny model, few iterations, one warmup step.
-FAST = ["train.train_iters=4", "optim.lr_warmup_iters=1", "logger=none"]
+# Small and fast: the tiny model, few iterations, one warmup step (tests/helpers/inworld.py's).
+from inworld import FAST  # noqa: E402
 
 
 @pytest.fixture
@@ -53,7 +53,7 @@ def train_run(data_cache):
             args += ["-m", f"hydra.sweep.dir={out_dir}"]
         else:
             args += [f"hydra.run.dir={out_dir}"]
-        args += FAST + [f"data.cache_dir={data_cache}", *overrides]
+        args += [*FAST, f"data.cache_dir={data_cache}", *overrides]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true", **(env or {})}
         proc = subprocess.run(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, timeout=timeout)

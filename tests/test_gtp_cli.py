@@ -164,4 +164,6 @@ def test_inspect_names_the_expert_layout_and_sequence_parallelism():
     moe = {**dense, "sequence_parallel": True, "expert_model_parallel_size": 2,
            "expert_tensor_parallel_size": 1, "expert_gtp_remat_size": 2}
     assert describe_parallelism(moe) == ("tp2+sp x pp1 (vpp -) x gtp1 x dp2, world 4; "
-                                         "experts ep2 x etp1 x egtp2")
+                                         "experts ep2 x etp1 x egtp2 (pad 0)")
+    cp = {**dense, "context_parallel_size": 2, "data_parallel_size": 1}
+    assert describe_parallelism(cp) == "tp2 x pp1 (vpp -) x gtp1 x cp2 x dp1, world 4"

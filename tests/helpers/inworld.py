@@ -38,7 +38,9 @@ FAST = ("train.train_iters=4", "optim.lr_warmup_iters=1", "logger=none")
 
 @dataclass
 class Job:
-    """One finished job: rank 0's console (stdout and stderr) while it ran."""
+    """One finished job: rank 0's console (what it wrote to ``sys.stdout``/``sys.stderr``
+    while it ran; not the other ranks', not the launcher's, not output written by C++ or below
+    Python's streams): a test may look for a line in it, never conclude from a line's absence."""
 
     out_dir: Path
     stdout: str
@@ -61,6 +63,24 @@ def compose_job(out_dir, cache_dir, overrides) -> object:
             ("data.cache_dir", cache_dir)) if key not in given]
         cfg = compose("config", overrides=[*filled, *FAST, *overrides])
     return cfg
+
+
+def forget_job_globals() -> None:
+    """What one job leaves in its processes that a later job of the same world must not see,
+    beyond megatron's parallel state and GTP globals (``multiproc.reset_model_parallel``):
+    megatron's MoE metrics tracker (sized by the job's layers, holding its groups) and the log
+    filters ``recipes.console.quiet_megatron`` added for the job's rank and save mode."""
+    import logging
+
+    from megatron.core.transformer.moe import moe_logging
+
+    from recipes import console
+
+    moe_logging.set_moe_metrics_tracker(moe_logging.MoEMetricsTracker())
+    loggers = [logging.getLogger(), *(logging.getLogger(n) for n in logging.root.manager.loggerDict)]
+    for holder in [*loggers, *(h for lg in loggers for h in getattr(lg, "handlers", ()))]:
+        for flt in [f for f in getattr(holder, "filters", ()) if isinstance(f, console._MegatronFilter)]:
+            holder.removeFilter(flt)
 
 
 def world_size_of(cfg) -> int:
@@ -88,6 +108,7 @@ def _jobs(cache_dir, jobs):
         finally:
             os.environ.pop("GTP_RECIPES_CONTINUE", None)
             reset_model_parallel()
+            forget_job_globals()
         dist.barrier()  # every rank done with this job's files before the next job starts
         consoles.append(buf.getvalue() if rank == 0 else "")
     return consoles
