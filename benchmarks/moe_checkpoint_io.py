@@ -33,9 +33,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import tables, train_speed
+from benchmarks import runs, tables, train_speed
 
-REPO = train_speed.REPO
 WORLD = 4
 LAYOUT = ("parallelism=tp1", f"parallelism.nproc_per_node={WORLD}",
           "parallelism.expert_model_parallel_size=2", "gtp.expert_gtp_remat_size=2",
@@ -162,22 +161,14 @@ def main(argv=None) -> int:
     """Command line: run the benchmark, print its table, write results.json; returns 0."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.moe_checkpoint_io",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="moe_tiny as is, 2 repeats")
-    parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (5)")
-    parser.add_argument("--out", default=None, help="output dir (default outputs/benchmarks/...)")
+    runs.add_run_args(parser, "moe_tiny as is, 2 repeats", "interleaved repeats (5)")
     parser.add_argument("--worker", nargs=2, metavar=("CONFIG", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         _worker(*args.worker)
         return 0
     repeats = args.repeats or (2 if args.quick else 5)
-    out = Path(args.out or REPO / "outputs" / "benchmarks" / time.strftime("%Y-%m-%d_%H-%M-%S")
-               / "moe_checkpoint").resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    os.environ["BENCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // WORLD))
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    out = runs.prepare_out(args.out, "moe_checkpoint", max(1, (os.cpu_count() or 1) // WORLD))
     model = "moe_tiny" if args.quick else "moe_tiny widened (" + ", ".join(FULL_MODEL) + ")"
     print(f"> moe_checkpoint: {model}, {repeats} interleaved repeats; writing {out}", flush=True)
     cfg = compose_config(out / "run", out / "cache", args.quick, repeats)
