@@ -221,12 +221,7 @@ def _llama(t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict]:
         **ids, **_rope_scaling(m),
     )
     L = "decoder.layers."
-    sd = {
-        "model.embed_tokens.weight": t["embedding.word_embeddings.weight"][:vocab],
-        "model.norm.weight": t["decoder.final_layernorm.weight"],
-    }
-    if not shared:
-        sd["lm_head.weight"] = t["output_layer.weight"][:vocab]
+    sd = llama_ends(t, vocab, shared)
     for i in range(layers):
         p = f"model.layers.{i}."
         fc1 = t[L + "mlp.linear_fc1.weight"][i]
@@ -238,6 +233,17 @@ def _llama(t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict]:
             p + "mlp.down_proj.weight": t[L + "mlp.linear_fc2.weight"][i],
         })
     return config, sd
+
+
+def llama_ends(t: dict, vocab: int, shared: bool) -> dict:
+    """The Llama-family tensors outside the layers: ``model.embed_tokens`` (vocab, hidden) and,
+    unless the output weight is the embedding's (``shared``), ``lm_head`` (vocab, hidden), each
+    without megatron's padded vocabulary rows, and ``model.norm`` (hidden,)."""
+    sd = {"model.embed_tokens.weight": t["embedding.word_embeddings.weight"][:vocab],
+          "model.norm.weight": t["decoder.final_layernorm.weight"]}
+    if not shared:
+        sd["lm_head.weight"] = t["output_layer.weight"][:vocab]
+    return sd
 
 
 def llama_attention(t: dict, m: dict, i: int, p: str) -> dict:

@@ -107,7 +107,7 @@ def build(arch: str, t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict
     """
     import transformers
 
-    from gtp.hf_export import llama_attention
+    from gtp.hf_export import llama_attention, llama_ends
 
     h, heads, layers = m["hidden_size"], m["num_attention_heads"], m["num_layers"]
     groups = m.get("num_query_groups") or heads
@@ -134,12 +134,7 @@ def build(arch: str, t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict
             decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
             attention_bias=False, **common)
     L = "decoder.layers."
-    sd = {
-        "model.embed_tokens.weight": t["embedding.word_embeddings.weight"][:vocab],
-        "model.norm.weight": t["decoder.final_layernorm.weight"],
-    }
-    if not shared:
-        sd["lm_head.weight"] = t["output_layer.weight"][:vocab]
+    sd = llama_ends(t, vocab, shared)
     for i in range(layers):
         p = f"model.layers.{i}."
         sd.update(llama_attention(t, m, i, p))
