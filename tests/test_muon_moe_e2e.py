@@ -1,8 +1,9 @@
-"""End to end through train.py: Muon on an MoE model trains the same with experts split over
+"""End to end (both jobs in one 4-process world, run as train.py's workers run them,
+tests/helpers/inworld.py): Muon on an MoE model trains the same with experts split over
 expert-parallel ranks and expert GTP as with all experts on every rank.
 
 ``moe_tiny`` with ``optim=muon`` ("highest" Newton-Schulz precision, duplicated TP mode) at ep1
-(2 processes) is the reference; ep2 x expert GTP 2 at alignment 16 (4 processes: expert fc1
+(dp4, 4 processes, the same global batch) is the reference; ep2 x expert GTP 2 at alignment 16 (4 processes: expert fc1
 200 -> 224 rows, fc2 72 -> 96) gives its ``lm loss`` and ``grad-norm`` at iterations 1 and 2
 within relative 1e-5. Iteration 2's loss is the first Muon update's: without ``gtp.muon`` the
 expert updates would be scaled by the padded shape and the expert optimizer's grad norm reduced
@@ -23,14 +24,14 @@ MOE_MUON = ("model=moe_tiny", "optim=muon", "checkpoint=none", "train.train_iter
 
 
 @pytest.fixture(scope="module")
-def runs(train_run, tmp_path_factory):
+def runs(train_jobs, tmp_path_factory):
     ep1 = tmp_path_factory.mktemp("muon_moe_ep1")
-    train_run(ep1, *MOE_MUON, "parallelism.nproc_per_node=2")
     split = tmp_path_factory.mktemp("muon_moe_ep2_egtp2")
-    out = train_run(split, *MOE_MUON, "parallelism.nproc_per_node=4",
-                    "parallelism.expert_model_parallel_size=2", "gtp.expert_gtp_remat_size=2",
-                    "gtp.pad_for_alignment=16")
-    return ep1, split, out.stdout
+    done = train_jobs([(ep1, [*MOE_MUON, "parallelism.nproc_per_node=4"]),
+                       (split, [*MOE_MUON, "parallelism.nproc_per_node=4",
+                                "parallelism.expert_model_parallel_size=2",
+                                "gtp.expert_gtp_remat_size=2", "gtp.pad_for_alignment=16"])])
+    return ep1, split, done[1].stdout
 
 
 def test_muon_on_moe_trains_the_same_at_ep2_x_egtp2(runs):
