@@ -33,6 +33,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from multiproc import reset_model_parallel, run_distributed
+from optimizer_entries import main_param_entries
 from recipes.config import register_configs
 
 pytestmark = pytest.mark.multiprocess
@@ -471,26 +472,6 @@ def _pp_goldens(model, cfg) -> dict:
     return out
 
 
-def _main_entries(optimizer):
-    """(torch optimizer, model param, fp32 main param, flat slice of the param or None)."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for co in getattr(optimizer, "chained_optimizers", [optimizer]):
-        co.init_state_fn(co.optimizer, co.config)
-        if isinstance(co, DistributedOptimizer):
-            for gbuf_range_maps in co.gbuf_ranges:
-                for maps in gbuf_range_maps.values():
-                    for m in maps:
-                        for p, rng in m["param_map"].items():
-                            gi, go = co.model_param_group_index_map[p]
-                            main = co.optimizer.param_groups[gi]["params"][go]
-                            yield co.optimizer, p, main, slice(rng["param"].start, rng["param"].end)
-        else:
-            for model_group, main_group in zip(co.float16_groups, co.fp32_from_float16_groups):
-                for p, main in zip(model_group, main_group):
-                    yield co.optimizer, p, main, None
-
-
 def _cut(t: torch.Tensor, sl) -> torch.Tensor:
     return t if sl is None else t.reshape(-1)[sl]
 
@@ -501,7 +482,7 @@ def _pp_fill(model, optimizer, cfg, sentinel: bool) -> int:
     for p, _, (want, _, _) in gold.values():
         p.copy_(torch.full_like(p, SENTINEL) if sentinel else want)
     n = 0
-    for opt, p, main, sl in _main_entries(optimizer):
+    for opt, p, main, sl in main_param_entries(optimizer):
         want, m, v = gold[id(p)][2]
         st = opt.state[main]
         for key, value in (("main", want), ("exp_avg", m), ("exp_avg_sq", v)):
@@ -519,7 +500,7 @@ def _pp_check(model, optimizer, cfg) -> tuple[int, list[str]]:
     for p, name, (want, _, _) in gold.values():
         problems.append(_diff(f"{name} weight", p.detach(), want.to(p.dtype)))
         n += 1
-    for opt, p, main, sl in _main_entries(optimizer):
+    for opt, p, main, sl in main_param_entries(optimizer):
         _, name, (want, m, v) = gold[id(p)]
         st = opt.state[main]
         problems.append(_diff(f"{name} fp32 main param", main.detach(), _cut(want, sl)))

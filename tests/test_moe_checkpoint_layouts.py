@@ -41,6 +41,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from multiproc import reset_model_parallel, run_distributed
+from optimizer_entries import main_param_entries as _entries
 from omegaconf import OmegaConf
 
 from recipes.config import register_configs
@@ -229,35 +230,6 @@ def _fill_sentinel(model, optimizer) -> None:
         for key in ("exp_avg", "exp_avg_sq"):
             opt.state[main][key].fill_(SENTINEL)
         opt.state[main]["step"] = torch.tensor(SENTINEL)
-
-
-def _entries(optimizer):
-    """(torch optimizer, model param, fp32 main param, flat range of the param or None) of every
-    param this rank's optimizers hold state for."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for co in getattr(optimizer, "chained_optimizers", [optimizer]):
-        co.init_state_fn(co.optimizer, co.config)
-        if isinstance(co, DistributedOptimizer):
-            for gbuf_range_maps in co.gbuf_ranges:
-                for maps in gbuf_range_maps.values():
-                    for m in maps:
-                        for p, rng in m["param_map"].items():
-                            gi, go = co.model_param_group_index_map[p]
-                            main = co.optimizer.param_groups[gi]["params"][go]
-                            yield co.optimizer, p, main, slice(rng["param"].start,
-                                                               rng["param"].end)
-        elif hasattr(co, "fp32_from_float16_groups"):  # bf16 weights, plain optimizer
-            for model_group, main_group in zip(co.float16_groups, co.fp32_from_float16_groups):
-                for p, main in zip(model_group, main_group):
-                    yield co.optimizer, p, main, None
-            for group in co.fp32_from_fp32_groups:
-                for p in group:
-                    yield co.optimizer, p, p, None
-        else:  # fp32 weights, plain optimizer: the weight is the main param
-            for group in co.optimizer.param_groups:
-                for p in group["params"]:
-                    yield co.optimizer, p, p, None
 
 
 def _cut(t: torch.Tensor, sl) -> torch.Tensor:
