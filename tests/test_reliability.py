@@ -42,12 +42,13 @@ def crashed(train_run, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def resumed(crashed, train_run, tmp_path_factory):
-    """Two resumes of the crashed run from its last complete save (iteration 2) to 6."""
+def resumed(crashed, train_jobs, tmp_path_factory):
+    """Two resumes of the crashed run from its last complete save (iteration 2) to 6, one after
+    the other in one world (tests/helpers/inworld.py)."""
     out, _ = crashed
     root = tmp_path_factory.mktemp("resumed")
-    for name in ("b1", "b2"):
-        train_run(root / name, *COMMON, f"checkpoint.load={out}/checkpoints")
+    train_jobs([(root / name, [*COMMON, f"checkpoint.load={out}/checkpoints"])
+                for name in ("b1", "b2")])
     return root / "b1", root / "b2"
 
 
