@@ -315,13 +315,12 @@ def _check_optimizer(cfg, layout, saved: dict, saved_layout: dict, root) -> None
     if now == "muon" and cfg.model.get("num_moe_experts") is not None and saved_layout:
         # megatron builds a dense and an expert optimizer where experts are split, one
         # otherwise; mapping Muon's chain from one form to the other is untested.
-        def split(ep, etp, tp, egtp):
-            return ep > 1 or etp != tp or egtp > 1
+        from recipes.validate import experts_split
 
-        then = split(saved_layout.get("expert_model_parallel_size", 1),
+        then = experts_split(saved_layout.get("expert_model_parallel_size", 1),
                      saved_layout.get("expert_tensor_parallel_size", tp_then), tp_then,
                      saved_layout.get("expert_gtp_remat_size", 1))
-        mine = split(layout.expert_model_parallel_size, layout.expert_tensor_parallel_size,
+        mine = experts_split(layout.expert_model_parallel_size, layout.expert_tensor_parallel_size,
                      tp_now, layout.expert_gtp_remat_size)
         if then != mine:
             raise CheckpointError(

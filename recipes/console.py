@@ -99,10 +99,12 @@ class _MegatronFilter(logging.Filter):
 def quiet_megatron(rank: int, async_save: bool) -> None:
     """On every handler of the root logger and on megatron's loggers, drop megatron's repeated
     messages except on global rank 0 (the async-save deprecation also when saves are
-    synchronous)."""
+    synchronous). A later call (another job in the same process) replaces the earlier filter."""
     flt = _MegatronFilter(rank, async_save)
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(flt)
-    for name in ("megatron", "megatron.core.dist_checkpointing.strategies.torch",
-                 "megatron.core.models.gpt.gpt_model"):
-        logging.getLogger(name).addFilter(flt)
+    holders = [*logging.getLogger().handlers, *(logging.getLogger(name) for name in (
+        "megatron", "megatron.core.dist_checkpointing.strategies.torch",
+        "megatron.core.models.gpt.gpt_model"))]
+    for holder in holders:
+        for old in [f for f in holder.filters if isinstance(f, _MegatronFilter)]:
+            holder.removeFilter(old)
+        holder.addFilter(flt)

@@ -67,8 +67,8 @@ class ParallelLayout:
                if self.use_distributed_optimizer else "")
         sp = "+sp" if self.sequence_parallel else ""
         experts = ""
-        if self.expert_model_parallel_size > 1 or self.expert_gtp_remat_size > 1 or \
-                self.expert_tensor_parallel_size != self.tensor_model_parallel_size:
+        if experts_split(self.expert_model_parallel_size, self.expert_tensor_parallel_size,
+                         self.tensor_model_parallel_size, self.expert_gtp_remat_size):
             egtp = (f" x egtp{self.expert_gtp_remat_size}" if self.expert_gtp_remat_size > 1 else "")
             experts = (f"; experts ep{self.expert_model_parallel_size} x "
                        f"etp{self.expert_tensor_parallel_size}{egtp} x "
@@ -78,6 +78,13 @@ class ParallelLayout:
             f"tp{self.tensor_model_parallel_size}{sp}{pp}{cp}{gtp} x dp{self.data_parallel_size}"
             f" (world {self.world_size}){experts}{opt}"
         )
+
+
+def experts_split(ep: int, etp: int, tp: int, egtp: int) -> bool:
+    """Whether routed experts are laid out otherwise than the dense weights: expert model
+    parallel > 1, expert tensor parallel != tensor parallel, or expert GTP. megatron then gives
+    them their own optimizer (``get_megatron_optimizer``: params with ``allreduce = False``)."""
+    return ep > 1 or etp != tp or egtp > 1
 
 
 def world_size_from_env(cfg) -> int:

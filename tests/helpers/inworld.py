@@ -32,7 +32,8 @@ from pathlib import Path
 from multiproc import reset_model_parallel, run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
-# As tests/conftest.py's train_run: the tiny model, few iterations, one warmup step.
+# Every test job's defaults (train_run's and train_jobs'): the tiny model, few iterations, one
+# warmup step.
 FAST = ("train.train_iters=4", "optim.lr_warmup_iters=1", "logger=none")
 
 
@@ -68,19 +69,11 @@ def compose_job(out_dir, cache_dir, overrides) -> object:
 def forget_job_globals() -> None:
     """What one job leaves in its processes that a later job of the same world must not see,
     beyond megatron's parallel state and GTP globals (``multiproc.reset_model_parallel``):
-    megatron's MoE metrics tracker (sized by the job's layers, holding its groups) and the log
-    filters ``recipes.console.quiet_megatron`` added for the job's rank and save mode."""
-    import logging
-
+    megatron's MoE metrics tracker (sized by the job's layers, holding its groups). The console
+    filters of ``recipes.console.quiet_megatron`` are replaced by the next job's own."""
     from megatron.core.transformer.moe import moe_logging
 
-    from recipes import console
-
     moe_logging.set_moe_metrics_tracker(moe_logging.MoEMetricsTracker())
-    loggers = [logging.getLogger(), *(logging.getLogger(n) for n in logging.root.manager.loggerDict)]
-    for holder in [*loggers, *(h for lg in loggers for h in getattr(lg, "handlers", ()))]:
-        for flt in [f for f in getattr(holder, "filters", ()) if isinstance(f, console._MegatronFilter)]:
-            holder.removeFilter(flt)
 
 
 def world_size_of(cfg) -> int:
