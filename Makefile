@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup train test test-fast bench golden gpu-smoke clean
+.PHONY: help setup train test test-fast test-times bench golden gpu-smoke clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -34,6 +34,9 @@ test: setup ## run unit, multi-process and end-to-end tests on CPU
 # run_distributed). Under 3 minutes on 2 cores.
 test-fast: setup ## run the unit and config tests only (no multi-process, no end-to-end)
 	$(PY) -m pytest -m "not multiprocess and not e2e" $(ARGS)
+
+test-times: setup ## run the whole suite and rewrite the per-file time table in docs/testing.md
+	$(PY) -m pytest --time-table=docs/testing.md $(ARGS)
 
 gpu-smoke: setup ## one CUDA GPU: nccl, bf16, 20 iterations, save, resume (scripts/gpu_smoke.sh)
 	PY=$(PY) scripts/gpu_smoke.sh

@@ -18,6 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 # Small and fast: the tiny model, few iterations, one warmup step (tests/helpers/inworld.py's).
 from inworld import FAST  # noqa: E402
+# `make test-times`: the per-file time table in docs/testing.md (tests/helpers/time_table.py).
+from time_table import pytest_addoption, pytest_configure  # noqa: E402,F401
 
 
 @pytest.fixture

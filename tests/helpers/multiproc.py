@@ -7,9 +7,15 @@
 
     assert run_distributed(_body, 2, 10) == [0, 10]
 
-Each rank is a fresh ``spawn``-ed interpreter with ``torch.distributed`` initialized (gloo, a free
-TCP port, MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK set) and its world size asserted
-before ``fn(*args)`` runs. Return values must pickle; they are sent back as plain pickles (tensors
+Each rank is a fresh process with ``torch.distributed`` initialized (gloo, a free TCP port,
+MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK set) and its world size asserted before
+``fn(*args)`` runs. Ranks are forked from one ``forkserver`` per pytest session that has imported
+torch, megatron-core and the project's training modules once (:data:`PRELOAD`): a ``spawn``-ed rank
+spent about 5 s of CPU importing them, on every rank of every world. A forked rank starts from
+that import-only state (no model, no process group, no thread), takes this process's
+environment, working directory and ``sys.path`` as a spawned one would, and re-imports
+nothing else: a test that needs a module fresh (its import-time behaviour) must not list it
+in :data:`PRELOAD`. Return values must pickle; they are sent back as plain pickles (tensors
 are copied, not shared). A rank that raises makes :func:`run_distributed` raise
 :class:`DistributedTestError` carrying each failing rank's traceback; ranks still blocked in a
 collective are terminated. Nothing outlives ``timeout`` seconds.
@@ -28,6 +34,30 @@ import traceback
 
 # Ranks still running this long after another rank failed are assumed blocked and terminated.
 _GRACE_AFTER_FAILURE_S = 10.0
+
+# Imported once by the forkserver, before any rank forks from it: the modules a training job's
+# rank imports (torch, megatron-core, Hydra, the project's worker path). Imports only: none of
+# them patches megatron or starts a thread at import time.
+PRELOAD = [
+    "torch", "torch.distributed", "torch.distributed.checkpoint",
+    "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer",
+    "megatron.core.dist_checkpointing", "megatron.core.pipeline_parallel",
+    "megatron.core.transformer.moe.moe_layer",
+    "hydra", "omegaconf",
+    "recipes.launch", "recipes.worker", "recipes.loop", "recipes.model", "recipes.optim",
+    "recipes.checkpoint", "recipes.metrics", "recipes.data",
+    "gtp.checkpoint", "gtp.logical_factory",
+]
+_CONTEXT = None
+
+
+def _context():
+    """The session's forkserver context, its preload list set before the server starts."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        _CONTEXT = mp.get_context("forkserver")
+        _CONTEXT.set_forkserver_preload(PRELOAD)
+    return _CONTEXT
 
 
 class DistributedTestError(RuntimeError):
@@ -79,7 +109,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, args, timeout, results):
+def _worker(fn, rank, world_size, port, args, timeout, results, environ):
+    # The forkserver's environment is the one it started with: take the caller's, as spawn does.
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -120,11 +153,13 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120) -> list:
             reporting, or the run exceeded ``timeout``.
     """
     assert world_size >= 1, world_size
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = _free_port()
+    environ = dict(os.environ)
     procs = [
-        ctx.Process(target=_worker, args=(fn, rank, world_size, port, args, timeout, results),
+        ctx.Process(target=_worker,
+                    args=(fn, rank, world_size, port, args, timeout, results, environ),
                     name=f"rank{rank}")
         for rank in range(world_size)
     ]
