@@ -15,13 +15,12 @@ saves at 3 and 6 (the uninterrupted run). From A's iteration 3:
 Resumed runs train iterations 4, 5 and 6. Iteration 4 (the first after the resume) checks the
 weights (loss and grad norm depend on nothing else), iterations 5 and 6 also the Adam moments,
 step and lr schedule. Each must equal A's: ``learning-rate`` and ``consumed-samples`` exactly, ``lm loss``
-and ``grad-norm`` within relative 1e-5 (fp32; the layouts differ only in reduction order, see
-tests/test_resume.py for the argument).
+and ``grad-norm`` within ``tolerance.fp32_rtol(it - 3)`` (fp32; the layouts differ only in
+reduction order, tests/helpers/tolerance.py derives the bound).
 """
 
 from __future__ import annotations
 
-import math
 
 import pytest
 

@@ -5,8 +5,8 @@ vocabulary is padded.
 Every run trains to iteration 5; the uninterrupted ones save at 2 and each resumed run's
 iterations 3, 4 and 5 are compared with the uninterrupted run's: both start from the same
 weights, Adam moments and data position, so ``lm loss`` and ``grad-norm`` differ only by the
-order of floating-point reductions across layouts (relative 1e-5 in fp32, as
-tests/test_resume.py explains); learning rate and consumed samples are exact.
+order of floating-point reductions across layouts (``tolerance.fp32_rtol(it - 2)`` in fp32,
+tests/helpers/tolerance.py); learning rate and consumed samples are exact.
 """
 
 from __future__ import annotations

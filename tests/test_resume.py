@@ -7,11 +7,13 @@ at every iteration from 5 (save_interval 1). C (tp1, 1 process) forks from B's i
 Every resumed iteration of B (5-8) is compared with A's, and C's (6-8) with B's: both start from exactly the same weights and optimizer state, so they differ only by
 the order of floating-point reductions across the layouts. Validation runs every 2 iterations.
 
-Tolerance (fp32): relative 1e-5 for ``lm loss``, ``grad-norm`` and ``lm loss validation``. fp32
-has eps 1.2e-7; the loss and the squared-norm sums run over ~1e5 terms whose association changes
-with TP/DP (TP splits the GEMM reductions, DP splits the batch mean), so rounding differences of
-O(sqrt(n) * eps) ~ 1e-5 relative are the worst expected; a wrong weight, moment or data position
-moves these figures by orders of magnitude more. Learning rate and consumed samples are exact.
+Tolerance (fp32): ``tolerance.fp32_rtol(steps)`` for ``lm loss``, ``grad-norm`` and ``lm loss
+validation`` (tests/helpers/tolerance.py: 2 * steps * sqrt(n) * 2**-24, n the parameter count,
+steps since both runs held the same bits); the loss and the squared-norm sums run over ~1e5
+terms whose association changes with TP/DP (TP splits the GEMM reductions, DP splits the batch
+mean); a wrong weight, moment or data position moves these figures by orders of magnitude more.
+Learning rate and consumed samples are exact. The crashed run's iteration 5 against its own
+resume's is ``==``: the same layout on the same machine, the same bits.
 """
 
 from __future__ import annotations
