@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 from compose import make_cfg
 from gtp import cli
 from multiproc import run_distributed
+from tolerance import LLAMA_TINY, assert_fp32_close
 
 pytestmark = pytest.mark.multiprocess
 
@@ -309,7 +310,8 @@ def test_first_loss_equals_transformers_loss(hf, world, name):
             losses.append((ce * mask).sum() / mask.sum())
     expected = torch.stack(losses).mean().item()
     assert len(res["batches"]) == 4
-    assert res["step"]["lm loss"] == pytest.approx(expected, rel=1e-5, abs=0), (name, expected)
+    # megatron's forward against transformers': one step's rounding (LLAMA_TINY: the larger model)
+    assert_fp32_close(res["step"]["lm loss"], expected, 1, LLAMA_TINY, what=(name,))
 
 
 def test_pretrained_fine_tune_with_zero_lr_exports_the_source(hf, tmp_path, train_run):

@@ -4,15 +4,19 @@ for Muon, a ``DistributedOptimizer`` for the Adam rest; bf16, as megatron-core 0
 layer-wise optimizers only then).
 
 * ``plain`` (Muon without the distributed optimizer, dp2, 3 iterations, saved at 3) and
-  ``distopt`` (with it, dp2, 6 iterations, saved at 3): iterations 1 to 3 equal within
-  relative 1e-5 (tests/helpers/resume_checks.py);
+  ``distopt`` (with it, dp2, 6 iterations, saved at 3): iterations 1 to 3 agree within
+  ``tolerance.fp32_rtol(it)`` (tests/helpers/tolerance.py; another optimizer implementation,
+  so not bit for bit: on an AMD EPYC iteration 2's grad-norm differed by 2.8e-5, under the
+  bound's 9.3e-5);
 * ``distopt``'s checkpoint holds each Muon momentum buffer and Adam moment once, under the same
   keys and logical shapes as ``plain``'s;
 * ``undistributed`` (dp2) and ``dp4_undistributed`` (dp4), without the distributed optimizer,
-  load ``distopt``'s iteration 3: iterations 4, 5 and 6 equal ``distopt``'s within 1e-5 (5 and
-  6 depend on the loaded momentum buffers). Plain Muon gives the same bits at dp2 and dp4; the
-  distributed optimizer at dp4 does not equal itself at dp2 within 1e-5 even uninterrupted
-  (its bf16 weights round the 4-way reduce-scatter's sums), so it is not the reference here.
+  load ``distopt``'s iteration 3: iterations 4, 5 and 6 agree with ``distopt``'s within
+  ``fp32_rtol(it - 3)`` (5 and 6 depend on the loaded momentum buffers; bf16 weights amplify
+  the optimizers' fp32 rounding: 2.8e-5 at 6 under ATEN_CPU_CAPABILITY=avx2, bound 1.4e-4).
+  Plain Muon gives the same bits at dp2 and dp4; the distributed optimizer at dp4 does not
+  equal itself at dp2 even uninterrupted (its bf16 weights round the 4-way reduce-scatter's
+  sums), so it is not the reference here.
 """
 
 from __future__ import annotations
@@ -47,8 +51,8 @@ def test_distributed_muon_trains_as_muon(runs):
     reference = by_iteration(runs["plain"])[0]
     rows = by_iteration(runs["distopt"])[0]
     assert sorted(rows) == [1, 2, 3, 4, 5, 6]
-    for it in (1, 2, 3):
-        assert_same_step(rows[it], reference[it])
+    for it in (1, 2, 3):  # another optimizer from the same initial weights: `it` steps apart
+        assert_same_step(rows[it], reference[it], steps=it)
 
 
 def test_the_checkpoint_is_the_plain_muon_checkpoints_logical_layout(runs):
@@ -74,8 +78,8 @@ def test_resume_without_distopt_at_another_dp_size(runs, name):
     reference = by_iteration(runs["distopt"])[0]
     rows, events = by_iteration(runs[name])
     assert sorted(rows) == [4, 5, 6]
-    for it in (4, 5, 6):
-        assert_same_step(rows[it], reference[it])
+    for it in (4, 5, 6):  # another optimizer from the same bits at 3: it - 3 steps apart
+        assert_same_step(rows[it], reference[it], steps=it - 3)
     resume = next(e for e in events if e["event"] == "resume")
     assert resume["iteration"] == 3
     assert resume["from_layout"]["world_size"] == 2

@@ -12,9 +12,10 @@ so every run has the same schedule):
 * ``bf16_pp2``: pp2, bf16, plain Adam.
 
 Each is resumed from its iteration 3 at its own layout and must give iterations 4, 5 and 6
-**bit for bit** (``==`` on ``lm loss``, ``grad-norm``, ``learning-rate``). Across layouts and
-optimizer kinds (fp32) iterations 4-6 agree within relative 1e-5 (reduction order only; see
-tests/test_resume.py): plain -> distributed optimizer, distributed optimizer -> plain tp2, and
+**bit for bit** (``==`` on ``lm loss``, ``grad-norm``, ``learning-rate``: the same machine runs
+the same kernels in the same order on the same bits). Across layouts and optimizer kinds (fp32)
+iterations 4-6 agree within ``tolerance.fp32_rtol(it - 3)`` (tests/helpers/tolerance.py:
+reduction order only): plain -> distributed optimizer, distributed optimizer -> plain tp2, and
 bf16 pp2 -> fp32 dp2 with either optimizer, which agree only if both take every weight from the
 checkpoint's fp32 main params (the distributed optimizer's are sharded over dp2).
 
@@ -30,14 +31,14 @@ resolved config, losses equal an unchanged resume) unless ``optim.override_opt_p
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from golden_curve import GOLDEN, OVERRIDES as GOLDEN_OVERRIDES, curve
-from resume_checks import RTOL, by_iteration
+from resume_checks import by_iteration
+from tolerance import assert_fp32_close, assert_zeros_close
 
 pytestmark = pytest.mark.e2e
 
@@ -123,18 +124,16 @@ def test_resume_into_and_out_of_the_distributed_optimizer_follows_the_run(runs, 
     assert sorted(got) == list(ITERS)
     for it in ITERS:
         assert got[it]["learning-rate"] == ref[it]["learning-rate"]
-        for key in ("lm loss", "grad-norm"):
-            assert math.isclose(got[it][key], ref[it][key], rel_tol=RTOL, abs_tol=0), (
-                name, it, key, got[it][key], ref[it][key])
+        for key in ("lm loss", "grad-norm"):  # another optimizer or layout from 3: it - 3 steps
+            assert_fp32_close(got[it][key], ref[it][key], it - 3, what=(name, it, key))
 
 
 def test_bf16_to_fp32_resumes_agree_across_layouts_and_optimizers(runs):
     dirs, stdout = runs
     a, b = _rows(dirs["bf16_to_fp32_dp2_plain"]), _rows(dirs["bf16_to_fp32_dp2_distopt"])
     for it in ITERS:
-        for key in ("lm loss", "grad-norm"):
-            assert math.isclose(a[it][key], b[it][key], rel_tol=RTOL, abs_tol=0), (
-                it, key, a[it][key], b[it][key])
+        for key in ("lm loss", "grad-norm"):  # two optimizers from the same bits at 3
+            assert_fp32_close(a[it][key], b[it][key], it - 3, what=(it, key))
     assert "precision.params_dtype" in stdout["bf16_to_fp32_dp2_plain"]
     assert "weights taken from the checkpoint's fp32 main params" in stdout["bf16_to_fp32_dp2_plain"]
 
@@ -205,10 +204,18 @@ def test_the_recorded_adam_step_counts_the_applied_steps(runs):
 
 
 def test_golden_loss_curve(runs):
-    """Every logged ``lm loss`` and ``grad-norm`` of the fixed config equals the file in the
-    repo (``make golden`` regenerates it)."""
+    """The fixed config's curve is the file in the repo (``make golden`` regenerates it), which
+    was written on some other CPU: ``learning-rate`` exactly (Python floats, no kernel), ``lm
+    loss`` and ``grad-norm`` within ``fp32_rtol(iteration)`` (other kernels round differently:
+    an AMD EPYC's iteration-5 grad-norm is one fp32 ulp off), num-zeros within ZEROS_RTOL."""
     from recipes.metrics import read_metrics
 
     dirs, _ = runs
     rows, _ = read_metrics(dirs["plain"])
-    assert curve(rows) == json.loads(GOLDEN.read_text())
+    got, want = curve(rows), json.loads(GOLDEN.read_text())
+    assert sorted(got) == sorted(want)
+    for it, row in want.items():
+        assert got[it]["learning-rate"] == row["learning-rate"], it
+        assert_zeros_close(got[it]["num-zeros"], row["num-zeros"], what=(it,))
+        for key in ("lm loss", "grad-norm"):  # `it` steps of rounding from the same init
+            assert_fp32_close(got[it][key], row[key], int(it), what=(it, key))

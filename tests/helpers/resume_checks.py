@@ -3,12 +3,8 @@ iteration against the uninterrupted run's."""
 
 from __future__ import annotations
 
-import math
-
 from recipes.metrics import read_metrics
-
-# Layouts differ only in reduction order (fp32): tests/test_resume.py gives the argument.
-RTOL = 1e-5
+from tolerance import TINY, assert_fp32_close
 
 
 def by_iteration(run_dir) -> tuple[dict, list]:
@@ -17,11 +13,12 @@ def by_iteration(run_dir) -> tuple[dict, list]:
     return {r["iteration"]: r for r in rows}, events
 
 
-def assert_same_step(resumed: dict, reference: dict, rtol: float = RTOL) -> None:
+def assert_same_step(resumed: dict, reference: dict, steps: int, terms: int = TINY) -> None:
     """``learning-rate`` and ``consumed-samples`` equal; ``lm loss`` and ``grad-norm`` within
-    relative ``rtol``."""
+    ``tolerance.fp32_rtol(steps, terms)``: ``steps`` is how many iterations ago both runs held the
+    same weights (1 for the first iteration after a resume or from the same initial weights)."""
     assert resumed["learning-rate"] == reference["learning-rate"]
     assert resumed["consumed-samples"] == reference["consumed-samples"]
     for key in ("lm loss", "grad-norm"):
-        assert math.isclose(resumed[key], reference[key], rel_tol=rtol, abs_tol=0), (
-            key, resumed[key], reference[key])
+        assert_fp32_close(resumed[key], reference[key], steps, terms,
+                          what=(key, resumed["iteration"]))
