@@ -152,6 +152,12 @@ def check_metadata(path, metadata) -> list[Problem]:
         problems += [Problem(source, f"tensor {fqn!r}", what) for what in _tiling(size, item.chunks)]
     for key in sorted(set(storage) - wanted, key=str):
         problems.append(Problem(source, _describe(*key), "a stored record of no item"))
+    from gtp.safe_objects import LEGACY_COMMON, stray_common_state
+
+    stray = stray_common_state(path)
+    if stray:
+        problems.append(Problem(str(path / LEGACY_COMMON), "",
+                                stray.split(": ", 1)[1]))
     for name in sorted({info.relative_path for info in storage.values()}):
         if Path(name).name != name or name in ("", ".", ".."):
             problems.append(Problem(source, "", f"names data file {name!r} outside its dir"))
@@ -328,10 +334,12 @@ def check_common(path) -> tuple[Optional[dict], list[Problem]]:
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from gtp import dcp_reader, safe_metadata
+    from gtp import dcp_reader, safe_objects
 
     path = Path(path)
-    safe_metadata.install()
+    if safe_objects.stray_common_state(path):
+        return None, []  # check_metadata reports it; megatron would read it, not the saved state
+    safe_objects.install()
     dcp_reader.install()
     try:
         common = dict(dist_checkpointing.load_common_state_dict(str(path)))
