@@ -173,9 +173,10 @@ def check_sizes(kind: str, model: dict, vocab_size, weights: Weights, prefix: st
             raise HFImportError(f"config.json {field}={value!r}: a positive integer")
     layer = re.compile(re.escape(prefix) + _LAYER[kind])
     held = sorted({int(m.group(1)) for m in map(layer.match, weights.names()) if m})
-    if held != list(range(sizes["layers"])):
-        what = (f"layers 0 to {held[-1]} ({len(held)} layers)" if held == list(range(len(held)))
-                and held else f"layers {held[:10]}")
+    dense = held == list(range(len(held)))  # layers 0 to n - 1 (nothing sized by the config)
+    if not dense or len(held) != sizes["layers"]:
+        what = (f"layers 0 to {held[-1]} ({len(held)} layers)" if dense and held
+                else f"layers {held[:10]}")
         raise HFImportError(f"config.json {fields['layers']}={sizes['layers']}: the weights hold "
                             f"{what}")
     if sizes["hidden"] % sizes["heads"]:
