@@ -42,7 +42,6 @@ Every file read must lie inside ``HF_DIR`` (symlinks resolved) and every size of
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path

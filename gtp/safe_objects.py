@@ -80,14 +80,15 @@ def load_object(value: io.BytesIO, item: str) -> object:
 
 
 def stray_common_state(path) -> Optional[str]:
-    """What is wrong with ``<path>/common.pt`` (an iter dir), or None when there is none."""
+    """What is wrong with ``<path>/common.pt`` (``path``: an iter dir; the message does not
+    name the file), or None when there is none."""
     stray = Path(path) / LEGACY_COMMON
     if not (stray.exists() or stray.is_symlink()):
         return None
-    return (f"{stray}: a legacy common-state file, which megatron-core would read in place of "
-            f"the common state this checkpoint's save wrote into its data files (gtp-recipes "
-            f"never writes one): damage or tampering; move it out of the dir to load the saved "
-            f"common state, or load another iteration")
+    return ("a legacy common-state file, which megatron-core would read in place of the common "
+            "state this checkpoint's save wrote into its data files (gtp-recipes never writes "
+            "one): damage or tampering; move it out of the dir to load the saved common state, "
+            "or load another iteration")
 
 
 def refusal(exc: BaseException) -> Optional[BaseException]:
@@ -120,8 +121,8 @@ def _load_bytes(self, read_item, value) -> None:
 
 def _refuse_common_pt(checkpoint_dir):
     """In place of megatron's ``load_common`` (the reader of a legacy ``common.pt``)."""
-    raise StrayCommonStateError(stray_common_state(checkpoint_dir)
-                                or f"{checkpoint_dir}: a legacy {LEGACY_COMMON} is not read")
+    raise StrayCommonStateError(f"{Path(checkpoint_dir) / LEGACY_COMMON}: "
+                                f"{stray_common_state(checkpoint_dir) or 'not read'}")
 
 
 @megatron_patch("dist_checkpointing.serialization.load_common (load_common_state_dict's reader "

@@ -12,8 +12,10 @@ What is checked, for one ``iter_XXXXXXX`` dir (``docs/integrity.md`` says what i
   every record matches the CRC-32 its zip directory holds (:func:`gtp.zip_records.check_record`;
   ``torch.save`` writes one per entry); each tensor record holds the dtype and shape
   ``.metadata`` gives its chunk;
-* the common state loads (megatron's ``load_common_state_dict``), and its ``iteration`` is the
-  dir's;
+* no ``common.pt`` lies in the dir (megatron would read it in place of the saved common state;
+  :func:`gtp.safe_objects.stray_common_state`);
+* the common state loads (megatron's ``load_common_state_dict``, its record unpickled with
+  ``weights_only=True``: :mod:`gtp.safe_objects`), and its ``iteration`` is the dir's;
 * a checkpoint root's tracker (``latest_checkpointed_iteration.txt``) holds an iteration whose
   dir is complete.
 
@@ -156,8 +158,7 @@ def check_metadata(path, metadata) -> list[Problem]:
 
     stray = stray_common_state(path)
     if stray:
-        problems.append(Problem(str(path / LEGACY_COMMON), "",
-                                stray.split(": ", 1)[1]))
+        problems.append(Problem(str(path / LEGACY_COMMON), "", stray))
     for name in sorted({info.relative_path for info in storage.values()}):
         if Path(name).name != name or name in ("", ".", ".."):
             problems.append(Problem(source, "", f"names data file {name!r} outside its dir"))

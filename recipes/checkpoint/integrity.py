@@ -30,8 +30,8 @@ def check_loadable(root: str | os.PathLike, iteration: int | None = None) -> Pat
 
     Raises:
         CheckpointError: as :func:`recipes.checkpoint.files.read_tracker`, the iteration is
-            missing or incomplete, its data files are truncated, or its metadata is not what a
-            checkpoint holds.
+            missing or incomplete, it holds a ``common.pt`` (damage: named), its data files are
+            truncated, or its metadata is not what a checkpoint holds.
     """
     latest = read_tracker(root)
     if iteration is None:
@@ -49,7 +49,7 @@ def check_loadable(root: str | os.PathLike, iteration: int | None = None) -> Pat
             raise CheckpointError(f"{path} is incomplete: {name} is missing")
     stray = safe_objects.stray_common_state(path)
     if stray:
-        raise CheckpointError(f"{path} is damaged: {stray}")
+        raise CheckpointError(f"{path} is damaged: {path / safe_objects.LEGACY_COMMON}: {stray}")
     check_storage(path)
     return path
 

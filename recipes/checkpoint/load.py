@@ -49,7 +49,8 @@ def load_common(root, iteration: int | None = None) -> tuple[Path, dict]:
 
     Raises:
         CheckpointError: as :func:`recipes.checkpoint.integrity.check_loadable`, the common
-            state cannot be read, or it lacks one of :data:`COMMON_KEYS` (not written here).
+            state cannot be read or is refused unrun (a crafted object: :mod:`gtp.safe_objects`,
+            named), or it lacks one of :data:`COMMON_KEYS` (not written here).
     """
     path = check_loadable(root, iteration)  # also installs gtp.safe_objects
     dcp_reader.install()  # a damaged data file is named (DataFileError)
