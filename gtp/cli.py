@@ -443,8 +443,13 @@ def main(argv=None, out=None) -> int:
     # torch DCP's CheckpointException derives from BaseException, not Exception.
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from gtp import safe_objects
+
     try:
+        safe_objects.install()  # no pickle of a checkpoint read by any command runs code
         return args.func(args, out=out)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - an error exit with its reason
+        refused = safe_objects.refusal(exc)  # a crafted object or a stray common.pt: the cause
+        exc = exc if refused is None else refused
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return ERROR

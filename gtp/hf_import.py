@@ -34,18 +34,20 @@ Mappings (inverse of :mod:`gtp.hf_export`, same megatron names):
   ``high_freq_factor=4`` and ``original_max_position_embeddings=8192``, so other values are
   refused.
 
-Everything that cannot be mapped exactly is refused with :class:`HFImportError` naming the
-config field or the tensor.
+Every file read must lie inside ``HF_DIR`` (symlinks resolved) and every size of
+``config.json`` is checked against the safetensors headers before anything is planned
+(:mod:`gtp.hf_weights`). Everything that cannot be mapped exactly is refused with
+:class:`HFImportError` naming the config field, the tensor or the index entry.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
 from typing import Callable
 
+from gtp.hf_weights import HFImportError, Weights, check_sizes, confined
 from gtp.records import GTP_FORMAT_LOGICAL, METADATA_KEY, TRACKER, megatron_core_version
 
 # Common-state key: what the checkpoint was imported from.
@@ -58,8 +60,6 @@ _BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-class HFImportError(ValueError):
-    """The HF model cannot be imported exactly (names the config field or tensor)."""
 
 
 # ------------------------------------------------------------------------------------------
@@ -158,6 +158,7 @@ def read_config(hf_dir) -> tuple[str, object]:
     if not (hf_dir / "config.json").is_file():
         raise HFImportError(f"{hf_dir} holds no config.json: not a Hugging Face model directory "
                             f"(only local directories work offline)")
+    confined(hf_dir, "config.json", "the config file")
     config = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
     if config.model_type not in _FIELDS:
         raise _refuse("model_type", config.model_type, f"importable are {sorted(_FIELDS)}")
@@ -185,63 +186,6 @@ def token_ids(config) -> dict:
 # ------------------------------------------------------------------------------------------
 # safetensors
 # ------------------------------------------------------------------------------------------
-class _Weights:
-    """The safetensors tensors of an HF dir, read one at a time (``safe_open``)."""
-
-    def __init__(self, hf_dir: Path):
-        index = hf_dir / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {k: hf_dir / f for k, f in weight_map.items()}
-        elif (hf_dir / "model.safetensors").is_file():
-            from safetensors import safe_open
-
-            path = hf_dir / "model.safetensors"
-            with safe_open(str(path), "pt") as f:
-                self.files = {k: path for k in f.keys()}
-        else:
-            raise HFImportError(f"{hf_dir} holds neither model.safetensors nor "
-                                f"model.safetensors.index.json (only safetensors weights are "
-                                f"imported)")
-        self._meta = {}
-
-    def names(self) -> set:
-        return set(self.files)
-
-    def get(self, name: str):
-        from safetensors import safe_open
-
-        if name not in self.files:
-            raise HFImportError(f"the weights lack tensor {name!r}")
-        with safe_open(str(self.files[name]), "pt") as f:
-            return f.get_tensor(name)
-
-    def meta(self, name: str) -> tuple[tuple, object]:
-        """(shape, torch dtype) without reading the data."""
-        if name not in self._meta:
-            from safetensors import safe_open
-
-            if name not in self.files:
-                raise HFImportError(f"the weights lack tensor {name!r}")
-            with safe_open(str(self.files[name]), "pt") as f:
-                sl = f.get_slice(name)
-                shape = tuple(sl.get_shape())
-                dtype = _torch_dtype(sl.get_dtype())
-            self._meta[name] = (shape, dtype)
-        return self._meta[name]
-
-
-def _torch_dtype(name: str):
-    """The torch dtype of a safetensors dtype name (``F32``, ``BF16``, ``F16``, ``F64``)."""
-    import torch
-
-    dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-              "F64": torch.float64}
-    if name not in dtypes:
-        raise HFImportError(f"safetensors dtype {name}: importable are {sorted(dtypes)}")
-    return dtypes[name]
-
-
 def _fuse_qkv(q, k, v, groups: int):
     """HF's q ``[heads*d, ...]``, k, v ``[groups*d, ...]`` -> megatron's fused rows
     ``[groups * (heads/groups + 2) * d, ...]`` (per group: its queries, its key, its value)."""
@@ -317,14 +261,19 @@ def _llama_plan(m: dict, prefix: str) -> list:
 _PLANS = {"gpt2": (_gpt2_plan, "transformer."), "llama": (_llama_plan, "model.")}
 
 
-def _plan(kind: str, m: dict, weights: _Weights) -> dict:
-    """``{megatron key: (HF names per layer or [names], per_layer, fn)}`` and every HF tensor
-    accounted for (an unmapped one is refused, naming it)."""
-    make, prefix = _PLANS[kind]
-    names = weights.names()
+def _prefix(kind: str, names) -> str:
+    """The HF tensor names' prefix (``"model."``, ``"transformer."``, or none)."""
+    prefix = _PLANS[kind][1]
     if kind == "gpt2" and not any(n.startswith(prefix) for n in names):
         prefix = ""  # a GPT2Model saved on its own (no "transformer." prefix)
-    plan = make(m, prefix)
+    return prefix
+
+
+def _plan(kind: str, m: dict, weights: Weights) -> dict:
+    """``{megatron key: (HF names per layer or [names], per_layer, fn)}`` and every HF tensor
+    accounted for (an unmapped one is refused, naming it)."""
+    names = weights.names()
+    plan = _PLANS[kind][0](m, _prefix(kind, names))
     if not m["share_embeddings_and_output_weights"]:
         plan.append(("output_layer.weight", ["lm_head.weight"], False, lambda t: t[0]))
     out, used = {}, set()
@@ -386,7 +335,7 @@ def _tensor_item(fqn: str, offset: tuple, sizes: tuple, global_size: tuple, dtyp
             properties=TensorProperties(dtype=dtype), size=torch.Size(global_size)))
 
 
-def _write_dcp(path: Path, plan: dict, weights: _Weights, common: dict) -> int:
+def _write_dcp(path: Path, plan: dict, weights: Weights, common: dict) -> int:
     """Write the checkpoint files into ``path``; returns the number of bytes of tensor data."""
     import io
 
@@ -503,7 +452,9 @@ def import_hf(hf_dir, out_root) -> Path:
     hf_dir, out_root = Path(hf_dir), Path(out_root)
     kind, config = read_config(hf_dir)
     model = {"name": f"hf_{kind}", **_FIELDS[kind](config)}
-    weights = _Weights(hf_dir)
+    weights = Weights(hf_dir)  # every file inside hf_dir
+    # Every size of config.json against the tensors' shapes, before anything is planned.
+    check_sizes(kind, model, config.vocab_size, weights, _prefix(kind, weights.names()))
     plan = _plan(kind, model, weights)
     vocab = int(weights.meta(plan["embedding.word_embeddings.weight"][0][0][0])[0][0])
     if vocab != int(config.vocab_size):

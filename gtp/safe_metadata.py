@@ -4,7 +4,8 @@ DCP stores its metadata as a pickle, and a pickle can name any callable to run o
 reader allows only the classes such a file needs (DCP's metadata dataclasses, ``torch.Size``,
 dtypes, a few builtins and containers); any other global is refused before it is imported or
 called. :func:`install` routes every DCP metadata read through it. The data files' object items
-are still read by DCP with ``torch.load``: a checkpoint from elsewhere remains trusted input.
+are unpickled with ``torch.load(weights_only=True)`` once :func:`gtp.safe_objects.install` ran
+(which also runs this module's :func:`install`).
 """
 
 from __future__ import annotations

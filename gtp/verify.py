@@ -12,8 +12,10 @@ What is checked, for one ``iter_XXXXXXX`` dir (``docs/integrity.md`` says what i
   every record matches the CRC-32 its zip directory holds (:func:`gtp.zip_records.check_record`;
   ``torch.save`` writes one per entry); each tensor record holds the dtype and shape
   ``.metadata`` gives its chunk;
-* the common state loads (megatron's ``load_common_state_dict``), and its ``iteration`` is the
-  dir's;
+* no ``common.pt`` lies in the dir (megatron would read it in place of the saved common state;
+  :func:`gtp.safe_objects.stray_common_state`);
+* the common state loads (megatron's ``load_common_state_dict``, its record unpickled with
+  ``weights_only=True``: :mod:`gtp.safe_objects`), and its ``iteration`` is the dir's;
 * a checkpoint root's tracker (``latest_checkpointed_iteration.txt``) holds an iteration whose
   dir is complete.
 
@@ -152,6 +154,11 @@ def check_metadata(path, metadata) -> list[Problem]:
         problems += [Problem(source, f"tensor {fqn!r}", what) for what in _tiling(size, item.chunks)]
     for key in sorted(set(storage) - wanted, key=str):
         problems.append(Problem(source, _describe(*key), "a stored record of no item"))
+    from gtp.safe_objects import LEGACY_COMMON, stray_common_state
+
+    stray = stray_common_state(path)
+    if stray:
+        problems.append(Problem(str(path / LEGACY_COMMON), "", stray))
     for name in sorted({info.relative_path for info in storage.values()}):
         if Path(name).name != name or name in ("", ".", ".."):
             problems.append(Problem(source, "", f"names data file {name!r} outside its dir"))
@@ -328,10 +335,12 @@ def check_common(path) -> tuple[Optional[dict], list[Problem]]:
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from gtp import dcp_reader, safe_metadata
+    from gtp import dcp_reader, safe_objects
 
     path = Path(path)
-    safe_metadata.install()
+    if safe_objects.stray_common_state(path):
+        return None, []  # check_metadata reports it; megatron would read it, not the saved state
+    safe_objects.install()
     dcp_reader.install()
     try:
         common = dict(dist_checkpointing.load_common_state_dict(str(path)))

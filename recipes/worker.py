@@ -117,12 +117,14 @@ def setup(cfg, layout, optimizer_cfg=None):
 
     from mcore_compat import cpu as cpu_compat
     from mcore_compat import moe_cpu
+    from gtp import safe_objects
     from recipes import gtp_setup, moe, te
     from recipes.model import build_model
     from recipes.optim import build_optimizer, build_scheduler, layer_wise_param_layouts
 
     cpu_compat.install()
     moe_cpu.install()
+    safe_objects.install()  # no pickle of a checkpoint loaded here runs code
     gtp_setup.before_model(cfg, moe.gtp_hook_layout(layout))
     parallel_state.initialize_model_parallel(**model_parallel_fields(layout))
     set_seed(cfg.train.seed)

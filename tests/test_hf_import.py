@@ -170,6 +170,69 @@ def test_refusals_name_the_field_or_tensor(hf, tmp_path):
     assert not (tmp_path / "out3" / "iter_0000000").exists()
 
 
+def _import_in_a_subprocess(src, out, timeout: float = 90) -> tuple[int, str]:
+    """``gtp import SRC OUT`` in a fresh interpreter, killed after ``timeout`` seconds (an import
+    that grows without bound fails the test instead of filling the machine)."""
+    import subprocess
+    import sys
+
+    try:
+        proc = subprocess.run([sys.executable, "-m", "gtp", "import", str(src), str(out)],
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return -1, f"still running after {timeout} s"
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_sizes_and_paths_are_checked_before_anything_is_read(hf, tmp_path):
+    """Every size of config.json against the tensors' shapes, before anything is planned (a
+    billion layers is refused at once); every file the import reads inside the given dir."""
+    import os
+    import shutil
+
+    from gtp import hf_import
+
+    bad = tmp_path / "billion"
+    shutil.copytree(hf / "llama", bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1_000_000_000}))
+    rc, out = _import_in_a_subprocess(bad, tmp_path / "out1")
+    assert rc == 2, out
+    assert ("config.json num_hidden_layers=1000000000: the weights hold layers 0 to 1 "
+            "(2 layers)") in out, out
+    bad = tmp_path / "wider"
+    shutil.copytree(hf / "llama", bad)
+    (bad / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 128}))
+    with pytest.raises(hf_import.HFImportError,
+                       match=r"config.json intermediate_size=128: tensor "
+                             r"'model.layers.0.mlp.gate_proj.weight' has shape \(96, 64\)"):
+        hf_import.import_hf(bad, tmp_path / "out2")
+    # An index entry outside the dir (a valid shard there: read, before, and imported).
+    bad = tmp_path / "model" / "gpt2"
+    shutil.copytree(hf / "gpt2", bad)
+    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    shutil.move(bad / shard, tmp_path / "model" / "x.safetensors")
+    index["weight_map"] = {k: ("../x.safetensors" if f == shard else f)
+                           for k, f in index["weight_map"].items()}
+    (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(hf_import.HFImportError,
+                       match=r"model.safetensors.index.json weight_map\['.*'\] = "
+                             r"'../x.safetensors' resolves to .*, outside the model directory"):
+        hf_import.import_hf(bad, tmp_path / "out3")
+    # A weight file that is a link to a file elsewhere.
+    bad = tmp_path / "linked"
+    shutil.copytree(hf / "llama", bad)
+    shutil.move(bad / "model.safetensors", tmp_path / "elsewhere.safetensors")
+    os.symlink(tmp_path / "elsewhere.safetensors", bad / "model.safetensors")
+    with pytest.raises(hf_import.HFImportError,
+                       match=r"the weight file = 'model.safetensors' resolves to .*"
+                             r"elsewhere.safetensors, outside the model directory"):
+        hf_import.import_hf(bad, tmp_path / "out4")
+    for n in range(1, 5):
+        assert not (tmp_path / f"out{n}" / "iter_0000000").exists()
+
+
 def _cfg(hf_root: str, name: str, layout: list, out: str, cache: str) -> str:
     from recipes import pretrained
 

@@ -33,6 +33,7 @@ EXPECTED = {
     "gtp.muon.install",
     "gtp.muon.uninstall",
     "recipes.moe.experts_leave_rng_alone",
+    "gtp.safe_objects.install",
 }
 
 

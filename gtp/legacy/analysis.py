@@ -90,9 +90,9 @@ def analyze(ckpt, layout=None, common: Optional[Mapping] = None) -> Analysis:
             ambiguous, or the given/recorded layout does not explain a stored shape (the message
             names the tensor, its stored shape and the layouts that could explain it).
     """
-    from gtp.safe_metadata import install
+    from gtp.safe_objects import install
 
-    install()  # no .metadata pickle runs code, whatever reads it first
+    install()  # no pickle of the checkpoint (.metadata, objects) runs code, whatever reads it
     ck = _read_checkpoint(ckpt, layout, common)
     if ck.format == "logical":
         return _analyze_logical(ck)

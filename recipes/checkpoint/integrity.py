@@ -13,7 +13,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-from gtp import safe_metadata, verify
+from gtp import safe_metadata, safe_objects, verify
 from gtp.collectives import any_rank_failed
 from recipes.checkpoint.errors import CheckpointError, unreadable
 from recipes.checkpoint.files import iter_dir, read_tracker, saved_iterations
@@ -30,8 +30,8 @@ def check_loadable(root: str | os.PathLike, iteration: int | None = None) -> Pat
 
     Raises:
         CheckpointError: as :func:`recipes.checkpoint.files.read_tracker`, the iteration is
-            missing or incomplete, its data files are truncated, or its metadata is not what a
-            checkpoint holds.
+            missing or incomplete, it holds a ``common.pt`` (damage: named), its data files are
+            truncated, or its metadata is not what a checkpoint holds.
     """
     latest = read_tracker(root)
     if iteration is None:
@@ -42,10 +42,14 @@ def check_loadable(root: str | os.PathLike, iteration: int | None = None) -> Pat
             f"complete iterations there: {saved_iterations(root)}"
         )
     path = iter_dir(root, iteration)
-    # megatron 0.19.2 keeps the common state inside .metadata (older versions: common.pt).
+    # megatron 0.19.2 keeps the common state in the data files; it would read a common.pt
+    # (older versions' layout, never written here) in its place.
     for name in ("metadata.json", ".metadata"):
         if not (path / name).is_file():
             raise CheckpointError(f"{path} is incomplete: {name} is missing")
+    stray = safe_objects.stray_common_state(path)
+    if stray:
+        raise CheckpointError(f"{path} is damaged: {path / safe_objects.LEGACY_COMMON}: {stray}")
     check_storage(path)
     return path
 
@@ -59,7 +63,7 @@ def check_storage(path: Path) -> None:
     Raises:
         CheckpointError: naming the file, its size, what should be there and one tensor in it.
     """
-    safe_metadata.install()
+    safe_objects.install()  # also no object pickle of the checkpoint runs code
     try:
         metadata = safe_metadata.read_metadata(path)
     except safe_metadata.UnsafeMetadataError as exc:

@@ -19,7 +19,7 @@ from megatron.core.dist_checkpointing.validation import StrictHandling
 # torch DCP's CheckpointException derives from BaseException, not Exception.
 from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
 
-from gtp import checkpoint as gtp_checkpoint, dcp_reader, legacy
+from gtp import checkpoint as gtp_checkpoint, dcp_reader, legacy, safe_objects
 from gtp.collectives import any_rank_failed
 from gtp.records import saved_layout
 from gtp.safe_metadata import reused as metadata_reused
@@ -49,15 +49,19 @@ def load_common(root, iteration: int | None = None) -> tuple[Path, dict]:
 
     Raises:
         CheckpointError: as :func:`recipes.checkpoint.integrity.check_loadable`, the common
-            state cannot be read, or it lacks one of :data:`COMMON_KEYS` (not written here).
+            state cannot be read or is refused unrun (a crafted object: :mod:`gtp.safe_objects`,
+            named), or it lacks one of :data:`COMMON_KEYS` (not written here).
     """
-    path = check_loadable(root, iteration)
+    path = check_loadable(root, iteration)  # also installs gtp.safe_objects
     dcp_reader.install()  # a damaged data file is named (DataFileError)
     try:
         common = dist_checkpointing.load_common_state_dict(str(path))
     except (Exception, DCPCheckpointException) as exc:  # torn or foreign (a BaseException from DCP)
-        where = path / "common.pt" if (path / "common.pt").exists() else path  # else in DCP files
-        raise unreadable(where, exc, "a megatron checkpoint's common state") from exc
+        refused = safe_objects.refusal(exc)
+        if refused is not None:  # a crafted object (or a common.pt put there since the check)
+            raise CheckpointError(f"{path} is refused: {refused}; not loaded: load another "
+                                  f"checkpoint") from None
+        raise unreadable(path, exc, "a megatron checkpoint's common state") from exc
     for key in COMMON_KEYS:
         if key not in common:
             raise CheckpointError(f"{path} was not written by gtp-recipes: common state lacks {key!r}")

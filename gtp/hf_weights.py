@@ -1,0 +1,204 @@
+"""The safetensors weights of a Hugging Face model directory, as :mod:`gtp.hf_import` reads them:
+every file inside the directory, every size of ``config.json`` checked against the tensors.
+
+* Paths: ``config.json``, ``model.safetensors``, ``model.safetensors.index.json`` and every file
+  the index's ``weight_map`` names must resolve (symlinks followed) inside the given directory;
+  an entry such as ``../x.safetensors`` or a link to a file elsewhere is refused, naming it.
+* Sizes: :func:`check_sizes` compares each size the import takes from ``config.json`` (layers,
+  hidden size, heads, query groups, feed-forward size, vocabulary, positions) with the shapes
+  the safetensors headers give (no tensor data read), before anything is planned or
+  allocated: a config claiming ``num_hidden_layers=1000000000`` is refused, naming the field and
+  what the weights hold.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+
+class HFImportError(ValueError):
+    """The HF model cannot be imported exactly (names the config field, tensor or file)."""
+
+
+def confined(hf_dir: Path, name: str, what: str) -> Path:
+    """``hf_dir / name``, refused unless it resolves (symlinks followed) inside ``hf_dir``.
+
+    Args:
+        what: how the path was named, for the error (e.g. ``"model.safetensors.index.json
+            weight_map['lm_head.weight']"``).
+
+    Raises:
+        HFImportError: the path lies outside ``hf_dir`` (names ``what``, the path and the dir).
+    """
+    root = Path(hf_dir).resolve()
+    path = Path(hf_dir) / name
+    target = path.resolve()
+    if not isinstance(name, str) or Path(name).is_absolute() or not target.is_relative_to(root):
+        raise HFImportError(f"{what} = {name!r} resolves to {target}, outside the model "
+                            f"directory {root}: only files inside it are read")
+    return path
+
+
+class Weights:
+    """The safetensors tensors of an HF dir, read one at a time (``safe_open``).
+
+    Raises (constructor):
+        HFImportError: no weights, a weight file or index entry outside ``hf_dir``, an index
+            that is not ``{"weight_map": {tensor name: file name}}``.
+    """
+
+    def __init__(self, hf_dir: Path):
+        hf_dir = Path(hf_dir)
+        index = hf_dir / "model.safetensors.index.json"
+        if index.is_file():
+            index = confined(hf_dir, index.name, "the index file")
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise HFImportError(f"{index}: no weight_map object (tensor name -> file name)")
+            self.files = {k: confined(hf_dir, f, f"{index.name} weight_map[{k!r}]")
+                          for k, f in weight_map.items()}
+        elif (hf_dir / "model.safetensors").is_file():
+            from safetensors import safe_open
+
+            path = confined(hf_dir, "model.safetensors", "the weight file")
+            with safe_open(str(path), "pt") as f:
+                self.files = {k: path for k in f.keys()}
+        else:
+            raise HFImportError(f"{hf_dir} holds neither model.safetensors nor "
+                                f"model.safetensors.index.json (only safetensors weights are "
+                                f"imported)")
+        self._meta = {}
+
+    def names(self) -> set:
+        """Every tensor name of the weights."""
+        return set(self.files)
+
+    def get(self, name: str):
+        """Tensor ``name`` (read whole). Raises HFImportError when absent."""
+        from safetensors import safe_open
+
+        if name not in self.files:
+            raise HFImportError(f"the weights lack tensor {name!r}")
+        with safe_open(str(self.files[name]), "pt") as f:
+            return f.get_tensor(name)
+
+    def meta(self, name: str) -> tuple[tuple, object]:
+        """(shape, torch dtype) of tensor ``name``, from its file's header (no data read)."""
+        if name not in self._meta:
+            from safetensors import safe_open
+
+            if name not in self.files:
+                raise HFImportError(f"the weights lack tensor {name!r}")
+            with safe_open(str(self.files[name]), "pt") as f:
+                sl = f.get_slice(name)
+                shape = tuple(sl.get_shape())
+                dtype = torch_dtype(sl.get_dtype())
+            self._meta[name] = (shape, dtype)
+        return self._meta[name]
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a safetensors dtype name (``F32``, ``BF16``, ``F16``, ``F64``)."""
+    import torch
+
+    dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+              "F64": torch.float64}
+    if name not in dtypes:
+        raise HFImportError(f"safetensors dtype {name}: importable are {sorted(dtypes)}")
+    return dtypes[name]
+
+
+# config.json field names (as the transformers config class names them) of each model size.
+_FIELD_NAMES = {
+    "gpt2": {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "ffn": "n_inner",
+             "vocab": "vocab_size", "positions": "n_positions"},
+    "llama": {"layers": "num_hidden_layers", "hidden": "hidden_size",
+              "heads": "num_attention_heads", "groups": "num_key_value_heads",
+              "ffn": "intermediate_size", "vocab": "vocab_size"},
+}
+_LAYER = {"gpt2": r"h\.(\d+)\.", "llama": r"layers\.(\d+)\."}
+
+
+def _expected(kind: str, tied: bool) -> dict:
+    """``{HF name (``{i}``: a layer): ((size key, factor), ...)}``: each dim is the config size
+    ``key`` times ``factor`` (``head_dim`` for the query-group rows)."""
+    h, f, v = ("hidden", 1), ("ffn", 1), ("vocab", 1)
+    if kind == "gpt2":
+        out = {"wte.weight": (v, h), "wpe.weight": (("positions", 1), h), "ln_f.weight": (h,),
+               "ln_f.bias": (h,)}
+        layer = {"ln_1.weight": (h,), "ln_1.bias": (h,), "attn.c_attn.weight": (h, ("hidden", 3)),
+                 "attn.c_attn.bias": (("hidden", 3),), "attn.c_proj.weight": (h, h),
+                 "attn.c_proj.bias": (h,), "ln_2.weight": (h,), "ln_2.bias": (h,),
+                 "mlp.c_fc.weight": (h, f), "mlp.c_fc.bias": (f,), "mlp.c_proj.weight": (f, h),
+                 "mlp.c_proj.bias": (h,)}
+        out.update({f"h.{{i}}.{k}": dims for k, dims in layer.items()})
+    else:
+        g = ("groups", "head_dim")
+        out = {"embed_tokens.weight": (v, h), "norm.weight": (h,)}
+        layer = {"input_layernorm.weight": (h,), "self_attn.q_proj.weight": (h, h),
+                 "self_attn.k_proj.weight": (g, h), "self_attn.v_proj.weight": (g, h),
+                 "self_attn.o_proj.weight": (h, h), "post_attention_layernorm.weight": (h,),
+                 "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h),
+                 "mlp.down_proj.weight": (h, f)}
+        out.update({f"layers.{{i}}.{k}": dims for k, dims in layer.items()})
+    return out if tied else {**out, "lm_head.weight": (v, h)}
+
+
+def check_sizes(kind: str, model: dict, vocab_size, weights: Weights, prefix: str) -> None:
+    """Compare every size :mod:`gtp.hf_import` takes from ``config.json`` with the weights'
+    tensor shapes (headers only), before anything is planned or allocated.
+
+    Args:
+        kind: ``"gpt2"`` or ``"llama"``; model: the implied ``model`` fields
+            (``num_layers``, ``hidden_size``, ``num_attention_heads``, ``num_query_groups``,
+            ``ffn_hidden_size``, ``seq_length``, ``share_embeddings_and_output_weights``);
+        vocab_size: ``config.json``'s; prefix: the HF names' prefix (``"model."``, ...).
+
+    Raises:
+        HFImportError: a size that is not a positive integer, a layer count other than the
+            layers the weights hold, heads that do not divide the hidden size or are not a
+            multiple of the query groups, or a tensor whose shape another size gives; each names
+            the ``config.json`` field, its value and what the weights hold.
+    """
+    fields = _FIELD_NAMES[kind]
+    sizes = {"layers": model["num_layers"], "hidden": model["hidden_size"],
+             "heads": model["num_attention_heads"], "ffn": model["ffn_hidden_size"],
+             "vocab": vocab_size, "positions": model["seq_length"],
+             "groups": model["num_query_groups"] or model["num_attention_heads"]}
+    for key, field in fields.items():
+        value = sizes[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise HFImportError(f"config.json {field}={value!r}: a positive integer")
+    layer = re.compile(re.escape(prefix) + _LAYER[kind])
+    held = sorted({int(m.group(1)) for m in map(layer.match, weights.names()) if m})
+    dense = held == list(range(len(held)))  # layers 0 to n - 1 (nothing sized by the config)
+    if not dense or len(held) != sizes["layers"]:
+        what = (f"layers 0 to {held[-1]} ({len(held)} layers)" if dense and held
+                else f"layers {held[:10]}")
+        raise HFImportError(f"config.json {fields['layers']}={sizes['layers']}: the weights hold "
+                            f"{what}")
+    if sizes["hidden"] % sizes["heads"]:
+        raise HFImportError(f"config.json {fields['heads']}={sizes['heads']}: does not divide "
+                            f"{fields['hidden']}={sizes['hidden']}")
+    if kind == "llama" and sizes["heads"] % sizes["groups"]:
+        raise HFImportError(f"config.json {fields['groups']}={sizes['groups']}: does not divide "
+                            f"{fields['heads']}={sizes['heads']}")
+    sizes["head_dim"] = sizes["hidden"] // sizes["heads"]
+    names = weights.names()
+    for pattern, dims in _expected(kind, model["share_embeddings_and_output_weights"]).items():
+        per_layer = "{i}" in pattern
+        for i in range(sizes["layers"]) if per_layer else (0,):
+            name = (pattern if pattern == "lm_head.weight" else prefix + pattern).format(i=i)
+            if name not in names:
+                continue  # hf_import's plan names a missing tensor
+            shape = tuple(weights.meta(name)[0])
+            want = tuple(sizes[key] * (sizes[n] if isinstance(n, str) else n) for key, n in dims)
+            if shape == want:
+                continue
+            at = next((d for d in range(len(dims)) if d >= len(shape) or shape[d] != want[d]),
+                      0)
+            key = dims[at][0]
+            raise HFImportError(f"config.json {fields.get(key, key)}={sizes[key]}: tensor "
+                                f"{name!r} has shape {shape}, the config implies {want}")

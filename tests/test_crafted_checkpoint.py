@@ -1,0 +1,184 @@
+"""A checkpoint handed over by someone else runs no code, and a stray ``common.pt`` is damage.
+
+A checkpoint ``train.py`` wrote (tiny model, dp2, 2 iterations) is copied and crafted: one of its
+object records (the common state, one rank's RNG state) is replaced by a ``torch.save``d list
+whose element's ``__reduce__`` would create a marker file, the data file's records and
+``.metadata``'s offsets rewritten to match, so that every CRC-32 holds and ``gtp verify``'s
+layout checks pass (``.metadata`` itself still names only allowed classes). ``gtp verify``,
+``gtp inspect``, ``gtp export``, the common-state read of every load (``checkpoint.load``, ``auto``,
+``checkpoint.pretrained``) and a resume's ``dist_checkpointing.load`` each refuse it, naming the
+object, and the marker never appears. A ``common.pt`` beside the data files (megatron-core would
+read it in place of the common state the save wrote) is reported by ``gtp verify`` and refused by
+every load, naming the file.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.e2e
+
+ITER = 2
+COMMON = "common_state/shard_0_1"
+RNG = "rng_state/shard_0_2"  # rank 0's of a dp2 save
+
+
+@pytest.fixture(scope="module")
+def saved(train_run, tmp_path_factory):
+    run = tmp_path_factory.mktemp("crafted") / "run"
+    train_run(run, f"train.train_iters={ITER}", f"checkpoint.save_interval={ITER}")
+    return run / "checkpoints"
+
+
+class _Payload:
+    """Unpickled by an unrestricted unpickler, it runs ``touch MARKER``."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _copy(saved: Path, tmp_path: Path) -> tuple[Path, Path]:
+    root = tmp_path / "checkpoints"
+    shutil.copytree(saved, root)
+    return root, root / f"iter_{ITER:07d}"
+
+
+def replace_record(iter_path: Path, fqn: str, record: bytes) -> None:
+    """Put ``record`` in place of the stored record of object ``fqn``: its data file rebuilt
+    record by record, and ``.metadata``'s offsets and lengths rewritten to match (a crafted
+    checkpoint with consistent offsets: every CRC-32 and layout check holds)."""
+    from gtp.safe_metadata import read_metadata
+
+    metadata = read_metadata(iter_path)
+    target = next(info for index, info in metadata.storage_data.items() if index.fqn == fqn)
+    name = target.relative_path
+    infos = sorted((info for info in metadata.storage_data.values()
+                    if info.relative_path == name), key=lambda i: i.offset)
+    old = (iter_path / name).read_bytes()
+    out = bytearray()
+    for info in infos:
+        data = record if info is target else old[info.offset:info.offset + info.length]
+        info.offset, info.length = len(out), len(data)
+        out += data
+    (iter_path / name).write_bytes(bytes(out))
+    (iter_path / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def craft(iter_path: Path, fqn: str, marker: Path) -> None:
+    blob = io.BytesIO()
+    torch.save([_Payload(marker)], blob)
+    replace_record(iter_path, fqn, blob.getvalue())
+
+
+def _cli(*argv) -> tuple[int, str]:
+    from contextlib import redirect_stderr
+
+    from gtp.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stderr(err):
+        rc = main([*map(str, argv)], out=out)
+    return rc, out.getvalue() + err.getvalue()
+
+
+def test_the_crafted_copy_passes_every_check_but_the_unpickling(saved, tmp_path):
+    """The crafting itself: byte-consistent (so nothing but the unpickling can refuse it)."""
+    from gtp import verify
+
+    root, path = _copy(saved, tmp_path)
+    craft(path, COMMON, tmp_path / "marker")
+    metadata, problems = verify.read_metadata(path)
+    assert problems == [] and verify.check_metadata(path, metadata) == []
+    assert verify.check_data_files(path, metadata) == []
+
+
+def test_commands_refuse_a_crafted_common_state_and_run_nothing(saved, tmp_path):
+    root, path = _copy(saved, tmp_path)
+    marker = tmp_path / "marker"
+    craft(path, COMMON, marker)
+    rc, out = _cli("verify", root)
+    assert rc == 1 and not marker.exists(), out
+    assert re.search(rf"DAMAGED {re.escape(str(path))}: object 'common_state': .*{COMMON}.*"
+                     rf"posix\.system", out), out
+    for command in (["inspect", root], ["export", root, tmp_path / "hf"]):
+        rc, out = _cli(*command)
+        assert rc == 2 and not marker.exists(), (command, out)
+        assert COMMON in out and "posix.system" in out, (command, out)
+    # The common-state read of every load (checkpoint.load=DIR / auto, checkpoint.pretrained).
+    from recipes import pretrained
+    from recipes.checkpoint import CheckpointError, load_common
+    from recipes.validate import ConfigError
+
+    with pytest.raises(CheckpointError, match=rf"{COMMON}.*posix\.system"):
+        load_common(root)
+    with pytest.raises(ConfigError, match=rf"{COMMON}.*posix\.system"):
+        pretrained.source_config(root)
+    assert not marker.exists()
+
+
+def test_a_resume_refuses_a_crafted_common_state(saved, tmp_path, train_run):
+    root, path = _copy(saved, tmp_path)
+    marker = tmp_path / "marker"
+    craft(path, COMMON, marker)
+    proc = train_run(tmp_path / "resumed", "train.train_iters=4", f"checkpoint.load={root}",
+                     rc=None)
+    assert proc.returncode != 0 and not marker.exists(), proc.stdout[-3000:]
+    assert COMMON in proc.stdout and "posix.system" in proc.stdout, proc.stdout[-3000:]
+    assert not re.search(r"iteration +\d+/\d+ \|", proc.stdout), proc.stdout[-3000:]
+
+
+def test_a_resume_refuses_a_crafted_rng_state(saved, tmp_path, train_run):
+    """The common state is intact: the crafted object is one of those megatron's
+    ``dist_checkpointing.load`` reads (same layout: the RNG states are loaded)."""
+    root, path = _copy(saved, tmp_path)
+    marker = tmp_path / "marker"
+    craft(path, RNG, marker)
+    proc = train_run(tmp_path / "resumed", "train.train_iters=4", f"checkpoint.load={root}",
+                     rc=None)
+    assert proc.returncode != 0 and not marker.exists(), proc.stdout[-3000:]
+    assert RNG in proc.stdout and "posix.system" in proc.stdout, proc.stdout[-3000:]
+    assert not re.search(r"iteration +\d+/\d+ \|", proc.stdout), proc.stdout[-3000:]
+
+
+def _stray_common_pt(path: Path) -> Path:
+    """A ``common.pt`` holding the save's common state with no sample consumed and no
+    scheduler step taken (a resume would restart warm-up and the data order under trained
+    weights): what megatron-core reads in place of the common state in the data files."""
+    from megatron.core import dist_checkpointing
+
+    common = dict(dist_checkpointing.load_common_state_dict(str(path)))
+    common["train_state"] = {**common["train_state"], "consumed_samples": 0}
+    common["opt_param_scheduler"] = {**common["opt_param_scheduler"], "num_steps": 0}
+    torch.save(common, path / "common.pt")
+    return path / "common.pt"
+
+
+def test_a_stray_common_pt_is_damage_to_verify_and_every_load(saved, tmp_path, train_run):
+    root, path = _copy(saved, tmp_path)
+    stray = _stray_common_pt(path)
+    rc, out = _cli("verify", root)
+    assert rc == 1, out
+    assert f"DAMAGED {stray}: " in out, out
+    for command in (["inspect", root], ["export", root, tmp_path / "hf"]):
+        rc, out = _cli(*command)
+        assert rc == 2 and str(stray) in out, (command, out)
+    from recipes.checkpoint import CheckpointError, load_common
+
+    with pytest.raises(CheckpointError, match=re.escape(str(stray))):
+        load_common(root)
+    # Unverified too: the load itself refuses it.
+    proc = train_run(tmp_path / "resumed", "train.train_iters=4", f"checkpoint.load={root}",
+                     "checkpoint.verify_on_load=false", rc=None)
+    assert proc.returncode != 0 and str(stray) in proc.stdout, proc.stdout[-3000:]
+    assert not re.search(r"iteration +\d+/\d+ \|", proc.stdout), proc.stdout[-3000:]
