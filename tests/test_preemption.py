@@ -304,9 +304,12 @@ def test_load_defaults_to_auto_under_the_submitit_launchers():
 def test_a_live_lease_is_refused_naming_the_holder_and_the_file(tmp_path):
     first = lease.Lease(tmp_path / lease.WRITER_LEASE, run_id="aaa", job_id="11")
     assert first.take("checkpoint.save") is None
+    # As another node's holder would see it (a holder that is this very process is stale).
+    path = tmp_path / lease.WRITER_LEASE
+    path.write_text(json.dumps({**json.loads(path.read_text()), "host": "node7"}))
     second = lease.Lease(tmp_path / lease.WRITER_LEASE, run_id="bbb", job_id="22")
     with pytest.raises(lease.LeaseHeld, match=rf"checkpoint.save {tmp_path} is in use by run aaa "
-                                              rf"\(job 11\), process {os.getpid()} on .*remove "
+                                              rf"\(job 11\), process {os.getpid()} on node7.*remove "
                                               rf"{tmp_path / lease.WRITER_LEASE}"):
         second.take("checkpoint.save")
     first.release()
