@@ -10,6 +10,11 @@ megatron and the modules that import it are imported inside the functions (start
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # a worker: keep a signal that comes while torch is imported
+    from recipes import preemption as _preemption
+
+    _preemption.note_early()
+
 import os
 import random
 import sys
@@ -207,6 +212,14 @@ def run(cfg, resume=None) -> None:
     quiet_megatron(torch.distributed.get_rank(), bool(cfg.checkpoint.get("async_save", False)))
     check_same_run(cfg)
     ck = cfg.checkpoint
+    early = preemption.before_training(cfg.train, int(ck.load_iteration or 0) if ck.load else 0)
+    if early is not None:  # a signal while it started: nothing trained, nothing to save
+        if torch.distributed.get_rank() == 0:
+            print(early, flush=True)
+        if created_world:
+            torch.distributed.destroy_process_group()
+        preemption.after_exit()
+        return
     load_iteration = agree_load_iteration(ck)
     if load_iteration is None:
         resume = None
