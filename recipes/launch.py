@@ -273,7 +273,7 @@ def run_job(cfg) -> None:
         print(report(cfg, layout), flush=True)
         return
     try:
-        prepare_resume(cfg, layout, plan)
+        prepare_resume(cfg, layout, plan, auto=auto)
     except NothingToTrain as exc:
         if is_rank0:
             print(f"> {exc}", flush=True)

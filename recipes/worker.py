@@ -252,6 +252,9 @@ def run(cfg, resume=None) -> None:
     plan = plan_wandb_run(cfg, train_state if resumed_from is not None else None,
                           iteration if resumed_from is not None else None)
     run_id = plan["run_id"]
+    from recipes.checkpoint import lineage
+
+    chain = lineage.of_run(train_state if resumed_from is not None else None, iteration, plan)
     train_state["data_plan"] = planned_samples(train_state, iteration, saved_cfg, cfg)
 
     # Without CP: the context-parallel ranks of a replica read the same micro-batches and split
@@ -275,7 +278,7 @@ def run(cfg, resume=None) -> None:
         iteration=iteration, consumed_samples=train_state["consumed_samples"],
         validation=validation, skipped=train_state.get("skipped_iterations", 0),
         train_state={"wandb_run_id": run_id, "config": to_dict(cfg),
-                     "data_plan": train_state["data_plan"]},
+                     "data_plan": train_state["data_plan"], "lineage": chain},
     )
 
     config_dict = state.train_state["config"]
