@@ -79,11 +79,12 @@ def agree_load_iteration(ck) -> int | None:
     return box[1] if box[0] is not None else None
 
 
-def check_save_dir(ck, load_iteration: int | None) -> None:
+def check_save_dir(ck, load_iteration: int | None, auto: bool = False) -> None:
     """Refuse a ``checkpoint.save`` that cannot be written or that holds another run's saves.
 
     A dir is this run's to continue when it is also ``checkpoint.load`` and the iteration loaded
-    is its newest complete save; else any complete save or tracker in it belongs to another run
+    is its newest complete save, or ``checkpoint.load=auto`` (``auto``) chose it (the newest of
+    its lineage; another lineage's newer saves may sit beside it); else any complete save or tracker in it belongs to another run
     (a re-submitted job, a fork from an earlier iteration), and saving there would replace its
     checkpoints or move its tracker back, unless ``checkpoint.allow_existing_save=true``.
 
@@ -101,7 +102,7 @@ def check_save_dir(ck, load_iteration: int | None) -> None:
     if not saved and tracked is None:
         return
     same_dir = ck.load is not None and Path(ck.load).resolve() == root.resolve()
-    if same_dir and load_iteration == max(saved + [tracked or 0]):
+    if same_dir and (auto or load_iteration == max(saved + [tracked or 0])):
         return
     if ck.get("allow_existing_save", False):
         return
@@ -235,10 +236,11 @@ def format_changes(changes: list[Change]) -> str:
                      for r in rows)
 
 
-def prepare_resume(cfg, layout, plan=None) -> None:
+def prepare_resume(cfg, layout, plan=None, auto: bool = False) -> None:
     """Pre-launch checks and decisions of a run that loads a checkpoint (and of every run's save
     dir). ``plan``: the :class:`~recipes.checkpoint.manager.ResumePlan` of ``checkpoint.load``
-    already resolved in this process (None: resolved here). Updates ``cfg`` in place so the
+    already resolved in this process (None: resolved here); ``auto``: ``checkpoint.load=auto``
+    chose it (:func:`check_save_dir`). Updates ``cfg`` in place so the
     recorded config is what runs:
     ``checkpoint.load_iteration`` pinned to the iteration resolved now (every rank loads it) and,
     unless ``optim.override_opt_param_scheduler``, the lr schedule fields and Adam's betas and eps
@@ -256,7 +258,7 @@ def prepare_resume(cfg, layout, plan=None) -> None:
 
         plan = ResumePlan.resolve(ck, repair=_is_rank0())
     iteration = None if plan is None else plan.iteration
-    check_save_dir(ck, iteration)
+    check_save_dir(ck, iteration, auto=auto)
     if iteration is None:
         return
     if iteration >= cfg.train.train_iters:

@@ -151,6 +151,9 @@ def launch_local(config_path: Path, nproc: int, exit_signals: list[int] = (),
         print(interrupted_message(exc.sigval.name, save_root), file=sys.stderr, flush=True)
         raise SystemExit(128 + int(exc.sigval)) from None
     finally:
+        from recipes.preemption import stop_forwarding
+
+        stop_forwarding()  # a multirun's next job has workers of its own
         os.environ.pop(LAUNCHER_PID_ENV, None)  # for the workers of this launch only
         for signum, handler in previous.items():  # a multirun's next job, or none
             signal.signal(signum, handler)
@@ -270,7 +273,7 @@ def run_job(cfg) -> None:
         print(report(cfg, layout), flush=True)
         return
     try:
-        prepare_resume(cfg, layout, plan)
+        prepare_resume(cfg, layout, plan, auto=auto)
     except NothingToTrain as exc:
         if is_rank0:
             print(f"> {exc}", flush=True)

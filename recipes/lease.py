@@ -6,10 +6,12 @@ and the save dir's writer lease (``<checkpoint.save>/.writer_lease``, :func:`tak
 re-checked before every save is renamed into place (:func:`check_writer`).
 
 A lease holds the run id, the scheduler's job id (:func:`recipes.requeue.job_id`), the host, the
-pid and, as the file's modification time, the heartbeat. It is stale, and taken over with a
-note, when its process is gone (same host), when its heartbeat is older than
-:data:`STALE_AFTER_S` (another host), or when it names this job's id (a requeued job is the same
-run). Otherwise it is live and the dir is refused, naming the holder and the file.
+pid, the pid's process start time and, as the file's modification time, the heartbeat. It is
+stale, and taken over with a note, when it names this job's id (a requeued job is the same run),
+when its heartbeat is older than :data:`STALE_AFTER_S` (any host), or, on this host, when its
+process is gone, is this process or one of its ancestors (a container restarted, its pids
+counted from 1 again) or is another process under a reused pid (its start time differs).
+Otherwise it is live and the dir is refused, naming the holder and the file.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ WRITER_LEASE = ".writer_lease"
 # Set for the workers (and by rank 0 under torchrun/Slurm): the run id holding the writer lease.
 RUN_ID_ENV = "GTP_RECIPES_RUN_ID"
 HEARTBEAT_S = 10.0
-# A lease of another host whose heartbeat is older than this is stale (several missed beats).
+# A lease whose heartbeat is older than this is stale (several missed beats), on any host.
 STALE_AFTER_S = 6 * HEARTBEAT_S
 
 
@@ -48,9 +50,32 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat`` field 22), or
+    None where it is gone or there is no ``/proc``: with the pid it names one process, never a
+    later one that reuses the pid."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _ancestors() -> set[int]:
+    """This process and its ancestors, up to pid 1 (from ``/proc``; this process and its parent
+    where there is none)."""
+    found, pid = {os.getpid()}, os.getppid()
+    while pid > 0 and pid not in found:
+        found.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return found | {1}
+
+
 def read(path) -> dict | None:
     """The holder recorded in the lease file ``path`` (``run_id``, ``job_id``, ``host``, ``pid``,
-    ``heartbeat``: unix time of the last beat), or None when there is none. A file of the older
+    ``start``: :func:`process_start` of the pid, ``heartbeat``: unix time of the last beat), or None when there is none. A file of the older
     ``HOST PID`` form reads as such a holder without ids."""
     path = Path(path)
     try:
@@ -78,16 +103,25 @@ def describe(holder: dict) -> str:
 
 
 def stale_reason(holder: dict, job_id: str | None, now: float | None = None) -> str | None:
-    """Why ``holder`` no longer holds its lease (None: it is live): its process is gone (this
-    host), its heartbeat stopped (another host), or it is this job before a requeue."""
+    """Why ``holder`` no longer holds its lease (None: it is live): it is this job before a
+    requeue, its heartbeat stopped (any host) or, on this host, its process is gone, is this
+    process or an ancestor of it (pids counted again from 1 after a container restart), or its
+    pid now belongs to another process (the start time recorded differs)."""
     now = time.time() if now is None else now
     if job_id and holder.get("job_id") == job_id:
         return f"it is this job ({job_id}) before a requeue"
-    if holder.get("host") == socket.gethostname():
-        pid = int(holder.get("pid") or 0)
-        return None if pid and _pid_alive(pid) else "its process is gone"
     if now - holder.get("heartbeat", 0) > STALE_AFTER_S:
         return f"no heartbeat for over {STALE_AFTER_S:.0f} s"
+    if holder.get("host") == socket.gethostname():
+        pid = int(holder.get("pid") or 0)
+        if not pid or not _pid_alive(pid):
+            return "its process is gone"
+        if pid in _ancestors():
+            return (f"its pid {pid} is this process or its ancestor (a restarted container "
+                    f"counts pids from 1 again)")
+        start = holder.get("start")
+        if start is not None and process_start(pid) not in (None, start):
+            return f"its pid {pid} is now another process (started at another time)"
     return None
 
 
@@ -100,7 +134,7 @@ class Lease:
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.job_id = job_id if job_id is not None else scheduler_job_id()
         self.me = {"run_id": self.run_id, "job_id": self.job_id, "host": socket.gethostname(),
-                   "pid": os.getpid()}
+                   "pid": os.getpid(), "start": process_start(os.getpid())}
         self._stop = threading.Event()
 
     def take(self, what: str) -> str | None:

@@ -19,6 +19,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 import time
 
 # What train.py's launch puts here: the command that continues the run (printed at the exit).
@@ -27,7 +28,9 @@ CONTINUE_ENV = "GTP_RECIPES_CONTINUE"
 EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGINT")
 
 _received: list[int] = []  # signals received since install(), in order
-_previous: dict[int, object] = {}  # signum -> the handler install() replaced
+_early: list[int] = []  # signals received between note_early() and install()
+_previous: dict[int, object] = {}  # signum -> the handler note_early()/install() replaced
+_forwarding: list[threading.Event] = []  # set to stop the launcher's forwarding threads
 _started = time.time()
 
 
@@ -51,15 +54,61 @@ def _note(signum, frame) -> None:
     _received.append(signum)
 
 
+def _note_early(signum, frame) -> None:
+    _early.append(signum)
+
+
+def note_early() -> None:
+    """The first thing a worker does (before it imports torch): note every signal of
+    :data:`EXIT_SIGNALS` but SIGINT instead of dying of it, until :func:`install` knows which
+    the run exits on. A signal at any moment of a worker's life is then kept."""
+    for name in EXIT_SIGNALS:
+        if name != "SIGINT":
+            signum = getattr(signal, name)
+            _previous[signum] = signal.signal(signum, _note_early)
+
+
 def install(train_cfg) -> None:
     """Note :func:`exit_signals` instead of dying of them (in the main thread of a worker);
     the handlers replaced are kept for :func:`after_exit`. Resets the wall clock of
-    ``train.exit_duration_in_mins``."""
+    ``train.exit_duration_in_mins``. Signals noted since :func:`note_early` count as received;
+    one the run does not exit on takes its default action now."""
     global _started
     _started = time.time()
     _received.clear()
-    for signum in exit_signals(train_cfg):
-        _previous[signum] = signal.signal(signum, _note)
+    signums = exit_signals(train_cfg)
+    for signum in signums:
+        replaced = signal.signal(signum, _note)
+        if replaced is not _note_early:
+            _previous[signum] = replaced
+    early, _early[:] = list(_early), []
+    _received.extend(s for s in early if s in signums)
+    for signum in dict.fromkeys(s for s in early if s not in signums):
+        signal.signal(signum, _previous.pop(signum, signal.SIG_DFL))
+        os.kill(os.getpid(), signum)
+    for signum in [s for s, h in _previous.items() if s not in signums]:
+        if signal.getsignal(signum) is _note_early:  # noted early, not an exit signal here
+            signal.signal(signum, _previous.pop(signum))
+
+
+def before_training(train_cfg, iteration: int) -> str | None:
+    """Whether a run stops before it trains iteration ``iteration + 1``: an exit signal any rank
+    received so far (one all-reduce over the world). Returns the line to print (the signal, that
+    no iteration was trained, the command that continues), or None to go on."""
+    import torch
+
+    flag = torch.tensor([received() or 0], dtype=torch.int64)
+    if torch.distributed.is_initialized():
+        from gtp.collectives import collective_device
+
+        flag = flag.to(collective_device())
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    signum = int(flag.item())
+    if not signum:
+        return None
+    how = os.environ.get(CONTINUE_ENV)
+    return (f"> exit on {signal.Signals(signum).name} before iteration {iteration + 1}: no "
+            f"iteration was trained, nothing to save" + (f"; continue with: {how}" if how else ""))
 
 
 def received() -> int | None:
@@ -158,24 +207,62 @@ def forward_to_workers(signums: list[int], workers,
     pids) instead of stopping them, so they save and exit 0; the launcher goes on waiting.
 
     torch's elastic agent turns the signals it handles into a teardown (``SignalException``):
+    these are taken out of its list.
+
+    Each signal reaches every worker once that worker handles it (``SigCgt`` of
+    ``/proc/<pid>/status``: :func:`note_early` is its first act), and workers that start after
+    it came get it too, from a thread that :func:`stop_forwarding` ends; a worker is never
+    killed by a signal that arrived while it started.
 
     Returns:
         ``agent_signals`` (torch's ``LaunchConfig.signals_to_handle``) without ``signums``.
     """
     mine = {signal.Signals(s).name for s in signums}
+    stop = threading.Event()
+    _forwarding.append(stop)
+
+    def deliver(signum) -> None:
+        sent: set[int] = set()
+        while not stop.is_set():
+            pids = workers()
+            for pid in pids:
+                if pid not in sent and _catches(pid, signum):
+                    try:
+                        os.kill(pid, signum)
+                    except ProcessLookupError:
+                        pass
+                    sent.add(pid)
+            if sent and set(pids) <= sent:
+                return
+            stop.wait(0.02)
 
     def forward(signum, frame) -> None:
         print(f"> {signal.Signals(signum).name} received: the workers save at the end of the "
               f"iteration in flight, then stop", file=sys.stderr, flush=True)
-        for pid in workers():
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
+        threading.Thread(target=deliver, args=(signum,), daemon=True,
+                         name=f"forward-{signum}").start()
 
     for signum in signums:
         signal.signal(signum, forward)
     return ",".join(s for s in agent_signals.split(",") if s.strip() and s.strip() not in mine)
+
+
+def stop_forwarding() -> None:
+    """End the forwarding threads of :func:`forward_to_workers` (its launch is over)."""
+    while _forwarding:
+        _forwarding.pop().set()
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (True where ``/proc`` says nothing:
+    the signal is sent as it is)."""
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except OSError:
+        return False
+    return True
 
 
 def child_pids(module: str, parent: int | None = None) -> list[int]:

@@ -1,8 +1,9 @@
 """A command line that works the first time and after every requeue: ``checkpoint.load=auto``,
 and the job id that makes a requeued job the same run.
 
-``checkpoint.load=auto`` loads the newest complete save of ``checkpoint.save`` if there is one
-(and puts its tracker back in step with it), else starts from scratch. It is the default under
+``checkpoint.load=auto`` loads the newest save of ``checkpoint.save`` of the run that wrote its
+tracker (its lineage) that loads and verifies, if there is one (and puts its tracker back in
+step with it), else starts from scratch. It is the default under
 ``hydra/launcher=slurm`` and ``submitit_local`` (:func:`default_load`), whose jobs submitit
 requeues with the same command after a preemption or a time limit.
 """
@@ -40,15 +41,18 @@ def default_load():
 
 def resolve_auto_load(cfg, is_rank0: bool = True) -> str | None:
     """With ``checkpoint.load=auto``: set ``checkpoint.load`` (in place) to ``checkpoint.save``
-    and ``checkpoint.load_iteration`` to its newest complete save, or ``checkpoint.load`` to
-    null when it holds none. A tracker behind that save (a crash between the rename and the
-    tracker's write, a fork that moved it back) is rewritten to name it, by global rank 0.
+    and ``checkpoint.load_iteration`` to the save that
+    :meth:`recipes.checkpoint.manager.ResumePlan.auto` chooses (the newest of the tracker's
+    lineage that loads and verifies), or ``checkpoint.load`` to null when it holds no complete
+    save. A tracker that names another iteration (a crash between the rename and the tracker's
+    write, a damaged save skipped) is rewritten to name it, by global rank 0.
 
     Returns:
         A note to print (what was found), or None when ``checkpoint.load`` is not ``auto``.
 
     Raises:
         ConfigError: ``auto`` without ``checkpoint.save``, or with ``checkpoint.load_iteration``.
+        CheckpointError: as :meth:`~recipes.checkpoint.manager.ResumePlan.auto`.
     """
     from omegaconf import open_dict
 
@@ -69,21 +73,24 @@ def resolve_auto_load(cfg, is_rank0: bool = True) -> str | None:
     root = Path(ck.save)
     if root.is_dir() and is_rank0:
         checkpoint.recover_replaced(root)
-    saved = checkpoint.saved_iterations(root) if root.is_dir() else []
-    with open_dict(cfg):
-        if not saved:
-            ck.load = None
-            return f"> checkpoint.load=auto: no complete save in {root}; starting from iteration 0"
-        newest = saved[-1]
-        ck.load, ck.load_iteration = str(root), newest
-    note = f"> checkpoint.load=auto: resuming from {checkpoint.iter_dir(root, newest)}"
+    newest, notes = None, []
     try:
         tracked = checkpoint.read_tracker(root)
     except CheckpointError:
         tracked = None
+    if root.is_dir() and checkpoint.saved_iterations(root):
+        from recipes.checkpoint.manager import ResumePlan  # megatron: only where there is a save
+
+        # Global rank 0 puts the tracker in step with the save chosen.
+        newest, notes = ResumePlan.auto(root, verify=ck.get("verify_on_load", True),
+                                        repair=is_rank0)
+    with open_dict(cfg):
+        if newest is None:
+            ck.load = None
+            return f"> checkpoint.load=auto: no complete save in {root}; starting from iteration 0"
+        ck.load, ck.load_iteration = str(root), newest
+    note = f"> checkpoint.load=auto: resuming from {checkpoint.iter_dir(root, newest)}"
     if tracked != newest:
-        if is_rank0:
-            checkpoint.write_durable(root / TRACKER, f"{newest}\n")
         note += (f" ({TRACKER} named {tracked if tracked is not None else 'nothing'}; "
                  f"rewritten to {newest})")
-    return note
+    return "\n".join([*notes, note])

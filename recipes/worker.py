@@ -10,6 +10,11 @@ megatron and the modules that import it are imported inside the functions (start
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # a worker: keep a signal that comes while torch is imported
+    from recipes import preemption as _preemption
+
+    _preemption.note_early()
+
 import os
 import random
 import sys
@@ -209,6 +214,14 @@ def run(cfg, resume=None) -> None:
     quiet_megatron(torch.distributed.get_rank(), bool(cfg.checkpoint.get("async_save", False)))
     check_same_run(cfg)
     ck = cfg.checkpoint
+    early = preemption.before_training(cfg.train, int(ck.load_iteration or 0) if ck.load else 0)
+    if early is not None:  # a signal while it started: nothing trained, nothing to save
+        if torch.distributed.get_rank() == 0:
+            print(early, flush=True)
+        if created_world:
+            torch.distributed.destroy_process_group()
+        preemption.after_exit()
+        return
     load_iteration = agree_load_iteration(ck)
     if load_iteration is None:
         resume = None
@@ -241,6 +254,9 @@ def run(cfg, resume=None) -> None:
     plan = plan_wandb_run(cfg, train_state if resumed_from is not None else None,
                           iteration if resumed_from is not None else None)
     run_id = plan["run_id"]
+    from recipes.checkpoint import lineage
+
+    chain = lineage.of_run(train_state if resumed_from is not None else None, iteration, plan)
     train_state["data_plan"] = planned_samples(train_state, iteration, saved_cfg, cfg)
 
     # Without CP: the context-parallel ranks of a replica read the same micro-batches and split
@@ -264,7 +280,7 @@ def run(cfg, resume=None) -> None:
         iteration=iteration, consumed_samples=train_state["consumed_samples"],
         validation=validation, skipped=train_state.get("skipped_iterations", 0),
         train_state={"wandb_run_id": run_id, "config": to_dict(cfg),
-                     "data_plan": train_state["data_plan"]},
+                     "data_plan": train_state["data_plan"], "lineage": chain},
     )
 
     config_dict = state.train_state["config"]

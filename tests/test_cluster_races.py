@@ -23,7 +23,7 @@ def test_a_lease_another_taker_just_took_is_put_back(tmp_path, monkeypatch):
     B must not delete A's lease: it puts it back and is refused."""
     path = tmp_path / lease.WRITER_LEASE
     stale = {"run_id": "old", "host": socket.gethostname(), "pid": 999999999}
-    fresh = {"run_id": "a", "host": socket.gethostname(), "pid": os.getpid()}
+    fresh = {"run_id": "a", "host": "node7", "pid": 5}  # another host's, beating
     path.write_text(json.dumps(fresh))  # what is on disk when B renames
     real_read, calls = lease.read, []
 
@@ -118,3 +118,37 @@ def test_a_finalize_refused_on_rank_0_fails_on_every_rank(tmp_path):
     assert got[0] and got[0].startswith("LeaseHeld") and "not by this run (me)" in got[0], got
     assert got[1] and "failed on rank 0: LeaseHeld" in got[1], got
     assert not checkpoint.iter_dir(tmp_path, 4).exists()
+
+
+def test_a_lease_naming_this_process_an_ancestor_or_a_reused_pid_goes_stale(tmp_path):
+    """issue 33.5: a container restarted as pid 1 again, or a pid reused by another process,
+    names a process that is alive; neither may hold the dir for ever."""
+    import multiprocessing as mp
+
+    here, path = socket.gethostname(), tmp_path / lease.WRITER_LEASE
+    other = mp.get_context("fork").Process(target=time.sleep, args=(60,))  # live, unrelated
+    other.start()
+    try:
+        start = lease.process_start(other.pid)
+        assert start is not None and lease.Lease(path).me["start"] == lease.process_start(os.getpid())
+        cases = [  # (holder, age of its heartbeat, taken over because)
+            ({"pid": os.getpid()}, 0, "this process"),
+            ({"pid": 1}, 0, "this process or its ancestor"),
+            ({"pid": os.getppid()}, 0, "this process or its ancestor"),
+            ({"pid": other.pid, "start": start + 1}, 0, "now another process"),
+            ({"pid": other.pid, "start": start}, lease.STALE_AFTER_S + 5, "no heartbeat"),
+            ({"pid": other.pid, "start": start}, 0, None),
+            ({"pid": other.pid}, 0, None),  # an older lease without a start time
+        ]
+        for holder, age, why in cases:
+            _write(path, age, run_id="x", host=here, **holder)
+            got = lease.stale_reason(lease.read(path), None)
+            assert (got is None) if why is None else (why in (got or "")), (holder, age, got)
+    finally:
+        other.kill()
+        other.join()
+
+
+def _write(path, age_s: float, **holder) -> None:
+    path.write_text(json.dumps(holder))
+    os.utime(path, (time.time() - age_s, time.time() - age_s))

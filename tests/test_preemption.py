@@ -242,17 +242,23 @@ def test_the_continue_command_pins_the_run_dir_and_loads_auto():
 
 # --- checkpoint.load=auto -------------------------------------------------------------------
 
-def test_load_auto_takes_the_newest_complete_save_and_rewrites_a_tracker_left_behind(tmp_path):
+def test_load_auto_takes_the_newest_complete_save_and_rewrites_a_tracker_left_behind(tmp_path,
+                                                                                    monkeypatch):
     from omegaconf import open_dict
 
+    from recipes.checkpoint import manager
     from recipes.checkpointer import check_save_dir
+
+    # Stand-in saves of one lineage (tests/test_requeue_lineage.py loads real ones).
+    monkeypatch.setattr(manager, "load_common",
+                        lambda root, it: (None, {"train_state": {"lineage": [["r", 0]]}}))
 
     root = tmp_path / "ck"
     fake_save(root, 3)
     fake_save(root, 6)
     checkpoint.staging_dir(root, 9).mkdir()  # an interrupted save: never loaded
     (root / checkpoint.TRACKER).write_text("3\n")
-    cfg = make_cfg("checkpoint.load=auto")
+    cfg = make_cfg("checkpoint.load=auto", "checkpoint.verify_on_load=false")
     with open_dict(cfg):
         cfg.checkpoint.save = str(root)
     note = resolve_auto_load(cfg)
@@ -304,9 +310,12 @@ def test_load_defaults_to_auto_under_the_submitit_launchers():
 def test_a_live_lease_is_refused_naming_the_holder_and_the_file(tmp_path):
     first = lease.Lease(tmp_path / lease.WRITER_LEASE, run_id="aaa", job_id="11")
     assert first.take("checkpoint.save") is None
+    # As another node's holder would see it (a holder that is this very process is stale).
+    path = tmp_path / lease.WRITER_LEASE
+    path.write_text(json.dumps({**json.loads(path.read_text()), "host": "node7"}))
     second = lease.Lease(tmp_path / lease.WRITER_LEASE, run_id="bbb", job_id="22")
     with pytest.raises(lease.LeaseHeld, match=rf"checkpoint.save {tmp_path} is in use by run aaa "
-                                              rf"\(job 11\), process {os.getpid()} on .*remove "
+                                              rf"\(job 11\), process {os.getpid()} on node7.*remove "
                                               rf"{tmp_path / lease.WRITER_LEASE}"):
         second.take("checkpoint.save")
     first.release()

@@ -30,6 +30,7 @@ from recipes.checkpoint.async_save import AsyncSaves
 from recipes.checkpoint.files import (
     TRACKER,
     iter_dir,
+    write_durable,
     recover_replaced,
     remove_old_checkpoints,
     tracked,
@@ -81,6 +82,94 @@ class ResumePlan:
         """
         path, common = load_common(load, iteration)
         return cls(str(load), int(path.name[5:]), path, common)
+
+    @classmethod
+    def auto(cls, root, verify: bool = True, repair: bool = False) -> tuple[int | None, list[str]]:
+        """``checkpoint.load=auto``'s choice in the save dir ``root``: the newest save of the
+        lineage (:mod:`recipes.checkpoint.lineage`) of the save the tracker names (without a
+        usable tracker: of the newest save) that loads and, with ``verify``, verifies
+        (:func:`gtp.verify.verify_iteration`). A newer save of the same lineage is taken (a
+        crash between its rename and the tracker's write); another lineage's is never taken.
+        With ``repair`` (global rank 0) a damaged save of the lineage is set aside as
+        ``iter_N.damaged`` (never deleted, never written over) once the tracker names the save
+        chosen; without it nothing is written.
+
+        Returns:
+            ``(iteration, notes)``: None when ``root`` holds no complete save; a note per save
+            skipped, naming it and why.
+
+        Raises:
+            CheckpointError: it cannot tell a save's lineage from the tracker's (a save from
+                before lineages beside it), naming both; or no save of the lineage loads.
+        """
+        from gtp.verify import verify_iteration
+        from recipes.checkpoint import lineage
+        from recipes.checkpoint.errors import CheckpointError
+        from recipes.checkpoint.files import saved_iterations
+
+        saved = saved_iterations(root)
+        if not saved:
+            return None, []
+        mark = tracked(root)
+        ref = mark if mark in saved else saved[-1]
+        chains: dict = {}
+
+        def chain(it):
+            if it not in chains:
+                try:
+                    chains[it] = load_common(root, it)[1]["train_state"].get(lineage.KEY)
+                except CheckpointError as exc:
+                    chains[it] = exc
+            return chains[it]
+
+        history, notes, damaged = chain(ref), [], []
+        if isinstance(history, CheckpointError) and len(saved) > 1:
+            raise CheckpointError(
+                f"checkpoint.load=auto cannot tell which saves of {root} continue "
+                f"{iter_dir(root, ref).name}: it cannot be read ({history}); load one "
+                f"explicitly (checkpoint.load={root} checkpoint.load_iteration=N)")
+        for it in reversed(saved):
+            mine = chain(it)
+            if it != ref and not isinstance(mine, CheckpointError):
+                path = lineage.on_path(mine, it, history) if it < ref else (
+                    None if not mine or not history else mine[-1][0] == history[-1][0])
+                if path is None:
+                    raise CheckpointError(
+                        f"checkpoint.load=auto cannot tell whether {iter_dir(root, it).name} "
+                        f"continues {iter_dir(root, ref).name} of {root} (one of them was saved "
+                        f"before saves recorded their lineage); load one explicitly "
+                        f"(checkpoint.load={root} checkpoint.load_iteration={it} or {ref})")
+                if not path:
+                    notes.append(f"> checkpoint.load=auto: skipped {iter_dir(root, it).name}: "
+                                 f"another run's save (lineage {mine[-1][0]}, not "
+                                 f"{history[-1][0]}), left in place")
+                    continue
+            problem = str(mine) if isinstance(mine, CheckpointError) else None
+            if problem is None and verify:  # every rank: each chooses alike, whatever rank 0 moves
+                found = verify_iteration(iter_dir(root, it)).problems
+                problem = "; ".join(str(p) for p in found[:3]) or None
+            if problem is not None:
+                damaged.append((it, problem))
+                continue
+            if repair and mark != it:  # the tracker first: it never names a dir set aside
+                write_durable(Path(root) / TRACKER, f"{it}\n")
+            return it, notes + cls._set_aside(root, damaged, repair)
+        raise CheckpointError(f"checkpoint.load=auto: no save of {root} of this run's lineage "
+                              f"loads:\n" + "\n".join(notes + cls._set_aside(root, damaged,
+                                                                             False)))
+
+    @staticmethod
+    def _set_aside(root, damaged: list, repair: bool) -> list[str]:
+        """Notes on the damaged saves ``auto`` skipped (``(iteration, problem)``), each set
+        aside (:func:`recipes.checkpoint.lineage.set_aside`) with ``repair``."""
+        from recipes.checkpoint import lineage
+
+        notes = []
+        for it, problem in damaged:
+            kept = lineage.set_aside(iter_dir(root, it)) if repair else iter_dir(root, it)
+            notes.append(f"> checkpoint.load=auto: skipped {iter_dir(root, it).name}: it is "
+                         f"damaged ({problem}); kept as {kept}")
+        return notes
 
     @property
     def saved_config(self) -> dict | None:
@@ -208,6 +297,7 @@ class CheckpointManager:
         return {"consumed_samples": state.consumed_samples,
                 "wandb_run_id": fixed.get("wandb_run_id"),
                 "job_id": job_id(),  # Slurm/submitit's: a requeue of it is the same run
+                "lineage": fixed.get("lineage"),  # recipes.checkpoint.lineage
                 "wandb_step": int(step.item()), "config": fixed.get("config"),
                 "data_plan": fixed.get("data_plan"), "skipped_iterations": state.skipped}
 
