@@ -32,10 +32,11 @@ def _losses(run_dir) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(train_run, tmp_path_factory):
+def runs(train_jobs, tmp_path_factory):
+    # Both in one world (tests/helpers/inworld.py): each rank forks its writer as under train.py.
     root = tmp_path_factory.mktemp("async")
-    train_run(root / "sync", *THREE_SAVES)
-    train_run(root / "async", *THREE_SAVES, "checkpoint.async_save=true")
+    train_jobs([(root / "sync", THREE_SAVES),
+                (root / "async", [*THREE_SAVES, "checkpoint.async_save=true"])])
     return root
 
 

@@ -1,5 +1,5 @@
 """MoE-era layout records and checkpoints written before them (no processes); MoE resumes
-across expert layouts through train.py, and the Hugging Face export of their checkpoints."""
+across expert layouts (in-world training jobs), and the Hugging Face export of their checkpoints."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_a_record_with_the_expert_keys_keeps_them():
 
 
 # --------------------------------------------------------------------------------------------
-# Through train.py: moe_tiny (4 SwiGLU experts of width 100, hidden 72, 2 layers, fp32, Adam).
+# Training jobs (in-world, as torchrun ranks run them): moe_tiny (4 SwiGLU experts of width 100, hidden 72, 2 layers, fp32, Adam).
 # A: ep2 x egtp2/a16 on 4 processes, 10 iterations uninterrupted, saving every 3 (expert fc1 200
 #    rows per expert, 224 padded under a16; a dense and an expert optimizer);
 # B: tp1 on 1 process, no GTP, from A's iteration 3 to 10 (one optimizer);
@@ -64,16 +64,19 @@ D_LAYOUT = ("parallelism.pipeline_model_parallel_size=2",
 
 
 @pytest.fixture(scope="module")
-def moe_runs(train_run, tmp_path_factory):
+def moe_runs(train_jobs, tmp_path_factory):
+    # In-world jobs (tests/helpers/inworld.py): one world per link, as its world size differs.
     root = tmp_path_factory.mktemp("moe_resume")
     a, b, c, d = root / "a", root / "b", root / "c", root / "d"
-    train_run(a, *MOE, *A_LAYOUT)
-    train_run(b, *MOE, "parallelism.nproc_per_node=1", f"checkpoint.load={a}/checkpoints",
-              "checkpoint.load_iteration=3")
-    train_run(c, *MOE, *C_LAYOUT, f"checkpoint.load={b}/checkpoints",
-              "checkpoint.load_iteration=6", "checkpoint.save_interval=1")
-    train_run(d, *MOE, *D_LAYOUT, f"checkpoint.load={c}/checkpoints",
-              "checkpoint.load_iteration=7")
+    train_jobs([
+        (a, [*MOE, *A_LAYOUT]),
+        (b, [*MOE, "parallelism.nproc_per_node=1", f"checkpoint.load={a}/checkpoints",
+             "checkpoint.load_iteration=3"]),
+        (c, [*MOE, *C_LAYOUT, f"checkpoint.load={b}/checkpoints",
+             "checkpoint.load_iteration=6", "checkpoint.save_interval=1"]),
+        (d, [*MOE, *D_LAYOUT, f"checkpoint.load={c}/checkpoints",
+             "checkpoint.load_iteration=7"]),
+    ])
     return a, b, c, d
 
 

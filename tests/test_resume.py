@@ -1,4 +1,5 @@
-"""End to end: train at one layout, resume at another, through train.py as a user runs it.
+"""End to end: train at one layout, resume at another: A through train.py as a user runs it, the
+forks B and C as in-world jobs (the same code a torchrun rank runs).
 
 A (dp2, 2 processes) trains towards 8 iterations saving every 4, crashes (an injected error) after
 iteration 6's step, and is resumed into its own checkpoint dir: it continues its wandb run from
@@ -33,7 +34,7 @@ CRASH = {"GTP_RECIPES_FAULT": "raise:train:6:0"}
 
 
 @pytest.fixture(scope="module")
-def runs(train_run, tmp_path_factory):
+def runs(train_run, train_jobs, tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
     a, b, c = root / "a_dp2", root / "b_tp2", root / "c_tp1"
     crashed = train_run(a, *COMMON, "parallelism=dp2", "checkpoint.save_interval=4", rc=None,
@@ -41,10 +42,14 @@ def runs(train_run, tmp_path_factory):
     assert crashed.returncode != 0, crashed.stdout[-3000:]
     train_run(a, *COMMON, "parallelism=dp2", "checkpoint.save_interval=4",
               f"checkpoint.load={a}/checkpoints")
-    train_run(b, *COMMON, "parallelism=tp2", "checkpoint.save_interval=1",
-              f"checkpoint.load={a}/checkpoints", "checkpoint.load_iteration=4")
-    out_c = train_run(c, *COMMON, "parallelism=tp1", "checkpoint.save_interval=2",
-                      f"checkpoint.load={b}/checkpoints", "checkpoint.load_iteration=5")
+    # The forks B and C are in-world jobs (tests/helpers/inworld.py): the crash and its resume
+    # above are train.py's own behaviour, these two only continue a run at another layout.
+    _, out_c = train_jobs([
+        (b, [*COMMON, "parallelism=tp2", "checkpoint.save_interval=1",
+             f"checkpoint.load={a}/checkpoints", "checkpoint.load_iteration=4"]),
+        (c, [*COMMON, "parallelism=tp1", "checkpoint.save_interval=2",
+             f"checkpoint.load={b}/checkpoints", "checkpoint.load_iteration=5"]),
+    ])
     return {"a": a, "b": b, "c": c, "c_stdout": out_c.stdout}
 
 
