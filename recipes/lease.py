@@ -34,6 +34,8 @@ RUN_ID_ENV = "GTP_RECIPES_RUN_ID"
 HEARTBEAT_S = 10.0
 # A lease whose heartbeat is older than this is stale (several missed beats), on any host.
 STALE_AFTER_S = 6 * HEARTBEAT_S
+# Run ids of the leases this process holds now: its own live holds are not stale.
+_HELD_HERE: set = set()
 
 
 class LeaseHeld(CheckpointError):
@@ -105,8 +107,9 @@ def describe(holder: dict) -> str:
 def stale_reason(holder: dict, job_id: str | None, now: float | None = None) -> str | None:
     """Why ``holder`` no longer holds its lease (None: it is live): it is this job before a
     requeue, its heartbeat stopped (any host) or, on this host, its process is gone, is this
-    process or an ancestor of it (pids counted again from 1 after a container restart), or its
-    pid now belongs to another process (the start time recorded differs)."""
+    process (but for a lease it still holds) or an ancestor of it (pids counted again from 1
+    after a container restart), or its pid now belongs to another process (the start time
+    recorded differs)."""
     now = time.time() if now is None else now
     if job_id and holder.get("job_id") == job_id:
         return f"it is this job ({job_id}) before a requeue"
@@ -116,6 +119,8 @@ def stale_reason(holder: dict, job_id: str | None, now: float | None = None) -> 
         pid = int(holder.get("pid") or 0)
         if not pid or not _pid_alive(pid):
             return "its process is gone"
+        if pid == os.getpid() and holder.get("run_id") in _HELD_HERE:
+            return None  # a lease this process took and still holds
         if pid in _ancestors():
             return (f"its pid {pid} is this process or its ancestor (a restarted container "
                     f"counts pids from 1 again)")
@@ -190,6 +195,7 @@ class Lease:
                 json.dump(self.me, f)
                 f.flush()
                 os.fsync(f.fileno())
+            _HELD_HERE.add(self.run_id)
             atexit.register(self.release)
             threading.Thread(target=self._beat, name=f"lease-{self.path.name}",
                              daemon=True).start()
@@ -214,6 +220,7 @@ class Lease:
     def release(self) -> None:
         """Remove the lease file if it still names this run."""
         self._stop.set()
+        _HELD_HERE.discard(self.run_id)
         if self.held():
             self.path.unlink(missing_ok=True)
 

@@ -35,10 +35,10 @@ def ck_cfg(**fields):
 
 
 @pytest.fixture(scope="module")
-def train_checkpoint(train_run, tmp_path_factory):
-    """A dp2 run of 2 iterations saved at 1 and 2; its checkpoint dir."""
+def train_checkpoint(train_jobs, tmp_path_factory):
+    """A dp2 run of 2 iterations saved at 1 and 2 (an in-world job); its checkpoint dir."""
     out = tmp_path_factory.mktemp("ckpt_src")
-    train_run(out, "train.train_iters=2", "checkpoint.save_interval=1")
+    train_jobs([(out, ["train.train_iters=2", "checkpoint.save_interval=1"])])
     return str(out / "checkpoints")
 
 

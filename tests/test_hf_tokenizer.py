@@ -75,12 +75,12 @@ def test_corpus_is_the_tokenizers_encoding(bpe_dir, tmp_path):
 
 
 @pytest.mark.e2e
-def test_bpe_trains_saves_and_resumes(bpe_dir, train_run, tmp_path):
+def test_bpe_trains_saves_and_resumes(bpe_dir, train_jobs, tmp_path):
     common = ["train.train_iters=3", "optim.lr_warmup_iters=1", f"data.tokenizer={bpe_dir}"]
     a, b = tmp_path / "a", tmp_path / "b"
-    out = train_run(a, *common, "checkpoint.save_interval=2")
-    train_run(b, *common, f"checkpoint.load={a}/checkpoints", "checkpoint.load_iteration=2",
-              "checkpoint.save=null")
+    train_jobs([(a, [*common, "checkpoint.save_interval=2"]),
+                (b, [*common, f"checkpoint.load={a}/checkpoints", "checkpoint.load_iteration=2",
+                     "checkpoint.save=null"])])
     ra = {r["iteration"]: r for r in read_metrics(a)[0]}
     rb = {r["iteration"]: r for r in read_metrics(b)[0]}
     assert sorted(ra) == [1, 2, 3] and sorted(rb) == [3]
@@ -88,10 +88,9 @@ def test_bpe_trains_saves_and_resumes(bpe_dir, train_run, tmp_path):
     assert abs(ra[1]["lm loss"] - math.log(VOCAB)) < 0.1, ra[1]["lm loss"]
     assert rb[3]["learning-rate"] == ra[3]["learning-rate"]
     assert rb[3]["consumed-samples"] == ra[3]["consumed-samples"]
-    for key in ("lm loss", "grad-norm"):
-        assert math.isclose(rb[3][key], ra[3][key], rel_tol=1e-5, abs_tol=0), key
+    for key in ("lm loss", "grad-norm"):  # the same layout on the same machine: the same bits
+        assert rb[3][key] == ra[3][key], key
     from megatron.core import dist_checkpointing
 
     common_state = dist_checkpointing.load_common_state_dict(str(a / "checkpoints" / "iter_0000002"))
     assert common_state["vocab_size"] == VOCAB
-    del out
