@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase, apply_factories
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import (
     AsyncCallsQueue,
     _set_process_qos,
@@ -285,8 +286,8 @@ def failed_save_message(exc, root, iteration, exit_code=None, what: str = "the s
 
 # megatron-core 0.19.2's words around a writer's error (filesystem_async.py), with the error's own
 # text after them once mcore_compat.dist_checkpointing.keep_write_errors is installed.
-_WORKER_FAILURE = re.compile(r"Worker failure: An error is caught while starting worker \d+, "
-                             r"error: (.*)", re.S)
+_WORKER_FAILURE = re.compile(r"Worker failure: (?:An error is caught while starting worker "
+                             r"\d+, error: )?(.*)", re.S)
 
 
 # Nice value of the forked writer (megatron's persistent async writer's default): where it
@@ -341,6 +342,12 @@ def write_in_background(write_fn, iteration: int, rank: int, *args, **kwargs) ->
     the ``async_write`` fault point, then megatron's write at nice :data:`WRITER_NICE`
     (megatron's ``async_utils._set_process_qos``, as its persistent writer: raised to that
     value, never lowered)."""
-    faults.maybe_fail("async_write", iteration, rank)
-    _set_process_qos(WRITER_NICE, None)
+    try:
+        faults.maybe_fail("async_write", iteration, rank)
+        _set_process_qos(WRITER_NICE, None)
+    except Exception as exc:  # noqa: BLE001 - reported as megatron's writer reports its own
+        # Where megatron's writer puts its results or its error: the save then fails on every
+        # rank naming this error, not only "its writer exited with code 1".
+        filesystem_async.get_write_results_queue().put(exc)
+        return
     write_fn(*args, **kwargs)
