@@ -1,8 +1,19 @@
 """Fault injection for reliability tests, enabled only by an environment variable.
 
 ``GTP_RECIPES_FAULT=ACTION:POINT:ITERATION:RANK`` makes global rank RANK, at POINT of
-ITERATION, either ``kill`` itself with SIGKILL (a crashed node: no cleanup, no error file) or
-``raise`` a RuntimeError (a bug). POINTs:
+ITERATION:
+
+- ``kill``: SIGKILL itself (a crashed node: no cleanup, no error file);
+- ``raise``: raise a RuntimeError (a bug);
+- ``fsize``: lower its own file-size limit (``RLIMIT_FSIZE``, as ``ulimit -f``) to
+  :data:`FSIZE_SLACK` bytes past the size of the file it is writing (at ``write``; past 0
+  elsewhere), so that the kernel itself fails the write that grows that file past it (SIGXFSZ,
+  ignored by Python, then ``EFBIG``); smaller files (logs, torch's error file) still fit;
+- ``enospc`` / ``erofs``: raise the ``OSError`` the kernel raises for a write to a full disk /
+  a file system remounted read-only (an emulation: a test cannot fill a disk or remount one,
+  and root writes through ``chmod``).
+
+POINTs:
 
 - ``train``: after the optimizer step of ITERATION;
 - ``write``: in the save of ITERATION, while this rank writes its checkpoint files: after the
@@ -19,8 +30,10 @@ Unset (the default), :func:`maybe_fail` does nothing.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
+import resource
 import signal
 import time
 
@@ -29,7 +42,9 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from mcore_compat.patches import megatron_patch
 
 ENV = "GTP_RECIPES_FAULT"
-ACTIONS = ("kill", "raise")
+ACTIONS = ("kill", "raise", "fsize", "enospc", "erofs")
+FSIZE_SLACK = 64 << 10
+ERRNOS = {"enospc": errno.ENOSPC, "erofs": errno.EROFS}
 POINTS = ("train", "write", "save", "async_write")
 
 
@@ -47,8 +62,9 @@ def parse(spec: str) -> tuple[str, str, int, int]:
     return parts[0], parts[1], int(parts[2]), int(parts[3])
 
 
-def maybe_fail(point: str, iteration: int, rank: int) -> None:
-    """Fail here if ``GTP_RECIPES_FAULT`` names this point, iteration and rank."""
+def maybe_fail(point: str, iteration: int, rank: int, size: int = 0) -> None:
+    """Fail here if ``GTP_RECIPES_FAULT`` names this point, iteration and rank (``size``: the
+    bytes of the file being written, the limit ``fsize`` sets)."""
     spec = os.environ.get(ENV)
     if not spec:
         return
@@ -59,6 +75,13 @@ def maybe_fail(point: str, iteration: int, rank: int) -> None:
     print(f"> injected fault {spec} at unix time {time.time():.3f}", flush=True)
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if action == "fsize":
+        resource.setrlimit(resource.RLIMIT_FSIZE,
+                           (size + FSIZE_SLACK, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        return
+    if action in ERRNOS:
+        code = ERRNOS[action]
+        raise OSError(code, f"{os.strerror(code)} (injected fault {ENV}={spec})")
     raise RuntimeError(f"injected fault ({ENV}={spec}) on rank {rank} at {point} of iteration {iteration}")
 
 
@@ -78,7 +101,7 @@ def while_writing(iteration: int, rank: int):
     def write_item(*args, **kwargs):
         result = original(*args, **kwargs)
         args[1].flush()  # _write_item(transforms, stream, data, write_item, storage_key, ...)
-        maybe_fail("write", iteration, rank)
+        maybe_fail("write", iteration, rank, size=args[1].tell())
         return result
 
     filesystem_async._write_item = write_item

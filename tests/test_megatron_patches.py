@@ -25,6 +25,7 @@ EXPECTED = {
     "mcore_compat.cpu.install",
     "mcore_compat.cpu.redirect_torch",
     "mcore_compat.dist_checkpointing.set_write_results_queue",
+    "mcore_compat.dist_checkpointing.keep_write_errors",
     "recipes.optim_checkpoint.install",
     "recipes.faults.while_writing",
     "mcore_compat.moe_cpu.install",

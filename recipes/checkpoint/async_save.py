@@ -9,12 +9,14 @@ import hashlib
 import multiprocessing
 import os
 import queue
+import re
 import threading
 from pathlib import Path
 
 import torch
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase, apply_factories
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import (
     AsyncCallsQueue,
     _set_process_qos,
@@ -24,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from gtp.collectives import all_ranks, any_rank, rank as global_rank
 from gtp.records import TRACKER
-from mcore_compat.dist_checkpointing import set_write_results_queue
+from mcore_compat.dist_checkpointing import keep_write_errors, set_write_results_queue
 from recipes import faults
 from recipes.checkpoint.errors import CheckpointError, rank_errors
 from recipes.checkpoint.files import read_tracker
@@ -83,6 +85,7 @@ def use_in_process_results_queue(async_save: bool = False) -> None:
     with this process. Set before every save (the kind of the save decides), through
     :func:`mcore_compat.dist_checkpointing.set_write_results_queue`.
     """
+    keep_write_errors()
     kind = "async" if async_save else "sync"
     if kind not in _RESULTS_QUEUES:  # one of each per process
         _RESULTS_QUEUES[kind] = _ForkedWriterResults() if async_save else queue.Queue()
@@ -214,46 +217,11 @@ class AsyncSaves:
             raise CheckpointError(self._failure_message(exc, writer)) from exc
 
     def _failure_message(self, exc, writer) -> str:
-        """What failed in a background save (a collective: every rank of the save raised).
-
-        megatron's ``CheckpointException`` carries the failures (rank -> (exception,
-        traceback)) on its coordinator only, and each rank knows its own writer's exit code:
-        the ranks gather both, so every rank's error names every failed rank.
-        """
+        """What failed in a background save (a collective: every rank of the save raised);
+        :func:`failed_save_message`, with each rank's writer's exit code."""
         exit_code = getattr(writer, "exitcode", None)
-        mine = {}
-        for rank, error in rank_errors(exc).items():
-            mine[rank] = f"{type(error).__name__}: {error}"
-            if "results_queue should not be empty" in str(error):  # megatron's words for it
-                mine[rank] = "its writer ended without reporting a result"
-        if exit_code not in (None, 0):  # this rank's own writer, whatever megatron gathered
-            mine[global_rank()] = f"its writer exited with code {exit_code}" + (
-                f" (signal {-exit_code})" if exit_code < 0 else "")
-        failures = dict(mine)
-        if torch.distributed.is_initialized():
-            every = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(every, mine)
-            for other in every:  # a writer's exit code over megatron's words for it
-                for rank, text in other.items():
-                    if rank not in failures or text.startswith("its writer exited"):
-                        failures[rank] = text
-        parts = [f"rank {rank}: {text}" for rank, text in sorted(failures.items())] or [
-            f"megatron's {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"]
-        what = "the background save"
-        tracked = ""
-        if self._in_flight is not None:
-            root, iteration = self._in_flight
-            what += f" of iteration {iteration} into {root}"
-            if not (root / TRACKER).exists():
-                tracked = f"; {root} has no {TRACKER} yet (no save into it has completed)"
-            else:
-                try:
-                    tracked = f"; {TRACKER} still names iteration {read_tracker(root)}"
-                except CheckpointError as error:
-                    tracked = f"; the tracker cannot be read: {error}"
-        return (f"{what} failed on rank(s) {sorted(failures)}: {'; '.join(parts)}. Nothing "
-                f"was renamed into place (the files written stay in the hidden staging dir)"
-                f"{tracked}")
+        root, iteration = self._in_flight if self._in_flight is not None else (None, None)
+        return failed_save_message(exc, root, iteration, exit_code, "the background save")
 
     def abort(self) -> None:
         """Kill the writer of a save still in flight (megatron's
@@ -267,6 +235,59 @@ class AsyncSaves:
     def pending(self) -> int:
         """Saves scheduled but not finalized yet (0 or 1)."""
         return self._queue.get_num_unfinalized_calls()
+
+
+def failed_save_message(exc, root, iteration, exit_code=None, what: str = "the save") -> str:
+    """What failed in a save whose ``dist_checkpointing.save`` raised ``exc`` on every rank (a
+    collective).
+
+    megatron's ``CheckpointException`` carries the failures (rank -> (exception, traceback)) on
+    its coordinator only, and each rank knows its own writer's exit code (``exit_code``, of an
+    asynchronous save's writer process): the ranks gather both, so every rank's message names
+    every failed rank and its error (``OSError: [Errno 28] No space left on device``), the
+    iteration, and the iteration the tracker still names.
+    """
+    mine = {}
+    for rank, error in rank_errors(exc).items():
+        text = str(error)
+        mine[rank] = f"{type(error).__name__}: {text}"
+        if "results_queue should not be empty" in text:  # megatron's words for it
+            mine[rank] = "its writer ended without reporting a result"
+        elif _WORKER_FAILURE.match(text):  # megatron's wrap of the writer's own error
+            mine[rank] = f"writing its files failed: {_WORKER_FAILURE.match(text).group(1)}"
+    if exit_code not in (None, 0):  # this rank's own writer, whatever megatron gathered
+        mine[global_rank()] = f"its writer exited with code {exit_code}" + (
+            f" (signal {-exit_code})" if exit_code < 0 else "")
+    failures = dict(mine)
+    if torch.distributed.is_initialized():
+        every = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, mine)
+        for other in every:  # a writer's exit code over megatron's words for it
+            for rank, text in other.items():
+                if rank not in failures or text.startswith("its writer exited"):
+                    failures[rank] = text
+    parts = [f"rank {rank}: {text}" for rank, text in sorted(failures.items())] or [
+        f"megatron's {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"]
+    tracked = ""
+    if root is not None:
+        root = Path(root)
+        what += f" of iteration {iteration} into {root}"
+        if not (root / TRACKER).exists():
+            tracked = f"; {root} has no {TRACKER} yet (no save into it has completed)"
+        else:
+            try:
+                tracked = f"; {TRACKER} still names iteration {read_tracker(root)}"
+            except CheckpointError as error:
+                tracked = f"; the tracker cannot be read: {error}"
+    return (f"{what} failed on rank(s) {sorted(failures)}: {'; '.join(parts)}. Nothing "
+            f"was renamed into place (the files written stay in the hidden staging dir)"
+            f"{tracked}")
+
+
+# megatron-core 0.19.2's words around a writer's error (filesystem_async.py), with the error's own
+# text after them once mcore_compat.dist_checkpointing.keep_write_errors is installed.
+_WORKER_FAILURE = re.compile(r"Worker failure: (?:An error is caught while starting worker "
+                             r"\d+, error: )?(.*)", re.S)
 
 
 # Nice value of the forked writer (megatron's persistent async writer's default): where it
@@ -321,6 +342,12 @@ def write_in_background(write_fn, iteration: int, rank: int, *args, **kwargs) ->
     the ``async_write`` fault point, then megatron's write at nice :data:`WRITER_NICE`
     (megatron's ``async_utils._set_process_qos``, as its persistent writer: raised to that
     value, never lowered)."""
-    faults.maybe_fail("async_write", iteration, rank)
-    _set_process_qos(WRITER_NICE, None)
+    try:
+        faults.maybe_fail("async_write", iteration, rank)
+        _set_process_qos(WRITER_NICE, None)
+    except Exception as exc:  # noqa: BLE001 - reported as megatron's writer reports its own
+        # Where megatron's writer puts its results or its error: the save then fails on every
+        # rank naming this error, not only "its writer exited with code 1".
+        filesystem_async.get_write_results_queue().put(exc)
+        return
     write_fn(*args, **kwargs)

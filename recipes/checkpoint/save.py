@@ -14,6 +14,7 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import is_main_replica
+from torch.distributed.checkpoint.api import CheckpointException
 
 from gtp.checkpoint import METADATA_KEY, layout_metadata
 from gtp.collectives import barrier, collective_device, rank as global_rank
@@ -21,6 +22,7 @@ from gtp.records import TRACKER, stored_layout
 from recipes import faults, vocab
 from recipes.checkpoint.async_save import (
     AsyncSaves,
+    failed_save_message,
     use_in_process_results_queue,
     write_in_background,
 )
@@ -96,7 +98,9 @@ def stage_save(root, iteration: int, model, optimizer, scheduler, common: dict,
         The staging dir; :func:`finalize_save` makes it the checkpoint.
 
     Raises:
-        CheckpointError: not enough disk space (before anything is written).
+        CheckpointError: not enough disk space (before anything is written); a synchronous
+            write failed on some rank (a full disk, a file-size limit, a read-only file
+            system: on every rank, naming each failed rank's error).
     """
     staged = staging_dir(root, iteration)
     rank = torch.distributed.get_rank()
@@ -125,8 +129,11 @@ def stage_save(root, iteration: int, model, optimizer, scheduler, common: dict,
         **{METADATA_KEY: layout_metadata(model, state["model"])},
     )
     if async_saves is None:
-        with faults.while_writing(iteration, rank):
-            dist_checkpointing.save(state, str(staged))
+        try:
+            with faults.while_writing(iteration, rank):
+                dist_checkpointing.save(state, str(staged))
+        except CheckpointException as exc:  # a BaseException: torch's error file misses it
+            raise CheckpointError(failed_save_message(exc, root, iteration)) from None
         faults.maybe_fail("save", iteration, rank)
         return staged
     # megatron's own async path ("mcore"; the "nvrx" default needs nvidia-resiliency-ext).
