@@ -177,15 +177,17 @@ def check_same_run(cfg) -> None:
     resolve the config, and ``${now:...}`` can differ between them).
 
     Raises:
-        RuntimeError: on every rank, naming each rank's dirs.
+        ConfigError: on every rank, naming each rank's dirs.
     """
+    from recipes.validate import ConfigError
+
     mine = (str(cfg.output_dir), str(cfg.checkpoint.save))
     everyone = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, mine)
     if len(set(everyone)) > 1:
         listing = "; ".join(f"rank {r}: output_dir={o}, checkpoint.save={c}"
                             for r, (o, c) in enumerate(everyone))
-        raise RuntimeError(f"the ranks of this job resolved different run dirs ({listing}); set "
+        raise ConfigError(f"the ranks of this job resolved different run dirs ({listing}); set "
                            f"hydra.run.dir (and checkpoint.save) explicitly for every rank")
 
 
@@ -326,6 +328,21 @@ def run(cfg, resume=None) -> None:
         preemption.after_exit()  # submitit's handler of its signal: requeue the job
 
 
+def _run_or_refuse(cfg, launched_by_train_py: bool) -> None:
+    """:func:`run`; a refusal (:mod:`recipes.refusal`) exits 2 with its one message, no
+    traceback (the launcher prints it once)."""
+    from recipes import refusal
+
+    try:
+        run(cfg)
+    except Exception as exc:
+        text = refusal.message(exc)
+        if text is None:
+            raise
+        refusal.record(text, launched_by_train_py)
+        raise SystemExit(refusal.EXIT_CODE) from None
+
+
 def main(argv=None) -> None:
     """Entry point: load the resolved config and run."""
     from torch.distributed.elastic.multiprocessing.errors import record
@@ -340,7 +357,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"usage: python -m recipes.worker {RESOLVED_CONFIG}")
     cfg = OmegaConf.load(argv[0])
     try:
-        record(run)(cfg)
+        record(_run_or_refuse)(cfg, launcher is not None)
     except KeyboardInterrupt:  # Ctrl-C: one line per rank, the launcher names the checkpoint
         print(f"> rank {os.environ.get('RANK', '?')}: interrupted", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
