@@ -85,14 +85,15 @@ def craft(iter_path: Path, fqn: str, marker: Path) -> None:
 
 
 def assert_one_refusal(proc, *parts: str) -> None:
-    """``train.py`` stopped on a refusal: exit code 2, no traceback, one ``error:`` line (the
-    first line naming the cause) holding every part, and no worker's trained iteration."""
+    """``train.py`` stopped on a refusal: exit code 2, no traceback, one ``error:`` line holding
+    every part, its message printed nowhere else, and no iteration trained."""
     out = proc.stdout
     assert proc.returncode == 2, out[-3000:]
     assert "Traceback" not in out and out.count("error: ") == 1, out[-6000:]
-    message = out[out.index("error: "):]
+    line = out[out.index("error: "):].splitlines()[0]
+    assert out.count(line[len("error: "):]) == 1, out[-6000:]  # printed once, by no rank
     for part in parts:
-        assert part in message and out.count(part) == 1, (part, out[-6000:])
+        assert part in line, (part, out[-6000:])
     assert not re.search(r"iteration +\d+/\d+ \|", out), out[-3000:]
 
 
