@@ -90,6 +90,7 @@ def assert_one_refusal(proc, *parts: str) -> None:
     out = proc.stdout
     assert proc.returncode == 2, out[-3000:]
     assert "Traceback" not in out and out.count("error: ") == 1, out[-6000:]
+    assert "exitcode" not in out, out[-6000:]  # nor the elastic agent's log of each failure
     line = out[out.index("error: "):].splitlines()[0]
     assert out.count(line[len("error: "):]) == 1, out[-6000:]  # printed once, by no rank
     for part in parts:
