@@ -40,6 +40,8 @@ if int(os.environ.get("RANK", "0")) != 0:
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 RESOLVED_CONFIG = "resolved_config.yaml"
+# Non-empty once this process trains (recipes.loop.train): no refusal after that.
+_TRAINING: list = []
 # Set by train.py's local launch (recipes.launch.launch_local) to its pid: its workers die with it.
 LAUNCHER_PID_ENV = "GTP_RECIPES_LAUNCHER_PID"
 
@@ -311,6 +313,7 @@ def run(cfg, resume=None) -> None:
 
     attach_metrics(cfg, state, logger)  # the load-balancing loss of MoE models (else nothing)
 
+    _TRAINING.append(True)  # an error from here on is no refusal of the input
     try:
         stopped = train(state, cfg, logger, manager)
         manager.wait()
@@ -329,14 +332,15 @@ def run(cfg, resume=None) -> None:
 
 
 def _run_or_refuse(cfg, launched_by_train_py: bool) -> None:
-    """:func:`run`; a refusal (:mod:`recipes.refusal`) exits 2 with its one message, no
-    traceback (the launcher prints it once)."""
+    """:func:`run`; a refusal (:mod:`recipes.refusal`) before training starts (a checkpoint or
+    config this process cannot load) exits 2 with its one message, no traceback (the launcher
+    prints it once). A later error (a failed save) is a failure, traceback and all."""
     from recipes import refusal
 
     try:
         run(cfg)
     except Exception as exc:
-        text = refusal.message(exc)
+        text = None if _TRAINING else refusal.message(exc)
         if text is None:
             raise
         refusal.record(text, launched_by_train_py)
