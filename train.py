@@ -20,18 +20,20 @@ warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigSto
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg) -> None:
-    from recipes.checkpoint import CheckpointError
+    from recipes import refusal
     from recipes.console import job_log
     from recipes.launch import run
-    from recipes.validate import ConfigError
 
     with job_log(cfg.output_dir):  # <output_dir>/train.log: a copy of the console
         try:
             run(cfg)
-        except (ConfigError, CheckpointError) as exc:
-            # Bad input: say what and stop before any process starts.
-            print(f"error: {exc}", file=sys.stderr)
-            sys.exit(2)
+        except Exception as exc:
+            text = refusal.message(exc)
+            if text is None:
+                raise
+            # Bad input: say what and stop (before launch, or as a torchrun rank).
+            print(f"error: {text}", file=sys.stderr)
+            sys.exit(refusal.EXIT_CODE)
 
 
 if __name__ == "__main__":

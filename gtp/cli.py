@@ -25,8 +25,9 @@ Commands (CKPT: a checkpoint root holding ``latest_checkpointed_iteration.txt``,
         Write SRC as a logical checkpoint under the root DST (loads at any layout, also into
         stock megatron-core without GTP). Exit 0, or 2 on error.
 
-    python -m gtp export CKPT OUT [--layout SPEC]
-        Write CKPT as a Hugging Face transformers model directory OUT (config.json +
+    python -m gtp export CKPT OUT [--layout SPEC] [--force]
+        Write CKPT as a Hugging Face transformers model directory OUT, new or empty unless
+        --force (which removes the weight files there first) (config.json +
         model.safetensors): GPT models as GPT2LMHeadModel, Llama-family ones as
         LlamaForCausalLM, MoE ones as MixtralForCausalLM or (with qk_layernorm)
         Qwen3MoeForCausalLM (:mod:`gtp.hf_export`, :mod:`gtp.hf_export_moe`). Needs the ``hf``
@@ -372,7 +373,7 @@ def cmd_convert(args, out=sys.stdout) -> int:
 def cmd_export(args, out=sys.stdout) -> int:
     from gtp import hf_export
 
-    path = hf_export.export(args.ckpt, args.out, args.layout)
+    path = hf_export.export(args.ckpt, args.out, args.layout, force=args.force)
     meta = json.loads((path / "gtp_recipes_export.json").read_text())
     print(f"wrote {path}: {meta['architecture']}, vocab {meta['vocab_size']}, iteration "
           f"{meta['iteration']} of {meta['source']}", file=out)
@@ -423,6 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("ckpt")
     p.add_argument("out")
     p.add_argument("--layout", default=None)
+    p.add_argument("--force", action="store_true",
+                   help="write into a dir that is not empty (the weight files there go)")
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("import", help="write a Hugging Face model directory as a checkpoint")
     p.add_argument("hf_dir")

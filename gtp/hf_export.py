@@ -299,7 +299,51 @@ _EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.wei
               "mixtral": "model.embed_tokens.weight", "qwen3_moe": "model.embed_tokens.weight"}
 
 
-def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None) -> Path:
+# Weight files of a model dir: with --force, those of the model there go (transformers would
+# read a stale shard or index beside the new config).
+_WEIGHTS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin",
+            "pytorch_model*.bin.index.json")
+
+
+def check_out_dir(out_dir: str | os.PathLike, force: bool = False) -> None:
+    """Refuse an ``out_dir`` that holds anything, naming what (``gtp import`` refuses a non-empty
+    dir too); with ``force``, remove the weight files of the model there.
+
+    Raises:
+        ExportError: a file, or a non-empty dir without ``force``.
+    """
+    out = Path(out_dir)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ExportError(f"{out} is a file, not a directory: export into a new or empty dir")
+    held = sorted(p.name for p in out.iterdir())
+    if held and not force:
+        raise ExportError(f"{out} is not empty: it holds {_describe(out, held)}; export into a "
+                          f"new or empty dir, or pass --force to overwrite it")
+    for pattern in _WEIGHTS if held else ():
+        for path in out.glob(pattern):
+            path.unlink()
+
+
+def _describe(out: Path, held: list) -> str:
+    """What a dir holds: the model its config.json names (and the export that wrote it), then
+    the first names."""
+    names = ", ".join(held[:6]) + (f" and {len(held) - 6} more" if len(held) > 6 else "")
+    try:
+        config = json.loads((out / "config.json").read_text())
+        model = f"a Hugging Face model ({', '.join(config.get('architectures') or []) or '?'}"
+        source = json.loads((out / "gtp_recipes_export.json").read_text()) \
+            if (out / "gtp_recipes_export.json").is_file() else None
+        if source:
+            model += f", exported from {source.get('source')}"
+        return f"{model}): {names}"
+    except (OSError, ValueError, AttributeError):
+        return names
+
+
+def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None,
+           force: bool = False) -> Path:
     """Write ``ckpt`` (a checkpoint root or ``iter_*`` dir of gtp-recipes, any layout) as a
     transformers model directory ``out_dir`` (``config.json``, ``model.safetensors``,
     ``generation_config.json``, and ``gtp_recipes_export.json`` naming the source checkpoint,
@@ -308,9 +352,11 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None) -> 
     Returns:
         ``out_dir`` as a Path.
 
+    ``out_dir`` must be new or empty unless ``force`` (:func:`check_out_dir`).
+
     Raises:
-        ExportError: no recorded run config, unknown vocabulary size, an architecture with no
-            exact transformers equivalent, or a tensor missing (named).
+        ExportError: ``out_dir`` not empty, no recorded run config, unknown vocabulary size, an
+            architecture with no exact transformers equivalent, or a tensor missing (named).
         gtp.legacy.LegacyCheckpointError: as :func:`gtp.legacy.read_logical`.
     """
     import torch
@@ -320,6 +366,7 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None) -> 
     from gtp import legacy
     from gtp.progress import progress
 
+    check_out_dir(out_dir, force)  # before anything is read
     analysis, tensors = legacy.read_logical(ckpt, layout)
     common = dist_checkpointing.load_common_state_dict(str(analysis.path))
     train_state = common.get("train_state") or {}

@@ -150,7 +150,8 @@ def read_config(hf_dir) -> tuple[str, object]:
     """``(model_type, transformers config)`` of ``hf_dir`` (local files only).
 
     Raises:
-        HFImportError: no config.json, or a model type other than ``gpt2`` / ``llama``.
+        HFImportError: no config.json, one transformers cannot read (no ``model_type``), or a
+            model type other than those importable.
     """
     from transformers import AutoConfig
 
@@ -159,7 +160,14 @@ def read_config(hf_dir) -> tuple[str, object]:
         raise HFImportError(f"{hf_dir} holds no config.json: not a Hugging Face model directory "
                             f"(only local directories work offline)")
     confined(hf_dir, "config.json", "the config file")
-    config = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
+    except (ValueError, OSError) as exc:  # transformers: "Unrecognized model in ...", bad JSON
+        kind = "no model_type" if "model_type" in str(exc) else str(exc).split("\n")[0]
+        raise HFImportError(
+            f"{hf_dir / 'config.json'} is not a Hugging Face model config ({kind}); give a "
+            f"Hugging Face model dir (config.json with model_type "
+            f"{' or '.join(sorted(_FIELDS))}, and its safetensors)") from None
     if config.model_type not in _FIELDS:
         raise _refuse("model_type", config.model_type, f"importable are {sorted(_FIELDS)}")
     return config.model_type, config

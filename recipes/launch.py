@@ -8,6 +8,7 @@ a task of a submitit job: Slurm across nodes), runs this process as that rank.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from recipes import refusal
 from recipes.worker import LAUNCHER_PID_ENV, RESOLVED_CONFIG
 
 # A worker that died takes the others down within this many seconds (elastic agent's monitor).
@@ -109,6 +111,7 @@ def launch_local(config_path: Path, nproc: int, exit_signals: list[int] = (),
 
     Raises:
         SystemExit(1): a worker failed; its error (the first failure) is printed first.
+        SystemExit(2): a worker refused its input (:mod:`recipes.refusal`): its message, once.
         SystemExit(128 + signal): Ctrl-C (or SIGHUP/SIGQUIT): torch's agent stopped the
             workers; the last complete checkpoint of ``save_root`` is named.
     """
@@ -135,10 +138,18 @@ def launch_local(config_path: Path, nproc: int, exit_signals: list[int] = (),
     # Each worker has the kernel kill it when this process ends (recipes.lifetime): the elastic
     # agent starts them in sessions of their own, where nothing else would reach them.
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    # The agent logs each failed or stopped worker; the summary below says it once.
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    agent_level = agent_log.level
+    agent_log.setLevel(logging.CRITICAL)
     try:
         elastic_launch(config, sys.executable)("-m", "recipes.worker", str(config_path))
     except ChildFailedError as exc:
         failures = sorted(exc.failures.items(), key=lambda item: _failure_order(*item))
+        if refusal.is_refusal(failures[0][1]):  # bad input: its one message, printed once
+            for text in _refusals(failures):
+                print(f"error: {text}", file=sys.stderr)
+            raise SystemExit(refusal.EXIT_CODE) from None
         for i, (rank, failure) in enumerate(failures):
             head = "error" if i == 0 else "then"
             print(f"\n{head}: worker rank {rank} failed (exit code {failure.exitcode}):",
@@ -153,14 +164,28 @@ def launch_local(config_path: Path, nproc: int, exit_signals: list[int] = (),
     finally:
         from recipes.preemption import stop_forwarding
 
+        agent_log.setLevel(agent_level)
         stop_forwarding()  # a multirun's next job has workers of its own
         os.environ.pop(LAUNCHER_PID_ENV, None)  # for the workers of this launch only
         for signum, handler in previous.items():  # a multirun's next job, or none
             signal.signal(signum, handler)
 
 
-# Errors a rank raises because *another* rank went away: they are consequences, not causes.
-_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+# Errors a rank raises because *another* rank went away or failed: consequences, not causes.
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+              "failed on another rank")
+
+
+def _refusals(failures: list) -> list[str]:
+    """The distinct messages of the refusals among ``failures`` (sorted by
+    :func:`_failure_order`), the first always; a consequence of another rank's failure left out."""
+    texts = []
+    for i, (_, failure) in enumerate(failures):
+        text = _failure_message(failure)
+        if refusal.is_refusal(failure) and text not in texts and (
+                i == 0 or _failure_order(0, failure)[0] != 2):
+            texts.append(text)
+    return texts
 
 
 def _failure_message(failure) -> str:
@@ -242,10 +267,13 @@ def run_job(cfg) -> None:
     submitit_env = rank_env_from_submitit()
     if submitit_env is not None:
         os.environ.update(submitit_env)
+    from recipes import rank_env
+
+    world_note = rank_env.check(cfg)  # a stray RANK or a bad WORLD_SIZE: refused here
     as_rank = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     is_rank0 = not as_rank or int(os.environ["RANK"]) == 0
     dry_run = cfg.train.get("dry_run", False)
-    notes = [] if dry_run else [take_save_dir(cfg, is_rank0)]
+    notes = [world_note] + ([] if dry_run else [take_save_dir(cfg, is_rank0)])
     auto = cfg.checkpoint.get("load") == AUTO
     notes.append(resolve_auto_load(cfg, is_rank0 and not dry_run))
     for note in notes:

@@ -40,6 +40,8 @@ if int(os.environ.get("RANK", "0")) != 0:
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 RESOLVED_CONFIG = "resolved_config.yaml"
+# Non-empty once this process trains (recipes.loop.train): no refusal after that.
+_TRAINING: list = []
 # Set by train.py's local launch (recipes.launch.launch_local) to its pid: its workers die with it.
 LAUNCHER_PID_ENV = "GTP_RECIPES_LAUNCHER_PID"
 
@@ -177,15 +179,17 @@ def check_same_run(cfg) -> None:
     resolve the config, and ``${now:...}`` can differ between them).
 
     Raises:
-        RuntimeError: on every rank, naming each rank's dirs.
+        ConfigError: on every rank, naming each rank's dirs.
     """
+    from recipes.validate import ConfigError
+
     mine = (str(cfg.output_dir), str(cfg.checkpoint.save))
     everyone = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, mine)
     if len(set(everyone)) > 1:
         listing = "; ".join(f"rank {r}: output_dir={o}, checkpoint.save={c}"
                             for r, (o, c) in enumerate(everyone))
-        raise RuntimeError(f"the ranks of this job resolved different run dirs ({listing}); set "
+        raise ConfigError(f"the ranks of this job resolved different run dirs ({listing}); set "
                            f"hydra.run.dir (and checkpoint.save) explicitly for every rank")
 
 
@@ -309,6 +313,7 @@ def run(cfg, resume=None) -> None:
 
     attach_metrics(cfg, state, logger)  # the load-balancing loss of MoE models (else nothing)
 
+    _TRAINING.append(True)  # an error from here on is no refusal of the input
     try:
         stopped = train(state, cfg, logger, manager)
         manager.wait()
@@ -326,6 +331,22 @@ def run(cfg, resume=None) -> None:
         preemption.after_exit()  # submitit's handler of its signal: requeue the job
 
 
+def _run_or_refuse(cfg, launched_by_train_py: bool) -> None:
+    """:func:`run`; a refusal (:mod:`recipes.refusal`) before training starts (a checkpoint or
+    config this process cannot load) exits 2 with its one message, no traceback (the launcher
+    prints it once). A later error (a failed save) is a failure, traceback and all."""
+    from recipes import refusal
+
+    try:
+        run(cfg)
+    except Exception as exc:
+        text = None if _TRAINING else refusal.message(exc)
+        if text is None:
+            raise
+        refusal.record(text, launched_by_train_py)
+        raise SystemExit(refusal.EXIT_CODE) from None
+
+
 def main(argv=None) -> None:
     """Entry point: load the resolved config and run."""
     from torch.distributed.elastic.multiprocessing.errors import record
@@ -340,7 +361,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"usage: python -m recipes.worker {RESOLVED_CONFIG}")
     cfg = OmegaConf.load(argv[0])
     try:
-        record(run)(cfg)
+        record(_run_or_refuse)(cfg, launcher is not None)
     except KeyboardInterrupt:  # Ctrl-C: one line per rank, the launcher names the checkpoint
         print(f"> rank {os.environ.get('RANK', '?')}: interrupted", file=sys.stderr, flush=True)
         raise SystemExit(130) from None

@@ -367,9 +367,11 @@ def _check_same_run():
 
     rank = torch.distributed.get_rank()
     cfg = make_cfg(f"output_dir=/runs/12-00-0{rank}")  # ${now:...} resolved a second apart
+    from recipes.validate import ConfigError
+
     try:
         check_same_run(cfg)
-    except RuntimeError as exc:
+    except ConfigError as exc:
         return str(exc)
     return None
 

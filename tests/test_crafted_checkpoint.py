@@ -10,6 +10,9 @@ layout checks pass (``.metadata`` itself still names only allowed classes). ``gt
 object, and the marker never appears. A ``common.pt`` beside the data files (megatron-core would
 read it in place of the common state the save wrote) is reported by ``gtp verify`` and refused by
 every load, naming the file.
+
+Each refusal in a worker (crafted, damaged, a failed ``checkpoint.pretrained`` load) is one
+``error:`` message, printed once, with no traceback and exit code 2 (:func:`assert_one_refusal`).
 """
 
 from __future__ import annotations
@@ -81,6 +84,20 @@ def craft(iter_path: Path, fqn: str, marker: Path) -> None:
     replace_record(iter_path, fqn, blob.getvalue())
 
 
+def assert_one_refusal(proc, *parts: str) -> None:
+    """``train.py`` stopped on a refusal: exit code 2, no traceback, one ``error:`` line holding
+    every part, its message printed nowhere else, and no iteration trained."""
+    out = proc.stdout
+    assert proc.returncode == 2, out[-3000:]
+    assert "Traceback" not in out and out.count("error: ") == 1, out[-6000:]
+    assert "exitcode" not in out, out[-6000:]  # nor the elastic agent's log of each failure
+    line = out[out.index("error: "):].splitlines()[0]
+    assert out.count(line[len("error: "):]) == 1, out[-6000:]  # printed once, by no rank
+    for part in parts:
+        assert part in line, (part, out[-6000:])
+    assert not re.search(r"iteration +\d+/\d+ \|", out), out[-3000:]
+
+
 def _cli(*argv) -> tuple[int, str]:
     from contextlib import redirect_stderr
 
@@ -133,9 +150,8 @@ def test_a_resume_refuses_a_crafted_common_state(saved, tmp_path, train_run):
     craft(path, COMMON, marker)
     proc = train_run(tmp_path / "resumed", "train.train_iters=4", f"checkpoint.load={root}",
                      rc=None)
-    assert proc.returncode != 0 and not marker.exists(), proc.stdout[-3000:]
-    assert COMMON in proc.stdout and "posix.system" in proc.stdout, proc.stdout[-3000:]
-    assert not re.search(r"iteration +\d+/\d+ \|", proc.stdout), proc.stdout[-3000:]
+    assert not marker.exists(), proc.stdout[-3000:]
+    assert_one_refusal(proc, COMMON, "posix.system")
 
 
 def test_a_resume_refuses_a_crafted_rng_state(saved, tmp_path, train_run):
@@ -146,9 +162,8 @@ def test_a_resume_refuses_a_crafted_rng_state(saved, tmp_path, train_run):
     craft(path, RNG, marker)
     proc = train_run(tmp_path / "resumed", "train.train_iters=4", f"checkpoint.load={root}",
                      rc=None)
-    assert proc.returncode != 0 and not marker.exists(), proc.stdout[-3000:]
-    assert RNG in proc.stdout and "posix.system" in proc.stdout, proc.stdout[-3000:]
-    assert not re.search(r"iteration +\d+/\d+ \|", proc.stdout), proc.stdout[-3000:]
+    assert not marker.exists(), proc.stdout[-3000:]
+    assert_one_refusal(proc, RNG, "posix.system")
 
 
 def _stray_common_pt(path: Path) -> Path:
@@ -182,3 +197,24 @@ def test_a_stray_common_pt_is_damage_to_verify_and_every_load(saved, tmp_path, t
                      "checkpoint.verify_on_load=false", rc=None)
     assert proc.returncode != 0 and str(stray) in proc.stdout, proc.stdout[-3000:]
     assert not re.search(r"iteration +\d+/\d+ \|", proc.stdout), proc.stdout[-3000:]
+
+
+def _flip_byte(path: Path, where: float) -> None:
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * where)] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+# One flipped byte the workers' verification finds (checkpoint.verify_on_load): in rank 1's RNG
+# state for a resume, in a model tensor for checkpoint.pretrained (which loads weights only).
+@pytest.mark.parametrize("how, file, where, fix", [
+    ("load", "__1_0.distcp", 0.5, "checkpoint.load_iteration=N"),
+    ("pretrained", "__0_0.distcp", 1 / 3, "another checkpoint.pretrained"),
+])
+def test_a_damaged_checkpoint_is_one_message_without_traceback(how, file, where, fix, saved,
+                                                               tmp_path, train_run):
+    root, path = _copy(saved, tmp_path)
+    _flip_byte(path / file, where)
+    proc = train_run(tmp_path / "run", "train.train_iters=4", f"checkpoint.{how}={root}", rc=None)
+    assert_one_refusal(proc, f"{path} is damaged", "CRC-32", fix)
+    assert "failed on another rank" not in proc.stdout, proc.stdout[-3000:]

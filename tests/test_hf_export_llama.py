@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,6 +71,34 @@ def _build_and_save(root: str):
     return tokens, logits
 
 
+def _another_model(out: Path) -> Path:
+    """A dir holding another (sharded) export."""
+    out.mkdir()
+    (out / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    (out / "gtp_recipes_export.json").write_text('{"source": "/old/checkpoints/iter_0000007"}')
+    (out / "model.safetensors.index.json").write_text("{}")
+    for i in (1, 2):
+        (out / f"model-0000{i}-of-00002.safetensors").write_bytes(b"old")
+    return out
+
+
+def test_export_refuses_a_dir_holding_another_model(tmp_path, capsys):
+    """Before the checkpoint is read, naming what is there and --force; nothing written."""
+    from gtp import cli
+
+    hf = _another_model(tmp_path / "hf")
+    before = sorted((p.name, p.read_bytes()) for p in hf.iterdir())
+    assert cli.main(["export", str(tmp_path / "no_such_checkpoint"), str(hf)]) == 2
+    err = capsys.readouterr().err
+    for part in (f"{hf} is not empty", "GPT2LMHeadModel", "exported from /old/checkpoints/"
+                 "iter_0000007", "config.json, gtp_recipes_export.json", "pass --force"):
+        assert part in err, err
+    assert sorted((p.name, p.read_bytes()) for p in hf.iterdir()) == before
+    (tmp_path / "file").write_text("x")
+    assert cli.main(["export", str(tmp_path / "no_such_checkpoint"), str(tmp_path / "file")]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
+
+
 def test_llama_export_logits_equal_megatron(tmp_path):
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
@@ -77,7 +106,11 @@ def test_llama_export_logits_equal_megatron(tmp_path):
 
     root = tmp_path / "ckpt"
     tokens, logits = run_distributed(_build_and_save, 1, str(root), timeout=300)[0]
-    assert cli.main(["export", str(root), str(tmp_path / "hf")]) == 0
+    hf = _another_model(tmp_path / "hf")
+    assert cli.main(["export", str(root), str(hf)]) == 2  # refused: another model is there
+    assert (hf / "model-00002-of-00002.safetensors").read_bytes() == b"old"
+    assert cli.main(["export", str(root), str(hf), "--force"]) == 0
+    assert not (hf / "model-00002-of-00002.safetensors").exists()  # its stale shards are gone
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert isinstance(model, LlamaForCausalLM)
     assert model.config.num_key_value_heads == 2 and model.lm_head.weight.shape == (VOCAB, 64)

@@ -64,6 +64,8 @@ def text_files(tmp_path_factory):
     (d / "empty").mkdir()
     (d / "x.bin").write_bytes(b"")
     (d / "x.idx").write_bytes(b"")
+    (d / "nothf").mkdir()  # a config.json that is not a Hugging Face one
+    (d / "nothf" / "config.json").write_text('{"foo": 1}')
     return d
 
 
@@ -134,6 +136,9 @@ CASES = [
                                                     "set model.swiglu=false"]),
     (["checkpoint.load={c}", "model.num_layers=3"], ["model.num_layers=3 (checkpoint: 2)",
                                                      "set model.num_layers=2"]),
+    (["checkpoint.pretrained={t}/nothf"],
+     ["checkpoint.pretrained={t}/nothf", "{t}/nothf/config.json is not a Hugging Face model "
+      "config (no model_type)", "config.json with model_type gpt2 or llama"]),
     (["checkpoint.load={e}"], ["has no latest_checkpointed_iteration.txt", "empty"]),
     (["checkpoint.load={e}/missing"], ["missing", "no such directory"]),
     (["parallelism=tp2", "parallelism.nproc_per_node=3"],
@@ -190,21 +195,71 @@ def test_bad_input_is_refused_before_launch(overrides, expected, launch_tripwire
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("overrides, expected", [
-    (["data=text", "data.paths=[{t}/one.txt]"], "train.eval_iters=0"),
-    (["experiment=nope"], "experiment=nope does not exist"),
-    (["+train.trian_iters=12"], "did you mean train.train_iters"),
-    (["logger=wandb", "logger.mode=online"], "export WANDB_API_KEY"),
-], ids=["single-txt", "experiment", "plus-key", "wandb-online"])
-def test_train_py_exits_2_without_traceback(overrides, expected, train_run, text_files, tmp_path):
+@pytest.mark.parametrize("overrides, expected, environ", [
+    (["data=text", "data.paths=[{t}/one.txt]"], "train.eval_iters=0", {}),
+    (["experiment=nope"], "experiment=nope does not exist", {}),
+    (["+train.trian_iters=12"], "did you mean train.train_iters", {}),
+    (["logger=wandb", "logger.mode=online"], "export WANDB_API_KEY", {}),
+    (["checkpoint.pretrained={t}/nothf"], "is not a Hugging Face model config", {}),
+    ([], "WORLD_SIZE='abc' (from the environment)", {"WORLD_SIZE": "abc"}),
+], ids=["single-txt", "experiment", "plus-key", "wandb-online", "not-hf-config", "world-abc"])
+def test_train_py_exits_2_without_traceback(overrides, expected, environ, train_run, text_files,
+                                            tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
     env["NETRC"] = "/nonexistent/netrc"
     proc = train_run(tmp_path, *_fill(overrides, text_files, "", tmp_path), rc=2, timeout=120,
-                     env=env)
+                     env={**env, **environ})
+    expected = _fill([expected], text_files, "", tmp_path)[0]
     assert f"error: " in proc.stdout and expected in proc.stdout, proc.stdout
-    assert "Traceback" not in proc.stdout, proc.stdout
+    assert "Traceback" not in proc.stdout and proc.stdout.count("error: ") == 1, proc.stdout
     assert not (tmp_path / "metrics.jsonl").exists()
     assert expected in (tmp_path / "train.log").read_text()  # the job's log holds the refusal
+
+
+# A stray RANK or WORLD_SIZE in the environment (no torchrun): the value and the fix.
+@pytest.mark.parametrize("environ, expected", [
+    ({"WORLD_SIZE": "abc"}, ["WORLD_SIZE='abc' (from the environment)", "unset WORLD_SIZE"]),
+    ({"WORLD_SIZE": "0"}, ["WORLD_SIZE='0' (from the environment)", "unset WORLD_SIZE"]),
+    ({"RANK": "0"}, ["RANK=0 is set in the environment but WORLD_SIZE is not", "unset RANK",
+                     "torchrun"]),
+    ({"RANK": "1", "WORLD_SIZE": "2"}, ["RANK=1 and WORLD_SIZE=2 are set in the environment",
+                                        "MASTER_ADDR, MASTER_PORT", "unset RANK WORLD_SIZE",
+                                        "torchrun"]),
+    ({"RANK": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"},
+     ["RANK='x' (from the environment)", "0 <= RANK < WORLD_SIZE=2"]),
+    ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"},
+     ["RANK='2' (from the environment)", "0 <= RANK < WORLD_SIZE=2"]),
+], ids=["world-abc", "world-0", "rank-alone", "no-master", "rank-x", "rank-too-big"])
+def test_stray_rank_environment_is_refused_before_launch(environ, expected, launch_tripwire,
+                                                         monkeypatch, tmp_path):
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError) as info:
+        run_in_process(tmp_path / "out")
+    for part in expected:
+        assert part in str(info.value), str(info.value)
+    assert not (tmp_path / "out" / "resolved_config.yaml").exists()
+
+
+def test_world_size_from_the_environment_is_said_and_launched(launch_tripwire, monkeypatch,
+                                                              tmp_path, capsys):
+    """A local run (no RANK) with WORLD_SIZE set runs that world, and says where it came from."""
+    import recipes.launch
+
+    for key in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    launched = []
+    monkeypatch.setattr(recipes.launch, "launch_local",
+                        lambda path, nproc, *a, **k: launched.append(nproc))
+    run_in_process(tmp_path / "out")
+    out = capsys.readouterr().out
+    assert launched == [4], out
+    assert "world size 4 from WORLD_SIZE=4 in the environment" in out, out
+    assert "parallelism.nproc_per_node=2" in out and "unset WORLD_SIZE" in out, out
+    assert "layout: tp1 x dp4 (world 4)" in out, out
 
 
 def test_schema_is_not_a_group_option():

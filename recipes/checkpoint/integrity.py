@@ -86,9 +86,13 @@ def check_storage(path: Path) -> None:
             )
 
 
-def verify_before_load(path: Path) -> None:
+# What a refused load of a damaged checkpoint suggests (checkpoint.load).
+LOAD_FIX = "load another iteration (checkpoint.load_iteration=N) or another checkpoint.load"
+
+
+def verify_before_load(path: Path, fix: str = LOAD_FIX) -> None:
     """:func:`gtp.verify.check_share` on every rank; a problem any rank finds fails the load on
-    every rank, each naming the same files and items (a collective)."""
+    every rank, each naming the same files and items and ``fix`` (a collective)."""
     problems = verify.check_share(path, torch.distributed.get_rank(),
                                   torch.distributed.get_world_size())
     if any_rank_failed(bool(problems)):
@@ -97,8 +101,7 @@ def verify_before_load(path: Path) -> None:
         problems = list(dict.fromkeys(p for mine in found for p in mine))  # .metadata's: all
         raise CheckpointError(
             f"{verify.CheckpointDamaged(path, problems)}: not loaded "
-            f"(checkpoint.verify_on_load); load another iteration (checkpoint.load_iteration=N) "
-            f"or another checkpoint.load")
+            f"(checkpoint.verify_on_load); {fix}")
 
 
 def stored_shapes(path) -> dict:

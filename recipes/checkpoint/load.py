@@ -24,8 +24,9 @@ from gtp.collectives import any_rank_failed
 from gtp.records import saved_layout
 from gtp.safe_metadata import reused as metadata_reused
 from recipes import optim_checkpoint, precision_change, vocab
-from recipes.checkpoint.errors import CheckpointError, describe, unreadable
+from recipes.checkpoint.errors import CheckpointError, describe, rank_errors, unreadable
 from recipes.checkpoint.integrity import (
+    LOAD_FIX,
     check_loadable,
     check_shapes,
     stored_shapes,
@@ -79,14 +80,15 @@ class _Opened:
     real_vocab: int | None  # this model's real vocabulary size
 
 
-def _open(path: Path, common: dict, model, layout_dict, verify: bool) -> _Opened:
+def _open(path: Path, common: dict, model, layout_dict, verify: bool,
+          fix: str = LOAD_FIX) -> _Opened:
     """Checks and conversion shared by every load of ``path`` (its ``common`` state read).
 
     A legacy GTP checkpoint (megatron-core 0.19.2's padded layout) is converted once into
     ``<root>/gtp_converted/`` and read from there; its RNG states are not carried over.
     """
     if verify:  # before any tensor is overwritten (checkpoint.verify_on_load)
-        verify_before_load(path)
+        verify_before_load(path, fix)
     real = vocab.real_vocab_size(model)
     message = vocab.refusal(common.get(vocab.RECORD_KEY), real, path)
     if message:
@@ -137,7 +139,11 @@ def _read(state: dict, opened: _Opened, crc_checked: bool, what) -> dict:
             raise CheckpointError(f"{what(None)}: loading failed on another rank")
         detail = str(failure)
         if isinstance(failure, DCPCheckpointException):  # each rank's error first, then traces
-            detail = describe(failure) + "\n" + detail
+            errors = rank_errors(failure).values()
+            known = all(isinstance(e, (dcp_reader.DataFileError, CheckpointError)) or
+                        safe_objects.refusal(e) is not None for e in errors)
+            # Damage or a crafted object named: its message, not the traces.
+            detail = describe(failure) + ("" if errors and known else "\n" + detail)
         detail = detail if len(detail) <= 2000 else detail[:2000] + " ..."
         raise CheckpointError(f"{what(failure)}: {detail}") from failure
     return loaded
@@ -237,7 +243,7 @@ def load_model_weights(path, model, verify: bool = True) -> Path:
     path = Path(path)
     iteration = int(path.name[5:]) if path.name.startswith("iter_") else None
     path, common = load_common(path.parent if iteration is not None else path, iteration)
-    ckpt = _open(path, common, model, None, verify)
+    ckpt = _open(path, common, model, None, verify, fix="load another checkpoint.pretrained")
     model_sd = model_sharded_state_dict(model)
     _adapt_vocab_rows(ckpt, model_sd)
     kept = _own_extra_states(model_sd)

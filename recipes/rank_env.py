@@ -1,0 +1,62 @@
+"""The torchrun variables in ``train.py``'s environment, checked before launch.
+
+torchrun (and a submitit task, :func:`recipes.launch.rank_env_from_submitit`) sets ``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` together; this process then runs as that rank.
+Without ``RANK`` it is a local run of ``parallelism.nproc_per_node`` processes, or of
+``WORLD_SIZE`` when that is set (said, naming where it came from). Anything else is a stray
+variable: refused, naming it and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+
+from omegaconf import open_dict
+
+from recipes.validate import ConfigError
+
+_LOCAL = "for a local run of parallelism.nproc_per_node processes"
+
+
+def check(cfg) -> str | None:
+    """Refuse a malformed or stray torchrun variable; for a local run whose ``WORLD_SIZE`` (from
+    the environment) differs from ``parallelism.nproc_per_node``, set the latter to it.
+
+    Returns:
+        A note saying the world came from ``WORLD_SIZE``, or None.
+
+    Raises:
+        ConfigError: naming the variable, its value and the fix.
+    """
+    env = os.environ
+    world, rank = env.get("WORLD_SIZE"), env.get("RANK")
+    if world is not None and not (world.isdigit() and int(world) >= 1):
+        raise ConfigError(f"WORLD_SIZE={world!r} (from the environment) is not a process count: "
+                          f"torchrun and Slurm set it to an integer >= 1; unset WORLD_SIZE "
+                          f"{_LOCAL}, or start with torchrun")
+    if rank is not None:
+        if world is None:
+            raise ConfigError(
+                f"RANK={rank} is set in the environment but WORLD_SIZE is not: a stray RANK "
+                f"(torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT together); unset "
+                f"RANK {_LOCAL}, or start with torchrun")
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
+        if missing:
+            raise ConfigError(
+                f"RANK={rank} and WORLD_SIZE={world} are set in the environment but "
+                f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: this process "
+                f"cannot join a process group; unset RANK WORLD_SIZE {_LOCAL}, or start with "
+                f"torchrun (it sets all four)")
+        if not (rank.isdigit() and int(rank) < int(world)):
+            raise ConfigError(f"RANK={rank!r} (from the environment) is invalid: torchrun sets "
+                              f"0 <= RANK < WORLD_SIZE={world}; unset RANK WORLD_SIZE {_LOCAL}, "
+                              f"or start with torchrun")
+        return None
+    nproc = int(cfg.parallelism.nproc_per_node)
+    if world is None or int(world) == nproc:
+        return None
+    with open_dict(cfg):
+        cfg.parallelism.nproc_per_node = int(world)
+    return (f"> world size {world} from WORLD_SIZE={world} in the environment (not "
+            f"parallelism.nproc_per_node={nproc}): {world} processes on this machine; unset "
+            f"WORLD_SIZE to run parallelism.nproc_per_node")
