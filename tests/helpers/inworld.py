@@ -69,11 +69,16 @@ def compose_job(out_dir, cache_dir, overrides) -> object:
 def forget_job_globals() -> None:
     """What one job leaves in its processes that a later job of the same world must not see,
     beyond megatron's parallel state and GTP globals (``multiproc.reset_model_parallel``):
-    megatron's MoE metrics tracker (sized by the job's layers, holding its groups). The console
-    filters of ``recipes.console.quiet_megatron`` are replaced by the next job's own."""
+    megatron's MoE metrics tracker (sized by the job's layers, holding its groups) and the
+    worker's "this process trains" mark (an error before the next job trains is a refusal
+    again). The console filters of ``recipes.console.quiet_megatron`` are replaced by the next
+    job's own."""
     from megatron.core.transformer.moe import moe_logging
 
+    from recipes import worker
+
     moe_logging.set_moe_metrics_tracker(moe_logging.MoEMetricsTracker())
+    worker._TRAINING.clear()
 
 
 def world_size_of(cfg) -> int:
