@@ -38,8 +38,12 @@ def staging_dir(root, iteration: int) -> Path:
     return Path(root) / f".{iter_dir(root, iteration).name}.staging"
 
 
-def _check_root(root: Path) -> None:
-    """``root`` must be a checkpoint dir (the parent of ``iter_*`` dirs)."""
+def check_root(root: Path) -> None:
+    """``root`` must be a checkpoint dir (the parent of ``iter_*`` dirs).
+
+    Raises:
+        CheckpointError: it is a file, missing or one ``iter_*`` dir (with the command to use).
+    """
     if root.is_file():
         raise CheckpointError(f"checkpoint.load={str(root)!r} is a file, not a directory: point it "
                               f"at the 'checkpoints' dir of a run")
@@ -60,11 +64,14 @@ def read_tracker(root: str | os.PathLike) -> int:
             folder is missing.
     """
     root = Path(root)
-    _check_root(root)
+    check_root(root)
     tracker = root / TRACKER
     if not tracker.is_file():
         found = sorted(p.name for p in root.glob("iter_*"))
         hint = f" (it holds {found} but no complete save)" if found else " (it is empty)"
+        if saved_iterations(root):
+            hint = (f" (its complete saves: iterations {saved_iterations(root)}; "
+                    f"checkpoint.load_iteration=N loads one)")
         raise CheckpointError(
             f"checkpoint.load={str(root)!r} has no {TRACKER}{hint}: point it at the 'checkpoints' "
             f"dir of a run that finished at least one save"
