@@ -69,13 +69,11 @@ def read_tracker(root: str | os.PathLike) -> int:
     if not tracker.is_file():
         found = sorted(p.name for p in root.glob("iter_*"))
         hint = f" (it holds {found} but no complete save)" if found else " (it is empty)"
-        if saved_iterations(root):
-            hint = (f" (its complete saves: iterations {saved_iterations(root)}; "
-                    f"checkpoint.load_iteration=N loads one)")
-        raise CheckpointError(
-            f"checkpoint.load={str(root)!r} has no {TRACKER}{hint}: point it at the 'checkpoints' "
-            f"dir of a run that finished at least one save"
-        )
+        advice = "point it at the 'checkpoints' dir of a run that finished at least one save"
+        if saved_iterations(root):  # a crash between a save's rename and the tracker's write
+            hint = f" (its complete saves: iterations {saved_iterations(root)})"
+            advice = "load one with checkpoint.load_iteration=N, or use checkpoint.load=auto"
+        raise CheckpointError(f"checkpoint.load={str(root)!r} has no {TRACKER}{hint}: {advice}")
     raw = tracker.read_bytes()
     try:
         text = raw.decode("utf-8").strip()
