@@ -92,3 +92,21 @@ def test_auto_skips_and_keeps_a_torn_newest_save(saves, tmp_path):
                                               "iter_0000003 are not of one lineage"):
         ResumePlan.auto(root, repair=True)
     assert checkpoint.saved_iterations(root) == [2, 3, 4, 5, 6]
+
+
+@pytest.mark.e2e
+def test_runs_resume_from_a_dir_without_a_tracker(saves, train_jobs, tmp_path):
+    """The advice auto's refusal gives (checkpoint.load_iteration=N) and auto itself, as a run:
+    both resume a dir without a tracker and train on."""
+    _, single = saves
+    a, b = _copy(single, tmp_path / "a"), _copy(single, tmp_path / "b")
+    jobs = train_jobs([
+        (tmp_path / "ja", [f"checkpoint.load={a}", "checkpoint.load_iteration=6",
+                           f"checkpoint.save={a}", "train.train_iters=8"]),
+        (tmp_path / "jb", ["checkpoint.load=auto", f"checkpoint.save={b}",
+                           "train.train_iters=8"]),
+    ])
+    for job, root in zip(jobs, (a, b)):
+        assert "(resumed from 6)" in job.stdout, job.stdout[-3000:]
+        assert checkpoint.read_tracker(root) == 8
+    assert "no latest_checkpointed_iteration.txt; following the lineage" in jobs[1].stdout
