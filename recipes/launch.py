@@ -45,8 +45,9 @@ def claim_job_dir(output_dir) -> str | None:
     """Claim ``output_dir`` for this run: ``<output_dir>/.job_claim``, a lease
     (:class:`recipes.lease.Lease`: run id, job id, host, pid, heartbeat) taken exclusively. A
     live holder (two runs started in the same second share Hydra's default
-    ``outputs/<date>/<time>``) is refused; a stale one (its process gone, its heartbeat stopped,
-    or this same Slurm/submitit job before a requeue) is taken over. Removed when the job ends
+    ``outputs/<date>/<time>``) is refused; a stale one (:func:`recipes.lease.stale_reason`: its process gone,
+    its heartbeat stopped; this same Slurm/submitit job before a requeue once its process is gone
+    or, on another host, its heartbeat stopped) is taken over. Removed when the job ends
     (:func:`run`) or this process exits.
 
     Returns:

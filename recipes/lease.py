@@ -7,11 +7,14 @@ re-checked before every save is renamed into place (:func:`check_writer`).
 
 A lease holds the run id, the scheduler's job id (:func:`recipes.requeue.job_id`), the host, the
 pid, the pid's process start time and, as the file's modification time, the heartbeat. It is
-stale, and taken over with a note, when it names this job's id (a requeued job is the same run),
-when its heartbeat is older than :data:`STALE_AFTER_S` (any host), or, on this host, when its
-process is gone, is this process or one of its ancestors (a container restarted, its pids
-counted from 1 again) or is another process under a reused pid (its start time differs).
-Otherwise it is live and the dir is refused, naming the holder and the file.
+stale, and taken over with a note, when its heartbeat is older than :data:`STALE_AFTER_S` (any
+host), or, on this host, when its process is gone, is this process (a lease it no longer holds),
+or is another process under a reused pid (its start time differs: also a restarted container's
+new pid 1); a lease without a start time (older files) is also stale when its pid is an
+ancestor of this process. A holder of this job's id (a requeued job keeps it) is judged alike:
+on this host its process is gone at once; on another host :meth:`Lease.take` waits once until
+its heartbeat is stale. Otherwise it is live and the dir is refused, naming the holder and the
+file (two runs in one allocation share a job id: the second is refused).
 """
 
 from __future__ import annotations
@@ -63,8 +66,9 @@ def process_start(pid: int) -> int | None:
 
 
 def _ancestors() -> set[int]:
-    """This process and its ancestors, up to pid 1 (from ``/proc``; this process and its parent
-    where there is none)."""
+    """This process and its ancestors (from ``/proc``: up to the first whose parent is outside
+    this pid namespace, e.g. pid 1, or a ``docker exec``'d process's; this process and its
+    parent where there is no ``/proc``)."""
     found, pid = {os.getpid()}, os.getppid()
     while pid > 0 and pid not in found:
         found.add(pid)
@@ -72,7 +76,7 @@ def _ancestors() -> set[int]:
             pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             break
-    return found | {1}
+    return found
 
 
 def read(path) -> dict | None:
@@ -105,28 +109,33 @@ def describe(holder: dict) -> str:
 
 
 def stale_reason(holder: dict, job_id: str | None, now: float | None = None) -> str | None:
-    """Why ``holder`` no longer holds its lease (None: it is live): it is this job before a
-    requeue, its heartbeat stopped (any host) or, on this host, its process is gone, is this
-    process (but for a lease it still holds) or an ancestor of it (pids counted again from 1
-    after a container restart), or its pid now belongs to another process (the start time
-    recorded differs)."""
+    """Why ``holder`` no longer holds its lease (None: it is live): its heartbeat stopped (any
+    host) or, on this host, its process is gone, is this process (but for a lease it still
+    holds), is another process under a reused pid (the start time recorded differs: also a
+    restarted container's new pid 1) or, for a lease that records no start time, is an ancestor
+    of this process. A holder of this job's id (``job_id``: the same job before a requeue) is
+    judged alike: a live one holds the dir (two runs in one allocation); one on another host is
+    waited for by :meth:`Lease.take` until its heartbeat stops."""
     now = time.time() if now is None else now
-    if job_id and holder.get("job_id") == job_id:
-        return f"it is this job ({job_id}) before a requeue"
     if now - holder.get("heartbeat", 0) > STALE_AFTER_S:
         return f"no heartbeat for over {STALE_AFTER_S:.0f} s"
-    if holder.get("host") == socket.gethostname():
-        pid = int(holder.get("pid") or 0)
-        if not pid or not _pid_alive(pid):
-            return "its process is gone"
-        if pid == os.getpid() and holder.get("run_id") in _HELD_HERE:
+    if holder.get("host") != socket.gethostname():
+        return None
+    pid = int(holder.get("pid") or 0)
+    if not pid or not _pid_alive(pid):
+        return "its process is gone"
+    if pid == os.getpid():
+        if holder.get("run_id") in _HELD_HERE:
             return None  # a lease this process took and still holds
-        if pid in _ancestors():
-            return (f"its pid {pid} is this process or its ancestor (a restarted container "
-                    f"counts pids from 1 again)")
-        start = holder.get("start")
-        if start is not None and process_start(pid) not in (None, start):
+        return "it is this process, which no longer holds it"
+    start, live = holder.get("start"), process_start(pid)
+    if start is not None and live is not None:
+        if live != start:
             return f"its pid {pid} is now another process (started at another time)"
+        return None  # the very process that took it
+    if pid in _ancestors():
+        return (f"its pid {pid} is an ancestor of this process (the lease records no start "
+                f"time; a restarted container counts pids from 1 again)")
     return None
 
 
@@ -144,7 +153,8 @@ class Lease:
 
     def take(self, what: str) -> str | None:
         """Create the lease file exclusively; a stale one (:func:`stale_reason`) is moved away
-        first: a rename, after which the file moved is read again, and put back when it is no
+        first (a holder of this job's id on another host, the job before a requeue, is waited
+        for once until its heartbeat is :data:`STALE_AFTER_S` old): a rename, after which the file moved is read again, and put back when it is no
         longer the stale holder judged (another taker's fresh lease).
 
         Args:
@@ -156,8 +166,8 @@ class Lease:
         Raises:
             LeaseHeld: a live holder, named with the file to remove should it be wrong.
         """
-        note = None
-        for _ in range(3):
+        note, waited = None, False
+        for _ in range(4):
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -168,6 +178,10 @@ class Lease:
                 if holder.get("run_id") == self.run_id:
                     return note  # already ours
                 why = stale_reason(holder, self.job_id)
+                if why is None and self._requeued_elsewhere(holder) and not waited:
+                    waited = True  # this job before a requeue, on another host: its beat stops
+                    time.sleep(max(0.0, holder["heartbeat"] + STALE_AFTER_S + 1 - time.time()))
+                    continue
                 if why is None:
                     raise LeaseHeld(
                         f"{what} {self.path.parent} is in use by {describe(holder)}; wait for it "
@@ -189,6 +203,8 @@ class Lease:
                     aside.unlink(missing_ok=True)
                     continue
                 aside.unlink(missing_ok=True)
+                if self.job_id and holder.get("job_id") == self.job_id:
+                    why += f" (this job, {self.job_id}, before a requeue)"
                 note = f"> note: took over {what} {self.path.parent} from {describe(holder)}: {why}"
                 continue
             with os.fdopen(fd, "w") as f:
@@ -202,6 +218,11 @@ class Lease:
             return note
         raise LeaseHeld(f"{what} {self.path.parent}: {self.path} keeps changing hands; another "
                         f"run is starting there")
+
+    def _requeued_elsewhere(self, holder: dict) -> bool:
+        """``holder`` names this job's id (a requeue keeps it) and another host."""
+        return bool(self.job_id) and holder.get("job_id") == self.job_id and (
+            holder.get("host") != socket.gethostname())
 
     def held(self) -> bool:
         """Whether the lease file still names this run."""

@@ -70,10 +70,11 @@ def plan_wandb_run(cfg, train_state: dict | None, loaded_iteration: int | None) 
         parent_id = (train_state or {}).get("wandb_run_id")
         plan = {"run_id": None, "resume": False, "parent": None}
         if parent_id is not None:
-            from recipes.checkpoint import read_tracker
+            from recipes.checkpoint import tracked
 
             ck = cfg.checkpoint
-            if _same_dir(ck.load, ck.save) and loaded_iteration == read_tracker(ck.load):
+            # No usable tracker (checkpoint.load_iteration=N of a dir without one): a fork.
+            if _same_dir(ck.load, ck.save) and loaded_iteration == tracked(ck.load):
                 plan.update(run_id=parent_id, resume=True,
                             saved_step=train_state.get("wandb_step"))
             else:

@@ -381,7 +381,7 @@ def test_ranks_that_resolved_different_run_dirs_stop_before_training(distributed
     assert all(e and "resolved different run dirs" in e and "/runs/12-00-01" in e for e in errors), errors
 
 
-def test_a_job_dir_is_claimed_by_one_live_run(tmp_path):
+def test_a_job_dir_is_claimed_by_one_live_run(tmp_path, monkeypatch):
     import json
     import os
 
@@ -396,11 +396,15 @@ def test_a_job_dir_is_claimed_by_one_live_run(tmp_path):
     # A claim whose process is gone is taken over (also one in the older "HOST PID" form).
     (tmp_path / CLAIM).write_text(f"{os.uname().nodename} 999999999\n")
     assert "its process is gone" in claim_job_dir(tmp_path)
-    # One from another host: taken over when it is this same job (a requeue), else refused.
+    # One from another host: taken over when it is this same job (a requeue) once its
+    # heartbeat stopped (waited for), else refused.
+    from recipes import lease
+
+    monkeypatch.setattr(lease, "STALE_AFTER_S", 0.5)
     (tmp_path / CLAIM).write_text(json.dumps({"run_id": "r", "job_id": "77", "host": "n9", "pid": 1}))
     os.environ["SLURM_JOB_ID"] = "77"
     try:
-        assert "it is this job (77) before a requeue" in claim_job_dir(tmp_path)
+        assert "(this job, 77, before a requeue)" in claim_job_dir(tmp_path)
         (tmp_path / CLAIM).write_text(json.dumps({"run_id": "r", "job_id": "78", "host": "n9", "pid": 1}))
         with pytest.raises(ConfigError, match=f"job 78.* on n9.*remove {tmp_path / CLAIM}"):
             claim_job_dir(tmp_path)

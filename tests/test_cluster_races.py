@@ -132,9 +132,8 @@ def test_a_lease_naming_this_process_an_ancestor_or_a_reused_pid_goes_stale(tmp_
         start = lease.process_start(other.pid)
         assert start is not None and lease.Lease(path).me["start"] == lease.process_start(os.getpid())
         cases = [  # (holder, age of its heartbeat, taken over because)
-            ({"pid": os.getpid()}, 0, "this process"),
-            ({"pid": 1}, 0, "this process or its ancestor"),
-            ({"pid": os.getppid()}, 0, "this process or its ancestor"),
+            ({"pid": os.getpid()}, 0, "this process"),  # one it no longer holds
+            ({"pid": os.getppid()}, 0, "an ancestor of this process"),  # no start recorded
             ({"pid": other.pid, "start": start + 1}, 0, "now another process"),
             ({"pid": other.pid, "start": start}, lease.STALE_AFTER_S + 5, "no heartbeat"),
             ({"pid": other.pid, "start": start}, 0, None),
@@ -152,3 +151,60 @@ def test_a_lease_naming_this_process_an_ancestor_or_a_reused_pid_goes_stale(tmp_
 def _write(path, age_s: float, **holder) -> None:
     path.write_text(json.dumps(holder))
     os.utime(path, (time.time() - age_s, time.time() - age_s))
+
+
+def test_a_live_pid_1_or_parent_with_its_start_time_holds_its_lease(tmp_path):
+    """issue 33 review: train.py as a container's main process (pid 1) holds its lease against
+    a second train.py started by ``docker exec``; so does a live parent that recorded its start
+    time. A restarted container's new pid 1 has another start time: stale."""
+    here, path = socket.gethostname(), tmp_path / lease.WRITER_LEASE
+    for pid in (1, os.getppid()):
+        start = lease.process_start(pid)
+        assert start is not None
+        _write(path, 0, run_id="x", host=here, pid=pid, start=start)
+        assert lease.stale_reason(lease.read(path), None) is None, pid
+        with pytest.raises(lease.LeaseHeld, match="in use by run x"):
+            lease.Lease(path, run_id="y", job_id=None).take("checkpoint.save")
+        _write(path, 0, run_id="x", host=here, pid=pid, start=start + 1)
+        assert "now another process" in lease.stale_reason(lease.read(path), None)
+
+
+def test_two_runs_of_one_allocation_do_not_take_each_others_lease(tmp_path, monkeypatch):
+    """issue 33 review: a live holder of this job's id is another run of the same allocation,
+    not this job before a requeue: refused on this host; one on another host is waited for
+    until its heartbeat stops (a requeue), refused while it beats. A requeue on this host,
+    whose old process is gone, takes over at once."""
+    import multiprocessing as mp
+    import threading
+
+    here, path = socket.gethostname(), tmp_path / lease.WRITER_LEASE
+    other = mp.get_context("fork").Process(target=time.sleep, args=(60,))
+    other.start()
+    try:
+        _write(path, 0, run_id="x", job_id="77", host=here, pid=other.pid,
+               start=lease.process_start(other.pid))
+        with pytest.raises(lease.LeaseHeld, match="in use by run x"):
+            lease.Lease(path, run_id="y", job_id="77").take("checkpoint.save")
+    finally:
+        other.kill()
+        other.join()
+    note = lease.Lease(path, run_id="y", job_id="77").take("checkpoint.save")
+    assert "its process is gone (this job, 77, before a requeue)" in note, note
+    lease.Lease(path, run_id="y").release()
+    monkeypatch.setattr(lease, "STALE_AFTER_S", 1.0)
+    _write(path, 0, run_id="x", job_id="77", host="node9", pid=5)  # its beat stops now
+    began = time.time()
+    note = lease.Lease(path, run_id="z", job_id="77").take("checkpoint.save")
+    assert time.time() - began >= 1.0 and "no heartbeat" in note and "before a requeue" in note
+    lease.Lease(path, run_id="z").release()
+    _write(path, 0, run_id="x", job_id="77", host="node9", pid=5)
+    stop = threading.Event()
+    beat = threading.Thread(target=lambda: [os.utime(path) for _ in iter(
+        lambda: stop.wait(0.2), True)], daemon=True)
+    beat.start()
+    try:
+        with pytest.raises(lease.LeaseHeld, match="job 77.*node9"):
+            lease.Lease(path, run_id="w", job_id="77").take("checkpoint.save")
+    finally:
+        stop.set()
+        beat.join()

@@ -335,7 +335,12 @@ def test_stale_leases_are_taken_over_with_a_note(tmp_path):
     cases = [  # (holder, age of its heartbeat, taken over?)
         ({"run_id": "x", "host": here, "pid": 999999999}, 0, "its process is gone"),
         ({"run_id": "x", "host": "node7", "pid": 1}, lease.STALE_AFTER_S + 5, "no heartbeat"),
-        ({"run_id": "x", "host": "node7", "pid": 1, "job_id": "42"}, 0, "this job (42)"),
+        # This job before a requeue: on this host its process is gone (at once); on another
+        # host waited for until its heartbeat is STALE_AFTER_S old (here 2 s).
+        ({"run_id": "x", "host": here, "pid": 999999999, "job_id": "42"}, 0,
+         "its process is gone (this job, 42, before a requeue)"),
+        ({"run_id": "x", "host": "node7", "pid": 1, "job_id": "42"}, lease.STALE_AFTER_S - 2,
+         "no heartbeat for over 60 s (this job, 42, before a requeue)"),
         ({"run_id": "x", "host": "node7", "pid": 1, "job_id": "41"}, 0, None),
     ]
     for holder, age, why in cases:

@@ -38,8 +38,12 @@ def staging_dir(root, iteration: int) -> Path:
     return Path(root) / f".{iter_dir(root, iteration).name}.staging"
 
 
-def _check_root(root: Path) -> None:
-    """``root`` must be a checkpoint dir (the parent of ``iter_*`` dirs)."""
+def check_root(root: Path) -> None:
+    """``root`` must be a checkpoint dir (the parent of ``iter_*`` dirs).
+
+    Raises:
+        CheckpointError: it is a file, missing or one ``iter_*`` dir (with the command to use).
+    """
     if root.is_file():
         raise CheckpointError(f"checkpoint.load={str(root)!r} is a file, not a directory: point it "
                               f"at the 'checkpoints' dir of a run")
@@ -60,15 +64,16 @@ def read_tracker(root: str | os.PathLike) -> int:
             folder is missing.
     """
     root = Path(root)
-    _check_root(root)
+    check_root(root)
     tracker = root / TRACKER
     if not tracker.is_file():
         found = sorted(p.name for p in root.glob("iter_*"))
         hint = f" (it holds {found} but no complete save)" if found else " (it is empty)"
-        raise CheckpointError(
-            f"checkpoint.load={str(root)!r} has no {TRACKER}{hint}: point it at the 'checkpoints' "
-            f"dir of a run that finished at least one save"
-        )
+        advice = "point it at the 'checkpoints' dir of a run that finished at least one save"
+        if saved_iterations(root):  # a crash between a save's rename and the tracker's write
+            hint = f" (its complete saves: iterations {saved_iterations(root)})"
+            advice = "load one with checkpoint.load_iteration=N, or use checkpoint.load=auto"
+        raise CheckpointError(f"checkpoint.load={str(root)!r} has no {TRACKER}{hint}: {advice}")
     raw = tracker.read_bytes()
     try:
         text = raw.decode("utf-8").strip()

@@ -16,7 +16,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from gtp import safe_metadata, safe_objects, verify
 from gtp.collectives import any_rank_failed
 from recipes.checkpoint.errors import CheckpointError, unreadable
-from recipes.checkpoint.files import iter_dir, read_tracker, saved_iterations
+from recipes.checkpoint.files import check_root, iter_dir, read_tracker, saved_iterations
 
 
 def check_loadable(root: str | os.PathLike, iteration: int | None = None) -> Path:
@@ -26,17 +26,20 @@ def check_loadable(root: str | os.PathLike, iteration: int | None = None) -> Pat
         root: the checkpoint dir.
         iteration: a specific saved iteration; None: the one the tracker names. Any complete
             ``iter_*`` dir loads, also one newer than the tracker (saves are renamed into place
-            only when complete).
+            only when complete) or one of a dir whose tracker is missing or garbled (the
+            tracker is read only when ``iteration`` is None).
 
     Raises:
-        CheckpointError: as :func:`recipes.checkpoint.files.read_tracker`, the iteration is
+        CheckpointError: as :func:`recipes.checkpoint.files.read_tracker` (``iteration`` None;
+            else as :func:`recipes.checkpoint.files.check_root`), the iteration is
             missing or incomplete, it holds a ``common.pt`` (damage: named), its data files are
             truncated, or its metadata is not what a checkpoint holds.
     """
-    latest = read_tracker(root)
     if iteration is None:
-        iteration = latest
-    elif not iter_dir(root, iteration).is_dir():
+        iteration = read_tracker(root)
+    else:
+        check_root(Path(root))
+    if not iter_dir(root, iteration).is_dir():
         raise CheckpointError(
             f"checkpoint.load_iteration={iteration}: no complete save of it in {root}; "
             f"complete iterations there: {saved_iterations(root)}"

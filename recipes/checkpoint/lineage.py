@@ -7,8 +7,9 @@ fork (another iteration, another dir) appends itself to the chain of the save it
 lies on a run's history when its last run is in the run's chain and, for an ancestor, at or
 before the iteration the next run of the chain forked from.
 
-``checkpoint.load=auto`` follows the lineage of the save the tracker names
-(:meth:`recipes.checkpoint.manager.ResumePlan.auto`): it never takes another lineage's save.
+``checkpoint.load=auto`` follows the lineage of the save the tracker names, without a usable
+tracker the newest complete save's (:meth:`recipes.checkpoint.manager.ResumePlan.auto`): it
+never takes another lineage's save.
 """
 
 from __future__ import annotations

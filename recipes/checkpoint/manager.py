@@ -87,9 +87,11 @@ class ResumePlan:
     def auto(cls, root, verify: bool = True, repair: bool = False) -> tuple[int | None, list[str]]:
         """``checkpoint.load=auto``'s choice in the save dir ``root``: the newest save of the
         lineage (:mod:`recipes.checkpoint.lineage`) of the save the tracker names (without a
-        usable tracker: of the newest save) that loads and, with ``verify``, verifies
+        usable tracker: of the newest complete save) that loads and, with ``verify``, verifies
         (:func:`gtp.verify.verify_iteration`). A newer save of the same lineage is taken (a
         crash between its rename and the tracker's write); another lineage's is never taken.
+        A save to follow that cannot be read is damaged: the newest readable save stands in
+        when every readable save is of its lineage.
         With ``repair`` (global rank 0) a damaged save of the lineage is set aside as
         ``iter_N.damaged`` (never deleted, never written over) once the tracker names the save
         chosen; without it nothing is written.
@@ -100,12 +102,14 @@ class ResumePlan:
 
         Raises:
             CheckpointError: it cannot tell a save's lineage from the tracker's (a save from
-                before lineages beside it), naming both; or no save of the lineage loads.
+                before lineages beside it), naming both; the save to follow cannot be read and
+                the readable ones are not of one lineage, naming two; or no save of the lineage
+                loads.
         """
         from gtp.verify import verify_iteration
         from recipes.checkpoint import lineage
         from recipes.checkpoint.errors import CheckpointError
-        from recipes.checkpoint.files import saved_iterations
+        from recipes.checkpoint.files import read_tracker, saved_iterations
 
         saved = saved_iterations(root)
         if not saved:
@@ -122,12 +126,34 @@ class ResumePlan:
                     chains[it] = exc
             return chains[it]
 
-        history, notes, damaged = chain(ref), [], []
-        if isinstance(history, CheckpointError) and len(saved) > 1:
-            raise CheckpointError(
-                f"checkpoint.load=auto cannot tell which saves of {root} continue "
-                f"{iter_dir(root, ref).name}: it cannot be read ({history}); load one "
-                f"explicitly (checkpoint.load={root} checkpoint.load_iteration=N)")
+        notes, damaged = [], []
+        if mark != ref:  # a crash before the first tracker write, or a damaged tracker
+            try:
+                why = f"the tracker names iteration {read_tracker(root)}, no complete save"
+            except CheckpointError as exc:
+                why = (f"no {TRACKER}" if not (Path(root) / TRACKER).is_file()
+                       else f"no usable tracker ({exc})")
+            notes.append(f"> checkpoint.load=auto: {why}; following the lineage of the newest "
+                         f"complete save, {iter_dir(root, ref).name}")
+        history = chain(ref)
+        readable = [it for it in reversed(saved) if not isinstance(chain(it), CheckpointError)]
+        if isinstance(history, CheckpointError) and readable:
+            # The save to follow cannot be read: damaged (skipped below). The newest readable
+            # one stands in, when every readable save lies on its lineage.
+            newest = readable[0]
+            other = next((it for it in readable[1:]
+                          if not lineage.on_path(chain(it), it, chain(newest))), None)
+            if other is not None:
+                raise CheckpointError(
+                    f"checkpoint.load=auto cannot tell which saves of {root} continue "
+                    f"{iter_dir(root, ref).name}: it cannot be read ({history}), and "
+                    f"{iter_dir(root, newest).name} and {iter_dir(root, other).name} are not "
+                    f"of one lineage (or one was saved before saves recorded it); load one "
+                    f"explicitly (checkpoint.load={root} checkpoint.load_iteration=N)")
+            notes.append(f"> checkpoint.load=auto: {iter_dir(root, ref).name} cannot be read; "
+                         f"the saves left are of one lineage: following "
+                         f"{iter_dir(root, newest).name}'s")
+            ref, history = newest, chain(newest)
         for it in reversed(saved):
             mine = chain(it)
             if it != ref and not isinstance(mine, CheckpointError):
