@@ -237,3 +237,13 @@ def test_every_named_recipe_fits_its_own_target(experiment, monkeypatch):
     assert "does not fit" not in out and "fits train.gpu_memory_gib=" in out, out
     assert "> assumed: attention " in out and "recompute " in out and "optimizer" in out, out
     assert f"checked against train.gpu_memory_gib={cfg.train.gpu_memory_gib:g}" in out, out
+
+
+def test_an_unknown_transformer_impl_is_refused_before_launch():
+    from recipes import prelaunch
+    from recipes.validate import ConfigError
+
+    cfg = make_cfg("experiment=llama3_8b_tp4_gtp2_fp8", "train.dry_run=true",
+                   "model.transformer_impl=bogus")
+    with pytest.raises(ConfigError, match="model.transformer_impl='bogus': valid are null"):
+        prelaunch.check_transformer_impl(cfg)
