@@ -94,7 +94,8 @@ class ModelConfig:
     # The layer implementation the recipe is written for: "transformer_engine" (fused attention,
     # no a x s x s scores stored) or "local" (megatron's DotProductAttention stores them). The
     # dry run estimates activations for it; null: whatever this machine has (TransformerEngine
-    # if it imports). A real run builds TransformerEngine layers whenever it imports.
+    # if it imports). A run builds TransformerEngine layers where it imports unless "local"
+    # (recipes.te.uses_transformer_engine); without it, local layers.
     transformer_impl: Optional[str] = None
     # Attention head width (megatron's kv_channels); null: hidden_size / num_attention_heads.
     kv_channels: Optional[int] = None
