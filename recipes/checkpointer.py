@@ -149,8 +149,29 @@ ADAM_FIELDS = ("optim.adam_beta1", "optim.adam_beta2", "optim.adam_eps")
 # Muon's param-group momentum: restored from the checkpoint like Adam's betas.
 MUON_GROUP_FIELDS = ("optim.muon_momentum",)
 KEPT_ON_RESUME = SCHEDULE_FIELDS + ADAM_FIELDS + MUON_GROUP_FIELDS
-# Resharded or reread on load; no effect on the saved state.
-_NEUTRAL = ("parallelism", "logger", "checkpoint", "output_dir", "data.cache_dir")
+# Where outputs go and how the run logs: no effect on the saved state or the training.
+_NEUTRAL = ("logger", "checkpoint", "output_dir", "data.cache_dir")
+_RESHARD = ("weights and optimizer state resharded to the new layout at load (the distributed "
+            "optimizer's only with optim.distrib_optim_sharding_type=fully_reshardable); per-rank "
+            "RNG states not restored")
+# The layout fields (parallelism.*, GTP degrees and alignment): what changing each does.
+LAYOUT_EFFECTS = {
+    "parallelism.tensor_model_parallel_size": _RESHARD,
+    "parallelism.pipeline_model_parallel_size": _RESHARD,
+    "parallelism.virtual_pipeline_model_parallel_size": _RESHARD,
+    "parallelism.context_parallel_size": _RESHARD + "; each sequence split over the new cp ranks",
+    "parallelism.expert_model_parallel_size": _RESHARD + " (experts regrouped over the new ep)",
+    "parallelism.expert_tensor_parallel_size": _RESHARD + " (experts' linears split anew)",
+    "gtp.gtp_remat_size": _RESHARD,
+    "gtp.expert_gtp_remat_size": _RESHARD,
+    "gtp.pad_for_alignment": _RESHARD + " (padding rows re-laid; checkpoints hold none)",
+    "parallelism.data_parallel_size": (
+        "replicas changed; data.global_batch_size unchanged, so the same samples in the same "
+        "order (micro-batches per replica change); " + _RESHARD),
+    "parallelism.sequence_parallel": ("activations split over tp ranks or not; no effect on the "
+                                      "saved state or the loss"),
+    "parallelism.nproc_per_node": "processes started on this machine (the world size follows)",
+}
 
 
 @dataclass(frozen=True)
@@ -215,6 +236,8 @@ def resume_changes(saved: dict, now: dict, consumed_samples: int) -> list[Change
                       f"checkpoint's {old} kept (optim.override_opt_param_scheduler=true takes the new)")
         elif name == "precision.params_dtype":
             effect = precision_change.describe(old, new)
+        elif name in LAYOUT_EFFECTS:
+            effect = LAYOUT_EFFECTS[name]
         elif name == "train.train_iters":
             effect = "runs to the new end; samples already planned keep their order"
         elif name.startswith(("model.", "gtp.")):

@@ -91,6 +91,12 @@ class ModelConfig:
     # "selective" recomputes attention's core (megatron's recompute_modules default), "full"
     # keeps each layer's input only (recompute_method uniform, one layer per group).
     recompute_granularity: Optional[str] = None
+    # The layer implementation the recipe is written for: "transformer_engine" (fused attention,
+    # no a x s x s scores stored) or "local" (megatron's DotProductAttention stores them). The
+    # dry run estimates activations for it; null: whatever this machine has (TransformerEngine
+    # if it imports). A run builds TransformerEngine layers where it imports unless "local"
+    # (recipes.te.uses_transformer_engine); without it, local layers.
+    transformer_impl: Optional[str] = None
     # Attention head width (megatron's kv_channels); null: hidden_size / num_attention_heads.
     kv_channels: Optional[int] = None
     # RMSNorm/LayerNorm over each query and key head before attention (Qwen3, OLMo-2).

@@ -31,11 +31,11 @@ def check(cfg, layout) -> None:
     cp = layout.context_parallel_size
     if cp == 1:
         return
-    if not te.transformer_engine_usable():
+    if not te.uses_transformer_engine(cfg):
         raise ConfigError(
-            f"parallelism.context_parallel_size={cp} needs TransformerEngine, which is not "
-            f"importable here: megatron-core 0.19.2's local attention (DotProductAttention) "
-            f"asserts context_parallel_size == 1, context parallelism exists only in "
+            f"parallelism.context_parallel_size={cp} needs TransformerEngine (not importable "
+            f"here, or model.transformer_impl=local): megatron-core 0.19.2's local attention "
+            f"(DotProductAttention) asserts context_parallel_size == 1, context parallelism exists only in "
             f"TransformerEngine's TEDotProductAttention; set parallelism.context_parallel_size=1")
     s = cfg.model.seq_length
     if s % (2 * cp):

@@ -119,12 +119,37 @@ def rank_sizes(cfg, layout, vocab_size: int) -> RankSizes:
     )
 
 
-def attention_scores_stored(cfg) -> bool:
-    """Whether attention keeps its ``a x s x s`` scores for the backward: megatron's local
-    ``DotProductAttention`` does (without TransformerEngine), fused attention does not."""
-    from recipes import te
+IMPLS = ("transformer_engine", "local")
 
-    return not te.transformer_engine_usable()
+
+def target_attention(cfg) -> tuple[str, str]:
+    """``(kind, source)`` of the attention the estimate assumes: kind ``"fused"``
+    (TransformerEngine's fused/flash attention keeps no scores) or ``"local"`` (megatron's
+    ``DotProductAttention`` keeps its ``a x s x s`` scores for the backward); source names
+    where that came from: ``model.transformer_impl`` (the machine the recipe targets) or, when
+    it is null, whether TransformerEngine imports on this machine.
+
+    Raises:
+        ValueError: ``model.transformer_impl`` is not null, "transformer_engine" or "local".
+    """
+    impl = cfg.model.get("transformer_impl")
+    if impl is None:
+        from recipes import te
+
+        usable = te.transformer_engine_usable()
+        return (("fused" if usable else "local"),
+                f"this machine: TransformerEngine {'imports' if usable else 'not importable'}, "
+                f"model.transformer_impl=null")
+    if impl not in IMPLS:
+        raise ValueError(f"model.transformer_impl={impl!r}: valid are null, {', '.join(IMPLS)}")
+    return ("fused" if impl == "transformer_engine" else "local"),\
+        f"from model.transformer_impl={impl}"
+
+
+def attention_scores_stored(cfg) -> bool:
+    """Whether attention keeps its ``a x s x s`` scores for the backward (:func:`target_attention`
+    is local): megatron's local ``DotProductAttention`` does, fused attention does not."""
+    return target_attention(cfg)[0] == "local"
 
 
 def activation_bytes(cfg, layout, padded_vocab: int, scores: bool | None = None) -> int:
@@ -241,6 +266,20 @@ def fit_line(cfg, layout, vocab_size: int, sizes: RankSizes) -> str:
             f"gtp.gtp_remat_size")
 
 
+def assumed_line(cfg, layout) -> str:
+    """What the estimate assumed: the attention kind and where it came from
+    (:func:`target_attention`), recompute, the distributed optimizer and the GPU memory."""
+    kind, source = target_attention(cfg)
+    scores = "no scores stored" if kind == "fused" else "scores stored"
+    dp = layout.data_parallel_size * layout.context_parallel_size
+    optim = (f"distributed optimizer over dp {dp}" if layout.use_distributed_optimizer
+             else "no distributed optimizer")
+    return (f"> assumed: attention {kind} ({scores}), {source}; recompute "
+            f"{cfg.model.get('recompute_granularity') or 'none'} (model.recompute_granularity); "
+            f"{optim} (optim.use_distributed_optimizer); checked against "
+            f"train.gpu_memory_gib={float(cfg.train.get('gpu_memory_gib', 80.0)):g}")
+
+
 def report(cfg, layout) -> str:
     """The dry-run text for ``cfg`` at ``layout`` (validated already).
 
@@ -268,6 +307,7 @@ def report(cfg, layout) -> str:
     if sharded and s.expert_parameters:
         sharded += f"; routed experts 1/{layout.expert_data_parallel_size}: expert data parallel"
     rc = cfg.model.get("recompute_granularity")
+    kind = target_attention(cfg)[0]
     stage = " (most loaded pipeline stage)" if layout.pipeline_model_parallel_size > 1 else ""
     lines = [
         "> dry run: config valid; nothing built, no process started",
@@ -282,9 +322,10 @@ def report(cfg, layout) -> str:
         f"{', fp32 main params' if dtype != 'fp32' else ''}{sharded})",
         f">   activations      {format_bytes(s.activation_bytes)} (micro-batch "
         f"{cfg.data.micro_batch_size} x {cfg.model.seq_length} tokens, recompute "
-        f"{rc or 'none'}{', attention scores stored' if attention_scores_stored(cfg) and not rc else ''};"
+        f"{rc or 'none'}{', attention scores stored' if kind == 'local' and not rc else ''};"
         f" Megatron-LM's formula, {sp_text})",
         f">   total            {format_bytes(s.total_bytes)}",
+        assumed_line(cfg, layout),
         fit_line(cfg, layout, vocab, s),
     ]
     try:

@@ -37,7 +37,7 @@ def before_model(cfg, layout) -> None:
     from recipes import te
 
     gtp_impl.update_gtp_config(**overlap_settings(
-        cfg.gtp, layout.pipeline_model_parallel_size, te.transformer_engine_usable()))
+        cfg.gtp, layout.pipeline_model_parallel_size, te.uses_transformer_engine(cfg)))
 
 
 OVERLAP_FIELDS = ("weight_prefetch", "async_reduction")

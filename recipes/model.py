@@ -109,7 +109,7 @@ def transformer_config(cfg, layout, use_te: bool | None = None):
     from recipes import te
 
     if use_te is None:
-        use_te = te.transformer_engine_usable()
+        use_te = te.uses_transformer_engine(cfg)
 
     m = cfg.model
     dtype = PARAMS_DTYPES[cfg.precision.params_dtype]
@@ -263,7 +263,7 @@ def build_model(cfg, layout, vocab_size: int, reseed=lambda: None):
 
     from recipes import te
 
-    use_te = te.transformer_engine_usable()
+    use_te = te.uses_transformer_engine(cfg)
     config = transformer_config(cfg, layout, use_te)
     vpp = layout.virtual_pipeline_model_parallel_size
     vocab = padded_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by,

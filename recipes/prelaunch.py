@@ -39,6 +39,7 @@ def check(cfg, choices: Optional[dict] = None, plan=None) -> ParallelLayout:
     check_choices(_hydra_choices() if choices is None else choices)
     check_keys(cfg)
     check_checkpoint_format(cfg)
+    check_transformer_impl(cfg)
     clamp_warmup(cfg)
     layout = validate(cfg, world_size_from_env(cfg), plan)
     check_tokenizer(cfg)
@@ -64,6 +65,17 @@ def _group_options(group: str) -> Optional[list[str]]:
     if not GlobalHydra.instance().is_initialized():
         return None
     return GlobalHydra.instance().config_loader().get_group_options(group)
+
+
+def check_transformer_impl(cfg) -> None:
+    """``model.transformer_impl`` is null, "transformer_engine" or "local"
+    (:func:`recipes.dry_run.target_attention`)."""
+    from recipes.dry_run import IMPLS
+
+    impl = cfg.model.get("transformer_impl")
+    if impl is not None and impl not in IMPLS:
+        raise ConfigError(f"model.transformer_impl={impl!r}: valid are null, {', '.join(IMPLS)} "
+                          f"(the layer implementation the recipe targets; the dry run's attention)")
 
 
 def check_choices(choices: dict) -> None:

@@ -22,7 +22,8 @@ and gathered in FP8, as Megatron-LM's ``--fp8-param-gather``: ``TransformerConfi
 Under GTP, megatron's weight all-gather then moves FP8 shards (``generalized_tensor_parallelism``,
 native-FP8 GTP params) and checkpoints hold the dequantized values (``gtp.checkpoint``).
 
-Without it, megatron's local spec (``get_gpt_layer_local_spec``), no quantization field, and the
+``model.transformer_impl=local`` builds megatron's local layers even where TransformerEngine
+imports (:func:`uses_transformer_engine`). Without it, megatron's local spec (``get_gpt_layer_local_spec``), no quantization field, and the
 recipe only sets the GTP alignment (``recipes.validate`` prints a one-line notice).
 """
 
@@ -68,6 +69,13 @@ def transformer_engine_usable() -> bool:
     except Exception:  # noqa: BLE001 - ImportError, or a broken install (missing CUDA libs)
         return False
     return True
+
+
+def uses_transformer_engine(cfg) -> bool:
+    """Whether a run of ``cfg`` builds TransformerEngine layers: TransformerEngine imports
+    (:func:`transformer_engine_usable`) and ``model.transformer_impl`` is not ``"local"``
+    (null and ``"transformer_engine"`` take it when it imports; without it, local layers)."""
+    return cfg.model.get("transformer_impl") != "local" and transformer_engine_usable()
 
 
 def config_fields(quantization: str, use_te: bool, fp8_param_gather: bool = False) -> dict:

@@ -337,7 +337,7 @@ def validate(cfg, world_size: int, plan=None) -> ParallelLayout:
 
         try:
             overlap_settings(cfg.gtp, layout.pipeline_model_parallel_size,
-                             te.transformer_engine_usable())
+                             te.uses_transformer_engine(cfg))
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     refusal = te.fp8_param_gather_refusal(cfg.gtp.quantization,
@@ -488,7 +488,7 @@ def _announce_quantization(cfg, layout: ParallelLayout) -> None:
         effect = f"only sets the GTP alignment (pad_for_alignment={layout.pad_for_alignment})"
     from recipes import te
 
-    if te.transformer_engine_usable():
+    if te.uses_transformer_engine(cfg):
         fields = ", ".join(f"{k}={v}" for k, v in te.config_fields(
             quant, True, cfg.gtp.get("fp8_param_gather", False)).items())
         print(f"> gtp.quantization={quant}: TransformerEngine layers with {fields} "

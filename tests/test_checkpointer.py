@@ -144,7 +144,9 @@ def test_resume_diff_names_every_change_and_refuses_data_changes():
                            "data.global_batch_size=32", "parallelism=tp2", "train.log_interval=5"))
     changes = {c.field: c for c in checkpointer.resume_changes(saved, now, consumed_samples=48)}
     assert set(changes) == {"optim.lr", "optim.lr_decay_iters", "train.train_iters", "train.seed",
-                            "data.global_batch_size", "train.log_interval"}, sorted(changes)
+                            "data.global_batch_size", "train.log_interval",
+                            "parallelism.tensor_model_parallel_size"}, sorted(changes)
+    assert "resharded" in changes["parallelism.tensor_model_parallel_size"].effect
     assert changes["optim.lr"].effect.startswith("checkpoint's 0.003 kept")
     assert changes["train.seed"].effect.startswith("REFUSED")
     assert changes["data.global_batch_size"].effect.startswith("REFUSED: 48 consumed samples")
@@ -156,6 +158,30 @@ def test_resume_diff_names_every_change_and_refuses_data_changes():
     override = to_dict(make_cfg("optim.lr=5e-4", "optim.override_opt_param_scheduler=true"))
     lr = next(c for c in checkpointer.resume_changes(saved, override, 0) if c.field == "optim.lr")
     assert lr.effect.startswith("new value used")
+
+
+@pytest.mark.parametrize("overrides, effect", [
+    (("parallelism.pipeline_model_parallel_size=2",), "resharded"),
+    (("parallelism.context_parallel_size=2",), "resharded"),
+    (("model=moe_tiny", "parallelism.expert_model_parallel_size=2"), "resharded"),
+    (("model=moe_tiny", "parallelism.expert_tensor_parallel_size=1"), "resharded"),
+    (("parallelism.data_parallel_size=4",), "data.global_batch_size"),
+    (("parallelism.sequence_parallel=true",), "no effect on the saved state"),
+    (("gtp=tp2_align16",), "resharded"),
+    (("parallelism.nproc_per_node=4",), "processes started"),
+])
+def test_resume_diff_lists_every_parallelism_field_with_its_effect(overrides, effect):
+    """The layout fields are in the table too (docs/resume.md: every field that differs)."""
+    from recipes.config import to_dict
+
+    base = [o for o in overrides if o.startswith("model=")]
+    saved, now = to_dict(make_cfg(*base)), to_dict(make_cfg(*overrides))
+    changes = {c.field: c for c in checkpointer.resume_changes(saved, now, consumed_samples=0)}
+    layout = [f for f in changes if f.startswith(("parallelism.", "gtp."))]
+    assert layout, sorted(changes)
+    for field in layout:
+        assert changes[field].effect != "used from now on", (field, changes[field].effect)
+    assert any(effect in changes[f].effect for f in layout), {f: changes[f].effect for f in layout}
 
 
 def test_extending_train_iters_keeps_the_planned_samples_in_order(data_cache):

@@ -11,6 +11,7 @@ Goldens are written here from the formulas, not from ``recipes.shapes``:
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 from compose import make_cfg
@@ -107,7 +108,8 @@ def test_bytes_are_printed_in_the_unit_that_fits(capsys):
 
 
 def test_fit_line_says_what_would_fit():
-    cfg = make_cfg("experiment=llama3_70b_tp8_gtp2_bf16", "train.dry_run=true")
+    cfg = make_cfg("experiment=llama3_70b_tp8_gtp2_bf16", "train.dry_run=true",
+                   "optim.use_distributed_optimizer=false")
     layout = validate(cfg, 256)
     s = rank_sizes(cfg, layout, LLAMA3_VOCAB)
     line = fit_line(cfg, layout, LLAMA3_VOCAB, s)
@@ -161,3 +163,87 @@ def test_expert_optimizer_state_is_sharded_over_expert_data_parallel():
     assert s.optimizer_bytes == math.ceil(12 * dense / 16) + math.ceil(12 * experts / 2)
     assert f"{s.optimizer_bytes / 2**30:.2f}" == "8.20"
     assert "routed experts 1/2: expert data parallel" in report(cfg, layout)
+
+
+def paper_per_layer(s, b, h, a, f, t, sp, fused, recompute) -> float:
+    """Korthikanti et al. 2022 per-layer bytes, ``s b h (34 + 5 a s / h)`` without parallelism,
+    with Megatron-LM's ``34 = 18 + 4 f / h`` (f = ffn_hidden_size): tensor parallelism splits
+    the ``24 = 8 + 4 f / h`` and the score term by t, sequence parallelism the ``10`` too; fused
+    (flash) attention and selective recompute store no ``5 a s / h`` scores."""
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    stored = s * b * h * ((10 / t if sp else 10) + (8 + 4 * f / h) / t)
+    if not fused and recompute is None:
+        stored += s * b * h * 5 * a * s / (h * t)
+    return stored
+
+
+FLAGSHIP = {  # experiment: (world, L, h, a, f, t, sp, recompute), as the recipe ships
+    "llama3_8b_tp4_gtp2_fp8": (8, 32, 4096, 32, 14336, 4, False, None),
+    "llama3_70b_tp8_gtp2_bf16": (256, 80, 8192, 64, 28672, 8, True, None),
+}
+
+
+@pytest.mark.parametrize("experiment", sorted(FLAGSHIP))
+@pytest.mark.parametrize("impl", ["transformer_engine", "local"])
+def test_flagship_activations_follow_the_paper_for_the_target_attention(experiment, impl,
+                                                                        monkeypatch):
+    """The recipe's ``model.transformer_impl``, not whether TransformerEngine imports here,
+    decides whether the scores are stored; the figure is the paper's formula at seq 8192."""
+    from recipes import te
+
+    monkeypatch.setattr(te, "transformer_engine_usable", lambda: False)
+    world, L, h, a, f, t, sp, recompute = FLAGSHIP[experiment]
+    cfg = make_cfg(f"experiment={experiment}", "train.dry_run=true")
+    assert cfg.model.transformer_impl == "transformer_engine"
+    cfg.model.transformer_impl = impl
+    layout = validate(cfg, world)
+    assert (layout.tensor_model_parallel_size, layout.sequence_parallel) == (t, sp)
+    assert cfg.model.get("recompute_granularity") == recompute
+    s, b, v = 8192, 1, LLAMA3_VOCAB
+    split = t if sp else 1
+    golden = (L * paper_per_layer(s, b, h, a, f, t, sp, impl == "transformer_engine", recompute)
+              + (8 * s * b + s * b * h) / split          # embedding input and its dropout
+              + 4 * s * b * h / split + 4 * s * b * v / t)  # output layer input, the logits
+    assert activation_bytes(cfg, layout, v) == math.ceil(golden)
+    out = report(cfg, layout)
+    kind = "fused (no scores stored)" if impl == "transformer_engine" else "local (scores stored)"
+    assert f"attention {kind}, from model.transformer_impl={impl}" in out, out
+    assert f"{format_bytes(math.ceil(golden))} (micro-batch 1 x 8192 tokens" in out, out
+
+
+def _recipe_world(path) -> int:
+    """The world size of the recipe's own dry-run line (``WORLD_SIZE=N``), else nproc_per_node."""
+    import re
+
+    found = re.search(r"WORLD_SIZE=(\d+) python train.py", path.read_text())
+    return int(found.group(1)) if found else 0
+
+
+RECIPES = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf/experiment").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("experiment", RECIPES)
+def test_every_named_recipe_fits_its_own_target(experiment, monkeypatch):
+    """As shipped, on a machine without TransformerEngine: each recipe's dry run fits
+    train.gpu_memory_gib and says what it assumed."""
+    from recipes import te
+
+    monkeypatch.setattr(te, "transformer_engine_usable", lambda: False)
+    path = Path(__file__).resolve().parents[1] / "conf/experiment" / f"{experiment}.yaml"
+    cfg = make_cfg(f"experiment={experiment}", "train.dry_run=true")
+    world = _recipe_world(path) or cfg.parallelism.nproc_per_node
+    out = report(cfg, validate(cfg, world))
+    assert "does not fit" not in out and "fits train.gpu_memory_gib=" in out, out
+    assert "> assumed: attention " in out and "recompute " in out and "optimizer" in out, out
+    assert f"checked against train.gpu_memory_gib={cfg.train.gpu_memory_gib:g}" in out, out
+
+
+def test_an_unknown_transformer_impl_is_refused_before_launch():
+    from recipes import prelaunch
+    from recipes.validate import ConfigError
+
+    cfg = make_cfg("experiment=llama3_8b_tp4_gtp2_fp8", "train.dry_run=true",
+                   "model.transformer_impl=bogus")
+    with pytest.raises(ConfigError, match="model.transformer_impl='bogus': valid are null"):
+        prelaunch.check_transformer_impl(cfg)

@@ -107,3 +107,20 @@ def test_notice_with_te(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "TransformerEngine layers with transformer_impl=transformer_engine, fp8=hybrid, " \
            "fp8_recipe=tensorwise" in out, out
+
+
+@pytest.mark.parametrize("impl, usable, expected", [
+    (None, True, True), ("transformer_engine", True, True), ("local", True, False),
+    (None, False, False), ("transformer_engine", False, False), ("local", False, False)])
+def test_model_transformer_impl_local_builds_local_layers_even_with_te(impl, usable, expected,
+                                                                         monkeypatch):
+    """The dry run's attention (recipes.dry_run.target_attention) and the built layers agree
+    wherever TransformerEngine imports; without it every run builds local layers."""
+    from compose import make_cfg
+
+    from recipes import te
+
+    monkeypatch.setattr(te, "transformer_engine_usable", lambda: usable)
+    cfg = make_cfg()
+    cfg.model.transformer_impl = impl
+    assert te.uses_transformer_engine(cfg) is expected
