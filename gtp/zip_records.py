@@ -108,8 +108,8 @@ def check_record(stream, offset: int, length: int, buffer: Optional[bytearray] =
         stream: a binary, seekable file object (a DCP data file).
         offset, length: the record's place in it, in bytes.
         buffer: a reused read buffer (allocated when None).
-        crc: False to check the zip structure only (directory, local headers, methods, sizes),
-            not the entries' bytes.
+        crc: False to check only that every entry is stored and inside the record (directory
+            and local headers' methods and sizes), not the entries' bytes or names.
 
     Returns:
         The number of entries checked.
@@ -137,8 +137,10 @@ def check_record(stream, offset: int, length: int, buffer: Optional[bytearray] =
             raise RecordDamaged(f"entry {name}: the record ends inside its local header")
         fields = LOCAL_HEADER.unpack(header)
         local_name = stream.read(fields[-2])
-        if fields[0] != LOCAL_SIGNATURE or local_name != info.orig_filename.encode(
-                "utf-8" if info.flag_bits & 0x800 else "cp437"):
+        if not crc and fields[0] != LOCAL_SIGNATURE:
+            continue  # damaged, not compressed: left to the reader (which refuses it)
+        if crc and (fields[0] != LOCAL_SIGNATURE or local_name != info.orig_filename.encode(
+                "utf-8" if info.flag_bits & 0x800 else "cp437")):
             raise RecordDamaged(f"entry {name}: its local header does not match the zip "
                                 f"directory (signature {fields[0]!r}, name {local_name[:60]!r})")
         if fields[3] != zipfile.ZIP_STORED:
