@@ -148,6 +148,10 @@ class _RestrictedUnpickler(pickle._Unpickler):
             self.refuse(f"sets state on {inst!r} (BUILD), no instance of an allowed class")
         if isinstance(state, tuple) and len(state) == 2 and state[1] is not None:
             self.refuse(f"sets slot state on a {cls.__name__} (BUILD)")
+        if isinstance(state, dict) and any(not isinstance(k, str) or k.startswith("__")
+                                           for k in state):
+            # e.g. an instance's own __setstate__, which a later BUILD would call
+            self.refuse(f"sets a special attribute of a {cls.__name__} (BUILD)")
         super().load_build()
     dispatch[pickle.BUILD[0]] = load_build
 

@@ -168,6 +168,14 @@ def test_state_set_on_an_allowed_class_is_refused(tmp_path):
     with pytest.raises(safe_metadata.UnsafeMetadataError, match="BUILD"):
         safe_metadata.read_metadata(tmp_path)
     assert not hasattr(Metadata, "crafted")
+    # An instance's own __setstate__ (a later BUILD on it would call it): refused too.
+    (tmp_path / ".metadata").write_bytes(
+        pickle.PROTO + b"\x04" + _short("torch.distributed.checkpoint.metadata")
+        + _short("StorageMeta") + pickle.STACK_GLOBAL + pickle.EMPTY_TUPLE + pickle.NEWOBJ
+        + pickle.EMPTY_DICT + _short("__setstate__") + _short("pathlib") + _short("PosixPath")
+        + pickle.STACK_GLOBAL + pickle.SETITEM + pickle.BUILD + pickle.STOP)
+    with pytest.raises(safe_metadata.UnsafeMetadataError, match="special attribute"):
+        safe_metadata.read_metadata(tmp_path)
 
 
 class _Inner:
