@@ -404,8 +404,7 @@ def read_data(reader, plan, planner, stock):
     for item in rest:
         by_file.setdefault(reader.storage_data[item.storage_index].relative_path, []).append(item)
     for relative_path, items in by_file.items():
-        if _CHECK_CRC:
-            _check_records(reader, relative_path, items)
+        _check_records(reader, relative_path, items, crc=_CHECK_CRC)
         try:
             stock(reader, dataclasses.replace(plan, items=items), planner).wait()
         except (AssertionError, DataFileError):
@@ -423,9 +422,11 @@ def read_data(reader, plan, planner, stock):
     return done
 
 
-def _check_records(reader, relative_path: str, items) -> None:
+def _check_records(reader, relative_path: str, items, crc: bool = True) -> None:
     """:func:`check_record` for each record of ``items`` in one data file (once per record);
-    a record that is no zip archive (an object stored raw) is left to torch's reader.
+    a record that is no zip archive (an object stored raw) is left to torch's reader. With
+    ``crc`` False (:func:`crc_unchecked`) only the zip structure is checked: a compressed entry
+    is refused either way, before torch's reader would inflate it.
 
     Raises:
         DataFileError: a record is damaged (names the file, the item and the entry).
@@ -443,7 +444,7 @@ def _check_records(reader, relative_path: str, items) -> None:
                 done.add((info.offset, info.length))
                 buffer = buffer or bytearray(min(_CHECK_BLOCK, max(info.length, 1 << 16)))
                 try:
-                    check_record(stream, info.offset, info.length, buffer)
+                    check_record(stream, info.offset, info.length, buffer, crc=crc)
                 except RecordDamaged:
                     raise
                 except ValueError:

@@ -30,8 +30,12 @@ def confined(hf_dir: Path, name: str, what: str) -> Path:
             weight_map['lm_head.weight']"``).
 
     Raises:
-        HFImportError: the path lies outside ``hf_dir`` (names ``what``, the path and the dir).
+        HFImportError: ``name`` is no string, or the path lies outside ``hf_dir`` (names
+            ``what``, the path and the dir).
     """
+    if not isinstance(name, str):
+        raise HFImportError(f"{what} = {name!r}: a file name (a string) in the model "
+                            f"directory, not a {type(name).__name__}")
     root = Path(hf_dir).resolve()
     path = Path(hf_dir) / name
     target = path.resolve()
@@ -54,7 +58,8 @@ class Weights:
         index = hf_dir / "model.safetensors.index.json"
         if index.is_file():
             index = confined(hf_dir, index.name, "the index file")
-            weight_map = json.loads(index.read_text()).get("weight_map")
+            loaded = json.loads(index.read_text())
+            weight_map = loaded.get("weight_map") if isinstance(loaded, dict) else None
             if not isinstance(weight_map, dict):
                 raise HFImportError(f"{index}: no weight_map object (tensor name -> file name)")
             self.files = {k: confined(hf_dir, f, f"{index.name} weight_map[{k!r}]")

@@ -1,70 +1,205 @@
 """Read a torch_dist checkpoint's ``.metadata`` without running code from the file.
 
 DCP stores its metadata as a pickle, and a pickle can name any callable to run on load. This
-reader allows only the classes such a file needs (DCP's metadata dataclasses, ``torch.Size``,
-dtypes, a few builtins and containers); any other global is refused before it is imported or
-called. :func:`install` routes every DCP metadata read through it. The data files' object items
-are unpickled with ``torch.load(weights_only=True)`` once :func:`gtp.safe_objects.install` ran
-(which also runs this module's :func:`install`).
+reader (a subclass of python's own ``pickle._Unpickler``) resolves only the ``(module, name)``
+pairs of :data:`ALLOWED` (DCP's metadata dataclasses, ``_StorageInfo``, ``torch.Size``,
+``torch.device``, dtypes, a few builtins and containers), each checked to be the object the
+list means; a name with a ``.`` in it (protocol 4's dotted names reach any attribute of an
+allowed module) is refused. Calls (``REDUCE``, ``NEWOBJ``) may only target allowed classes and
+callables; ``BUILD`` (state set on an object) only an instance of an allowed class, with no
+slot state; ``INST``/``OBJ`` and persistent ids are refused. A refusal
+(:class:`UnsafeMetadataError`) names the file and the global or opcode, before anything the
+file names is called.
+
+The metadata read is also confined: every ``storage_data`` entry's ``relative_path`` must be a
+plain file name in the checkpoint dir (no ``/``, no ``..``, not absolute), and a data file that
+is a symlink must resolve inside the dir. :func:`install` routes every DCP metadata read
+through it. The data files' object items are unpickled with ``torch.load(weights_only=True)``
+once :func:`gtp.safe_objects.install` ran (which also runs this module's :func:`install`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import io
 import os
 import pickle
+import struct
 import threading
 from pathlib import Path
 
 import torch
 
-# Whole modules whose classes are plain data holders.
-_ALLOWED_MODULES = (
-    "torch.distributed.checkpoint.metadata",
-    "torch.distributed.checkpoint.planner",
-    "torch.distributed.checkpoint.filesystem",
-    "torch.distributed.checkpoint._extension",
-    "megatron.core.dist_checkpointing.strategies.torch",
-    "megatron.core.dist_checkpointing.mapping",
-)
-_ALLOWED = {
-    ("torch", "Size"),
-    ("torch", "device"),
-    ("torch.serialization", "_get_layout"),
-    ("torch._utils", "_rebuild_tensor_v2"),
-    ("torch.storage", "_load_from_bytes"),
-    ("collections", "OrderedDict"),
-    ("collections", "defaultdict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("builtins", "slice"),
-    ("builtins", "complex"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("datetime", "timedelta"),
+
+_DCP = "torch.distributed.checkpoint."
+# (module, name) -> the kind of object it must resolve to: "class" (a class of that name) or
+# "function" (a function of that name); and ("torch", <a dtype's name>). No tensor: torch's
+# own reducer of a pickled storage (torch.storage._load_from_bytes) calls torch.load with
+# weights_only=False, and DCP's metadata holds none.
+ALLOWED = {
+    **{(_DCP + "metadata", n): "class" for n in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")},
+    **{(_DCP + "planner", n): "class" for n in (
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")},
+    **{(_DCP + "filesystem", n): "class" for n in ("_StorageInfo", "_StoragePrefix")},
+    # megatron-core's empty classes for older checkpoints' metadata
+    **{("megatron.core.dist_checkpointing.strategies.torch", n): "class" for n in (
+        "MCoreMetadata", "MCoreSavePlan")},
+    ("torch", "Size"): "class",
+    ("torch", "device"): "class",
+    ("torch.serialization", "_get_layout"): "function",
+    ("collections", "OrderedDict"): "class",
+    ("collections", "defaultdict"): "class",
+    ("builtins", "set"): "class",
+    ("builtins", "frozenset"): "class",
+    ("builtins", "slice"): "class",
+    ("builtins", "complex"): "class",
+    ("pathlib", "PosixPath"): "class",
+    ("pathlib", "PurePosixPath"): "class",
+    ("datetime", "timedelta"): "class",
 }
 
 
 class UnsafeMetadataError(ValueError):
-    """A ``.metadata`` file names a global outside the allowed list."""
+    """A ``.metadata`` file names a global outside the allowed list, calls or sets state on
+    something it may not, or names a data file outside its checkpoint dir."""
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
+def _resolve(module: str, name: str):
+    """The object :data:`ALLOWED` means by ``(module, name)``, or None when it allows none."""
+    kind = ALLOWED.get((module, name))
+    dtype = (module == "torch" and name.isidentifier()
+             and isinstance(getattr(torch, name, None), torch.dtype))
+    if kind is None and not dtype:
+        return None
+    obj = getattr(importlib.import_module(module), name, None)
+    if dtype:
+        return obj
+    if kind == "class":
+        ok = isinstance(obj, type) and obj.__name__ == name
+    else:
+        ok = callable(obj) and not isinstance(obj, type) and getattr(obj, "__name__", "") == name
+    return obj if ok else None
+
+
+class _RestrictedUnpickler(pickle._Unpickler):
+    dispatch = dict(pickle._Unpickler.dispatch)
+
     def __init__(self, file, source: Path):
         super().__init__(file)
         self.source = source
+        self.resolved = {}  # id -> each object find_class handed out (kept alive)
+
+    def refuse(self, what: str):
+        raise UnsafeMetadataError(
+            f"{self.source} {what}, which a checkpoint's metadata never needs: refusing to "
+            f"load it before anything it names runs (a crafted or foreign file)")
+
+    def load(self):
+        """The unpickled object; a malformed stream raises ``UnpicklingError`` (as python's C
+        unpickler does) rather than the pure-python one's KeyError or IndexError."""
+        try:
+            return super().load()
+        except (KeyError, IndexError, struct.error) as exc:
+            raise pickle.UnpicklingError(f"{self.source}: a malformed pickle "
+                                         f"({type(exc).__name__}: {exc})") from None
 
     def find_class(self, module: str, name: str):
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if (module, name) in _ALLOWED or module in _ALLOWED_MODULES or dtype:
-            return super().find_class(module, name)
-        raise UnsafeMetadataError(
-            f"{self.source} names {module}.{name}, which a checkpoint's metadata never needs: "
-            f"refusing to load it (a crafted or foreign file)")
+        obj = None if "." in name else _resolve(module, name)
+        if obj is None:
+            self.refuse(f"names {module}.{name}")
+        self.resolved[id(obj)] = obj
+        return obj
+
+    def _callable(self, func, opcode: str):
+        allowed = self.resolved.get(id(func)) is func and (
+            isinstance(func, type) or callable(func)) and not isinstance(func, torch.dtype)
+        if not allowed:
+            self.refuse(f"calls {func!r} ({opcode})")
+
+    def load_reduce(self):
+        self._callable(self.stack[-2], "REDUCE")
+        super().load_reduce()
+    dispatch[pickle.REDUCE[0]] = load_reduce
+
+    def load_newobj(self):
+        cls = self.stack[-2]
+        if not isinstance(cls, type):
+            self.refuse(f"creates an instance of {cls!r} (NEWOBJ)")
+        self._callable(cls, "NEWOBJ")
+        super().load_newobj()
+    dispatch[pickle.NEWOBJ[0]] = load_newobj
+
+    def load_newobj_ex(self):
+        cls = self.stack[-3]
+        if not isinstance(cls, type):
+            self.refuse(f"creates an instance of {cls!r} (NEWOBJ_EX)")
+        self._callable(cls, "NEWOBJ_EX")
+        super().load_newobj_ex()
+    dispatch[pickle.NEWOBJ_EX[0]] = load_newobj_ex
+
+    def load_build(self):
+        state, inst = self.stack[-1], self.stack[-2]
+        cls = type(inst)
+        if isinstance(inst, type) or self.resolved.get(id(cls)) is not cls:
+            self.refuse(f"sets state on {inst!r} (BUILD), no instance of an allowed class")
+        if isinstance(state, tuple) and len(state) == 2 and state[1] is not None:
+            self.refuse(f"sets slot state on a {cls.__name__} (BUILD)")
+        if isinstance(state, dict) and any(not isinstance(k, str) or k.startswith("__")
+                                           for k in state):
+            # e.g. an instance's own __setstate__, which a later BUILD would call
+            self.refuse(f"sets a special attribute of a {cls.__name__} (BUILD)")
+        super().load_build()
+    dispatch[pickle.BUILD[0]] = load_build
+
+    def _refused_opcode(self):
+        if not self.metastack:
+            raise pickle.UnpicklingError("could not find MARK")
+        self.refuse("uses INST/OBJ (protocol 0/1 object creation)")
+    dispatch[pickle.INST[0]] = _refused_opcode
+    dispatch[pickle.OBJ[0]] = _refused_opcode
+
+    def persistent_load(self, pid):
+        self.refuse(f"holds a persistent id {str(pid)[:60]!r}")
 
 
+def confine(source: Path, metadata) -> None:
+    """Check that every ``storage_data`` entry of ``metadata`` (read from ``source``, a
+    ``.metadata`` file) names a plain file of ``source``'s dir, and that each such file that
+    is a symlink resolves inside the dir.
+
+    Raises:
+        UnsafeMetadataError: naming the item and its ``relative_path``.
+    """
+    storage = getattr(metadata, "storage_data", None)
+    if storage is None:
+        return
+    if not isinstance(storage, dict):
+        raise UnsafeMetadataError(f"{source}: storage_data is a {type(storage).__name__}, "
+                                  f"no dict")
+    directory = source.parent
+    checked = set()
+    for index, info in storage.items():
+        name = getattr(info, "relative_path", None)
+        if name in checked:
+            continue
+        item = getattr(index, "fqn", index)
+        if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name
+                or "\\" in name or "\0" in name or os.path.isabs(name)):
+            raise UnsafeMetadataError(
+                f"{source}: item {item!r} is stored in {name!r}, which is no plain file name in "
+                f"the checkpoint dir: refusing to read outside it (a crafted or foreign file)")
+        path = directory / name
+        if path.is_symlink():
+            target, root = os.path.realpath(path), os.path.realpath(directory)
+            if os.path.commonpath([target, root]) != root:
+                raise UnsafeMetadataError(
+                    f"{source}: item {item!r} is stored in {name!r}, a symlink to {target}, "
+                    f"outside the checkpoint dir: refusing to read it")
+        checked.add(name)
 # Per thread, within reused(): ``_THREAD.cache`` maps (device, inode, size, mtime) of a
 # .metadata file to its unpickled Metadata (None outside any block).
 _THREAD = threading.local()
@@ -103,6 +238,7 @@ def _load(source: Path):
         if cache is not None and key in cache:
             return _copy(cache[key])
         metadata = _RestrictedUnpickler(io.BytesIO(f.read()), source).load()
+    confine(source, metadata)
     if getattr(metadata, "storage_meta", None) is None:
         from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -128,7 +264,8 @@ def read_metadata(path) -> object:
     a copy of the file's first read).
 
     Raises:
-        UnsafeMetadataError: the file names a global outside the allowed list.
+        UnsafeMetadataError: the file names a global outside the allowed list, calls or sets
+            state on something else, or stores an item outside the checkpoint dir.
         OSError, pickle.UnpicklingError, EOFError: a missing or torn file.
     """
     return _load(Path(path) / ".metadata")

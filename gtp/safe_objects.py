@@ -56,11 +56,26 @@ def load_object(value: io.BytesIO, item: str) -> object:
 
     Raises:
         UnsafeObjectError: the record names a global ``weights_only`` does not allow (named),
-            or is refused by the weights-only unpickler otherwise; nothing in it ran.
+            or is refused by the weights-only unpickler otherwise, or is a zip archive with a
+            compressed entry (``torch.load`` would inflate it; ``torch.save`` never writes
+            one) or one larger than the record; nothing in it ran, nothing was inflated.
         RuntimeError, EOFError: a torn record (as ``torch.load``).
     """
     import torch
 
+    from gtp.zip_records import check_stored
+
+    start = value.tell()
+    head = value.read(4)
+    length = value.seek(0, io.SEEK_END) - start
+    if head == b"PK\x03\x04":  # what torch.load reads as a zip archive
+        try:
+            check_stored(value, start, length)
+        except ValueError as exc:
+            raise UnsafeObjectError(
+                f"object {item!r}: {exc}: refused before torch.load read it (a crafted, "
+                f"foreign or damaged checkpoint)") from None
+    value.seek(start)
     try:
         return torch.load(value, weights_only=True)
     except pickle.UnpicklingError as exc:

@@ -94,6 +94,9 @@ def _describe(fqn: str, offsets) -> str:
     return f"tensor {fqn!r}, the chunk at {tuple(int(o) for o in offsets)}"
 
 
+METADATA_JSON_LIMIT = 1 << 20  # bytes of metadata.json read at most
+
+
 def read_metadata(path) -> tuple[Any, list[Problem]]:
     """``(metadata, problems)`` of ``<path>/.metadata`` (metadata None when it cannot be read)."""
     from gtp.safe_metadata import read_metadata as read
@@ -101,7 +104,16 @@ def read_metadata(path) -> tuple[Any, list[Problem]]:
     path = Path(path)
     problems = []
     try:
-        meta = json.loads((path / "metadata.json").read_text())
+        file = path / "metadata.json"
+        if not file.is_file():  # a FIFO or device would block or never end
+            if file.exists() or file.is_symlink():
+                raise ValueError("not a regular file")
+            raise FileNotFoundError(file)
+        with open(file, "rb") as f:
+            text = f.read(METADATA_JSON_LIMIT + 1)
+        if len(text) > METADATA_JSON_LIMIT:
+            raise ValueError(f"over {METADATA_JSON_LIMIT} bytes (megatron writes about 100)")
+        meta = json.loads(text)
         if not isinstance(meta, dict) or meta.get("sharded_backend") != "torch_dist":
             problems.append(Problem(str(path / "metadata.json"), "",
                                     f"not a torch_dist checkpoint's ({meta!r:.80})"))
@@ -340,6 +352,8 @@ def check_common(path) -> tuple[Optional[dict], list[Problem]]:
     path = Path(path)
     if safe_objects.stray_common_state(path):
         return None, []  # check_metadata reports it; megatron would read it, not the saved state
+    if not (path / "metadata.json").is_file():
+        return None, []  # read_metadata reports it; megatron's open of a FIFO would block
     safe_objects.install()
     dcp_reader.install()
     try:

@@ -66,9 +66,38 @@ class Window(io.RawIOBase):
 CHECK_BLOCK = 16 << 20  # bytes per read of an entry whose CRC-32 is checked
 
 
-def check_record(stream, offset: int, length: int, buffer: Optional[bytearray] = None) -> int:
+def _stored(info, length: int) -> None:
+    """Refuse a compressed entry, or one whose size exceeds the record's ``length``."""
+    if info.compress_type != zipfile.ZIP_STORED:  # torch.save never compresses
+        raise RecordDamaged(f"entry {info.filename} is compressed (zip method "
+                            f"{info.compress_type}; torch.save stores every entry): refused "
+                            f"before it is inflated (a crafted or foreign record)")
+    if info.file_size != info.compress_size or info.file_size > length:
+        raise RecordDamaged(f"entry {info.filename}: {info.file_size} bytes, stored in "
+                            f"{info.compress_size}, in a record of {length}: refused")
+
+
+def check_stored(stream, offset: int, length: int) -> int:
+    """Check that every entry of the zip record at ``stream[offset:offset + length]`` is
+    stored uncompressed (zip method 0 in both its directory entry and its local header) and
+    no larger than the record: what ``torch.save`` writes, and what ``torch.load`` can read
+    without inflating anything. Reads the zip directory and the local headers only.
+
+    Returns:
+        The number of entries.
+
+    Raises:
+        RecordDamaged: an entry is compressed or too large (named).
+        ValueError: the bytes are no zip archive.
+    """
+    return check_record(stream, offset, length, crc=False)
+
+
+def check_record(stream, offset: int, length: int, buffer: Optional[bytearray] = None,
+                 crc: bool = True) -> int:
     """Check every entry of the ``torch.save`` record at ``stream[offset:offset + length]``
-    against the CRC-32 its zip directory records (zip64 included, through ``zipfile``).
+    against the CRC-32 its zip directory records (zip64 included, through ``zipfile``), and
+    that each is stored uncompressed (a compressed entry is refused, never inflated).
 
     Besides the entries' bytes, each local header's signature and name must match the
     directory's, and every entry must lie inside the record. Not compared: the alignment
@@ -79,13 +108,15 @@ def check_record(stream, offset: int, length: int, buffer: Optional[bytearray] =
         stream: a binary, seekable file object (a DCP data file).
         offset, length: the record's place in it, in bytes.
         buffer: a reused read buffer (allocated when None).
+        crc: False to check only that every entry is stored and inside the record (directory
+            and local headers' methods and sizes), not the entries' bytes or names.
 
     Returns:
         The number of entries checked.
 
     Raises:
-        RecordDamaged: an entry's bytes or header do not match (names the entry), or the record
-            ends inside an entry.
+        RecordDamaged: an entry's bytes or header do not match (names the entry), an entry is
+            compressed or larger than the record, or the record ends inside an entry.
         ValueError: the bytes are no zip archive (e.g. an object a foreign writer stored raw):
             nothing to check them against.
     """
@@ -93,8 +124,11 @@ def check_record(stream, offset: int, length: int, buffer: Optional[bytearray] =
         infos = zipfile.ZipFile(Window(stream, offset, length)).infolist()
     except (zipfile.BadZipFile, EOFError, OSError, struct.error) as exc:
         raise ValueError(f"not a zip record: {exc}") from None
-    buffer = buffer if buffer is not None else bytearray(CHECK_BLOCK)
-    view = memoryview(buffer)
+    for info in infos:
+        _stored(info, length)
+    if crc:
+        buffer = buffer if buffer is not None else bytearray(min(CHECK_BLOCK, max(length, 1)))
+        view = memoryview(buffer)
     for info in infos:
         name = info.filename
         stream.seek(offset + info.header_offset)
@@ -103,19 +137,21 @@ def check_record(stream, offset: int, length: int, buffer: Optional[bytearray] =
             raise RecordDamaged(f"entry {name}: the record ends inside its local header")
         fields = LOCAL_HEADER.unpack(header)
         local_name = stream.read(fields[-2])
-        if fields[0] != LOCAL_SIGNATURE or local_name != info.orig_filename.encode(
-                "utf-8" if info.flag_bits & 0x800 else "cp437"):
+        if not crc and fields[0] != LOCAL_SIGNATURE:
+            continue  # damaged, not compressed: left to the reader (which refuses it)
+        if crc and (fields[0] != LOCAL_SIGNATURE or local_name != info.orig_filename.encode(
+                "utf-8" if info.flag_bits & 0x800 else "cp437")):
             raise RecordDamaged(f"entry {name}: its local header does not match the zip "
                                 f"directory (signature {fields[0]!r}, name {local_name[:60]!r})")
+        if fields[3] != zipfile.ZIP_STORED:
+            raise RecordDamaged(f"entry {name}: its local header says zip method {fields[3]} "
+                                f"(torch.save stores every entry): refused before it is "
+                                f"inflated (a crafted or foreign record)")
         start = info.header_offset + LOCAL_HEADER.size + fields[-2] + fields[-1]
         if start + info.compress_size > length:
             raise RecordDamaged(f"entry {name}: bytes {start} to {start + info.compress_size} "
                                 f"of the record, which has {length}")
-        if info.compress_type != zipfile.ZIP_STORED:  # torch.save never compresses
-            try:
-                zipfile.ZipFile(Window(stream, offset, length)).read(info)
-            except (zipfile.BadZipFile, EOFError, OSError, zlib.error) as exc:
-                raise RecordDamaged(f"entry {name}: {exc}") from None
+        if not crc:
             continue
         stream.seek(offset + start)
         crc, left = 0, info.compress_size
