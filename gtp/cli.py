@@ -434,6 +434,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _refuse_crafted_metadata(path) -> None:
+    """Read the ``.metadata`` a command will read (``path`` an iteration dir, or a root whose
+    tracker names one) with the restricted reader first: a crafted one is refused here, once,
+    rather than inside torch's loader, which logs each failed read with its traceback.
+
+    Raises:
+        gtp.safe_metadata.UnsafeMetadataError: as :func:`gtp.safe_metadata.read_metadata`.
+    """
+    from pathlib import Path
+
+    from gtp import safe_metadata
+    from gtp.records import TRACKER
+
+    if path is None:
+        return
+    where = Path(path)
+    if not (where / ".metadata").is_file() and (where / TRACKER).is_file():
+        tracked = (where / TRACKER).read_text().strip()
+        where = where / f"iter_{int(tracked):07d}" if tracked.isdigit() else where
+    if (where / ".metadata").is_file():
+        safe_metadata.read_metadata(where)
+
+
 def main(argv=None, out=None) -> int:
     """Run the CLI; returns the exit code (errors: message on stderr, code 2)."""
     _quiet()
@@ -450,6 +473,9 @@ def main(argv=None, out=None) -> int:
 
     try:
         safe_objects.install()  # no pickle of a checkpoint read by any command runs code
+        if args.func is not cmd_verify:  # verify reports a crafted file as damage itself
+            for name in ("ckpt", "ckpt_a", "ckpt_b", "src"):
+                _refuse_crafted_metadata(getattr(args, name, None))
         return args.func(args, out=out)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - an error exit with its reason
         refused = safe_objects.refusal(exc)  # a crafted object or a stray common.pt: the cause

@@ -24,6 +24,7 @@ import contextlib
 import copy
 import importlib
 import io
+import logging
 import os
 import pickle
 import struct
@@ -287,3 +288,11 @@ def install() -> None:
 
     read_metadata_restricted._restricted = True
     FileSystemReader.read_metadata = read_metadata_restricted
+    # torch's dcp.load logs a failed read with its traceback on the root logger before it
+    # raises it: a refusal is reported once, by whoever catches it.
+    logging.getLogger().addFilter(_drop_logged_refusal)
+
+
+def _drop_logged_refusal(record: logging.LogRecord) -> bool:
+    """Root-logger filter: False (drop) for a record carrying an :class:`UnsafeMetadataError`."""
+    return not (record.exc_info and isinstance(record.exc_info[1], UnsafeMetadataError))

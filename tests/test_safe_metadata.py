@@ -156,6 +156,21 @@ def test_a_dotted_name_reaching_another_module_is_refused(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("command", ["inspect", "export", "convert"])
+def test_commands_refuse_a_crafted_metadata_once_without_traceback(tmp_path, capsys, command):
+    from gtp import cli
+
+    _save(tmp_path / "ckpt", rows=2)
+    marker = tmp_path / "ran"
+    (tmp_path / "ckpt" / ".metadata").write_bytes(_dotted_payload(marker))
+    args = [command, str(tmp_path / "ckpt")] + ([] if command == "inspect" else [str(tmp_path / "out")])
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("error: ") == 1, err
+    assert "error: UnsafeMetadataError:" in err and "os.system" in err, err
+    assert not marker.exists()
+
+
 def test_state_set_on_an_allowed_class_is_refused(tmp_path):
     """BUILD whose target is a class (slot state would setattr on it)."""
     from torch.distributed.checkpoint.metadata import Metadata
