@@ -126,19 +126,18 @@ class _RestrictedUnpickler(pickle._Unpickler):
         super().load_reduce()
     dispatch[pickle.REDUCE[0]] = load_reduce
 
-    def load_newobj(self):
-        cls = self.stack[-2]
+    def _instance(self, cls, opcode: str):
         if not isinstance(cls, type):
-            self.refuse(f"creates an instance of {cls!r} (NEWOBJ)")
-        self._callable(cls, "NEWOBJ")
+            self.refuse(f"creates an instance of {cls!r} ({opcode})")
+        self._callable(cls, opcode)
+
+    def load_newobj(self):
+        self._instance(self.stack[-2], "NEWOBJ")
         super().load_newobj()
     dispatch[pickle.NEWOBJ[0]] = load_newobj
 
     def load_newobj_ex(self):
-        cls = self.stack[-3]
-        if not isinstance(cls, type):
-            self.refuse(f"creates an instance of {cls!r} (NEWOBJ_EX)")
-        self._callable(cls, "NEWOBJ_EX")
+        self._instance(self.stack[-3], "NEWOBJ_EX")
         super().load_newobj_ex()
     dispatch[pickle.NEWOBJ_EX[0]] = load_newobj_ex
 

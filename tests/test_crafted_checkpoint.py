@@ -144,26 +144,17 @@ def test_commands_refuse_a_crafted_common_state_and_run_nothing(saved, tmp_path)
     assert not marker.exists()
 
 
-def test_a_resume_refuses_a_crafted_common_state(saved, tmp_path, train_run):
-    root, path = _copy(saved, tmp_path)
-    marker = tmp_path / "marker"
-    craft(path, COMMON, marker)
-    proc = train_run(tmp_path / "resumed", "train.train_iters=4", f"checkpoint.load={root}",
-                     rc=None)
-    assert not marker.exists(), proc.stdout[-3000:]
-    assert_one_refusal(proc, COMMON, "posix.system")
-
-
-def test_a_resume_refuses_a_crafted_rng_state(saved, tmp_path, train_run):
-    """The common state is intact: the crafted object is one of those megatron's
+@pytest.mark.parametrize("item", [COMMON, RNG], ids=["common_state", "rng_state"])
+def test_a_resume_refuses_a_crafted_object(saved, tmp_path, train_run, item):
+    """The common state, or (the common state intact) one of the objects megatron's
     ``dist_checkpointing.load`` reads (same layout: the RNG states are loaded)."""
     root, path = _copy(saved, tmp_path)
     marker = tmp_path / "marker"
-    craft(path, RNG, marker)
+    craft(path, item, marker)
     proc = train_run(tmp_path / "resumed", "train.train_iters=4", f"checkpoint.load={root}",
                      rc=None)
     assert not marker.exists(), proc.stdout[-3000:]
-    assert_one_refusal(proc, RNG, "posix.system")
+    assert_one_refusal(proc, item, "posix.system")
 
 
 def _stray_common_pt(path: Path) -> Path:
