@@ -35,12 +35,14 @@ dim 1 by global expert index) -> transformers >= 5 (fused experts), under ``mode
 
 ``save_pretrained`` writes the experts in the Hub's per-expert form (Mixtral ``w1``/``w3``/``w2``,
 Qwen3-MoE ``gate_proj``/``up_proj``/``down_proj``). Attention and embeddings are mapped as for
-Llama (:func:`gtp.hf_export.llama_attention`).
+Llama (:func:`gtp.hf_export_llama.llama_attention`).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from gtp.hf_export_llama import ExportError, llama_attention, llama_ends
 
 CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
@@ -59,8 +61,6 @@ _EXPORTABLE = (
 
 
 def _error(msg: str):
-    from gtp.hf_export import ExportError
-
     return ExportError(msg)
 
 
@@ -106,8 +106,6 @@ def build(arch: str, t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict
         KeyError: a tensor missing from ``t`` (the caller names it).
     """
     import transformers
-
-    from gtp.hf_export import llama_attention, llama_ends
 
     h, heads, layers = m["hidden_size"], m["num_attention_heads"], m["num_layers"]
     groups = m.get("num_query_groups") or heads

@@ -26,7 +26,7 @@ def check(cfg, layout) -> None:
             ``model.seq_length`` not divisible by ``2 x context_parallel_size``.
     """
     from recipes import te
-    from recipes.validate import ConfigError
+    from recipes.errors import ConfigError
 
     cp = layout.context_parallel_size
     if cp == 1:

@@ -62,7 +62,7 @@ def _stage(name: str, num_layers: int, pp: int) -> tuple[int, ...]:
 
 def rank_sizes(cfg, layout, vocab_size: int) -> RankSizes:
     """Per-rank parameter count and bytes of ``cfg`` at ``layout`` for a ``vocab_size``-token
-    tokenizer (padded as ``recipes.model.padded_vocab_size``), on the pipeline stage holding the
+    tokenizer (padded as ``recipes.shapes.padded_vocab_size``), on the pipeline stage holding the
     most parameters, activations included (:func:`activation_bytes`).
 
     Optimizer bytes with the distributed optimizer: ``ceil(dense parameters * (8 + main copy) /
@@ -70,7 +70,7 @@ def rank_sizes(cfg, layout, vocab_size: int) -> RankSizes:
     ``optimizer.get_megatron_optimizer`` shards the dense state over the data-parallel group
     with context parallelism, the experts' over the expert data-parallel group).
     """
-    from recipes.model import padded_vocab_size
+    from recipes.shapes import padded_vocab_size
     from recipes.shapes import local_shape, parameter_shapes
 
     tp, g, pad = layout.tensor_model_parallel_size, layout.gtp_remat_size, layout.pad_for_alignment
@@ -287,7 +287,8 @@ def report(cfg, layout) -> str:
         ValueError: megatron's ``TransformerConfig`` refuses the model config (its message).
     """
     from recipes.data import build_tokenizer
-    from recipes.model import padded_vocab_size, transformer_config
+    from recipes.model import transformer_config
+    from recipes.shapes import padded_vocab_size
 
     transformer_config(cfg, layout)  # megatron's own checks of the model fields
     vocab = build_tokenizer(cfg.data).vocab_size

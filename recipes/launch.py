@@ -57,7 +57,7 @@ def claim_job_dir(output_dir) -> str | None:
         ConfigError: naming the dir, the run that holds it and the file to remove.
     """
     from recipes.lease import Lease, LeaseHeld
-    from recipes.validate import ConfigError
+    from recipes.errors import ConfigError
 
     claim = Lease(Path(output_dir) / CLAIM)
     try:
@@ -79,7 +79,7 @@ def take_save_dir(cfg, is_rank0: bool) -> str | None:
         LeaseHeld: naming the dir, the other job and the file to remove.
     """
     from recipes import lease
-    from recipes.requeue import job_id
+    from recipes.rank_env import job_id
 
     root = cfg.checkpoint.save
     if not root:

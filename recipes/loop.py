@@ -15,7 +15,8 @@ from gtp.collectives import collective_device
 from gtp.grad_stats import grad_norms_by_part
 from recipes import context_parallel, faults, preemption, throughput
 from recipes.data import build_tokenizer
-from recipes.model import model_chunks, padded_vocab_size
+from recipes.model import model_chunks
+from recipes.shapes import padded_vocab_size
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

@@ -214,7 +214,7 @@ def resolve_expert_layout(cfg, world_size: int, tp: int, pp: int) -> dict:
         ConfigError: a size < 1, or world_size not divisible by etp x ep x pp x
             expert_gtp_remat_size (megatron's expert grid), naming the valid sizes.
     """
-    from recipes.validate import ConfigError
+    from recipes.errors import ConfigError
 
     par = cfg.parallelism
     ep = par.get("expert_model_parallel_size", 1)
@@ -248,7 +248,7 @@ def check(cfg, layout) -> None:
     Raises:
         ConfigError: the first problem, naming the value and what is valid.
     """
-    from recipes.validate import ConfigError
+    from recipes.errors import ConfigError
 
     m, par = cfg.model, cfg.parallelism
     tp, ep = layout.tensor_model_parallel_size, layout.expert_model_parallel_size
@@ -317,7 +317,7 @@ def _check_checkpoints(cfg, layout) -> None:
     bf16 parameters, megatron's plain or distributed optimizer) and the stock one with fp32
     parameters and the plain optimizer (read at other layouts through gtp.legacy); pretrained
     (Hugging Face) starts are not wired for MoE models. Anything else is refused, naming why."""
-    from recipes.validate import ConfigError
+    from recipes.errors import ConfigError
 
     ck, m = cfg.checkpoint, cfg.model
     used = [key for key in ("save", "load") if ck.get(key) is not None]
@@ -342,8 +342,8 @@ def _check_checkpoints(cfg, layout) -> None:
 
 def _check_expert_gtp(cfg, layout) -> None:
     from gtp.alignment import validate_gtp_dims
-    from recipes.model import gtp_weight_dims
-    from recipes.validate import ConfigError
+    from recipes.shapes import gtp_weight_dims
+    from recipes.errors import ConfigError
 
     egtp = layout.expert_gtp_remat_size
     if layout.use_distributed_optimizer:
@@ -402,47 +402,3 @@ def after_ddp(ddp_chunk, layout) -> None:
 
     expert_grads.scale_expert_gradients(ddp_chunk, layout.expert_gtp_remat_size,
                                         layout.gtp_remat_size)
-
-
-def attach_metrics(cfg, state, logger) -> None:
-    """Add MoE figures to every logged iteration of an MoE run: the load-balancing loss
-    (:func:`reduce_aux_loss`, with an aux loss) and the per-layer tokens-per-expert ratios
-    (``recipes.moe_metrics.TokensPerExpert``). Megatron's tracker and the token counts are
-    cleared when a step starts (``optimizer.zero_grad``), reduced on every rank after the
-    optimizer step, and merged into the metrics rank 0's ``logger`` writes (metrics.jsonl and
-    wandb). Nothing happens for a dense model."""
-    if not is_moe(cfg.model):
-        return
-    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-
-    from recipes.model import model_chunks
-    from recipes.moe_metrics import TokensPerExpert
-
-    tokens = TokensPerExpert(model_chunks(state.model), int(cfg.model.num_layers),
-                             int(cfg.model.num_moe_experts))
-    with_aux = aux_loss_name(cfg.model) is not None
-    optimizer, pending = state.optimizer, {}
-    zero_grad, step = optimizer.zero_grad, optimizer.step
-
-    def zero_grad_and_clear(*args, **kwargs):
-        get_moe_metrics_tracker().clear()
-        tokens.clear()
-        return zero_grad(*args, **kwargs)
-
-    def step_and_reduce(*args, **kwargs):
-        out = step(*args, **kwargs)
-        if with_aux:
-            pending.update(reduce_aux_loss(cfg.model, state.num_microbatches))
-        pending.update(tokens.reduce())
-        return out
-
-    optimizer.zero_grad, optimizer.step = zero_grad_and_clear, step_and_reduce
-    if logger is not None:
-        log = logger.log
-
-        def log_with_moe(iteration, metrics):
-            metrics = {**metrics, **pending}
-            pending.clear()
-            return log(iteration, metrics)
-
-        logger.log = log_with_moe

@@ -81,3 +81,48 @@ class TokensPerExpert:
             out[high], out[low] = float(row.max()) / mean, float(row.min()) / mean
         self.clear()
         return out
+
+
+def attach_metrics(cfg, state, logger) -> None:
+    """Add MoE figures to every logged iteration of an MoE run: the load-balancing loss
+    (:func:`recipes.moe.reduce_aux_loss`, with an aux loss) and the per-layer tokens-per-expert
+    ratios (:class:`TokensPerExpert`). Megatron's tracker and the token counts are
+    cleared when a step starts (``optimizer.zero_grad``), reduced on every rank after the
+    optimizer step, and merged into the metrics rank 0's ``logger`` writes (metrics.jsonl and
+    wandb). Nothing happens for a dense model."""
+    from recipes.moe import aux_loss_name, is_moe, reduce_aux_loss
+
+    if not is_moe(cfg.model):
+        return
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    from recipes.model import model_chunks
+
+    tokens = TokensPerExpert(model_chunks(state.model), int(cfg.model.num_layers),
+                             int(cfg.model.num_moe_experts))
+    with_aux = aux_loss_name(cfg.model) is not None
+    optimizer, pending = state.optimizer, {}
+    zero_grad, step = optimizer.zero_grad, optimizer.step
+
+    def zero_grad_and_clear(*args, **kwargs):
+        get_moe_metrics_tracker().clear()
+        tokens.clear()
+        return zero_grad(*args, **kwargs)
+
+    def step_and_reduce(*args, **kwargs):
+        out = step(*args, **kwargs)
+        if with_aux:
+            pending.update(reduce_aux_loss(cfg.model, state.num_microbatches))
+        pending.update(tokens.reduce())
+        return out
+
+    optimizer.zero_grad, optimizer.step = zero_grad_and_clear, step_and_reduce
+    if logger is not None:
+        log = logger.log
+
+        def log_with_moe(iteration, metrics):
+            metrics = {**metrics, **pending}
+            pending.clear()
+            return log(iteration, metrics)
+
+        logger.log = log_with_moe

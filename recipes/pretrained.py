@@ -24,7 +24,7 @@ from pathlib import Path
 
 from omegaconf import open_dict
 
-from recipes.validate import ConfigError
+from recipes.errors import ConfigError
 
 # Model fields fixed by the source's tensors (their shapes, or which tensors exist).
 TENSOR_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",

@@ -23,7 +23,7 @@ MARK = "refusal"
 def message(exc: BaseException) -> str | None:
     """The message of the refusal behind ``exc``, or None when ``exc`` is another error."""
     from recipes.checkpoint.errors import CheckpointError
-    from recipes.validate import ConfigError
+    from recipes.errors import ConfigError
 
     if isinstance(exc, (ConfigError, CheckpointError)):
         return str(exc)

@@ -1,5 +1,4 @@
-"""A command line that works the first time and after every requeue: ``checkpoint.load=auto``,
-and the job id that makes a requeued job the same run.
+"""A command line that works the first time and after every requeue: ``checkpoint.load=auto``.
 
 ``checkpoint.load=auto`` loads the newest save of ``checkpoint.save`` of the run that wrote its
 tracker (its lineage) that loads and verifies, if there is one (and puts its tracker back in
@@ -14,17 +13,6 @@ import os
 from pathlib import Path
 
 AUTO = "auto"
-
-
-def job_id() -> str | None:
-    """The scheduler's id of this job, the same for every task and after a requeue: Slurm's
-    (``<array job>_<task>`` for an array task), else submitit's local executor's; None when
-    neither runs this process. Never torchrun's rendezvous id: it is the literal ``none`` for
-    every static-rendezvous job, so two unrelated jobs would look like one requeued job."""
-    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-    if array and task:
-        return f"{array}_{task}"
-    return os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID") or None
 
 
 def default_load():
@@ -58,7 +46,7 @@ def resolve_auto_load(cfg, is_rank0: bool = True) -> str | None:
 
     from recipes import checkpoint
     from recipes.checkpoint import TRACKER, CheckpointError
-    from recipes.validate import ConfigError
+    from recipes.errors import ConfigError
 
     ck = cfg.checkpoint
     if ck.load != AUTO:

@@ -9,6 +9,7 @@ and a multi-process test compares it with built models at several layouts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -180,3 +181,67 @@ def local_shape(p: ParamShape, tp: int, g: int, pad_for_alignment: int) -> tuple
 
     pad_length, rows = gtp_padding(shape[0], g, pad_for_alignment)
     return (rows, *shape[1:]), pad_length
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Vocabulary rows after padding: ``vocab_size`` rounded up to a multiple of
+    ``lcm(divisible_by, tp)``.
+
+    Megatron-LM (``_vocab_size_with_padding``) uses ``divisible_by * tp``, which changes the
+    padded size, hence the softmax over padded logits and the loss, when TP changes. With the lcm
+    the padded size is the same at every TP dividing ``divisible_by``, so a run resumed at another
+    TP computes exactly the same function.
+    """
+    multiple = math.lcm(divisible_by, tp)
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def gtp_weight_dims(cfg, tensor_model_parallel_size: int) -> dict[str, int]:
+    """``{parameter name: TP-local dim 0}`` of every weight megatron shards over the GTP group.
+
+    megatron-core 0.19.2 wraps the ``weight`` of every ``VocabParallelEmbedding``,
+    ``ColumnParallelLinear`` and ``RowParallelLinear`` (``megatron.core.tensor_parallel.layers``,
+    its ``wrap_module_params_gtp`` calls); never biases, norms or the position embedding. GTP
+    slices the TP-local dim 0 (the table is :func:`parameter_shapes`):
+
+    - ``embedding.word_embeddings`` / ``output_layer`` (vocab rows): padded vocab / tp; the output
+      layer has no weight of its own when embeddings and output weights are shared;
+    - ``linear_qkv`` (column-parallel): (heads + 2 * query groups) * kv_channels / tp;
+    - ``linear_fc1`` (column-parallel): ffn / tp, twice that with SwiGLU (gate and up rows);
+    - ``linear_proj``, ``linear_fc2`` (row-parallel, TP splits dim 1): hidden, whatever the TP;
+    - routed experts' ``linear_fc1`` / ``linear_fc2`` only under expert GTP
+      (``gtp.expert_gtp_remat_size > 1``; megatron shards them over the expert GTP group), as one
+      expert-parallel rank holds them, with expert tensor parallelism instead of TP.
+
+    Names are those of ``GPTModel.named_parameters()`` (``recipes.gtp_setup.after_model`` checks
+    the built model against this table). The vocab rows are left out when the tokenizer cannot be
+    built from the config (other checks report that).
+    """
+    m, tp = cfg.model, tensor_model_parallel_size
+    try:
+        from recipes.data import build_tokenizer
+
+        vocab = padded_vocab_size(build_tokenizer(cfg.data).vocab_size,
+                                  m.make_vocab_size_divisible_by, tp)
+    except ValueError:
+        vocab = None
+    vocab_rows = ("embedding.word_embeddings.weight", "output_layer.weight")
+    dense = {p.name: tp_local_shape(p, tp)[0] for p in parameter_shapes(m, vocab or tp)
+             if p.gtp and not p.expert and (vocab is not None or p.name not in vocab_rows)}
+    return {**dense, **_expert_gtp_weight_dims(cfg, tp)}
+
+
+def _expert_gtp_weight_dims(cfg, tp: int) -> dict[str, int]:
+    """Routed-expert entries of :func:`gtp_weight_dims`: only under expert GTP
+    (``gtp.expert_gtp_remat_size > 1``), named as one EP rank holds them
+    (``local_experts.0 .. num_moe_experts / ep - 1``), dim 0 after expert tensor parallelism."""
+    par = cfg.parallelism
+    if cfg.gtp.get("expert_gtp_remat_size", 1) <= 1 or not cfg.model.get("num_moe_experts"):
+        return {}
+    etp = par.get("expert_tensor_parallel_size") or tp
+    local = int(cfg.model.num_moe_experts) // int(par.get("expert_model_parallel_size", 1))
+    out = {}
+    for p in parameter_shapes(cfg.model, tp):
+        if p.expert and p.gtp and int(p.name.split(".local_experts.")[1].split(".")[0]) < local:
+            out[p.name] = tp_local_shape(p, etp)[0]
+    return out

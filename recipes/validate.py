@@ -11,9 +11,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message says which and what is valid."""
+from recipes.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -447,7 +445,7 @@ def _check_gtp_dims(cfg, layout: ParallelLayout) -> None:
     from gtp.alignment import validate_gtp_dims
 
     g, pad = layout.gtp_remat_size, layout.pad_for_alignment
-    from recipes.model import gtp_weight_dims
+    from recipes.shapes import gtp_weight_dims
 
     dims = {name: dim for name, dim in gtp_weight_dims(cfg, layout.tensor_model_parallel_size).items()
             if ".local_experts." not in name}

@@ -1,6 +1,6 @@
 """Real and padded vocabulary rows in checkpoints.
 
-The embedding and output layer hold the *padded* vocabulary (``recipes.model.padded_vocab_size``:
+The embedding and output layer hold the *padded* vocabulary (``recipes.shapes.padded_vocab_size``:
 a multiple of ``lcm(make_vocab_size_divisible_by, tp)``), always real rows first and padding rows
 after them, at every TP and GTP layout. Padding rows never reach the loss
 (``recipes.model.mask_padded_vocab``), so they carry no information:

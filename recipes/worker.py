@@ -181,7 +181,7 @@ def check_same_run(cfg) -> None:
     Raises:
         ConfigError: on every rank, naming each rank's dirs.
     """
-    from recipes.validate import ConfigError
+    from recipes.errors import ConfigError
 
     mine = (str(cfg.output_dir), str(cfg.checkpoint.save))
     everyone = [None] * torch.distributed.get_world_size()
@@ -309,7 +309,7 @@ def run(cfg, resume=None) -> None:
             logger.event("start", iteration=0, layout=layout_rec, **describe(cfg))
 
     from recipes.loop import train
-    from recipes.moe import attach_metrics
+    from recipes.moe_metrics import attach_metrics
 
     attach_metrics(cfg, state, logger)  # the load-balancing loss of MoE models (else nothing)
 

@@ -29,22 +29,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from multiproc import reset_model_parallel, run_distributed
-from optimizer_entries import main_param_entries
-from recipes.config import register_configs
+from layout_goldens import (
+    SENTINEL, STEP, build as _build, cut as _cut, diff as _diff, full_shape as _full_shape,
+    gated as _gated, golden_full as _golden_full, is_gtp as _is_gtp, local as _local,
+    make_cfg, fill as _pp_fill, check as _pp_check, layout_goldens as _pp_goldens,
+)
+from multiproc import run_distributed
 
 pytestmark = pytest.mark.multiprocess
 
-REPO = Path(__file__).resolve().parents[1]
-CONF = str(REPO / "conf")
-register_configs()
-
 WORLD = 4
-SENTINEL = -999.0
-STEP = 7.0
 # name: (tp, g, pad_for_alignment)
 LAYOUTS = {
     "off": (1, 1, None),
@@ -85,86 +80,6 @@ VPP_LAYOUTS = {
     "l4_pp2v2dp2do": ("tiny_swiglu", 1, 1, None, (*_L4, *_DISTOPT, *_PP2V2)),
     "l4_pp2v2g2a16": ("tiny_swiglu", 1, 2, 16, (*_L4, *_PP2V2)),
 }
-
-
-def make_cfg(model: str, tp: int, g: int, pad, nproc: int, checkpoint_layout: str = "logical",
-             *extra: str) -> str:
-    """The composed, resolved run config (YAML) of one layout."""
-    overrides = [
-        "output_dir=/tmp/unused", "checkpoint.save=null", "data.cache_dir=/tmp/unused",
-        f"model={model}", f"parallelism.tensor_model_parallel_size={tp}",
-        f"parallelism.nproc_per_node={nproc}", f"gtp.gtp_remat_size={g}",
-        f"gtp.pad_for_alignment={'null' if pad is None else pad}",
-        f"gtp.checkpoint_layout={checkpoint_layout}", *extra,
-    ]
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
-    return OmegaConf.to_yaml(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)))
-
-
-# --------------------------------------------------------------------------------------------
-# Helpers that run inside the worker processes (independent of gtp/checkpoint.py).
-# --------------------------------------------------------------------------------------------
-def _build(cfg_yaml: str):
-    """(model, optimizer, scheduler, layout record) at the config's layout, fresh groups."""
-    from recipes import checkpoint, worker
-    from recipes.validate import validate
-
-    reset_model_parallel()
-    cfg = OmegaConf.create(cfg_yaml)
-    layout = validate(cfg, torch.distributed.get_world_size())
-    _, model, optimizer, scheduler = worker.setup(cfg, layout)
-    return model, optimizer, scheduler, checkpoint.layout_record(layout), cfg
-
-
-def _is_gtp(p) -> bool:
-    return bool(getattr(p, "is_gtp_weight_remat", False))
-
-
-def _gated(name: str, cfg) -> bool:
-    return bool(cfg.model.swiglu) and ".mlp.linear_fc1." in name
-
-
-def _full_shape(p) -> tuple:
-    from megatron.core import parallel_state as ps
-
-    shape = list(p.shape)
-    if _is_gtp(p):
-        shape[0] = p._unsharded_shape[0]
-    if getattr(p, "tensor_model_parallel", False):
-        shape[p.partition_dim] *= ps.get_tensor_model_parallel_world_size()
-    return tuple(shape)
-
-
-def _golden_full(k: int, shape: tuple) -> torch.Tensor:
-    if len(shape) == 2:
-        assert shape[0] < 1024 and shape[1] < 256, shape
-        rows = torch.arange(shape[0], dtype=torch.float32)[:, None]
-        cols = torch.arange(shape[1], dtype=torch.float32)[None, :]
-        return k * 1024 + rows + cols / 256
-    assert len(shape) == 1 and shape[0] < 1024, shape
-    return k * 1024 + torch.arange(shape[0], dtype=torch.float32)
-
-
-def _local(full: torch.Tensor, p, name: str, cfg) -> torch.Tensor:
-    """This rank's piece of a full logical tensor: TP slice, then GTP pad + shard."""
-    from megatron.core import parallel_state as ps
-
-    tp, k = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    t = full
-    if _gated(name, cfg):
-        n = t.shape[0] // 2
-        h = n // tp
-        t = torch.cat([t[k * h:(k + 1) * h], t[n + k * h:n + (k + 1) * h]])
-    elif getattr(p, "tensor_model_parallel", False):
-        t = t.chunk(tp, dim=p.partition_dim)[k]
-    if _is_gtp(p):
-        g, r, s = p.group.size(), p.group.rank(), p.shape[0]
-        padded = torch.zeros((s * g, *t.shape[1:]), dtype=t.dtype)
-        padded[:t.shape[0]] = t
-        t = padded[r * s:(r + 1) * s]
-    assert t.shape == p.shape, (name, t.shape, p.shape)
-    return t
 
 
 VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -231,16 +146,6 @@ def _fill_sentinel(model, optimizer) -> None:
         opt.state[p]["step"] = torch.tensor(SENTINEL)
 
 
-def _diff(what: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
-    if got.shape == want.shape and torch.equal(got, want):
-        return None
-    if got.shape != want.shape:
-        return f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    bad = got != want
-    return (f"{what}: {int(bad.sum())}/{got.numel()} elements differ, max |diff| "
-            f"{(got - want).abs().max().item():g}")
-
-
 @torch.no_grad()
 def _check(model, optimizer, cfg, real_vocab: int | None = None) -> tuple[int, list[str]]:
     """(tensors compared, problems) of weights, exp_avg, exp_avg_sq and step vs the goldens."""
@@ -303,7 +208,7 @@ def _fc1_rows(model, cfg) -> dict:
 
 def _shape_problems(model, cfg, record) -> list[str]:
     """Differences between the built model's parameters on this rank and ``recipes.shapes``."""
-    from recipes.model import padded_vocab_size
+    from recipes.shapes import padded_vocab_size
     from recipes.shapes import local_shape, parameter_shapes
 
     tp, g = record["tensor_model_parallel_size"], record["gtp_remat_size"]
@@ -420,96 +325,6 @@ def _matrix_worker(root: str, cfgs: dict, plain: dict, llama: dict,
         out["timing"]["vpp"] = time.time() - t0
     parallel_state.destroy_model_parallel()
     return out
-
-
-# --------------------------------------------------------------------------------------------
-# Pipeline parallelism and the distributed optimizer (bf16 weights, fp32 main params).
-#
-# Under PP a rank holds some layers under local names (decoder.layers.0 of stage 1 is layer 1);
-# the golden index k comes from the *global* name (megatron's layer offset), so a layer loaded
-# onto the wrong stage fails. The tied output weight on the last stage is a copy of the
-# embedding (same golden; tied models only). Weights are bf16 (golden rounded); the fp32 main params, exp_avg,
-# exp_avg_sq hold the exact golden. With the distributed optimizer a rank holds a flat slice of
-# each param's main param and moments: the golden is cut the same way (flatten, then slice).
-# --------------------------------------------------------------------------------------------
-def _global_names(model) -> dict:
-    """{id(param): global name} for this rank's chunks. The layer offset is computed here, not
-    taken from megatron: chunk v of stage p holds layers from (v * pp + p) * num_layers / (pp * vpp)."""
-    from megatron.core import parallel_state as ps
-
-    from recipes.model import model_chunks
-
-    out = {}
-    chunks = model_chunks(model)
-    pp, p_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    for v, chunk in enumerate(chunks):
-        gpt = chunk.module
-        gpt = getattr(gpt, "module", gpt)  # Float16Module
-        offset = (v * pp + p_rank) * (gpt.config.num_layers // (pp * len(chunks)))
-        for name, p in gpt.named_parameters():
-            if name.startswith("decoder.layers."):
-                parts = name.split(".")
-                parts[2] = str(int(parts[2]) + offset)
-                name = ".".join(parts)
-            elif name == "output_layer.weight" and gpt.share_embeddings_and_output_weights:
-                name = "embedding.word_embeddings.weight"
-            out[id(p)] = (name, p)
-    return out
-
-
-def _pp_goldens(model, cfg) -> dict:
-    """{id(param): (param, global name, (weight, exp_avg, exp_avg_sq) goldens local to this
-    rank)} (exact fp32; padding rows zero)."""
-    names = _global_names(model)
-    every = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(every, sorted({n for n, _ in names.values()}))
-    index = {n: k for k, n in enumerate(sorted(set().union(*every)), start=1)}
-    assert len(index) < 64, len(index)  # k * 1024 + 1023 + 255/256 exact in fp32
-    out = {}
-    for pid, (name, p) in names.items():
-        full = _golden_full(index[name], _full_shape(p))
-        out[pid] = (p, name, tuple(_local(t, p, name, cfg) for t in (full, full + 0.5, full * 2)))
-    return out
-
-
-def _cut(t: torch.Tensor, sl) -> torch.Tensor:
-    return t if sl is None else t.reshape(-1)[sl]
-
-
-@torch.no_grad()
-def _pp_fill(model, optimizer, cfg, sentinel: bool) -> int:
-    gold = _pp_goldens(model, cfg)
-    for p, _, (want, _, _) in gold.values():
-        p.copy_(torch.full_like(p, SENTINEL) if sentinel else want)
-    n = 0
-    for opt, p, main, sl in main_param_entries(optimizer):
-        want, m, v = gold[id(p)][2]
-        st = opt.state[main]
-        for key, value in (("main", want), ("exp_avg", m), ("exp_avg_sq", v)):
-            dst = main if key == "main" else st[key]
-            dst.copy_(torch.full_like(dst, SENTINEL) if sentinel else _cut(value, sl))
-        st["step"] = torch.tensor(SENTINEL if sentinel else STEP)
-        n += 1
-    return n
-
-
-@torch.no_grad()
-def _pp_check(model, optimizer, cfg) -> tuple[int, list[str]]:
-    gold = _pp_goldens(model, cfg)
-    problems, n = [], 0
-    for p, name, (want, _, _) in gold.values():
-        problems.append(_diff(f"{name} weight", p.detach(), want.to(p.dtype)))
-        n += 1
-    for opt, p, main, sl in main_param_entries(optimizer):
-        _, name, (want, m, v) = gold[id(p)]
-        st = opt.state[main]
-        problems.append(_diff(f"{name} fp32 main param", main.detach(), _cut(want, sl)))
-        problems.append(_diff(f"{name} exp_avg", st["exp_avg"], _cut(m, sl)))
-        problems.append(_diff(f"{name} exp_avg_sq", st["exp_avg_sq"], _cut(v, sl)))
-        if float(st["step"]) != STEP:
-            problems.append(f"{name} step {float(st['step'])}")
-        n += 4
-    return n, [x for x in problems if x]
 
 
 def _pp_phase(root: Path, cfgs: dict) -> dict:

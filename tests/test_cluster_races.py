@@ -15,7 +15,7 @@ from compose import make_cfg
 from multiproc import run_distributed
 
 from recipes import checkpoint, lease, preemption
-from recipes.requeue import job_id
+from recipes.rank_env import job_id
 
 
 def test_a_lease_another_taker_just_took_is_put_back(tmp_path, monkeypatch):

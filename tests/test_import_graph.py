@@ -66,3 +66,94 @@ def test_no_module_imports_another_modules_private_name():
                               for a in node.names if a.name.startswith("_")
                               and not a.name.startswith("__")]
     assert found == []
+
+
+def _module_name(path: Path, root: Path) -> str:
+    return str(path.relative_to(root).with_suffix("")).replace("/", ".").removesuffix(".__init__")
+
+
+def project_import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """``{module: modules it imports}`` over the modules of mcore_compat/, gtp/ and recipes/,
+    function-local imports included (every import statement in the file), relative imports
+    resolved; ``from pkg import name`` is an arrow to ``pkg.name`` when that is a module, else to
+    ``pkg``."""
+    paths = {_module_name(p, root): p for package in ("mcore_compat", "gtp", "recipes")
+             for p in sorted((root / package).rglob("*.py"))}
+
+    def known(name: str) -> str | None:
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for mod, path in paths.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        targets = []
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*parts, base] if base else parts)
+                targets += [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base
+                            for a in node.names]
+        graph[mod] = {t for t in map(known, targets) if t and t != mod}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_import_circle_between_project_modules():
+    """No two modules of mcore_compat/, gtp/ or recipes/ import each other, directly or through
+    others, counting imports inside functions (Python resolves those late, so it never reports
+    the circle, but the modules still cannot be understood or moved one without the other)."""
+    graph = project_import_graph()
+    assert len(graph) > 80 and graph["gtp.hf_export"], len(graph)
+    circles = import_circles(graph)
+    where = {tuple(c): {m: sorted(graph[m] & set(c)) for m in c} for c in circles}
+    assert circles == [], where
+
+
+def test_the_circle_check_finds_a_circle_made_by_a_function_local_import(tmp_path):
+    (tmp_path / "recipes").mkdir()
+    for package in ("mcore_compat", "gtp"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "recipes" / "__init__.py").write_text("")
+    (tmp_path / "recipes" / "a.py").write_text("from recipes.b import f\n")
+    (tmp_path / "recipes" / "b.py").write_text("def f():\n    from . import c\n")
+    (tmp_path / "recipes" / "c.py").write_text("def g():\n    from recipes import a\n")
+    graph = project_import_graph(tmp_path)
+    assert graph["recipes.b"] == {"recipes.c"}
+    assert import_circles(graph) == [["recipes.a", "recipes.b", "recipes.c"]]

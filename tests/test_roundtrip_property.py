@@ -2,7 +2,7 @@
 
 Each example runs one 4-process gloo world: build the model at layout A, set every weight and
 Adam moment to a golden computed from the full logical tensor by plain slicing (helpers of
-tests/test_checkpoint_layouts.py), save, rebuild at layout B, pre-fill with a sentinel, load, and
+tests/helpers/layout_goldens.py and tests/test_checkpoint_layouts.py), save, rebuild at layout B, pre-fill with a sentinel, load, and
 compare with the golden at B (rtol=0, atol=0). Few examples per run (each costs a process
 launch); hypothesis prints the failing shapes and layouts if one is found.
 """
@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from multiproc import run_distributed
 from recipes.validate import ConfigError, validate
-from test_checkpoint_layouts import WORLD, _build, _check, _fill_sentinel, _set_golden, make_cfg
+from layout_goldens import build as _build, make_cfg
+from test_checkpoint_layouts import WORLD, _check, _fill_sentinel, _set_golden
 
 # (tensor_model_parallel_size, gtp_remat_size) that fit a world of 4 (dp fills the rest).
 GRIDS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (1, 4)]

@@ -37,7 +37,7 @@ from recipes.checkpoint.files import (
 )
 from recipes.checkpoint.load import load_checkpoint, load_common
 from recipes.checkpoint.save import finalize_save, stage_save
-from recipes.requeue import job_id
+from recipes.rank_env import job_id
 
 
 @dataclass(frozen=True)

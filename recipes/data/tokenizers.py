@@ -200,7 +200,7 @@ def check_before_launch(data_cfg: Any) -> None:
     Raises:
         recipes.validate.ConfigError: with :func:`build_tokenizer`'s message.
     """
-    from recipes.validate import ConfigError
+    from recipes.errors import ConfigError
 
     try:
         build_tokenizer(data_cfg)

@@ -1,0 +1,211 @@
+"""Goldens for checkpoint layout tests, built independently of the code under test.
+
+Each parameter's *full logical* tensor holds ``k*1024 + row + col/256`` (``k``: the parameter's
+index in sorted global-name order; exact in fp32), ``exp_avg = golden + 0.5``,
+``exp_avg_sq = golden * 2``, ``step = 7``. A rank's expected local tensor is cut from the full
+one by plain slicing: the TP chunk (gated fc1: gate rows then up rows of the TP rank), then
+megatron's GTP tail padding with zeros and the rank's shard rows; a distributed optimizer's
+flat range of it. :func:`fill` writes them (or a sentinel), :func:`check` compares exactly.
+Used by tests/test_checkpoint_layouts.py, tests/test_roundtrip_property.py and
+tests/test_checkpoint_compat.py (whose committed checkpoints were written with them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from multiproc import reset_model_parallel
+from optimizer_entries import main_param_entries
+from recipes.config import register_configs
+
+REPO = Path(__file__).resolve().parents[2]
+CONF = str(REPO / "conf")
+register_configs()
+
+SENTINEL = -999.0
+STEP = 7.0
+
+
+def make_cfg(model: str, tp: int, g: int, pad, nproc: int, checkpoint_layout: str = "logical",
+             *extra: str) -> str:
+    """The composed, resolved run config (YAML) of one layout."""
+    overrides = [
+        "output_dir=/tmp/unused", "checkpoint.save=null", "data.cache_dir=/tmp/unused",
+        f"model={model}", f"parallelism.tensor_model_parallel_size={tp}",
+        f"parallelism.nproc_per_node={nproc}", f"gtp.gtp_remat_size={g}",
+        f"gtp.pad_for_alignment={'null' if pad is None else pad}",
+        f"gtp.checkpoint_layout={checkpoint_layout}", *extra,
+    ]
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    return OmegaConf.to_yaml(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)))
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers that run inside the worker processes (independent of gtp/checkpoint.py).
+# --------------------------------------------------------------------------------------------
+def build(cfg_yaml: str):
+    """(model, optimizer, scheduler, layout record) at the config's layout, fresh groups."""
+    from recipes import checkpoint, worker
+    from recipes.validate import validate
+
+    reset_model_parallel()
+    cfg = OmegaConf.create(cfg_yaml)
+    layout = validate(cfg, torch.distributed.get_world_size())
+    _, model, optimizer, scheduler = worker.setup(cfg, layout)
+    return model, optimizer, scheduler, checkpoint.layout_record(layout), cfg
+
+
+def is_gtp(p) -> bool:
+    return bool(getattr(p, "is_gtp_weight_remat", False))
+
+
+def gated(name: str, cfg) -> bool:
+    return bool(cfg.model.swiglu) and ".mlp.linear_fc1." in name
+
+
+def full_shape(p) -> tuple:
+    from megatron.core import parallel_state as ps
+
+    shape = list(p.shape)
+    if is_gtp(p):
+        shape[0] = p._unsharded_shape[0]
+    if getattr(p, "tensor_model_parallel", False):
+        shape[p.partition_dim] *= ps.get_tensor_model_parallel_world_size()
+    return tuple(shape)
+
+
+def golden_full(k: int, shape: tuple) -> torch.Tensor:
+    if len(shape) == 2:
+        assert shape[0] < 1024 and shape[1] < 256, shape
+        rows = torch.arange(shape[0], dtype=torch.float32)[:, None]
+        cols = torch.arange(shape[1], dtype=torch.float32)[None, :]
+        return k * 1024 + rows + cols / 256
+    assert len(shape) == 1 and shape[0] < 1024, shape
+    return k * 1024 + torch.arange(shape[0], dtype=torch.float32)
+
+
+def local(full: torch.Tensor, p, name: str, cfg) -> torch.Tensor:
+    """This rank's piece of a full logical tensor: TP slice, then GTP pad + shard."""
+    from megatron.core import parallel_state as ps
+
+    tp, k = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    t = full
+    if gated(name, cfg):
+        n = t.shape[0] // 2
+        h = n // tp
+        t = torch.cat([t[k * h:(k + 1) * h], t[n + k * h:n + (k + 1) * h]])
+    elif getattr(p, "tensor_model_parallel", False):
+        t = t.chunk(tp, dim=p.partition_dim)[k]
+    if is_gtp(p):
+        g, r, s = p.group.size(), p.group.rank(), p.shape[0]
+        padded = torch.zeros((s * g, *t.shape[1:]), dtype=t.dtype)
+        padded[:t.shape[0]] = t
+        t = padded[r * s:(r + 1) * s]
+    assert t.shape == p.shape, (name, t.shape, p.shape)
+    return t
+
+
+def diff(what: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
+    if got.shape == want.shape and torch.equal(got, want):
+        return None
+    if got.shape != want.shape:
+        return f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    bad = got != want
+    return (f"{what}: {int(bad.sum())}/{got.numel()} elements differ, max |diff| "
+            f"{(got - want).abs().max().item():g}")
+
+
+
+# --------------------------------------------------------------------------------------------
+# Pipeline parallelism and the distributed optimizer (bf16 weights, fp32 main params).
+#
+# Under PP a rank holds some layers under local names (decoder.layers.0 of stage 1 is layer 1);
+# the golden index k comes from the *global* name (megatron's layer offset), so a layer loaded
+# onto the wrong stage fails. The tied output weight on the last stage is a copy of the
+# embedding (same golden; tied models only). Weights are bf16 (golden rounded); the fp32 main params, exp_avg,
+# exp_avg_sq hold the exact golden. With the distributed optimizer a rank holds a flat slice of
+# each param's main param and moments: the golden is cut the same way (flatten, then slice).
+# --------------------------------------------------------------------------------------------
+def global_names(model) -> dict:
+    """{id(param): global name} for this rank's chunks. The layer offset is computed here, not
+    taken from megatron: chunk v of stage p holds layers from (v * pp + p) * num_layers / (pp * vpp)."""
+    from megatron.core import parallel_state as ps
+
+    from recipes.model import model_chunks
+
+    out = {}
+    chunks = model_chunks(model)
+    pp, p_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    for v, chunk in enumerate(chunks):
+        gpt = chunk.module
+        gpt = getattr(gpt, "module", gpt)  # Float16Module
+        offset = (v * pp + p_rank) * (gpt.config.num_layers // (pp * len(chunks)))
+        for name, p in gpt.named_parameters():
+            if name.startswith("decoder.layers."):
+                parts = name.split(".")
+                parts[2] = str(int(parts[2]) + offset)
+                name = ".".join(parts)
+            elif name == "output_layer.weight" and gpt.share_embeddings_and_output_weights:
+                name = "embedding.word_embeddings.weight"
+            out[id(p)] = (name, p)
+    return out
+
+
+def layout_goldens(model, cfg) -> dict:
+    """{id(param): (param, global name, (weight, exp_avg, exp_avg_sq) goldens local to this
+    rank)} (exact fp32; padding rows zero)."""
+    names = global_names(model)
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, sorted({n for n, _ in names.values()}))
+    index = {n: k for k, n in enumerate(sorted(set().union(*every)), start=1)}
+    assert len(index) < 64, len(index)  # k * 1024 + 1023 + 255/256 exact in fp32
+    out = {}
+    for pid, (name, p) in names.items():
+        full = golden_full(index[name], full_shape(p))
+        out[pid] = (p, name, tuple(local(t, p, name, cfg) for t in (full, full + 0.5, full * 2)))
+    return out
+
+
+def cut(t: torch.Tensor, sl) -> torch.Tensor:
+    return t if sl is None else t.reshape(-1)[sl]
+
+
+@torch.no_grad()
+def fill(model, optimizer, cfg, sentinel: bool) -> int:
+    gold = layout_goldens(model, cfg)
+    for p, _, (want, _, _) in gold.values():
+        p.copy_(torch.full_like(p, SENTINEL) if sentinel else want)
+    n = 0
+    for opt, p, main, sl in main_param_entries(optimizer):
+        want, m, v = gold[id(p)][2]
+        st = opt.state[main]
+        for key, value in (("main", want), ("exp_avg", m), ("exp_avg_sq", v)):
+            dst = main if key == "main" else st[key]
+            dst.copy_(torch.full_like(dst, SENTINEL) if sentinel else cut(value, sl))
+        st["step"] = torch.tensor(SENTINEL if sentinel else STEP)
+        n += 1
+    return n
+
+
+@torch.no_grad()
+def check(model, optimizer, cfg) -> tuple[int, list[str]]:
+    gold = layout_goldens(model, cfg)
+    problems, n = [], 0
+    for p, name, (want, _, _) in gold.values():
+        problems.append(diff(f"{name} weight", p.detach(), want.to(p.dtype)))
+        n += 1
+    for opt, p, main, sl in main_param_entries(optimizer):
+        _, name, (want, m, v) = gold[id(p)]
+        st = opt.state[main]
+        problems.append(diff(f"{name} fp32 main param", main.detach(), cut(want, sl)))
+        problems.append(diff(f"{name} exp_avg", st["exp_avg"], cut(m, sl)))
+        problems.append(diff(f"{name} exp_avg_sq", st["exp_avg_sq"], cut(v, sl)))
+        if float(st["step"]) != STEP:
+            problems.append(f"{name} step {float(st['step'])}")
+        n += 4
+    return n, [x for x in problems if x]
