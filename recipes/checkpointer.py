@@ -340,7 +340,7 @@ def _check_optimizer(cfg, layout, saved: dict, saved_layout: dict, root) -> None
     if now == "muon" and cfg.model.get("num_moe_experts") is not None and saved_layout:
         # megatron builds a dense and an expert optimizer where experts are split, one
         # otherwise; mapping Muon's chain from one form to the other is untested.
-        from recipes.validate import experts_split
+        from recipes.parallel_dims import experts_split
 
         then = experts_split(saved_layout.get("expert_model_parallel_size", 1),
                      saved_layout.get("expert_tensor_parallel_size", tp_then), tp_then,

@@ -14,26 +14,13 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, OmegaConf
 
-# ``parallelism.nproc_per_node``'s default: tp x pp x cp x gtp_remat_size x dp (dp 1 when null);
-# with dp null, the least multiple of that which the expert grid (etp x ep x pp x
-# expert_gtp_remat_size) also divides.
+from recipes.parallel_dims import default_world_size
+
+# ``parallelism.nproc_per_node``'s default (recipes.parallel_dims.default_world_size).
 WORLD_RESOLVER = "gtp_recipes_world"
 
 
-def _world(tp, pp, g, dp=None, ep=1, etp=None, egtp=1, cp=1) -> int:
-    import math
-
-    def n(d):
-        return 1 if d is None else int(d)
-
-    dense = n(tp) * n(pp) * n(cp) * n(g) * n(dp)
-    if dp is not None:
-        return dense
-    expert = n(etp if etp is not None else tp) * n(ep) * n(pp) * n(egtp)
-    return math.lcm(dense, expert)
-
-
-OmegaConf.register_new_resolver(WORLD_RESOLVER, _world, replace=True)
+OmegaConf.register_new_resolver(WORLD_RESOLVER, default_world_size, replace=True)
 
 # ``checkpoint.format``'s default: the value of its old name ``gtp.checkpoint_layout`` when that
 # was given (an alias that keeps working), else "logical". The old key itself interpolates

@@ -19,7 +19,7 @@ def before_model(cfg, layout) -> None:
     from gtp import checkpoint as gtp_checkpoint
 
     gtp_checkpoint.configure(cfg.checkpoint.get("format", "logical"))
-    if layout.gtp_remat_size == 1:
+    if not layout.uses_gtp:
         return
     from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp_impl
 
@@ -144,7 +144,7 @@ def _stage_share(dims: dict, chunk, cfg) -> dict:
 
 def after_ddp(ddp_model, layout) -> None:
     """megatron's ``classify_gtp_remat_chains``: tag GTP params before the first forward."""
-    if layout.gtp_remat_size == 1:
+    if not layout.uses_gtp:
         return
     from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp_impl
 

@@ -31,7 +31,7 @@ def padded_vocab_of_config(cfg, tp: int) -> int:
 
 
 def transformer_config(cfg, layout, use_te: bool | None = None):
-    """megatron ``TransformerConfig`` for ``cfg.model`` at ``layout`` (a ``recipes.validate.ParallelLayout``).
+    """megatron ``TransformerConfig`` for ``cfg.model`` at ``layout`` (a ``recipes.parallel_dims.ParallelDims``).
 
     ``use_te``: TransformerEngine layers and the quantization recipe's FP8/FP4 fields
     (``recipes.te``); None: when TransformerEngine is importable.
@@ -181,7 +181,7 @@ def build_model(cfg, layout, vocab_size: int, reseed=lambda: None):
 
     Args:
         cfg: the run config; ``cfg.model`` gives the shape.
-        layout: the resolved ``recipes.validate.ParallelLayout``.
+        layout: the resolved ``recipes.parallel_dims.ParallelDims``.
         vocab_size: the tokenizer's vocabulary size (padded here for TP).
         reseed: re-seeds every RNG with the run's seed (called before each chunk under pipeline
             parallelism).

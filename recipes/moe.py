@@ -9,7 +9,6 @@ Experts are megatron's local ``SequentialMLP`` (``local_experts.<i>``, one ``MLP
 from __future__ import annotations
 
 import contextlib
-import os
 import zlib
 
 import torch
@@ -204,43 +203,6 @@ def reduce_aux_loss(model_cfg, num_microbatches: int) -> dict:
     return {name: value}
 
 
-def resolve_expert_layout(cfg, world_size: int, tp: int, pp: int) -> dict:
-    """The expert and sequence fields of ``recipes.validate.ParallelLayout`` for ``world_size``.
-
-    ``sequence_parallel`` holds only at tp > 1 (megatron turns it off at tp 1, as Megatron-LM
-    does); ``expert_tensor_parallel_size`` null is megatron's default, tp.
-
-    Raises:
-        ConfigError: a size < 1, or world_size not divisible by etp x ep x pp x
-            expert_gtp_remat_size (megatron's expert grid), naming the valid sizes.
-    """
-    from recipes.errors import ConfigError
-
-    par = cfg.parallelism
-    ep = par.get("expert_model_parallel_size", 1)
-    etp = par.get("expert_tensor_parallel_size")
-    etp = tp if etp is None else etp
-    egtp = cfg.gtp.get("expert_gtp_remat_size", 1)
-    for name, value in (("parallelism.expert_model_parallel_size", ep),
-                        ("parallelism.expert_tensor_parallel_size", etp),
-                        ("gtp.expert_gtp_remat_size", egtp)):
-        if value is None or int(value) < 1:
-            raise ConfigError(f"{name}={value} is invalid: it must be an integer >= 1")
-    grid = etp * ep * pp * egtp
-    if world_size % grid:
-        fits = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ConfigError(
-            f"world size {world_size} is not divisible by the expert grid "
-            f"expert_tensor_parallel_size={etp} x expert_model_parallel_size={ep} x "
-            f"pipeline_model_parallel_size={pp} x gtp.expert_gtp_remat_size={egtp} = {grid} "
-            f"(megatron: expert data-parallel size = world / that); with {world_size} processes "
-            f"the product must be one of {fits}, or run a multiple of {grid} processes "
-            f"({'WORLD_SIZE' if 'WORLD_SIZE' in os.environ else 'parallelism.nproc_per_node'})")
-    return {"sequence_parallel": bool(par.get("sequence_parallel", False)) and tp > 1,
-            "expert_model_parallel_size": int(ep), "expert_tensor_parallel_size": int(etp),
-            "expert_gtp_remat_size": int(egtp)}
-
-
 def check(cfg, layout) -> None:
     """MoE and sequence-parallel rules, before any process starts (context parallelism:
     ``recipes.context_parallel.check``).
@@ -250,7 +212,7 @@ def check(cfg, layout) -> None:
     """
     from recipes.errors import ConfigError
 
-    m, par = cfg.model, cfg.parallelism
+    m = cfg.model
     tp, ep = layout.tensor_model_parallel_size, layout.expert_model_parallel_size
     etp, egtp = layout.expert_tensor_parallel_size, layout.expert_gtp_remat_size
     if not is_moe(m):
@@ -361,24 +323,6 @@ def _check_expert_gtp(cfg, layout) -> None:
     except ValueError as exc:
         raise ConfigError(f"gtp.expert_gtp_remat_size={egtp} with gtp.pad_for_alignment="
                           f"{layout.pad_for_alignment}: {exc}") from None
-
-
-def gtp_hook_layout(layout):
-    """The layout ``recipes.gtp_setup.before_model`` / ``after_ddp`` set GTP up for: under expert
-    GTP without dense GTP, one with ``gtp_remat_size = expert_gtp_remat_size``, so the gloo GTP
-    backend, megatron's GTP recipe and the alignment are installed for the expert weights."""
-    import dataclasses
-
-    if layout.gtp_remat_size == 1 and layout.expert_gtp_remat_size > 1:
-        return dataclasses.replace(layout, gtp_remat_size=layout.expert_gtp_remat_size)
-    return layout
-
-
-def parallel_state_fields(layout) -> dict:
-    """``parallel_state.initialize_model_parallel`` keyword arguments of the expert grid."""
-    return {"expert_model_parallel_size": layout.expert_model_parallel_size,
-            "expert_tensor_parallel_size": layout.expert_tensor_parallel_size,
-            "expert_gtp_remat_size": layout.expert_gtp_remat_size}
 
 
 def after_model(chunk, layout) -> None:

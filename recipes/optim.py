@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
+from recipes.errors import ConfigError
+
 # lr decay styles of megatron's OptimizerParamScheduler that ``optim.lr_decay_style`` may take.
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
 OPTIMIZERS = ("adam", "muon")
@@ -201,3 +205,41 @@ def apply_schedule_override(optimizer, scheduler, cfg) -> None:
     # The scheduler's load set each group's lr and weight decay from the old bounds; the next
     # iteration must already run on the new ones (step(0): same iteration, recomputed).
     scheduler.step(0)
+
+
+# megatron-core 0.19.2 DistributedOptimizer checkpoint formats (metadata
+# "distrib_optim_sharding_type") and whether a checkpoint in it loads at another layout.
+DISTRIB_OPTIM_FORMATS = {
+    "fully_reshardable": "model-space tensors, any DP/TP/PP layout (and the non-distributed optimizer)",
+    "dp_reshardable": "flat bucket buffers: reshards over DP only",
+    "dp_zero_gather_scatter": "deprecated: one object per TP x PP rank",
+    "fully_sharded_model_space": "deprecated flattened ranges; not with GTP's logical layout",
+    "fully_sharded_bucket_space": "deprecated bucket buffers",
+    "fsdp_dtensor": "Megatron-FSDP only",
+}
+RESHARDABLE_DISTRIB_OPTIM_FORMATS = ("fully_reshardable",)
+
+
+def distributed_optimizer(cfg) -> tuple[bool, Optional[str]]:
+    """``(use_distributed_optimizer, its checkpoint format or None)``.
+
+    Raises:
+        ConfigError: a format that cannot change layout, or an unknown one.
+    """
+    o = cfg.optim
+    if not o.get("use_distributed_optimizer", False):
+        return False, None
+    if cfg.logger.get("grad_norm_detail", False):
+        # After the reduce-scatter each DP rank holds only its slice of the reduced gradients.
+        raise ConfigError(
+            "logger.grad_norm_detail=true needs the full reduced gradients on every rank, which "
+            "optim.use_distributed_optimizer=true does not keep; set one of them to false"
+        )
+    fmt = o.get("distrib_optim_sharding_type", "fully_reshardable")
+    if fmt not in RESHARDABLE_DISTRIB_OPTIM_FORMATS:
+        why = DISTRIB_OPTIM_FORMATS.get(fmt, "not a megatron-core 0.19.2 format")
+        raise ConfigError(
+            f"optim.distrib_optim_sharding_type={fmt!r} ({why}) cannot be resumed at another "
+            f"parallel layout; use {RESHARDABLE_DISTRIB_OPTIM_FORMATS[0]!r}"
+        )
+    return True, fmt

@@ -16,10 +16,12 @@ from dataclasses import fields, is_dataclass
 from typing import Optional
 
 from gtp.records import CHECKPOINT_FORMATS
-from recipes.validate import ConfigError, ParallelLayout, validate, world_size_from_env
+from recipes.errors import ConfigError
+from recipes.parallel_dims import ParallelDims, world_size_from_env
+from recipes.validate import validate
 
 
-def check(cfg, choices: Optional[dict] = None, plan=None) -> ParallelLayout:
+def check(cfg, choices: Optional[dict] = None, plan=None) -> ParallelDims:
     """Validate ``cfg`` for launch; updates it in place (warmup clamp) so what runs is recorded.
 
     Args:
@@ -30,7 +32,7 @@ def check(cfg, choices: Optional[dict] = None, plan=None) -> ParallelLayout:
             (None: each check opens the checkpoint itself).
 
     Returns:
-        The resolved :class:`ParallelLayout` (:func:`recipes.validate.validate`).
+        The resolved :class:`ParallelDims` (:func:`recipes.validate.validate`).
 
     Raises:
         ConfigError: the first problem found.

@@ -9,7 +9,6 @@ requeues with the same command after a preemption or a time limit.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 AUTO = "auto"

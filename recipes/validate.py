@@ -8,88 +8,8 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
-from typing import Optional
-
 from recipes.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """The parallel layout a run uses (its layout record is what a checkpoint stores of it).
-
-    world_size = tensor_model_parallel_size * pipeline_model_parallel_size *
-    context_parallel_size * gtp_remat_size * data_parallel_size (megatron's
-    ``initialize_model_parallel`` order).
-    """
-
-    world_size: int
-    tensor_model_parallel_size: int
-    pipeline_model_parallel_size: int
-    gtp_remat_size: int
-    data_parallel_size: int
-    pad_for_alignment: int
-    # Model chunks per pipeline stage (interleaved schedule); None: one.
-    virtual_pipeline_model_parallel_size: Optional[int] = None
-    # megatron's DistributedOptimizer and its checkpoint format (None without it).
-    use_distributed_optimizer: bool = False
-    distrib_optim_sharding_type: Optional[str] = None
-    # megatron's sequence parallelism (only at tp > 1) and the MoE grid: expert parallel,
-    # expert tensor parallel (megatron's default: tp), expert GTP; expert data-parallel size
-    # = world / (etp x ep x pp x expert_gtp_remat_size).
-    sequence_parallel: bool = False
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: int = 1
-    expert_gtp_remat_size: int = 1
-    context_parallel_size: int = 1
-
-    @property
-    def expert_data_parallel_size(self) -> int:
-        """Ranks holding the same expert shard: world / (etp x ep x pp x expert_gtp_remat_size)."""
-        return self.world_size // (self.expert_tensor_parallel_size *
-                                   self.expert_model_parallel_size *
-                                   self.pipeline_model_parallel_size * self.expert_gtp_remat_size)
-
-    def describe(self) -> str:
-        """A short human-readable form, e.g. ``tp2 x pp2 x gtp2(pad 16) x dp1 (world 8)``."""
-        gtp = (
-            f" x gtp{self.gtp_remat_size}(pad {self.pad_for_alignment})"
-            if self.gtp_remat_size > 1
-            else ""
-        )
-        pp = ""
-        if self.pipeline_model_parallel_size > 1:
-            vpp = self.virtual_pipeline_model_parallel_size
-            pp = f" x pp{self.pipeline_model_parallel_size}" + (f"(vpp {vpp})" if vpp else "")
-        opt = (f", distributed optimizer ({self.distrib_optim_sharding_type})"
-               if self.use_distributed_optimizer else "")
-        sp = "+sp" if self.sequence_parallel else ""
-        experts = ""
-        if experts_split(self.expert_model_parallel_size, self.expert_tensor_parallel_size,
-                         self.tensor_model_parallel_size, self.expert_gtp_remat_size):
-            egtp = (f" x egtp{self.expert_gtp_remat_size}" if self.expert_gtp_remat_size > 1 else "")
-            experts = (f"; experts ep{self.expert_model_parallel_size} x "
-                       f"etp{self.expert_tensor_parallel_size}{egtp} x "
-                       f"edp{self.expert_data_parallel_size}")
-        cp = f" x cp{self.context_parallel_size}" if self.context_parallel_size > 1 else ""
-        return (
-            f"tp{self.tensor_model_parallel_size}{sp}{pp}{cp}{gtp} x dp{self.data_parallel_size}"
-            f" (world {self.world_size}){experts}{opt}"
-        )
-
-
-def experts_split(ep: int, etp: int, tp: int, egtp: int) -> bool:
-    """Whether routed experts are laid out otherwise than the dense weights: expert model
-    parallel > 1, expert tensor parallel != tensor parallel, or expert GTP. megatron then gives
-    them their own optimizer (``get_megatron_optimizer``: params with ``allreduce = False``)."""
-    return ep > 1 or etp != tp or egtp > 1
-
-
-def world_size_from_env(cfg) -> int:
-    """World size: ``WORLD_SIZE`` when launched by torchrun/Slurm, else ``parallelism.nproc_per_node``."""
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    return int(cfg.parallelism.nproc_per_node)
+from recipes.parallel_dims import ParallelDims, check_positive
 
 
 def _has_validation_share(split) -> bool:
@@ -102,125 +22,14 @@ def _has_validation_share(split) -> bool:
     return len(weights) > 1 and weights[1] > 0
 
 
-def _positive(name: str, value) -> None:
-    if value is None or int(value) < 1:
-        raise ConfigError(f"{name}={value} is invalid: it must be an integer >= 1")
-
-
-def resolve_layout(cfg, world_size: int) -> ParallelLayout:
-    """Derive the data-parallel size and resolved GTP alignment for ``world_size`` processes.
-
-    Raises:
-        ConfigError: pipeline parallelism requested, sizes < 1, or world_size not divisible by
-            tp * pp * cp * gtp_remat_size, or an explicit data_parallel_size that does not match.
-    """
-    par, gtp = cfg.parallelism, cfg.gtp
-    tp, pp, g = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, gtp.gtp_remat_size
-    cp = par.get("context_parallel_size", 1)
-    for name, value in (
-        ("parallelism.tensor_model_parallel_size", tp),
-        ("parallelism.pipeline_model_parallel_size", pp),
-        ("parallelism.context_parallel_size", cp),
-        ("gtp.gtp_remat_size", g),
-        ("world size", world_size),
-    ):
-        _positive(name, value)
-    vpp = par.get("virtual_pipeline_model_parallel_size")
-    if vpp is not None:
-        _positive("parallelism.virtual_pipeline_model_parallel_size", vpp)
-        if pp == 1:
-            raise ConfigError(
-                f"parallelism.virtual_pipeline_model_parallel_size={vpp} needs "
-                f"parallelism.pipeline_model_parallel_size > 1 (it is 1): set "
-                f"pipeline_model_parallel_size=2 or more, or virtual_pipeline_model_parallel_size=null"
-            )
-        if vpp == 1:
-            vpp = None  # one chunk per stage: megatron's plain 1F1B
-    # The GTP fields are checked whatever gtp_remat_size is: a typo must not wait for g > 1.
-    from gtp.alignment import RECIPE_DEFAULT_PAD, resolve_pad_for_alignment
-
-    try:
-        resolved_pad = resolve_pad_for_alignment(gtp.pad_for_alignment, gtp.quantization)
-    except ValueError as exc:
-        key = "quantization" if gtp.quantization not in RECIPE_DEFAULT_PAD else "pad_for_alignment"
-        raise ConfigError(f"gtp.{key}={gtp[key]!r} is invalid: {exc}") from None
-    model_parallel = tp * pp * cp * g
-    # The context-parallel size is named only where it is set (CP needs TransformerEngine).
-    cp_name, cp_short = (f" x context_parallel_size={cp}", f" x cp {cp}") if cp > 1 else ("", "")
-    if world_size % model_parallel != 0:
-        valid = sorted({d for d in range(1, world_size + 1) if world_size % d == 0})
-        want_dp = par.data_parallel_size or 1
-        product = "tp * pp * cp * gtp_remat_size" if cp > 1 else "tp * pp * gtp_remat_size"
-        raise ConfigError(
-            f"world size {world_size} is not divisible by tensor_model_parallel_size={tp} x "
-            f"pipeline_model_parallel_size={pp}{cp_name} x gtp_remat_size={g} = {model_parallel}; "
-            f"with {world_size} processes {product} must be one of {valid}, or run "
-            f"{product} * dp processes: e.g. "
-            f"parallelism.nproc_per_node={model_parallel * want_dp} (dp{want_dp})"
-        )
-    dp = world_size // model_parallel
-    if par.data_parallel_size is not None and par.data_parallel_size != dp:
-        raise ConfigError(
-            f"parallelism.data_parallel_size={par.data_parallel_size} does not match world size "
-            f"{world_size} / (tp {tp} x pp {pp}{cp_short} x gtp_remat_size {g}) = {dp}; set it to "
-            f"{dp} or null"
-        )
-    from recipes import moe
-
-    experts = moe.resolve_expert_layout(cfg, world_size, tp, pp)
-    # Without GTP nothing is padded: the layout (and the checkpoint's record of it) says 0.
-    pad = resolved_pad if g > 1 or experts["expert_gtp_remat_size"] > 1 else 0
-    distopt, sharding = _distributed_optimizer(cfg)
-    return ParallelLayout(world_size, tp, pp, g, dp, pad, vpp, distopt, sharding, **experts,
-                          context_parallel_size=int(cp))
-
-
-# megatron-core 0.19.2 DistributedOptimizer checkpoint formats (metadata
-# "distrib_optim_sharding_type") and whether a checkpoint in it loads at another layout.
-DISTRIB_OPTIM_FORMATS = {
-    "fully_reshardable": "model-space tensors, any DP/TP/PP layout (and the non-distributed optimizer)",
-    "dp_reshardable": "flat bucket buffers: reshards over DP only",
-    "dp_zero_gather_scatter": "deprecated: one object per TP x PP rank",
-    "fully_sharded_model_space": "deprecated flattened ranges; not with GTP's logical layout",
-    "fully_sharded_bucket_space": "deprecated bucket buffers",
-    "fsdp_dtensor": "Megatron-FSDP only",
-}
-RESHARDABLE_DISTRIB_OPTIM_FORMATS = ("fully_reshardable",)
-
-
-def _distributed_optimizer(cfg) -> tuple[bool, Optional[str]]:
-    """``(use_distributed_optimizer, its checkpoint format or None)``.
-
-    Raises:
-        ConfigError: a format that cannot change layout, or an unknown one.
-    """
-    o = cfg.optim
-    if not o.get("use_distributed_optimizer", False):
-        return False, None
-    if cfg.logger.get("grad_norm_detail", False):
-        # After the reduce-scatter each DP rank holds only its slice of the reduced gradients.
-        raise ConfigError(
-            "logger.grad_norm_detail=true needs the full reduced gradients on every rank, which "
-            "optim.use_distributed_optimizer=true does not keep; set one of them to false"
-        )
-    fmt = o.get("distrib_optim_sharding_type", "fully_reshardable")
-    if fmt not in RESHARDABLE_DISTRIB_OPTIM_FORMATS:
-        why = DISTRIB_OPTIM_FORMATS.get(fmt, "not a megatron-core 0.19.2 format")
-        raise ConfigError(
-            f"optim.distrib_optim_sharding_type={fmt!r} ({why}) cannot be resumed at another "
-            f"parallel layout; use {RESHARDABLE_DISTRIB_OPTIM_FORMATS[0]!r}"
-        )
-    return True, fmt
-
-
-def validate(cfg, world_size: int, plan=None) -> ParallelLayout:
+def validate(cfg, world_size: int, plan=None) -> ParallelDims:
     """Validate the whole composed config for ``world_size`` processes.
 
     ``plan``: the :class:`recipes.checkpoint.manager.ResumePlan` of ``checkpoint.load`` when this
     process has resolved it (its checkpoint is then not opened again).
 
     Returns:
-        The resolved :class:`ParallelLayout`.
+        The resolved :class:`ParallelDims`.
 
     Raises:
         ConfigError: the first problem found, naming the key, its value and what is valid.
@@ -231,7 +40,7 @@ def validate(cfg, world_size: int, plan=None) -> ParallelLayout:
     from recipes.model import PARAMS_DTYPES
     from recipes.optim import LR_DECAY_STYLES, optim_refusal
 
-    layout = resolve_layout(cfg, world_size)
+    layout = ParallelDims.from_config(cfg, world_size)
     from recipes import context_parallel, moe
 
     moe.check(cfg, layout)
@@ -239,7 +48,7 @@ def validate(cfg, world_size: int, plan=None) -> ParallelLayout:
     m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
     tp = layout.tensor_model_parallel_size
     for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length"):
-        _positive(f"model.{name}", m[name])
+        check_positive(f"model.{name}", m[name])
     _check_pipeline_split(cfg, layout)
     _check_model_options(m, tp)
     for name, value, div in (
@@ -255,8 +64,8 @@ def validate(cfg, world_size: int, plan=None) -> ParallelLayout:
                           f"{tuple(PARAMS_DTYPES)}")
     if d.source not in SOURCES:
         raise ConfigError(f"data.source={d.source!r}: valid are {SOURCES}")
-    _positive("data.micro_batch_size", d.micro_batch_size)
-    _positive("data.global_batch_size", d.global_batch_size)
+    check_positive("data.micro_batch_size", d.micro_batch_size)
+    check_positive("data.global_batch_size", d.global_batch_size)
     # Batches are split over the full data group, dp x gtp_remat_size: GTP peers read different
     # micro-batches (megatron's get_data_parallel_group(with_gtp_remat=True)).
     data_group = layout.data_parallel_size * layout.gtp_remat_size
@@ -301,7 +110,7 @@ def validate(cfg, world_size: int, plan=None) -> ParallelLayout:
         raise ConfigError(f"optim.lr_decay_style={o.lr_decay_style!r}: valid are {LR_DECAY_STYLES}")
     if not (0 <= o.min_lr <= o.lr):
         raise ConfigError(f"optim.min_lr={o.min_lr} must lie in [0, optim.lr={o.lr}]")
-    _positive("train.train_iters", t.train_iters)
+    check_positive("train.train_iters", t.train_iters)
     for name in ("eval_interval", "eval_iters"):
         if t.get(name, 0) < 0:
             raise ConfigError(f"train.{name}={t[name]} must be >= 0")
@@ -309,7 +118,7 @@ def validate(cfg, world_size: int, plan=None) -> ParallelLayout:
         raise ConfigError(f"train.eval_iters={t.eval_iters} needs a validation share in "
                           f"data.split={d.split!r} (train,valid,test weights, e.g. '98,2,0'), "
                           f"or train.eval_iters=0")
-    _positive("train.log_interval", t.log_interval)
+    check_positive("train.log_interval", t.log_interval)
     from recipes.preemption import EXIT_SIGNALS
 
     if t.get("exit_signal", "SIGTERM") not in EXIT_SIGNALS:
@@ -317,7 +126,7 @@ def validate(cfg, world_size: int, plan=None) -> ParallelLayout:
     for name in ("exit_interval", "exit_duration_in_mins"):
         if t.get(name) is not None and t[name] <= 0:
             raise ConfigError(f"train.{name}={t[name]} must be > 0 or null (never)")
-    _positive("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)
+    check_positive("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)
     decay = o.lr_decay_iters or t.train_iters
     # megatron's OptimizerParamScheduler asserts warmup < decay steps (recipes.prelaunch clamps
     # warmup first); a resume taking its schedule from the checkpoint is not judged on this one.
@@ -363,7 +172,7 @@ def validate(cfg, world_size: int, plan=None) -> ParallelLayout:
     return layout
 
 
-def _check_pipeline_split(cfg, layout: ParallelLayout) -> None:
+def _check_pipeline_split(cfg, layout: ParallelDims) -> None:
     """megatron splits ``num_layers`` evenly over pp x vpp model chunks (no uneven split here)."""
     pp, vpp = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size
     if pp == 1:
@@ -408,7 +217,7 @@ def _check_model_options(m, tp: int) -> None:
     groups = m.get("num_query_groups")
     if groups is None:
         return
-    _positive("model.num_query_groups", groups)
+    check_positive("model.num_query_groups", groups)
     if m.num_attention_heads % groups:
         raise ConfigError(f"model.num_query_groups={groups} must divide "
                           f"model.num_attention_heads={m.num_attention_heads}")
@@ -440,7 +249,7 @@ def _check_checkpoint_vocab(cfg, plan=None) -> None:
         raise CheckpointError(message)
 
 
-def _check_gtp_dims(cfg, layout: ParallelLayout) -> None:
+def _check_gtp_dims(cfg, layout: ParallelDims) -> None:
     """Every GTP-sharded TP-local dim 0 must shard over gtp_remat_size (pad 0 needs divisibility)."""
     from gtp.alignment import validate_gtp_dims
 
@@ -467,7 +276,7 @@ def _short(name: str) -> str:
     return parts[-2] if parts[-1] == "weight" else name
 
 
-def _announce_quantization(cfg, layout: ParallelLayout) -> None:
+def _announce_quantization(cfg, layout: ParallelDims) -> None:
     """One line, once per launch (not again in each worker), when a quantized recipe is chosen:
     what it quantizes with TransformerEngine (``recipes.te``), or, without it, that it only
     picks the GTP alignment."""

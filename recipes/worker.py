@@ -92,22 +92,6 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def model_parallel_fields(layout) -> dict:
-    """megatron ``parallel_state.initialize_model_parallel`` keyword arguments of ``layout`` (a
-    ``recipes.validate.ParallelLayout``): tensor, pipeline, context parallel and GTP sizes and
-    the expert grid (``recipes.moe.parallel_state_fields``)."""
-    from recipes import moe
-
-    return dict(
-        tensor_model_parallel_size=layout.tensor_model_parallel_size,
-        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
-        context_parallel_size=layout.context_parallel_size,
-        gtp_remat_size=layout.gtp_remat_size,
-        **moe.parallel_state_fields(layout),
-    )
-
-
 def setup(cfg, layout, optimizer_cfg=None):
     """Process groups, GTP backend, model, DDP, optimizer, scheduler (no data, no checkpoint).
 
@@ -132,8 +116,8 @@ def setup(cfg, layout, optimizer_cfg=None):
     cpu_compat.install()
     moe_cpu.install()
     safe_objects.install()  # no pickle of a checkpoint loaded here runs code
-    gtp_setup.before_model(cfg, moe.gtp_hook_layout(layout))
-    parallel_state.initialize_model_parallel(**model_parallel_fields(layout))
+    gtp_setup.before_model(cfg, layout)
+    parallel_state.initialize_model_parallel(**layout.megatron_kwargs())
     set_seed(cfg.train.seed)
     from recipes.data import build_tokenizer
 
@@ -160,7 +144,7 @@ def setup(cfg, layout, optimizer_cfg=None):
                                    **({"full_param_layout": layouts[i]} if layouts else {}))
            for i, chunk in enumerate(chunks)]
     for chunk in ddp:
-        gtp_setup.after_ddp(chunk, moe.gtp_hook_layout(layout))
+        gtp_setup.after_ddp(chunk, layout)
         moe.after_ddp(chunk, layout)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [chunk.no_sync for chunk in ddp] if len(ddp) > 1 else ddp[0].no_sync

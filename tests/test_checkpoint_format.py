@@ -40,7 +40,7 @@ def test_the_composed_config_reads_the_same_before_resolving():
 @pytest.mark.parametrize("key", ["checkpoint.format", "gtp.checkpoint_layout"])
 def test_the_format_typed_under_either_name_is_the_one_applied(key):
     was = gtp_checkpoint.is_installed()
-    no_gtp = SimpleNamespace(gtp_remat_size=1)
+    no_gtp = SimpleNamespace(uses_gtp=False)
     try:
         gtp_setup.before_model(make_cfg(f"{key}=stock"), no_gtp)
         assert not gtp_checkpoint.is_installed()

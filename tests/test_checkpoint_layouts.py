@@ -23,7 +23,6 @@ L=200 -> 112,88).
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -31,9 +30,9 @@ import pytest
 import torch
 
 from layout_goldens import (
-    SENTINEL, STEP, build as _build, cut as _cut, diff as _diff, full_shape as _full_shape,
-    gated as _gated, golden_full as _golden_full, is_gtp as _is_gtp, local as _local,
-    make_cfg, fill as _pp_fill, check as _pp_check, layout_goldens as _pp_goldens,
+    SENTINEL, STEP, build as _build, diff as _diff, full_shape as _full_shape, gated as _gated,
+    golden_full as _golden_full, is_gtp as _is_gtp, local as _local, make_cfg,
+    fill as _pp_fill, check as _pp_check,
 )
 from multiproc import run_distributed
 

@@ -19,7 +19,6 @@ from recipes import context_parallel
 from recipes.dry_run import activation_bytes, report
 from recipes.model import transformer_config
 from recipes.validate import ConfigError, validate
-from recipes.worker import model_parallel_fields
 
 
 @pytest.fixture
@@ -53,12 +52,11 @@ def test_passed_to_parallel_state_and_transformer_config(stand_in_te):
     layout = validate(cfg, 8)
     assert (layout.context_parallel_size, layout.data_parallel_size) == (2, 2)  # 8 / (tp2 x cp2)
     assert "tp2+sp x cp2 x dp2 (world 8)" in layout.describe(), layout.describe()
-    fields = model_parallel_fields(layout)
+    fields = layout.megatron_kwargs()
     assert (fields["context_parallel_size"], fields["tensor_model_parallel_size"]) == (2, 2)
     config = transformer_config(cfg, layout, use_te=True)
     assert config.context_parallel_size == 2 and config.transformer_impl == "transformer_engine"
-    assert model_parallel_fields(validate(make_cfg("parallelism=tp2"), 2))[
-        "context_parallel_size"] == 1
+    assert validate(make_cfg("parallelism=tp2"), 2).megatron_kwargs()["context_parallel_size"] == 1
     with pytest.raises(ConfigError) as info:  # world 6: not a multiple of tp2 x cp2
         validate(cfg, 6)
     assert "context_parallel_size=2" in str(info.value), str(info.value)

@@ -221,7 +221,7 @@ def save_checkpoint(root, iteration: int, model, optimizer, scheduler, common: d
         scheduler: megatron's ``OptimizerParamScheduler``.
         common: small state identical on every rank (consumed samples, wandb run id, resolved
             config...): plain python values only, so it loads with ``weights_only=True``.
-        layout_dict: the ``ParallelLayout`` the run uses (:func:`recipes.checkpoint.state.layout_record`),
+        layout_dict: the ``ParallelDims`` the run uses (:func:`recipes.checkpoint.state.layout_record`),
             recorded so a loader knows what wrote it.
         async_saves: None: write now and return when the checkpoint is complete. Else the
             tensors are written in the background (megatron's async torch_dist save) into the

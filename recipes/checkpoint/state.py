@@ -113,7 +113,7 @@ def sharded_state_dict(model, optimizer, is_loading: bool, adapt=None) -> dict:
 
 
 def layout_record(layout) -> dict:
-    """The run's layout as a dict: the ``ParallelLayout`` fields plus the megatron-core version.
+    """The run's layout as a dict: the ``ParallelDims`` fields plus the megatron-core version.
 
     A checkpoint stores it without ``pad_for_alignment`` (:func:`gtp.records.stored_layout`;
     the ``gtp_layout`` record owns that fact) and :func:`gtp.records.saved_layout` reads it
