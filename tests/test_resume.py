@@ -118,6 +118,7 @@ def test_the_run_closes_with_a_summary(runs):
     last = {k: v for r in rows[5:] for k, v in r.items()}  # the resumed job's rows 5..8
     best = min((r["lm loss validation"], r["iteration"]) for r in rows[5:]
                if "lm loss validation" in r)
+    assert "> run complete" in runs["a_stdout"], runs["a_stdout"][-3000:]
     summary = runs["a_stdout"][runs["a_stdout"].index("> run complete"):]
     assert re.match(r"> run complete: iteration 8/8 in \d+:\d\d:\d\d \(wall time\)\n", summary)
     assert f">   final lm loss: {last['lm loss']:.6E}\n" in summary, summary
