@@ -112,7 +112,8 @@ def quiet_megatron(rank: int, async_save: bool) -> None:
         holder.addFilter(flt)
 
 
-def format_summary(logger, wall_s: float, train_iters: int, checkpoint, how: str | None) -> str:
+def format_summary(logger, wall_s: float, train_iters: int, checkpoint, how: str | None,
+                   save_root=None) -> str:
     """The closing lines of a run that reached ``train.train_iters`` (rank 0 prints them).
 
     Args:
@@ -123,6 +124,7 @@ def format_summary(logger, wall_s: float, train_iters: int, checkpoint, how: str
         checkpoint: the iter dir to resume from (the last complete save, or the one loaded),
             None when there is none.
         how: the command that continues the run (``recipes.preemption.CONTINUE_ENV``), if any.
+        save_root: ``checkpoint.save`` (None: saving is off).
     """
     import shlex
 
@@ -138,7 +140,9 @@ def format_summary(logger, wall_s: float, train_iters: int, checkpoint, how: str
         lines.append(f">   lm loss validation: final {final:.6E} (iteration {at}), "
                      f"best {best:.6E} (iteration {best_at})")
     if checkpoint is None:
-        lines.append(">   no checkpoint to resume from (checkpoint.save=null)")
+        why = ("checkpoint.save=null" if save_root is None else
+               f"none saved into {save_root}: checkpoint.save_interval, checkpoint.save_at_end")
+        lines.append(f">   no checkpoint to resume from ({why})")
     else:
         lines.append(f">   resume from: {checkpoint}")
         if how:

@@ -320,8 +320,8 @@ def run(cfg, resume=None) -> None:
         manager.wait()
         if stopped is None and logger is not None:
             print(format_summary(logger, time.time() - started, cfg.train.train_iters,
-                                 manager.last_good, os.environ.get(preemption.CONTINUE_ENV)),
-                  flush=True)
+                                 manager.last_good, os.environ.get(preemption.CONTINUE_ENV),
+                                 ck.save), flush=True)
     finally:
         if logger is not None:
             logger.close()

@@ -105,6 +105,9 @@ def test_the_summary_without_validation_checkpoint_or_wandb():
     text = format_summary(_logger(validation=False), 5.0, 8, None, None)
     assert "validation" not in text and "wandb" not in text and "train on" not in text
     assert "no checkpoint to resume from (checkpoint.save=null)" in text
+    text = format_summary(_logger(validation=False), 5.0, 8, None, None, save_root="out/ck")
+    assert "no checkpoint to resume from (none saved into out/ck: checkpoint.save_interval, " \
+           "checkpoint.save_at_end)" in text, text
 
 
 def test_the_hf_import_prints_its_layers_and_seconds(tmp_path, monkeypatch, capsys):
