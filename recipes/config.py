@@ -290,6 +290,9 @@ class LoggerConfig:
     # Also log the grad norm per layer type (grad-norm/embedding, /attention, /mlp, /norms,
     # /output) and per transformer layer (grad-norm/layer-<i>), each logical element once.
     grad_norm_detail: bool = False
+    # The iteration line: compact (fits 160 columns) or full (every figure Megatron-LM prints);
+    # metrics.jsonl and wandb hold every figure either way.
+    console_line: str = "compact"
 
 
 @dataclass

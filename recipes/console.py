@@ -16,6 +16,8 @@ import threading
 from pathlib import Path
 
 JOB_LOG = "train.log"
+# The epoch seconds the job started at (set by recipes.launch.run_job): the summary's wall time.
+STARTED_ENV = "GTP_RECIPES_STARTED"
 
 
 def _under_other_launcher() -> bool:
@@ -108,3 +110,46 @@ def quiet_megatron(rank: int, async_save: bool) -> None:
         for old in [f for f in holder.filters if isinstance(f, _MegatronFilter)]:
             holder.removeFilter(old)
         holder.addFilter(flt)
+
+
+def format_summary(logger, wall_s: float, train_iters: int, checkpoint, how: str | None,
+                   save_root=None) -> str:
+    """The closing lines of a run that reached ``train.train_iters`` (rank 0 prints them).
+
+    Args:
+        logger: the run's ``recipes.metrics.MetricLogger`` (last row, validation losses, the
+            offline wandb dir).
+        wall_s: seconds the job took (since :data:`STARTED_ENV`).
+        train_iters: ``train.train_iters``.
+        checkpoint: the iter dir to resume from (the last complete save, or the one loaded),
+            None when there is none.
+        how: the command that continues the run (``recipes.preemption.CONTINUE_ENV``), if any.
+        save_root: ``checkpoint.save`` (None: saving is off).
+    """
+    import shlex
+
+    from recipes.metrics import format_duration
+
+    last = logger.last
+    lines = [f"> run complete: iteration {last.get('iteration', train_iters)}/{train_iters} in "
+             f"{format_duration(wall_s)} (wall time)"]
+    if "lm loss" in last:
+        lines.append(f">   final lm loss: {last['lm loss']:.6E}")
+    if logger.last_validation is not None:
+        (final, at), (best, best_at) = logger.last_validation, logger.best_validation
+        lines.append(f">   lm loss validation: final {final:.6E} (iteration {at}), "
+                     f"best {best:.6E} (iteration {best_at})")
+    if checkpoint is None:
+        why = ("checkpoint.save=null" if save_root is None else
+               f"none saved into {save_root}: checkpoint.save_interval, checkpoint.save_at_end")
+        lines.append(f">   no checkpoint to resume from ({why})")
+    else:
+        lines.append(f">   resume from: {checkpoint}")
+        if how:
+            # The same run trained further: a larger train.train_iters (twice, for example).
+            words = [w for w in shlex.split(how) if not w.startswith("train.train_iters=")]
+            words.append(f"train.train_iters={2 * train_iters}")
+            lines.append(f">   train on with: {' '.join(shlex.quote(w) for w in words)}")
+    if logger.wandb_offline_dir is not None:
+        lines.append(f">   wandb offline run: upload it with `wandb sync {logger.wandb_offline_dir}`")
+    return "\n".join(lines)

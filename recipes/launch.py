@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -265,6 +266,9 @@ def run_job(cfg) -> None:
     from recipes import pretrained
     from recipes.requeue import AUTO, resolve_auto_load
 
+    from recipes.console import STARTED_ENV
+
+    os.environ[STARTED_ENV] = str(time.time())  # the workers' summary counts from here
     submitit_env = rank_env_from_submitit()
     if submitit_env is not None:
         os.environ.update(submitit_env)

@@ -115,10 +115,16 @@ class MetricLogger:
         self.resumed_from = resumed_from
         self._start = time.perf_counter()
         self._first_iteration = resumed_from
+        self.full_line = cfg.logger.get("console_line", "compact") == "full"
+        # For the closing summary (recipes.console.format_summary).
+        self.last: dict = {}
+        self.best_validation: tuple[float, int] | None = None
+        self.last_validation: tuple[float, int] | None = None
         self.path = Path(output_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", buffering=1)
         self.run = None
+        self.wandb_offline_dir: str | None = None
         self.run_id = plan["run_id"]
         self._steps_path = Path(cfg.checkpoint.save) / WANDB_STEPS_FILE if cfg.checkpoint.save else None
         parent = plan["parent"]
@@ -156,6 +162,8 @@ class MetricLogger:
                 self.run = wandb.init(**kwargs)
             self.run.define_metric("iteration")
             self.run.define_metric("*", step_metric="iteration")
+            if cfg.logger.mode == "offline":  # what `wandb sync` uploads (its files' parent)
+                self.wandb_offline_dir = str(Path(self.run.dir).parent)
             # Online, a resumed run's server knows its last step.
             self.step = max(self.step, int(self.run.step or 0))
 
@@ -201,9 +209,14 @@ class MetricLogger:
         # The rest at the mean pace of this job's iterations so far (validation included).
         remaining = (now - self._start) / done * (self.train_iters - iteration) if done > 0 else None
         print(format_progress(iteration, self.train_iters, metrics, now - self._start, remaining,
-                              self.resumed_from), flush=True)
+                              self.resumed_from, full=self.full_line), flush=True)
+        self.last = {"iteration": iteration, **metrics}
         if "lm loss validation" in metrics:
             print(format_validation(iteration, metrics), flush=True)
+            loss = metrics["lm loss validation"]
+            self.last_validation = (loss, iteration)
+            if self.best_validation is None or loss < self.best_validation[0]:
+                self.best_validation = (loss, iteration)
 
     def close(self) -> None:
         """Flush and finish the wandb run."""
@@ -218,13 +231,63 @@ def format_duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+# The default console line fits this many columns (``logger.console_line=compact``).
+CONSOLE_WIDTH = 160
+# ``logger.console_line``: the compact line, or every figure Megatron-LM prints.
+CONSOLE_LINES = ("compact", "full")
+# The load-balancing losses an MoE run logs (recipes.moe.AUX_LOSS_NAMES' values).
+_AUX_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss")
+
+
+def timestamp(now: float | None = None) -> str:
+    """Megatron-LM's ``[YYYY-MM-DD hh:mm:ss]`` (local time) that starts its iteration line."""
+    return time.strftime("[%Y-%m-%d %H:%M:%S]", time.localtime(now))
+
+
 def format_progress(iteration: int, total: int, m: dict, elapsed_s: float | None = None,
-                    remaining_s: float | None = None, resumed_from: int | None = None) -> str:
-    """One Megatron-style progress line; with ``elapsed_s``/``remaining_s`` (seconds) the
-    job's elapsed time and the estimate of the rest, with ``resumed_from`` the iteration the job
-    resumed from. tokens/s counts the whole job's tokens (all data-parallel ranks); the
-    throughput is per GPU (process) and the peak memory the largest of any rank."""
+                    remaining_s: float | None = None, resumed_from: int | None = None,
+                    full: bool = False, now: float | None = None) -> str:
+    """One Megatron-style progress line, started by Megatron-LM's timestamp (``now``: epoch
+    seconds, default the present).
+
+    The compact line (default) holds at most :data:`CONSOLE_WIDTH` columns: the iteration,
+    ``lm loss``, the MoE load-balancing loss, the ``skipped iterations`` (when not 0),
+    ``grad norm``, the learning rate, the estimate of the rest (``remaining_s``), ms per
+    iteration, the iteration resumed from and tokens/s; what does not fit is dropped from the
+    end of that list. ``full`` adds everything else (elapsed time, consumed samples, TFLOP/s per
+    GPU, peak memory, num zeros) whatever its width. tokens/s counts the whole job's tokens (all
+    data-parallel ranks); the throughput is per GPU (process), the peak memory the largest of
+    any rank. metrics.jsonl and wandb hold every figure either way.
+    """
+    head = f" {timestamp(now)} iteration {iteration:6d}/{total}"
     resumed = f" (resumed from {resumed_from})" if resumed_from is not None else ""
+    aux = [(k, m[k]) for k in _AUX_LOSSES if k in m]
+    skipped = int(m.get("skipped-iterations", 0) or 0)
+    if full:
+        return head + resumed + _full_rest(m, elapsed_s, remaining_s, aux, skipped)
+    # (rank: kept before any field of a higher rank, text) in the order shown.
+    fields = [(8, resumed)]
+    if remaining_s is not None:
+        fields.append((6, f" | remaining: {format_duration(remaining_s)}"))
+    fields += [(7, f" | ms/iter: {1000 * m['iteration-time']:.1f}"),
+               (9, f" | tokens/s: {m['tokens-per-sec']:.0f}"),
+               (5, f" | lr: {m['learning-rate']:.3E}"),
+               (0, f" | lm loss: {m['lm loss']:.4E}")]
+    fields += [(1, f" | {name}: {value:.4E}") for name, value in aux]
+    fields.append((4, f" | grad norm: {m['grad-norm']:.4g}"))
+    if skipped:
+        # Megatron-LM's "number of skipped iterations", shortened to leave room for grad norm.
+        fields.append((3, f" | skipped iterations: {skipped}"))
+    width = len(head) + sum(len(text) for _, text in fields)
+    for rank, text in sorted(fields, key=lambda f: -f[0]):
+        if width <= CONSOLE_WIDTH or rank == 0:
+            break
+        fields.remove((rank, text))
+        width -= len(text)
+    return head + "".join(text for _, text in fields)
+
+
+def _full_rest(m: dict, elapsed_s, remaining_s, aux: list, skipped: int) -> str:
     timing = ""
     if elapsed_s is not None:
         timing = f"elapsed: {format_duration(elapsed_s)} | "
@@ -237,13 +300,13 @@ def format_progress(iteration: int, total: int, m: dict, elapsed_s: float | None
         from recipes.dry_run import format_bytes
 
         perf += f"peak memory per rank: {format_bytes(m['peak-memory-bytes'])} | "
+    moe = "".join(f"{name}: {value:.6E} | " for name, value in aux)
     return (
-        f" iteration {iteration:6d}/{total}{resumed} | {timing}"
-        f"consumed samples {m['consumed-samples']:8d} | "
+        f" | {timing}consumed samples {m['consumed-samples']:8d} | "
         f"elapsed time per iteration (ms): {1000 * m['iteration-time']:8.1f} | {perf}"
         f"tokens/s (global): {m['tokens-per-sec']:9.0f} | learning rate: {m['learning-rate']:.4E} | "
-        f"lm loss: {m['lm loss']:.6E} | grad norm: {m['grad-norm']:.4f} | "
-        f"num zeros: {m['num-zeros']:.0f}"
+        f"lm loss: {m['lm loss']:.6E} | {moe}grad norm: {m['grad-norm']:.4f} | "
+        f"num zeros: {m['num-zeros']:.0f} | number of skipped iterations: {skipped}"
     )
 
 

@@ -20,6 +20,7 @@ Before launch (:func:`apply_source`, one process):
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from omegaconf import open_dict
@@ -200,11 +201,13 @@ def prepare(cfg, is_rank0: bool) -> None:
     root = Path(checkpoint_root(cfg))
     if (root / TRACKER).exists():
         return
+    started = time.perf_counter()
     try:
         path = hf_import.import_hf(src, root)
     except hf_import.HFImportError as exc:
         raise ConfigError(f"checkpoint.pretrained={src}: {exc}") from None
-    print(f"> imported {src} into {path}", flush=True)
+    print(f"> imported {src} into {path}: {cfg.model.num_layers} layers in "
+          f"{time.perf_counter() - started:.1f} s", flush=True)
 
 
 def load_weights(cfg, model, optimizer) -> None:

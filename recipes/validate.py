@@ -36,7 +36,7 @@ def validate(cfg, world_size: int, plan=None) -> ParallelDims:
     """
     from gtp.records import CHECKPOINT_FORMATS
     from recipes.data import SOURCES
-    from recipes.metrics import LOGGER_MODES
+    from recipes.metrics import CONSOLE_LINES, LOGGER_MODES
     from recipes.model import PARAMS_DTYPES
     from recipes.optim import LR_DECAY_STYLES, optim_refusal
 
@@ -156,8 +156,9 @@ def validate(cfg, world_size: int, plan=None) -> ParallelDims:
     if fmt not in CHECKPOINT_FORMATS:
         raise ConfigError(f"checkpoint.format={fmt!r} (old name gtp.checkpoint_layout): valid are "
                           f"{CHECKPOINT_FORMATS}")
-    if cfg.logger.mode not in LOGGER_MODES:
-        raise ConfigError(f"logger.mode={cfg.logger.mode!r}: valid are {LOGGER_MODES}")
+    for key, valid in (("mode", LOGGER_MODES), ("console_line", CONSOLE_LINES)):
+        if cfg.logger.get(key, valid[0]) not in valid:
+            raise ConfigError(f"logger.{key}={cfg.logger.get(key)!r}: valid are {valid}")
     ck = cfg.checkpoint
     if ck.save_interval < 0:
         raise ConfigError(f"checkpoint.save_interval={ck.save_interval} must be >= 0 (0: never)")

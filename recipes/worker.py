@@ -18,6 +18,7 @@ if __name__ == "__main__":  # a worker: keep a signal that comes while torch is 
 import os
 import random
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,11 +195,11 @@ def run(cfg, resume=None) -> None:
     from recipes.model import count_parameters
     from recipes.optim import apply_schedule_override
     from recipes.validate import validate
+    from recipes.console import STARTED_ENV, format_summary, quiet_megatron
 
+    started = float(os.environ.get(STARTED_ENV) or time.time())
     preemption.install(cfg.train)  # a signal from here on: save at the next iteration boundary
     created_world = init_distributed()
-    from recipes.console import quiet_megatron
-
     quiet_megatron(torch.distributed.get_rank(), bool(cfg.checkpoint.get("async_save", False)))
     check_same_run(cfg)
     ck = cfg.checkpoint
@@ -301,6 +302,10 @@ def run(cfg, resume=None) -> None:
     try:
         stopped = train(state, cfg, logger, manager)
         manager.wait()
+        if stopped is None and logger is not None:
+            print(format_summary(logger, time.time() - started, cfg.train.train_iters,
+                                 manager.last_good, os.environ.get(preemption.CONTINUE_ENV),
+                                 ck.save), flush=True)
     finally:
         if logger is not None:
             logger.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy
 import pytest
@@ -115,7 +116,7 @@ def test_pydoc_corpus_builds_caches_and_decodes_to_the_stdlib_text(tmp_path, mon
     assert all(doc[-1] == 256 and 256 not in doc[:-1] for doc in docs)
 
 
-def test_text_and_jsonl_documents_round_trip(tmp_path):
+def test_text_and_jsonl_documents_round_trip(tmp_path, capsys):
     src = tmp_path / "src"
     src.mkdir()
     txt_docs = ["First file.\n\nA second paragraph stays in the same document.\n", "Ünïcödé ✓ 日本語"]
@@ -134,7 +135,11 @@ def test_text_and_jsonl_documents_round_trip(tmp_path):
 
     cache = tmp_path / "cache"
     data_cfg = make_cfg(cache, source="text", paths=paths).data
+    capsys.readouterr()
     (prefix,) = D.prepare_data(data_cfg, seq_length=16)
+    # One line with the counts and the seconds it took; none on a cache hit below.
+    assert re.fullmatch(rf"> tokenized the text corpus into {prefix}: 5 documents, \d+ tokens in "
+                        r"\d+\.\d s\n", capsys.readouterr().out)
     tok = D.ByteTokenizer()
     docs = read_documents(prefix)
     assert [tok.detokenize(d) for d in docs] == txt_docs + jsonl_docs
@@ -142,6 +147,7 @@ def test_text_and_jsonl_documents_round_trip(tmp_path):
 
     # Same inputs: same cache; a changed input file: a new corpus.
     assert D.prepare_data(data_cfg, seq_length=16) == [prefix]
+    assert capsys.readouterr().out == ""
     (src / "doc0.txt").write_text("changed, and longer than before")
     (prefix2,) = D.prepare_data(data_cfg, seq_length=16)
     assert prefix2 != prefix

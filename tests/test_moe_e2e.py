@@ -20,6 +20,7 @@ the per-layer tokens-per-expert ratios (integer counts over the same global batc
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -60,6 +61,9 @@ def test_each_layout_ran_as_asked(runs):
         assert [r["iteration"] for r in rows] == [1, 2], name
         for r in rows:
             assert all(math.isfinite(r[k]) for k in ("lm loss", "grad-norm", "load_balancing_loss"))
+        # The load-balancing loss is on the console line too, not only in metrics.jsonl.
+        assert re.search(r"iteration +2/2 \|.* \| lm loss: \S+ \| load_balancing_loss: "
+                         r"\d\.\d{4}E[+-]\d\d \|", stdout), (name, stdout[-3000:])
 
 
 def test_iteration_one_is_the_same_at_every_layout(runs):

@@ -8,6 +8,7 @@ launcher replaced by a tripwire; a few run ``train.py`` itself to see exit code 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -81,7 +82,7 @@ def checkpoint_dir(tmp_path_factory):
     proc = subprocess.run(
         [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={out}", "parallelism=tp1",
          "train.train_iters=2", "optim.lr_warmup_iters=1", "logger=none",
-         f"data.cache_dir={out}/cache", "train.eval_iters=0"],
+         f"data.cache_dir={out}/cache", "train.eval_iters=0", "logger.console_line=full"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:]
     (out / "console.txt").write_text(proc.stdout)
@@ -89,13 +90,22 @@ def checkpoint_dir(tmp_path_factory):
 
 
 def test_the_console_of_a_run_is_quiet_and_copied_to_train_log(checkpoint_dir):
-    """The checkpoint fixture's run (logger=none, synchronous saves)."""
+    """The checkpoint fixture's run (logger=none, synchronous saves, the full iteration line)."""
     console = (checkpoint_dir.parent / "console.txt").read_text()
     assert "async save is deprecated" not in console, console
     assert "wandb run" not in console, console
     assert "throughput per GPU (TFLOP/s/GPU)" in console and "peak memory per rank" in console
+    assert "| number of skipped iterations: 0" in console, console
     log = (checkpoint_dir.parent / "train.log").read_text()
     assert " iteration      2/2" in log and "> saved checkpoint at iteration 2" in log, log
+    # The seconds a save took, and the closing summary naming the checkpoint to resume from.
+    assert re.search(r"^> saved checkpoint at iteration 2 to \S+iter_0000002 in \d+\.\d s$", log,
+                     re.M), log
+    assert re.search(r"^> run complete: iteration 2/2 in \d+:\d\d:\d\d \(wall time\)\n"
+                     r">   final lm loss: \S+\n(>   lm loss validation: .*\n)?"
+                     r">   resume from: \S+iter_0000002\n>   train on with: python \S*train.py .*"
+                     r"checkpoint.load=auto train.train_iters=4$", log, re.M), log
+    assert "wandb sync" not in log  # logger=none
 
 
 # (overrides, substrings of the message: the bad value and the fix). {t}: text files dir,
@@ -130,6 +140,7 @@ CASES = [
     (["logger=wandb", "logger.mode=online"],
      ["logger.mode=online needs wandb credentials", "export WANDB_API_KEY", "logger.mode=offline"]),
     (["logger=wandb", "logger.mode=onlin"], ["logger.mode='onlin'", "valid are"]),
+    (["logger.console_line=wide"], ["logger.console_line='wide'", "valid are ('compact', 'full')"]),
     (["checkpoint.load={c}", "model.hidden_size=96"],
      ["model.hidden_size=96 (checkpoint: 72)", "set model.hidden_size=72", "checkpoint.load=null"]),
     (["checkpoint.load={c}", "model=tiny_swiglu"], ["model.swiglu=True (checkpoint: False)",

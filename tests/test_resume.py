@@ -40,8 +40,8 @@ def runs(train_run, train_jobs, tmp_path_factory):
     crashed = train_run(a, *COMMON, "parallelism=dp2", "checkpoint.save_interval=4", rc=None,
                         env=CRASH)
     assert crashed.returncode != 0, crashed.stdout[-3000:]
-    train_run(a, *COMMON, "parallelism=dp2", "checkpoint.save_interval=4",
-              f"checkpoint.load={a}/checkpoints")
+    resumed = train_run(a, *COMMON, "parallelism=dp2", "checkpoint.save_interval=4",
+                        f"checkpoint.load={a}/checkpoints")
     # The forks B and C are in-world jobs (tests/helpers/inworld.py): the crash and its resume
     # above are train.py's own behaviour, these two only continue a run at another layout.
     _, out_c = train_jobs([
@@ -50,7 +50,7 @@ def runs(train_run, train_jobs, tmp_path_factory):
         (c, [*COMMON, "parallelism=tp1", "checkpoint.save_interval=2",
              f"checkpoint.load={b}/checkpoints", "checkpoint.load_iteration=5"]),
     ])
-    return {"a": a, "b": b, "c": c, "c_stdout": out_c.stdout}
+    return {"a": a, "b": b, "c": c, "a_stdout": resumed.stdout, "c_stdout": out_c.stdout}
 
 
 def test_loss_falls_in_the_uninterrupted_run(runs):
@@ -105,10 +105,32 @@ def test_validation_every_interval_and_equal_after_resume(runs):
     assert "validation loss at iteration 8 | lm loss value:" in runs["c_stdout"]
 
 
-def test_progress_line_shows_resume_elapsed_and_remaining(runs):
-    line = re.compile(r" iteration +7/8 \(resumed from 5\) \| elapsed: \d+:\d\d:\d\d \| "
-                      r"remaining: \d+:\d\d:\d\d \| consumed samples +112 \|")
+def test_progress_line_shows_timestamp_resume_and_remaining(runs):
+    line = re.compile(r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +7/8 \(resumed from 5\) \| "
+                      r"remaining: \d+:\d\d:\d\d \| ms/iter: [\d.]+ \|", re.M)
     assert line.search(runs["c_stdout"]), runs["c_stdout"][-3000:]
+
+
+def test_the_run_closes_with_a_summary(runs):
+    """A's resumed run: wall time, final and best validation loss, the checkpoint to resume from,
+    the command that trains on and the offline wandb run to upload."""
+    rows, _ = read_metrics(runs["a"])
+    last = {k: v for r in rows[5:] for k, v in r.items()}  # the resumed job's rows 5..8
+    best = min((r["lm loss validation"], r["iteration"]) for r in rows[5:]
+               if "lm loss validation" in r)
+    assert "> run complete" in runs["a_stdout"], runs["a_stdout"][-3000:]
+    summary = runs["a_stdout"][runs["a_stdout"].index("> run complete"):]
+    assert re.match(r"> run complete: iteration 8/8 in \d+:\d\d:\d\d \(wall time\)\n", summary)
+    assert f">   final lm loss: {last['lm loss']:.6E}\n" in summary, summary
+    assert (f">   lm loss validation: final {last['lm loss validation']:.6E} (iteration 8), "
+            f"best {best[0]:.6E} (iteration {best[1]})\n") in summary, summary
+    assert f">   resume from: {runs['a']}/checkpoints/iter_0000008\n" in summary, summary
+    assert re.search(rf">   train on with: python \S+train.py hydra.run.dir={runs['a']} .* "
+                     r"checkpoint.load=auto train.train_iters=16\n", summary), summary
+    assert "train.train_iters=8" not in summary
+    offline = run_files(runs["a"])[-1].parent  # the resumed job's offline run
+    assert f">   wandb offline run: upload it with `wandb sync {offline}`" in summary, summary
+    assert runs["a_stdout"].count("> run complete") == 1  # rank 0 only
 
 
 def test_wandb_one_run_per_lineage_and_no_dropped_step(runs):

@@ -34,6 +34,7 @@ def test_progress_line_names_throughput_peak_memory_and_global_tokens():
     line = format_progress(3, 10, {"consumed-samples": 48, "iteration-time": 0.5,
                                    "tokens-per-sec": 2048.0, "learning-rate": 1e-3,
                                    "lm loss": 5.0, "grad-norm": 1.0, "num-zeros": 0,
-                                   "throughput": 1.25, "peak-memory-bytes": 3 * 2**30})
+                                   "throughput": 1.25, "peak-memory-bytes": 3 * 2**30},
+                           full=True)  # logger.console_line=full
     assert "throughput per GPU (TFLOP/s/GPU): 1.25 |" in line
     assert "peak memory per rank: 3.00 GiB |" in line and "tokens/s (global):" in line

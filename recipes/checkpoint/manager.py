@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -302,7 +303,8 @@ class CheckpointManager:
         if self.async_saves is not None:
             self.async_saves.wait()  # the save still in flight moves the tracker first
         previous = tracked(self.root) if torch.distributed.get_rank() == 0 else None
-        complete = functools.partial(self._complete, iteration, previous, logger)
+        complete = functools.partial(self._complete, iteration, previous, logger,
+                                     time.perf_counter())
         async_saves = None if sync else self.async_saves
         self._started = iteration
         staged = stage_save(self.root, iteration, state.model, state.optimizer, state.scheduler,
@@ -327,9 +329,11 @@ class CheckpointManager:
                 "wandb_step": int(step.item()), "config": fixed.get("config"),
                 "data_plan": fixed.get("data_plan"), "skipped_iterations": state.skipped}
 
-    def _complete(self, iteration: int, previous: int | None, logger, staged: Path) -> None:
+    def _complete(self, iteration: int, previous: int | None, logger, started: float,
+                  staged: Path) -> None:
         """Every rank, once every rank's files of ``iteration`` are written: rename the staged
-        save into place, then (rank 0) note a tracker that moves back, prune and log."""
+        save into place, then (rank 0) note a tracker that moves back, prune and log the seconds
+        since the save started (``started``: ``time.perf_counter()``)."""
         path = finalize_save(self.root, iteration, staged)
         self.last_good = path
         if torch.distributed.get_rank() != 0:
@@ -344,9 +348,11 @@ class CheckpointManager:
         if self.keep_last:
             keep = (iteration,) if self.loaded is None else (iteration, self.loaded)
             remove_old_checkpoints(self.root, self.keep_last, keep=keep)
+        seconds = time.perf_counter() - started
         if logger is not None:
-            logger.event("save", iteration=iteration, path=str(path))
-        print(f"> saved checkpoint at iteration {iteration} to {path}", flush=True)
+            logger.event("save", iteration=iteration, path=str(path), seconds=round(seconds, 3))
+        print(f"> saved checkpoint at iteration {iteration} to {path} in {seconds:.1f} s",
+              flush=True)
 
     def poll(self) -> None:
         """Finalize the background save in flight if every rank's writer has finished (a

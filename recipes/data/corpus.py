@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import shutil
 import tempfile
+import time
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy
@@ -26,8 +26,6 @@ import numpy
 from gtp.progress import progress
 
 from recipes.data.tokenizers import Tokenizer, build_tokenizer, check_source
-
-logger = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 # Bump when the way a corpus is written changes: every cached corpus is then rebuilt.
@@ -231,6 +229,7 @@ def _build_corpus(
     prefix = os.path.join(out_dir, _PREFIX_NAME)
     if _corpus_ready(out_dir):
         return prefix
+    started = time.perf_counter()
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     tmp_dir = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".tmp-", dir=parent)
@@ -276,9 +275,9 @@ def _build_corpus(
             if not _corpus_ready(out_dir):
                 raise
         else:
-            logger.info(
-                "built %s corpus %s: %d documents, %d tokens", source, prefix, num_docs, num_tokens
-            )
+            # Printed by the one process whose copy went into place.
+            print(f"> tokenized the {source} corpus into {prefix}: {num_docs} documents, "
+                  f"{num_tokens} tokens in {time.perf_counter() - started:.1f} s", flush=True)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return prefix
