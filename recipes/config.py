@@ -247,7 +247,7 @@ class CheckpointConfig:
     save_interval: int = 50
     # A checkpoint dir written by a previous run (any layout); null starts from scratch; auto
     # loads the newest complete save of `save` if there is one, else starts from scratch
-    # (recipes/requeue.py; the default under hydra/launcher=slurm and submitit_local).
+    # (recipes/checkpoint/auto.py; the default under hydra/launcher=slurm and submitit_local).
     load: Optional[str] = None
     # Start from these weights only (a Hugging Face model dir or a checkpoint; any layout): fresh
     # optimizer, schedule and iteration, model fields from the source (recipes/pretrained.py).
@@ -365,7 +365,7 @@ def register_configs() -> None:
     """
     from omegaconf import OmegaConf
 
-    from recipes.requeue import default_load
+    from recipes.checkpoint.auto import default_load
 
     # checkpoint.load's default: auto under a submitit launcher (conf/checkpoint/default.yaml).
     OmegaConf.register_new_resolver("recipes_default_load", default_load, replace=True)

@@ -261,10 +261,10 @@ def run_job(cfg) -> None:
     Raises:
         ConfigError, CheckpointError: bad input, before any worker starts.
     """
-    from recipes.checkpointer import NothingToTrain, prepare_resume
+    from recipes.checkpoint.policy import NothingToTrain, prepare_resume
 
     from recipes import pretrained
-    from recipes.requeue import AUTO, resolve_auto_load
+    from recipes.checkpoint.auto import AUTO, resolve_auto_load
 
     from recipes.console import STARTED_ENV
 

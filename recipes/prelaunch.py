@@ -191,7 +191,7 @@ def clamp_warmup(cfg, resume_settled: bool = False) -> None:
     """``optim.lr_warmup_iters`` at or past the decay length (``optim.lr_decay_iters``, default
     ``train.train_iters``; megatron's OptimizerParamScheduler asserts warmup < decay) is clamped
     to decay - 1 with a note. Before ``resume_settled`` it is left alone for a resume that takes
-    its lr schedule from the checkpoint (``recipes.checkpointer.prepare_resume`` sets it, then
+    its lr schedule from the checkpoint (``recipes.checkpoint.policy.prepare_resume`` sets it, then
     this runs again with ``resume_settled=True`` on the values that will run)."""
     from omegaconf import open_dict
 
@@ -300,15 +300,14 @@ def check_model_shape(cfg, plan=None) -> None:
     """
     from omegaconf import OmegaConf
 
-    from recipes.checkpoint import CheckpointError, load_common
-    from recipes.checkpointer import resolve_load_iteration
+    from recipes.checkpoint import CheckpointError
+    from recipes.checkpoint.manager import ResumePlan
+    from recipes.checkpoint.policy import is_rank0
     from recipes.shapes import parameter_shapes
 
-    ck = cfg.checkpoint
     if plan is None:
-        path, common = load_common(ck.load, resolve_load_iteration(ck))
-    else:
-        path, common = plan.path, plan.common
+        plan = ResumePlan.resolve(cfg.checkpoint, repair=is_rank0())
+    path, common = plan.path, plan.common
     saved = ((common.get("train_state") or {}).get("config") or {}).get("model")
     if not saved:
         return

@@ -150,9 +150,9 @@ def setup(cfg, layout, optimizer_cfg=None):
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [chunk.no_sync for chunk in ddp] if len(ddp) > 1 else ddp[0].no_sync
     if layout.use_distributed_optimizer:
-        from recipes import optim_checkpoint
+        from mcore_compat import distrib_optimizer
 
-        optim_checkpoint.install()
+        distrib_optimizer.install()
     optimizer = build_optimizer(optimizer_cfg or cfg, ddp)
     scheduler = build_scheduler(cfg, optimizer)
     ddp = ddp if len(ddp) > 1 else ddp[0]
@@ -188,7 +188,7 @@ def run(cfg, resume=None) -> None:
 
     from recipes import checkpoint, preemption
     from recipes.checkpoint.manager import CheckpointManager, ResumePlan
-    from recipes.checkpointer import agree_load_iteration, planned_samples
+    from recipes.checkpoint.policy import agree_load_iteration, planned_samples
     from recipes.config import to_dict
     from recipes.data import build_iterators, build_train_iterator
     from recipes.metrics import MetricLogger, plan_wandb_run

@@ -13,7 +13,8 @@ import torch
 from compose import make_cfg
 from multiproc import run_distributed
 
-from recipes import checkpoint, checkpointer
+from recipes import checkpoint
+from recipes.checkpoint import policy as checkpointer
 from recipes.checkpoint import manager
 from recipes.checkpoint import CheckpointError
 
@@ -105,7 +106,8 @@ def test_load_iteration_newer_than_the_tracker_loads_when_complete(tmp_path, mon
 def _agree_while_tracker_moves(root):
     from compose import make_cfg
 
-    from recipes import checkpoint as ckpt, checkpointer as policy
+    from recipes import checkpoint as ckpt
+    from recipes.checkpoint import policy
 
     rank = torch.distributed.get_rank()
     # A live writer moves the tracker between the ranks' reads: each rank would read another.

@@ -73,7 +73,7 @@ def _agree(load_by_rank, root):
     import torch
     from omegaconf import OmegaConf
 
-    from recipes.checkpointer import agree_load_iteration
+    from recipes.checkpoint.policy import agree_load_iteration
 
     # Loadability is not what this tests (the dir holds a stand-in save).
     checkpoint.check_loadable = lambda root, it: checkpoint.iter_dir(root, it)

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from gtp import dcp_reader
+from gtp import dcp_reader, dcp_records
 
 SENTINEL = -7
 
@@ -194,11 +194,11 @@ def test_a_one_element_target_with_any_stride_is_filled(checkpoint):
 
 
 def test_a_record_whose_tensor_leaves_its_storage_is_refused():
-    storage = dcp_reader._Storage(key="0", dtype=torch.float32, numel=24)
+    storage = dcp_records._Storage(key="0", dtype=torch.float32, numel=24)
     for offset, size, stride in ((-2, (3,), (1,)), (0, (10, 4), (4, 1)), (20, (5,), (1,))):
-        with pytest.raises(dcp_reader._Unsupported, match="outside its storage"):
-            dcp_reader._record(0, 1000, 0, 96, (storage, offset, size, stride))
-    assert dcp_reader._record(0, 1000, 0, 96, (storage, 0, (6, 4), (4, 1))).size == (6, 4)
+        with pytest.raises(dcp_records._Unsupported, match="outside its storage"):
+            dcp_records._record(0, 1000, 0, 96, (storage, offset, size, stride))
+    assert dcp_records._record(0, 1000, 0, 96, (storage, 0, (6, 4), (4, 1))).size == (6, 4)
 
 
 def test_a_run_of_rows_reads_those_bytes_only(checkpoint):
@@ -306,11 +306,11 @@ def test_records_in_another_zip_order_are_read_through_the_directory():
                 for name in zipfile.ZipFile(io.BytesIO(blob)).namelist():
                     archive.writestr(name, zipfile.ZipFile(io.BytesIO(blob)).read(name))
             blob = out.getvalue()
-            with pytest.raises(dcp_reader._Unsupported):
-                dcp_reader._read_ends(io.BytesIO(blob), 0, len(blob))
+            with pytest.raises(dcp_records._Unsupported):
+                dcp_records._read_ends(io.BytesIO(blob), 0, len(blob))
         else:
-            assert dcp_reader._read_ends(io.BytesIO(blob), 0, len(blob)) == \
-                dcp_reader._read_directory(io.BytesIO(blob), 0, len(blob))
+            assert dcp_records._read_ends(io.BytesIO(blob), 0, len(blob)) == \
+                dcp_records._read_directory(io.BytesIO(blob), 0, len(blob))
         framed = b"\0" * 100 + blob + b"\0" * 50  # a record inside a larger data file
         record = dcp_reader.read_record(io.BytesIO(framed), 100, len(blob))
         first, count = dcp_reader.contiguous_run(record, (2, 0), (3, 4))

@@ -26,7 +26,7 @@ EXPECTED = {
     "mcore_compat.cpu.redirect_torch",
     "mcore_compat.dist_checkpointing.set_write_results_queue",
     "mcore_compat.dist_checkpointing.keep_write_errors",
-    "recipes.optim_checkpoint.install",
+    "mcore_compat.distrib_optimizer.install",
     "recipes.faults.while_writing",
     "mcore_compat.moe_cpu.install",
     "gtp.expert_grads.tag_expert_params",

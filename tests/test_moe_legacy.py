@@ -139,7 +139,7 @@ def _world(root: str, cfgs: dict) -> dict:
                       _padding_was_garbage_then_zero(model, opt))
     out["loads"][("B", "B")] = _check(model, opt, cfg)
     # megatron's own read of A; then gtp.legacy's, into the same model in
-    # the logical format (a stock run loads only its own layout: recipes.checkpointer refuses)
+    # the logical format (a stock run loads only its own layout: recipes.checkpoint.policy refuses)
     out["naive"] = _naive_stock_read(model, root / "A" / "iter_0000001", cfg)
     gtp_checkpoint.configure("logical")
     _fill_sentinel(model, opt)

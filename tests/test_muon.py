@@ -203,7 +203,7 @@ def _layout(tp):
 def test_resume_across_optimizers_or_precisions_is_refused(tmp_path):
     from compose import make_cfg
     from recipes.checkpoint import CheckpointError
-    from recipes.checkpointer import _check_optimizer
+    from recipes.checkpoint.policy import _check_optimizer
     from recipes.config import to_dict
 
     adam_saved, muon_saved = to_dict(make_cfg()), to_dict(make_cfg("optim=muon"))
@@ -226,7 +226,7 @@ def test_resume_across_optimizers_or_precisions_is_refused(tmp_path):
 
 def test_blockwise_resume_at_another_tp_is_warned(tmp_path, capsys):
     from compose import make_cfg
-    from recipes.checkpointer import _check_optimizer
+    from recipes.checkpoint.policy import _check_optimizer
     from recipes.config import to_dict
 
     saved = to_dict(make_cfg("optim=muon", "optim.muon_tp_mode=blockwise"))
@@ -244,7 +244,7 @@ def test_muon_fields_are_no_change_for_adam():
     """An Adam resume from a checkpoint recorded before the muon_* fields existed lists none of
     them; a Muon resume lists a changed one."""
     from compose import make_cfg
-    from recipes.checkpointer import resume_changes
+    from recipes.checkpoint.policy import resume_changes
     from recipes.config import to_dict
 
     old = to_dict(make_cfg())
@@ -279,7 +279,7 @@ def test_muon_moe_resume_that_splits_or_joins_the_experts_is_refused(tmp_path):
     within one form it goes on."""
     from compose import make_cfg
     from recipes.checkpoint import CheckpointError
-    from recipes.checkpointer import _check_optimizer
+    from recipes.checkpoint.policy import _check_optimizer
     from recipes.config import to_dict
     from recipes.validate import validate
 

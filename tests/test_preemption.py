@@ -1,5 +1,5 @@
 """Cluster life: exit with a save on a signal, ``checkpoint.load=auto``, one live writer per
-save dir (recipes/preemption.py, recipes/requeue.py, recipes/lease.py)."""
+save dir (recipes/preemption.py, recipes/checkpoint/auto.py, recipes/lease.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from compose import make_cfg
 from recipes import checkpoint, lease, preemption
 from recipes.checkpoint import CheckpointError
 from recipes.metrics import read_metrics
-from recipes.requeue import resolve_auto_load
+from recipes.checkpoint.auto import resolve_auto_load
 from recipes.validate import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -247,7 +247,7 @@ def test_load_auto_takes_the_newest_complete_save_and_rewrites_a_tracker_left_be
     from omegaconf import open_dict
 
     from recipes.checkpoint import manager
-    from recipes.checkpointer import check_save_dir
+    from recipes.checkpoint.policy import check_save_dir
 
     # Stand-in saves of one lineage (tests/test_requeue_lineage.py loads real ones).
     monkeypatch.setattr(manager, "load_common",

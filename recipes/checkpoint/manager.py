@@ -1,9 +1,9 @@
 """The checkpoint lifecycle of one run, owned by one :class:`CheckpointManager` per rank.
 
 1. **Resolve** (before launch, once): :meth:`ResumePlan.resolve` settles ``checkpoint.load`` and
-   the iteration to load, and reads its common state; ``recipes.checkpointer.prepare_resume``
+   the iteration to load, and reads its common state; ``recipes.checkpoint.policy.prepare_resume``
    pins ``checkpoint.load_iteration`` in the resolved config the workers read. In the workers
-   every rank takes global rank 0's (``recipes.checkpointer.agree_load_iteration``) and opens
+   every rank takes global rank 0's (``recipes.checkpoint.policy.agree_load_iteration``) and opens
    it once (:meth:`ResumePlan.open`).
 2. **Load** (:meth:`CheckpointManager.load`): the run state from the plan's checkpoint.
 3. **Step** (:meth:`CheckpointManager.step`, once per iteration): finalize a background save

@@ -23,6 +23,7 @@ from gtp.records import saved_layout
 from recipes import checkpoint, precision_change
 from recipes.optim_checkpoint import optimizer_mismatch
 from recipes.checkpoint import CheckpointError
+from recipes.checkpoint.manager import ResumePlan
 from recipes.config import to_dict
 
 
@@ -30,26 +31,12 @@ class NothingToTrain(Exception):
     """The checkpoint to load is already at or past ``train.train_iters`` (not an error)."""
 
 
-def _is_rank0() -> bool:
+def is_rank0() -> bool:
     """Global rank 0, or the one process before launch: under torchrun/Slurm every rank runs the
     pre-launch checks, and only one may repair a save dir."""
     if torch.distributed.is_initialized():
         return torch.distributed.get_rank() == 0
     return int(os.environ.get("RANK", "0")) == 0
-
-
-def resolve_load_iteration(ck) -> int | None:
-    """The iteration ``ck.load`` resolves to now: ``ck.load_iteration`` or the tracker's (a
-    loadability check; global rank 0 first puts back a save a crash left aside).
-
-    Raises:
-        CheckpointError: as :func:`recipes.checkpoint.integrity.check_loadable`.
-    """
-    if ck.load is None:
-        return None
-    if Path(ck.load).is_dir() and _is_rank0():
-        checkpoint.recover_replaced(ck.load)
-    return int(checkpoint.check_loadable(ck.load, ck.load_iteration).name[5:])
 
 
 def agree_load_iteration(ck) -> int | None:
@@ -67,7 +54,7 @@ def agree_load_iteration(ck) -> int | None:
             box[1] = int(ck.load_iteration)
         elif ck.load is not None:
             try:
-                box[1] = resolve_load_iteration(ck)
+                box[1] = ResumePlan.resolve(ck, repair=True).iteration
             except CheckpointError as exc:
                 box[1] = exc
     torch.distributed.broadcast_object_list(box, src=0)
@@ -95,7 +82,7 @@ def check_save_dir(ck, load_iteration: int | None, auto: bool = False) -> None:
         return
     root = Path(ck.save)
     _check_writable(root)
-    if _is_rank0():
+    if is_rank0():
         checkpoint.recover_replaced(root)
     saved = checkpoint.saved_iterations(root)
     tracked = checkpoint.tracked(root) if (root / checkpoint.TRACKER).exists() else None
@@ -279,7 +266,7 @@ def prepare_resume(cfg, layout, plan=None, auto: bool = False) -> None:
         # Lazy (start-up time): megatron is imported before launch only by a run that loads.
         from recipes.checkpoint.manager import ResumePlan
 
-        plan = ResumePlan.resolve(ck, repair=_is_rank0())
+        plan = ResumePlan.resolve(ck, repair=is_rank0())
     iteration = None if plan is None else plan.iteration
     check_save_dir(ck, iteration, auto=auto)
     if iteration is None:
@@ -357,7 +344,7 @@ def _check_optimizer(cfg, layout, saved: dict, saved_layout: dict, root) -> None
                 f"checkpoint has {'two' if then else 'one'}: untested with optim.optimizer=muon. "
                 f"Resume at a layout that {'splits' if then else 'does not split'} the experts")
     modes = {_get(saved, "optim.muon_tp_mode"), cfg.optim.get("muon_tp_mode")}
-    if now == "muon" and "blockwise" in modes and tp_then not in (None, tp_now) and _is_rank0():
+    if now == "muon" and "blockwise" in modes and tp_then not in (None, tp_now) and is_rank0():
         print(f"> warning: optim.muon_tp_mode=blockwise orthogonalizes each tensor-parallel "
               f"shard on its own, so this resume at tensor_model_parallel_size={tp_now} "
               f"(saved at {tp_then}) trains differently from the uninterrupted run; "
