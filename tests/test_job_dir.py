@@ -102,11 +102,11 @@ def test_a_free_default_dir_is_claimed_as_it_is(hydra_job):
     assert cfg.output_dir == base and (Path(base) / launch.CLAIM).is_file()
 
 
-@pytest.mark.parametrize("how", ["hydra.run.dir", "multirun"])
+@pytest.mark.parametrize("how", ["hydra.run.dir", "output_dir", "multirun"])
 def test_an_explicit_dir_held_by_a_live_run_is_refused(hydra_job, tmp_path, how):
     out = str(tmp_path / "shared")
-    if how == "hydra.run.dir":
-        cfg = hydra_job(f"hydra.run.dir={out}")
+    if how != "multirun":
+        cfg = hydra_job(f"{how}={out}")
     else:  # a multirun's job dir, even of the default sweep dir
         cfg = hydra_job(mode=RunMode.MULTIRUN, out=out)
     assert cfg.output_dir == out
