@@ -428,11 +428,14 @@ def _draw_bars(fig, grid, jobs, summaries, colors) -> None:
     ax.set_title(TOKENS_TITLE, fontsize=9)
     ax = fig.add_subplot(grid[1, 1], sharex=ax)
     ax.bar(names, [s["peak_memory_bytes"] * 2.0**-20 if s["peak_memory_bytes"] is not None
-                   else 0.0 for s in summaries], color=colors)
+                   else nan for s in summaries], color=colors)
     ax.set_title(MEMORY_TITLE, fontsize=9)
     for ax in fig.axes[-2:]:
         ax.set_xlabel("job (table row)")
         ax.grid(True, axis="y", alpha=0.3)
+        if not any(math.isfinite(p.get_height()) for p in ax.patches):
+            ax.set_yticks([])  # an empty axis would show a made-up scale around 0
+            ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", color="gray")
 
 
 def report(paths, out: str | os.PathLike | None = None, title: str | None = None,

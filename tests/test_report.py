@@ -205,6 +205,9 @@ def test_tokens_per_sec_bars_are_the_median_with_the_range_over_iterations(tmp_p
     segments = bars.errorbar.lines[2][0].get_segments()
     assert [v for seg in segments for v in (seg[0][1], seg[1][1])] == pytest.approx(
         [v for name in ("0_a", "1_b") for v in (min(kept[name]), max(kept[name]))])
+    # No peak memory logged: no made-up scale, a word.
+    memory = next(a for a in fig.axes if a.get_title() == MEMORY_TITLE)
+    assert [t.get_text() for t in memory.texts] == ["not logged"] and not memory.get_yticks().size
     _, table, summaries = report([root], tmp_path / "r.png")
     assert [s["median_tokens_per_sec"] for s in summaries] == pytest.approx(want)
     assert "tokens/s median (range)" in table.splitlines()[0]
