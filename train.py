@@ -6,6 +6,7 @@
     python train.py -m hydra/launcher=slurm parallelism=tp1,tp2   # one Slurm job per value
 """
 
+import contextlib
 import sys
 import warnings
 
@@ -20,20 +21,32 @@ warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigSto
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg) -> None:
-    from recipes import refusal
     from recipes.console import job_log
-    from recipes.launch import run
+    from recipes.launch import run, settle_job_dir
 
+    with _refusal():
+        # First: the claim may give this run another dir than Hydra's (two in the same second).
+        notes = settle_job_dir(cfg)
     with job_log(cfg.output_dir):  # <output_dir>/train.log: a copy of the console
-        try:
+        if notes:
+            print(notes, flush=True)
+        with _refusal():
             run(cfg)
-        except Exception as exc:
-            text = refusal.message(exc)
-            if text is None:
-                raise
-            # Bad input: say what and stop (before launch, or as a torchrun rank).
-            print(f"error: {text}", file=sys.stderr)
-            sys.exit(refusal.EXIT_CODE)
+
+
+@contextlib.contextmanager
+def _refusal():
+    """Bad input: say what and stop (before launch, or as a torchrun rank); other errors raise."""
+    from recipes import refusal
+
+    try:
+        yield
+    except Exception as exc:
+        text = refusal.message(exc)
+        if text is None:
+            raise
+        print(f"error: {text}", file=sys.stderr)
+        sys.exit(refusal.EXIT_CODE)
 
 
 if __name__ == "__main__":

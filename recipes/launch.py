@@ -42,14 +42,15 @@ CLAIM = ".job_claim"
 _HELD: list = []
 
 
-def claim_job_dir(output_dir) -> str | None:
+def claim_job_dir(output_dir, wait: bool = True) -> str | None:
     """Claim ``output_dir`` for this run: ``<output_dir>/.job_claim``, a lease
     (:class:`recipes.lease.Lease`: run id, job id, host, pid, heartbeat) taken exclusively. A
-    live holder (two runs started in the same second share Hydra's default
-    ``outputs/<date>/<time>``) is refused; a stale one (:func:`recipes.lease.stale_reason`: its process gone,
-    its heartbeat stopped; this same Slurm/submitit job before a requeue once its process is gone
-    or, on another host, its heartbeat stopped) is taken over. Removed when the job ends
-    (:func:`run`) or this process exits.
+    live holder is refused (:func:`settle_job_dir` moves a run of the default
+    ``outputs/<date>/<time>`` to a free ``-1``, ``-2``, ... dir instead); a stale one
+    (:func:`recipes.lease.stale_reason`: its process gone, its heartbeat stopped; this same
+    Slurm/submitit job before a requeue once its process is gone or, on another host, its
+    heartbeat stopped: waited for unless ``wait`` is False) is taken over. Removed when the job
+    ends (:func:`run`) or this process exits.
 
     Returns:
         A note naming a stale holder taken over, or None.
@@ -62,11 +63,119 @@ def claim_job_dir(output_dir) -> str | None:
 
     claim = Lease(Path(output_dir) / CLAIM)
     try:
-        note = claim.take("job dir")
+        note = claim.take("job dir", wait=wait)
     except LeaseHeld as exc:
         raise ConfigError(f"{exc} (or set hydra.run.dir=OTHER_DIR)") from None
     _HELD.append(claim)
     return note
+
+
+def _holds_claim(output_dir) -> bool:
+    return any(held.path == Path(output_dir) / CLAIM and held.held() for held in _HELD)
+
+
+# conf/config.yaml's hydra.run.dir: a run started with it gets a dir of its own (settle_job_dir).
+DEFAULT_RUN_DIR = "outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}"
+# Runs started in one second on one default dir: the base dir, then <dir>-1 .. <dir>-MAX_SUFFIX.
+MAX_SUFFIX = 99
+
+
+def _default_run_dir(cfg) -> bool:
+    """This single run's dir is Hydra's default ``outputs/<date>/<time>``: not set by
+    ``hydra.run.dir`` or ``output_dir`` (command line or config), not a multirun's job dir."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return False
+    hydra_cfg = HydraConfig.get()
+    run_dir = OmegaConf.to_container(hydra_cfg.run, resolve=False).get("dir")
+    output_dir = OmegaConf.to_container(cfg, resolve=False).get("output_dir")
+    return (hydra_cfg.mode == RunMode.RUN and run_dir == DEFAULT_RUN_DIR
+            and output_dir == "${hydra:runtime.output_dir}")
+
+
+def settle_job_dir(cfg) -> str | None:
+    """Claim the job dir (:func:`claim_job_dir`) before anything of this run is written there.
+
+    A run of the default ``outputs/<date>/<time>`` whose dir another live run holds (both
+    started in the same second) takes ``<dir>-1``, ``<dir>-2``, ... instead: the first claim
+    that succeeds names it (an exclusive create: two runs never share one, and neither is
+    refused), ``cfg.output_dir`` and the dirs under it follow, and a note names the dir taken.
+    Such a run (re)writes Hydra's ``.hydra/`` record into its dir: a run started in the same
+    second may have written its own over it. An explicit dir (``hydra.run.dir``, a multirun's
+    job dir) held by a live run is refused. Nothing is claimed for a dry run or for one rank of a
+    torchrun/Slurm job (:func:`run_job` as before).
+
+    Returns:
+        The notes to print (the dir taken instead, a stale holder taken over), or None.
+
+    Raises:
+        ConfigError: an explicit dir held by a live run, or every suffix up to
+            :data:`MAX_SUFFIX` held.
+    """
+    if cfg.train.get("dry_run", False) or "RANK" in os.environ or any(
+            k.startswith("SUBMITIT_") for k in os.environ):
+        return None
+    base = str(cfg.output_dir)
+    if not _default_run_dir(cfg):
+        return claim_job_dir(base)
+    out, note = claim_free_dir(base)
+    notes = [note]
+    if out != base:
+        _move_run_dir(out)
+        notes.insert(0, f"> note: job dir {base} is in use by another run started in the same "
+                        f"second; this run's job dir is {out}")
+    _write_hydra_record(cfg, out)
+    return "\n".join(n for n in notes if n) or None
+
+
+def claim_free_dir(base: str) -> tuple[str, str | None]:
+    """Claim the first of ``base``, ``base-1`` .. ``base-MAX_SUFFIX`` no live run holds
+    (:func:`claim_job_dir`; a live holder of this job's id on another host is another run here,
+    not this job before a requeue: not waited for).
+
+    Returns:
+        ``(dir claimed, note naming a stale holder taken over or None)``.
+
+    Raises:
+        ConfigError: every one of them held by a live run.
+    """
+    from recipes.validate import ConfigError
+
+    for i in range(MAX_SUFFIX + 1):
+        out = base if i == 0 else f"{base}-{i}"
+        try:
+            return out, claim_job_dir(out, wait=False)
+        except ConfigError:
+            continue
+    raise ConfigError(f"job dir {base} and {base}-1 .. {base}-{MAX_SUFFIX} are all in use by "
+                      f"live runs; set hydra.run.dir=OTHER_DIR")
+
+
+def _move_run_dir(out: str) -> None:
+    """Point Hydra's ``runtime.output_dir`` (and so ``cfg.output_dir``, ``checkpoint.save``,
+    every ``${hydra:runtime.output_dir}``) at ``out``."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import read_write
+
+    runtime = HydraConfig.get().runtime
+    with read_write(runtime):
+        runtime.output_dir = out
+
+
+def _write_hydra_record(cfg, out: str) -> None:
+    """Hydra's ``.hydra/`` files of this run in ``out``, as Hydra writes them."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.output_subdir is None:
+        return
+    record = Path(out) / str(hydra_cfg.output_subdir)
+    record.mkdir(parents=True, exist_ok=True)
+    for name, node in (("config.yaml", cfg), ("hydra.yaml", HydraConfig.instance().cfg),
+                       ("overrides.yaml", hydra_cfg.overrides.task)):
+        (record / name).write_text(OmegaConf.to_yaml(node), encoding="utf-8")
 
 
 def take_save_dir(cfg, is_rank0: bool) -> str | None:
@@ -312,7 +421,7 @@ def run_job(cfg) -> None:
             print(f"> {exc}", flush=True)
         return
     prelaunch.clamp_warmup(cfg, resume_settled=True)  # the schedule that will run
-    if not as_rank:
+    if not as_rank and not _holds_claim(cfg.output_dir):  # train.py claimed it already
         note = claim_job_dir(cfg.output_dir)
         if note:
             print(note, flush=True)

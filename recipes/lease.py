@@ -151,7 +151,7 @@ class Lease:
                    "pid": os.getpid(), "start": process_start(os.getpid())}
         self._stop = threading.Event()
 
-    def take(self, what: str) -> str | None:
+    def take(self, what: str, wait: bool = True) -> str | None:
         """Create the lease file exclusively; a stale one (:func:`stale_reason`) is moved away
         first (a holder of this job's id on another host, the job before a requeue, is waited
         for once until its heartbeat is :data:`STALE_AFTER_S` old): a rename, after which the file moved is read again, and put back when it is no
@@ -159,6 +159,7 @@ class Lease:
 
         Args:
             what: the dir's role for messages, e.g. ``"checkpoint.save"``.
+            wait: wait for a holder of this job's id on another host (False: it is live).
 
         Returns:
             A note naming the stale holder taken over, or None.
@@ -178,7 +179,7 @@ class Lease:
                 if holder.get("run_id") == self.run_id:
                     return note  # already ours
                 why = stale_reason(holder, self.job_id)
-                if why is None and self._requeued_elsewhere(holder) and not waited:
+                if why is None and wait and self._requeued_elsewhere(holder) and not waited:
                     waited = True  # this job before a requeue, on another host: its beat stops
                     time.sleep(max(0.0, holder["heartbeat"] + STALE_AFTER_S + 1 - time.time()))
                     continue

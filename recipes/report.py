@@ -14,10 +14,11 @@ and the layout the job ran at. Resume points (``resume`` events) are marked with
 layout resumed from. When a job resumed from a checkpoint written by another job of the report
 (the event's ``load`` path lies in that job's dir), a dashed segment joins the parent's point at
 the resume iteration to the child's first point, so a chain of resumes reads as one curve. The
-table of final figures (job, layout, final iteration, final lm loss, final grad-norm, mean
-tokens/s, peak memory per rank) is printed and drawn under the panels, after one bar per job of
-mean tokens/s and peak memory (what an alignment sweep compares). Mean tokens/s leaves out the
-first iteration of each start/resume (start-up), unless it is the only one.
+table of final figures (job, layout, final iteration, final lm loss, final grad-norm, tokens/s
+median (range), peak memory per rank) is printed and drawn under the panels, after one bar per
+job of tokens/s and peak memory (what an alignment sweep compares). One iteration's tokens/s is
+noise: the bar is the median over the job's iterations, its error bar their range (min to max).
+Both leave out the first iteration of each start/resume (start-up), unless it is the only one.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -219,8 +221,9 @@ def _parent_of(load: str | None, jobs: list[Job]) -> Job | None:
 
 
 def summary(job: Job, reference: Job | None = None) -> dict:
-    """Final figures of one job: iteration, lm loss, grad-norm, mean tokens/s, and the largest
-    |lm loss difference| from ``reference`` over the iterations both logged."""
+    """Final figures of one job: iteration, lm loss, grad-norm, tokens/s over its iterations
+    (mean, median, min, max; the first iteration of each start/resume left out), peak memory,
+    and the largest |lm loss difference| from ``reference`` over the iterations both logged."""
     rows = job.rows
     last = rows[-1] if rows else {}
     speeds = []
@@ -240,6 +243,10 @@ def summary(job: Job, reference: Job | None = None) -> dict:
         "final_lm_loss": last.get(LM_LOSS),
         "final_grad_norm": last.get(GRAD_NORM),
         "mean_tokens_per_sec": sum(speeds) / len(speeds) if speeds else None,
+        # One iteration's speed is noise: the median and the range over iterations.
+        "median_tokens_per_sec": statistics.median(speeds) if speeds else None,
+        "min_tokens_per_sec": min(speeds, default=None),
+        "max_tokens_per_sec": max(speeds, default=None),
         "peak_memory_bytes": max((r[PEAK_MEMORY] for r in rows if _finite(r.get(PEAK_MEMORY))),
                                  default=None),
         "max_loss_diff_vs_first": diff,
@@ -252,8 +259,16 @@ _MARKERS = ["o", "s", "^", "D", "v", "P", "X", "<", ">", "*"]
 
 _COLUMNS = [("job", "job"), ("layout", "layout"), ("final_iteration", "iter"),
             ("final_lm_loss", "lm loss"), ("final_grad_norm", "grad-norm"),
-            ("mean_tokens_per_sec", "tokens/s"), ("peak_memory_bytes", "peak memory"),
+            ("median_tokens_per_sec", "tokens/s median (range)"),
+            ("peak_memory_bytes", "peak memory"),
             ("max_loss_diff_vs_first", "max |d loss| vs 1st")]
+
+
+def _cell(summary_: dict, key: str) -> str:
+    if key == "median_tokens_per_sec" and summary_[key] is not None:
+        return (f"{summary_[key]:.0f} ({summary_['min_tokens_per_sec']:.0f}-"
+                f"{summary_['max_tokens_per_sec']:.0f})")
+    return _fmt(key, summary_[key])
 
 
 def _fmt(key: str, value) -> str:
@@ -275,7 +290,7 @@ def _fmt(key: str, value) -> str:
 def format_table(summaries: list[dict]) -> str:
     """A fixed-width text table of :func:`summary` dicts."""
     cells = [[head for _, head in _COLUMNS]]
-    cells += [[_fmt(k, s[k]) for k, _ in _COLUMNS] for s in summaries]
+    cells += [[_cell(s, k) for k, _ in _COLUMNS] for s in summaries]
     widths = [max(len(row[i]) for row in cells) for i in range(len(_COLUMNS))]
     lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in
                        enumerate(zip(row, widths))) for row in cells]
@@ -284,7 +299,20 @@ def format_table(summaries: list[dict]) -> str:
 
 
 def draw(jobs: list[Job], out: Path, title: str | None = None, logy: bool = False) -> Path:
-    """Draw the two panels and the table into ``out`` (PNG, Agg backend)."""
+    """Draw :func:`figure` into ``out`` (PNG, Agg backend)."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(jobs, title=title, logy=logy)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
+
+def figure(jobs: list[Job], title: str | None = None, logy: bool = False):
+    """The report's figure: the grad-norm and lm loss panels, the bars (tokens/s: median and
+    range over iterations; peak memory), the legend and the table, one under the other
+    (matplotlib's constrained layout keeps titles, tick and axis labels apart)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -296,11 +324,11 @@ def draw(jobs: list[Job], out: Path, title: str | None = None, logy: bool = Fals
     # them, so that long labels never cover a curve.
     ncol = 1 if n <= 4 else 2
     legend_h = 0.22 * (math.ceil((n + 1) / ncol)) + 0.2
-    table_h = 0.28 * (n + 1) + 0.2
-    bars_h = 2.6
-    fig = plt.figure(figsize=(14, 5.2 + bars_h + legend_h + table_h))
-    grid = fig.add_gridspec(4, 2, height_ratios=[5.2, bars_h, legend_h, table_h], hspace=0.35,
-                            wspace=0.18)
+    table_h = 0.25 * (n + 1) + 0.1
+    bars_h = 2.8
+    fig = plt.figure(figsize=(14, 5.2 + bars_h + legend_h + table_h), layout="constrained")
+    fig.get_layout_engine().set(h_pad=0.08, hspace=0.04, wspace=0.04)
+    grid = fig.add_gridspec(4, 2, height_ratios=[5.2, bars_h, legend_h, table_h])
     axes = {GRAD_NORM: fig.add_subplot(grid[0, 0]), LM_LOSS: fig.add_subplot(grid[0, 1])}
     colors = plt.get_cmap("tab10" if n <= 10 else "tab20")
     color_of = {id(job): colors(i % colors.N) for i, job in enumerate(jobs)}
@@ -361,7 +389,7 @@ def draw(jobs: list[Job], out: Path, title: str | None = None, logy: bool = Fals
     tax = fig.add_subplot(grid[3, :])
     tax.axis("off")
     table = tax.table(
-        cellText=[[_fmt(k, s[k]) for k, _ in _COLUMNS] for s in summaries],
+        cellText=[[_cell(s, k) for k, _ in _COLUMNS] for s in summaries],
         colLabels=[head for _, head in _COLUMNS], loc="upper center", cellLoc="left",
         colLoc="left",
     )
@@ -373,25 +401,41 @@ def draw(jobs: list[Job], out: Path, title: str | None = None, logy: bool = Fals
         table[i, 0].get_text().set_fontweight("bold")
     fig.suptitle(title or f"{n} job{'s' * (n != 1)}: grad-norm and lm loss per iteration",
                  fontsize=11)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return out
+    return fig
+
+
+# The bars' titles; a test reads the figure by them.
+TOKENS_TITLE = "tokens/s (global): median (range) over iterations"
+MEMORY_TITLE = "peak memory per rank (MiB)"
 
 
 def _draw_bars(fig, grid, jobs, summaries, colors) -> None:
-    """One bar per job: mean tokens/s (global) and peak memory per rank (MiB), what an
-    alignment sweep compares; a job without the figure gets no bar."""
+    """One bar per job: the median tokens/s (global) over its iterations with their range (min
+    to max) as error bars, and the peak memory per rank (MiB): what an alignment sweep compares.
+    A job without the figure gets no bar."""
     names = [str(i + 1) for i in range(len(jobs))]
-    for col, (key, title, scale) in enumerate((
-            ("mean_tokens_per_sec", "mean tokens/s (global)", 1.0),
-            ("peak_memory_bytes", "peak memory per rank (MiB)", 2.0**-20))):
-        ax = fig.add_subplot(grid[1, col])
-        values = [s[key] * scale if s[key] is not None else 0.0 for s in summaries]
-        ax.bar(names, values, color=colors)
-        ax.set_title(title, fontsize=9)
+    ax = fig.add_subplot(grid[1, 0])
+    nan = float("nan")  # no bar, no error bar
+    med = [s["median_tokens_per_sec"] if s["median_tokens_per_sec"] is not None else nan
+           for s in summaries]
+    low = [s["min_tokens_per_sec"] if s["min_tokens_per_sec"] is not None else nan
+           for s in summaries]
+    high = [s["max_tokens_per_sec"] if s["max_tokens_per_sec"] is not None else nan
+            for s in summaries]
+    ax.bar(names, med, color=colors, yerr=[[m - lo for m, lo in zip(med, low)],
+                                           [hi - m for m, hi in zip(med, high)]],
+           capsize=4, error_kw={"lw": 1.2, "ecolor": "black"})
+    ax.set_title(TOKENS_TITLE, fontsize=9)
+    ax = fig.add_subplot(grid[1, 1], sharex=ax)
+    ax.bar(names, [s["peak_memory_bytes"] * 2.0**-20 if s["peak_memory_bytes"] is not None
+                   else nan for s in summaries], color=colors)
+    ax.set_title(MEMORY_TITLE, fontsize=9)
+    for ax in fig.axes[-2:]:
         ax.set_xlabel("job (table row)")
         ax.grid(True, axis="y", alpha=0.3)
+        if not any(math.isfinite(p.get_height()) for p in ax.patches):
+            ax.set_yticks([])  # an empty axis would show a made-up scale around 0
+            ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", color="gray")
 
 
 def report(paths, out: str | os.PathLike | None = None, title: str | None = None,

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from matplotlib.container import BarContainer
 
-from recipes.report import ReportError, find_job_dirs, load_job, main, report
+from recipes.report import (MEMORY_TITLE, TOKENS_TITLE, ReportError, _label_jobs, figure,
+                            find_job_dirs, load_job, main, report)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -170,5 +174,76 @@ def test_bars_of_tokens_per_sec_and_peak_memory_per_job(tmp_path, monkeypatch):
     assert "peak memory" in table.splitlines()[0] and "5.00 MiB" in table
     bars = {ax.get_title(): [p.get_height() for p in ax.patches] for ax in figures[0].axes
             if ax.patches}
-    assert bars["mean tokens/s (global)"] == [1000.0, 600.0]
-    assert bars["peak memory per rank (MiB)"] == [3.0, 5.0]
+    assert bars[TOKENS_TITLE] == [1000.0, 600.0]
+    assert bars[MEMORY_TITLE] == [3.0, 5.0]
+
+
+def test_tokens_per_sec_bars_are_the_median_with_the_range_over_iterations(tmp_path):
+    """One iteration's speed is noise: each bar is the median over the job's iterations and its
+    error bar their range, the first iteration of each start/resume (start-up) left out."""
+    speeds = {"0_a": [90.0, 1000.0, 1400.0, 900.0, 1100.0, 950.0],
+              "1_b": [50.0, 700.0, 620.0, 800.0, 2000.0]}
+    root = tmp_path / "sweep"
+    for name, tps in speeds.items():
+        write_job(root / name, [{"event": "start", "iteration": 0, "layout": layout()}]
+                  + [row(i, 5.0, tps=t) for i, t in enumerate(tps, start=1)], [name])
+    # A resume: its first iteration (start-up again) is left out too.
+    with open(root / "1_b" / "metrics.jsonl", "a") as f:
+        for rec in ({"event": "resume", "iteration": 5, "layout": layout(), "from_layout": layout(),
+                     "load": str(root / "1_b" / "checkpoints")}, row(6, 5.0, tps=10.0),
+                    row(7, 5.0, tps=750.0)):
+            f.write(json.dumps(rec) + "\n")
+    kept = {"0_a": speeds["0_a"][1:], "1_b": speeds["1_b"][1:] + [750.0]}
+    jobs = [load_job(d) for d in find_job_dirs([root])]
+    _label_jobs(jobs)
+    fig = figure(jobs)
+    ax = next(a for a in fig.axes if a.get_title() == TOKENS_TITLE)
+    bars = next(c for c in ax.containers if isinstance(c, BarContainer))
+    want = [statistics.median(kept[name]) for name in ("0_a", "1_b")]
+    assert [p.get_height() for p in bars.patches] == pytest.approx(want)
+    # The error bars' vertical segments: from the min to the max of each job.
+    segments = bars.errorbar.lines[2][0].get_segments()
+    assert [v for seg in segments for v in (seg[0][1], seg[1][1])] == pytest.approx(
+        [v for name in ("0_a", "1_b") for v in (min(kept[name]), max(kept[name]))])
+    # No peak memory logged: no made-up scale, a word.
+    memory = next(a for a in fig.axes if a.get_title() == MEMORY_TITLE)
+    assert [t.get_text() for t in memory.texts] == ["not logged"] and not memory.get_yticks().size
+    _, table, summaries = report([root], tmp_path / "r.png")
+    assert [s["median_tokens_per_sec"] for s in summaries] == pytest.approx(want)
+    assert "tokens/s median (range)" in table.splitlines()[0]
+    assert f"{want[0]:.0f} (900-1400)" in table and f"{want[1]:.0f} (620-2000)" in table
+
+
+def _texts(ax, renderer) -> list:
+    """The window extents of what ``ax`` shows: its frame, title, and each axis with its tick
+    labels and label (an axes turned off: its legend or table)."""
+    if not ax.axison:
+        return [a.get_window_extent(renderer) for a in [ax.get_legend(), *ax.tables] if a]
+    return [ax.bbox, ax.title.get_window_extent(renderer), ax.xaxis.get_tightbbox(renderer),
+            ax.yaxis.get_tightbbox(renderer)]
+
+
+@pytest.mark.parametrize("n", [2, 6, 12])
+def test_nothing_of_one_panel_overlaps_another_at_2_to_12_jobs(tmp_path, n):
+    """Titles, tick and axis labels, the legend and the table: no two panels' overlap (the
+    iteration labels of the curves once covered the bar charts' titles)."""
+    root = tmp_path / "sweep"
+    for j in range(n):
+        pad = 16 * (j + 1)
+        write_job(root / f"{j}_pad={pad}",
+                  [{"event": "start", "iteration": 0, "layout": layout(g=2, dp=1, pad=pad)}]
+                  + [{**row(i, 6 - 0.02 * i, 2.0 / i, tps=900 + 37 * ((i * j) % 7)),
+                      "peak-memory-bytes": (300 + 10 * j) * 2**20} for i in range(1, 41)],
+                  [f"gtp.pad_for_alignment={pad}", "parallelism=tp2", "train.train_iters=40"])
+    jobs = [load_job(d) for d in find_job_dirs([root])]
+    _label_jobs(jobs)
+    fig = figure(jobs)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [_texts(ax, renderer) for ax in fig.axes]
+    assert len(fig.axes) == 6 and all(boxes)
+    for i, j in itertools.combinations(range(len(boxes)), 2):
+        for a, b in itertools.product(boxes[i], boxes[j]):
+            assert not a.overlaps(b), (fig.axes[i].get_title(), fig.axes[j].get_title(), a, b)
+    top = fig._suptitle.get_window_extent(renderer)
+    assert not any(top.overlaps(b) for box in boxes for b in box)
