@@ -36,9 +36,20 @@ from recipes.checkpoint.files import (
     remove_old_checkpoints,
     tracked,
 )
+from recipes.checkpoint.integrity import check_loadable
 from recipes.checkpoint.load import load_checkpoint, load_common
 from recipes.checkpoint.save import finalize_save, stage_save
 from recipes.rank_env import job_id
+
+
+def _repaired(ck, repair: bool) -> bool:
+    """Whether ``ck.load`` is set; with ``repair``, first put back a complete save a crash left
+    aside in it."""
+    if ck.load is None:
+        return False
+    if repair and Path(ck.load).is_dir():
+        recover_replaced(ck.load)
+    return True
 
 
 @dataclass(frozen=True)
@@ -67,11 +78,23 @@ class ResumePlan:
         Raises:
             CheckpointError: as :func:`recipes.checkpoint.load.load_common`.
         """
-        if ck.load is None:
+        if not _repaired(ck, repair):
             return None
-        if repair and Path(ck.load).is_dir():
-            recover_replaced(ck.load)
         return cls.open(ck.load, ck.load_iteration)
+
+    @classmethod
+    def resolve_iteration(cls, ck, repair: bool = False) -> int | None:
+        """The iteration :meth:`resolve` would load, without reading the common state:
+        ``ck.load_iteration`` or the tracker's, checked loadable
+        (:func:`recipes.checkpoint.integrity.check_loadable`); None without ``ck.load``.
+        ``repair`` as for :meth:`resolve`.
+
+        Raises:
+            CheckpointError: as :func:`recipes.checkpoint.integrity.check_loadable`.
+        """
+        if not _repaired(ck, repair):
+            return None
+        return int(check_loadable(ck.load, ck.load_iteration).name[5:])
 
     @classmethod
     def open(cls, load, iteration: int | None) -> "ResumePlan":

@@ -54,7 +54,7 @@ def agree_load_iteration(ck) -> int | None:
             box[1] = int(ck.load_iteration)
         elif ck.load is not None:
             try:
-                box[1] = ResumePlan.resolve(ck, repair=True).iteration
+                box[1] = ResumePlan.resolve_iteration(ck, repair=True)
             except CheckpointError as exc:
                 box[1] = exc
     torch.distributed.broadcast_object_list(box, src=0)
