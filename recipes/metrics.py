@@ -219,10 +219,19 @@ class MetricLogger:
                 self.best_validation = (loss, iteration)
 
     def close(self) -> None:
-        """Flush and finish the wandb run."""
+        """Flush and finish the wandb run; on return its run file is complete on disk."""
         self._file.close()
         if self.run is not None:
+            import wandb
+
             self.run.finish()
+            # finish() only *informs* wandb's service process that the run is done: the service
+            # closes (flushes) the offline run-<id>.wandb afterwards, so right after finish() the
+            # file can still hold just its 7-byte header (no run record, no rows), and a process
+            # killed then loses the run. teardown() waits for the service to close every stream
+            # and exit; the next wandb.init() starts a new one.
+            wandb.teardown()
+            self.run = None
 
 
 def format_duration(seconds: float) -> str:
