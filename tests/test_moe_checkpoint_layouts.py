@@ -40,6 +40,7 @@ import time
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from layout_goldens import build as _build
 from multiproc import reset_model_parallel, run_distributed
 from optimizer_entries import main_param_entries as _entries
 from omegaconf import OmegaConf
@@ -86,17 +87,6 @@ def make_cfg(*overrides: str) -> str:
 # --------------------------------------------------------------------------------------------
 # Worker-side helpers (independent of gtp/checkpoint.py and recipes/checkpoint/).
 # --------------------------------------------------------------------------------------------
-def _build(cfg_yaml: str):
-    from recipes import checkpoint, worker
-    from recipes.validate import validate
-
-    reset_model_parallel()
-    cfg = OmegaConf.create(cfg_yaml)
-    layout = validate(cfg, torch.distributed.get_world_size())
-    _, model, optimizer, scheduler = worker.setup(cfg, layout)
-    return model, optimizer, scheduler, checkpoint.layout_record(layout), cfg
-
-
 def _is_expert(name: str) -> bool:
     return ".local_experts." in name
 
