@@ -40,7 +40,7 @@ import time
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from layout_goldens import build as _build
+from layout_goldens import build as _build, gtp_shard
 from multiproc import reset_model_parallel, run_distributed
 from optimizer_entries import main_param_entries as _entries
 from omegaconf import OmegaConf
@@ -170,11 +170,7 @@ def _local(full, name, p):
         t = torch.cat([t[rank * h:(rank + 1) * h], t[n + rank * h:n + (rank + 1) * h]])
     elif size > 1:
         t = t.chunk(size, dim=p.partition_dim)[rank]
-    if getattr(p, "is_gtp_weight_remat", False):
-        g, r, s = p.group.size(), p.group.rank(), p.shape[0]
-        padded = torch.zeros((s * g, *t.shape[1:]), dtype=t.dtype)
-        padded[:t.shape[0]] = t
-        t = padded[r * s:(r + 1) * s]
+    t = gtp_shard(t, p)
     assert t.shape == p.shape, (name, t.shape, p.shape)
     return t
 

@@ -101,13 +101,20 @@ def local(full: torch.Tensor, p, name: str, cfg) -> torch.Tensor:
         t = torch.cat([t[k * h:(k + 1) * h], t[n + k * h:n + (k + 1) * h]])
     elif getattr(p, "tensor_model_parallel", False):
         t = t.chunk(tp, dim=p.partition_dim)[k]
-    if is_gtp(p):
-        g, r, s = p.group.size(), p.group.rank(), p.shape[0]
-        padded = torch.zeros((s * g, *t.shape[1:]), dtype=t.dtype)
-        padded[:t.shape[0]] = t
-        t = padded[r * s:(r + 1) * s]
+    t = gtp_shard(t, p)
     assert t.shape == p.shape, (name, t.shape, p.shape)
     return t
+
+
+def gtp_shard(t: torch.Tensor, p) -> torch.Tensor:
+    """This rank's GTP shard of ``t`` (rows after TP) for param ``p``: megatron's tail padding
+    with zeros to ``shard rows x group size``, then the rank's rows; ``t`` itself without GTP."""
+    if not is_gtp(p):
+        return t
+    g, r, s = p.group.size(), p.group.rank(), p.shape[0]
+    padded = torch.zeros((s * g, *t.shape[1:]), dtype=t.dtype)
+    padded[:t.shape[0]] = t
+    return padded[r * s:(r + 1) * s]
 
 
 def diff(what: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
