@@ -71,7 +71,8 @@ def rank_sizes(cfg, layout, vocab_size: int) -> RankSizes:
     with context parallelism, the experts' over the expert data-parallel group).
     """
     from recipes.shapes import padded_vocab_size
-    from recipes.shapes import local_shape, parameter_shapes
+    from recipes.families import parameter_shapes
+    from recipes.shapes import local_shape
 
     tp, g, pad = layout.tensor_model_parallel_size, layout.gtp_remat_size, layout.pad_for_alignment
     pp, m = layout.pipeline_model_parallel_size, cfg.model
@@ -107,7 +108,7 @@ def rank_sizes(cfg, layout, vocab_size: int) -> RankSizes:
     dp, edp = ((layout.data_parallel_size * layout.context_parallel_size,
                 layout.expert_data_parallel_size) if layout.use_distributed_optimizer else (1, 1))
     experts = experts_per_stage[stage]
-    from recipes.shapes import parameter_counts
+    from recipes.families import parameter_counts
 
     return RankSizes(
         active_parameters=parameter_counts(m, padded)[1],

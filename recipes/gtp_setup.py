@@ -86,7 +86,7 @@ def overlap_settings(gtp_cfg, pipeline_model_parallel_size: int, te_usable: bool
 def after_model(model, layout, cfg) -> None:
     """Verify the built model's GTP shards carry the resolved alignment, and that the weights
     megatron sharded are exactly those pre-launch validation checked for ``cfg`` (the run
-    config; ``recipes.shapes.gtp_weight_dims``); rank 0 prints what it verified.
+    config; ``recipes.families.gtp_weight_dims``); rank 0 prints what it verified.
 
     Raises:
         RuntimeError: a GTP shard's padding differs from ``layout.pad_for_alignment``, or the
@@ -101,7 +101,7 @@ def after_model(model, layout, cfg) -> None:
     )
 
     from gtp import alignment
-    from recipes.shapes import gtp_weight_dims
+    from recipes.families import gtp_weight_dims
 
     checked = alignment.check_pad_applied(model, layout.pad_for_alignment)
     built = {name: p._unsharded_shape[0] for name, p in model.named_parameters() if is_gtp_param(p)}
@@ -110,7 +110,7 @@ def after_model(model, layout, cfg) -> None:
         diff = sorted(set(built.items()) ^ set(expected.items()))
         raise RuntimeError(
             "GTP-sharded weights (name, TP-local dim 0) differ from what pre-launch validation "
-            f"checked (recipes.shapes.gtp_weight_dims): {diff}"
+            f"checked (recipes.families.gtp_weight_dims): {diff}"
         )
     if torch.distributed.get_rank() == 0:
         pad_rows = sum(p.pad_length for p in model.parameters() if is_gtp_param(p))

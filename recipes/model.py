@@ -1,11 +1,12 @@
-"""Build megatron-core's GPTModel from the config: GPT-2-style or Llama-style blocks, megatron's
-local layer spec, and padded vocabulary rows that never reach the loss."""
+"""Build the model of a run: the model family's megatron module (``recipes/families/``) with the
+run-wide ``TransformerConfig`` fields (parallel sizes, precision, fusions), the same initial
+weights at every layout, and padded vocabulary rows that never reach the loss."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from recipes.families import family_of
 from recipes.shapes import padded_vocab_size
 
 # ``precision.params_dtype`` values and their torch dtypes.
@@ -43,21 +44,9 @@ def transformer_config(cfg, layout, use_te: bool | None = None):
     if use_te is None:
         use_te = te.uses_transformer_engine(cfg)
 
-    m = cfg.model
     dtype = PARAMS_DTYPES[cfg.precision.params_dtype]
-    ffn = m.ffn_hidden_size
     kwargs = dict(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.get("num_query_groups"),
-        ffn_hidden_size=ffn,
-        normalization=m.get("normalization", "LayerNorm"),
-        layernorm_epsilon=m.get("layernorm_epsilon", 1e-5),
-        add_bias_linear=m.get("add_bias_linear", True),
-        init_method_std=m.init_method_std,
-        hidden_dropout=m.hidden_dropout,
-        attention_dropout=m.attention_dropout,
+        **family_of(cfg.model).transformer_config_fields(cfg.model, layout),
         tensor_model_parallel_size=layout.tensor_model_parallel_size,
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
@@ -67,8 +56,8 @@ def transformer_config(cfg, layout, use_te: bool | None = None):
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype,
-        gated_linear_unit=m.swiglu,
-        activation_func=F.silu if m.swiglu else F.gelu,
+        sequence_parallel=layout.sequence_parallel,
+        context_parallel_size=layout.context_parallel_size,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
@@ -82,7 +71,7 @@ def transformer_config(cfg, layout, use_te: bool | None = None):
         # ranks, so the peer's activation receive takes the gradient. megatron's unbatched ops
         # (p2p_communication._p2p_ops) put the two directions on two groups at pp2.
         kwargs["batch_p2p_comm"] = False
-    recompute = m.get("recompute_granularity")
+    recompute = cfg.model.get("recompute_granularity")
     if recompute:
         kwargs["recompute_granularity"] = recompute
         if recompute == "full":
@@ -91,9 +80,6 @@ def transformer_config(cfg, layout, use_te: bool | None = None):
                                    cfg.gtp.get("fp8_param_gather", False)))
     if layout.gtp_remat_size > 1:
         kwargs["gtp_weight_remat_size"] = layout.gtp_remat_size
-    from recipes import moe
-
-    kwargs.update(moe.transformer_config_fields(m, layout))
     return TransformerConfig(**kwargs)
 
 
@@ -131,31 +117,10 @@ def mask_padded_vocab(model, vocab_size: int, padded_size: int) -> None:
     model.output_layer.register_forward_hook(hook)
 
 
-def _gpt(cfg, config, vocab: int, pre: bool, post: bool, vp_stage, tied: bool, use_te: bool):
-    from megatron.core.models.gpt import GPTModel
-
-    from recipes import te
-
-    from recipes import moe
-
-    m = cfg.model
-    spec = (moe.layer_spec(m, config, use_te, vp_stage) if moe.is_moe(m)
-            else te.layer_spec(m, use_te))
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=vocab,
-        max_sequence_length=m.seq_length,
-        pre_process=pre,
-        post_process=post,
-        position_embedding_type=m.position_embedding_type,
-        rotary_base=m.get("rotary_base", 10000),
-        rotary_percent=m.get("rotary_percent", 1.0),
-        rope_scaling=m.get("rope_scaling", False),
-        rope_scaling_factor=m.get("rope_scaling_factor", 8.0),
-        share_embeddings_and_output_weights=tied,
-        vp_stage=vp_stage,
-    )
+def _chunk(cfg, config, vocab: int, pre: bool, post: bool, vp_stage, tied: bool, use_te: bool):
+    family = family_of(cfg.model)
+    spec = family.layer_spec(cfg.model, config, use_te, vp_stage)
+    return family.build(cfg.model, config, spec, vocab, pre, post, vp_stage, tied)
 
 
 def _draw_like_layers_before(cfg, config, vocab: int, num_layers: int, use_te: bool) -> None:
@@ -168,7 +133,7 @@ def _draw_like_layers_before(cfg, config, vocab: int, num_layers: int, use_te: b
     prefix = dataclasses.replace(config, num_layers=num_layers, pipeline_model_parallel_size=1,
                                  virtual_pipeline_model_parallel_size=None)
     # Untied: a tied embedding would wait for its output-layer peer in megatron's all-reduce.
-    _gpt(cfg, prefix, vocab, True, False, None, False, use_te)
+    _chunk(cfg, prefix, vocab, True, False, None, False, use_te)
 
 
 def build_model(cfg, layout, vocab_size: int, reseed=lambda: None):
@@ -187,8 +152,9 @@ def build_model(cfg, layout, vocab_size: int, reseed=lambda: None):
             parallelism).
 
     Returns:
-        ``(chunks, transformer_config)``: a list of ``megatron.core.models.gpt.GPTModel`` on CPU,
-        one per virtual pipeline stage (one without vpp).
+        ``(chunks, transformer_config)``: a list of the family's megatron modules on CPU
+        (``GPTModel`` for the gpt and moe families), one per virtual pipeline stage (one without
+        vpp).
     """
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
@@ -200,8 +166,7 @@ def build_model(cfg, layout, vocab_size: int, reseed=lambda: None):
     vpp = layout.virtual_pipeline_model_parallel_size
     vocab = padded_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by,
                               layout.tensor_model_parallel_size)
-    from recipes import moe
-
+    family = family_of(cfg.model)
     seed = torch.initial_seed()  # the run's seed (worker.set_seed), for the experts' draws
     chunks = []
     for vp_stage in range(vpp or 1):
@@ -214,14 +179,13 @@ def build_model(cfg, layout, vocab_size: int, reseed=lambda: None):
             reseed()
             offset = get_transformer_layer_offset(config, vp_stage=stage)
             if offset:
-                with moe.experts_leave_rng_alone():
+                with family.building():
                     _draw_like_layers_before(cfg, config, vocab, offset, use_te)
-        with moe.experts_leave_rng_alone():
-            chunk = _gpt(cfg, config, vocab, pre, post, stage,
-                         cfg.model.share_embeddings_and_output_weights, use_te)
-        if moe.is_moe(cfg.model):
-            # Same expert weights at every expert layout (recipes.moe.init_experts).
-            moe.init_experts(chunk, config, seed)
+        with family.building():
+            chunk = _chunk(cfg, config, vocab, pre, post, stage,
+                           cfg.model.share_embeddings_and_output_weights, use_te)
+        if family.init_weights:
+            family.init_weights(chunk, config, seed)
         # Checkpoints record the real vocabulary (recipes.checkpoint refuses another one).
         chunk.real_vocab_size = vocab_size
         if post:

@@ -1,155 +1,20 @@
-"""Mixture of Experts in a run: megatron's MoE fields, its layer spec, expert initialization that
-is the same at every layout, the checks before launch, and the load-balancing loss metric.
-
-Experts are megatron's local ``SequentialMLP`` (``local_experts.<i>``, one ``MLP`` each) from
-``get_gpt_decoder_block_spec``; the token dispatchers are megatron's ``allgather`` and
-``alltoall``. ``docs/moe.md`` lists the layouts and what is not done yet.
+"""Mixture of Experts in a run: the checks before launch, the load-balancing loss metric and
+the expert-GTP hooks around the model (the model itself is the MoE family's,
+``recipes/families/moe/``). The token dispatchers are megatron's ``allgather`` and ``alltoall``.
+``docs/moe.md`` lists the layouts and what is not done yet.
 """
 
 from __future__ import annotations
 
-import contextlib
-import zlib
-
 import torch
 
-from mcore_compat.patches import megatron_patch
+from recipes.families.moe.model import is_moe
 
 DISPATCHERS = ("allgather", "alltoall")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 # megatron's name of the aux loss in its MoE metrics tracker, and ours in metrics.jsonl/wandb.
 AUX_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
                   "global_aux_loss": "global_load_balancing_loss"}
-
-
-def is_moe(model_cfg) -> bool:
-    """Whether the ``model`` config has routed experts (``num_moe_experts`` set)."""
-    return model_cfg.get("num_moe_experts") is not None
-
-
-def transformer_config_fields(model_cfg, layout) -> dict:
-    """megatron ``TransformerConfig`` keyword arguments for the MoE fields, ``qk_layernorm``,
-    ``kv_channels`` and the layout's expert, sequence and context parallel sizes."""
-    m = model_cfg
-    out = {
-        "sequence_parallel": layout.sequence_parallel,
-        "context_parallel_size": layout.context_parallel_size,
-        "qk_layernorm": bool(m.get("qk_layernorm", False)),
-    }
-    if m.get("kv_channels"):
-        out["kv_channels"] = int(m.kv_channels)
-    if not is_moe(m):
-        return out
-    out.update(
-        num_moe_experts=int(m.num_moe_experts),
-        moe_router_topk=int(m.moe_router_topk),
-        moe_router_pre_softmax=bool(m.get("moe_router_pre_softmax", False)),
-        moe_ffn_hidden_size=int(m.get("moe_ffn_hidden_size") or m.ffn_hidden_size),
-        moe_shared_expert_intermediate_size=m.get("moe_shared_expert_intermediate_size"),
-        moe_router_load_balancing_type=m.moe_router_load_balancing_type,
-        moe_aux_loss_coeff=float(m.moe_aux_loss_coeff),
-        moe_token_dispatcher_type=m.moe_token_dispatcher_type,
-        moe_layer_freq=int(m.get("moe_layer_freq", 1)),
-        moe_grouped_gemm=False,  # SequentialMLP: the local spec's experts (no TE grouped GEMM)
-        expert_model_parallel_size=layout.expert_model_parallel_size,
-        expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
-    )
-    if layout.expert_gtp_remat_size > 1:
-        out["expert_gtp_weight_remat_size"] = layout.expert_gtp_remat_size
-    return out
-
-
-def layer_spec(model_cfg, config, use_te: bool, vp_stage):
-    """megatron's decoder block spec for an MoE model (``get_gpt_decoder_block_spec``: MoE or
-    dense MLP per layer from ``moe_layer_freq``, q/k norms from ``qk_layernorm``)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
-                                      normalization=model_cfg.get("normalization", "LayerNorm"),
-                                      vp_stage=vp_stage)
-
-
-@contextlib.contextmanager
-@megatron_patch("transformer.moe.experts.SequentialMLP.__init__ (while experts are built)")
-def experts_leave_rng_alone():
-    """While active, building a ``SequentialMLP`` draws nothing from torch's CPU generator as
-    seen by the rest of the model: its state is put back after the experts are built.
-
-    With CPU initialization each expert draws its full weight from that generator, so how many
-    experts a rank builds (num_moe_experts / expert_model_parallel_size) would shift every
-    later draw. :func:`init_experts` gives the experts their weights instead."""
-    from megatron.core.transformer.moe.experts import SequentialMLP
-
-    original = SequentialMLP.__init__
-
-    def __init__(self, *args, **kwargs):
-        state = torch.get_rng_state()
-        try:
-            original(self, *args, **kwargs)
-        finally:
-            torch.set_rng_state(state)
-
-    SequentialMLP.__init__ = __init__
-    try:
-        yield
-    finally:
-        SequentialMLP.__init__ = original
-
-
-def _expert_seed(seed: int, layer: int, expert: int, name: str) -> int:
-    return zlib.crc32(f"{seed}/{layer}/{expert}/{name}".encode())
-
-
-def init_experts(chunk, config, seed: int) -> int:
-    """Give every routed expert weight of ``chunk`` its logical value, the same at any layout.
-
-    Expert ``g`` (global index: ``ep_rank * local experts + i``) of layer ``l`` (megatron's
-    1-based ``layer_number``) draws its full weight with megatron's init method (``init_method``
-    for fc1, ``output_layer_init_method`` for fc2, as ``MLP`` uses them) from a generator seeded
-    by ``(seed, l, g, name)``; this rank keeps its expert-TP part (``partition_dim``, stride 2 for
-    a gated fc1: ``[gate | up]`` per rank, as megatron's ``_initialize_affine_weight_cpu``) and,
-    under expert GTP, its rows of the zero-padded part.
-
-    Returns:
-        The number of weights set.
-    """
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.generalized_tensor_parallelism import is_gtp_param
-    from megatron.core.transformer.moe.experts import SequentialMLP
-
-    etp, etp_rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
-    ep_rank = ps.get_expert_model_parallel_rank()
-    n = 0
-    for transformer_layer in chunk.decoder.layers:
-        module = getattr(transformer_layer.mlp, "experts", None)
-        if not isinstance(module, SequentialMLP):
-            continue
-        layer = transformer_layer.layer_number
-        for i, expert in enumerate(module.local_experts):
-            g = ep_rank * module.num_local_experts + i
-            for lin_name, init in (("linear_fc1", config.init_method),
-                                   ("linear_fc2", config.output_layer_init_method)):
-                param = getattr(expert, lin_name).weight
-                dim = param.partition_dim
-                stride = 2 if lin_name == "linear_fc1" and config.gated_linear_unit else 1
-                local = list(param._unsharded_shape if is_gtp_param(param) else param.shape)
-                full = list(local)
-                full[dim] *= etp
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(_expert_seed(seed, layer, g, lin_name))
-                    master = torch.empty(full, dtype=torch.float32)
-                    init(master)
-                pieces = torch.split(master, local[dim] // stride, dim=dim)
-                part = torch.cat(pieces[etp_rank::etp], dim=dim).to(param.dtype)
-                if is_gtp_param(param):
-                    part = torch.nn.functional.pad(part, (0, 0, 0, param.pad_length))
-                    rows = param.shape[0]
-                    r = param.group.rank()
-                    part = part[r * rows:(r + 1) * rows]
-                with torch.no_grad():
-                    param.data.copy_(part)
-                n += 1
-    return n
 
 
 def aux_loss_name(model_cfg) -> str | None:
@@ -175,7 +40,7 @@ def reduce_aux_loss(model_cfg, num_microbatches: int) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-    from recipes.shapes import is_moe_layer
+    from recipes.families.moe.params import is_moe_layer
 
     name = aux_loss_name(model_cfg)
     if name is None:
@@ -304,7 +169,7 @@ def _check_checkpoints(cfg, layout) -> None:
 
 def _check_expert_gtp(cfg, layout) -> None:
     from gtp.alignment import validate_gtp_dims
-    from recipes.shapes import gtp_weight_dims
+    from recipes.families import gtp_weight_dims
     from recipes.errors import ConfigError
 
     egtp = layout.expert_gtp_remat_size

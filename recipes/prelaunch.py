@@ -282,7 +282,7 @@ def check_split(cfg) -> None:
         raise ConfigError(str(exc)) from None
 
 
-# Model fields that change a parameter's shape (recipes.shapes.parameter_shapes reads them).
+# Model fields that change a parameter's shape (recipes.families.parameter_shapes reads them).
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                 "ffn_hidden_size", "swiglu", "normalization", "add_bias_linear",
                 "position_embedding_type", "seq_length", "share_embeddings_and_output_weights",
@@ -303,7 +303,7 @@ def check_model_shape(cfg, plan=None) -> None:
     from recipes.checkpoint import CheckpointError
     from recipes.checkpoint.manager import ResumePlan
     from recipes.checkpoint.policy import is_rank0
-    from recipes.shapes import parameter_shapes
+    from recipes.families import parameter_shapes
 
     if plan is None:
         plan = ResumePlan.resolve(cfg.checkpoint, repair=is_rank0())

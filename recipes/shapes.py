@@ -1,11 +1,6 @@
-"""The parameters megatron's ``GPTModel`` (local layer spec) holds for a config, without building it.
-
-One table, :func:`parameter_shapes`, gives every parameter's name (as
-``GPTModel.named_parameters()``), its full logical shape, the dim tensor parallelism splits and
-whether GTP shards it; :func:`local_shape` turns an entry into the shape one rank holds. The
-pre-launch GTP checks, the dry run and the published parameter counts of the presets all read it,
-and a multi-process test compares it with built models at several layouts.
-"""
+"""Parameter shapes without building a model: :class:`ParamShape` (one entry of a model
+family's parameter table, ``recipes.families.parameter_shapes``), the shape one rank holds at a
+layout (:func:`local_shape`), the attention widths and the padded vocabulary."""
 
 from __future__ import annotations
 
@@ -42,108 +37,20 @@ def query_groups(m) -> int:
     return groups or m.num_attention_heads
 
 
-def _get(m):
+def getter(m):
+    """``get(key, default)`` of a ``model`` config: an OmegaConf node or a dataclass."""
     return m.get if hasattr(m, "get") else lambda k, d=None: getattr(m, k, d)
 
 
 def kv_channels(m) -> int:
     """Width of one attention head: ``model.kv_channels``, or hidden / heads when null."""
-    return _get(m)("kv_channels") or m.hidden_size // m.num_attention_heads
+    return getter(m)("kv_channels") or m.hidden_size // m.num_attention_heads
 
 
 def qkv_rows(m) -> int:
     """Full dim 0 of ``linear_qkv``: ``(heads + 2 * groups) * kv_channels`` (megatron
     ``SelfAttention``: per query group, its query heads then K then V)."""
     return (m.num_attention_heads + 2 * query_groups(m)) * kv_channels(m)
-
-
-def is_moe_layer(m, layer: int) -> bool:
-    """Whether 0-based ``layer`` has an MoE MLP: ``num_moe_experts`` set and ``layer`` a multiple
-    of ``moe_layer_freq`` (megatron's int ``moe_layer_freq``: layer i is MoE when
-    ``i % freq == 0``)."""
-    get = _get(m)
-    if not get("num_moe_experts"):
-        return False
-    return layer % int(get("moe_layer_freq", 1) or 1) == 0
-
-
-def parameter_shapes(m, padded_vocab: int) -> list[ParamShape]:
-    """Every parameter of megatron's ``GPTModel`` with the local layer spec, in module order.
-
-    Args:
-        m: the ``model`` config (``ModelConfig`` fields).
-        padded_vocab: rows of the embedding and output layer (the padded vocabulary).
-
-    Returns:
-        The :class:`ParamShape` list. Norm weights (and LayerNorm biases), linear biases when
-        ``add_bias_linear``, the learned position embedding and the output layer (absent when
-        embeddings and output weights are shared) follow megatron's module tree.
-    """
-    get = _get(m)
-    h, ffn = m.hidden_size, m.ffn_hidden_size
-    bias = get("add_bias_linear", True)
-    norm_bias = get("normalization", "LayerNorm") == "LayerNorm"
-    gated = 2 if m.swiglu else 1
-    attn = m.num_attention_heads * kv_channels(m)
-    out = [ParamShape("embedding.word_embeddings.weight", (padded_vocab, h), 0, True)]
-    if get("position_embedding_type", "learned_absolute") == "learned_absolute":
-        out.append(ParamShape("embedding.position_embeddings.weight", (m.seq_length, h)))
-
-    def norm(prefix, width=h):
-        out.append(ParamShape(f"{prefix}.weight", (width,)))
-        if norm_bias:
-            out.append(ParamShape(f"{prefix}.bias", (width,)))
-
-    def mlp(prefix, width, expert=False):
-        out.append(ParamShape(f"{prefix}.linear_fc1.weight", (gated * width, h), 0, True, expert))
-        if bias:
-            out.append(ParamShape(f"{prefix}.linear_fc1.bias", (gated * width,), 0, False, expert))
-        out.append(ParamShape(f"{prefix}.linear_fc2.weight", (h, width), 1, True, expert))
-        if bias:
-            out.append(ParamShape(f"{prefix}.linear_fc2.bias", (h,), None, False, expert))
-
-    for i in range(m.num_layers):
-        layer = f"decoder.layers.{i}"
-        norm(f"{layer}.input_layernorm")
-        out.append(ParamShape(f"{layer}.self_attention.linear_qkv.weight", (qkv_rows(m), h), 0, True))
-        if bias:
-            out.append(ParamShape(f"{layer}.self_attention.linear_qkv.bias", (qkv_rows(m),), 0))
-        if get("qk_layernorm", False):
-            norm(f"{layer}.self_attention.q_layernorm", kv_channels(m))
-            norm(f"{layer}.self_attention.k_layernorm", kv_channels(m))
-        out.append(ParamShape(f"{layer}.self_attention.linear_proj.weight", (h, attn), 1, True))
-        if bias:
-            out.append(ParamShape(f"{layer}.self_attention.linear_proj.bias", (h,)))
-        norm(f"{layer}.pre_mlp_layernorm")
-        if not is_moe_layer(m, i):
-            mlp(f"{layer}.mlp", ffn)
-            continue
-        # megatron's MoELayer: TopKRouter (weight [experts, hidden], replicated), SequentialMLP
-        # (local_experts.<i>, an MLP each), then the optional SharedExpertMLP.
-        experts = int(get("num_moe_experts"))
-        out.append(ParamShape(f"{layer}.mlp.router.weight", (experts, h)))
-        width = get("moe_ffn_hidden_size") or ffn
-        for e in range(experts):
-            mlp(f"{layer}.mlp.experts.local_experts.{e}", width, expert=True)
-        shared = get("moe_shared_expert_intermediate_size")
-        if shared:
-            mlp(f"{layer}.mlp.shared_experts", shared)
-    norm("decoder.final_layernorm")
-    if not m.share_embeddings_and_output_weights:
-        out.append(ParamShape("output_layer.weight", (padded_vocab, h), 0, True))
-    return out
-
-
-def parameter_counts(m, padded_vocab: int) -> tuple[int, int]:
-    """``(total, active)`` parameters of the model: active counts, of each MoE layer's routed
-    experts, the ``moe_router_topk`` a token goes through (``topk / num_moe_experts`` of them),
-    and everything else whole. Dense models: ``(total, total)``."""
-    shapes = parameter_shapes(m, padded_vocab)
-    total, experts = count(shapes), count([p for p in shapes if p.expert])
-    if not experts:
-        return total, total
-    get = _get(m)
-    return total, total - experts + experts * int(get("moe_router_topk")) // int(get("num_moe_experts"))
 
 
 def count(shapes: list[ParamShape]) -> int:
@@ -194,54 +101,3 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """
     multiple = math.lcm(divisible_by, tp)
     return ((vocab_size + multiple - 1) // multiple) * multiple
-
-
-def gtp_weight_dims(cfg, tensor_model_parallel_size: int) -> dict[str, int]:
-    """``{parameter name: TP-local dim 0}`` of every weight megatron shards over the GTP group.
-
-    megatron-core 0.19.2 wraps the ``weight`` of every ``VocabParallelEmbedding``,
-    ``ColumnParallelLinear`` and ``RowParallelLinear`` (``megatron.core.tensor_parallel.layers``,
-    its ``wrap_module_params_gtp`` calls); never biases, norms or the position embedding. GTP
-    slices the TP-local dim 0 (the table is :func:`parameter_shapes`):
-
-    - ``embedding.word_embeddings`` / ``output_layer`` (vocab rows): padded vocab / tp; the output
-      layer has no weight of its own when embeddings and output weights are shared;
-    - ``linear_qkv`` (column-parallel): (heads + 2 * query groups) * kv_channels / tp;
-    - ``linear_fc1`` (column-parallel): ffn / tp, twice that with SwiGLU (gate and up rows);
-    - ``linear_proj``, ``linear_fc2`` (row-parallel, TP splits dim 1): hidden, whatever the TP;
-    - routed experts' ``linear_fc1`` / ``linear_fc2`` only under expert GTP
-      (``gtp.expert_gtp_remat_size > 1``; megatron shards them over the expert GTP group), as one
-      expert-parallel rank holds them, with expert tensor parallelism instead of TP.
-
-    Names are those of ``GPTModel.named_parameters()`` (``recipes.gtp_setup.after_model`` checks
-    the built model against this table). The vocab rows are left out when the tokenizer cannot be
-    built from the config (other checks report that).
-    """
-    m, tp = cfg.model, tensor_model_parallel_size
-    try:
-        from recipes.data import build_tokenizer
-
-        vocab = padded_vocab_size(build_tokenizer(cfg.data).vocab_size,
-                                  m.make_vocab_size_divisible_by, tp)
-    except ValueError:
-        vocab = None
-    vocab_rows = ("embedding.word_embeddings.weight", "output_layer.weight")
-    dense = {p.name: tp_local_shape(p, tp)[0] for p in parameter_shapes(m, vocab or tp)
-             if p.gtp and not p.expert and (vocab is not None or p.name not in vocab_rows)}
-    return {**dense, **_expert_gtp_weight_dims(cfg, tp)}
-
-
-def _expert_gtp_weight_dims(cfg, tp: int) -> dict[str, int]:
-    """Routed-expert entries of :func:`gtp_weight_dims`: only under expert GTP
-    (``gtp.expert_gtp_remat_size > 1``), named as one EP rank holds them
-    (``local_experts.0 .. num_moe_experts / ep - 1``), dim 0 after expert tensor parallelism."""
-    par = cfg.parallelism
-    if cfg.gtp.get("expert_gtp_remat_size", 1) <= 1 or not cfg.model.get("num_moe_experts"):
-        return {}
-    etp = par.get("expert_tensor_parallel_size") or tp
-    local = int(cfg.model.num_moe_experts) // int(par.get("expert_model_parallel_size", 1))
-    out = {}
-    for p in parameter_shapes(cfg.model, tp):
-        if p.expert and p.gtp and int(p.name.split(".local_experts.")[1].split(".")[0]) < local:
-            out[p.name] = tp_local_shape(p, etp)[0]
-    return out

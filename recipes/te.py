@@ -103,22 +103,6 @@ def config_fields(quantization: str, use_te: bool, fp8_param_gather: bool = Fals
     return fields
 
 
-def spec_builder(model_cfg, use_te: bool) -> tuple[str, dict]:
-    """``(function name in megatron.core.models.gpt.gpt_layer_specs, keyword arguments)`` of the
-    layer spec. The TransformerEngine spec reads the norm from ``TransformerConfig.normalization``
-    (its fused layer-norm linears); the local spec takes it as an argument."""
-    if use_te:
-        return "get_gpt_layer_with_transformer_engine_spec", {}
-    return "get_gpt_layer_local_spec", {"normalization": model_cfg.get("normalization", "LayerNorm")}
-
-
-def layer_spec(model_cfg, use_te: bool):
-    """megatron's GPT layer spec (a ``ModuleSpec``) per :func:`spec_builder`."""
-    name, kwargs = spec_builder(model_cfg, use_te)
-    specs = importlib.import_module("megatron.core.models.gpt.gpt_layer_specs")
-    return getattr(specs, name)(**kwargs)
-
-
 def ddp_fields(config) -> dict:
     """``DistributedDataParallelConfig`` keyword arguments that follow the built
     ``TransformerConfig``: FP8 weights (``fp8_param``) are all-gathered in FP8."""

@@ -255,7 +255,7 @@ def _check_gtp_dims(cfg, layout: ParallelDims) -> None:
     from gtp.alignment import validate_gtp_dims
 
     g, pad = layout.gtp_remat_size, layout.pad_for_alignment
-    from recipes.shapes import gtp_weight_dims
+    from recipes.families import gtp_weight_dims
 
     dims = {name: dim for name, dim in gtp_weight_dims(cfg, layout.tensor_model_parallel_size).items()
             if ".local_experts." not in name}

@@ -208,7 +208,8 @@ def _fc1_rows(model, cfg) -> dict:
 def _shape_problems(model, cfg, record) -> list[str]:
     """Differences between the built model's parameters on this rank and ``recipes.shapes``."""
     from recipes.shapes import padded_vocab_size
-    from recipes.shapes import local_shape, parameter_shapes
+    from recipes.families import parameter_shapes
+    from recipes.shapes import local_shape
 
     tp, g = record["tensor_model_parallel_size"], record["gtp_remat_size"]
     padded = padded_vocab_size(257, cfg.model.make_vocab_size_divisible_by, tp)

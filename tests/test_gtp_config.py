@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from compose import CONF, make_cfg
 
-from recipes.shapes import gtp_weight_dims
+from recipes.families import gtp_weight_dims
 from recipes.validate import ConfigError, validate
 
 REPO = Path(__file__).resolve().parents[1]

@@ -33,7 +33,7 @@ EXPECTED = {
     "gtp.expert_grads.scale_expert_gradients",
     "gtp.muon.install",
     "gtp.muon.uninstall",
-    "recipes.moe.experts_leave_rng_alone",
+    "recipes.families.moe.model.experts_leave_rng_alone",
     "gtp.safe_objects.install",
 }
 

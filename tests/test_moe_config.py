@@ -8,7 +8,7 @@ import pytest
 import torch
 from compose import make_cfg
 
-from recipes.shapes import parameter_counts, parameter_shapes
+from recipes.families import parameter_counts, parameter_shapes
 from recipes.validate import ConfigError, validate
 
 
@@ -181,7 +181,7 @@ def test_sequence_parallel_is_off_at_tp1():
 def test_top1_routing_with_pre_softmax_reaches_megatron():
     """Top-1 is valid with the softmax over all experts first (megatron's TopKRouter refuses it
     otherwise); the field reaches the TransformerConfig arguments."""
-    from recipes.moe import transformer_config_fields
+    from recipes.families.moe.model import transformer_config_fields
 
     cfg = make_cfg("model=moe_tiny", "model.moe_router_topk=1", "model.moe_router_pre_softmax=true")
     fields = transformer_config_fields(cfg.model, validate(cfg, 2))

@@ -9,7 +9,7 @@ loss 0.01) on 2 CPU processes at five layouts, 2 iterations each:
 * ``egtp2``: expert GTP of degree 2 at alignment 16 (expert fc1 200 -> 224 rows, fc2 72 -> 96).
 
 All read the same global batch from the same initial weights (CPU initialization slices one
-full draw; experts draw per (layer, global expert), ``recipes.moe.init_experts``), so
+full draw; experts draw per (layer, global expert), ``recipes.families.moe.model.init_experts``), so
 iteration 1's ``lm loss``, ``grad-norm``, ``num-zeros`` and ``load_balancing_loss`` agree to fp32
 reduction-order noise (``tolerance.fp32_rtol(1)``, tests/helpers/tolerance.py). ``grad-norm`` at ``ep2``/``etp2``/``egtp2`` equal to
 ``ep1``'s means each expert element is counted once. So do ``logger.grad_norm_detail``'s

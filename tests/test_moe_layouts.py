@@ -8,7 +8,7 @@ process groups, CPU shims, model, DDP, optimizer) and train step (``recipes.loop
   hence the grad norm, differ), and a second iteration after an Adam step agrees too.
 
 Every layout reads the same global batch (one synthetic micro-batch per data-parallel rank and
-step) from the same initial weights (CPU initialization; experts: ``recipes.moe.init_experts``).
+step) from the same initial weights (CPU initialization; experts: ``recipes.families.moe.model.init_experts``).
 """
 
 from __future__ import annotations

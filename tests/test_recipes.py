@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from compose import CONF, make_cfg
 
-from recipes.shapes import count, parameter_shapes
+from recipes.families import parameter_shapes
+from recipes.shapes import count
 from recipes.validate import ConfigError, validate
 
 EXPERIMENTS = sorted(p.stem for p in (Path(CONF) / "experiment").glob("*.yaml"))

@@ -9,6 +9,7 @@ import pytest
 from compose import make_cfg
 
 from recipes import te
+from recipes.families.gpt import model as gpt_model
 from recipes.model import transformer_config
 from recipes.validate import validate
 
@@ -78,12 +79,13 @@ def test_fp8_param_gather_is_refused_before_launch(overrides, message):
 
 def test_layer_spec_choice():
     m = make_cfg("model=llama_tiny").model
-    assert te.spec_builder(m, True) == ("get_gpt_layer_with_transformer_engine_spec", {})
-    assert te.spec_builder(m, False) == ("get_gpt_layer_local_spec", {"normalization": "RMSNorm"})
+    assert gpt_model.spec_builder(m, True) == ("get_gpt_layer_with_transformer_engine_spec", {})
+    assert gpt_model.spec_builder(m, False) == ("get_gpt_layer_local_spec",
+                                                {"normalization": "RMSNorm"})
 
 
 def test_build_uses_the_te_spec_when_te_is_importable(stand_in_te, monkeypatch):
-    """recipes.te.layer_spec calls megatron's TE spec function (recorded here: the stand-in has
+    """The GPT family's layer_spec calls megatron's TE spec function (recorded here: the stand-in has
     no TE layers to build)."""
     import megatron.core.models.gpt.gpt_layer_specs as specs
 
@@ -91,7 +93,8 @@ def test_build_uses_the_te_spec_when_te_is_importable(stand_in_te, monkeypatch):
     monkeypatch.setattr(specs, "get_gpt_layer_with_transformer_engine_spec",
                         lambda **kw: calls.append(kw) or "te-spec")
     m = make_cfg("model=llama_tiny").model
-    assert te.layer_spec(m, te.transformer_engine_usable()) == "te-spec" and calls == [{}]
+    spec = gpt_model.layer_spec(m, None, te.transformer_engine_usable())
+    assert spec == "te-spec" and calls == [{}]
 
 
 def test_notice_without_te(capsys, monkeypatch):

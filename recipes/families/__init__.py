@@ -6,3 +6,92 @@ its GTP weights and their TP-local dims), its Hugging Face mapping both ways and
 name patterns (``formats.py``, registered with ``gtp/`` under the entry-point group
 ``gtp.model_families``). ``docs/model-families.md`` says how to add one.
 """
+
+from __future__ import annotations
+
+from recipes.families import gpt, moe
+from recipes.families.family import ModelFamily
+from recipes.shapes import ParamShape, count, getter, padded_vocab_size, tp_local_shape
+
+# First match wins: the dense GPT family matches every decoder, so it comes last.
+FAMILIES: tuple[ModelFamily, ...] = (moe.FAMILY, gpt.FAMILY)
+
+
+def family_of(m) -> ModelFamily:
+    """The family that owns a ``model`` config (the first in :data:`FAMILIES` that matches)."""
+    return next(f for f in FAMILIES if f.matches(m))
+
+
+def parameter_shapes(m, padded_vocab: int) -> list[ParamShape]:
+    """Every parameter of the model ``m`` describes, in module order, without building it: the
+    family's table (``ParamShape``: name as ``named_parameters()``, full logical shape, the dim
+    TP splits, whether GTP shards it, whether it is a routed expert's).
+
+    The pre-launch GTP checks, the dry run and the published parameter counts of the presets
+    read it; a multi-process test compares it with built models at several layouts."""
+    return family_of(m).parameter_shapes(m, padded_vocab)
+
+
+def parameter_counts(m, padded_vocab: int) -> tuple[int, int]:
+    """``(total, active)`` parameters of the model: active counts, of each MoE layer's routed
+    experts, the ``moe_router_topk`` a token goes through (``topk / num_moe_experts`` of them),
+    and everything else whole. Dense models: ``(total, total)``."""
+    shapes = parameter_shapes(m, padded_vocab)
+    total, experts = count(shapes), count([p for p in shapes if p.expert])
+    if not experts:
+        return total, total
+    get = getter(m)
+    return total, total - experts + experts * int(get("moe_router_topk")) // int(get("num_moe_experts"))
+
+
+def gtp_weight_dims(cfg, tensor_model_parallel_size: int) -> dict[str, int]:
+    """``{parameter name: TP-local dim 0}`` of every weight megatron shards over the GTP group,
+    read from the family's parameter table (:func:`parameter_shapes`, its ``gtp`` entries).
+
+    megatron-core 0.19.2 wraps the ``weight`` of every ``VocabParallelEmbedding``,
+    ``ColumnParallelLinear`` and ``RowParallelLinear`` (``megatron.core.tensor_parallel.layers``,
+    its ``wrap_module_params_gtp`` calls); never biases, norms or the position embedding. GTP
+    slices the TP-local dim 0:
+
+    - ``embedding.word_embeddings`` / ``output_layer`` (vocab rows): padded vocab / tp; the output
+      layer has no weight of its own when embeddings and output weights are shared;
+    - ``linear_qkv`` (column-parallel): (heads + 2 * query groups) * kv_channels / tp;
+    - ``linear_fc1`` (column-parallel): ffn / tp, twice that with SwiGLU (gate and up rows);
+    - ``linear_proj``, ``linear_fc2`` (row-parallel, TP splits dim 1): hidden, whatever the TP;
+    - routed experts' ``linear_fc1`` / ``linear_fc2`` only under expert GTP
+      (``gtp.expert_gtp_remat_size > 1``; megatron shards them over the expert GTP group), as one
+      expert-parallel rank holds them, with expert tensor parallelism instead of TP.
+
+    Names are those of ``named_parameters()`` (``recipes.gtp_setup.after_model`` checks the built
+    model against this table). The vocab rows are left out when the tokenizer cannot be built
+    from the config (other checks report that).
+    """
+    from recipes.data import build_tokenizer  # the tokenizers' start-up cost, only when asked
+
+    m, tp = cfg.model, tensor_model_parallel_size
+    try:
+        vocab = padded_vocab_size(build_tokenizer(cfg.data).vocab_size,
+                                  m.make_vocab_size_divisible_by, tp)
+    except ValueError:
+        vocab = None
+    vocab_rows = ("embedding.word_embeddings.weight", "output_layer.weight")
+    shapes = parameter_shapes(m, vocab or tp)
+    dense = {p.name: tp_local_shape(p, tp)[0] for p in shapes
+             if p.gtp and not p.expert and (vocab is not None or p.name not in vocab_rows)}
+    return {**dense, **_expert_gtp_weight_dims(cfg, shapes, tp)}
+
+
+def _expert_gtp_weight_dims(cfg, shapes: list[ParamShape], tp: int) -> dict[str, int]:
+    """Routed-expert entries of :func:`gtp_weight_dims`: only under expert GTP
+    (``gtp.expert_gtp_remat_size > 1``), named as one EP rank holds them
+    (``local_experts.0 .. num_moe_experts / ep - 1``), dim 0 after expert tensor parallelism."""
+    par = cfg.parallelism
+    if cfg.gtp.get("expert_gtp_remat_size", 1) <= 1 or not cfg.model.get("num_moe_experts"):
+        return {}
+    etp = par.get("expert_tensor_parallel_size") or tp
+    local = int(cfg.model.num_moe_experts) // int(par.get("expert_model_parallel_size", 1))
+    out = {}
+    for p in shapes:
+        if p.expert and p.gtp and int(p.name.split(".local_experts.")[1].split(".")[0]) < local:
+            out[p.name] = tp_local_shape(p, etp)[0]
+    return out

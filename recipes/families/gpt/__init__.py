@@ -1,1 +1,15 @@
-"""The GPT family: dense GPT-2 and Llama-style decoders built as megatron's ``GPTModel``."""
+"""The GPT family: dense GPT-2 and Llama-style decoders built as megatron's ``GPTModel``
+(``model.py``), their parameter table (``params.py``) and their Hugging Face and stock-format
+names (``formats.py``)."""
+
+from recipes.families.family import ModelFamily
+from recipes.families.gpt import model, params
+
+FAMILY = ModelFamily(
+    name="gpt",
+    matches=lambda m: True,  # every decoder no other family claims
+    transformer_config_fields=model.transformer_config_fields,
+    layer_spec=model.layer_spec,
+    build=model.build,
+    parameter_shapes=params.parameter_shapes,
+)

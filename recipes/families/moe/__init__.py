@@ -1,1 +1,19 @@
-"""The MoE family: Mixtral / Qwen3-MoE-style decoders, megatron's ``GPTModel`` with MoE layers."""
+"""The MoE family: Mixtral / Qwen3-MoE-style decoders, megatron's ``GPTModel`` with MoE layers
+(``model.py``), their parameter table (``params.py``) and their Hugging Face names
+(``formats.py``)."""
+
+from recipes.families.family import ModelFamily
+from recipes.families.gpt import model as gpt_model
+from recipes.families.moe import model, params
+
+FAMILY = ModelFamily(
+    name="moe",
+    matches=model.is_moe,
+    transformer_config_fields=model.transformer_config_fields,
+    layer_spec=model.layer_spec,
+    build=gpt_model.build,
+    parameter_shapes=params.parameter_shapes,
+    # Same expert weights at every expert layout (model.init_experts).
+    building=model.experts_leave_rng_alone,
+    init_weights=model.init_experts,
+)

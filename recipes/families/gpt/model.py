@@ -1,0 +1,81 @@
+"""The GPT family's megatron side: config fields, layer spec and ``GPTModel``."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch.nn.functional as F
+
+
+def transformer_config_fields(m, dims) -> dict:
+    """megatron ``TransformerConfig`` keyword arguments of a dense GPT/Llama ``model`` config.
+
+    Args:
+        m: the ``model`` config (``recipes.config.ModelConfig`` fields).
+        dims: the run's ``recipes.parallel_dims.ParallelDims`` (unused by the dense fields;
+            families with experts read their expert sizes from it).
+    """
+    out = dict(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.get("num_query_groups"),
+        ffn_hidden_size=m.ffn_hidden_size,
+        normalization=m.get("normalization", "LayerNorm"),
+        layernorm_epsilon=m.get("layernorm_epsilon", 1e-5),
+        add_bias_linear=m.get("add_bias_linear", True),
+        init_method_std=m.init_method_std,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        gated_linear_unit=m.swiglu,
+        activation_func=F.silu if m.swiglu else F.gelu,
+        qk_layernorm=bool(m.get("qk_layernorm", False)),
+    )
+    if m.get("kv_channels"):
+        out["kv_channels"] = int(m.kv_channels)
+    return out
+
+
+def spec_builder(m, use_te: bool) -> tuple[str, dict]:
+    """``(function name in megatron.core.models.gpt.gpt_layer_specs, keyword arguments)`` of the
+    layer spec. The TransformerEngine spec reads the norm from ``TransformerConfig.normalization``
+    (its fused layer-norm linears); the local spec takes it as an argument."""
+    if use_te:
+        return "get_gpt_layer_with_transformer_engine_spec", {}
+    return "get_gpt_layer_local_spec", {"normalization": m.get("normalization", "LayerNorm")}
+
+
+def layer_spec(m, config, use_te: bool, vp_stage=None):
+    """megatron's GPT layer spec (a ``ModuleSpec``) per :func:`spec_builder`; ``config`` and
+    ``vp_stage`` are not needed by a dense spec."""
+    name, kwargs = spec_builder(m, use_te)
+    specs = importlib.import_module("megatron.core.models.gpt.gpt_layer_specs")
+    return getattr(specs, name)(**kwargs)
+
+
+def build(m, config, spec, vocab: int, pre: bool, post: bool, vp_stage, tied: bool):
+    """One chunk of megatron's ``GPTModel``.
+
+    Args:
+        m: the ``model`` config; config: its ``TransformerConfig``; spec: from :func:`layer_spec`.
+        vocab: padded vocabulary rows. pre, post: whether the chunk holds the embedding / the
+            output layer and loss. vp_stage: virtual pipeline stage (None without vpp).
+        tied: ``share_embeddings_and_output_weights``.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab,
+        max_sequence_length=m.seq_length,
+        pre_process=pre,
+        post_process=post,
+        position_embedding_type=m.position_embedding_type,
+        rotary_base=m.get("rotary_base", 10000),
+        rotary_percent=m.get("rotary_percent", 1.0),
+        rope_scaling=m.get("rope_scaling", False),
+        rope_scaling_factor=m.get("rope_scaling_factor", 8.0),
+        share_embeddings_and_output_weights=tied,
+        vp_stage=vp_stage,
+    )

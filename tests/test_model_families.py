@@ -1,0 +1,75 @@
+"""A model family is one folder under ``recipes/families/``, registered once.
+
+Every preset belongs to the family named here (written down, not derived from ``matches``);
+everything a family gives the run is defined in its own folder (the MoE family may reuse the
+GPT family it extends); every family folder is registered; megatron's linear-layer names appear
+in ``recipes/`` only inside family folders."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from compose import make_cfg
+
+from recipes.families import FAMILIES, family_of
+from recipes.families.family import ModelFamily
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESETS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
+MOE_PRESETS = {"moe_tiny", "mixtral_8x7b", "qwen3_30b_a3b"}
+# What a family may take from another family's folder: the one it builds on.
+BUILDS_ON = {"moe": {"gpt"}}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_belongs_to_its_family(preset):
+    expected = "moe" if preset in MOE_PRESETS else "gpt"
+    assert family_of(make_cfg(f"model={preset}").model).name == expected
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_everything_a_family_gives_is_defined_in_its_folder(family):
+    allowed = {family.name} | BUILDS_ON.get(family.name, set())
+    for field in ModelFamily.__dataclass_fields__:
+        value = getattr(family, field)
+        if not callable(value) or field == "matches" or value is ModelFamily.building:
+            continue
+        if value.__module__ == "contextlib":  # the default: nothing while building
+            continue
+        parts = value.__module__.split(".")
+        assert parts[:2] == ["recipes", "families"] and parts[2] in allowed, (field, value.__module__)
+
+
+def test_every_family_folder_is_registered_once():
+    folders = sorted(p.parent.name for p in (ROOT / "recipes" / "families").glob("*/__init__.py"))
+    names = [f.name for f in FAMILIES]
+    assert sorted(names) == folders and len(set(names)) == len(names)
+
+
+# Files outside the family folders that name megatron's linear layers, and why.
+LINEAR_NAMES_ALLOWED = {
+    "recipes/shapes.py": "ParamShape's docstring example and qkv_rows, the attention width math",
+    "recipes/validate.py": "a docstring example of the short name of a GTP weight",
+}
+
+
+def test_megatron_linear_names_live_in_family_folders():
+    pattern = re.compile(r"linear_(qkv|proj|fc1|fc2)")
+    found = {str(p.relative_to(ROOT)) for p in (ROOT / "recipes").rglob("*.py")
+             if "families" not in p.parts and pattern.search(p.read_text())}
+    assert found == set(LINEAR_NAMES_ALLOWED)
+
+
+def test_the_moe_family_extends_the_gpt_family_config_fields():
+    """The MoE family's TransformerConfig fields are the GPT family's plus the MoE ones."""
+    from recipes.families.gpt.model import transformer_config_fields as dense
+    from recipes.families.moe.model import transformer_config_fields as moe
+    from recipes.validate import validate
+
+    cfg = make_cfg("model=moe_tiny")
+    dims = validate(cfg, 2)
+    base, extended = dense(cfg.model, dims), moe(cfg.model, dims)
+    assert {k: extended[k] for k in base} == base
+    assert extended["num_moe_experts"] == 4 and extended["expert_model_parallel_size"] == 1
