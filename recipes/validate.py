@@ -23,7 +23,8 @@ def _has_validation_share(split) -> bool:
 
 
 def validate(cfg, world_size: int, plan=None) -> ParallelDims:
-    """Validate the whole composed config for ``world_size`` processes.
+    """Validate the whole composed config for ``world_size`` processes, one config group after
+    another (the process grid first: ``ParallelDims.from_config``).
 
     ``plan``: the :class:`recipes.checkpoint.manager.ResumePlan` of ``checkpoint.load`` when this
     process has resolved it (its checkpoint is then not opened again).
@@ -34,19 +35,28 @@ def validate(cfg, world_size: int, plan=None) -> ParallelDims:
     Raises:
         ConfigError: the first problem found, naming the key, its value and what is valid.
     """
-    from gtp.records import CHECKPOINT_FORMATS
-    from recipes.data import SOURCES
-    from recipes.metrics import CONSOLE_LINES, LOGGER_MODES
-    from recipes.model import PARAMS_DTYPES
-    from recipes.optim import LR_DECAY_STYLES, optim_refusal
-
-    layout = ParallelDims.from_config(cfg, world_size)
     from recipes import context_parallel, moe
 
+    layout = ParallelDims.from_config(cfg, world_size)
     moe.check(cfg, layout)
     context_parallel.check(cfg, layout)
-    m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
-    tp = layout.tensor_model_parallel_size
+    _check_model(cfg, layout)
+    _check_batches(cfg, layout)
+    if layout.gtp_remat_size > 1:
+        _check_gtp(cfg, layout)
+    _check_optim(cfg, layout)
+    _check_train(cfg)
+    _check_outputs(cfg, plan)
+    _announce_quantization(cfg, layout)
+    return layout
+
+
+def _check_model(cfg, layout: ParallelDims) -> None:
+    """``model`` and ``precision``: positive sizes, the pipeline split, the options, the sizes
+    tensor parallelism divides."""
+    from recipes.model import PARAMS_DTYPES
+
+    m, tp = cfg.model, layout.tensor_model_parallel_size
     for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length"):
         check_positive(f"model.{name}", m[name])
     _check_pipeline_split(cfg, layout)
@@ -59,9 +69,17 @@ def validate(cfg, world_size: int, plan=None) -> ParallelDims:
         if value % div != 0:
             raise ConfigError(f"{name}={value} must be divisible by {div} (tensor_model_parallel_size={tp})"
                               if div == tp else f"{name}={value} must be divisible by model.num_attention_heads={div}")
+    check_positive("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)
     if cfg.precision.params_dtype not in PARAMS_DTYPES:
         raise ConfigError(f"precision.params_dtype={cfg.precision.params_dtype!r}: valid are "
                           f"{tuple(PARAMS_DTYPES)}")
+
+
+def _check_batches(cfg, layout: ParallelDims) -> None:
+    """``data``: the source and the batch sizes the data group and the pipeline schedule split."""
+    from recipes.data import SOURCES
+
+    d = cfg.data
     if d.source not in SOURCES:
         raise ConfigError(f"data.source={d.source!r}: valid are {SOURCES}")
     check_positive("data.micro_batch_size", d.micro_batch_size)
@@ -91,42 +109,49 @@ def validate(cfg, world_size: int, plan=None) -> ParallelDims:
             f"pipeline_model_parallel_size={pp}: set data.global_batch_size to a multiple of "
             f"{per_step * pp}"
         )
-    if layout.gtp_remat_size > 1:
-        _check_gtp_dims(cfg, layout)
-        if m.share_embeddings_and_output_weights:
-            # megatron-core 0.19.2 hands the tied weight to the output layer as its GTP shard,
-            # which ColumnParallelLinear refuses on the first forward (at any pp).
-            raise ConfigError(
-                "model.share_embeddings_and_output_weights=true with GTP "
-                f"(gtp_remat_size={layout.gtp_remat_size}) is not supported by megatron-core "
-                "0.19.2 (the output layer gets the embedding's GTP shard): set "
-                "model.share_embeddings_and_output_weights=false or gtp=off"
-            )
-    refusal = optim_refusal(o, cfg.precision.params_dtype, layout.gtp_remat_size,
-                            cfg.model.get("num_moe_experts"))
-    if refusal:
-        raise ConfigError(refusal)
+
+
+def _check_gtp(cfg, layout: ParallelDims) -> None:
+    """``gtp`` when ``gtp_remat_size > 1``: the weights' dims, tied embeddings, overlap."""
+    from recipes import te
+    from recipes.gtp_setup import overlap_settings
+
+    _check_gtp_dims(cfg, layout)
+    if cfg.model.share_embeddings_and_output_weights:
+        # megatron-core 0.19.2 hands the tied weight to the output layer as its GTP shard,
+        # which ColumnParallelLinear refuses on the first forward (at any pp).
+        raise ConfigError(
+            "model.share_embeddings_and_output_weights=true with GTP "
+            f"(gtp_remat_size={layout.gtp_remat_size}) is not supported by megatron-core "
+            "0.19.2 (the output layer gets the embedding's GTP shard): set "
+            "model.share_embeddings_and_output_weights=false or gtp=off"
+        )
+    try:
+        overlap_settings(cfg.gtp, layout.pipeline_model_parallel_size,
+                         te.uses_transformer_engine(cfg))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _check_optim(cfg, layout: ParallelDims) -> None:
+    """``optim``: the optimizer at this layout and precision, FP8 weight gathers, the lr
+    schedule."""
+    from recipes import te
+    from recipes.optim import LR_DECAY_STYLES, optim_refusal
+
+    o, t = cfg.optim, cfg.train
+    for refusal in (optim_refusal(o, cfg.precision.params_dtype, layout.gtp_remat_size,
+                                  cfg.model.get("num_moe_experts")),
+                    te.fp8_param_gather_refusal(cfg.gtp.quantization,
+                                                cfg.gtp.get("fp8_param_gather", False),
+                                                layout.use_distributed_optimizer)):
+        if refusal:
+            raise ConfigError(refusal)
     if o.lr_decay_style not in LR_DECAY_STYLES:
         raise ConfigError(f"optim.lr_decay_style={o.lr_decay_style!r}: valid are {LR_DECAY_STYLES}")
     if not (0 <= o.min_lr <= o.lr):
         raise ConfigError(f"optim.min_lr={o.min_lr} must lie in [0, optim.lr={o.lr}]")
     check_positive("train.train_iters", t.train_iters)
-    for name in ("eval_interval", "eval_iters"):
-        if t.get(name, 0) < 0:
-            raise ConfigError(f"train.{name}={t[name]} must be >= 0")
-    if t.get("eval_iters", 0) and not _has_validation_share(d.split):
-        raise ConfigError(f"train.eval_iters={t.eval_iters} needs a validation share in "
-                          f"data.split={d.split!r} (train,valid,test weights, e.g. '98,2,0'), "
-                          f"or train.eval_iters=0")
-    check_positive("train.log_interval", t.log_interval)
-    from recipes.preemption import EXIT_SIGNALS
-
-    if t.get("exit_signal", "SIGTERM") not in EXIT_SIGNALS:
-        raise ConfigError(f"train.exit_signal={t.exit_signal!r}: valid are {EXIT_SIGNALS}")
-    for name in ("exit_interval", "exit_duration_in_mins"):
-        if t.get(name) is not None and t[name] <= 0:
-            raise ConfigError(f"train.{name}={t[name]} must be > 0 or null (never)")
-    check_positive("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)
     decay = o.lr_decay_iters or t.train_iters
     # megatron's OptimizerParamScheduler asserts warmup < decay steps (recipes.prelaunch clamps
     # warmup first); a resume taking its schedule from the checkpoint is not judged on this one.
@@ -137,29 +162,42 @@ def validate(cfg, world_size: int, plan=None) -> ParallelDims:
             f"optim.lr_warmup_iters={o.lr_warmup_iters} must lie in [0, {decay}) "
             f"(optim.lr_decay_iters, default train.train_iters={t.train_iters})"
         )
-    from recipes import te
 
-    if layout.gtp_remat_size > 1:
-        from recipes.gtp_setup import overlap_settings
 
-        try:
-            overlap_settings(cfg.gtp, layout.pipeline_model_parallel_size,
-                             te.uses_transformer_engine(cfg))
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-    refusal = te.fp8_param_gather_refusal(cfg.gtp.quantization,
-                                          cfg.gtp.get("fp8_param_gather", False),
-                                          layout.use_distributed_optimizer)
-    if refusal:
-        raise ConfigError(refusal)
-    fmt = cfg.checkpoint.get("format", "logical")
+def _check_train(cfg) -> None:
+    """``train``: evaluation, logging and exit settings."""
+    from recipes.preemption import EXIT_SIGNALS
+
+    t = cfg.train
+    for name in ("eval_interval", "eval_iters"):
+        if t.get(name, 0) < 0:
+            raise ConfigError(f"train.{name}={t[name]} must be >= 0")
+    if t.get("eval_iters", 0) and not _has_validation_share(cfg.data.split):
+        raise ConfigError(f"train.eval_iters={t.eval_iters} needs a validation share in "
+                          f"data.split={cfg.data.split!r} (train,valid,test weights, e.g. '98,2,0'), "
+                          f"or train.eval_iters=0")
+    check_positive("train.log_interval", t.log_interval)
+    if t.get("exit_signal", "SIGTERM") not in EXIT_SIGNALS:
+        raise ConfigError(f"train.exit_signal={t.exit_signal!r}: valid are {EXIT_SIGNALS}")
+    for name in ("exit_interval", "exit_duration_in_mins"):
+        if t.get(name) is not None and t[name] <= 0:
+            raise ConfigError(f"train.{name}={t[name]} must be > 0 or null (never)")
+
+
+def _check_outputs(cfg, plan) -> None:
+    """``checkpoint`` and ``logger``: formats, intervals, the loaded checkpoint's vocabulary and,
+    unless a dry run, the data files."""
+    from gtp.records import CHECKPOINT_FORMATS
+    from recipes.metrics import CONSOLE_LINES, LOGGER_MODES
+
+    ck = cfg.checkpoint
+    fmt = ck.get("format", "logical")
     if fmt not in CHECKPOINT_FORMATS:
         raise ConfigError(f"checkpoint.format={fmt!r} (old name gtp.checkpoint_layout): valid are "
                           f"{CHECKPOINT_FORMATS}")
     for key, valid in (("mode", LOGGER_MODES), ("console_line", CONSOLE_LINES)):
         if cfg.logger.get(key, valid[0]) not in valid:
             raise ConfigError(f"logger.{key}={cfg.logger.get(key)!r}: valid are {valid}")
-    ck = cfg.checkpoint
     if ck.save_interval < 0:
         raise ConfigError(f"checkpoint.save_interval={ck.save_interval} must be >= 0 (0: never)")
     if ck.keep_last is not None and ck.keep_last < 1:
@@ -168,9 +206,7 @@ def validate(cfg, world_size: int, plan=None) -> ParallelDims:
         _check_checkpoint_vocab(cfg, plan)
     if not cfg.train.get("dry_run", False):
         # A dry run sizes a recipe before its data exist; it says so in its report.
-        _check_data_files(d)
-    _announce_quantization(cfg, layout)
-    return layout
+        _check_data_files(cfg.data)
 
 
 def _check_pipeline_split(cfg, layout: ParallelDims) -> None:
