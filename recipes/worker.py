@@ -190,9 +190,7 @@ def run(cfg, resume=None) -> None:
     from recipes.checkpoint.manager import CheckpointManager, ResumePlan
     from recipes.checkpoint.policy import agree_load_iteration, planned_samples
     from recipes.config import to_dict
-    from recipes.data import build_iterators, build_train_iterator
-    from recipes.metrics import MetricLogger, plan_wandb_run
-    from recipes.model import count_parameters
+    from recipes.metrics import plan_wandb_run
     from recipes.optim import apply_schedule_override
     from recipes.validate import validate
     from recipes.console import STARTED_ENV, format_summary, quiet_megatron
@@ -248,21 +246,7 @@ def run(cfg, resume=None) -> None:
     chain = lineage.of_run(train_state if resumed_from is not None else None, iteration, plan)
     train_state["data_plan"] = planned_samples(train_state, iteration, saved_cfg, cfg)
 
-    # Without CP: the context-parallel ranks of a replica read the same micro-batches and split
-    # each one's sequence (recipes.context_parallel), as Megatron-LM's data loader.
-    dp_group = parallel_state.get_data_parallel_group(with_context_parallel=False)
-    dp_rank, dp_size = torch.distributed.get_rank(dp_group), torch.distributed.get_world_size(dp_group)
-    # Every pipeline stage (and virtual stage) reads the same micro-batches: the first uses the
-    # tokens, the last the labels and loss mask.
-    vpp = layout.virtual_pipeline_model_parallel_size
-    data_iterator, validation = build_iterators(cfg, train_state["consumed_samples"], dp_rank,
-                                                dp_size, tokenizer=tokenizer,
-                                                plan=train_state["data_plan"])
-    if vpp:
-        data_iterator = [data_iterator] + [
-            build_train_iterator(cfg, train_state["consumed_samples"], dp_rank, dp_size,
-                                 tokenizer=tokenizer, plan=train_state["data_plan"])
-            for _ in range(vpp - 1)]
+    data_iterator, validation, dp_size = _iterators(cfg, layout, train_state, tokenizer)
     state = RunState(
         model, optimizer, scheduler, data_iterator,
         num_microbatches=cfg.data.global_batch_size // (cfg.data.micro_batch_size * dp_size),
@@ -272,26 +256,7 @@ def run(cfg, resume=None) -> None:
                      "data_plan": train_state["data_plan"], "lineage": chain},
     )
 
-    config_dict = state.train_state["config"]
-    logger = MetricLogger(cfg, cfg.output_dir, plan, config_dict,
-                          resumed_from=iteration if resumed_from is not None else None) \
-        if rank == 0 else None
-    if logger is not None:
-        n_params = count_parameters(model)
-        fork = (f" (fork of {plan['parent']['run_id']} at iteration {plan['parent']['iteration']})"
-                if plan["parent"] else " (continued)" if plan["resume"] else "")
-        wandb_run = f", wandb run {run_id}{fork}" if cfg.logger.get("wandb", False) else ""
-        print(f"> layout {layout.describe()}, parameters on rank 0: {n_params}{wandb_run}",
-              flush=True)
-        if resumed_from is not None:
-            parent = plan["parent"]
-            logger.event("resume", iteration=iteration, from_layout=resumed_from, layout=layout_rec,
-                         load=str(ck.load), wandb_run_id=run_id,
-                         wandb_parent_run_id=parent and parent["run_id"])
-        else:
-            from recipes.pretrained import describe
-
-            logger.event("start", iteration=0, layout=layout_rec, **describe(cfg))
+    logger = _start_logger(cfg, state, plan, layout, layout_rec, resumed_from) if rank == 0 else None
 
     from recipes.loop import train
     from recipes.moe_metrics import attach_metrics
@@ -318,6 +283,59 @@ def run(cfg, resume=None) -> None:
         torch.distributed.destroy_process_group()
     if stopped is not None:
         preemption.after_exit()  # submitit's handler of its signal: requeue the job
+
+
+def _iterators(cfg, layout, train_state: dict, tokenizer):
+    """``(train iterator or one per virtual stage, validation batches or None, dp size)`` of
+    this rank, continuing at ``train_state["consumed_samples"]``."""
+    from megatron.core import parallel_state
+
+    from recipes.data import build_iterators, build_train_iterator
+
+    # Without CP: the context-parallel ranks of a replica read the same micro-batches and split
+    # each one's sequence (recipes.context_parallel), as Megatron-LM's data loader.
+    dp_group = parallel_state.get_data_parallel_group(with_context_parallel=False)
+    dp_rank, dp_size = torch.distributed.get_rank(dp_group), torch.distributed.get_world_size(dp_group)
+    # Every pipeline stage (and virtual stage) reads the same micro-batches: the first uses the
+    # tokens, the last the labels and loss mask.
+    vpp = layout.virtual_pipeline_model_parallel_size
+    data_iterator, validation = build_iterators(cfg, train_state["consumed_samples"], dp_rank,
+                                                dp_size, tokenizer=tokenizer,
+                                                plan=train_state["data_plan"])
+    if vpp:
+        data_iterator = [data_iterator] + [
+            build_train_iterator(cfg, train_state["consumed_samples"], dp_rank, dp_size,
+                                 tokenizer=tokenizer, plan=train_state["data_plan"])
+            for _ in range(vpp - 1)]
+    return data_iterator, validation, dp_size
+
+
+def _start_logger(cfg, state, plan: dict, layout, layout_rec: dict, resumed_from):
+    """Rank 0's ``MetricLogger``; prints the layout line and records the start or the resume
+    event (``resumed_from``: the saved layout, None for a new run)."""
+    from recipes.metrics import MetricLogger
+    from recipes.model import count_parameters
+
+    ck, model, iteration, run_id = cfg.checkpoint, state.model, state.iteration, plan["run_id"]
+    config_dict = state.train_state["config"]
+    logger = MetricLogger(cfg, cfg.output_dir, plan, config_dict,
+                          resumed_from=iteration if resumed_from is not None else None)
+    n_params = count_parameters(model)
+    fork = (f" (fork of {plan['parent']['run_id']} at iteration {plan['parent']['iteration']})"
+            if plan["parent"] else " (continued)" if plan["resume"] else "")
+    wandb_run = f", wandb run {run_id}{fork}" if cfg.logger.get("wandb", False) else ""
+    print(f"> layout {layout.describe()}, parameters on rank 0: {n_params}{wandb_run}",
+          flush=True)
+    if resumed_from is not None:
+        parent = plan["parent"]
+        logger.event("resume", iteration=iteration, from_layout=resumed_from, layout=layout_rec,
+                     load=str(ck.load), wandb_run_id=run_id,
+                     wandb_parent_run_id=parent and parent["run_id"])
+    else:
+        from recipes.pretrained import describe
+
+        logger.event("start", iteration=0, layout=layout_rec, **describe(cfg))
+    return logger
 
 
 def _run_or_refuse(cfg, launched_by_train_py: bool) -> None:
