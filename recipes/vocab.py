@@ -134,9 +134,12 @@ def adapt_to_stored_rows(model_sd: dict, stored_shapes: dict, real: int, where) 
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     adapted = []
-    for key in VOCAB_KEYS:
-        entry = model_sd.get(key)
-        if entry is None or key not in stored_shapes:
+    for sd_key, entry in list(model_sd.items()):
+        # The stored name, not the dict key: on the last pipeline stage of a tied model the
+        # output layer's entry (dict key ``output_layer.weight``) reads the embedding's tensor
+        # (megatron's ``tie_embeddings_and_output_weights_state_dict``).
+        key = getattr(entry, "key", None)
+        if key not in VOCAB_KEYS or key not in stored_shapes:
             continue
         stored_rows = int(stored_shapes[key][0])
         model_rows = (entry.global_shape[0] if isinstance(entry, ShardedTensor)
@@ -146,6 +149,6 @@ def adapt_to_stored_rows(model_sd: dict, stored_shapes: dict, real: int, where) 
         if stored_rows < real:
             raise ValueError(f"{where}: {key} holds {stored_rows} vocabulary rows, fewer than "
                              f"the {real} tokens of this run's tokenizer")
-        model_sd[key] = _trimming_factory(entry, stored_rows, real)
+        model_sd[sd_key] = _trimming_factory(entry, stored_rows, real)
         adapted.append(key)
     return adapted
