@@ -61,6 +61,10 @@ class ModelConfig:
     normalization: str = "LayerNorm"  # LayerNorm | RMSNorm
     layernorm_epsilon: float = 1.0e-5
     add_bias_linear: bool = True
+    # A bias on the QKV projection only (Qwen2/Qwen2.5; megatron's add_qkv_bias).
+    add_qkv_bias: bool = False
+    # GeLU's tanh approximation (GPT-2's gelu_new; Megatron-LM's --openai-gelu), else exact GeLU.
+    openai_gelu: bool = False
     position_embedding_type: str = "learned_absolute"  # learned_absolute | rope
     # RoPE (position_embedding_type=rope): base, fraction of head dims rotated, Llama-3.1 scaling.
     rotary_base: int = 10000

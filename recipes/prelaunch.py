@@ -284,7 +284,7 @@ def check_split(cfg) -> None:
 
 # Model fields that change a parameter's shape (recipes.families.parameter_shapes reads them).
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                "ffn_hidden_size", "swiglu", "normalization", "add_bias_linear",
+                "ffn_hidden_size", "swiglu", "normalization", "add_bias_linear", "add_qkv_bias",
                 "position_embedding_type", "seq_length", "share_embeddings_and_output_weights",
                 "kv_channels", "qk_layernorm", "num_moe_experts", "moe_ffn_hidden_size",
                 "moe_shared_expert_intermediate_size", "moe_layer_freq")

@@ -73,3 +73,46 @@ def test_the_moe_family_extends_the_gpt_family_config_fields():
     base, extended = dense(cfg.model, dims), moe(cfg.model, dims)
     assert {k: extended[k] for k in base} == base
     assert extended["num_moe_experts"] == 4 and extended["expert_model_parallel_size"] == 1
+
+
+# Dense tiny presets (moe_tiny's built experts are checked by tests/test_moe_layouts.py).
+TINY_PRESETS = [p for p in PRESETS if p.endswith("tiny") and p not in MOE_PRESETS]
+
+
+def _build_each(cfg_yamls: dict) -> dict:
+    """On every rank of the world: ``{preset: differences between the built model's
+    parameters on this rank and the family's table}`` (recipes.shapes.local_shape)."""
+    from layout_goldens import build
+
+    from recipes.families import parameter_shapes
+    from recipes.shapes import local_shape, padded_vocab_size
+
+    out = {}
+    for name, cfg_yaml in cfg_yamls.items():
+        model, _, _, record, cfg = build(cfg_yaml)
+        tp = record["tensor_model_parallel_size"]
+        padded = padded_vocab_size(257, cfg.model.make_vocab_size_divisible_by, tp)
+        want = {p.name: local_shape(p, tp, 1, 0)[0] for p in parameter_shapes(cfg.model, padded)}
+        got = {n: tuple(p.shape) for n, p in model.module.named_parameters()}
+        out[name] = [f"{n}: built {got.get(n)}, table {want.get(n)}"
+                     for n in sorted(got.keys() | want.keys()) if got.get(n) != want.get(n)]
+        mlp = model.module.decoder.layers[0].mlp
+        out[name].append(getattr(mlp, "config", model.module.config).activation_func.__name__)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_every_tiny_preset_builds_the_parameters_of_its_table():
+    """megatron builds, at tp2, exactly the parameters the family's table lists (names and
+    per-rank shapes) for every tiny preset, and the activation the preset names."""
+    from layout_goldens import make_cfg as layout_cfg
+    from multiproc import run_distributed
+
+    cfgs = {p: layout_cfg(p, 2, 1, None, 2) for p in TINY_PRESETS}
+    results = run_distributed(_build_each, 2, cfgs, timeout=300)
+    activation = {"gpt2_tiny": "gelu_tanh", "tiny": "gelu"}
+    for rank, res in enumerate(results):
+        for preset, problems in res.items():
+            *problems, act = problems
+            assert not problems, (rank, preset, problems[:5])
+            assert act == activation.get(preset, "silu"), (preset, act)

@@ -27,8 +27,9 @@ def transformer_config_fields(m, dims) -> dict:
         init_method_std=m.init_method_std,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
+        add_qkv_bias=bool(m.get("add_qkv_bias", False)),
         gated_linear_unit=m.swiglu,
-        activation_func=F.silu if m.swiglu else F.gelu,
+        activation_func=activation(m),
         qk_layernorm=bool(m.get("qk_layernorm", False)),
     )
     if m.get("kv_channels"):
@@ -36,13 +37,31 @@ def transformer_config_fields(m, dims) -> dict:
     return out
 
 
+def gelu_tanh(x):
+    """GeLU's tanh approximation, ``0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))``: GPT-2's
+    published ``gelu_new`` and Megatron-LM's ``--openai-gelu`` (``openai_gelu``), computed by
+    torch's kernel (megatron's own is wrapped in ``torch.compile``, which CPU runs cannot
+    assume). Any shape and float dtype."""
+    return F.gelu(x, approximate="tanh")
+
+
+def activation(m):
+    """The MLP's activation: SiLU under SwiGLU (``swiglu``), else GeLU, exact (erf) or, with
+    ``openai_gelu``, :func:`gelu_tanh`."""
+    if m.swiglu:
+        return F.silu
+    return gelu_tanh if m.get("openai_gelu", False) else F.gelu
+
+
 def spec_builder(m, use_te: bool) -> tuple[str, dict]:
     """``(function name in megatron.core.models.gpt.gpt_layer_specs, keyword arguments)`` of the
     layer spec. The TransformerEngine spec reads the norm from ``TransformerConfig.normalization``
-    (its fused layer-norm linears); the local spec takes it as an argument."""
+    (its fused layer-norm linears); the local spec takes it as an argument. Both take
+    ``qk_layernorm`` (a norm over each query and key head, Qwen3's)."""
+    qk = {"qk_layernorm": True} if m.get("qk_layernorm", False) else {}
     if use_te:
-        return "get_gpt_layer_with_transformer_engine_spec", {}
-    return "get_gpt_layer_local_spec", {"normalization": m.get("normalization", "LayerNorm")}
+        return "get_gpt_layer_with_transformer_engine_spec", qk
+    return "get_gpt_layer_local_spec", {"normalization": m.get("normalization", "LayerNorm"), **qk}
 
 
 def layer_spec(m, config, use_te: bool, vp_stage=None):

@@ -57,7 +57,7 @@ def parameter_shapes(m, padded_vocab: int, mlp: Optional[MlpShapes] = None) -> l
         layer = f"decoder.layers.{i}"
         norm(f"{layer}.input_layernorm")
         out.append(ParamShape(f"{layer}.self_attention.linear_qkv.weight", (qkv_rows(m), h), 0, True))
-        if bias:
+        if bias or get("add_qkv_bias", False):
             out.append(ParamShape(f"{layer}.self_attention.linear_qkv.bias", (qkv_rows(m),), 0))
         if get("qk_layernorm", False):
             norm(f"{layer}.self_attention.q_layernorm", kv_channels(m))
