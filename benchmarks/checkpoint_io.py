@@ -10,7 +10,7 @@ DDP, Adam and scheduler with ``recipes.worker.setup`` and runs one training step
 checkpoint holds the Adam moments:
 
 1. **Save** at the source layout ``tp2 x g2/a16`` (world 4), in one process group, ``--repeats``
-   times: save in the logical layout (``gtp.checkpoint.configure("logical")``) and in the stock
+   times: save in the logical layout (``gtp.logical_format.configure("logical")``) and in the stock
    layout (``"stock"``: megatron 0.19.2 as shipped), in turn (A B, B A, ...), raw write with every
    rank writing the bytes it wrote in the save to one file, raw write with rank 0 writing all
    the bytes to one file (plain ``open``/``write`` of 8 MiB blocks, then ``os.fsync`` as

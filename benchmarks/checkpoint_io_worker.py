@@ -42,7 +42,7 @@ def _raw_write(path: Path, nbytes: int, block: bytes) -> None:
 def _gtp_layout(iter_path: Path) -> dict:
     from megatron.core import dist_checkpointing
 
-    from gtp.checkpoint import METADATA_KEY
+    from gtp.logical_format import METADATA_KEY
 
     return dist_checkpointing.load_common_state_dict(str(iter_path)).get(METADATA_KEY) or {}
 
@@ -70,7 +70,7 @@ def worker(cfg_path: str, out_path: str) -> None:
     from megatron.core import parallel_state
     from omegaconf import OmegaConf
 
-    from gtp import checkpoint as gtp_checkpoint, dcp_reader
+    from gtp import dcp_reader, logical_format
     from recipes import checkpoint
     from recipes.data import build_train_iterator
     from recipes.loop import train_step
@@ -102,19 +102,19 @@ def worker(cfg_path: str, out_path: str) -> None:
     shared: dict = {"layout": layout.describe()}
 
     def save(kind: str, where: Path, iteration: int) -> None:
-        gtp_checkpoint.configure(kind)
+        logical_format.configure(kind)
         checkpoint.save_checkpoint(where, iteration, model, optimizer, scheduler, common, record)
 
     async_saves = checkpoint.AsyncSaves()
 
     def save_async(where: Path, iteration: int) -> None:
         """What training waits for in an asynchronous save (the write goes on after)."""
-        gtp_checkpoint.configure("logical")
+        logical_format.configure("logical")
         checkpoint.save_checkpoint(where, iteration, model, optimizer, scheduler, common, record,
                                    async_saves=async_saves)
 
     def load(kind: str, where: Path) -> None:
-        gtp_checkpoint.configure(kind)
+        logical_format.configure(kind)
         # Not verified first: these rows compare readers and layouts (bytes read included);
         # benchmarks.checkpoint_verify measures what the verification adds.
         checkpoint.load_checkpoint(where, model, optimizer, scheduler, record, verify=False)
@@ -211,7 +211,7 @@ def worker(cfg_path: str, out_path: str) -> None:
         for rep in range(repeats):
             for kind in in_turn(kinds, rep):
                 loads[kind].append(measure(lambda: load(kind, root / f"save_{kind}")))
-        gtp_checkpoint.configure("logical")
+        logical_format.configure("logical")
         mine.update(saves=saves, raw=raw, loads=loads)
         if rank == 0:
             last = {k: checkpoint.iter_dir(root / f"save_{k}", repeats) for k in kinds}
@@ -219,7 +219,7 @@ def worker(cfg_path: str, out_path: str) -> None:
                 rank_bytes=every, checkpoint_bytes=total_bytes,
                 bytes_by_layout={k: _dir_bytes(p) for k, p in last.items()},
                 gtp_format={k: _gtp_format(p) for k, p in last.items()},
-                # padding rows per TP-local GTP weight (gtp/checkpoint.py's metadata)
+                # padding rows per TP-local GTP weight (gtp/logical_format.py's metadata)
                 gtp_padding_rows={key: rec["pad"] for key, rec in
                                   _gtp_layout(last["logical"]).get("tensors", {}).items()},
                 **_param_count(last["logical"]),
@@ -251,7 +251,7 @@ def worker(cfg_path: str, out_path: str) -> None:
         for rep in range(repeats):
             for key, path in in_turn(paths.items(), rep):
                 loads[key].append(measure(lambda: load_as(key, path)))
-        gtp_checkpoint.configure("logical")
+        logical_format.configure("logical")
         mine.update(loads=loads)
         if rank == 0:
             shared.update(native_bytes=_dir_bytes(checkpoint.iter_dir(native, 1)),

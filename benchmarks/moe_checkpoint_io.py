@@ -10,7 +10,7 @@ One launch of 4 worker processes (``benchmarks.train_speed.launch``) at ep2 x ex
 after a step), built by ``recipes.worker.setup``. Each repeat, in turn (A B, B A, ...):
 
 * save through ``recipes.checkpoint.save_checkpoint`` in the logical format
-  (``gtp.checkpoint.configure("logical")``) and in the stock one (``"stock"``);
+  (``gtp.logical_format.configure("logical")``) and in the stock one (``"stock"``);
 * load the file just saved at the same layout with the format that wrote it (a stock file at its
   own layout is read as is, as megatron does).
 
@@ -72,7 +72,7 @@ def _worker(cfg_path: str, out_path: str) -> None:
     import torch
     from omegaconf import OmegaConf
 
-    from gtp import checkpoint as gtp_checkpoint
+    from gtp import logical_format
     from recipes import checkpoint
     from recipes.validate import validate
     from recipes.worker import init_distributed, setup
@@ -96,12 +96,12 @@ def _worker(cfg_path: str, out_path: str) -> None:
     times: dict[str, list] = {f"{op} {fmt}": [] for op in ("save", "load") for fmt in FORMATS}
 
     def save(fmt, it):
-        gtp_checkpoint.configure(fmt)
+        logical_format.configure(fmt)
         return _timed(lambda: checkpoint.save_checkpoint(root / fmt, it, model, opt, sched, state,
                                                          record))
 
     def load(fmt):
-        gtp_checkpoint.configure(fmt)
+        logical_format.configure(fmt)
         return _timed(lambda: checkpoint.load_checkpoint(root / fmt, model, opt, sched, record))
 
     for fmt in FORMATS:  # untimed first save of each
@@ -115,7 +115,7 @@ def _worker(cfg_path: str, out_path: str) -> None:
     sizes = {fmt: sum(f.stat().st_size for f in (root / fmt).rglob("*") if f.is_file()) //
              (int(cfg.bench.repeats) + 1) for fmt in FORMATS}
     # the stock file read by the logical format: converted once, then reused
-    gtp_checkpoint.configure("logical")
+    logical_format.configure("logical")
     convert = [_timed(lambda: checkpoint.load_checkpoint(root / "stock", model, opt, sched,
                                                          record)) for _ in range(2)]
     if rank == 0:

@@ -15,10 +15,10 @@ def before_model(cfg, layout) -> None:
     hook, then apply the resolved ``pad_for_alignment`` (megatron 0.19.2 would keep 16).
 
     First, at every layout (GTP off included): ``checkpoint.format`` picks how GTP weights
-    are checkpointed ("logical": ``gtp.checkpoint`` patch installed; "stock": megatron 0.19.2)."""
-    from gtp import checkpoint as gtp_checkpoint
+    are checkpointed ("logical": ``gtp.logical_format`` patch installed; "stock": megatron 0.19.2)."""
+    from gtp import logical_format
 
-    gtp_checkpoint.configure(cfg.checkpoint.get("format", "logical"))
+    logical_format.configure(cfg.checkpoint.get("format", "logical"))
     if not layout.uses_gtp:
         return
     from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp_impl

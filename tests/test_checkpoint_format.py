@@ -10,7 +10,7 @@ import pytest
 from compose import CONF, make_cfg
 from hydra import compose, initialize_config_dir
 
-from gtp import checkpoint as gtp_checkpoint
+from gtp import logical_format
 from recipes import gtp_setup
 from recipes.prelaunch import check_checkpoint_format
 from recipes.validate import ConfigError
@@ -39,15 +39,15 @@ def test_the_composed_config_reads_the_same_before_resolving():
 
 @pytest.mark.parametrize("key", ["checkpoint.format", "gtp.checkpoint_layout"])
 def test_the_format_typed_under_either_name_is_the_one_applied(key):
-    was = gtp_checkpoint.is_installed()
+    was = logical_format.is_installed()
     no_gtp = SimpleNamespace(uses_gtp=False)
     try:
         gtp_setup.before_model(make_cfg(f"{key}=stock"), no_gtp)
-        assert not gtp_checkpoint.is_installed()
+        assert not logical_format.is_installed()
         gtp_setup.before_model(make_cfg(f"{key}=logical"), no_gtp)
-        assert gtp_checkpoint.is_installed()
+        assert logical_format.is_installed()
     finally:
-        gtp_checkpoint.configure("logical" if was else "stock")
+        logical_format.configure("logical" if was else "stock")
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -63,4 +63,4 @@ def test_a_bad_or_contradicting_format_is_refused(overrides, message):
 
 def test_configure_names_the_key_and_the_valid_values():
     with pytest.raises(ValueError, match=r"checkpoint.format='padded'.*\['logical', 'stock'\]"):
-        gtp_checkpoint.configure("padded")
+        logical_format.configure("padded")

@@ -1,4 +1,4 @@
-"""gtp/checkpoint.py: the logical checkpoint layout, across every layout pair, on CPU.
+"""gtp/logical_format.py: the logical checkpoint layout, across every layout pair, on CPU.
 
 One 4-process gloo world hosts every layout in turn (megatron's process groups are rebuilt for
 each; the data-parallel size fills the rest: tp1 alone runs as dp4, tp2 x g2 as dp1). Each layout
@@ -245,7 +245,7 @@ def _matrix_worker(root: str, cfgs: dict, plain: dict, llama: dict,
     (:func:`_pp_phase`) and the virtual-pipeline pairs in the same world."""
     from megatron.core import dist_checkpointing, parallel_state
 
-    from gtp import checkpoint as gtp_checkpoint
+    from gtp import logical_format
     from recipes import checkpoint
 
     assert torch.distributed.get_world_size() == WORLD
@@ -255,7 +255,7 @@ def _matrix_worker(root: str, cfgs: dict, plain: dict, llama: dict,
     out["shapes"] = {}
     for name, cfg_yaml in cfgs.items():
         model, opt, sched, record, cfg = _build(cfg_yaml)
-        assert gtp_checkpoint.is_installed()
+        assert logical_format.is_installed()
         out["shapes"][name] = _shape_problems(model, cfg, record)
         out["coverage"][name] = _set_golden(model, opt, cfg)
         checkpoint.save_checkpoint(root / name, 1, model, opt, sched, {"consumed_samples": 0},
@@ -270,7 +270,7 @@ def _matrix_worker(root: str, cfgs: dict, plain: dict, llama: dict,
             common = checkpoint.load_checkpoint(root / src, model, opt, sched, record)
             out["loads"][(src, name)] = _check(model, opt, cfg)
             if name == "off":
-                out["metadata"][src] = common.get(gtp_checkpoint.METADATA_KEY)
+                out["metadata"][src] = common.get(logical_format.METADATA_KEY)
     out["timing"]["load"] = time.time() - t0
 
     # The file of every layout holds the same full tensors as the non-GTP one (same goldens).
@@ -297,17 +297,17 @@ def _matrix_worker(root: str, cfgs: dict, plain: dict, llama: dict,
     model, opt, sched, record, cfg = _build(plain["tp2g2a16"])
     asym = {}
     for mode in ("stock", "logical"):
-        gtp_checkpoint.configure(mode)
+        logical_format.configure(mode)
         _fill_sentinel(model, opt)
         checkpoint.load_checkpoint(root / "plain_tp2", model, opt, sched, record)
         asym[mode] = {"check": _check(model, opt, cfg), "fc1": _fc1_rows(model, cfg)}
     out["asym"] = asym
     # What a stock-layout save records about itself.
-    gtp_checkpoint.configure("stock")
+    logical_format.configure("stock")
     checkpoint.save_checkpoint(root / "plain_tp2g2a16_stock", 1, model, opt, sched, {}, record)
-    gtp_checkpoint.configure("logical")
+    logical_format.configure("logical")
     out["stock_metadata"] = dist_checkpointing.load_common_state_dict(
-        str(root / "plain_tp2g2a16_stock" / "iter_0000001"))[gtp_checkpoint.METADATA_KEY]
+        str(root / "plain_tp2g2a16_stock" / "iter_0000001"))[logical_format.METADATA_KEY]
     out["timing"]["asym"] = time.time() - t0
 
     # A Llama-style model (GQA QKV, SwiGLU fc1, RMSNorm, no biases) across its layouts.
@@ -587,7 +587,7 @@ def _stock_reader_worker(root: str, cfgs: dict, sources: list) -> dict:
     from megatron.core.tensor_parallel import gtp_api
 
     from gtp import backend
-    from gtp import checkpoint as gtp_checkpoint
+    from gtp import logical_format
     from recipes import checkpoint
 
     assert torch.distributed.get_world_size() == STOCK_WORLD
@@ -595,7 +595,7 @@ def _stock_reader_worker(root: str, cfgs: dict, sources: list) -> dict:
     for name, cfg_yaml in cfgs.items():
         model, opt, sched, record, cfg = _build(cfg_yaml)
         # Nothing of gtp/ is active: megatron-core 0.19.2 as shipped (CPU redirects aside).
-        assert not gtp_checkpoint.is_installed() and not backend.is_installed()
+        assert not logical_format.is_installed() and not backend.is_installed()
         assert not gtp_api.HAVE_GTP
         for src in sources:
             _fill_sentinel(model, opt)
@@ -813,20 +813,20 @@ def test_a_load_unpickles_the_metadata_once(bad_inputs):
 
 
 # --------------------------------------------------------------------------------------------
-# Single-process unit tests of gtp/checkpoint.py's pieces.
+# Single-process unit tests of gtp/logical_format.py's pieces.
 # --------------------------------------------------------------------------------------------
 @pytest.fixture
 def patched():
-    """gtp.checkpoint installed for the test, uninstalled after (the pytest process is shared)."""
-    from gtp import checkpoint as gtp_checkpoint
+    """gtp.logical_format installed for the test, uninstalled after (the pytest process is shared)."""
+    from gtp import logical_format
 
-    was = gtp_checkpoint.is_installed()
-    gtp_checkpoint.install()
+    was = logical_format.is_installed()
+    logical_format.install()
     try:
-        yield gtp_checkpoint
+        yield logical_format
     finally:
         if not was:
-            gtp_checkpoint.uninstall()
+            logical_format.uninstall()
 
 
 def test_install_replaces_megatron_functions_everywhere_and_uninstall_restores():
@@ -836,32 +836,32 @@ def test_install_replaces_megatron_functions_everywhere_and_uninstall_restores()
     import megatron.core.transformer.mlp as mlp
     import megatron.core.utils as mutils
 
-    from gtp import checkpoint as gtp_checkpoint
+    from gtp import logical_format
 
-    gtp_checkpoint.uninstall()
+    logical_format.uninstall()
     originals = (mutils.make_tp_sharded_tensor_for_checkpoint, mlp.apply_swiglu_sharded_factory,
                  dopt.get_param_id_to_sharded_param_map)
     assert all(f.__module__.startswith("megatron.core") for f in originals)
-    gtp_checkpoint.configure("logical")
+    logical_format.configure("logical")
     try:
-        assert gtp_checkpoint.is_installed()
+        assert logical_format.is_installed()
         for module in (mutils, layers):
             assert module.make_tp_sharded_tensor_for_checkpoint is \
-                gtp_checkpoint.make_tp_sharded_tensor_for_checkpoint
-        assert mlp.apply_swiglu_sharded_factory is gtp_checkpoint.apply_swiglu_sharded_factory
+                logical_format.make_tp_sharded_tensor_for_checkpoint
+        assert mlp.apply_swiglu_sharded_factory is logical_format.apply_swiglu_sharded_factory
         for module in (dopt, mopt):
             assert module.get_param_id_to_sharded_param_map is \
-                gtp_checkpoint.get_param_id_to_sharded_param_map
-        gtp_checkpoint.install()  # idempotent
+                logical_format.get_param_id_to_sharded_param_map
+        logical_format.install()  # idempotent
     finally:
-        gtp_checkpoint.configure("stock")
-    assert not gtp_checkpoint.is_installed()
+        logical_format.configure("stock")
+    assert not logical_format.is_installed()
     assert (mutils.make_tp_sharded_tensor_for_checkpoint, mlp.apply_swiglu_sharded_factory,
             dopt.get_param_id_to_sharded_param_map) == originals
     assert layers.make_tp_sharded_tensor_for_checkpoint is originals[0]
     assert mopt.get_param_id_to_sharded_param_map is originals[2]
     with pytest.raises(ValueError, match="checkpoint.format='padded'.*logical.*stock"):
-        gtp_checkpoint.configure("padded")
+        logical_format.configure("padded")
 
 
 def _spec(L, tp, tp_rank, g, gtp_rank, a, tp_axis=0, gated=False, cols=3, prepend=((0, 1, 2),)):
@@ -1056,7 +1056,7 @@ def test_native_fp8_weight_goes_through_a_dequantized_copy(monkeypatch):
     import megatron.core.fp8_utils as fp8_utils
     from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp_mod
 
-    from gtp.checkpoint import get_param_id_to_sharded_param_map
+    from gtp.logical_format import get_param_id_to_sharded_param_map
     from gtp.logical_factory import high_precision_data, make_factory
 
     live = torch.nn.Parameter(torch.full((112, 2), 3.0))

@@ -2,7 +2,7 @@
 
 The checkpoints (built once per session by ``test_legacy.legacy_checkpoints``, 4 gloo ranks):
 ``legacy`` (stock 0.19.2 writer, tp2 x gtp2, pad_for_alignment 16), ``logical_twin`` (same
-model, gtp.checkpoint's logical writer), ``tp2`` (loaded from ``legacy`` into a non-GTP tp2 model
+model, gtp.logical_format's logical writer), ``tp2`` (loaded from ``legacy`` into a non-GTP tp2 model
 and saved by megatron), ``perturbed`` (``tp2`` with logical fc1 row 110 of layer 1 changed), and
 ``legacy/gtp_converted`` (written by the load path). The CLI runs in this process (it starts and
 ends its own 1-process gloo group), and once as ``python -m gtp`` for the entry point and exit code.

@@ -1,5 +1,5 @@
 """End to end (the jobs run as train.py's workers run them, tests/helpers/inworld.py; the
-refusal through train.py): save under GTP, resume under other layouts (gtp/checkpoint.py).
+refusal through train.py): save under GTP, resume under other layouts (gtp/logical_format.py).
 
 A trains the tiny GPT at ``gtp=tp2_align16`` (tp1 x gtp2 x dp1, 2 processes) for 6 iterations and
 saves at 3 and 6 (the uninterrupted run). From A's iteration 3:

@@ -9,7 +9,7 @@ its SwiGLU twin (hidden 72, ffn 200):
    every padding row to garbage and the Adam step to 7, and save: the legacy checkpoint. The
    golden of each rank is computed here by plain slicing of a full logical tensor (TP split,
    gate/up halves, tail padding, GTP split), independently of ``gtp.layout``;
-2. with the logical writer (``gtp.checkpoint``) save the same model again: its logical twin;
+2. with the logical writer (``gtp.logical_format``) save the same model again: its logical twin;
 3. load the legacy checkpoint into a non-GTP model at tp2 (dp2) and at tp1 (dp4), every
    parameter pre-filled with -999, through ``recipes.checkpoint.load_checkpoint`` (which
    converts it once into ``<root>/gtp_converted``), and check every parameter, both Adam
@@ -197,7 +197,7 @@ def _write_and_reload(root: str, cfgs: dict):
     from megatron.core import parallel_state
     from omegaconf import OmegaConf
 
-    from gtp import checkpoint as gtp_checkpoint
+    from gtp import logical_format
     from recipes import checkpoint, worker
     from recipes.config import to_dict
     from recipes.validate import validate
@@ -212,13 +212,13 @@ def _write_and_reload(root: str, cfgs: dict):
         assert (layout.tensor_model_parallel_size, layout.gtp_remat_size,
                 layout.pad_for_alignment) == (2, 2, 16), layout
         _, model, opt, sched = worker.setup(cfg, layout)
-        assert not gtp_checkpoint.is_installed(), "gtp.checkpoint_layout=stock must be stock"
+        assert not logical_format.is_installed(), "gtp.checkpoint_layout=stock must be stock"
         _set_golden(model, opt, swiglu)
         record = checkpoint.layout_record(layout)
         train_state = {"consumed_samples": 48, "wandb_run_id": "legacy-test",
                        "config": to_dict(cfg)}
         checkpoint.save_checkpoint(base / "legacy", ITER, model, opt, sched, train_state, record)
-        gtp_checkpoint.install()
+        logical_format.install()
         checkpoint.save_checkpoint(base / "logical_twin", ITER, model, opt, sched, train_state,
                                    record)
         parallel_state.destroy_model_parallel()
@@ -435,7 +435,7 @@ def test_conversion_is_cached_and_logical(built, model):
 
 @pytest.mark.parametrize("model", MODELS)
 def test_layout_from_metadata_and_from_run_config_agree(built, model):
-    """The legacy file carries gtp.checkpoint's stock-0.19.2 record; without it the layout
+    """The legacy file carries gtp.logical_format's stock-0.19.2 record; without it the layout
     record and the run config give the same reading."""
     from megatron.core import dist_checkpointing
 

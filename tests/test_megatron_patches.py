@@ -20,7 +20,7 @@ PACKAGES = ("mcore_compat", "gtp", "recipes")
 # The patches installed today, "module.function" (a new one is added here when it is written).
 EXPECTED = {
     "gtp.backend.install",
-    "gtp.checkpoint.install",
+    "gtp.logical_format.install",
     "gtp.grad_stats.install",
     "mcore_compat.cpu.install",
     "mcore_compat.cpu.redirect_torch",

@@ -121,13 +121,13 @@ def _naive_stock_read(model, path, cfg) -> tuple:
 
 def _world(root: str, cfgs: dict) -> dict:
     from recipes import checkpoint
-    from gtp import checkpoint as gtp_checkpoint
+    from gtp import logical_format
 
     root = Path(root)
     out = {"loads": {}, "garbage_rows": {}}
     for name in ("A", "B"):
         model, opt, sched, record, cfg = _build(cfgs[name])
-        assert not gtp_checkpoint.is_installed(), "checkpoint.format=stock must write stock"
+        assert not logical_format.is_installed(), "checkpoint.format=stock must write stock"
         _set_golden(model, opt, cfg)
         out["garbage_rows"][name] = _garbage_padding(model, opt)
         checkpoint.save_checkpoint(root / name, 1, model, opt, sched, {"consumed_samples": 0},
@@ -141,12 +141,12 @@ def _world(root: str, cfgs: dict) -> dict:
     # megatron's own read of A; then gtp.legacy's, into the same model in
     # the logical format (a stock run loads only its own layout: recipes.checkpoint.policy refuses)
     out["naive"] = _naive_stock_read(model, root / "A" / "iter_0000001", cfg)
-    gtp_checkpoint.configure("logical")
+    logical_format.configure("logical")
     _fill_sentinel(model, opt)
     checkpoint.load_checkpoint(root / "A", model, opt, sched, record)
     out["loads"][("A", "B")] = _check(model, opt, cfg)
     model, opt, sched, record, cfg = _build(cfgs["C"])
-    assert gtp_checkpoint.is_installed()
+    assert logical_format.is_installed()
     for src in ("A", "B"):
         _fill_sentinel(model, opt)
         checkpoint.load_checkpoint(root / src, model, opt, sched, record)

@@ -8,7 +8,7 @@ tensors with the layout math of :mod:`gtp.layout`, so a legacy file loads at any
 Entry points:
 
 * :func:`checkpoint_format` - "logical" or "stock" from the common state (the one place that
-  knows the format tag written by :mod:`gtp.checkpoint`).
+  knows the format tag written by :mod:`gtp.logical_format`).
 * :func:`analyze` - resolve the saving layout and, for every tensor, its logical shape and
   whether its stored layout differs (no tensor data is read; :mod:`gtp.legacy.analysis` says
   where the layout comes from).

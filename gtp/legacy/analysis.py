@@ -3,7 +3,7 @@
 Where the saving layout comes from, first match wins per item:
 
 1. a layout the caller passes (``layout=``: a mapping, see :data:`gtp.legacy.LAYOUT_KEYS`);
-2. the checkpoint's ``gtp_layout`` record (:mod:`gtp.checkpoint`'s per-tensor metadata);
+2. the checkpoint's ``gtp_layout`` record (:mod:`gtp.logical_format`'s per-tensor metadata);
 3. the checkpoint's ``layout`` record and its saved run config (``train_state.config``:
    ``model.*`` dims, the vocabulary from ``data.*``), as every gtp-recipes checkpoint has;
 4. dims implied by tensors GTP never pads (biases, norms, ``in_features``), and, when ``tp`` /

@@ -1,7 +1,7 @@
 """What a checkpoint records about its GTP format, and the error the legacy reader raises.
 
 :func:`checkpoint_format` is the one place that knows the format tag written by
-:mod:`gtp.checkpoint`.
+:mod:`gtp.logical_format`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class LegacyCheckpointError(ValueError):
 def checkpoint_format(common: Mapping) -> str:
     """``"logical"`` or ``"stock"``: how the checkpoint's GTP weights are laid out on disk.
 
-    Reads the ``gtp_layout`` record that :mod:`gtp.checkpoint` adds to the common state
+    Reads the ``gtp_layout`` record that :mod:`gtp.logical_format` adds to the common state
     (``gtp_format``: ``"logical-v1"`` or ``"stock-0.19.2"``). A checkpoint without it predates that
     record (or was written by megatron itself): "stock". Whether a stock checkpoint is actually
     padded depends on its GTP degree (:func:`gtp.legacy.is_legacy`).

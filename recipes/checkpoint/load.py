@@ -19,7 +19,7 @@ from megatron.core.dist_checkpointing.validation import StrictHandling
 # torch DCP's CheckpointException derives from BaseException, not Exception.
 from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
 
-from gtp import checkpoint as gtp_checkpoint, dcp_reader, legacy, safe_objects
+from gtp import dcp_reader, legacy, logical_format, safe_objects
 from gtp.collectives import any_rank_failed
 from gtp.records import saved_layout
 from gtp.safe_metadata import reused as metadata_reused
@@ -95,7 +95,7 @@ def _open(path: Path, common: dict, model, layout_dict, verify: bool,
         raise CheckpointError(message)
     try:
         path, converted = legacy.prepare_load(path, common, layout_dict,
-                                              stock_writer=not gtp_checkpoint.is_installed())
+                                              stock_writer=not logical_format.is_installed())
     except legacy.LegacyCheckpointError as exc:
         raise CheckpointError(str(exc)) from exc
     return _Opened(path, common, converted, stored_shapes(path), real)

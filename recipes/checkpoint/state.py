@@ -4,7 +4,7 @@ virtual pipeline chunk), the optimizer, each rank's RNG state and the layout rec
 The common (non-sharded) entries a save adds beside them: ``iteration``,
 ``opt_param_scheduler``, ``train_state`` (consumed samples, wandb run id, resolved config...),
 ``layout`` (:func:`layout_record` without ``pad_for_alignment``), the real vocabulary size
-(``recipes.vocab``) and the ``gtp_layout`` record (``gtp.checkpoint``).
+(``recipes.vocab``) and the ``gtp_layout`` record (``gtp.logical_format``).
 """
 
 from __future__ import annotations

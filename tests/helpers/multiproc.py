@@ -46,7 +46,7 @@ PRELOAD = [
     "hydra", "omegaconf",
     "recipes.launch", "recipes.worker", "recipes.loop", "recipes.model", "recipes.optim",
     "recipes.checkpoint", "recipes.metrics", "recipes.data",
-    "gtp.checkpoint", "gtp.logical_factory",
+    "gtp.logical_format", "gtp.logical_factory",
 ]
 _CONTEXT = None
 

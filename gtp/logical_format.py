@@ -8,10 +8,10 @@ record (:func:`layout_metadata`, built by :mod:`gtp.gtp_layout_record`).
 
 Usage::
 
-    from gtp import checkpoint
-    checkpoint.configure(cfg.checkpoint.format)   # "logical" -> install(); "stock" -> uninstall()
+    from gtp import logical_format
+    logical_format.configure(cfg.checkpoint.format)   # "logical" -> install(); "stock" -> uninstall()
     ...
-    state["gtp_layout"] = checkpoint.layout_metadata(model, state["model"])
+    state["gtp_layout"] = logical_format.layout_metadata(model, state["model"])
 
 :func:`install` (idempotent; refused unless megatron-core is 0.19.2) replaces, in every loaded
 ``megatron.core`` module that imported them by name:
@@ -55,7 +55,7 @@ import sys
 from typing import Any
 
 from gtp.gtp_layout_record import gtp_layout_record
-from gtp.logical_factory import (  # noqa: F401 - the factory names, also read as gtp.checkpoint.*
+from gtp.logical_factory import (  # noqa: F401 - the factory names, also read as gtp.logical_format.*
     GTPCheckpointError,
     LogicalGTPFactory,
     LogicalSpec,
@@ -64,7 +64,7 @@ from gtp.logical_factory import (  # noqa: F401 - the factory names, also read a
     tensor_layout_of,
     with_stored_rows,
 )
-from gtp.records import (  # noqa: F401 - the record names, also read as gtp.checkpoint.*
+from gtp.records import (  # noqa: F401 - the record names, also read as gtp.logical_format.*
     CHECKPOINT_FORMATS,
     CHECKPOINT_LAYOUTS,
     GTP_FORMAT_LOGICAL,
@@ -118,7 +118,7 @@ def make_tp_sharded_tensor_for_checkpoint(tensor, key, tp_axis=0, replica_id=Non
     if kwargs:
         raise GTPCheckpointError(f"{key}: unsupported arguments for a GTP weight: {sorted(kwargs)}")
     if getattr(tensor, "is_routed_expert", False) or getattr(tensor, "is_grouped", False):
-        raise GTPCheckpointError(f"{key}: GTP expert weights are not supported by gtp.checkpoint")
+        raise GTPCheckpointError(f"{key}: GTP expert weights are not supported by gtp.logical_format")
     if tp_group is None:
         tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_size, tp_rank = tp_group.size(), tp_group.rank()
@@ -226,11 +226,11 @@ def install() -> None:
     for name, (home, new) in _TARGETS.items():
         old = getattr(sys.modules[home], name)
         if getattr(old, "__module__", None) != home:
-            raise RuntimeError(f"gtp.checkpoint: {home}.{name} is not megatron's own ({old!r})")
+            raise RuntimeError(f"gtp.logical_format: {home}.{name} is not megatron's own ({old!r})")
         _ORIGINALS[name] = old
     for name, (_, new) in _TARGETS.items():
         where = _swap_everywhere(name, _ORIGINALS[name], new)
-        logger.debug("gtp.checkpoint: %s replaced in %s", name, where)
+        logger.debug("gtp.logical_format: %s replaced in %s", name, where)
     _INSTALLED = True
 
 
