@@ -1,11 +1,15 @@
-"""Layouts in one 2-process gloo world, through the worker's own setup (``recipes.worker.setup``:
-process groups, CPU shims, model, DDP, optimizer) and train step (``recipes.loop.train_step``):
+"""Layouts in a 2-process and a 4-process gloo world, through the worker's own setup
+(``recipes.worker.setup``: process groups, CPU shims, model, DDP, optimizer) and train step
+(``recipes.loop.train_step``), 3 steps each:
 
+* expert GTP computes what ep1 without GTP does (``lm loss`` and ``grad-norm``), with the dense
+  and expert GTP degrees equal (egtp2) or not (g2 x egtp1; ep2 x egtp2 with dense GTP off:
+  where Megatron-LM #7165 found expert gradients mis-scaled);
 * each expert-GTP gradient fix of ``gtp.expert_grads``, switched off in turn, moves the first
   step's ``grad-norm`` away from the same model without expert GTP (the fixes are needed);
 * dense ``tp2`` with sequence parallelism computes what ``tp2`` without it does (the norm's
   ``sequence_parallel`` tag of ``mcore_compat.moe_cpu`` included: without it the norm gradients,
-  hence the grad norm, differ), and a second iteration after an Adam step agrees too.
+  hence the grad norm, differ), and the iterations after Adam steps agree too.
 
 Every layout reads the same global batch (one synthetic micro-batch per data-parallel rank and
 step) from the same initial weights (CPU initialization; experts: ``recipes.families.moe.model.init_experts``).
@@ -38,8 +42,11 @@ def _batches(cfg, dp_rank, dp_size, step):
     return out
 
 
+STEPS = 3
+
+
 def _run(cfg_dict, broken):
-    """Two train steps at ``cfg_dict``'s layout; ``broken``: the gtp.expert_grads fix switched
+    """``STEPS`` train steps at ``cfg_dict``'s layout; ``broken``: the gtp.expert_grads fix switched
     off (a no-op in its place) or None. Returns [(lm loss, grad-norm)] per step."""
     import torch
     from megatron.core import parallel_state
@@ -60,7 +67,7 @@ def _run(cfg_dict, broken):
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         dp_rank, dp_size = group.rank(), group.size()
         out = []
-        for step in range(2):
+        for step in range(STEPS):
             batches = _batches(cfg, dp_rank, dp_size, step)
             m = train_step(model, optimizer, scheduler, iter(batches), len(batches), cfg)
             out.append((m["lm loss"], m["grad-norm"]))
@@ -86,6 +93,9 @@ def results():
     cases = {
         "moe ep1": (_cfg("model=moe_tiny", "parallelism=tp1", "parallelism.nproc_per_node=2"), None),
         "moe egtp2": (_cfg(*egtp), None),
+        # Dense GTP without expert GTP: the dense weights sharded, the experts whole.
+        "moe g2 egtp1": (_cfg("model=moe_tiny", "gtp.gtp_remat_size=2", "gtp.pad_for_alignment=16",
+                              "parallelism=tp1", "parallelism.nproc_per_node=2"), None),
         "moe egtp2, no expert tag": (_cfg(*egtp), "tag_expert_params"),
         "moe egtp2, no expert scale": (_cfg(*egtp), "scale_expert_gradients"),
         "dense tp2": (_cfg("model=llama_tiny", "parallelism=tp2"), None),
@@ -95,8 +105,24 @@ def results():
     return run_distributed(_world, 2, cases, timeout=600)[0]
 
 
-def test_expert_gtp_equals_no_gtp(results):
-    pairs = zip(results["moe egtp2"], results["moe ep1"])
+@pytest.fixture(scope="module")
+def results4():
+    """Expert GTP over expert parallelism (4 processes): the layout Megatron-LM #7165 found
+    expert gradients mis-scaled at (expert and dense GTP degrees differ: 2 and 1)."""
+    cases = {"moe ep2 egtp2": (_cfg("model=moe_tiny", "gtp.expert_gtp_remat_size=2",
+                                    "gtp.pad_for_alignment=16", "parallelism=tp1",
+                                    "parallelism.expert_model_parallel_size=2",
+                                    "parallelism.nproc_per_node=4"), None)}
+    return run_distributed(_world, 4, cases, timeout=600)[0]
+
+
+@pytest.mark.parametrize("layout", ["moe egtp2", "moe g2 egtp1", "moe ep2 egtp2"])
+def test_expert_gtp_equals_no_gtp(results, results4, layout):
+    """``lm loss`` and ``grad-norm`` over 3 steps equal ep1 without GTP (the same global batch:
+    micro-batch j of step s is the same whatever rank reads it), with the dense and the expert
+    GTP degrees equal (egtp2) and different (g2 x egtp1; ep2 x egtp2 with the dense weights
+    whole)."""
+    pairs = zip({**results, **results4}[layout], results["moe ep1"])
     for step, ((loss, gn), (ref_loss, ref_gn)) in enumerate(pairs, 1):  # `step` from one init
         assert_fp32_close(loss, ref_loss, step, MOE_TINY, what=(step, "loss"))
         assert_fp32_close(gn, ref_gn, step, MOE_TINY, what=(step, "grad norm"))
