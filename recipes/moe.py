@@ -173,11 +173,6 @@ def _check_expert_gtp(cfg, layout) -> None:
     from recipes.errors import ConfigError
 
     egtp = layout.expert_gtp_remat_size
-    if layout.use_distributed_optimizer:
-        raise ConfigError(f"gtp.expert_gtp_remat_size={egtp} with "
-                          f"optim.use_distributed_optimizer=true: megatron-core 0.19.2 builds no "
-                          f"gloo expert data-parallel groups under expert GTP and the pairing is "
-                          f"untested here; set optim.use_distributed_optimizer=false")
     if layout.gtp_remat_size > 1 and layout.gtp_remat_size != egtp:
         raise ConfigError(f"gtp.expert_gtp_remat_size={egtp} with gtp.gtp_remat_size="
                           f"{layout.gtp_remat_size}: set them equal, or gtp.gtp_remat_size=1")

@@ -42,6 +42,8 @@ def test_a_record_with_the_expert_keys_keeps_them():
 # Training jobs (in-world, as torchrun ranks run them): moe_tiny (4 SwiGLU experts of width 100, hidden 72, 2 layers, fp32, Adam).
 # A: ep2 x egtp2/a16 on 4 processes, 10 iterations uninterrupted, saving every 3 (expert fc1 200
 #    rows per expert, 224 padded under a16; a dense and an expert optimizer);
+# E: ep1 x egtp2/a16 with megatron's distributed optimizer on 4 processes (expert data parallel
+#    2 shards the expert optimizer state), from A's iteration 3 to 10;
 # B: tp1 on 1 process, no GTP, from A's iteration 3 to 10 (one optimizer);
 # C: tp2+sp x ep2 (etp1) on 2 processes, from B's iteration 6 to 10 (dense and expert optimizers
 #    again), saving every iteration;
@@ -58,6 +60,8 @@ A_LAYOUT = ("parallelism.expert_model_parallel_size=2", "gtp.expert_gtp_remat_si
 C_LAYOUT = ("parallelism.tensor_model_parallel_size=2", "parallelism.sequence_parallel=true",
             "parallelism.expert_model_parallel_size=2", "parallelism.expert_tensor_parallel_size=1",
             "parallelism.nproc_per_node=2")
+E_LAYOUT = ("gtp.expert_gtp_remat_size=2", "gtp.pad_for_alignment=16",
+            "optim.use_distributed_optimizer=true", "parallelism.nproc_per_node=4")
 D_LAYOUT = ("parallelism.pipeline_model_parallel_size=2",
             "parallelism.expert_model_parallel_size=2", "optim.use_distributed_optimizer=true",
             "parallelism.nproc_per_node=4")
@@ -67,9 +71,11 @@ D_LAYOUT = ("parallelism.pipeline_model_parallel_size=2",
 def moe_runs(train_jobs, tmp_path_factory):
     # In-world jobs (tests/helpers/inworld.py): one world per link, as its world size differs.
     root = tmp_path_factory.mktemp("moe_resume")
-    a, b, c, d = root / "a", root / "b", root / "c", root / "d"
+    a, b, c, d, e = (root / name for name in "abcde")
     train_jobs([
         (a, [*MOE, *A_LAYOUT]),
+        (e, [*MOE, *E_LAYOUT, f"checkpoint.load={a}/checkpoints", "checkpoint.load_iteration=3",
+             "checkpoint.save=null"]),
         (b, [*MOE, "parallelism.nproc_per_node=1", f"checkpoint.load={a}/checkpoints",
              "checkpoint.load_iteration=3"]),
         (c, [*MOE, *C_LAYOUT, f"checkpoint.load={b}/checkpoints",
@@ -77,7 +83,7 @@ def moe_runs(train_jobs, tmp_path_factory):
         (d, [*MOE, *D_LAYOUT, f"checkpoint.load={c}/checkpoints",
              "checkpoint.load_iteration=7"]),
     ])
-    return a, b, c, d
+    return a, b, c, d, e
 
 
 @pytest.mark.e2e
@@ -85,12 +91,15 @@ def test_moe_resumes_across_expert_layouts(moe_runs):
     from resume_checks import assert_same_step, by_iteration
     from tolerance import MOE_TINY
 
-    a, b, c, d = (by_iteration(run)[0] for run in moe_runs)
+    a, b, c, d, e = (by_iteration(run)[0] for run in moe_runs)
     assert sorted(a) == list(range(1, 11)) and sorted(b) == list(range(4, 11))
     assert sorted(c) == list(range(7, 11)) and sorted(d) == list(range(8, 11))
     # b, c and d all left a's bits at b's resume from a's iteration 3: it - 3 steps apart.
     for it in range(4, 11):  # ep2 x egtp2/a16 -> tp1, no GTP: 7 iterations after the resume
         assert_same_step(b[it], a[it], steps=it - 3, terms=MOE_TINY)
+    assert sorted(e) == list(range(4, 11))
+    for it in range(4, 11):  # -> egtp2/a16 with the distributed optimizer (issue 36)
+        assert_same_step(e[it], a[it], steps=it - 3, terms=MOE_TINY)
     for it in range(7, 11):  # tp1 -> tp2+sp x ep2: 4 iterations
         assert_same_step(c[it], a[it], steps=it - 3, terms=MOE_TINY)
     for it in range(8, 11):  # tp2+sp x ep2 -> pp2 x ep2 + distributed optimizer: 3 iterations

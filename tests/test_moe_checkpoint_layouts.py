@@ -14,7 +14,10 @@ each): moe_tiny (4 SwiGLU experts of width 100, hidden 72, 2 layers, Adam) at
 * ``tp2sp_ep2``: tp2 + sequence parallelism, ep2 x etp1;
 * ``pp2ep2``: pipeline parallel 2 (one layer per stage) x ep2;
 * ``ep4_bf16``: one expert per rank, bf16 weights (megatron's fp32 main params in the plain
-  optimizer).
+  optimizer);
+* ``egtp2do_bf16``: expert GTP 2 at alignment 16 with megatron's distributed optimizer (expert
+  data parallel 2: each rank holds a flat slice of its expert GTP shard's main param and
+  moments) and bf16 weights.
 
 Each layout builds the model through ``recipes.worker.setup``, sets every weight, fp32 main
 param and Adam moment to a golden and saves through ``recipes.checkpoint``; then each layout
@@ -65,14 +68,19 @@ LAYOUTS = {
                   *EP2, "parallelism.expert_tensor_parallel_size=1"),
     "pp2ep2": ("parallelism.pipeline_model_parallel_size=2", *EP2),
     "ep4_bf16": ("parallelism.expert_model_parallel_size=4", "precision=bf16"),
+    "egtp2do_bf16": ("gtp.expert_gtp_remat_size=2", "gtp.pad_for_alignment=16",
+                     "optim.use_distributed_optimizer=true", "precision=bf16"),
 }
-# Layout i loads the saves of layouts i+1, i+2 and i+4 (mod 7): {1, 2, 4} and its negatives
-# {6, 5, 3} split the non-zero residues, so every pair of layouts is loaded once, in one
-# direction; each save is read at 3 other layouts and each layout reads 3 saves. In this order
-# the distributed-optimizer save is read at ep1 (one plain fp32 optimizer), tp2sp_ep2 and
-# ep4_bf16, and it reads ep2etp2, ep2egtp2 and pp2ep2 (pp2 <-> pp1 among the others too).
+# Layout i loads the saves of layouts i+1, i+2 and i+5 (mod 8): the differences +-1, +-2, +-5
+# are six distinct residues, so no pair of layouts is loaded twice (the four pairs i, i+4 are
+# not loaded); each save is read at 3 other layouts and each layout reads 3 saves. In this
+# order the bf16 distributed-optimizer save (ep2do_bf16) is read at ep1 (one plain fp32
+# optimizer), tp2sp_ep2 and egtp2do_bf16, and it reads ep2etp2, ep2egtp2 and ep4_bf16; the
+# expert-GTP distributed-optimizer save (egtp2do_bf16: expert optimizer state sharded over
+# expert data parallel 2) is read at ep2etp2, pp2ep2 and ep4_bf16, and it reads ep1,
+# ep2do_bf16 and tp2sp_ep2.
 _ORDER = list(LAYOUTS)
-PAIRS = [(_ORDER[(i + d) % len(_ORDER)], dst) for i, dst in enumerate(_ORDER) for d in (1, 2, 4)]
+PAIRS = [(_ORDER[(i + d) % len(_ORDER)], dst) for i, dst in enumerate(_ORDER) for d in (1, 2, 5)]
 _LOCAL = re.compile(r"\.local_experts\.(\d+)\.")
 
 
@@ -317,7 +325,7 @@ def test_the_pairs_cover_every_layout_three_times_each_way():
     for name in LAYOUTS:
         assert sum(dst == name for _, dst in PAIRS) == 3, name
         assert sum(src == name for src, _ in PAIRS) == 3, name
-    assert len({frozenset(p) for p in PAIRS}) == len(PAIRS) == 21
+    assert len({frozenset(p) for p in PAIRS}) == len(PAIRS) == 24
     assert all(src != dst for src, dst in PAIRS)
 
 

@@ -109,8 +109,6 @@ def test_mixtral_recipe_layout_dry_run(capsys):
     (["model.moe_router_topk=5"], 2, "model.moe_router_topk=5 must lie in [1"),
     (["gtp.expert_gtp_remat_size=16", "gtp.pad_for_alignment=0"], 16,
      "needs every GTP dim 0 divisible by gtp_remat_size=16; not divisible: [72, 200]"),
-    (["gtp.expert_gtp_remat_size=2", "optim.use_distributed_optimizer=true"], 2,
-     "set optim.use_distributed_optimizer=false"),
     (["parallelism.context_parallel_size=2"], 2, "TEDotProductAttention"),
     (["model.num_moe_experts=0"], 2, "model.num_moe_experts=0 must be >= 1 (or null: dense)"),
     (["model.moe_router_topk=1"], 2,
@@ -152,6 +150,9 @@ def test_moe_checkpoints_with_bf16_or_the_distributed_optimizer_are_accepted(ove
     # tests/test_moe_checkpoint_layouts.py restores them exactly at other layouts.
     validate(make_cfg("model=moe_tiny", "checkpoint.save=/tmp/somewhere",
                       "parallelism.expert_model_parallel_size=2", *overrides), 2)
+    # Expert GTP too (its expert data-parallel group shards the expert optimizer state).
+    validate(make_cfg("model=moe_tiny", "checkpoint.save=/tmp/somewhere",
+                      "gtp.expert_gtp_remat_size=2", "gtp.pad_for_alignment=16", *overrides), 4)
 
 
 def test_moe_checkpoints_in_the_stock_format_are_accepted():
