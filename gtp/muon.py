@@ -1,7 +1,7 @@
 """Muon under GTP: megatron-core 0.19.2's ``TensorParallelMuon`` orthogonalized with the logical
 (unpadded) matrix, and the expert Muon optimizer's grad norm over the EGTP-merged group.
 
-Two narrow patches (:func:`install`, refused on another megatron version):
+Three narrow patches (:func:`install`, refused on another megatron version):
 
 * ``megatron.core.optimizer.emerging_optimizers.TensorParallelMuon.orthogonalize``: for a GTP
   weight (``is_gtp_weight_remat`` with a GTP group of size > 1) megatron all-gathers the padded
@@ -21,6 +21,11 @@ Two narrow patches (:func:`install`, refused on another megatron version):
   with EGTP > 1 its grad norm (and clipping) counts one EGTP shard only. The wrapper sets it to
   ``parallel_state.get_expert_tensor_model_pipeline_parallel_group(with_egtp_remat=True)``, the
   group megatron's standard (Adam) path uses for expert params. No change at EGTP 1.
+* ``megatron.core.tensor_parallel.copy_gtp_attributes``: the fp32 main param megatron's bf16
+  optimizer (``Float16OptimizerWithFloat16Params``) and the layer-wise distributed optimizer
+  make of a GTP weight keeps ``is_gtp_weight_remat`` but not ``pad_length``, so the
+  orthogonalize above saw a padded matrix with no padding to drop (bf16 Muon under GTP failed
+  on ``linear_qkv``). The wrapper copies ``pad_length`` too.
 """
 
 from __future__ import annotations
@@ -141,10 +146,20 @@ def _fix_expert_grad_stats_group(optimizer) -> int:
     return changed
 
 
-@megatron_patch("optimizer.emerging_optimizers.TensorParallelMuon.orthogonalize and "
-                "optimizer._get_megatron_emerging_optimizer")
+def copy_gtp_attributes(destination, source) -> None:
+    """Replacement of ``megatron.core.tensor_parallel.copy_gtp_attributes`` (megatron-core
+    0.19.2): megatron's copy of ``is_gtp_weight_remat`` and ``allreduce``, plus ``pad_length``
+    (the padding rows :func:`orthogonalize` drops) when ``source`` has it."""
+    copy_gtp_attributes.__wrapped__(destination, source)
+    if hasattr(source, "pad_length"):
+        destination.pad_length = source.pad_length
+
+
+@megatron_patch("optimizer.emerging_optimizers.TensorParallelMuon.orthogonalize, "
+                "optimizer._get_megatron_emerging_optimizer and "
+                "tensor_parallel.copy_gtp_attributes")
 def install() -> None:
-    """Install both patches (idempotent).
+    """Install the three patches (idempotent).
 
     Raises:
         RuntimeError: megatron-core is not 0.19.2 (mcore_compat.version).
@@ -171,13 +186,19 @@ def install() -> None:
 
     _get_megatron_emerging_optimizer.__wrapped__ = original
     optimizer_module._get_megatron_emerging_optimizer = _get_megatron_emerging_optimizer
+    from megatron.core import tensor_parallel
+
+    # megatron's optimizers call it as tensor_parallel.copy_gtp_attributes (looked up on use).
+    copy_gtp_attributes.__wrapped__ = tensor_parallel.copy_gtp_attributes
+    tensor_parallel.copy_gtp_attributes = copy_gtp_attributes
     _PATCHED = True
 
 
-@megatron_patch("optimizer.emerging_optimizers.TensorParallelMuon.orthogonalize and "
-                "optimizer._get_megatron_emerging_optimizer (puts megatron's back)")
+@megatron_patch("optimizer.emerging_optimizers.TensorParallelMuon.orthogonalize, "
+                "optimizer._get_megatron_emerging_optimizer and "
+                "tensor_parallel.copy_gtp_attributes (puts megatron's back)")
 def uninstall() -> None:
-    """Put megatron's two functions back (tests: the unfixed behaviour)."""
+    """Put megatron's three functions back (tests: the unfixed behaviour)."""
     global _PATCHED
     if not _PATCHED:
         return
@@ -187,4 +208,7 @@ def uninstall() -> None:
     emerging_optimizers.TensorParallelMuon.orthogonalize = orthogonalize.__wrapped__
     optimizer_module._get_megatron_emerging_optimizer = \
         optimizer_module._get_megatron_emerging_optimizer.__wrapped__
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.copy_gtp_attributes = copy_gtp_attributes.__wrapped__
     _PATCHED = False

@@ -18,12 +18,10 @@ MUON_SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
 MUON_MATMUL_PRECISIONS = ("highest", "high", "medium")
 
 
-def optim_refusal(o, params_dtype: str = "bf16", gtp_remat_size: int = 1,
-                  num_moe_experts: int | None = None) -> str | None:
+def optim_refusal(o, params_dtype: str = "bf16", num_moe_experts: int | None = None) -> str | None:
     """Why the ``optim`` group cannot run (a message naming the value and what is valid), or
-    None. ``params_dtype`` (``precision.params_dtype``), ``gtp_remat_size`` (the layout's) and
-    ``num_moe_experts`` (``model.num_moe_experts``) bound Muon's layer-wise distributed
-    optimizer."""
+    None. ``params_dtype`` (``precision.params_dtype``) and ``num_moe_experts``
+    (``model.num_moe_experts``) bound Muon's layer-wise distributed optimizer."""
     if o.optimizer not in OPTIMIZERS:
         return f"optim.optimizer={o.optimizer!r}: valid are {OPTIMIZERS}"
     if o.optimizer != "muon":
@@ -35,11 +33,6 @@ def optim_refusal(o, params_dtype: str = "bf16", gtp_remat_size: int = 1,
                 f"precision=bf16 (precision.params_dtype={params_dtype!r}: megatron-core "
                 f"0.19.2's LayerWiseDistributedOptimizer builds no fp32 optimizer); set "
                 f"precision=bf16 or optim.use_distributed_optimizer=false")
-    if layer_wise(o) and gtp_remat_size > 1:
-        return (f"optim.optimizer=muon with optim.use_distributed_optimizer=true and GTP "
-                f"(gtp_remat_size={gtp_remat_size}) is untested here; set "
-                f"optim.use_distributed_optimizer=false or gtp=off (a checkpoint of either "
-                f"loads into the other)")
     if layer_wise(o) and num_moe_experts:
         # megatron-core 0.19.2 asserts at start-up: its layer-wise layout has no expert buffers.
         return (f"optim.optimizer=muon with optim.use_distributed_optimizer=true and an MoE "
@@ -137,7 +130,10 @@ def layer_wise_param_layouts(cfg, chunks, ddp_config) -> list | None:
         LayerWiseDistributedOptimizer, tag_params_for_buffer_routing)
 
     tag_params_for_buffer_routing(chunks)
-    dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    # The group DDP reduces gradients over (without the GTP axis: GTP peers hold distinct
+    # shards of the sharded weights and reduce the replicated ones apart).
+    dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True,
+                                                     with_gtp_remat=False)
     expert_dp = parallel_state.get_expert_data_parallel_world_size()
     return [LayerWiseDistributedOptimizer.compute_full_param_layout(
         [p for p in chunk.parameters() if p.requires_grad],

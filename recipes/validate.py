@@ -140,8 +140,7 @@ def _check_optim(cfg, layout: ParallelDims) -> None:
     from recipes.optim import LR_DECAY_STYLES, optim_refusal
 
     o, t = cfg.optim, cfg.train
-    for refusal in (optim_refusal(o, cfg.precision.params_dtype, layout.gtp_remat_size,
-                                  cfg.model.get("num_moe_experts")),
+    for refusal in (optim_refusal(o, cfg.precision.params_dtype, cfg.model.get("num_moe_experts")),
                     te.fp8_param_gather_refusal(cfg.gtp.quantization,
                                                 cfg.gtp.get("fp8_param_gather", False),
                                                 layout.use_distributed_optimizer)):

@@ -148,6 +148,23 @@ def test_megatron_0_19_2_scales_by_the_padded_shape(results):
         _same_update(full, golden, rows)
 
 
+def test_main_param_copies_keep_the_gtp_padding_rows():
+    """megatron's bf16 optimizers copy a GTP weight's tags onto its fp32 main param with
+    ``tensor_parallel.copy_gtp_attributes``, which in 0.19.2 leaves out ``pad_length``: with
+    gtp.muon installed the copy carries it (orthogonalize drops those rows), uninstalled not."""
+    from megatron.core import tensor_parallel
+
+    from gtp import muon
+
+    source = _param((18, COLS), True, gtp_pad=4)
+    for installed in (True, False):
+        (muon.install if installed else muon.uninstall)()
+        main = source.detach().clone().float()
+        tensor_parallel.copy_gtp_attributes(main, source)
+        assert main.is_gtp_weight_remat
+        assert getattr(main, "pad_length", None) == (4 if installed else None)
+
+
 def test_install_refuses_other_megatron_versions(monkeypatch):
     import megatron.core
 
@@ -257,14 +274,13 @@ def test_muon_fields_are_no_change_for_adam():
     assert changes == {"optim.muon_num_ns_steps": "used from now on"}
 
 
-def test_distributed_muon_with_gtp_is_refused_before_launch():
+def test_distributed_muon_with_gtp_is_accepted_and_with_moe_refused_before_launch():
     from compose import make_cfg
     from recipes.validate import ConfigError, validate
 
-    with pytest.raises(ConfigError, match=r"use_distributed_optimizer=true and GTP "
-                       r"\(gtp_remat_size=2\) is untested here"):
-        validate(make_cfg("optim=muon", "precision=bf16", "optim.use_distributed_optimizer=true",
-                          "gtp=tp2_align16"), 2)
+    # tests/test_muon_distopt_e2e.py trains and resumes it.
+    assert validate(make_cfg("optim=muon", "precision=bf16", "optim.use_distributed_optimizer=true",
+                             "gtp=tp2_align16"), 2).gtp_remat_size == 2
     assert validate(make_cfg("optim=muon", "precision=bf16",
                              "optim.use_distributed_optimizer=true"), 2).use_distributed_optimizer
     with pytest.raises(ConfigError, match=r"an MoE model \(model.num_moe_experts=4\) is not "

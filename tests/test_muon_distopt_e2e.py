@@ -16,7 +16,13 @@ layer-wise optimizers only then).
   the optimizers' fp32 rounding: 2.8e-5 at 6 under ATEN_CPU_CAPABILITY=avx2, bound 1.4e-4).
   Plain Muon gives the same bits at dp2 and dp4; the distributed optimizer at dp4 does not
   equal itself at dp2 even uninterrupted (its bf16 weights round the 4-way reduce-scatter's
-  sums), so it is not the reference here.
+  sums), so it is not the reference here;
+* under GTP (``gtp=tp2_align16``: dp1 x gtp2 on 2 processes, every 2-D weight's rows padded and
+  sharded): ``distopt_g2`` trains as ``distopt`` (iterations 1 to 6), ``g2_undistributed``
+  (plain Muon, dp2, no GTP) resumes its iteration 3 and ``g2_from_distopt`` (the distributed
+  optimizer under GTP) resumes ``distopt``'s: iterations 4, 5 and 6 agree with the run they
+  load within 2e-3 (bf16 weights across layouts: the GTP shards are reduced and gathered in
+  another order).
 """
 
 from __future__ import annotations
@@ -30,19 +36,38 @@ pytestmark = pytest.mark.e2e
 COMMON = ["optim=muon", "precision=bf16", "optim.lr_warmup_iters=0", "optim.lr_decay_iters=6",
           "train.eval_interval=0", "parallelism=dp2"]
 DISTOPT = "optim.use_distributed_optimizer=true"
+G2 = ["gtp=tp2_align16"]
+BF16_ACROSS_LAYOUTS = 2e-3  # relative
+
+
+def _assert_close_bf16(rows: dict, reference: dict, iterations) -> None:
+    for it in iterations:
+        assert rows[it]["learning-rate"] == reference[it]["learning-rate"]
+        assert rows[it]["consumed-samples"] == reference[it]["consumed-samples"]
+        for key in ("lm loss", "grad-norm"):
+            assert rows[it][key] == pytest.approx(reference[it][key], rel=BF16_ACROSS_LAYOUTS), \
+                (key, it)
 
 
 @pytest.fixture(scope="module")
 def runs(train_jobs, tmp_path_factory):
     root = tmp_path_factory.mktemp("muon_distopt")
     out = {name: root / name for name in ("plain", "distopt", "dp4_undistributed",
-                                          "undistributed")}
-    load = [f"checkpoint.load={out['distopt']}/checkpoints", "checkpoint.load_iteration=3",
-            "train.train_iters=6", "checkpoint.save=null"]
+                                          "undistributed", "distopt_g2", "g2_undistributed",
+                                          "g2_from_distopt")}
+    def load_from(run):
+        return [f"checkpoint.load={run}/checkpoints", "checkpoint.load_iteration=3",
+                "train.train_iters=6", "checkpoint.save=null"]
+
+    load = load_from(out["distopt"])
     train_jobs([(out["plain"], [*COMMON, "train.train_iters=3", "checkpoint.save_interval=3"]),
                 (out["distopt"], [*COMMON, DISTOPT, "train.train_iters=6",
                                   "checkpoint.save_interval=3"]),
                 (out["undistributed"], [*COMMON, *load]),
+                (out["distopt_g2"], [*COMMON, DISTOPT, *G2, "train.train_iters=6",
+                                     "checkpoint.save_interval=3"]),
+                (out["g2_undistributed"], [*COMMON, *load_from(out["distopt_g2"])]),
+                (out["g2_from_distopt"], [*COMMON, DISTOPT, *G2, *load]),
                 (out["dp4_undistributed"], [*COMMON, "parallelism.nproc_per_node=4", *load])])
     return out
 
@@ -84,3 +109,20 @@ def test_resume_without_distopt_at_another_dp_size(runs, name):
     assert resume["iteration"] == 3
     assert resume["from_layout"]["world_size"] == 2
     assert resume["layout"]["world_size"] == (4 if name == "dp4_undistributed" else 2)
+
+
+def test_distributed_muon_under_gtp_trains_as_without(runs):
+    rows, reference = by_iteration(runs["distopt_g2"])[0], by_iteration(runs["distopt"])[0]
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6]
+    _assert_close_bf16(rows, reference, range(1, 7))
+
+
+@pytest.mark.parametrize("name, loaded", [("g2_undistributed", "distopt_g2"),
+                                          ("g2_from_distopt", "distopt")])
+def test_distributed_muon_resumes_out_of_and_into_gtp(runs, name, loaded):
+    rows, events = by_iteration(runs[name])
+    assert sorted(rows) == [4, 5, 6]
+    _assert_close_bf16(rows, by_iteration(runs[loaded])[0], (4, 5, 6))
+    resume = next(e for e in events if e["event"] == "resume")
+    gtp = (resume["from_layout"]["gtp_remat_size"], resume["layout"]["gtp_remat_size"])
+    assert gtp == ((2, 1) if name == "g2_undistributed" else (1, 2))
