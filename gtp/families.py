@@ -63,8 +63,8 @@ class HFArchitecture:
     Attributes:
         model_type: config.json's ``model_type`` (``"llama"``), also the architecture's name.
         hf_class: the transformers class an export writes (``"LlamaForCausalLM"``).
-        embedding: the exported input embedding's name (``"model.embed_tokens.weight"``): its
-            dtype is the model's, and a shared output layer is it.
+        embedding: the exported state dict's name of the input embedding: its dtype is the
+            model's, and a shared output layer (``lm_head``) is it.
         build: ``(tensors, model dict, vocab, token ids) -> (transformers config, state dict)``
             from the full logical tensors (per-layer ones stacked on dim 0), the unpadded vocab
             size and the bos/eos/pad ids; raises KeyError naming a missing tensor.
