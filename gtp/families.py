@@ -89,7 +89,8 @@ class FamilyFormats:
             exactly, None when the model is not this family's; raises ExportError naming the
             setting no architecture of the family computes.
         gtp_patterns: ``(regex, kind)`` per GTP-sharded weight of its stock-format checkpoints
-            (kinds ``vocab``, ``qkv``, ``proj``, ``fc1``, ``fc2``: :func:`gtp.legacy.specs.spec_for`).
+            (kinds ``vocab``, ``qkv``, ``proj``, ``fc1``, ``fc2``:
+            :func:`gtp.legacy.specs.spec_for`).
     """
 
     name: str

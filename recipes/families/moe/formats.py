@@ -86,13 +86,13 @@ def architecture(model: dict) -> str | None:
             f"add_bias_linear={bias}, position_embedding_type={pos!r}, swiglu={swiglu}; MoE "
             f"models export with RMSNorm, no bias, rope and SwiGLU experts (Mixtral, Qwen3-MoE)")
     if float(model.get("rotary_percent", 1.0)) != 1.0:
-        raise ExportError(f"model.rotary_percent={model.get('rotary_percent')}: only RoPE over the "
-                     f"whole head (rotary_percent=1.0) is exported")
+        raise ExportError(f"model.rotary_percent={model.get('rotary_percent')}: only RoPE over "
+                          f"the whole head (rotary_percent=1.0) is exported")
     for field, default, exportable, valid in _EXPORTABLE:
         value = model.get(field, default)
         if not exportable(value):
-            raise ExportError(f"model.{field}={value!r}: MixtralForCausalLM and Qwen3MoeForCausalLM "
-                         f"have no equivalent (exportable: {valid})")
+            raise ExportError(f"model.{field}={value!r}: MixtralForCausalLM and "
+                              f"Qwen3MoeForCausalLM have no equivalent (exportable: {valid})")
     qk_norm = bool(model.get("qk_layernorm", False))
     if bool(model.get("moe_router_pre_softmax", False)) and not qk_norm:
         raise ExportError(
