@@ -5,24 +5,11 @@ layout, GTP's legacy padded one included, gives the same full tensors) and the r
 gtp-recipes records in its common state (``train_state["config"]``). No model is built and no
 process group is needed beyond the 1-process one the read starts.
 
-Mappings (megatron-core's GPTModel with the local layer spec; the per-layer tensors are stacked
-along dim 0 in the checkpoint, ``[num_layers, ...]``):
-
-* **GPT** (LayerNorm, linear biases, GeLU MLP, learned absolute positions) -> ``GPT2LMHeadModel``
-  with ``activation_function="gelu"`` (megatron's ``F.gelu`` is the exact erf GeLU, not GPT-2's
-  tanh ``gelu_new``), ``n_inner = ffn_hidden_size``, ``layer_norm_epsilon`` 1e-5 (megatron's
-  ``layernorm_epsilon``), ``tie_word_embeddings`` as ``share_embeddings_and_output_weights``.
-  GPT-2's Conv1D weights are the transposed megatron weights.
-* **Llama family** (RMSNorm, no linear bias, SwiGLU, RoPE) -> ``LlamaForCausalLM``, from the
-  model config fields ``normalization``, ``add_bias_linear``, ``num_query_groups``,
-  ``kv_channels``, ``rotary_base`` and ``layernorm_epsilon`` when the run recorded them.
-* **MoE** (``num_moe_experts`` set) -> ``MixtralForCausalLM``, or ``Qwen3MoeForCausalLM`` with
-  ``qk_layernorm``: :mod:`gtp.hf_export_moe` (class choice, routing, refusals).
-
-The fused QKV weight is megatron's per-query-group layout (``SelfAttention.get_query_key_value_tensors``):
-rows ``[groups, (heads_per_group + 2) * head_dim]`` with each group's queries, then its key, then
-its value. SwiGLU's fc1 rows are gate then up (megatron's ``gated_linear_unit``). The padded
-vocabulary rows (``make_vocab_size_divisible_by``) are not exported.
+The mappings are the model families' (:mod:`gtp.families`): the family that claims the recorded
+``model`` config picks the transformers class and builds its config and tensors (gtp-recipes:
+``recipes/families/gpt/hf_export.py`` for ``GPT2LMHeadModel`` and ``LlamaForCausalLM``,
+``recipes/families/moe/formats.py`` for ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM``).
+The padded vocabulary rows (``make_vocab_size_divisible_by``) are not exported.
 """
 
 from __future__ import annotations
@@ -30,10 +17,9 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable
 
-from gtp import hf_export_llama, hf_export_moe
-from gtp.hf_export_llama import ExportError, split_qkv
+from gtp import families
+from gtp.families import ExportError  # noqa: F401 - raised here; callers catch it from here
 from gtp.records import saved_layout
 
 # The byte tokenizer of recipes (256 byte values + <eod>) when the run recorded no vocab size.
@@ -108,107 +94,6 @@ def _token_ids(common: dict, eod) -> dict:
     if imported:
         return {k: imported.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     return {"bos_token_id": eod, "eos_token_id": eod, "pad_token_id": eod}
-
-
-def architecture(model: dict) -> str:
-    """``"gpt2"``, ``"llama"``, or for an MoE model (``num_moe_experts`` set) ``"mixtral"`` or
-    ``"qwen3_moe"`` (:func:`gtp.hf_export_moe.moe_architecture`), for a recorded ``model``
-    config dict.
-
-    Raises:
-        ExportError: a combination no transformers class computes exactly (named).
-    """
-    if model.get("num_moe_experts"):
-        return hf_export_moe.moe_architecture(model)
-    if model.get("qk_layernorm"):
-        raise ExportError("model.qk_layernorm=True: GPT2LMHeadModel and LlamaForCausalLM have no "
-                          "per-head query/key norm (exportable dense models: qk_layernorm=False)")
-    norm = model.get("normalization", "LayerNorm")
-    bias = model.get("add_bias_linear", True)
-    pos = model.get("position_embedding_type", "learned_absolute")
-    swiglu = bool(model.get("swiglu", False))
-    if norm == "LayerNorm" and bias and pos == "learned_absolute" and not swiglu:
-        groups = model.get("num_query_groups")
-        if groups not in (None, model["num_attention_heads"]):
-            raise ExportError(f"model.num_query_groups={groups}: GPT2LMHeadModel has no grouped "
-                              f"query attention")
-        return "gpt2"
-    if norm == "RMSNorm" and not bias and pos == "rope" and swiglu:
-        if float(model.get("rotary_percent", 1.0)) != 1.0:
-            raise ExportError(
-                f"model.rotary_percent={model.get('rotary_percent', 1.0)}: only RoPE over the "
-                f"whole head (rotary_percent=1.0) is exported")
-        return "llama"
-    raise ExportError(
-        f"no transformers class computes this model exactly: normalization={norm!r}, "
-        f"add_bias_linear={bias}, position_embedding_type={pos!r}, swiglu={swiglu}; exportable "
-        f"are GPT (LayerNorm, bias, learned_absolute, GeLU) -> GPT2LMHeadModel and Llama "
-        f"(RMSNorm, no bias, rope, SwiGLU) -> LlamaForCausalLM")
-
-
-def _gpt2(t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict]:
-    from transformers import GPT2Config
-
-    h, heads, layers = m["hidden_size"], m["num_attention_heads"], m["num_layers"]
-    shared = bool(m.get("share_embeddings_and_output_weights", False))
-    config = GPT2Config(
-        vocab_size=vocab, n_positions=m["seq_length"], n_embd=h, n_layer=layers, n_head=heads,
-        n_inner=m["ffn_hidden_size"], activation_function="gelu",
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        layer_norm_epsilon=m.get("layernorm_epsilon", 1e-5), tie_word_embeddings=shared,
-        architectures=["GPT2LMHeadModel"], **ids,
-    )
-    d = h // heads
-    L = "decoder.layers."
-    sd = {
-        "transformer.wte.weight": t["embedding.word_embeddings.weight"][:vocab],
-        "transformer.wpe.weight": t["embedding.position_embeddings.weight"],
-        "transformer.ln_f.weight": t["decoder.final_layernorm.weight"],
-        "transformer.ln_f.bias": t["decoder.final_layernorm.bias"],
-    }
-    if not shared:
-        sd["lm_head.weight"] = t["output_layer.weight"][:vocab]
-    for i in range(layers):
-        p = f"transformer.h.{i}."
-        qkv_w = _cat(split_qkv(t[L + "self_attention.linear_qkv.weight"][i], heads, heads, d))
-        qkv_b = _cat(split_qkv(t[L + "self_attention.linear_qkv.bias"][i], heads, heads, d))
-        sd.update({
-            p + "ln_1.weight": t[L + "self_attention.linear_qkv.layer_norm_weight"][i],
-            p + "ln_1.bias": t[L + "self_attention.linear_qkv.layer_norm_bias"][i],
-            p + "attn.c_attn.weight": qkv_w.t(),
-            p + "attn.c_attn.bias": qkv_b,
-            p + "attn.c_proj.weight": t[L + "self_attention.linear_proj.weight"][i].t(),
-            p + "attn.c_proj.bias": t[L + "self_attention.linear_proj.bias"][i],
-            p + "ln_2.weight": t[L + "mlp.linear_fc1.layer_norm_weight"][i],
-            p + "ln_2.bias": t[L + "mlp.linear_fc1.layer_norm_bias"][i],
-            p + "mlp.c_fc.weight": t[L + "mlp.linear_fc1.weight"][i].t(),
-            p + "mlp.c_fc.bias": t[L + "mlp.linear_fc1.bias"][i],
-            p + "mlp.c_proj.weight": t[L + "mlp.linear_fc2.weight"][i].t(),
-            p + "mlp.c_proj.bias": t[L + "mlp.linear_fc2.bias"][i],
-        })
-    return config, sd
-
-
-def _cat(parts):
-    """Rows of ``parts`` one after another (dim 0)."""
-    import torch
-
-    return torch.cat(parts, dim=0)
-
-
-def _moe(arch: str) -> Callable:
-    def build(t: dict, m: dict, vocab: int, ids: dict):
-        return hf_export_moe.build(arch, t, m, vocab, ids)
-    return build
-
-
-_BUILDERS: dict[str, Callable] = {"gpt2": _gpt2, "llama": hf_export_llama.build,
-                                  "mixtral": _moe("mixtral"),
-                                  "qwen3_moe": _moe("qwen3_moe")}
-_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
-            "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-_EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight",
-              "mixtral": "model.embed_tokens.weight", "qwen3_moe": "model.embed_tokens.weight"}
 
 
 # Weight files of a model dir: with --force, those of the model there go (transformers would
@@ -287,24 +172,24 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None,
         raise ExportError(f"{analysis.path} records no run config (train_state['config']): it "
                           f"was not written by gtp-recipes")
     model_cfg, data_cfg = run_config["model"], run_config.get("data") or {}
-    arch = architecture(model_cfg)
+    arch = families.for_export(model_cfg)
     vocab, eod = _vocab(common, data_cfg)
     model_keys = {k: v for k, v in tensors.items() if not k.startswith("optimizer")
                   and isinstance(v, torch.Tensor)}
     try:
-        config, state = _BUILDERS[arch](model_keys, model_cfg, vocab, _token_ids(common, eod))
+        config, state = arch.build(model_keys, model_cfg, vocab, _token_ids(common, eod))
     except KeyError as exc:
-        raise ExportError(f"{analysis.path} lacks tensor {exc} needed for {_CLASSES[arch]}") from exc
-    hf_cls = getattr(transformers, _CLASSES[arch])
+        raise ExportError(f"{analysis.path} lacks tensor {exc} needed for {arch.hf_class}") from exc
+    hf_cls = getattr(transformers, arch.hf_class)
     # In the checkpoint's dtype: load_state_dict would cast a bf16 run's weights to fp32.
-    model = hf_cls(config).to(state[_EMBEDDING[arch]].dtype)
+    model = hf_cls(config).to(state[arch.embedding].dtype)
     state = {k: v.contiguous()
              for k, v in progress(state.items(), "export", total=len(state), unit="tensor")}
     if config.tie_word_embeddings:  # the output layer is the embedding (one tensor in the file)
-        state["lm_head.weight"] = state[_EMBEDDING[arch]]
+        state["lm_head.weight"] = state[arch.embedding]
     missing = sorted(set(model.state_dict()) - set(state) - {"lm_head.weight"})
     if missing:  # e.g. transformers < 5 keeps MoE experts per expert, not fused
-        raise ExportError(f"transformers {transformers.__version__}'s {_CLASSES[arch]} has "
+        raise ExportError(f"transformers {transformers.__version__}'s {arch.hf_class} has "
                           f"weights this export does not write: {missing[:4]} (MoE export "
                           f"needs transformers >= 5, fused experts)")
     model.load_state_dict(state, strict=True)
@@ -316,7 +201,7 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None,
     tokenizer_files = _copy_tokenizer(data_cfg, out, _token_ids(common, eod))
     (out / "gtp_recipes_export.json").write_text(json.dumps({
         "source": str(analysis.path), "iteration": common.get("iteration"),
-        "architecture": _CLASSES[arch], "vocab_size": vocab,
+        "architecture": arch.hf_class, "vocab_size": vocab,
         "saved_layout": saved_layout(common), "tokenizer_files": tokenizer_files,
     }, indent=1, default=str))
     return out

@@ -19,20 +19,10 @@ written, so the peak is about the vocabulary tensors plus one layer's tensors pe
 the number of layers. Per-layer tensors are stored as megatron stores them, stacked along a
 leading layer axis (``[num_layers, ...]``), one chunk per layer.
 
-Mappings (inverse of :mod:`gtp.hf_export`, same megatron names):
-
-* ``GPT2LMHeadModel`` -> GPT (LayerNorm, linear biases, GeLU, learned absolute positions).
-  GPT-2's ``Conv1D`` weights are ``[in, out]``: transposed. ``c_attn``'s ``[q | k | v]`` columns
-  become megatron's fused per-head QKV rows. Only ``activation_function="gelu"`` (the exact erf
-  GeLU megatron's MLP computes) is accepted: the published GPT-2's ``gelu_new`` (tanh
-  approximation) is refused.
-* ``LlamaForCausalLM`` -> Llama family (RMSNorm, no bias, SwiGLU, RoPE, GQA). ``q/k/v_proj``
-  become megatron's per-query-group fused rows (``SelfAttention.get_query_key_value_tensors``:
-  per group its queries, its key, its value), ``[gate_proj; up_proj]`` is the gated fc1. RoPE
-  scaling ``rope_type="llama3"`` maps to ``rope_scaling``/``rope_scaling_factor``; megatron-core
-  0.19.2's ``RotaryEmbedding._apply_scaling`` fixes ``low_freq_factor=1``,
-  ``high_freq_factor=4`` and ``original_max_position_embeddings=8192``, so other values are
-  refused.
+The mappings (inverse of :mod:`gtp.hf_export`, same megatron names) are the model families'
+(:mod:`gtp.families`): an importable ``model_type``'s family gives the ``model`` fields, the
+weight plan and the sizes to check (gtp-recipes: ``recipes/families/gpt/hf_import.py`` for
+``GPT2LMHeadModel`` and ``LlamaForCausalLM``).
 
 Every file read must lie inside ``HF_DIR`` (symlinks resolved) and every size of
 ``config.json`` is checked against the safetensors headers before anything is planned
@@ -47,103 +37,13 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+from gtp import families
 from gtp.hf_weights import HFImportError, Weights, check_sizes, confined
 from gtp.records import GTP_FORMAT_LOGICAL, METADATA_KEY, TRACKER, megatron_core_version
 
 # Common-state key: what the checkpoint was imported from.
 IMPORTED_KEY = "hf_imported_from"
-# megatron-core 0.19.2 RotaryEmbedding._apply_scaling's fixed Llama-3 parameters.
-MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                        "original_max_position_embeddings": 8192}
-# HF buffers that are not weights (older checkpoints saved them).
-_BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-
-
-# ------------------------------------------------------------------------------------------
-# config.json -> model fields
-# ------------------------------------------------------------------------------------------
-def _refuse(field: str, value, valid: str) -> HFImportError:
-    return HFImportError(f"config.json {field}={value!r}: {valid}")
-
-
-def _rope(config) -> dict:
-    """``{"rope_type", "rope_theta", ...}`` of a transformers config (v5 ``rope_parameters``, or
-    v4 ``rope_theta`` / ``rope_scaling``)."""
-    params = getattr(config, "rope_parameters", None)
-    if isinstance(params, dict) and params:
-        out = dict(params)
-    else:
-        out = dict(getattr(config, "rope_scaling", None) or {})
-        out.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    out.setdefault("rope_type", out.pop("type", "default"))
-    return out
-
-
-def _llama_fields(c) -> dict:
-    heads, hidden = c.num_attention_heads, c.hidden_size
-    if c.hidden_act != "silu":
-        raise _refuse("hidden_act", c.hidden_act, "the Llama family is imported with 'silu' "
-                                                  "(SwiGLU) only")
-    for name in ("attention_bias", "mlp_bias"):
-        if getattr(c, name, False):
-            raise _refuse(name, True, "megatron's Llama-family model here has no linear biases "
-                                      "(model.add_bias_linear=false)")
-    head_dim = getattr(c, "head_dim", None) or hidden // heads
-    if head_dim * heads != hidden:
-        raise _refuse("head_dim", head_dim, f"only hidden_size / num_attention_heads = "
-                                            f"{hidden // heads} (model has no kv_channels field)")
-    rope = _rope(c)
-    theta = float(rope.get("rope_theta", 10000.0))
-    if theta != int(theta):
-        raise _refuse("rope_theta", theta, "model.rotary_base is an integer")
-    fields = {"rope_scaling": False, "rope_scaling_factor": 8.0}
-    kind = rope.get("rope_type", "default")
-    if kind == "llama3":
-        for key, want in MEGATRON_LLAMA3_ROPE.items():
-            if float(rope.get(key, want)) != want:
-                raise _refuse(f"rope_parameters.{key}", rope.get(key),
-                              f"megatron-core's Llama-3 RoPE scaling fixes it to {want}")
-        fields = {"rope_scaling": True, "rope_scaling_factor": float(rope["factor"])}
-    elif kind != "default":
-        raise _refuse("rope_parameters.rope_type", kind, "valid are 'default' and 'llama3'")
-    if float(getattr(c, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
-        raise _refuse("partial_rotary_factor", c.partial_rotary_factor, "only 1.0")
-    groups = getattr(c, "num_key_value_heads", None) or heads
-    return {
-        "num_layers": c.num_hidden_layers, "hidden_size": hidden, "num_attention_heads": heads,
-        "num_query_groups": groups, "ffn_hidden_size": c.intermediate_size,
-        "seq_length": c.max_position_embeddings, "swiglu": True, "normalization": "RMSNorm",
-        "layernorm_epsilon": float(c.rms_norm_eps), "add_bias_linear": False,
-        "position_embedding_type": "rope", "rotary_base": int(theta), "rotary_percent": 1.0,
-        **fields,
-        "share_embeddings_and_output_weights": bool(c.tie_word_embeddings),
-    }
-
-
-def _gpt2_fields(c) -> dict:
-    if c.activation_function != "gelu":
-        raise _refuse("activation_function", c.activation_function,
-                      "megatron's GPT MLP computes the exact erf GeLU (F.gelu), imported from "
-                      "'gelu' only; GPT-2's 'gelu_new' is the tanh approximation")
-    for name, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
-                       ("add_cross_attention", False)):
-        if bool(getattr(c, name, want)) != want:
-            raise _refuse(name, getattr(c, name), f"only {want} (megatron's attention scales by "
-                                                  f"1/sqrt(head_dim))")
-    return {
-        "num_layers": c.n_layer, "hidden_size": c.n_embd, "num_attention_heads": c.n_head,
-        "num_query_groups": None, "ffn_hidden_size": c.n_inner or 4 * c.n_embd,
-        "seq_length": c.n_positions, "swiglu": False, "normalization": "LayerNorm",
-        "layernorm_epsilon": float(c.layer_norm_epsilon), "add_bias_linear": True,
-        "position_embedding_type": "learned_absolute",
-        "share_embeddings_and_output_weights": bool(c.tie_word_embeddings),
-    }
-
-
-_FIELDS = {"llama": _llama_fields, "gpt2": _gpt2_fields}
 
 
 def read_config(hf_dir) -> tuple[str, object]:
@@ -167,9 +67,8 @@ def read_config(hf_dir) -> tuple[str, object]:
         raise HFImportError(
             f"{hf_dir / 'config.json'} is not a Hugging Face model config ({kind}); give a "
             f"Hugging Face model dir (config.json with model_type "
-            f"{' or '.join(sorted(_FIELDS))}, and its safetensors)") from None
-    if config.model_type not in _FIELDS:
-        raise _refuse("model_type", config.model_type, f"importable are {sorted(_FIELDS)}")
+            f"{' or '.join(families.importable())}, and its safetensors)") from None
+    families.for_model_type(config.model_type)  # refused unless a family imports it
     return config.model_type, config
 
 
@@ -181,7 +80,7 @@ def implied_model(hf_dir) -> dict:
         HFImportError: naming the config field that cannot be mapped.
     """
     kind, config = read_config(hf_dir)
-    return {"name": f"hf_{kind}", **_FIELDS[kind](config)}
+    return {"name": f"hf_{kind}", **families.for_model_type(kind).imports.fields(config)}
 
 
 def token_ids(config) -> dict:
@@ -194,96 +93,17 @@ def token_ids(config) -> dict:
 # ------------------------------------------------------------------------------------------
 # safetensors
 # ------------------------------------------------------------------------------------------
-def _fuse_qkv(q, k, v, groups: int):
-    """HF's q ``[heads*d, ...]``, k, v ``[groups*d, ...]`` -> megatron's fused rows
-    ``[groups * (heads/groups + 2) * d, ...]`` (per group: its queries, its key, its value)."""
-    import torch
-
-    rest = q.shape[1:]
-    q = q.reshape(groups, -1, *rest)
-    k = k.reshape(groups, -1, *rest)
-    v = v.reshape(groups, -1, *rest)
-    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
-
-
-# An entry: (megatron key, HF names it is made of, per layer?, fn(list of tensors) -> tensor).
-def _gpt2_plan(m: dict, prefix: str) -> list:
-    heads, h = m["num_attention_heads"], m["hidden_size"]
-
-    def qkv(t):
-        w = t[0].t() if t[0].dim() == 2 else t[0]  # Conv1D [in, 3h] -> [3h, in]
-        q, k, v = w.split(h, dim=0)
-        return _fuse_qkv(q, k, v, heads)
-
-    T = lambda t: t[0].t()  # noqa: E731 - Conv1D weight [in, out] -> Linear [out, in]
-    I = lambda t: t[0]  # noqa: E731
-    p, L = prefix, "decoder.layers."
-    plan = [
-        ("embedding.word_embeddings.weight", [p + "wte.weight"], False, I),
-        ("embedding.position_embeddings.weight", [p + "wpe.weight"], False, I),
-        ("decoder.final_layernorm.weight", [p + "ln_f.weight"], False, I),
-        ("decoder.final_layernorm.bias", [p + "ln_f.bias"], False, I),
-    ]
-    h_ = p + "h.{i}."
-    plan += [
-        (L + "self_attention.linear_qkv.layer_norm_weight", [h_ + "ln_1.weight"], True, I),
-        (L + "self_attention.linear_qkv.layer_norm_bias", [h_ + "ln_1.bias"], True, I),
-        (L + "self_attention.linear_qkv.weight", [h_ + "attn.c_attn.weight"], True, qkv),
-        (L + "self_attention.linear_qkv.bias", [h_ + "attn.c_attn.bias"], True, qkv),
-        (L + "self_attention.linear_proj.weight", [h_ + "attn.c_proj.weight"], True, T),
-        (L + "self_attention.linear_proj.bias", [h_ + "attn.c_proj.bias"], True, I),
-        (L + "mlp.linear_fc1.layer_norm_weight", [h_ + "ln_2.weight"], True, I),
-        (L + "mlp.linear_fc1.layer_norm_bias", [h_ + "ln_2.bias"], True, I),
-        (L + "mlp.linear_fc1.weight", [h_ + "mlp.c_fc.weight"], True, T),
-        (L + "mlp.linear_fc1.bias", [h_ + "mlp.c_fc.bias"], True, I),
-        (L + "mlp.linear_fc2.weight", [h_ + "mlp.c_proj.weight"], True, T),
-        (L + "mlp.linear_fc2.bias", [h_ + "mlp.c_proj.bias"], True, I),
-    ]
-    return plan
-
-
-def _llama_plan(m: dict, prefix: str) -> list:
-    import torch
-
-    groups = m["num_query_groups"]
-    I = lambda t: t[0]  # noqa: E731
-    L, h_ = "decoder.layers.", prefix + "layers.{i}."
-    a = h_ + "self_attn."
-    return [
-        ("embedding.word_embeddings.weight", [prefix + "embed_tokens.weight"], False, I),
-        ("decoder.final_layernorm.weight", [prefix + "norm.weight"], False, I),
-        (L + "self_attention.linear_qkv.layer_norm_weight", [h_ + "input_layernorm.weight"],
-         True, I),
-        (L + "self_attention.linear_qkv.weight",
-         [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"], True,
-         lambda t: _fuse_qkv(*t, groups)),
-        (L + "self_attention.linear_proj.weight", [a + "o_proj.weight"], True, I),
-        (L + "mlp.linear_fc1.layer_norm_weight", [h_ + "post_attention_layernorm.weight"],
-         True, I),
-        (L + "mlp.linear_fc1.weight", [h_ + "mlp.gate_proj.weight", h_ + "mlp.up_proj.weight"],
-         True, lambda t: torch.cat(t, dim=0)),
-        (L + "mlp.linear_fc2.weight", [h_ + "mlp.down_proj.weight"], True, I),
-    ]
-
-
-_PLANS = {"gpt2": (_gpt2_plan, "transformer."), "llama": (_llama_plan, "model.")}
-
-
-def _prefix(kind: str, names) -> str:
+def _prefix(arch: families.HFImport, names) -> str:
     """The HF tensor names' prefix (``"model."``, ``"transformer."``, or none)."""
-    prefix = _PLANS[kind][1]
-    if kind == "gpt2" and not any(n.startswith(prefix) for n in names):
-        prefix = ""  # a GPT2Model saved on its own (no "transformer." prefix)
-    return prefix
+    return next((p for p in arch.prefixes if any(n.startswith(p) for n in names)),
+                arch.prefixes[0])
 
 
-def _plan(kind: str, m: dict, weights: Weights) -> dict:
+def _plan(arch: families.HFImport, m: dict, weights: Weights) -> dict:
     """``{megatron key: (HF names per layer or [names], per_layer, fn)}`` and every HF tensor
     accounted for (an unmapped one is refused, naming it)."""
     names = weights.names()
-    plan = _PLANS[kind][0](m, _prefix(kind, names))
-    if not m["share_embeddings_and_output_weights"]:
-        plan.append(("output_layer.weight", ["lm_head.weight"], False, lambda t: t[0]))
+    plan = arch.plan(m, _prefix(arch, names))
     out, used = {}, set()
     for key, sources, per_layer, fn in plan:
         if per_layer:
@@ -298,7 +118,7 @@ def _plan(kind: str, m: dict, weights: Weights) -> dict:
             used.update(group)
         out[key] = (srcs, per_layer, fn)
     extra = sorted(n for n in names - used
-                   if not n.endswith(_BUFFERS)
+                   if not n.endswith(arch.buffers)
                    and not (n == "lm_head.weight" and m["share_embeddings_and_output_weights"]))
     if extra:
         raise HFImportError(f"tensor {extra[0]!r} has no megatron counterpart ({len(extra)} "
@@ -459,15 +279,14 @@ def import_hf(hf_dir, out_root) -> Path:
     """
     hf_dir, out_root = Path(hf_dir), Path(out_root)
     kind, config = read_config(hf_dir)
-    model = {"name": f"hf_{kind}", **_FIELDS[kind](config)}
+    arch = families.for_model_type(kind).imports
+    model = {"name": f"hf_{kind}", **arch.fields(config)}
     weights = Weights(hf_dir)  # every file inside hf_dir
-    # Every size of config.json against the tensors' shapes, before anything is planned.
-    check_sizes(kind, model, config.vocab_size, weights, _prefix(kind, weights.names()))
-    plan = _plan(kind, model, weights)
-    vocab = int(weights.meta(plan["embedding.word_embeddings.weight"][0][0][0])[0][0])
-    if vocab != int(config.vocab_size):
-        raise HFImportError(f"config.json vocab_size={config.vocab_size} but the embedding has "
-                            f"{vocab} rows")
+    # Every size of config.json against the tensors' shapes, before anything is planned; the
+    # embedding's rows among them, so config.json's vocab_size is the embedding's.
+    check_sizes(arch, model, config.vocab_size, weights, _prefix(arch, weights.names()))
+    plan = _plan(arch, model, weights)
+    vocab = int(config.vocab_size)
     if (out_root / TRACKER).exists():
         raise HFImportError(f"{out_root} already holds a checkpoint ({TRACKER}): import into a "
                             f"new dir")

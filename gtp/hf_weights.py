@@ -115,48 +115,13 @@ def torch_dtype(name: str):
     return dtypes[name]
 
 
-# config.json field names (as the transformers config class names them) of each model size.
-_FIELD_NAMES = {
-    "gpt2": {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "ffn": "n_inner",
-             "vocab": "vocab_size", "positions": "n_positions"},
-    "llama": {"layers": "num_hidden_layers", "hidden": "hidden_size",
-              "heads": "num_attention_heads", "groups": "num_key_value_heads",
-              "ffn": "intermediate_size", "vocab": "vocab_size"},
-}
-_LAYER = {"gpt2": r"h\.(\d+)\.", "llama": r"layers\.(\d+)\."}
-
-
-def _expected(kind: str, tied: bool) -> dict:
-    """``{HF name (``{i}``: a layer): ((size key, factor), ...)}``: each dim is the config size
-    ``key`` times ``factor`` (``head_dim`` for the query-group rows)."""
-    h, f, v = ("hidden", 1), ("ffn", 1), ("vocab", 1)
-    if kind == "gpt2":
-        out = {"wte.weight": (v, h), "wpe.weight": (("positions", 1), h), "ln_f.weight": (h,),
-               "ln_f.bias": (h,)}
-        layer = {"ln_1.weight": (h,), "ln_1.bias": (h,), "attn.c_attn.weight": (h, ("hidden", 3)),
-                 "attn.c_attn.bias": (("hidden", 3),), "attn.c_proj.weight": (h, h),
-                 "attn.c_proj.bias": (h,), "ln_2.weight": (h,), "ln_2.bias": (h,),
-                 "mlp.c_fc.weight": (h, f), "mlp.c_fc.bias": (f,), "mlp.c_proj.weight": (f, h),
-                 "mlp.c_proj.bias": (h,)}
-        out.update({f"h.{{i}}.{k}": dims for k, dims in layer.items()})
-    else:
-        g = ("groups", "head_dim")
-        out = {"embed_tokens.weight": (v, h), "norm.weight": (h,)}
-        layer = {"input_layernorm.weight": (h,), "self_attn.q_proj.weight": (h, h),
-                 "self_attn.k_proj.weight": (g, h), "self_attn.v_proj.weight": (g, h),
-                 "self_attn.o_proj.weight": (h, h), "post_attention_layernorm.weight": (h,),
-                 "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h),
-                 "mlp.down_proj.weight": (h, f)}
-        out.update({f"layers.{{i}}.{k}": dims for k, dims in layer.items()})
-    return out if tied else {**out, "lm_head.weight": (v, h)}
-
-
-def check_sizes(kind: str, model: dict, vocab_size, weights: Weights, prefix: str) -> None:
+def check_sizes(arch, model: dict, vocab_size, weights: Weights, prefix: str) -> None:
     """Compare every size :mod:`gtp.hf_import` takes from ``config.json`` with the weights'
     tensor shapes (headers only), before anything is planned or allocated.
 
     Args:
-        kind: ``"gpt2"`` or ``"llama"``; model: the implied ``model`` fields
+        arch: the architecture's :class:`gtp.families.HFImport` (its ``size_fields``,
+            ``sizes`` and ``layer``); model: the implied ``model`` fields
             (``num_layers``, ``hidden_size``, ``num_attention_heads``, ``num_query_groups``,
             ``ffn_hidden_size``, ``seq_length``, ``share_embeddings_and_output_weights``);
         vocab_size: ``config.json``'s; prefix: the HF names' prefix (``"model."``, ...).
@@ -167,7 +132,7 @@ def check_sizes(kind: str, model: dict, vocab_size, weights: Weights, prefix: st
             multiple of the query groups, or a tensor whose shape another size gives; each names
             the ``config.json`` field, its value and what the weights hold.
     """
-    fields = _FIELD_NAMES[kind]
+    fields = arch.size_fields
     sizes = {"layers": model["num_layers"], "hidden": model["hidden_size"],
              "heads": model["num_attention_heads"], "ffn": model["ffn_hidden_size"],
              "vocab": vocab_size, "positions": model["seq_length"],
@@ -176,7 +141,7 @@ def check_sizes(kind: str, model: dict, vocab_size, weights: Weights, prefix: st
         value = sizes[key]
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise HFImportError(f"config.json {field}={value!r}: a positive integer")
-    layer = re.compile(re.escape(prefix) + _LAYER[kind])
+    layer = re.compile(re.escape(prefix) + arch.layer)
     held = sorted({int(m.group(1)) for m in map(layer.match, weights.names()) if m})
     dense = held == list(range(len(held)))  # layers 0 to n - 1 (nothing sized by the config)
     if not dense or len(held) != sizes["layers"]:
@@ -187,14 +152,15 @@ def check_sizes(kind: str, model: dict, vocab_size, weights: Weights, prefix: st
     if sizes["hidden"] % sizes["heads"]:
         raise HFImportError(f"config.json {fields['heads']}={sizes['heads']}: does not divide "
                             f"{fields['hidden']}={sizes['hidden']}")
-    if kind == "llama" and sizes["heads"] % sizes["groups"]:
+    if "groups" in fields and sizes["heads"] % sizes["groups"]:  # grouped query attention
         raise HFImportError(f"config.json {fields['groups']}={sizes['groups']}: does not divide "
                             f"{fields['heads']}={sizes['heads']}")
     sizes["head_dim"] = sizes["hidden"] // sizes["heads"]
     names = weights.names()
-    for pattern, dims in _expected(kind, model["share_embeddings_and_output_weights"]).items():
+    for pattern, dims in arch.sizes(model["share_embeddings_and_output_weights"]).items():
         per_layer = "{i}" in pattern
         for i in range(sizes["layers"]) if per_layer else (0,):
+            # HF's output head lies outside the base model's prefix
             name = (pattern if pattern == "lm_head.weight" else prefix + pattern).format(i=i)
             if name not in names:
                 continue  # hf_import's plan names a missing tensor

@@ -155,9 +155,9 @@ def _moe_tensors(m: dict) -> dict:
                                           ({"qk_layernorm": True, "moe_router_pre_softmax": True},
                                            "qwen3_moe")])
 def test_moe_class_follows_qk_layernorm(changes, arch):
-    from gtp.hf_export import architecture
+    from gtp.families import for_export
 
-    assert architecture({**MOE, **changes}) == arch
+    assert for_export({**MOE, **changes}).model_type == arch
 
 
 @pytest.mark.parametrize("changes,named", [
@@ -172,19 +172,21 @@ def test_moe_class_follows_qk_layernorm(changes, arch):
     ({"add_bias_linear": True}, "add_bias_linear=True"),
 ])
 def test_moe_settings_no_transformers_class_computes_are_refused(changes, named):
-    from gtp.hf_export import ExportError, architecture
+    from gtp.families import for_export
+    from gtp.hf_export import ExportError
 
     with pytest.raises(ExportError, match=re.escape(named)):
-        architecture({**MOE, **changes})
+        for_export({**MOE, **changes})
 
 
 def test_dense_qk_layernorm_is_refused():
-    from gtp.hf_export import ExportError, architecture
+    from gtp.families import for_export
+    from gtp.hf_export import ExportError
 
     dense = {k: v for k, v in MODEL.items()}
-    assert architecture(dense) == "llama"
+    assert for_export(dense).model_type == "llama"
     with pytest.raises(ExportError, match="qk_layernorm=True"):
-        architecture({**dense, "qk_layernorm": True})
+        for_export({**dense, "qk_layernorm": True})
 
 
 @pytest.mark.parametrize("changes", [{}, {"qk_layernorm": True},
@@ -196,13 +198,12 @@ def test_exported_router_weights_equal_megatrons(changes):
     import transformers
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
-    from gtp.hf_export import architecture
-    from gtp.hf_export_moe import CLASSES, build
+    from gtp.families import for_export
 
     m = {**MOE, **changes}
-    arch = architecture(m)
-    config, _ = build(arch, _moe_tensors(m), m, 257, {})
-    router = getattr(transformers, CLASSES[arch])(config).model.layers[0].mlp.gate
+    arch = for_export(m)
+    config, _ = arch.build(_moe_tensors(m), m, 257, {})
+    router = getattr(transformers, arch.hf_class)(config).model.layers[0].mlp.gate
     logits = torch.randn(500, 4, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         router.weight.copy_(torch.eye(4, 72))  # router logits = the first 4 hidden values

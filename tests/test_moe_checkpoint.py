@@ -123,9 +123,9 @@ def test_expert_weights_and_moments_are_stored_in_the_logical_layout(moe_runs):
 
 
 # --------------------------------------------------------------------------------------------
-# Hugging Face export (gtp/hf_export_moe.py). A's iteration-9 checkpoint (ep2 x egtp2/a16, 4
-# processes, through train.py) -> MixtralForCausalLM; a moe_tiny with qk_layernorm saved at tp1
-# -> Qwen3MoeForCausalLM. megatron's logits come from one process at tp1/ep1 without GTP that
+# Hugging Face export (recipes/families/moe/formats.py). A's iteration-9 checkpoint (ep2 x
+# egtp2/a16, 4 processes, through train.py) -> MixtralForCausalLM; a moe_tiny with qk_layernorm
+# saved at tp1 -> Qwen3MoeForCausalLM. megatron's logits come from one process at tp1/ep1 without GTP that
 # loads the checkpoint (recipes.checkpoint.load_model_weights), not from the exported files.
 # --------------------------------------------------------------------------------------------
 VOCAB = 257  # the byte tokenizer; moe_tiny pads it to 320 rows

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from gtp.families import gtp_patterns
 from gtp.legacy.format import LegacyCheckpointError
 
 # What a user may pass as ``layout`` (aliases in parentheses):
@@ -43,15 +44,6 @@ GRID_G = (1, 2, 4, 8)
 GRID_A = (0, 1, 2, 4, 8, 16, 32, 64, 128)
 
 _OPT_PREFIX = re.compile(r"^(optimizer\.state\.[^.]+\.)(.+)$")
-# GTP-sharded weights of megatron's GPT model (local spec): kind per key pattern.
-_GTP_PATTERNS = (
-    (re.compile(r"(^|\.)embedding\.word_embeddings\.weight$"), "vocab"),
-    (re.compile(r"(^|\.)output_layer\.weight$"), "vocab"),
-    (re.compile(r"(^|\.)linear_qkv\.weight$"), "qkv"),
-    (re.compile(r"(^|\.)linear_proj\.weight$"), "proj"),
-    (re.compile(r"(^|\.)linear_fc1\.weight(_w|_v)?$"), "fc1"),
-    (re.compile(r"(^|\.)linear_fc2\.weight$"), "fc2"),
-)
 # Tensors GTP never shards (megatron wraps only Column/RowParallelLinear and
 # VocabParallelEmbedding weights).
 PLAIN = re.compile(r"(\.bias|norm_weight|norm_bias|norm\.weight|position_embeddings\.weight|"
@@ -284,7 +276,10 @@ def config_layout(common: Mapping) -> tuple[dict, str]:
 
 
 def gtp_kind(key: str) -> Optional[str]:
-    for pattern, kind in _GTP_PATTERNS:
+    """The GTP weight kind of a stock-format key (``vocab``, ``qkv``, ``proj``, ``fc1``,
+    ``fc2``: :func:`spec_for`), from the registered model families' patterns
+    (:func:`gtp.families.gtp_patterns`); None for a tensor GTP does not shard."""
+    for pattern, kind in gtp_patterns():
         if pattern.search(key):
             return kind
     return None

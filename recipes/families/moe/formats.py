@@ -1,5 +1,8 @@
-"""Mixture-of-Experts checkpoints -> ``MixtralForCausalLM`` or ``Qwen3MoeForCausalLM``
-(used by :func:`gtp.hf_export.export`).
+"""The MoE family's formats as ``gtp/`` reads and writes them (registered in ``pyproject.toml``
+under the entry-point group ``gtp.model_families``): Mixture-of-Experts checkpoints ->
+``MixtralForCausalLM`` or ``Qwen3MoeForCausalLM`` (:func:`gtp.hf_export.export` drives it;
+no import from Hugging Face yet). Its stock-format GTP weights carry the GPT family's names
+(``recipes.families.gpt.formats.GTP_PATTERNS``), so it adds no patterns.
 
 Which class (from the recorded ``model`` config; both need RMSNorm, RoPE over the whole head, no
 linear bias and SwiGLU experts, like megatron's Llama-family MoE):
@@ -35,14 +38,17 @@ dim 1 by global expert index) -> transformers >= 5 (fused experts), under ``mode
 
 ``save_pretrained`` writes the experts in the Hub's per-expert form (Mixtral ``w1``/``w3``/``w2``,
 Qwen3-MoE ``gate_proj``/``up_proj``/``down_proj``). Attention and embeddings are mapped as for
-Llama (:func:`gtp.hf_export_llama.llama_attention`).
+Llama (:func:`recipes.families.gpt.hf_export.llama_attention`). Cheap to import (no megatron,
+no Hydra, no torch): the ``gtp`` command line loads it.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-from gtp.hf_export_llama import ExportError, llama_attention, llama_ends
+from gtp.families import ExportError, FamilyFormats, HFArchitecture
+from recipes.families.gpt.hf_export import llama_attention, llama_ends
 
 CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
@@ -60,38 +66,36 @@ _EXPORTABLE = (
 )
 
 
-def _error(msg: str):
-    return ExportError(msg)
-
-
-def moe_architecture(model: dict) -> str:
+def architecture(model: dict) -> str | None:
     """``"mixtral"`` or ``"qwen3_moe"`` for a recorded MoE ``model`` config dict (see the module
-    docstring for the rule).
+    docstring for the rule), None for a dense model (no ``num_moe_experts``).
 
     Raises:
         ExportError: a setting neither class computes exactly (the field, its value and what
             is exportable).
     """
+    if not model.get("num_moe_experts"):
+        return None
     norm = model.get("normalization", "LayerNorm")
     bias = model.get("add_bias_linear", True)
     pos = model.get("position_embedding_type", "learned_absolute")
     swiglu = bool(model.get("swiglu", False))
     if not (norm == "RMSNorm" and not bias and pos == "rope" and swiglu):
-        raise _error(
+        raise ExportError(
             f"no transformers MoE class computes this model exactly: normalization={norm!r}, "
             f"add_bias_linear={bias}, position_embedding_type={pos!r}, swiglu={swiglu}; MoE "
             f"models export with RMSNorm, no bias, rope and SwiGLU experts (Mixtral, Qwen3-MoE)")
     if float(model.get("rotary_percent", 1.0)) != 1.0:
-        raise _error(f"model.rotary_percent={model.get('rotary_percent')}: only RoPE over the "
-                     f"whole head (rotary_percent=1.0) is exported")
+        raise ExportError(f"model.rotary_percent={model.get('rotary_percent')}: only RoPE over "
+                          f"the whole head (rotary_percent=1.0) is exported")
     for field, default, exportable, valid in _EXPORTABLE:
         value = model.get(field, default)
         if not exportable(value):
-            raise _error(f"model.{field}={value!r}: MixtralForCausalLM and Qwen3MoeForCausalLM "
-                         f"have no equivalent (exportable: {valid})")
+            raise ExportError(f"model.{field}={value!r}: MixtralForCausalLM and "
+                              f"Qwen3MoeForCausalLM have no equivalent (exportable: {valid})")
     qk_norm = bool(model.get("qk_layernorm", False))
     if bool(model.get("moe_router_pre_softmax", False)) and not qk_norm:
-        raise _error(
+        raise ExportError(
             "model.moe_router_pre_softmax=True with qk_layernorm=False: megatron does not "
             "renormalise the top-k softmax weights then, and MixtralForCausalLM always does "
             "(Qwen3MoeForCausalLM's norm_topk_prob=false matches, but needs qk_layernorm=True)")
@@ -146,3 +150,12 @@ def build(arch: str, t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict
             sd[p + "self_attn.q_norm.weight"] = t[L + "self_attention.q_layernorm.weight"][i]
             sd[p + "self_attn.k_norm.weight"] = t[L + "self_attention.k_layernorm.weight"][i]
     return config, sd
+
+
+FORMATS = FamilyFormats(
+    name="moe",
+    architectures=tuple(
+        HFArchitecture(model_type=arch, hf_class=cls, embedding="model.embed_tokens.weight",
+                       build=functools.partial(build, arch))
+        for arch, cls in CLASSES.items()),
+    architecture=architecture)

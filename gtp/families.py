@@ -1,0 +1,157 @@
+"""The model families gtp reads and writes, as their packages register them.
+
+``gtp/`` knows no family by name: what a family's Hugging Face formats look like (both ways) and
+which of its stock-format checkpoint keys are GTP weights is a :class:`FamilyFormats` that the
+package defining the family registers under the entry-point group :data:`GROUP` (gtp-recipes
+does in ``pyproject.toml``: ``recipes/families/<name>/formats.py``). :mod:`gtp.hf_import`,
+:mod:`gtp.hf_export` and :mod:`gtp.legacy` look them up here, so ``gtp/`` never imports the
+package above it.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+from gtp.hf_weights import HFImportError
+
+# The entry-point group: each entry a FamilyFormats.
+GROUP = "gtp.model_families"
+
+
+class ExportError(ValueError):
+    """The checkpoint cannot be exported (names what is missing or which architecture)."""
+
+
+@dataclass(frozen=True)
+class HFImport:
+    """How :mod:`gtp.hf_import` reads one Hugging Face architecture.
+
+    Attributes:
+        fields: transformers config -> the ``model`` config dict (megatron field names); raises
+            HFImportError naming the config field it cannot map exactly.
+        plan: ``(model dict, prefix) -> [(megatron key, [HF names, "{i}" for the layer],
+            per_layer, fn(list of tensors) -> tensor), ...]``, every tensor of the model
+            (``lm_head`` included unless the embedding is shared).
+        prefixes: the HF names' prefix: the first that some tensor name starts with, else the
+            first (``("transformer.", "")``: GPT-2 saved with or without its LM head).
+        size_fields: ``{size key: config.json field}`` for the keys ``layers``, ``hidden``,
+            ``heads``, ``ffn``, ``vocab`` and optionally ``positions``, ``groups`` (grouped
+            query attention: heads must be a multiple of it).
+        sizes: ``tied -> {HF name without prefix ("{i}": a layer; "lm_head.weight" as is):
+            ((size key, factor), ...)}``, each dim the size times ``factor`` (a number, or a
+            size key such as ``"head_dim"``).
+        layer: regex after the prefix whose group 1 is a layer number (``r"h\\.(\\d+)\\."``).
+        buffers: name endings of saved tensors that are not weights (skipped).
+    """
+
+    fields: Callable[[Any], dict]
+    plan: Callable[[dict, str], list]
+    prefixes: tuple[str, ...]
+    size_fields: Mapping[str, str]
+    sizes: Callable[[bool], dict]
+    layer: str
+    buffers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class HFArchitecture:
+    """One Hugging Face architecture of a family.
+
+    Attributes:
+        model_type: config.json's ``model_type`` (``"llama"``), also the architecture's name.
+        hf_class: the transformers class an export writes (``"LlamaForCausalLM"``).
+        embedding: the exported state dict's name of the input embedding: its dtype is the
+            model's, and a shared output layer (``lm_head``) is it.
+        build: ``(tensors, model dict, vocab, token ids) -> (transformers config, state dict)``
+            from the full logical tensors (per-layer ones stacked on dim 0), the unpadded vocab
+            size and the bos/eos/pad ids; raises KeyError naming a missing tensor.
+        imports: how it is imported, None when only exported.
+    """
+
+    model_type: str
+    hf_class: str
+    embedding: str
+    build: Callable[[dict, dict, int, dict], tuple]
+    imports: Optional[HFImport] = None
+
+
+@dataclass(frozen=True)
+class FamilyFormats:
+    """What gtp knows of one model family's formats.
+
+    Attributes:
+        name: the family (``"gpt"``).
+        architectures: its Hugging Face architectures.
+        architecture: ``model dict -> model_type`` of the architecture that computes the model
+            exactly, None when the model is not this family's; raises ExportError naming the
+            setting no architecture of the family computes.
+        gtp_patterns: ``(regex, kind)`` per GTP-sharded weight of its stock-format checkpoints
+            (kinds ``vocab``, ``qkv``, ``proj``, ``fc1``, ``fc2``:
+            :func:`gtp.legacy.specs.spec_for`).
+    """
+
+    name: str
+    architectures: tuple[HFArchitecture, ...]
+    architecture: Callable[[dict], Optional[str]]
+    gtp_patterns: tuple[tuple[re.Pattern, str], ...] = ()
+
+
+@functools.cache
+def families() -> tuple[FamilyFormats, ...]:
+    """The registered families, by name (loaded once).
+
+    Raises:
+        TypeError: an entry that is not a FamilyFormats (names it).
+    """
+    from importlib.metadata import entry_points
+
+    found = []
+    for entry in sorted(entry_points(group=GROUP), key=lambda e: e.name):
+        formats = entry.load()
+        if not isinstance(formats, FamilyFormats):
+            raise TypeError(f"entry point {entry.name} = {entry.value} of {GROUP} is a "
+                            f"{type(formats).__name__}, not a gtp.families.FamilyFormats")
+        found.append(formats)
+    return tuple(found)
+
+
+def importable() -> list[str]:
+    """The model_types :mod:`gtp.hf_import` reads, sorted."""
+    return sorted(a.model_type for f in families() for a in f.architectures if a.imports)
+
+
+def for_model_type(model_type: str) -> HFArchitecture:
+    """The importable architecture of config.json's ``model_type``.
+
+    Raises:
+        HFImportError: no registered family imports it (names the importable types).
+    """
+    for f in families():
+        for a in f.architectures:
+            if a.model_type == model_type and a.imports is not None:
+                return a
+    raise HFImportError(f"config.json model_type={model_type!r}: importable are {importable()}")
+
+
+def for_export(model: dict) -> HFArchitecture:
+    """The architecture that computes the recorded ``model`` config exactly.
+
+    Raises:
+        ExportError: the family of the model refuses a setting (its message), or no family
+            claims the model.
+    """
+    for f in families():
+        name = f.architecture(model)
+        if name is not None:
+            return next(a for a in f.architectures if a.model_type == name)
+    raise ExportError(f"no registered model family ({[f.name for f in families()]}) exports "
+                      f"this model")
+
+
+@functools.cache
+def gtp_patterns() -> tuple[tuple[re.Pattern, str], ...]:
+    """Every family's ``(regex, kind)`` of GTP-sharded stock-format keys, in family order."""
+    return tuple(p for f in families() for p in f.gtp_patterns)

@@ -1,0 +1,45 @@
+"""The GPT family's formats as ``gtp/`` reads and writes them (registered in ``pyproject.toml``
+under the entry-point group ``gtp.model_families``): GPT-2 and Llama to and from Hugging Face
+(:mod:`recipes.families.gpt.hf_import`, :mod:`recipes.families.gpt.hf_export`) and the names of
+the weights GTP shards in a stock-format checkpoint.
+
+Cheap to import (no megatron, no Hydra, no torch): the ``gtp`` command line loads it.
+"""
+
+from __future__ import annotations
+
+import re
+
+from gtp.families import FamilyFormats, HFArchitecture, HFImport
+from recipes.families.gpt import hf_export, hf_import
+
+# GTP-sharded weights of megatron's GPT model (local spec): kind per key pattern. The MoE
+# family's experts and attention carry the same names, so these cover it too.
+GTP_PATTERNS = (
+    (re.compile(r"(^|\.)embedding\.word_embeddings\.weight$"), "vocab"),
+    (re.compile(r"(^|\.)output_layer\.weight$"), "vocab"),
+    (re.compile(r"(^|\.)linear_qkv\.weight$"), "qkv"),
+    (re.compile(r"(^|\.)linear_proj\.weight$"), "proj"),
+    (re.compile(r"(^|\.)linear_fc1\.weight(_w|_v)?$"), "fc1"),
+    (re.compile(r"(^|\.)linear_fc2\.weight$"), "fc2"),
+)
+
+GPT2 = HFArchitecture(
+    model_type="gpt2", hf_class="GPT2LMHeadModel", embedding="transformer.wte.weight",
+    build=hf_export.gpt2_build,
+    imports=HFImport(
+        fields=hf_import.gpt2_fields, plan=hf_import.gpt2_plan,
+        prefixes=("transformer.", ""),  # "": a GPT2Model saved on its own
+        size_fields=hf_import.GPT2_SIZE_FIELDS, sizes=hf_import.gpt2_sizes, layer=r"h\.(\d+)\.",
+        buffers=(".attn.bias", ".attn.masked_bias")))  # older checkpoints saved the masks
+
+LLAMA = HFArchitecture(
+    model_type="llama", hf_class="LlamaForCausalLM", embedding="model.embed_tokens.weight",
+    build=hf_export.llama_build,
+    imports=HFImport(
+        fields=hf_import.llama_fields, plan=hf_import.llama_plan, prefixes=("model.",),
+        size_fields=hf_import.LLAMA_SIZE_FIELDS, sizes=hf_import.llama_sizes,
+        layer=r"layers\.(\d+)\.", buffers=(".rotary_emb.inv_freq",)))
+
+FORMATS = FamilyFormats(name="gpt", architectures=(GPT2, LLAMA),
+                        architecture=hf_export.architecture, gtp_patterns=GTP_PATTERNS)

@@ -1,0 +1,93 @@
+"""The model families' formats as ``gtp/`` finds them: through the entry-point group
+``gtp.model_families`` (``gtp/families.py``), each family's Hugging Face mappings and
+stock-format names in its own folder (``recipes/families/<name>/formats.py``), none in ``gtp/``."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Names of megatron's GPTModel parameters and of Hugging Face tensors that a family maps. HF's
+# "lm_head" is not among them: every transformers *ForCausalLM names its output head so, and
+# gtp/ handles a tied one generically.
+FAMILY_NAMES = re.compile(
+    r"\b(linear_qkv|linear_proj|linear_fc1|linear_fc2|word_embeddings|output_layer|"
+    r"final_layernorm|q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|c_attn|c_fc|"
+    r"embed_tokens|wte|wpe)\b")
+# The gtp/ modules that still name megatron parameters, each for a reason of its own, not a
+# family's mapping.
+ALLOWED = {
+    # Muon's q/k/v split of megatron's fused linear_qkv (the same layout in every family).
+    "gtp/muon.py",
+    # The gated fc1 of megatron's MLP module, recorded for the logical format.
+    "gtp/gtp_layout_record.py",
+    # The output_layer gradient group of the per-layer grad stats.
+    "gtp/grad_stats.py",
+    # A tensor name in a docstring's example of a verify failure.
+    "gtp/verify.py",
+    # The stock reader's dims, read off megatron's unsharded tensors (qkv / fc1 biases, the
+    # final norm) and the layout key qkv_rows described by linear_qkv.
+    "gtp/legacy/specs.py",
+}
+
+
+def test_the_registry_lists_the_gpt_and_moe_families():
+    from gtp.families import FamilyFormats, families
+
+    assert [f.name for f in families()] == ["gpt", "moe"]
+    assert all(isinstance(f, FamilyFormats) for f in families())
+
+
+def test_each_importable_model_type_is_one_familys():
+    from gtp.families import families, for_model_type, importable
+
+    owners: dict[str, list[str]] = {}
+    for f in families():
+        for a in f.architectures:
+            if a.imports is not None:
+                owners.setdefault(a.model_type, []).append(f.name)
+    assert owners == {"gpt2": ["gpt"], "llama": ["gpt"]}
+    assert importable() == sorted(owners)
+    for model_type in owners:
+        assert for_model_type(model_type).model_type == model_type
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "mixtral"])  # mixtral: exported only
+def test_a_refused_model_type_names_the_registrys_importable_types(model_type):
+    from gtp.families import for_model_type, importable
+    from gtp.hf_weights import HFImportError
+
+    with pytest.raises(HFImportError) as err:
+        for_model_type(model_type)
+    assert str(err.value) == (f"config.json model_type={model_type!r}: importable are "
+                              f"{importable()}")
+
+
+def test_each_model_is_exported_by_its_family():
+    from gtp.families import for_export
+
+    llama = {"normalization": "RMSNorm", "add_bias_linear": False,
+             "position_embedding_type": "rope", "swiglu": True, "num_attention_heads": 4}
+    assert for_export({"num_attention_heads": 4}).hf_class == "GPT2LMHeadModel"
+    assert for_export(llama).hf_class == "LlamaForCausalLM"
+    assert for_export({**llama, "num_moe_experts": 4}).hf_class == "MixtralForCausalLM"
+
+
+def test_the_stock_reader_classifies_keys_by_the_families_patterns():
+    from gtp.families import gtp_patterns
+    from gtp.legacy.specs import gtp_kind
+    from recipes.families.gpt.formats import GTP_PATTERNS
+
+    assert gtp_patterns() == GTP_PATTERNS
+    assert gtp_kind("decoder.layers.mlp.experts.experts.linear_fc1.weight") == "fc1"
+    assert gtp_kind("decoder.layers.self_attention.linear_qkv.bias") is None
+
+
+def test_gtp_names_no_familys_tensors_outside_the_allowed_modules():
+    mentioning = {str(p.relative_to(ROOT)) for p in sorted((ROOT / "gtp").rglob("*.py"))
+                  if FAMILY_NAMES.search(p.read_text())}
+    assert mentioning == ALLOWED
