@@ -149,13 +149,14 @@ def check_sizes(arch, model: dict, vocab_size, weights: Weights, prefix: str) ->
                 else f"layers {held[:10]}")
         raise HFImportError(f"config.json {fields['layers']}={sizes['layers']}: the weights hold "
                             f"{what}")
-    if sizes["hidden"] % sizes["heads"]:
+    if sizes["hidden"] % sizes["heads"] and not model.get("kv_channels"):
         raise HFImportError(f"config.json {fields['heads']}={sizes['heads']}: does not divide "
                             f"{fields['hidden']}={sizes['hidden']}")
     if "groups" in fields and sizes["heads"] % sizes["groups"]:  # grouped query attention
         raise HFImportError(f"config.json {fields['groups']}={sizes['groups']}: does not divide "
                             f"{fields['heads']}={sizes['heads']}")
-    sizes["head_dim"] = sizes["hidden"] // sizes["heads"]
+    # An explicit head width (config.json head_dim: kv_channels) or hidden / heads.
+    sizes["head_dim"] = model.get("kv_channels") or sizes["hidden"] // sizes["heads"]
     names = weights.names()
     for pattern, dims in arch.sizes(model["share_embeddings_and_output_weights"]).items():
         per_layer = "{i}" in pattern

@@ -179,14 +179,18 @@ def test_moe_settings_no_transformers_class_computes_are_refused(changes, named)
         for_export({**MOE, **changes})
 
 
-def test_dense_qk_layernorm_is_refused():
+def test_dense_qk_layernorm_is_qwen3_and_with_qkv_bias_refused():
     from gtp.families import for_export
     from gtp.hf_export import ExportError
 
     dense = {k: v for k, v in MODEL.items()}
     assert for_export(dense).model_type == "llama"
-    with pytest.raises(ExportError, match="qk_layernorm=True"):
-        for_export({**dense, "qk_layernorm": True})
+    assert for_export({**dense, "qk_layernorm": True}).hf_class == "Qwen3ForCausalLM"
+    with pytest.raises(ExportError, match="qk_layernorm=True with add_qkv_bias=True"):
+        for_export({**dense, "qk_layernorm": True, "add_qkv_bias": True})
+    gpt = {"num_attention_heads": 4, "qk_layernorm": True}  # LayerNorm, bias, learned positions
+    with pytest.raises(ExportError, match="qk_layernorm / add_qkv_bias"):
+        for_export(gpt)
 
 
 @pytest.mark.parametrize("changes", [{}, {"qk_layernorm": True},

@@ -9,8 +9,14 @@ the tied weight's GTP shard to the output layer, which refuses it: no GTP layout
 model). Norm weights and biases are drawn away from their initial 1/0 so that a misplaced
 tensor shows.
 
-One 4-process world loads both imports at tp1 (dp4), tp2 x gtp2 with pad_for_alignment 16 (dp1)
-and pp2 (dp2), and takes one training step at tp2 x gtp2 whose ``lm loss`` is compared with
+The Llama architectures of other names and GPT-2's published activation, 4 layers each, with
+dims that GTP alignment pads at tp2 x gtp2/a16 (QKV rows 120, 160 with Qwen3's head_dim 16, or
+216; SwiGLU fc1 200): a Mistral (no sliding window), a Qwen2 (q/k/v biases), a Qwen3 (q/k
+norms, head_dim 16 apart from hidden / heads) and a GPT-2 with ``gelu_new``. A Mistral comes
+back as the LlamaForCausalLM that computes it.
+
+One 4-process world loads the Llama and GPT-2 imports at tp1 (dp4), tp2 x gtp2 with
+pad_for_alignment 16 (dp1) and pp2 (dp2), and the other four at tp2 x gtp2/a16, and takes one training step at tp2 x gtp2 whose ``lm loss`` is compared with
 transformers' loss on the same micro-batches. Tolerances (fp32): logits 1e-4 absolute (the
 issue's bound), the loss 1e-5 relative (reduction order only).
 """
@@ -37,6 +43,8 @@ VOCAB = 257  # the byte tokenizer's, so the recipes' data pipeline feeds these m
 SEQ = 64
 LOGITS_ATOL = 1e-4
 # name: overrides
+# Llama architectures of other names and GPT-2's published activation (loaded at the GTP layout).
+NEW = ("mistral", "qwen2", "qwen3", "gpt2_new")
 LAYOUTS = {
     "tp1": [],
     "tp2_gtp2_a16": ["parallelism.tensor_model_parallel_size=2", "gtp.gtp_remat_size=2",
@@ -68,11 +76,42 @@ def _save_models(root):
                     p.uniform_(0.5, 1.5) if name.endswith("weight") else p.normal_(0, 0.1)
                 elif name.endswith("bias"):
                     p.normal_(0, 0.1)
+    _save_new_models(root)
     llama.save_pretrained(root / "llama")
     llama.to(torch.bfloat16).save_pretrained(root / "llama_bf16")  # for the bf16 fine-tune
     gpt2.save_pretrained(root / "gpt2", max_shard_size="100KB")  # sharded, with an index
     gpt2_tied.save_pretrained(root / "gpt2_tied")
     _byte_bpe().save(str(root / "gpt2_tied" / "tokenizer.json"))  # its end of text is id 0
+
+
+def _save_new_models(root):
+    from transformers import (GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM,
+                              Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+    torch.manual_seed(1)
+    dims = dict(vocab_size=VOCAB, hidden_size=72, intermediate_size=100, num_hidden_layers=4,
+                num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=SEQ,
+                rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+                bos_token_id=256, eos_token_id=256)
+    models = {
+        "mistral": MistralForCausalLM(MistralConfig(**dims, sliding_window=None)),
+        "qwen2": Qwen2ForCausalLM(Qwen2Config(**dims)),
+        "qwen3": Qwen3ForCausalLM(Qwen3Config(**dims, head_dim=16)),
+        "gpt2_new": GPT2LMHeadModel(GPT2Config(
+            vocab_size=VOCAB, n_positions=SEQ, n_embd=72, n_layer=4, n_head=4,
+            activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            bos_token_id=256, eos_token_id=256, tie_word_embeddings=False)),
+    }
+    with torch.no_grad():
+        for name, model in models.items():
+            for n, p in model.named_parameters():
+                if "norm" in n or ".ln" in n or n.endswith("bias"):
+                    p.normal_(0.5, 0.1)  # away from 1 / 0: a misplaced tensor shows
+                elif name == "gpt2_new" and ("mlp." in n or "lm_head" in n):
+                    # Large enough that the erf GeLU's logits leave gelu_new's by ~3e-3, far
+                    # above LOGITS_ATOL: the test tells the two activations apart.
+                    p.normal_(0, 0.3)
+            model.save_pretrained(root / name)
 
 
 def _byte_bpe():
@@ -103,7 +142,7 @@ def _tensors(d) -> dict:
 def hf(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     _save_models(root)
-    for name in ("llama", "gpt2", "gpt2_tied"):
+    for name in ("llama", "gpt2", "gpt2_tied", *NEW):
         printed = io.StringIO()
         assert cli.main(["import", str(root / name), str(root / f"{name}_ckpt")], out=printed) == 0
         assert f"checkpoint.pretrained={root / name}_ckpt" in printed.getvalue()
@@ -122,7 +161,7 @@ def _config_facts(config) -> dict:
     return {k: v for k, v in d.items() if k not in drop}
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "gpt2_tied"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gpt2_tied", *NEW])
 def test_import_then_export_is_bit_equal(hf, tmp_path, name):
     out = tmp_path / "exported"
     assert cli.main(["export", str(hf / f"{name}_ckpt"), str(out)]) == 0
@@ -130,6 +169,12 @@ def test_import_then_export_is_bit_equal(hf, tmp_path, name):
     assert sorted(src) == sorted(back)
     for key, tensor in src.items():
         assert back[key].dtype == tensor.dtype and torch.equal(back[key], tensor), key
+    if name == "mistral":  # the LlamaForCausalLM that computes it: the same logits
+        tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            want, got = (_hf_model(d.parent, d.name)(tokens).logits for d in (hf / name, out))
+        assert _config_facts(out)["model_type"] == "llama" and torch.equal(got, want)
+        return
     assert _config_facts(out) == _config_facts(hf / name)
     if name == "gpt2_tied":  # the source's tokenizer.json came along, loadable by AutoTokenizer
         from transformers import AutoTokenizer
@@ -144,12 +189,21 @@ def test_refusals_name_the_field_or_tensor(hf, tmp_path):
 
     from gtp import hf_import
 
-    bad = tmp_path / "gelu_new"
-    shutil.copytree(hf / "gpt2", bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    (bad / "config.json").write_text(json.dumps({**cfg, "activation_function": "gelu_new"}))
-    with pytest.raises(hf_import.HFImportError, match="activation_function='gelu_new'"):
-        hf_import.import_hf(bad, tmp_path / "out1")
+    def refused(src: str, change: dict, match: str, out: str) -> None:
+        bad = tmp_path / f"{src}_{out}"
+        shutil.copytree(hf / src, bad)
+        cfg = json.loads((bad / "config.json").read_text())
+        (bad / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(hf_import.HFImportError, match=match):
+            hf_import.import_hf(bad, tmp_path / out)
+        assert not (tmp_path / out / "iter_0000000").exists()
+
+    refused("gpt2", {"activation_function": "relu"}, "activation_function='relu'", "out1")
+    # Settings megatron-core 0.19.2 has no field for, named before anything is written.
+    refused("mistral", {"sliding_window": 32}, r"sliding_window=32: .*at least "
+            r"max_position_embeddings=64", "out5")
+    refused("qwen2", {"use_sliding_window": True}, "use_sliding_window=True", "out6")
+    refused("qwen3", {"attention_bias": True}, "attention_bias=True", "out7")
     bad = tmp_path / "scaled"
     shutil.copytree(hf / "llama", bad)
     cfg = json.loads((bad / "config.json").read_text())
@@ -301,7 +355,7 @@ def _world(cfgs: dict) -> dict:
         tokenizer, model, optimizer, scheduler = worker.setup(cfg, layout)
         pretrained.load_weights(cfg, model, optimizer)
         result = {"logits": _logits(model, tokens), "tokens": tokens}
-        if key.endswith("tp2_gtp2_a16"):
+        if key in ("llama_tp2_gtp2_a16", "gpt2_tp2_gtp2_a16"):
             model.train()
             group = parallel_state.get_data_parallel_group(with_context_parallel=True)
             dp_rank = torch.distributed.get_rank(group)
@@ -319,10 +373,10 @@ def _world(cfgs: dict) -> dict:
 @pytest.fixture(scope="module")
 def world(hf, tmp_path_factory, data_cache):
     cfgs = {}
-    for name in ("llama", "gpt2"):
-        for lay, overrides in LAYOUTS.items():
-            out = tmp_path_factory.mktemp(f"{name}_{lay}")
-            cfgs[f"{name}_{lay}"] = _cfg(str(hf), name, overrides, str(out), str(data_cache))
+    for name, lay in [(n, lay) for n in ("llama", "gpt2") for lay in LAYOUTS] + [
+            (n, "tp2_gtp2_a16") for n in NEW]:
+        out = tmp_path_factory.mktemp(f"{name}_{lay}")
+        cfgs[f"{name}_{lay}"] = _cfg(str(hf), name, LAYOUTS[lay], str(out), str(data_cache))
     results = run_distributed(_world, WORLD, cfgs, timeout=900)
     merged = {}
     for key in cfgs:
@@ -343,8 +397,8 @@ def _hf_model(hf, name):
     return AutoModelForCausalLM.from_pretrained(hf / name).eval()
 
 
-@pytest.mark.parametrize("lay", list(LAYOUTS))
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name, lay", [(n, lay) for n in ("llama", "gpt2") for lay in LAYOUTS]
+                         + [(n, "tp2_gtp2_a16") for n in NEW])
 def test_logits_equal_transformers(hf, world, name, lay):
     res = world[f"{name}_{lay}"]
     with torch.no_grad():

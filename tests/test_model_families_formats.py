@@ -50,13 +50,14 @@ def test_each_importable_model_type_is_one_familys():
         for a in f.architectures:
             if a.imports is not None:
                 owners.setdefault(a.model_type, []).append(f.name)
-    assert owners == {"gpt2": ["gpt"], "llama": ["gpt"]}
+    assert owners == {"gpt2": ["gpt"], "llama": ["gpt"], "mistral": ["gpt"], "qwen2": ["gpt"],
+                      "qwen3": ["gpt"]}
     assert importable() == sorted(owners)
     for model_type in owners:
         assert for_model_type(model_type).model_type == model_type
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "mixtral"])  # mixtral: exported only
+@pytest.mark.parametrize("model_type", ["phi3", "mixtral"])  # mixtral: exported only
 def test_a_refused_model_type_names_the_registrys_importable_types(model_type):
     from gtp.families import for_model_type, importable
     from gtp.hf_weights import HFImportError
@@ -74,6 +75,8 @@ def test_each_model_is_exported_by_its_family():
              "position_embedding_type": "rope", "swiglu": True, "num_attention_heads": 4}
     assert for_export({"num_attention_heads": 4}).hf_class == "GPT2LMHeadModel"
     assert for_export(llama).hf_class == "LlamaForCausalLM"
+    assert for_export({**llama, "add_qkv_bias": True}).hf_class == "Qwen2ForCausalLM"
+    assert for_export({**llama, "qk_layernorm": True}).hf_class == "Qwen3ForCausalLM"
     assert for_export({**llama, "num_moe_experts": 4}).hf_class == "MixtralForCausalLM"
 
 

@@ -1,5 +1,6 @@
 """The GPT family's formats as ``gtp/`` reads and writes them (registered in ``pyproject.toml``
-under the entry-point group ``gtp.model_families``): GPT-2 and Llama to and from Hugging Face
+under the entry-point group ``gtp.model_families``): GPT-2 and Llama (also Mistral, Qwen2 and
+Qwen3: Llama architectures of other names) to and from Hugging Face
 (:mod:`recipes.families.gpt.hf_import`, :mod:`recipes.families.gpt.hf_export`) and the names of
 the weights GTP shards in a stock-format checkpoint.
 
@@ -33,13 +34,16 @@ GPT2 = HFArchitecture(
         size_fields=hf_import.GPT2_SIZE_FIELDS, sizes=hf_import.gpt2_sizes, layer=r"h\.(\d+)\.",
         buffers=(".attn.bias", ".attn.masked_bias")))  # older checkpoints saved the masks
 
-LLAMA = HFArchitecture(
-    model_type="llama", hf_class="LlamaForCausalLM", embedding="model.embed_tokens.weight",
-    build=hf_export.llama_build,
-    imports=HFImport(
-        fields=hf_import.llama_fields, plan=hf_import.llama_plan, prefixes=("model.",),
-        size_fields=hf_import.LLAMA_SIZE_FIELDS, sizes=hf_import.llama_sizes,
-        layer=r"layers\.(\d+)\.", buffers=(".rotary_emb.inv_freq",)))
+# Llama and the Llama architectures of other names (hf_import.llama_fields tells them apart).
+LLAMA_IMPORT = HFImport(
+    fields=hf_import.llama_fields, plan=hf_import.llama_plan, prefixes=("model.",),
+    size_fields=hf_import.LLAMA_SIZE_FIELDS, sizes=hf_import.llama_sizes,
+    layer=r"layers\.(\d+)\.", buffers=(".rotary_emb.inv_freq",))
+LLAMAS = tuple(
+    HFArchitecture(model_type=kind, hf_class=cls, embedding="model.embed_tokens.weight",
+                   build=hf_export.llama_build, imports=LLAMA_IMPORT)
+    for kind, cls in (("llama", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM"),
+                      ("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM")))
 
-FORMATS = FamilyFormats(name="gpt", architectures=(GPT2, LLAMA),
+FORMATS = FamilyFormats(name="gpt", architectures=(GPT2, *LLAMAS),
                         architecture=hf_export.architecture, gtp_patterns=GTP_PATTERNS)

@@ -3,13 +3,15 @@ megatron-core's GPTModel tensors (local layer spec; per-layer tensors stacked al
 ``[num_layers, ...]``):
 
 * **GPT** (LayerNorm, linear biases, GeLU MLP, learned absolute positions) -> ``GPT2LMHeadModel``
-  with ``activation_function="gelu"`` (megatron's ``F.gelu`` is the exact erf GeLU, not GPT-2's
-  tanh ``gelu_new``), ``n_inner = ffn_hidden_size``, ``layer_norm_epsilon`` 1e-5 (megatron's
+  with ``activation_function`` ``"gelu"`` (the exact erf GeLU) or, with ``model.openai_gelu``,
+  ``"gelu_new"`` (its tanh approximation), ``n_inner = ffn_hidden_size``, ``layer_norm_epsilon`` 1e-5 (megatron's
   ``layernorm_epsilon``), ``tie_word_embeddings`` as ``share_embeddings_and_output_weights``.
   GPT-2's Conv1D weights are the transposed megatron weights.
 * **Llama family** (RMSNorm, no linear bias, SwiGLU, RoPE) -> ``LlamaForCausalLM``, from the
   model config fields ``normalization``, ``add_bias_linear``, ``num_query_groups``,
-  ``kv_channels``, ``rotary_base`` and ``layernorm_epsilon`` when the run recorded them. Its
+  ``kv_channels``, ``rotary_base`` and ``layernorm_epsilon`` when the run recorded them; with
+  ``add_qkv_bias`` -> ``Qwen2ForCausalLM``, with ``qk_layernorm`` -> ``Qwen3ForCausalLM`` (a
+  Mistral import comes back as the ``LlamaForCausalLM`` that computes it). Its
   attention and the tensors outside the layers are shared by the MoE family's classes
   (:mod:`recipes.families.moe.formats`).
 
@@ -39,17 +41,20 @@ def split_qkv(w, heads: int, groups: int, head_dim: int):
 
 
 def architecture(model: dict) -> str | None:
-    """``"gpt2"`` or ``"llama"`` for a recorded dense ``model`` config dict, None for an MoE
-    model (``num_moe_experts`` set: :mod:`recipes.families.moe.formats`).
+    """``"gpt2"``, ``"llama"``, ``"qwen2"`` or ``"qwen3"`` for a recorded dense ``model`` config
+    dict, None for an MoE model (``num_moe_experts`` set: :mod:`recipes.families.moe.formats`).
 
     Raises:
         ExportError: a combination no transformers class computes exactly (named).
     """
     if model.get("num_moe_experts"):
         return None
-    if model.get("qk_layernorm"):
-        raise ExportError("model.qk_layernorm=True: GPT2LMHeadModel and LlamaForCausalLM have no "
-                          "per-head query/key norm (exportable dense models: qk_layernorm=False)")
+    llama = _llama_kind(model)
+    if llama != "llama" and model.get("swiglu") and model.get("normalization") == "RMSNorm":
+        return llama
+    if model.get("qk_layernorm") or model.get("add_qkv_bias"):
+        raise ExportError("model.qk_layernorm / add_qkv_bias: only Qwen3ForCausalLM / "
+                          "Qwen2ForCausalLM have them (RMSNorm, rope, SwiGLU models)")
     norm = model.get("normalization", "LayerNorm")
     bias = model.get("add_bias_linear", True)
     pos = model.get("position_embedding_type", "learned_absolute")
@@ -61,6 +66,8 @@ def architecture(model: dict) -> str | None:
                               f"query attention")
         return "gpt2"
     if norm == "RMSNorm" and not bias and pos == "rope" and swiglu:
+        if model.get("openai_gelu"):
+            raise ExportError("model.openai_gelu=True with swiglu: SwiGLU's activation is SiLU")
         if float(model.get("rotary_percent", 1.0)) != 1.0:
             raise ExportError(
                 f"model.rotary_percent={model.get('rotary_percent', 1.0)}: only RoPE over the "
@@ -71,6 +78,14 @@ def architecture(model: dict) -> str | None:
         f"add_bias_linear={bias}, position_embedding_type={pos!r}, swiglu={swiglu}; exportable "
         f"are GPT (LayerNorm, bias, learned_absolute, GeLU) -> GPT2LMHeadModel and Llama "
         f"(RMSNorm, no bias, rope, SwiGLU) -> LlamaForCausalLM")
+
+
+def _llama_kind(model: dict) -> str:
+    """The transformers Llama architecture of a Llama-family ``model`` dict."""
+    if model.get("qk_layernorm") and model.get("add_qkv_bias"):
+        raise ExportError("model.qk_layernorm=True with add_qkv_bias=True: no transformers class "
+                          "has both (Qwen3: q/k norms, Qwen2: q/k/v biases)")
+    return "qwen3" if model.get("qk_layernorm") else "qwen2" if model.get("add_qkv_bias") else "llama"
 
 
 def gpt2_build(t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict]:
@@ -84,7 +99,8 @@ def gpt2_build(t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict]:
     shared = bool(m.get("share_embeddings_and_output_weights", False))
     config = GPT2Config(
         vocab_size=vocab, n_positions=m["seq_length"], n_embd=h, n_layer=layers, n_head=heads,
-        n_inner=m["ffn_hidden_size"], activation_function="gelu",
+        n_inner=m["ffn_hidden_size"],
+        activation_function="gelu_new" if m.get("openai_gelu") else "gelu",
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         layer_norm_epsilon=m.get("layernorm_epsilon", 1e-5), tie_word_embeddings=shared,
         architectures=["GPT2LMHeadModel"], **ids,
@@ -128,23 +144,32 @@ def _cat(parts):
 
 
 def llama_build(t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict]:
-    """(``LlamaConfig``, state dict) of a Llama-family model from its full logical tensors ``t``
-    (per-layer tensors stacked along dim 0), its recorded model config ``m``, the unpadded
-    vocabulary size and the special token ids; SwiGLU's fc1 rows split into gate then up."""
-    from transformers import LlamaConfig
+    """(``LlamaConfig``, ``Qwen2Config`` or ``Qwen3Config`` per :func:`_llama_kind`, state dict)
+    of a Llama-family model from its full logical tensors ``t`` (per-layer tensors stacked along
+    dim 0), its recorded model config ``m``, the unpadded vocabulary size and the special token
+    ids; SwiGLU's fc1 rows split into gate then up."""
+    import transformers
 
+    kind = _llama_kind(m)
+    cls, name, extra = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM", {"attention_bias": False, "mlp_bias": False}),
+        # Qwen2's config has no head_dim field: hidden / heads unless the model set another.
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": False}),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"attention_bias": False,
+                                                      "use_sliding_window": False}),
+    }[kind]
     h, heads, layers = m["hidden_size"], m["num_attention_heads"], m["num_layers"]
     groups = m.get("num_query_groups") or heads
     d = m.get("kv_channels") or h // heads
     ffn = m["ffn_hidden_size"]
     shared = bool(m.get("share_embeddings_and_output_weights", False))
-    config = LlamaConfig(
+    config = getattr(transformers, cls)(
         vocab_size=vocab, hidden_size=h, intermediate_size=ffn, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=groups, head_dim=d,
+        num_attention_heads=heads, num_key_value_heads=groups,
+        **({} if kind == "qwen2" and d * heads == h else {"head_dim": d}),
         max_position_embeddings=m["seq_length"], rms_norm_eps=m.get("layernorm_epsilon", 1e-5),
-        rope_theta=float(m.get("rotary_base", 10000)), attention_bias=False, mlp_bias=False,
-        hidden_act="silu", tie_word_embeddings=shared, architectures=["LlamaForCausalLM"],
-        **ids, **rope_scaling(m),
+        rope_theta=float(m.get("rotary_base", 10000)), hidden_act="silu",
+        tie_word_embeddings=shared, architectures=[name], **extra, **ids, **rope_scaling(m),
     )
     L = "decoder.layers."
     sd = llama_ends(t, vocab, shared)
@@ -181,13 +206,21 @@ def llama_attention(t: dict, m: dict, i: int, p: str) -> dict:
     d = m.get("kv_channels") or m["hidden_size"] // heads
     L = "decoder.layers."
     q, k, v = split_qkv(t[L + "self_attention.linear_qkv.weight"][i], heads, groups, d)
-    return {
+    out = {
         p + "input_layernorm.weight": t[L + "self_attention.linear_qkv.layer_norm_weight"][i],
         p + "self_attn.q_proj.weight": q,
         p + "self_attn.k_proj.weight": k,
         p + "self_attn.v_proj.weight": v,
         p + "self_attn.o_proj.weight": t[L + "self_attention.linear_proj.weight"][i],
     }
+    if m.get("add_qkv_bias"):  # Qwen2
+        q, k, v = split_qkv(t[L + "self_attention.linear_qkv.bias"][i], heads, groups, d)
+        out.update({p + "self_attn.q_proj.bias": q, p + "self_attn.k_proj.bias": k,
+                    p + "self_attn.v_proj.bias": v})
+    if m.get("qk_layernorm"):  # Qwen3 (and Qwen3-MoE)
+        out.update({p + "self_attn.q_norm.weight": t[L + "self_attention.q_layernorm.weight"][i],
+                    p + "self_attn.k_norm.weight": t[L + "self_attention.k_layernorm.weight"][i]})
+    return out
 
 
 def rope_scaling(m: dict) -> dict:

@@ -3,16 +3,20 @@
 
 * ``GPT2LMHeadModel`` -> GPT (LayerNorm, linear biases, GeLU, learned absolute positions).
   GPT-2's ``Conv1D`` weights are ``[in, out]``: transposed. ``c_attn``'s ``[q | k | v]`` columns
-  become megatron's fused per-head QKV rows. Only ``activation_function="gelu"`` (the exact erf
-  GeLU megatron's MLP computes) is accepted: the published GPT-2's ``gelu_new`` (tanh
-  approximation) is refused.
+  become megatron's fused per-head QKV rows. ``activation_function`` ``"gelu"`` is the exact erf
+  GeLU, the published GPT-2's ``"gelu_new"`` its tanh approximation (``model.openai_gelu``).
 * ``LlamaForCausalLM`` -> Llama family (RMSNorm, no bias, SwiGLU, RoPE, GQA). ``q/k/v_proj``
   become megatron's per-query-group fused rows (``SelfAttention.get_query_key_value_tensors``:
   per group its queries, its key, its value), ``[gate_proj; up_proj]`` is the gated fc1. RoPE
   scaling ``rope_type="llama3"`` maps to ``rope_scaling``/``rope_scaling_factor``; megatron-core
   0.19.2's ``RotaryEmbedding._apply_scaling`` fixes ``low_freq_factor=1``,
   ``high_freq_factor=4`` and ``original_max_position_embeddings=8192``, so other values are
-  refused.
+  refused. An explicit ``head_dim`` is megatron's ``kv_channels``.
+* The Llama architectures of other names: ``MistralForCausalLM`` (a ``sliding_window`` that
+  never takes effect, null or at least ``max_position_embeddings``), ``Qwen2ForCausalLM``
+  (biases on q/k/v only: megatron's ``add_qkv_bias``; no sliding window) and
+  ``Qwen3ForCausalLM`` (an RMSNorm over each query and key head, ``q_norm``/``k_norm``:
+  megatron's ``qk_layernorm``; no attention biases, no sliding window).
 """
 
 from __future__ import annotations
@@ -44,8 +48,22 @@ def _rope(config) -> dict:
     return out
 
 
+def _no_sliding_window(c) -> None:
+    """Refuse a sliding-window attention megatron's model here does not compute (named)."""
+    window = getattr(c, "sliding_window", None)
+    if c.model_type in ("qwen2", "qwen3") and getattr(c, "use_sliding_window", False):
+        raise _refuse("use_sliding_window", True, "megatron-core 0.19.2's attention here has no "
+                                                  "sliding window; only false")
+    if c.model_type == "mistral" and window is not None and window < c.max_position_embeddings:
+        raise _refuse("sliding_window", window, f"megatron-core 0.19.2's attention here has no "
+                                                f"sliding window: only null or at least "
+                                                f"max_position_embeddings="
+                                                f"{c.max_position_embeddings}")
+
+
 def llama_fields(c) -> dict:
-    """The ``model`` fields of a ``LlamaConfig`` ``c``.
+    """The ``model`` fields of a ``LlamaConfig`` ``c``, or of the Llama architectures of other
+    names (``MistralConfig``, ``Qwen2Config``, ``Qwen3Config``).
 
     Raises:
         HFImportError: a setting megatron's Llama-family model here does not compute (named).
@@ -58,10 +76,8 @@ def llama_fields(c) -> dict:
         if getattr(c, name, False):
             raise _refuse(name, True, "megatron's Llama-family model here has no linear biases "
                                       "(model.add_bias_linear=false)")
+    _no_sliding_window(c)
     head_dim = getattr(c, "head_dim", None) or hidden // heads
-    if head_dim * heads != hidden:
-        raise _refuse("head_dim", head_dim, f"only hidden_size / num_attention_heads = "
-                                            f"{hidden // heads} (model has no kv_channels field)")
     rope = _rope(c)
     theta = float(rope.get("rope_theta", 10000.0))
     if theta != int(theta):
@@ -84,6 +100,8 @@ def llama_fields(c) -> dict:
         "num_query_groups": groups, "ffn_hidden_size": c.intermediate_size,
         "seq_length": c.max_position_embeddings, "swiglu": True, "normalization": "RMSNorm",
         "layernorm_epsilon": float(c.rms_norm_eps), "add_bias_linear": False,
+        "add_qkv_bias": c.model_type == "qwen2", "qk_layernorm": c.model_type == "qwen3",
+        "kv_channels": None if head_dim * heads == hidden else head_dim,
         "position_embedding_type": "rope", "rotary_base": int(theta), "rotary_percent": 1.0,
         **fields,
         "share_embeddings_and_output_weights": bool(c.tie_word_embeddings),
@@ -96,10 +114,10 @@ def gpt2_fields(c) -> dict:
     Raises:
         HFImportError: a setting megatron's GPT model does not compute (named).
     """
-    if c.activation_function != "gelu":
+    if c.activation_function not in ("gelu", "gelu_new"):
         raise _refuse("activation_function", c.activation_function,
-                      "megatron's GPT MLP computes the exact erf GeLU (F.gelu), imported from "
-                      "'gelu' only; GPT-2's 'gelu_new' is the tanh approximation")
+                      "valid are 'gelu' (the exact erf GeLU) and 'gelu_new' (its tanh "
+                      "approximation, model.openai_gelu)")
     for name, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                        ("add_cross_attention", False)):
         if bool(getattr(c, name, want)) != want:
@@ -109,6 +127,7 @@ def gpt2_fields(c) -> dict:
         "num_layers": c.n_layer, "hidden_size": c.n_embd, "num_attention_heads": c.n_head,
         "num_query_groups": None, "ffn_hidden_size": c.n_inner or 4 * c.n_embd,
         "seq_length": c.n_positions, "swiglu": False, "normalization": "LayerNorm",
+        "openai_gelu": c.activation_function == "gelu_new",
         "layernorm_epsilon": float(c.layer_norm_epsilon), "add_bias_linear": True,
         "position_embedding_type": "learned_absolute",
         "share_embeddings_and_output_weights": bool(c.tie_word_embeddings),
@@ -177,8 +196,9 @@ def gpt2_plan(m: dict, prefix: str) -> list:
 
 
 def llama_plan(m: dict, prefix: str) -> list:
-    """Every megatron tensor of a Llama import, entries as :func:`gpt2_plan`'s (q/k/v fused per
-    query group, ``[gate; up]`` the gated fc1 ``[2 * ffn, h]``)."""
+    """Every megatron tensor of a Llama import, entries as :func:`gpt2_plan`'s (q/k/v and their
+    biases fused per query group, ``[gate; up]`` the gated fc1 ``[2 * ffn, h]``; Qwen3's q/k
+    norms as megatron's ``q_layernorm``/``k_layernorm``)."""
     import torch
 
     groups = m["num_query_groups"]
@@ -193,6 +213,14 @@ def llama_plan(m: dict, prefix: str) -> list:
         (L + "self_attention.linear_qkv.weight",
          [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"], True,
          lambda t: fuse_qkv(*t, groups)),
+    ] + ([
+        (L + "self_attention.linear_qkv.bias",
+         [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"], True,
+         lambda t: fuse_qkv(*t, groups)),
+    ] if m.get("add_qkv_bias") else []) + ([
+        (L + "self_attention.q_layernorm.weight", [a + "q_norm.weight"], True, I),
+        (L + "self_attention.k_layernorm.weight", [a + "k_norm.weight"], True, I),
+    ] if m.get("qk_layernorm") else []) + [
         (L + "self_attention.linear_proj.weight", [a + "o_proj.weight"], True, I),
         (L + "mlp.linear_fc1.layer_norm_weight", [h_ + "post_attention_layernorm.weight"],
          True, I),
@@ -233,12 +261,17 @@ def gpt2_sizes(tied: bool) -> dict:
 
 
 def llama_sizes(tied: bool) -> dict:
-    """As :func:`gpt2_sizes`, of Llama (k/v rows: query groups times ``head_dim``)."""
-    h, f, v, g = _H, _F, _V, ("groups", "head_dim")
+    """As :func:`gpt2_sizes`, of Llama (q rows: heads times ``head_dim``; k/v rows: query
+    groups times ``head_dim``), with Qwen2's q/k/v biases and Qwen3's q/k norms (checked
+    where the weights hold them)."""
+    h, f, v, g, q = _H, _F, _V, ("groups", "head_dim"), ("heads", "head_dim")
     out = {"embed_tokens.weight": (v, h), "norm.weight": (h,)}
-    layer = {"input_layernorm.weight": (h,), "self_attn.q_proj.weight": (h, h),
+    layer = {"input_layernorm.weight": (h,), "self_attn.q_proj.weight": (q, h),
              "self_attn.k_proj.weight": (g, h), "self_attn.v_proj.weight": (g, h),
-             "self_attn.o_proj.weight": (h, h), "post_attention_layernorm.weight": (h,),
+             "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (g,),
+             "self_attn.v_proj.bias": (g,), "self_attn.q_norm.weight": (("head_dim", 1),),
+             "self_attn.k_norm.weight": (("head_dim", 1),),
+             "self_attn.o_proj.weight": (h, q), "post_attention_layernorm.weight": (h,),
              "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h),
              "mlp.down_proj.weight": (h, f)}
     out.update({f"layers.{{i}}.{k}": dims for k, dims in layer.items()})

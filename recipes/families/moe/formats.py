@@ -146,9 +146,6 @@ def build(arch: str, t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict
             p + "mlp.experts.gate_up_proj": t[L + "mlp.experts.experts.linear_fc1.weight"][i],
             p + "mlp.experts.down_proj": t[L + "mlp.experts.experts.linear_fc2.weight"][i],
         })
-        if arch == "qwen3_moe":
-            sd[p + "self_attn.q_norm.weight"] = t[L + "self_attention.q_layernorm.weight"][i]
-            sd[p + "self_attn.k_norm.weight"] = t[L + "self_attention.k_layernorm.weight"][i]
     return config, sd
 
 
