@@ -31,9 +31,10 @@ test: setup ## run unit, multi-process and end-to-end tests on CPU
 
 # Unit and config tests: no train.py run (e2e) and no multi-process world (multiprocess); the
 # markers come from pyproject.toml and tests/conftest.py (which marks tests using train_run or
-# run_distributed). Under 2 minutes on 2 cores (`make test`: under 30; docs/testing.md).
+# run_distributed). Under 2 minutes on 2 cores (`make test`: under 30; docs/testing.md): two
+# pytest-xdist workers, one per core (these tests start no processes of their own).
 test-fast: setup ## run the unit and config tests only (no multi-process, no end-to-end)
-	$(PY) -m pytest -m "not multiprocess and not e2e" $(ARGS)
+	$(PY) -m pytest -n 2 -m "not multiprocess and not e2e" $(ARGS)
 
 test-times: setup ## run the whole suite and rewrite the per-file time table in docs/testing.md
 	$(PY) -m pytest --time-table=docs/testing.md $(ARGS)
