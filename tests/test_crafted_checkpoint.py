@@ -1,6 +1,6 @@
 """A checkpoint handed over by someone else runs no code, and a stray ``common.pt`` is damage.
 
-A checkpoint ``train.py`` wrote (tiny model, dp2, 2 iterations) is copied and crafted: one of its
+A checkpoint the workers wrote (tiny model, dp2, 2 iterations) is copied and crafted: one of its
 object records (the common state, one rank's RNG state) is replaced by a ``torch.save``d list
 whose element's ``__reduce__`` would create a marker file, the data file's records and
 ``.metadata``'s offsets rewritten to match, so that every CRC-32 holds and ``gtp verify``'s
@@ -35,9 +35,11 @@ RNG = "rng_state/shard_0_2"  # rank 0's of a dp2 save
 
 
 @pytest.fixture(scope="module")
-def saved(train_run, tmp_path_factory):
+def saved(train_jobs, tmp_path_factory):
+    """The checkpoint every test copies: trained in one world as torchrun's workers train it
+    (tests/helpers/inworld.py); the refusals below go through train.py."""
     run = tmp_path_factory.mktemp("crafted") / "run"
-    train_run(run, f"train.train_iters={ITER}", f"checkpoint.save_interval={ITER}")
+    train_jobs([(run, [f"train.train_iters={ITER}", f"checkpoint.save_interval={ITER}"])])
     return run / "checkpoints"
 
 

@@ -46,11 +46,12 @@ def _rows(out) -> dict:
 
 
 @pytest.fixture(scope="module")
-def preempted(train_run, data_cache, tmp_path_factory):
-    """An uninterrupted run; the same run sent SIGTERM after iteration 4 (its launcher only, as
+def preempted(train_jobs, data_cache, tmp_path_factory):
+    """An uninterrupted run (in one world, as torchrun's workers run it: tests/helpers/inworld.py);
+    the same run through train.py sent SIGTERM after iteration 4 (its launcher only, as
     ``kill -TERM`` of train.py); then the command it printed to continue."""
     base = tmp_path_factory.mktemp("preempt")
-    train_run(base / "ref", *RUN)
+    train_jobs([(base / "ref", RUN)])
     out = base / "run"
     args = [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={out}",
             f"data.cache_dir={data_cache}", *RUN]

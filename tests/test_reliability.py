@@ -41,15 +41,34 @@ def crashed(train_run, tmp_path_factory):
     return out, proc
 
 
+# The jobs of this file that succeed, in one world (tests/helpers/inworld.py), one after the
+# other: name -> overrides. "b1", "b2" also load the crashed run's checkpoints.
+JOBS = {
+    "b1": COMMON, "b2": COMMON,  # two resumes of the crashed run
+    "keep_last": ["train.train_iters=4", "optim.lr_warmup_iters=1", "checkpoint.save_interval=1",
+                  "checkpoint.keep_last=2"],
+    "damaged": ["train.train_iters=2", "optim.lr_warmup_iters=1", "checkpoint.save_interval=1"],
+    "skip_nonfinite": ["train.train_iters=4", "optim.lr=1e30", "optim.lr_warmup_iters=0",
+                       "checkpoint.save_interval=0", "train.skip_nonfinite_iterations=true"],
+}
+
+
 @pytest.fixture(scope="module")
-def resumed(crashed, train_jobs, tmp_path_factory):
-    """Two resumes of the crashed run from its last complete save (iteration 2) to 6, one after
-    the other in one world (tests/helpers/inworld.py)."""
+def jobs(crashed, train_jobs, tmp_path_factory) -> dict:
+    """name -> run dir of every job of :data:`JOBS`, trained in one world."""
     out, _ = crashed
-    root = tmp_path_factory.mktemp("resumed")
-    train_jobs([(root / name, [*COMMON, f"checkpoint.load={out}/checkpoints"])
-                for name in ("b1", "b2")])
-    return root / "b1", root / "b2"
+    root = tmp_path_factory.mktemp("jobs")
+    load = [f"checkpoint.load={out}/checkpoints"]
+    train_jobs([(root / name, [*overrides, *(load if name in ("b1", "b2") else [])])
+                for name, overrides in JOBS.items()])
+    return {name: root / name for name in JOBS}
+
+
+@pytest.fixture(scope="module")
+def resumed(jobs):
+    """Two resumes of the crashed run from its last complete save (iteration 2) to 6, one after
+    the other in one world."""
+    return jobs["b1"], jobs["b2"]
 
 
 def test_kill_during_save_fails_the_job_and_keeps_the_last_complete_checkpoint(crashed):
@@ -101,10 +120,8 @@ def test_worker_error_ends_the_job_fast_with_that_rank_error_first(train_run, tm
     assert [r["iteration"] for r in rows] == [1, 2][: len(rows)]
 
 
-def test_keep_last_removes_only_older_complete_checkpoints(train_run, tmp_path):
-    train_run(tmp_path, "train.train_iters=4", "optim.lr_warmup_iters=1",
-              "checkpoint.save_interval=1", "checkpoint.keep_last=2")
-    root = tmp_path / "checkpoints"
+def test_keep_last_removes_only_older_complete_checkpoints(jobs):
+    root = jobs["keep_last"] / "checkpoints"
     assert sorted(p.name for p in root.glob("iter_*")) == ["iter_0000003", "iter_0000004"]
     assert checkpoint.read_tracker(root) == 4
 
@@ -128,10 +145,8 @@ def test_save_that_cannot_fit_is_refused_before_writing(tmp_path):
     checkpoint.ensure_disk_space(tmp_path / "ckpt", 1 << 20, free_bytes=1 << 30)
 
 
-def test_damaged_checkpoints_are_named(train_run, tmp_path):
-    src = tmp_path / "src"
-    train_run(src, "train.train_iters=2", "optim.lr_warmup_iters=1", "checkpoint.save_interval=1")
-    root = src / "checkpoints"
+def test_damaged_checkpoints_are_named(jobs):
+    root = jobs["damaged"] / "checkpoints"  # this test's own: it damages it
     # A tracker naming an iteration that is not there.
     (root / checkpoint.TRACKER).write_text("7\n")
     with pytest.raises(CheckpointError, match="names iteration 7 but .*iter_0000007 is missing"):
@@ -214,12 +229,10 @@ def test_a_non_finite_loss_stops_before_the_step_naming_the_last_good_checkpoint
     assert rows[bad]["skipped-iterations"] == 1
 
 
-def test_skip_nonfinite_iterations_counts_and_never_saves_them(train_run, tmp_path):
+def test_skip_nonfinite_iterations_counts_and_never_saves_them(jobs):
     import math
 
-    train_run(tmp_path, "train.train_iters=4", "optim.lr=1e30", "optim.lr_warmup_iters=0",
-              "checkpoint.save_interval=0", "train.skip_nonfinite_iterations=true")
-    rows = metrics(tmp_path)
+    rows = metrics(jobs["skip_nonfinite"])
     bad = [it for it, r in rows.items() if not (math.isfinite(r["lm loss"]) and math.isfinite(r["grad-norm"]))]
     assert bad, "lr=1e30 must blow up"
     assert rows[4]["skipped-iterations"] == len(bad)

@@ -1,9 +1,12 @@
-"""train.py as a user runs it: multirun, and bad input refused with a clear message."""
+"""train.py as a user runs it: multirun, and bad input refused with a clear message; bf16
+training and its resume at another layout."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import pytest
 
 from recipes.metrics import read_metrics
 
@@ -19,6 +22,23 @@ def test_multirun_gives_each_job_its_own_workers_and_dir(train_run, tmp_path):
         assert [r["iteration"] for r in rows] == [1, 2]
         layouts.append(events[0]["layout"])
     assert sorted((l["tensor_model_parallel_size"], l["world_size"]) for l in layouts) == [(1, 1), (2, 2)]
+
+
+@pytest.fixture(scope="module")
+def trained(train_jobs, tmp_path_factory) -> Path:
+    """The runs this file's other tests load or read, trained in one world as torchrun's
+    workers train them (tests/helpers/inworld.py): ``src`` (the default model, 2 iterations), a
+    bf16 run ``a`` saved under GTP and its resume ``b`` at tp2 without GTP. What train.py itself
+    does with them (refusing a load) still goes through train.py."""
+    root = tmp_path_factory.mktemp("trained")
+    train_jobs([
+        (root / "src", ["train.train_iters=2"]),
+        (root / "a", ["precision=bf16", "gtp=tp2_align16", "train.train_iters=2",
+                      "checkpoint.save_interval=2"]),
+        (root / "b", ["precision=bf16", "parallelism=tp2", "train.train_iters=3",
+                      f"checkpoint.load={root}/a/checkpoints"]),
+    ])
+    return root
 
 
 def _no_worker_started(out: Path):
@@ -45,9 +65,9 @@ def test_empty_checkpoint_dir_is_refused_before_launch(train_run, tmp_path):
     _no_worker_started(tmp_path / "out")
 
 
-def test_checkpoint_of_another_model_shape_is_refused_before_launch_naming_the_field(train_run, tmp_path):
-    src = tmp_path / "src"
-    train_run(src, "train.train_iters=2")
+def test_checkpoint_of_another_model_shape_is_refused_before_launch_naming_the_field(
+        trained, train_run, tmp_path):
+    src = trained / "src"
     proc = train_run(tmp_path / "dst", "model.hidden_size=96", f"checkpoint.load={src}/checkpoints",
                      rc=2)
     assert "holds a differently shaped model" in proc.stdout
@@ -55,13 +75,9 @@ def test_checkpoint_of_another_model_shape_is_refused_before_launch_naming_the_f
     _no_worker_started(tmp_path / "dst")
 
 
-def test_bf16_trains_and_resumes_at_another_layout(train_run, tmp_path):
+def test_bf16_trains_and_resumes_at_another_layout(trained):
     """bf16 weights with megatron's fp32 main params (Float16Module + Float16Optimizer) on CPU,
     saved under GTP (logical layout) and resumed at tp2 without GTP."""
-    train_run(tmp_path / "a", "precision=bf16", "gtp=tp2_align16", "train.train_iters=2",
-              "checkpoint.save_interval=2")
-    train_run(tmp_path / "b", "precision=bf16", "parallelism=tp2", "train.train_iters=3",
-              f"checkpoint.load={tmp_path}/a/checkpoints")
-    rows, _ = read_metrics(tmp_path / "b")
+    rows, _ = read_metrics(trained / "b")
     assert [r["iteration"] for r in rows] == [3]
     assert 0 < rows[0]["grad-norm"] < 100 and rows[0]["lm loss"] < 6

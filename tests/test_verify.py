@@ -1,8 +1,8 @@
-"""``python -m gtp verify`` and ``checkpoint.verify_on_load`` on a checkpoint ``train.py`` wrote
-(tiny model, dp2, 2 iterations), and on copies of it that each test damages itself: one flipped
-byte inside a tensor's stored bytes, a data file cut inside a record, bytes appended to a data
-file, a missing ``.metadata``. A resume from the flipped copy is refused, naming the file and
-the tensor, before training and before any weight of the model changed."""
+"""``python -m gtp verify`` and ``checkpoint.verify_on_load`` on a checkpoint the training
+workers wrote (tiny model, dp2, 2 iterations), and on copies of it that each test damages itself:
+one flipped byte inside a tensor's stored bytes, a data file cut inside a record, bytes appended
+to a data file, a missing ``.metadata``. A resume from the flipped copy is refused, naming the
+file and the tensor, before training and before any weight of the model changed."""
 
 from __future__ import annotations
 
@@ -23,9 +23,11 @@ CHUNK = (TENSOR, (0, 0, 0))  # layer 0's
 
 
 @pytest.fixture(scope="module")
-def saved(train_run, tmp_path_factory):
+def saved(train_jobs, tmp_path_factory):
+    """The run every test reads or copies: trained in one world as torchrun's workers train it
+    (tests/helpers/inworld.py); the refused resume goes through train.py."""
     run = tmp_path_factory.mktemp("verify") / "run"
-    train_run(run, f"train.train_iters={ITER}", f"checkpoint.save_interval={ITER}")
+    train_jobs([(run, [f"train.train_iters={ITER}", f"checkpoint.save_interval={ITER}"])])
     return run
 
 
