@@ -276,6 +276,10 @@ def slow_write(report):
         f.write(str(os.getpid()))
     time.sleep(60)
 
+# Ctrl-C raises KeyboardInterrupt as in a terminal, also when this test runs in the background
+# of a shell without job control (which starts it with SIGINT ignored: Python then installs no
+# handler of its own).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 cpu_compat.install()
 torch.distributed.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0,
                                      world_size=1)
