@@ -191,6 +191,9 @@ def test_dense_qk_layernorm_is_qwen3_and_with_qkv_bias_refused():
     gpt = {"num_attention_heads": 4, "qk_layernorm": True}  # LayerNorm, bias, learned positions
     with pytest.raises(ExportError, match="qk_layernorm / add_qkv_bias"):
         for_export(gpt)
+    # Qwen2's biases on a model Qwen2 does not compute otherwise (learned positions): refused.
+    with pytest.raises(ExportError, match="no transformers class computes this model"):
+        for_export({**dense, "add_qkv_bias": True, "position_embedding_type": "learned_absolute"})
 
 
 @pytest.mark.parametrize("changes", [{}, {"qk_layernorm": True},

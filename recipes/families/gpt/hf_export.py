@@ -49,30 +49,25 @@ def architecture(model: dict) -> str | None:
     """
     if model.get("num_moe_experts"):
         return None
-    llama = _llama_kind(model)
-    if llama != "llama" and model.get("swiglu") and model.get("normalization") == "RMSNorm":
-        return llama
-    if model.get("qk_layernorm") or model.get("add_qkv_bias"):
-        raise ExportError("model.qk_layernorm / add_qkv_bias: only Qwen3ForCausalLM / "
-                          "Qwen2ForCausalLM have them (RMSNorm, rope, SwiGLU models)")
     norm = model.get("normalization", "LayerNorm")
     bias = model.get("add_bias_linear", True)
     pos = model.get("position_embedding_type", "learned_absolute")
     swiglu = bool(model.get("swiglu", False))
     if norm == "LayerNorm" and bias and pos == "learned_absolute" and not swiglu:
+        if model.get("qk_layernorm") or model.get("add_qkv_bias"):
+            raise ExportError("model.qk_layernorm / add_qkv_bias: GPT2LMHeadModel has neither "
+                              "(Qwen3ForCausalLM / Qwen2ForCausalLM: RMSNorm, rope, SwiGLU models)")
         groups = model.get("num_query_groups")
         if groups not in (None, model["num_attention_heads"]):
             raise ExportError(f"model.num_query_groups={groups}: GPT2LMHeadModel has no grouped "
                               f"query attention")
         return "gpt2"
     if norm == "RMSNorm" and not bias and pos == "rope" and swiglu:
-        if model.get("openai_gelu"):
-            raise ExportError("model.openai_gelu=True with swiglu: SwiGLU's activation is SiLU")
         if float(model.get("rotary_percent", 1.0)) != 1.0:
             raise ExportError(
                 f"model.rotary_percent={model.get('rotary_percent', 1.0)}: only RoPE over the "
                 f"whole head (rotary_percent=1.0) is exported")
-        return "llama"
+        return _llama_kind(model)
     raise ExportError(
         f"no transformers class computes this model exactly: normalization={norm!r}, "
         f"add_bias_linear={bias}, position_embedding_type={pos!r}, swiglu={swiglu}; exportable "
