@@ -12,6 +12,7 @@ from __future__ import annotations
 from recipes.families import gpt, moe
 from recipes.families.family import ModelFamily
 from recipes.shapes import ParamShape, count, getter, padded_vocab_size, tp_local_shape
+from recipes.vocab import VOCAB_KEYS
 
 # First match wins: the dense GPT family matches every decoder, so it comes last.
 FAMILIES: tuple[ModelFamily, ...] = (moe.FAMILY, gpt.FAMILY)
@@ -41,7 +42,8 @@ def parameter_counts(m, padded_vocab: int) -> tuple[int, int]:
     if not experts:
         return total, total
     get = getter(m)
-    return total, total - experts + experts * int(get("moe_router_topk")) // int(get("num_moe_experts"))
+    topk, experts_per_layer = int(get("moe_router_topk")), int(get("num_moe_experts"))
+    return total, total - experts + experts * topk // experts_per_layer
 
 
 def gtp_weight_dims(cfg, tensor_model_parallel_size: int) -> dict[str, int]:
@@ -74,10 +76,9 @@ def gtp_weight_dims(cfg, tensor_model_parallel_size: int) -> dict[str, int]:
                                   m.make_vocab_size_divisible_by, tp)
     except ValueError:
         vocab = None
-    vocab_rows = ("embedding.word_embeddings.weight", "output_layer.weight")
     shapes = parameter_shapes(m, vocab or tp)
     dense = {p.name: tp_local_shape(p, tp)[0] for p in shapes
-             if p.gtp and not p.expert and (vocab is not None or p.name not in vocab_rows)}
+             if p.gtp and not p.expert and (vocab is not None or p.name not in VOCAB_KEYS)}
     return {**dense, **_expert_gtp_weight_dims(cfg, shapes, tp)}
 
 
