@@ -18,29 +18,22 @@ the load) and :func:`finish_load` rebuilds the non-tensor part in the form the r
 ``load_state_dict`` takes (after it). Same kind: both do nothing. An MoE model's chain of a
 dense and an expert optimizer (megatron's ``ChainedOptimizer``; keys without its
 ``chained_<i>.`` prefix) resumes a chain of another length, kind or precision entry by running
-entry (:func:`_rechain`).
+entry (:func:`_rechain`); so does Muon's chain (Muon, expert Muon, Adam where the experts are
+split; Muon and Adam with ``chained_<i>.`` keys where not: :func:`match_chain_prefixes`).
+Which optimizer runs and which wrote the file: :mod:`recipes.optim_kinds`.
 """
 
 from __future__ import annotations
 
+import re
+
 import torch
 
-PLAIN = "adam"
-DISTRIBUTED = "distributed_adam"
+from recipes.optim_kinds import (
+    DISTRIBUTED, PLAIN, OptimizerCheckpointError, chain_of, entry_kind, is_chain, is_muon,
+    is_muon_group, kind_of, leaves)
 
-
-class OptimizerCheckpointError(RuntimeError):
-    """An optimizer checkpoint this optimizer cannot take exactly."""
-
-
-def leaves(optimizer) -> list:
-    """The megatron optimizers under ``optimizer``, nested chained optimizers flattened
-    (Muon with the distributed optimizer: ``[LayerWiseDistributedOptimizer's Muon,
-    DistributedOptimizer's Adam]``)."""
-    chained = getattr(optimizer, "chained_optimizers", None)
-    if chained is None:
-        return [optimizer]
-    return [leaf for opt in chained for leaf in leaves(opt)]
+_CHAIN_PREFIX = re.compile(r"^chained_\d+\.")
 
 
 def _single(optimizer):
@@ -49,10 +42,6 @@ def _single(optimizer):
         raise OptimizerCheckpointError(
             f"changing optimizer kind needs one megatron optimizer per rank, found {len(chained)}")
     return chained[0]
-
-
-def _chain(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def chain_length(common_optimizer) -> int:
@@ -78,7 +67,9 @@ def _rechain(optimizer, loaded: dict, common: dict, dropped) -> dict | list:
     same identity (``param_group_identifier_keys``; a group of the other side's expert
     optimizer differs only in ``is_expert_parallel``) and the step from the file (the same in
     every part: ``ChainedOptimizer._synchronize_steps``; the plain optimizer's
-    ``state.common_step``, the distributed one's ``step`` of each param group).
+    ``state.common_step``, the distributed one's ``step`` of each param group). Muon's entries
+    (an optimizer per expert kind and one Adam where experts are split, a Muon and an Adam
+    where not) hold no step: Muon's update has none.
 
     Args:
         dropped: :func:`prepare_request`'s result (``{index: dropped}`` for a running chain).
@@ -87,24 +78,26 @@ def _rechain(optimizer, loaded: dict, common: dict, dropped) -> dict | list:
         OptimizerCheckpointError: the file's parts hold different steps, none, or no param
             group matching a running one.
     """
-    chain = _chain(optimizer)
-    parts = [common[k] for k in sorted(common)] if _is_chain(common) else [common]
+    chain = chain_of(optimizer)
+    parts = [common[k] for k in sorted(common)] if is_chain(common) else [common]
     groups, steps = [], set()
     for part in parts:
-        if _entry_kind(part) == DISTRIBUTED:
+        if entry_kind(part) == DISTRIBUTED:
             part_groups = part["optimizer"]["param_groups"]
             steps |= {float(g["step"]) for g in part_groups if g.get("step") is not None}
         else:
             node = _plain_node(part)
             part_groups, step = node["param_groups"], node.get("state", {}).get("common_step")
-            steps.add(None if step is None else float(step))
+            if step is not None or not all(map(is_muon_group, part_groups)):
+                steps.add(None if step is None else float(step))
         groups += part_groups
     if len(steps) != 1 or None in steps:
         raise OptimizerCheckpointError(f"the checkpoint's optimizer parts hold steps {steps}")
     step = steps.pop()
     nodes = [loaded[i] for i in range(len(chain))] if len(chain) > 1 else [loaded]
     drops = dropped if isinstance(dropped, dict) else {0: dropped}
-    out = [_rebuilt(opt, node, groups, step, drops.get(i) or [])
+    # Muon keeps no step (its groups and Adam's differ in megatron's identity key "optimizer").
+    out = [_rebuilt(opt, node, groups, None if is_muon(opt) else step, drops.get(i) or [])
            for i, (opt, node) in enumerate(zip(chain, nodes))]
     return out if len(chain) > 1 else out[0]
 
@@ -114,7 +107,8 @@ def _rebuilt(opt, node: dict, groups: list, step: float, dropped: list) -> dict:
     param ``groups`` (any chain entry) and ``step``: the distributed optimizer's
     ``{optimizer: {param_groups}, param_state, param_state_sharding_type}``, the plain fp32
     one's ``{state, param_groups}``, the plain bf16 one's ``{optimizer: {state, param_groups},
-    fp32_from_fp16_params}``. ``dropped``: as :func:`prepare_one`."""
+    fp32_from_fp16_params}``. ``step`` None: Muon's, which keeps none. ``dropped``: as
+    :func:`prepare_one`."""
     own = opt.optimizer.state_dict()["param_groups"]
     hyper = _hyper(groups, own, ignore=("is_expert_parallel",))
     if kind_of(opt) == DISTRIBUTED:
@@ -129,91 +123,40 @@ def _rebuilt(opt, node: dict, groups: list, step: float, dropped: list) -> dict:
     moments = node["optimizer"]["state"] if bf16 else node["state"]
     inner = {"state": {k: v for k, v in moments.items() if k != "common_step"},
              "param_groups": hyper}
-    inner["state"]["common_step"] = torch.tensor(step)
+    if step is not None:
+        inner["state"]["common_step"] = torch.tensor(step)
     if bf16:
         return {"fp32_from_fp16_params": node["fp32_from_fp16_params"], "optimizer": inner}
     return inner
 
 
-def kind_of(optimizer) -> str:
-    """``"distributed_adam"`` for megatron's DistributedOptimizer, else ``"adam"``."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+def match_chain_prefixes(opt_request: dict, stored_keys) -> None:
+    """Point each request the file holds only under another chain prefix at the file's key.
 
-    return DISTRIBUTED if any(isinstance(o, DistributedOptimizer) for o in leaves(optimizer)) \
-        else PLAIN
-
-
-def saved_kind(common_optimizer) -> str:
-    """The kind that wrote ``common_optimizer`` (the ``optimizer`` entry of a checkpoint's
-    common state).
+    megatron's ``ChainedOptimizer`` prefixes each entry's keys with ``chained_<i>.`` unless told
+    not to (``recipes.checkpoint.state.optimizer_metadata`` does so where experts are split):
+    a Muon chain (Muon for the 2-D weights, Adam for the rest) writes ``chained_0.`` /
+    ``chained_1.`` keys where the experts are not split and bare keys where they are. Each
+    param's tensors have one name either way (the part after the prefix), so the request is
+    renamed in place (``opt_request`` modified).
 
     Raises:
-        OptimizerCheckpointError: a distributed-optimizer format that does not change layout.
+        OptimizerCheckpointError: a name the file holds under more than one prefix.
     """
-    if _is_chain(common_optimizer):
-        # Chained optimizers, one entry each: distributed when one of them is (Muon's
-        # layer-wise chain is a plain Muon entry and a distributed Adam one).
-        kinds = [saved_kind(node) for _, node in sorted(common_optimizer.items())]
-        return DISTRIBUTED if DISTRIBUTED in kinds else PLAIN
-    node = common_optimizer
-    fmt = node.get("param_state_sharding_type") if isinstance(node, dict) else None
-    if fmt is None:
-        return PLAIN
-    if fmt != "fully_reshardable":
-        raise OptimizerCheckpointError(
-            f"the checkpoint's distributed optimizer state is in megatron's {fmt!r} format, which "
-            f"cannot be loaded at another layout or optimizer; only 'fully_reshardable' can")
-    return DISTRIBUTED
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
 
-
-def optimizer_name(optimizer) -> str:
-    """``"muon"`` when a chained optimizer is megatron's ``TensorParallelMuon``, else ``"adam"``."""
-    from megatron.core.optimizer.emerging_optimizers import HAVE_EMERGING_OPTIMIZERS
-
-    if not HAVE_EMERGING_OPTIMIZERS:
-        return "adam"
-    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
-
-    return "muon" if any(isinstance(getattr(o, "optimizer", None), TensorParallelMuon)
-                         for o in leaves(optimizer)) else "adam"
-
-
-def saved_optimizer_name(common_optimizer) -> str:
-    """``"muon"`` when ``common_optimizer`` (a checkpoint's common ``optimizer`` entry) holds a
-    Muon param group (``momentum`` and no Adam ``betas``), else ``"adam"``."""
-    nodes = [common_optimizer]
-    if isinstance(common_optimizer, dict) and common_optimizer and all(
-            isinstance(k, int) for k in common_optimizer):
-        nodes = list(common_optimizer.values())
-    for node in nodes:
-        node = node.get("optimizer", node) if isinstance(node, dict) else {}
-        for group in node.get("param_groups", []) if isinstance(node, dict) else []:
-            if "momentum" in group and "betas" not in group:
-                return "muon"
-    return "adam"
-
-
-def check_same_optimizer(optimizer, common_optimizer) -> None:
-    """Refuse a checkpoint written by another optimizer (Adam <-> Muon): Muon keeps one momentum
-    buffer per 2-D weight and Adam two moments, so neither state can continue the other's run.
-
-    Raises:
-        OptimizerCheckpointError: naming both optimizers and the ways on.
-    """
-    mine, saved = optimizer_name(optimizer), saved_optimizer_name(common_optimizer)
-    if mine != saved:
-        raise OptimizerCheckpointError(optimizer_mismatch("the checkpoint", saved, mine,
-                                                          "<the checkpoint dir>"))
-
-
-def optimizer_mismatch(written: str, saved: str, mine: str, root: str) -> str:
-    """The message refusing a resume of ``saved``'s optimizer state (``written`` by it) as
-    ``mine``, naming the two ways on (``root``: the checkpoint dir as the user would type it)."""
-    state = "Muon momentum buffers" if saved == "muon" else "Adam moments"
-    return (f"{written} was written by optim.optimizer={saved} and this run is "
-            f"optim.optimizer={mine}: {saved}'s state ({state}) cannot continue as {mine}'s; "
-            f"resume with optim={saved}, or start {mine} from these weights only with "
-            f"checkpoint.pretrained={root} and checkpoint.load=null")
+    by_name: dict = {}
+    for key in stored_keys:
+        by_name.setdefault(_CHAIN_PREFIX.sub("", key), []).append(key)
+    for entry in nested_values(opt_request):
+        key = getattr(entry, "key", None)
+        if not isinstance(key, str) or key in stored_keys:
+            continue
+        found = by_name.get(_CHAIN_PREFIX.sub("", key), [])
+        if len(found) > 1:
+            raise OptimizerCheckpointError(f"the checkpoint holds {key!r} as {sorted(found)}")
+        if found:
+            entry.key = found[0]
 
 
 def prepare_for_load(optimizer) -> None:
@@ -245,18 +188,6 @@ def _main_param_entries(opt_request, mine: str):
     return out
 
 
-def _is_chain(node) -> bool:
-    """Whether ``node`` is megatron's ``ChainedOptimizer`` state of several optimizers (one entry
-    per optimizer, keyed by its index)."""
-    return isinstance(node, dict) and bool(node) and all(isinstance(k, int) for k in node)
-
-
-def _entry_kind(node) -> str:
-    """The kind that wrote one (not chained) optimizer's common state."""
-    return DISTRIBUTED if isinstance(node, dict) and "param_state_sharding_type" in node \
-        else PLAIN
-
-
 def _chain_pairs(optimizer, opt_request: dict, common: dict):
     """``[(index, optimizer, request entry, common entry)]`` of a chain on both sides.
 
@@ -264,10 +195,10 @@ def _chain_pairs(optimizer, opt_request: dict, common: dict):
         OptimizerCheckpointError: the checkpoint's chain has other entries than this one.
     """
     chained = list(getattr(optimizer, "chained_optimizers", []))
-    if not _is_chain(common) or sorted(common) != sorted(opt_request) or len(chained) != len(
+    if not is_chain(common) or sorted(common) != sorted(opt_request) or len(chained) != len(
             opt_request):
         raise OptimizerCheckpointError(
-            f"the checkpoint's optimizer holds entries {sorted(common) if _is_chain(common) else 1}"
+            f"the checkpoint's optimizer holds entries {sorted(common) if is_chain(common) else 1}"
             f", this optimizer chains {len(chained)}: they cannot be matched")
     return [(i, chained[i], opt_request[i], common[i]) for i in sorted(opt_request)]
 
@@ -278,15 +209,20 @@ def prepare_request(opt_request: dict, stored_keys, mine: str, saved: str, optim
     request a chain; then each entry's own kinds, and ``{index: dropped}`` returned), else for
     the one optimizer."""
     if optimizer is not None and common is not None and _regroup(optimizer, common):
-        # Keys carry no chain prefix: each running entry's requests, whichever entry wrote them.
-        chain = _chain(optimizer)
-        if not _is_chain(opt_request):
+        # Keys carry no chain prefix (or match_chain_prefixes found them): each running entry's
+        # requests, whichever entry wrote them. The groups come from the file's entry of the
+        # same identity (_rechain), not the one at the same index.
+        chain = chain_of(optimizer)
+        for node in (opt_request.values() if is_chain(opt_request) else [opt_request]):
+            for part in (node, node.get("optimizer", {})):
+                part.pop("param_groups", None)
+        if not is_chain(opt_request):
             return prepare_one(opt_request, stored_keys, kind_of(chain[0]), saved)
         return {i: prepare_one(opt_request[i], stored_keys, kind_of(opt), saved)
                 for i, opt in enumerate(chain)}
-    if mine == saved or optimizer is None or not _is_chain(opt_request):
+    if mine == saved or optimizer is None or not is_chain(opt_request):
         return prepare_one(opt_request, stored_keys, mine, saved)
-    return {i: prepare_one(request, stored_keys, kind_of(opt), _entry_kind(node))
+    return {i: prepare_one(request, stored_keys, kind_of(opt), entry_kind(node))
             for i, opt, request, node in _chain_pairs(optimizer, opt_request, common)}
 
 
@@ -301,14 +237,14 @@ def _regroup(optimizer, common: dict) -> bool:
     in kind or (plain optimizer) precision with each side's entries all of one kind. The same
     structure loads as it is; a chain mixing kinds (Muon's layer-wise one, whose Muon and Adam
     param groups may share an identity) is matched entry by entry."""
-    chain = _chain(optimizer)
-    parts = [common[k] for k in sorted(common)] if _is_chain(common) else [common]
+    chain = chain_of(optimizer)
+    parts = [common[k] for k in sorted(common)] if is_chain(common) else [common]
     if len(chain) == 1 and len(parts) == 1 or len({kind_of(o) for o in chain}) != 1:
         return False
     if len(parts) != len(chain):
         return True
-    return len({_entry_kind(p) for p in parts}) == 1 and any(
-        kind_of(opt) != _entry_kind(part)
+    return len({entry_kind(p) for p in parts}) == 1 and any(
+        kind_of(opt) != entry_kind(part)
         or kind_of(opt) == PLAIN and _is_bf16(opt) != ("param_groups" not in part)
         for opt, part in zip(chain, parts))
 
@@ -394,7 +330,7 @@ def finish_load(optimizer, loaded: dict, common: dict, mine: str, saved: str, dr
         return _rechain(optimizer, loaded, common, dropped)
     if not isinstance(dropped, dict):
         return finish_one(optimizer, loaded, common, mine, saved, dropped)
-    return {i: finish_one(opt, entry, node, kind_of(opt), _entry_kind(node), dropped[i])
+    return {i: finish_one(opt, entry, node, kind_of(opt), entry_kind(node), dropped[i])
             for i, opt, entry, node in _chain_pairs(optimizer, loaded, common)}
 
 
@@ -417,7 +353,7 @@ def finish_one(optimizer, loaded: dict, common: dict, mine: str, saved: str,
     Raises:
         OptimizerCheckpointError: the file's param groups or step cannot be matched.
     """
-    if chain_length(common) != len(_chain(optimizer)):
+    if chain_length(common) != len(chain_of(optimizer)):
         return _rechain(optimizer, loaded, common, dropped)
     bf16_now = "fp32_from_fp16_params" in loaded
     if mine == saved and (mine == DISTRIBUTED or bf16_now == ("param_groups" not in common)):

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from recipes.optim_checkpoint import DISTRIBUTED, PLAIN
+from recipes.optim_kinds import DISTRIBUTED, PLAIN
 
 _MAIN_PREFIXES = ("optimizer.state.fp32_param.", "optimizer.state.param.")
 
@@ -130,7 +130,7 @@ def prepare(state: dict, stored_keys, mine: str, saved_bf16: bool, now_bf16: boo
     Args:
         state: the load request (model and optimizer sharded state dicts).
         stored_keys: the checkpoint's tensor keys.
-        mine: the running optimizer's kind (``optim_checkpoint.kind_of``).
+        mine: the running optimizer's kind (``optim_kinds.kind_of``).
         saved_bf16, now_bf16: the checkpoint's and this run's weight dtype.
     """
     plan = Plan(saved_bf16, now_bf16)

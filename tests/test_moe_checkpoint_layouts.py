@@ -81,6 +81,20 @@ LAYOUTS = {
 # ep2do_bf16 and tp2sp_ep2.
 _ORDER = list(LAYOUTS)
 PAIRS = [(_ORDER[(i + d) % len(_ORDER)], dst) for i, dst in enumerate(_ORDER) for d in (1, 2, 5)]
+# optim=muon (megatron's TensorParallelMuon for the 2-D weights, Adam for the rest): experts
+# split (ep2, expert GTP) give megatron a Muon optimizer per expert kind and one Adam
+# (chain entries 0, 1, 2: the keys carry no "chained_<i>." prefix), experts laid out like
+# the dense weights (ep1, tp2) one Muon and one Adam ("chained_0." / "chained_1." keys).
+# Each reads the saves of the three others: joins, splits, and a TP change on each side.
+MUON = ("optim=muon",)
+MUON_LAYOUTS = {
+    "muon_ep1": MUON,
+    "muon_ep2": (*MUON, *EP2),
+    "muon_tp2": (*MUON, "parallelism.tensor_model_parallel_size=2",
+                 "parallelism.sequence_parallel=true"),
+    "muon_egtp2": (*MUON, "gtp.expert_gtp_remat_size=2", "gtp.pad_for_alignment=16"),
+}
+MUON_PAIRS = [(src, dst) for dst in MUON_LAYOUTS for src in MUON_LAYOUTS if src != dst]
 _LOCAL = re.compile(r"\.local_experts\.(\d+)\.")
 
 
@@ -241,11 +255,21 @@ def _fill(model, optimizer, cfg, sentinel: bool) -> int:
     for opt, p, main, sl in _entries(optimizer):
         _, _, want, m, v = gold[id(p)]
         st = opt.state[main]
-        for dst, value in ((main, want), (st["exp_avg"], m), (st["exp_avg_sq"], v)):
+        for dst, value in ((main, want), *_moments(st, m, v)):
             dst.copy_(torch.full_like(dst, SENTINEL) if sentinel else _cut(value, sl))
-        st["step"] = torch.tensor(SENTINEL if sentinel else STEP)
+        if "momentum_buffer" not in st:  # Muon keeps no step
+            st["step"] = torch.tensor(SENTINEL if sentinel else STEP)
         n += 1
     return n
+
+
+def _moments(st: dict, m, v) -> list:
+    """[(state tensor, its golden)] of one param's optimizer state: Adam's two moments, or
+    Muon's momentum buffer (the golden of ``exp_avg``)."""
+    if "momentum_buffer" in st:
+        assert "exp_avg" not in st and "step" not in st, sorted(st)
+        return [(st["momentum_buffer"], m)]
+    return [(st["exp_avg"], m), (st["exp_avg_sq"], v)]
 
 
 def _diff(what, got, want):
@@ -268,11 +292,16 @@ def _check(model, optimizer, cfg) -> tuple:
     for opt, p, main, sl in _entries(optimizer):
         glob, _, want, m, v = gold[id(p)]
         st = opt.state[main]
-        checks = [("exp_avg", st["exp_avg"], m), ("exp_avg_sq", st["exp_avg_sq"], v)]
+        names = ("momentum_buffer",) if "momentum_buffer" in st else ("exp_avg", "exp_avg_sq")
+        checks = [(what, got, value) for what, (got, value) in zip(names, _moments(st, m, v))]
         if main is not p:
             checks.append(("fp32 main param", main.detach(), want))
         for what, got, value in checks:
             problems.append(_diff(f"{glob} {what}", got, _cut(value, sl)))
+        if "momentum_buffer" in st:
+            if "step" in st:
+                problems.append(f"{glob}: a Muon state with a step")
+            continue
         if float(st["step"]) != STEP:
             problems.append(f"{glob} step {float(st['step'])}")
         steps.setdefault(id(opt), []).append(id(st["step"]))
@@ -314,9 +343,10 @@ def _matrix_worker(root: str, cfgs: dict, pairs: list) -> dict:
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_layouts")
-    cfgs = {name: make_cfg(*extra) for name, extra in LAYOUTS.items()}
+    cfgs = {name: make_cfg(*extra) for name, extra in {**LAYOUTS, **MUON_LAYOUTS}.items()}
     t0 = time.time()
-    results = run_distributed(_matrix_worker, WORLD, str(root), cfgs, PAIRS, timeout=1200)
+    results = run_distributed(_matrix_worker, WORLD, str(root), cfgs, PAIRS + MUON_PAIRS,
+                              timeout=1200)
     print(f"\nMoE matrix: {time.time() - t0:.0f}s")
     return results
 
@@ -338,7 +368,7 @@ def test_expert_layout_pairs_restore_weights_main_params_and_moments_exactly(mat
             assert experts > 0 and n > experts, (rank, src, dst, experts, n)
             pairs += 1
     assert not failed, failed
-    assert pairs == WORLD * len(PAIRS)
+    assert pairs == WORLD * (len(PAIRS) + len(MUON_PAIRS))
     # Expert GTP padded every expert weight on every rank (the padded branch ran).
     assert all(res["padded"]["ep2egtp2"] > 0 for res in matrix)
     # The optimizers the rows name: a dense and an expert one where experts are split.
@@ -347,3 +377,16 @@ def test_expert_layout_pairs_restore_weights_main_params_and_moments_exactly(mat
     assert kinds["pp2ep2"] == ["FP32Optimizer"] * 2, kinds
     assert kinds["ep4_bf16"] == ["Float16OptimizerWithFloat16Params"] * 2, kinds
     assert kinds["ep2do_bf16"] == ["DistributedOptimizer"] * 2, kinds
+
+
+def test_muon_state_resumes_across_expert_splits_and_joins(matrix):
+    """The Muon loads of the matrix (checked with the others above) crossed chains of both
+    shapes: a Muon + Adam chain read a Muon + expert Muon + Adam one and back, each momentum
+    buffer and Adam moment at its own param."""
+    kinds = matrix[0]["kinds"]
+    assert kinds["muon_ep1"] == kinds["muon_tp2"] == ["FP32Optimizer"] * 2, kinds
+    assert kinds["muon_ep2"] == kinds["muon_egtp2"] == ["FP32Optimizer"] * 3, kinds
+    assert {(a, b) for a, b in MUON_PAIRS if len(kinds[a]) != len(kinds[b])} >= {
+        ("muon_ep1", "muon_ep2"), ("muon_ep2", "muon_ep1")}
+    for res in matrix:
+        assert all(res["loads"][pair][0] > 0 for pair in MUON_PAIRS)

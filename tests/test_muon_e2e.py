@@ -113,11 +113,11 @@ def test_resume_into_adam_is_refused_before_launch(runs):
 
 
 def test_optimizer_names_of_checkpoints_and_optimizers(runs):
-    from recipes import checkpoint, optim_checkpoint
+    from recipes import checkpoint, optim_kinds
 
     _, common = checkpoint.load_common(runs[0]["tp2_g2a16"] / "checkpoints", 3)
-    assert optim_checkpoint.saved_optimizer_name(common["optimizer"]) == "muon"
+    assert optim_kinds.saved_optimizer_name(common["optimizer"]) == "muon"
     adam_common = {"param_groups": [{"betas": (0.9, 0.95), "eps": 1e-8, "lr": 0.0}],
                    "state": {"common_step": torch.tensor(3.0)}}
-    assert optim_checkpoint.saved_optimizer_name(adam_common) == "adam"
-    assert optim_checkpoint.saved_optimizer_name({"optimizer": adam_common}) == "adam"
+    assert optim_kinds.saved_optimizer_name(adam_common) == "adam"
+    assert optim_kinds.saved_optimizer_name({"optimizer": adam_common}) == "adam"

@@ -9,6 +9,10 @@ within ``tolerance.fp32_rtol`` (tests/helpers/tolerance.py). Iteration 2's loss 
 expert updates would be scaled by the padded shape and the expert optimizer's grad norm reduced
 over a group that leaves out the expert-GTP ranks.
 
+Saved at iteration 3 with the experts split (a Muon, an expert Muon and an Adam optimizer) and
+resumed at ep1 (one Muon, one Adam), and saved at ep1 and resumed split: iterations 4, 5 and 6
+continue the saving run within ``tolerance.fp32_rtol`` (another reduction order from there).
+
 In bf16 (upstream Megatron-LM's own test found Muon's save over expert-GTP experts failing
 there): ep2 x expert GTP 2 at alignment 16 saves at iteration 3; resumed at alignment 32 (other
 padding rows, the same logical tensors), iterations 4, 5 and 6 agree with the uninterrupted
@@ -29,14 +33,25 @@ MOE_MUON = ("model=moe_tiny", "optim=muon", "checkpoint=none", "train.train_iter
             "parallelism=tp1")
 
 
+SPLIT = ("parallelism.expert_model_parallel_size=2", "gtp.expert_gtp_remat_size=2",
+         "gtp.pad_for_alignment=16")
+SIX = ("train.train_iters=6", "checkpoint.save_interval=3")
+
+
 @pytest.fixture(scope="module")
 def runs(train_jobs, tmp_path_factory):
     ep1 = tmp_path_factory.mktemp("muon_moe_ep1")
     split = tmp_path_factory.mktemp("muon_moe_ep2_egtp2")
-    done = train_jobs([(ep1, [*MOE_MUON, "parallelism.nproc_per_node=4"]),
-                       (split, [*MOE_MUON, "parallelism.nproc_per_node=4",
-                                "parallelism.expert_model_parallel_size=2",
-                                "gtp.expert_gtp_remat_size=2", "gtp.pad_for_alignment=16"])])
+    joined, resplit = (tmp_path_factory.mktemp(n) for n in ("muon_moe_join", "muon_moe_split"))
+    world = (*MOE_MUON, "parallelism.nproc_per_node=4")
+    done = train_jobs([
+        (ep1, [*world, *SIX]), (split, [*world, *SPLIT, *SIX]),
+        # Each saved at iteration 3 and resumed where the other runs: the experts joined (one
+        # Muon + Adam chain from a Muon + expert Muon + Adam one), then split again.
+        (joined, [*world, "train.train_iters=6", "checkpoint.save=null",
+                  f"checkpoint.load={split}/checkpoints", "checkpoint.load_iteration=3"]),
+        (resplit, [*world, *SPLIT, "train.train_iters=6", "checkpoint.save=null",
+                   f"checkpoint.load={ep1}/checkpoints", "checkpoint.load_iteration=3"])])
     root = tmp_path_factory.mktemp("muon_moe_bf16")
     bf16 = [*MOE_MUON[:2], "train.eval_iters=0", "optim.lr_warmup_iters=1", "parallelism=tp1",
             "precision=bf16", "train.train_iters=6", "parallelism.nproc_per_node=4",
@@ -45,7 +60,7 @@ def runs(train_jobs, tmp_path_factory):
                 (root / "a32", [*bf16, "gtp.pad_for_alignment=32", "checkpoint.save=null",
                                 f"checkpoint.load={root / 'a16'}/checkpoints",
                                 "checkpoint.load_iteration=3"])])
-    return ep1, split, done[1].stdout, root
+    return ep1, split, done[1].stdout, root, joined, resplit
 
 
 def test_muon_on_moe_under_expert_gtp_resumes_in_bf16(runs):
@@ -59,9 +74,22 @@ def test_muon_on_moe_under_expert_gtp_resumes_in_bf16(runs):
 
 
 def test_muon_on_moe_trains_the_same_at_ep2_x_egtp2(runs):
-    ep1, split, stdout, _ = runs
+    ep1, split, stdout = runs[:3]
     assert "experts ep2 x etp1 x egtp2" in stdout, stdout[-3000:]
     reference, rows = by_iteration(ep1)[0], by_iteration(split)[0]
-    assert sorted(rows) == sorted(reference) == [1, 2]
+    assert sorted(rows) == sorted(reference) == [1, 2, 3, 4, 5, 6]
     for it in (1, 2):  # the same initial weights: `it` steps of rounding apart
         assert_same_step(rows[it], reference[it], steps=it, terms=MOE_TINY)
+
+
+@pytest.mark.parametrize("which", ["joined", "split"])
+def test_muon_on_moe_resumes_where_the_experts_are_joined_or_split(runs, which):
+    """Saved with the experts split (ep2 x expert GTP 2: megatron's Muon, expert Muon and Adam
+    optimizers) and resumed at ep1 (one Muon and one Adam), and the other way: iterations 4,
+    5 and 6 continue the saving run (1 to 3 steps of another reduction order apart)."""
+    ep1, split, _, _, joined, resplit = runs
+    source, resumed = (split, joined) if which == "joined" else (ep1, resplit)
+    reference, rows = by_iteration(source)[0], by_iteration(resumed)[0]
+    assert sorted(rows) == [4, 5, 6]
+    for it in (4, 5, 6):
+        assert_same_step(rows[it], reference[it], steps=it - 3, terms=MOE_TINY)

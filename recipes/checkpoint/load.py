@@ -23,7 +23,7 @@ from gtp import dcp_reader, legacy, logical_format, safe_objects
 from gtp.collectives import any_rank_failed
 from gtp.records import saved_layout
 from gtp.safe_metadata import reused as metadata_reused
-from recipes import optim_checkpoint, precision_change, vocab
+from recipes import optim_checkpoint, optim_kinds, precision_change, vocab
 from recipes.checkpoint.errors import CheckpointError, describe, rank_errors, unreadable
 from recipes.checkpoint.integrity import (
     LOAD_FIX,
@@ -182,14 +182,15 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
     ckpt = _open(path, common, model, layout_dict, verify)
     path = ckpt.path
     try:
-        mine = optim_checkpoint.kind_of(optimizer)
-        saved = optim_checkpoint.saved_kind(common.get("optimizer", {}))
-        optim_checkpoint.check_same_optimizer(optimizer, common.get("optimizer", {}))
-    except optim_checkpoint.OptimizerCheckpointError as exc:
+        mine = optim_kinds.kind_of(optimizer)
+        saved = optim_kinds.saved_kind(common.get("optimizer", {}))
+        optim_kinds.check_same_optimizer(optimizer, common.get("optimizer", {}))
+    except optim_kinds.OptimizerCheckpointError as exc:
         raise CheckpointError(f"{path}: {exc}") from exc
     optim_checkpoint.prepare_for_load(optimizer)
     state = sharded_state_dict(model, optimizer, is_loading=True,
                                adapt=lambda model_sd: _adapt_vocab_rows(ckpt, model_sd))
+    optim_checkpoint.match_chain_prefixes(state["optimizer"], ckpt.stored)
     check_shapes(state, path, ckpt.stored, skip_prefixes=("optimizer.state.param.",
                                                          "optimizer.state.fp32_param."))
     precision = precision_change.prepare(

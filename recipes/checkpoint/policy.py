@@ -21,7 +21,7 @@ from omegaconf import open_dict
 
 from gtp.records import saved_layout
 from recipes import checkpoint, precision_change
-from recipes.optim_checkpoint import optimizer_mismatch
+from recipes.optim_kinds import optimizer_mismatch
 from recipes.checkpoint import CheckpointError
 from recipes.checkpoint.manager import ResumePlan
 from recipes.config import to_dict
@@ -94,7 +94,7 @@ def check_save_dir(ck, load_iteration: int | None, auto: bool = False) -> None:
     if ck.get("allow_existing_save", False):
         return
     what = f"complete saves of iterations {saved}" + (f", tracker at {tracked}" if tracked is not None else "")
-    newest = f"checkpoint.load=auto resumes from its newest complete save" + (
+    newest = "checkpoint.load=auto resumes from its newest complete save" + (
         f", iteration {saved[-1]}" if saved else "")
     if same_dir:
         how = (f"it would save over iterations after {load_iteration}: {newest}; or save "
@@ -324,25 +324,6 @@ def _check_optimizer(cfg, layout, saved: dict, saved_layout: dict, root) -> None
             f"precision.params_dtype={dtype_then}")
     tp_then = saved_layout.get("tensor_model_parallel_size")
     tp_now = layout.tensor_model_parallel_size
-    if now == "muon" and cfg.model.get("num_moe_experts") is not None and saved_layout:
-        # megatron builds a dense and an expert optimizer where experts are split, one
-        # otherwise; mapping Muon's chain from one form to the other is untested.
-        from recipes.parallel_dims import experts_split
-
-        then = experts_split(saved_layout.get("expert_model_parallel_size", 1),
-                     saved_layout.get("expert_tensor_parallel_size", tp_then), tp_then,
-                     saved_layout.get("expert_gtp_remat_size", 1))
-        mine = experts_split(layout.expert_model_parallel_size, layout.expert_tensor_parallel_size,
-                     tp_now, layout.expert_gtp_remat_size)
-        if then != mine:
-            raise CheckpointError(
-                f"{root} is a Muon MoE run whose experts were "
-                f"{'split from' if then else 'laid out like'} the dense weights; this layout "
-                f"{'splits' if mine else 'does not split'} them (expert_model_parallel_size > 1, "
-                f"expert_tensor_parallel_size != tensor_model_parallel_size or expert GTP), so "
-                f"megatron builds {'two optimizers' if mine else 'one optimizer'} where the "
-                f"checkpoint has {'two' if then else 'one'}: untested with optim.optimizer=muon. "
-                f"Resume at a layout that {'splits' if then else 'does not split'} the experts")
     modes = {_get(saved, "optim.muon_tp_mode"), cfg.optim.get("muon_tp_mode")}
     if now == "muon" and "blockwise" in modes and tp_then not in (None, tp_now) and is_rank0():
         print(f"> warning: optim.muon_tp_mode=blockwise orthogonalizes each tensor-parallel "
