@@ -16,6 +16,8 @@ from omegaconf import II, MISSING, OmegaConf
 
 from recipes.parallel_dims import default_world_size
 
+# The run's resolved config in its output dir: what the workers run (recipes.launch writes it).
+RESOLVED_CONFIG = "resolved_config.yaml"
 # ``parallelism.nproc_per_node``'s default (recipes.parallel_dims.default_world_size).
 WORLD_RESOLVER = "gtp_recipes_world"
 

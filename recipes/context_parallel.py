@@ -15,8 +15,6 @@ split over the CP ranks of a data-parallel replica, as Megatron-LM's ``pretrain_
 
 from __future__ import annotations
 
-import torch
-
 
 def check(cfg, layout) -> None:
     """The context-parallel rules, before any process starts (nothing at CP 1).
@@ -75,7 +73,7 @@ def batch_on_this_rank(batch: dict, cp_group=None) -> dict:
     return get_batch_on_this_cp_rank(dict(batch), is_hybrid_cp=False, cp_group=cp_group)
 
 
-def loss_over_cp(loss_mask: torch.Tensor, output_tensor: torch.Tensor, cp_group):
+def loss_over_cp(loss_mask, output_tensor, cp_group):
     """The loss of one micro-batch whose sequence is split over the CP group, as Megatron-LM's
     ``pretrain_gpt.loss_func`` with ``context_parallel_size > 1``: the masked loss sum and the
     token count are all-reduced over the CP group.
@@ -92,6 +90,8 @@ def loss_over_cp(loss_mask: torch.Tensor, output_tensor: torch.Tensor, cp_group)
         so the gradient is the whole sequence's mean loss's); ``reported`` = the whole
         sequence's mean token loss (detached, the same on every CP rank).
     """
+    import torch  # not at the top: recipes.validate imports this module before launch
+
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
     local = torch.stack([torch.sum(losses * mask), mask.sum()])

@@ -19,7 +19,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from recipes import refusal
-from recipes.worker import LAUNCHER_PID_ENV, RESOLVED_CONFIG
+from recipes.config import RESOLVED_CONFIG
+from recipes.rank_env import LAUNCHER_PID_ENV
 
 # A worker that died takes the others down within this many seconds (elastic agent's monitor).
 MONITOR_INTERVAL_S = 0.5

@@ -16,6 +16,8 @@ from omegaconf import open_dict
 
 from recipes.errors import ConfigError
 
+# Set by train.py's local launch (recipes.launch.launch_local) to its pid: its workers die with it.
+LAUNCHER_PID_ENV = "GTP_RECIPES_LAUNCHER_PID"
 _LOCAL = "for a local run of parallelism.nproc_per_node processes"
 
 

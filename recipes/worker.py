@@ -29,6 +29,8 @@ import torch
 from omegaconf import OmegaConf
 
 from gtp.records import saved_layout
+from recipes.config import RESOLVED_CONFIG
+from recipes.rank_env import LAUNCHER_PID_ENV
 
 # megatron and torch.distributed.checkpoint warn at import and on every save about optional
 # GPU packages (apex, TE) and deprecations that do not apply on this path; keep the log readable.
@@ -40,11 +42,8 @@ if int(os.environ.get("RANK", "0")) != 0:
 
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
-RESOLVED_CONFIG = "resolved_config.yaml"
 # Non-empty once this process trains (recipes.loop.train): no refusal after that.
 _TRAINING: list = []
-# Set by train.py's local launch (recipes.launch.launch_local) to its pid: its workers die with it.
-LAUNCHER_PID_ENV = "GTP_RECIPES_LAUNCHER_PID"
 
 
 @dataclass

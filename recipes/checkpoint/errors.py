@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
-
-from torch.distributed.checkpoint.api import CheckpointException
 
 
 class CheckpointError(RuntimeError):
@@ -31,6 +30,9 @@ def describe(exc: BaseException) -> str:
 def rank_errors(exc: BaseException) -> dict:
     """rank -> exception of torch DCP's ``CheckpointException`` (its ``failures``: rank ->
     (exception, traceback)); empty for any other exception."""
-    if not isinstance(exc, CheckpointException):
+    # Not imported here (start-up time: train.py reaches this module before launch); an
+    # exception of that type exists only once torch's module is loaded.
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    if api is None or not isinstance(exc, api.CheckpointException):
         return {}
     return {rank: f[0] if isinstance(f, tuple) else f for rank, f in exc.failures.items()}

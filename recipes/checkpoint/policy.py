@@ -12,18 +12,16 @@ checkpoint's, prints the changes and pins the iteration; in the workers
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from omegaconf import open_dict
 
 from gtp.records import saved_layout
-from recipes import checkpoint, precision_change
+from recipes import checkpoint
 from recipes.optim_kinds import optimizer_mismatch
 from recipes.checkpoint import CheckpointError
-from recipes.checkpoint.manager import ResumePlan
 from recipes.config import to_dict
 
 
@@ -34,8 +32,9 @@ class NothingToTrain(Exception):
 def is_rank0() -> bool:
     """Global rank 0, or the one process before launch: under torchrun/Slurm every rank runs the
     pre-launch checks, and only one may repair a save dir."""
-    if torch.distributed.is_initialized():
-        return torch.distributed.get_rank() == 0
+    dist = sys.modules.get("torch.distributed")  # not imported before launch (start-up time)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
     return int(os.environ.get("RANK", "0")) == 0
 
 
@@ -47,6 +46,10 @@ def agree_load_iteration(ck) -> int | None:
     0's (every rank calls this: a collective). A pinned iteration (the launcher's
     :func:`prepare_resume` pins it) is taken as is: each rank's
     :meth:`~recipes.checkpoint.manager.ResumePlan.open` checks it."""
+    import torch
+
+    from recipes.checkpoint.manager import ResumePlan
+
     box = [None, None]
     if torch.distributed.get_rank() == 0:
         box[0] = ck.load
@@ -222,6 +225,8 @@ def resume_changes(saved: dict, now: dict, consumed_samples: int) -> list[Change
             effect = ("new value used (optim.override_opt_param_scheduler=true)" if override else
                       f"checkpoint's {old} kept (optim.override_opt_param_scheduler=true takes the new)")
         elif name == "precision.params_dtype":
+            from recipes import precision_change  # imports torch (start-up time)
+
             effect = precision_change.describe(old, new)
         elif name in LAYOUT_EFFECTS:
             effect = LAYOUT_EFFECTS[name]

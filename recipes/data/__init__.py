@@ -25,17 +25,9 @@ therefore be on a filesystem all ranks see (as Megatron-LM's ``--data-cache-path
 ``torch.distributed`` everything runs in the calling process.
 """
 
+import importlib
+
 from recipes.data.corpus import CORPUS_FORMAT_VERSION, TEXT_SUFFIXES, check_data_paths, prepare_data
-from recipes.data.datasets import build_datasets
-from recipes.data.sampler import (
-    BATCH_KEYS,
-    MicroBatchIterator,
-    PretrainingSampler,
-    ValidationBatches,
-    build_iterators,
-    build_train_iterator,
-    collate,
-)
 from recipes.data.tokenizers import (
     NO_PAD_ID,
     SOURCES,
@@ -46,6 +38,15 @@ from recipes.data.tokenizers import (
     Tokenizer,
     build_tokenizer,
 )
+
+# The modules that import torch are loaded on first use of one of their names (start-up time:
+# train.py checks the tokenizer before launch).
+_LAZY = {
+    "datasets": ("build_datasets",),
+    "sampler": ("BATCH_KEYS", "MicroBatchIterator", "PretrainingSampler", "ValidationBatches",
+                "build_iterators", "build_train_iterator", "collate"),
+}
+_HOME = {name: module for module, names in _LAZY.items() for name in names}
 
 __all__ = [
     "BATCH_KEYS",
@@ -69,3 +70,13 @@ __all__ = [
     "collate",
     "prepare_data",
 ]
+
+
+def __getattr__(name: str):
+    """The lazily loaded names of :data:`_LAZY` (PEP 562)."""
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
