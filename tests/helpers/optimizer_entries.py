@@ -6,7 +6,8 @@ from __future__ import annotations
 
 def main_param_entries(optimizer):
     """(torch optimizer, model param, fp32 main param, flat range of the param or None) of every
-    param this rank's optimizers (a megatron ``ChainedOptimizer``'s entries, or the one) hold
+    param this rank's optimizers (a megatron ``ChainedOptimizer``'s entries, nested ones
+    flattened, or the one) hold
     state for: a distributed optimizer's shard of each param (its ``slice`` of the flattened
     param), a bf16 plain optimizer's fp32 copies, and an fp32 plain optimizer's params (the
     weight is the main param). Initializes each optimizer's state first (megatron's
@@ -14,6 +15,9 @@ def main_param_entries(optimizer):
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     for co in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(co, "chained_optimizers"):  # nested: Muon's layer-wise distributed optimizer
+            yield from main_param_entries(co)
+            continue
         co.init_state_fn(co.optimizer, co.config)
         if isinstance(co, DistributedOptimizer):
             for gbuf_range_maps in co.gbuf_ranges:
