@@ -24,8 +24,6 @@ use of one of their names (start-up time: ``train.py`` imports this package befo
 
 from __future__ import annotations
 
-import importlib
-
 from gtp.records import TRACKER
 from recipes.checkpoint.errors import CheckpointError
 from recipes.checkpoint.files import (
@@ -41,6 +39,7 @@ from recipes.checkpoint.files import (
     tracked,
     write_durable,
 )
+from recipes.lazy import lazy_names
 
 _LAZY = {
     "integrity": ("check_loadable", "check_shapes", "stored_shapes", "verify_before_load"),
@@ -50,20 +49,10 @@ _LAZY = {
     "load": ("load_checkpoint", "load_common", "load_model_weights"),
     "manager": ("CheckpointManager", "ResumePlan"),
 }
-_HOME = {name: module for module, names in _LAZY.items() for name in names}
 
 __all__ = ["TRACKER", "CheckpointError", "ITER_NAME", "ensure_disk_space", "fsync_dir", "iter_dir",
            "read_tracker", "recover_replaced", "remove_old_checkpoints", "saved_iterations",
-           "staging_dir", "tracked", "write_durable", *_HOME]
+           "staging_dir", "tracked", "write_durable",
+           *(name for names in _LAZY.values() for name in names)]
 
-
-def __getattr__(name: str):
-    """The lazily loaded modules and names of :data:`_LAZY` (PEP 562)."""
-    if name in _LAZY:  # a submodule: recipes.checkpoint.save ...
-        return importlib.import_module(f"{__name__}.{name}")
-    module = _HOME.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _LAZY)

@@ -25,8 +25,6 @@ therefore be on a filesystem all ranks see (as Megatron-LM's ``--data-cache-path
 ``torch.distributed`` everything runs in the calling process.
 """
 
-import importlib
-
 from recipes.data.corpus import CORPUS_FORMAT_VERSION, TEXT_SUFFIXES, check_data_paths, prepare_data
 from recipes.data.tokenizers import (
     NO_PAD_ID,
@@ -38,6 +36,7 @@ from recipes.data.tokenizers import (
     Tokenizer,
     build_tokenizer,
 )
+from recipes.lazy import lazy_names
 
 # The modules that import torch are loaded on first use of one of their names (start-up time:
 # train.py checks the tokenizer before launch).
@@ -46,7 +45,6 @@ _LAZY = {
     "sampler": ("BATCH_KEYS", "MicroBatchIterator", "PretrainingSampler", "ValidationBatches",
                 "build_iterators", "build_train_iterator", "collate"),
 }
-_HOME = {name: module for module, names in _LAZY.items() for name in names}
 
 __all__ = [
     "BATCH_KEYS",
@@ -71,12 +69,4 @@ __all__ = [
     "prepare_data",
 ]
 
-
-def __getattr__(name: str):
-    """The lazily loaded names of :data:`_LAZY` (PEP 562)."""
-    module = _HOME.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _LAZY)
