@@ -329,9 +329,25 @@ def finish_load(optimizer, loaded: dict, common: dict, mine: str, saved: str, dr
     if _regroup(optimizer, common):
         return _rechain(optimizer, loaded, common, dropped)
     if not isinstance(dropped, dict):
-        return finish_one(optimizer, loaded, common, mine, saved, dropped)
-    return {i: finish_one(opt, entry, node, kind_of(opt), entry_kind(node), dropped[i])
-            for i, opt, entry, node in _chain_pairs(optimizer, loaded, common)}
+        return _own_state_of_empty(optimizer, finish_one(optimizer, loaded, common, mine, saved,
+                                                         dropped))
+    return _own_state_of_empty(optimizer, {
+        i: finish_one(opt, entry, node, kind_of(opt), entry_kind(node), dropped[i])
+        for i, opt, entry, node in _chain_pairs(optimizer, loaded, common)})
+
+
+def _own_state_of_empty(optimizer, state):
+    """``state`` with each chain entry whose optimizer holds no params given that optimizer's
+    own state dict: megatron builds the expert optimizer on a pipeline stage without MoE layers
+    too, and a Muon entry with no tensors loads as its ``param_groups`` alone (no ``state``),
+    which its ``load_state_dict`` cannot take. Nothing of it is restored: it has no params."""
+    chain = chain_of(optimizer)
+    if len(chain) == 1 or not isinstance(state, dict) or not is_chain(state):
+        return state
+    for i, opt in enumerate(chain):
+        if not any(g["params"] for g in opt.optimizer.param_groups):
+            state[i] = opt.state_dict()
+    return state
 
 
 def finish_one(optimizer, loaded: dict, common: dict, mine: str, saved: str,

@@ -95,6 +95,10 @@ MUON_LAYOUTS = {
     "muon_egtp2": (*MUON, "gtp.expert_gtp_remat_size=2", "gtp.pad_for_alignment=16"),
 }
 MUON_PAIRS = [(src, dst) for dst in MUON_LAYOUTS for src in MUON_LAYOUTS if src != dst]
+# Layer 1 dense (moe_layer_freq 2) on pipeline stage 1: megatron builds that stage an expert
+# Muon optimizer with no params, whose file entry holds no tensors; read at its own layout.
+MUON_NO_EXPERTS_ON_A_STAGE = "muon_pp2ep2_freq2"
+MUON_SELF = [(MUON_NO_EXPERTS_ON_A_STAGE, MUON_NO_EXPERTS_ON_A_STAGE)]
 _LOCAL = re.compile(r"\.local_experts\.(\d+)\.")
 
 
@@ -344,9 +348,11 @@ def _matrix_worker(root: str, cfgs: dict, pairs: list) -> dict:
 def matrix(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_layouts")
     cfgs = {name: make_cfg(*extra) for name, extra in {**LAYOUTS, **MUON_LAYOUTS}.items()}
+    cfgs[MUON_NO_EXPERTS_ON_A_STAGE] = make_cfg(
+        *MUON, *EP2, "parallelism.pipeline_model_parallel_size=2", "model.moe_layer_freq=2")
     t0 = time.time()
-    results = run_distributed(_matrix_worker, WORLD, str(root), cfgs, PAIRS + MUON_PAIRS,
-                              timeout=1200)
+    results = run_distributed(_matrix_worker, WORLD, str(root), cfgs,
+                              PAIRS + MUON_PAIRS + MUON_SELF, timeout=1200)
     print(f"\nMoE matrix: {time.time() - t0:.0f}s")
     return results
 
@@ -365,10 +371,12 @@ def test_expert_layout_pairs_restore_weights_main_params_and_moments_exactly(mat
         for (src, dst), (experts, n, problems) in res["loads"].items():
             if problems:
                 failed.append((rank, src, dst, len(problems), problems[:3]))
-            assert experts > 0 and n > experts, (rank, src, dst, experts, n)
+            no_experts_here = dst == MUON_NO_EXPERTS_ON_A_STAGE
+            assert (experts > 0 or no_experts_here) and n > experts, (rank, src, dst, experts, n)
             pairs += 1
     assert not failed, failed
-    assert pairs == WORLD * (len(PAIRS) + len(MUON_PAIRS))
+    assert pairs == WORLD * (len(PAIRS) + len(MUON_PAIRS) + len(MUON_SELF))
+    assert sum(res["loads"][MUON_SELF[0]][0] for res in matrix) > 0
     # Expert GTP padded every expert weight on every rank (the padded branch ran).
     assert all(res["padded"]["ep2egtp2"] > 0 for res in matrix)
     # The optimizers the rows name: a dense and an expert one where experts are split.
@@ -390,3 +398,5 @@ def test_muon_state_resumes_across_expert_splits_and_joins(matrix):
         ("muon_ep1", "muon_ep2"), ("muon_ep2", "muon_ep1")}
     for res in matrix:
         assert all(res["loads"][pair][0] > 0 for pair in MUON_PAIRS)
+    # The stage without MoE layers chains an expert Muon optimizer with no params.
+    assert kinds[MUON_NO_EXPERTS_ON_A_STAGE] == ["FP32Optimizer"] * 3, kinds
