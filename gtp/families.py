@@ -39,10 +39,11 @@ class HFImport:
             first (``("transformer.", "")``: GPT-2 saved with or without its LM head).
         size_fields: ``{size key: config.json field}`` for the keys ``layers``, ``hidden``,
             ``heads``, ``ffn``, ``vocab`` and optionally ``positions``, ``groups`` (grouped
-            query attention: heads must be a multiple of it).
-        sizes: ``tied -> {HF name without prefix ("{i}": a layer; "lm_head.weight" as is):
-            ((size key, factor), ...)}``, each dim the size times ``factor`` (a number, or a
-            size key such as ``"head_dim"``).
+            query attention: heads must be a multiple of it), ``experts`` and ``expert_ffn``
+            (routed experts: ``num_moe_experts``, ``moe_ffn_hidden_size``).
+        sizes: ``tied -> {HF name without prefix ("{i}": a layer; "{e}": a routed expert;
+            "lm_head.weight" as is): ((size key, factor), ...)}``, each dim the size times
+            ``factor`` (a number, or a size key such as ``"head_dim"``).
         layer: regex after the prefix whose group 1 is a layer number (``r"h\\.(\\d+)\\."``).
         buffers: name endings of saved tensors that are not weights (skipped).
     """

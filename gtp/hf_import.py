@@ -22,7 +22,8 @@ leading layer axis (``[num_layers, ...]``), one chunk per layer.
 The mappings (inverse of :mod:`gtp.hf_export`, same megatron names) are the model families'
 (:mod:`gtp.families`): an importable ``model_type``'s family gives the ``model`` fields, the
 weight plan and the sizes to check (gtp-recipes: ``recipes/families/gpt/hf_import.py`` for
-``GPT2LMHeadModel`` and ``LlamaForCausalLM``).
+``GPT2LMHeadModel`` and ``LlamaForCausalLM``, ``recipes/families/moe/hf_import.py`` for
+``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM``).
 
 Every file read must lie inside ``HF_DIR`` (symlinks resolved) and every size of
 ``config.json`` is checked against the safetensors headers before anything is planned

@@ -5,10 +5,10 @@ every file inside the directory, every size of ``config.json`` checked against t
   the index's ``weight_map`` names must resolve (symlinks followed) inside the given directory;
   an entry such as ``../x.safetensors`` or a link to a file elsewhere is refused, naming it.
 * Sizes: :func:`check_sizes` compares each size the import takes from ``config.json`` (layers,
-  hidden size, heads, query groups, feed-forward size, vocabulary, positions) with the shapes
-  the safetensors headers give (no tensor data read), before anything is planned or
-  allocated: a config claiming ``num_hidden_layers=1000000000`` is refused, naming the field and
-  what the weights hold.
+  hidden size, heads, query groups, feed-forward size, vocabulary, positions; routed experts and
+  their width) with the shapes the safetensors headers give (no tensor data read), before
+  anything is planned or allocated: a config claiming ``num_hidden_layers=1000000000`` is
+  refused, naming the field and what the weights hold.
 """
 
 from __future__ import annotations
@@ -123,7 +123,8 @@ def check_sizes(arch, model: dict, vocab_size, weights: Weights, prefix: str) ->
         arch: the architecture's :class:`gtp.families.HFImport` (its ``size_fields``,
             ``sizes`` and ``layer``); model: the implied ``model`` fields
             (``num_layers``, ``hidden_size``, ``num_attention_heads``, ``num_query_groups``,
-            ``ffn_hidden_size``, ``seq_length``, ``share_embeddings_and_output_weights``);
+            ``ffn_hidden_size``, ``seq_length``, ``share_embeddings_and_output_weights``, and
+            for routed experts ``num_moe_experts``, ``moe_ffn_hidden_size``);
         vocab_size: ``config.json``'s; prefix: the HF names' prefix (``"model."``, ...).
 
     Raises:
@@ -136,7 +137,10 @@ def check_sizes(arch, model: dict, vocab_size, weights: Weights, prefix: str) ->
     sizes = {"layers": model["num_layers"], "hidden": model["hidden_size"],
              "heads": model["num_attention_heads"], "ffn": model["ffn_hidden_size"],
              "vocab": vocab_size, "positions": model["seq_length"],
-             "groups": model["num_query_groups"] or model["num_attention_heads"]}
+             "groups": model["num_query_groups"] or model["num_attention_heads"],
+             # routed experts and their width (MoE families; "{e}" in a name: each expert)
+             "experts": model.get("num_moe_experts"),
+             "expert_ffn": model.get("moe_ffn_hidden_size")}
     for key, field in fields.items():
         value = sizes[key]
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -160,9 +164,13 @@ def check_sizes(arch, model: dict, vocab_size, weights: Weights, prefix: str) ->
     names = weights.names()
     for pattern, dims in arch.sizes(model["share_embeddings_and_output_weights"]).items():
         per_layer = "{i}" in pattern
-        for i in range(sizes["layers"]) if per_layer else (0,):
+        # "{e}": one name per routed expert (a generator: the router, listed before the experts,
+        # has already checked their number against the weights)
+        layer_experts = ((i, e) for i in (range(sizes["layers"]) if per_layer else (0,))
+                         for e in (range(sizes["experts"]) if "{e}" in pattern else (0,)))
+        for i, e in layer_experts:
             # HF's output head lies outside the base model's prefix
-            name = (pattern if pattern == "lm_head.weight" else prefix + pattern).format(i=i)
+            name = (pattern if pattern == "lm_head.weight" else prefix + pattern).format(i=i, e=e)
             if name not in names:
                 continue  # hf_import's plan names a missing tensor
             shape = tuple(weights.meta(name)[0])

@@ -143,15 +143,12 @@ def _check_checkpoints(cfg, layout) -> None:
     """What MoE checkpoints support (docs/moe.md, Checkpoints): the logical format (fp32 or
     bf16 parameters, megatron's plain or distributed optimizer) and the stock one with fp32
     parameters and the plain optimizer (read at other layouts through gtp.legacy); pretrained
-    (Hugging Face) starts are not wired for MoE models. Anything else is refused, naming why."""
+    starts (a Mixtral / Qwen3-MoE import, or a checkpoint) load logical-format weights at any
+    expert layout. Anything else is refused, naming why."""
     from recipes.errors import ConfigError
 
     ck, m = cfg.checkpoint, cfg.model
     used = [key for key in ("save", "load") if ck.get(key) is not None]
-    if ck.get("pretrained") is not None:
-        raise ConfigError(f"checkpoint.pretrained={ck.pretrained!r} with an MoE model "
-                          f"(model.{m.name}): importing Hugging Face MoE weights is not "
-                          f"supported yet; set checkpoint.pretrained=null")
     if not used or ck.get("format", "logical") == "logical":
         return
     why = None

@@ -30,7 +30,8 @@ from recipes.errors import ConfigError
 # Model fields fixed by the source's tensors (their shapes, or which tensors exist).
 TENSOR_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                  "ffn_hidden_size", "swiglu", "normalization", "add_bias_linear",
-                 "position_embedding_type", "share_embeddings_and_output_weights")
+                 "position_embedding_type", "share_embeddings_and_output_weights",
+                 "num_moe_experts", "moe_ffn_hidden_size")
 # Where an HF source is imported, under the job's output dir.
 IMPORT_DIR = "pretrained"
 

@@ -51,13 +51,13 @@ def test_each_importable_model_type_is_one_familys():
             if a.imports is not None:
                 owners.setdefault(a.model_type, []).append(f.name)
     assert owners == {"gpt2": ["gpt"], "llama": ["gpt"], "mistral": ["gpt"], "qwen2": ["gpt"],
-                      "qwen3": ["gpt"]}
+                      "qwen3": ["gpt"], "mixtral": ["moe"], "qwen3_moe": ["moe"]}
     assert importable() == sorted(owners)
     for model_type in owners:
         assert for_model_type(model_type).model_type == model_type
 
 
-@pytest.mark.parametrize("model_type", ["phi3", "mixtral"])  # mixtral: exported only
+@pytest.mark.parametrize("model_type", ["phi3", "qwen2_moe"])  # qwen2_moe: shared experts
 def test_a_refused_model_type_names_the_registrys_importable_types(model_type):
     from gtp.families import for_model_type, importable
     from gtp.hf_weights import HFImportError

@@ -1,7 +1,8 @@
 """The MoE family's formats as ``gtp/`` reads and writes them (registered in ``pyproject.toml``
 under the entry-point group ``gtp.model_families``): Mixture-of-Experts checkpoints ->
-``MixtralForCausalLM`` or ``Qwen3MoeForCausalLM`` (:func:`gtp.hf_export.export` drives it;
-no import from Hugging Face yet). Its stock-format GTP weights carry the GPT family's names
+``MixtralForCausalLM`` or ``Qwen3MoeForCausalLM`` (:func:`gtp.hf_export.export` drives it),
+and back (:mod:`recipes.families.moe.hf_import`, driven by :func:`gtp.hf_import.import_hf`).
+Its stock-format GTP weights carry the GPT family's names
 (``recipes.families.gpt.formats.GTP_PATTERNS``), so it adds no patterns.
 
 Which class (from the recorded ``model`` config; both need RMSNorm, RoPE over the whole head, no
@@ -47,8 +48,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from gtp.families import ExportError, FamilyFormats, HFArchitecture
+from gtp.families import ExportError, FamilyFormats, HFArchitecture, HFImport
 from recipes.families.gpt.hf_export import llama_attention, llama_ends
+from recipes.families.moe import hf_import
 
 CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
@@ -149,10 +151,19 @@ def build(arch: str, t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict
     return config, sd
 
 
+def _imports(arch: str) -> HFImport:
+    """How ``arch`` is imported (:mod:`recipes.families.moe.hf_import`)."""
+    return HFImport(
+        fields=hf_import.moe_fields, plan=functools.partial(hf_import.moe_plan, arch),
+        prefixes=("model.",), size_fields=hf_import.size_fields(arch),
+        sizes=functools.partial(hf_import.moe_sizes, arch), layer=r"layers\.(\d+)\.",
+        buffers=(".rotary_emb.inv_freq",))
+
+
 FORMATS = FamilyFormats(
     name="moe",
     architectures=tuple(
         HFArchitecture(model_type=arch, hf_class=cls, embedding="model.embed_tokens.weight",
-                       build=functools.partial(build, arch))
+                       build=functools.partial(build, arch), imports=_imports(arch))
         for arch, cls in CLASSES.items()),
     architecture=architecture)

@@ -1,0 +1,151 @@
+"""The MoE family read from Hugging Face (:mod:`gtp.hf_import` drives it): ``MixtralForCausalLM``
+and ``Qwen3MoeForCausalLM`` config.json -> the ``model`` config fields, the weight plan and the
+sizes :mod:`gtp.hf_weights` checks; the inverse of :func:`recipes.families.moe.formats.build`.
+
+Attention, norms, embeddings and RoPE are read as for Llama
+(:func:`recipes.families.gpt.hf_import.llama_fields` / ``llama_plan``); the MLP of every layer is
+megatron's MoE layer:
+
+* ``<moe>.gate.weight`` [E, H] -> ``decoder.layers.mlp.router.weight`` (layer l's row l);
+* per expert e, ``[gate; up]`` -> ``decoder.layers.mlp.experts.experts.linear_fc1.weight``
+  [L, E, 2F, H] (megatron's gated fc1: gate rows, then up rows), ``down`` ->
+  ``...linear_fc2.weight`` [L, E, H, F].
+
+``<moe>`` and the expert names are the Hub's per-expert form that ``save_pretrained`` writes
+(transformers >= 5 fuses them in memory only): Mixtral ``block_sparse_moe.experts.<e>.w1``
+(gate), ``w3`` (up), ``w2`` (down); Qwen3-MoE ``mlp.experts.<e>.gate_proj`` / ``up_proj`` /
+``down_proj``.
+
+Fields (megatron's names): ``num_local_experts`` / ``num_experts`` -> ``num_moe_experts``,
+``num_experts_per_tok`` -> ``moe_router_topk``, the expert width (Mixtral
+``intermediate_size``, Qwen3-MoE ``moe_intermediate_size``) -> ``moe_ffn_hidden_size``,
+``router_aux_loss_coef`` -> ``moe_aux_loss_coeff``, Qwen3-MoE ``norm_topk_prob`` -> ``not
+moe_router_pre_softmax`` (megatron renormalises the top-k weights unless it takes the softmax
+first) and its q/k norms -> ``qk_layernorm``.
+
+Refused, naming the config field: what megatron-core 0.19.2 (or this project's model config)
+cannot express exactly: Qwen3-MoE ``decoder_sparse_step`` != 1 and ``mlp_only_layers`` (dense
+layers among the MoE ones), a shared expert, a sliding window that takes effect, Mixtral's
+``router_jitter_noise`` (no ``moe_input_jitter_eps`` field here), top-1 routing with
+renormalisation (megatron requires the pre-softmax at top-1), a top-k above the expert count,
+and RoPE scaling (the MoE export refuses it too).
+"""
+
+from __future__ import annotations
+
+from gtp.hf_weights import HFImportError
+from recipes.families.gpt.hf_import import LLAMA_SIZE_FIELDS, llama_fields, llama_plan, llama_sizes
+
+# model_type: (the MLP module's name, expert tensor names gate, up, down)
+NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+         "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+
+
+def _refuse(field: str, value, valid: str) -> HFImportError:
+    return HFImportError(f"config.json {field}={value!r}: {valid}")
+
+
+def moe_fields(c) -> dict:
+    """The ``model`` fields of a ``MixtralConfig`` or ``Qwen3MoeConfig`` ``c`` (megatron names).
+
+    Raises:
+        HFImportError: a setting megatron-core 0.19.2's MoE model here does not compute exactly
+            (names the config field, its value and what is importable).
+    """
+    kind = c.model_type
+    if kind == "qwen3_moe":
+        if int(getattr(c, "decoder_sparse_step", 1)) != 1:
+            raise _refuse("decoder_sparse_step", c.decoder_sparse_step,
+                          "only 1 (every layer MoE; megatron's moe_layer_freq other than 1 is "
+                          "not imported)")
+        if list(getattr(c, "mlp_only_layers", None) or []):
+            raise _refuse("mlp_only_layers", c.mlp_only_layers,
+                          "only [] (dense layers among the MoE ones are not imported)")
+        if getattr(c, "use_sliding_window", False):
+            raise _refuse("use_sliding_window", True, "megatron-core 0.19.2's attention here "
+                                                      "has no sliding window; only false")
+    else:
+        window = getattr(c, "sliding_window", None)
+        if window is not None and window < c.max_position_embeddings:
+            raise _refuse("sliding_window", window, f"megatron-core 0.19.2's attention here has "
+                                                    f"no sliding window: only null or at least "
+                                                    f"max_position_embeddings="
+                                                    f"{c.max_position_embeddings}")
+        if float(getattr(c, "router_jitter_noise", 0.0) or 0.0) != 0.0:
+            raise _refuse("router_jitter_noise", c.router_jitter_noise,
+                          "only 0 (megatron's moe_input_jitter_eps is not a model field here)")
+    for name in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
+        if getattr(c, name, None):
+            raise _refuse(name, getattr(c, name), "shared experts are not imported (only 0)")
+    fields = llama_fields(c)  # attention, norms, RoPE; refuses biases and other activations
+    if fields["rope_scaling"]:
+        raise _refuse("rope_parameters.rope_type", "llama3", "MoE models are imported without "
+                                                             "RoPE scaling ('default' only)")
+    experts = int(c.num_local_experts if kind == "mixtral" else c.num_experts)
+    topk = int(c.num_experts_per_tok)
+    if not 1 <= topk <= experts:
+        raise _refuse("num_experts_per_tok", topk, f"between 1 and the {experts} experts")
+    pre_softmax = kind == "qwen3_moe" and not bool(c.norm_topk_prob)
+    if topk == 1 and not pre_softmax:
+        field = "num_experts_per_tok" if kind == "mixtral" else "norm_topk_prob"
+        raise _refuse(field, getattr(c, field), "top-1 routing with renormalised weights: "
+                                                "megatron requires moe_router_pre_softmax at "
+                                                "top-1, which does not renormalise")
+    width = c.intermediate_size if kind == "mixtral" else c.moe_intermediate_size
+    fields.update({
+        "qk_layernorm": kind == "qwen3_moe", "add_qkv_bias": False,
+        "num_moe_experts": experts, "moe_router_topk": topk,
+        "moe_router_pre_softmax": pre_softmax, "moe_ffn_hidden_size": int(width),
+        "moe_shared_expert_intermediate_size": None, "moe_layer_freq": 1,
+        "moe_aux_loss_coeff": float(getattr(c, "router_aux_loss_coef", 0.0) or 0.0),
+    })
+    return fields
+
+
+def moe_plan(kind: str, m: dict, prefix: str) -> list:
+    """Every megatron tensor of a ``kind`` (``"mixtral"`` / ``"qwen3_moe"``) import, entries as
+    :func:`recipes.families.gpt.hf_import.gpt2_plan`'s: Llama's attention and ends, then per
+    layer the router ``[E, H]``, the experts' fc1 ``[E, 2F, H]`` (``[gate; up]`` per expert) and
+    fc2 ``[E, H, F]``."""
+    import torch
+
+    mlp, (gate, up, down) = NAMES[kind]
+    L, h_ = "decoder.layers.", prefix + "layers.{i}." + mlp + "."
+    dense = {L + "mlp.linear_fc1.weight", L + "mlp.linear_fc2.weight"}
+    experts = range(m["num_moe_experts"])
+
+    def fc1(t):  # [g0, u0, g1, u1, ...] -> [E, 2F, H]
+        return torch.stack([torch.cat(t[j:j + 2], dim=0) for j in range(0, len(t), 2)])
+
+    return [e for e in llama_plan(m, prefix) if e[0] not in dense] + [
+        (L + "mlp.router.weight", [h_ + "gate.weight"], True, lambda t: t[0]),
+        (L + "mlp.experts.experts.linear_fc1.weight",
+         [h_ + f"experts.{e}.{name}.weight" for e in experts for name in (gate, up)], True, fc1),
+        (L + "mlp.experts.experts.linear_fc2.weight",
+         [h_ + f"experts.{e}.{down}.weight" for e in experts], True, torch.stack),
+    ]
+
+
+def size_fields(kind: str) -> dict:
+    """``{size key: config.json field}`` of ``kind`` (Llama's, with ``experts`` and
+    ``expert_ffn``)."""
+    if kind == "mixtral":
+        return {**LLAMA_SIZE_FIELDS, "experts": "num_local_experts",
+                "expert_ffn": "intermediate_size"}
+    return {**LLAMA_SIZE_FIELDS, "experts": "num_experts", "expert_ffn": "moe_intermediate_size"}
+
+
+def moe_sizes(kind: str, tied: bool) -> dict:
+    """As :func:`recipes.families.gpt.hf_import.llama_sizes` (without the dense MLP), with the
+    router ``[experts, hidden]`` and every expert's (``"{e}"``) gate/up ``[expert_ffn, hidden]``
+    and down ``[hidden, expert_ffn]``."""
+    mlp, (gate, up, down) = NAMES[kind]
+    h, f = ("hidden", 1), ("expert_ffn", 1)
+    out = {k: v for k, v in llama_sizes(tied).items()
+           if not k.startswith("layers.{i}.mlp.")}
+    p = "layers.{i}." + mlp + "."
+    out.update({p + "gate.weight": (("experts", 1), h),
+                p + "experts.{e}." + gate + ".weight": (f, h),
+                p + "experts.{e}." + up + ".weight": (f, h),
+                p + "experts.{e}." + down + ".weight": (h, f)})
+    return out

@@ -1,0 +1,139 @@
+"""``python -m gtp import`` of Mixture-of-Experts models: a tiny ``MixtralForCausalLM`` and a
+tiny ``Qwen3MoeForCausalLM`` built and saved by ``transformers`` (the goldens: nothing of gtp/ or
+recipes/ makes them; 2 layers, 4 experts, top-2, GQA 4 heads / 2 groups) import and export back
+bit for bit, with the same config; settings megatron-core 0.19.2 cannot express are refused,
+named, before anything is written; and ``checkpoint.pretrained`` of the Mixtral trains one
+iteration at lr 0 with its experts split over two expert-parallel ranks (ep2, world 2), whose
+save exports to the source's tensors bit for bit.
+
+The Qwen3-MoE has ``norm_topk_prob: false`` (megatron's ``moe_router_pre_softmax``), q/k norms
+and a ``head_dim`` apart from hidden / heads; the Mixtral renormalises its top-k. Norm weights
+are drawn away from 1 so that a misplaced tensor shows.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import shutil
+
+import pytest
+import torch
+
+from gtp import cli
+
+VOCAB = 257  # the byte tokenizer's, so the recipes' data pipeline feeds the fine-tune
+SEQ = 64
+NAMES = ("mixtral", "qwen3_moe")
+
+
+def _save_models(root):
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    dims = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=SEQ,
+                rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+                bos_token_id=256, eos_token_id=256)
+    models = {
+        "mixtral": MixtralForCausalLM(MixtralConfig(
+            **dims, intermediate_size=48, num_local_experts=4, sliding_window=None)),
+        "qwen3_moe": Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            **dims, intermediate_size=64, moe_intermediate_size=24, num_experts=4, head_dim=16,
+            norm_topk_prob=False)),
+    }
+    with torch.no_grad():
+        for name, model in models.items():
+            for n, p in model.named_parameters():
+                if "norm" in n:
+                    p.normal_(0.5, 0.1)  # away from 1: a misplaced tensor shows
+            model.save_pretrained(root / name)
+
+
+def _tensors(d) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in glob.glob(f"{d}/*.safetensors"):
+        out.update(load_file(f))
+    return out
+
+
+def _assert_same_tensors(src, back) -> None:
+    src, back = _tensors(src), _tensors(back)
+    assert sorted(src) == sorted(back)
+    for key, tensor in src.items():
+        assert back[key].dtype == tensor.dtype and torch.equal(back[key], tensor), key
+
+
+def _config_facts(config) -> dict:
+    """What makes two transformers configs compute the same model."""
+    d = json.loads((config / "config.json").read_text())
+    drop = ("transformers_version", "architectures", "_name_or_path", "dtype", "torch_dtype",
+            "initializer_range", "use_cache", "output_router_logits")
+    d["head_dim"] = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+    return {k: v for k, v in d.items() if k not in drop}
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_moe")
+    _save_models(root)
+    return root
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_moe_import_then_export_is_bit_equal(hf, tmp_path, name):
+    from gtp import hf_import
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "exported"
+    assert cli.main(["import", str(hf / name), str(ckpt)]) == 0
+    model = hf_import.implied_model(hf / name)
+    assert (model["num_moe_experts"], model["moe_router_topk"]) == (4, 2)
+    assert model["moe_ffn_hidden_size"] == (48 if name == "mixtral" else 24)
+    assert model["moe_router_pre_softmax"] == model["qk_layernorm"] == (name == "qwen3_moe")
+    assert cli.main(["export", str(ckpt), str(out)]) == 0
+    _assert_same_tensors(hf / name, out)
+    assert _config_facts(out) == _config_facts(hf / name)
+
+
+def test_moe_refusals_name_the_field(hf, tmp_path):
+    """What megatron-core 0.19.2 cannot express, refused before anything is written."""
+    from gtp import hf_import
+
+    def refused(src: str, change: dict, match: str, out: str) -> None:
+        bad = tmp_path / f"{src}_{out}"
+        shutil.copytree(hf / src, bad)
+        cfg = json.loads((bad / "config.json").read_text())
+        (bad / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(hf_import.HFImportError, match=match):
+            hf_import.import_hf(bad, tmp_path / out)
+        assert not (tmp_path / out).exists()
+
+    refused("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step=2", "o1")
+    refused("qwen3_moe", {"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\]", "o2")
+    refused("qwen3_moe", {"use_sliding_window": True}, "use_sliding_window=True", "o3")
+    refused("qwen3_moe", {"num_experts_per_tok": 1, "norm_topk_prob": True},
+            "norm_topk_prob=True: top-1", "o4")
+    refused("mixtral", {"sliding_window": 32}, "sliding_window=32", "o5")
+    refused("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1", "o6")
+    refused("mixtral", {"num_local_experts": 8}, r"num_local_experts=8: tensor .*gate\.weight",
+            "o7")
+    refused("mixtral", {"intermediate_size": 40}, r"intermediate_size=40: tensor .*experts\.0\.w1",
+            "o8")
+
+
+def test_moe_pretrained_at_ep2_exports_the_source(hf, tmp_path, train_jobs):
+    """``checkpoint.pretrained=MIXTRAL_DIR`` at ep2 (world 2, each rank two of the four
+    experts), lr 0, one iteration: the save exports to the source's tensors bit for bit."""
+    out = tmp_path / "job"
+    done = train_jobs([(out, [f"checkpoint.pretrained={hf / 'mixtral'}", "parallelism=tp1",
+                       "parallelism.nproc_per_node=2", "parallelism.expert_model_parallel_size=2",
+                       "optim.lr=0", "optim.min_lr=0", "train.train_iters=1",
+                       "optim.lr_warmup_iters=0", "train.eval_iters=0",
+                       "checkpoint.save=" + str(out / "ckpt")])])
+    stdout = done[0].stdout
+    assert "imported" in stdout and "experts ep2" in stdout, stdout[-3000:]
+    exported = tmp_path / "exported"
+    assert cli.main(["export", str(out / "ckpt"), str(exported)]) == 0
+    _assert_same_tensors(hf / "mixtral", exported)
