@@ -129,11 +129,14 @@ def check(cfg, layout) -> None:
         raise ConfigError(f"an MoE model at parallelism.tensor_model_parallel_size={tp} needs "
                           f"sequence parallelism (megatron's MoELayer refuses to train "
                           f"without it): set parallelism.sequence_parallel=true")
-    if m.get("add_bias_linear", True) and etp > 1:
-        raise ConfigError(f"model.add_bias_linear=true with expert_tensor_parallel_size={etp}: "
-                          f"megatron supports MoE biases only at expert tensor parallel size 1; "
-                          f"set model.add_bias_linear=false or "
-                          f"parallelism.expert_tensor_parallel_size=1")
+    if m.get("add_bias_linear", True):
+        # megatron-core 0.19.2's MLP.forward adds an expert's fc2 bias in place to the output
+        # of the reduce Function, which autograd refuses in the first backward (every layout:
+        # the local experts are SequentialMLP's MLPs; at expert TP > 1 megatron refuses too).
+        raise ConfigError("model.add_bias_linear=true with an MoE model: megatron-core 0.19.2's "
+                          "experts (MLP.forward) add their fc2 bias in place to a tensor "
+                          "autograd may not modify, so the first backward fails; set "
+                          "model.add_bias_linear=false")
     if egtp > 1:
         _check_expert_gtp(cfg, layout)
     _check_checkpoints(cfg, layout)

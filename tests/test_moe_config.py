@@ -104,7 +104,9 @@ def test_mixtral_recipe_layout_dry_run(capsys):
      "expert_model_parallel_size=4"),
     (["parallelism=tp2"], 2, "set parallelism.sequence_parallel=true"),
     (["parallelism.expert_tensor_parallel_size=2", "model.add_bias_linear=true"], 2,
-     "megatron supports MoE biases only at expert tensor parallel size 1"),
+     "model.add_bias_linear=true with an MoE model"),
+    (["model.add_bias_linear=true"], 1, "so the first backward fails; set "
+     "model.add_bias_linear=false"),
     (["model.moe_token_dispatcher_type=flex"], 2, "'flex' needs DeepEP or HybridEP"),
     (["model.moe_router_topk=5"], 2, "model.moe_router_topk=5 must lie in [1"),
     (["gtp.expert_gtp_remat_size=16", "gtp.pad_for_alignment=0"], 16,
