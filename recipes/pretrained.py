@@ -12,8 +12,9 @@ Before launch (:func:`apply_source`, one process):
 * ``checkpoint.load`` (resume) and ``checkpoint.pretrained`` together are refused;
 * the ``model`` fields come from the source (the HF ``config.json`` through
   :func:`gtp.hf_import.implied_model`, or the checkpoint's run config) unless given on the
-  command line; a given field among :data:`TENSOR_FIELDS` that differs from the source's is
-  refused, naming it (the source's tensors have another shape or meaning);
+  command line; a given field among :data:`TENSOR_FIELDS` or :data:`ROUTING_FIELDS` that differs
+  from the source's is refused, naming it (the source's tensors have another shape or meaning,
+  or its experts were trained with another routing);
 * the tokenizer: an HF dir holding a ``tokenizer.json`` becomes ``data.tokenizer`` unless given;
   a run whose tokenizer has another vocabulary size than the source is refused.
 """
@@ -29,9 +30,12 @@ from recipes.errors import ConfigError
 
 # Model fields fixed by the source's tensors (their shapes, or which tensors exist).
 TENSOR_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                 "ffn_hidden_size", "swiglu", "normalization", "add_bias_linear",
-                 "position_embedding_type", "share_embeddings_and_output_weights",
-                 "num_moe_experts", "moe_ffn_hidden_size")
+                 "kv_channels", "ffn_hidden_size", "swiglu", "normalization", "add_bias_linear",
+                 "add_qkv_bias", "qk_layernorm", "position_embedding_type",
+                 "share_embeddings_and_output_weights", "num_moe_experts", "moe_ffn_hidden_size")
+# Fields the source's experts were trained with: another value computes another model from the
+# same tensors (which experts a token reaches, and with what weights).
+ROUTING_FIELDS = ("moe_router_topk", "moe_router_pre_softmax")
 # Where an HF source is imported, under the job's output dir.
 IMPORT_DIR = "pretrained"
 
@@ -147,9 +151,8 @@ def apply_source(cfg, overrides: list[str] | None = None, requeued: bool = False
             if key not in cfg.model and key != "name":
                 continue
             if key in given:
-                if key in TENSOR_FIELDS and cfg.model[key] != value and not (
-                        key == "num_query_groups" and {cfg.model[key], value} <= {
-                            None, model["num_attention_heads"]}):
+                if key in TENSOR_FIELDS + ROUTING_FIELDS and not _same(key, cfg.model[key],
+                                                                        value, model):
                     wrong.append(f"model.{key}={cfg.model[key]} (the source has {value!r})")
                 continue
             cfg.model[key] = value
@@ -159,14 +162,26 @@ def apply_source(cfg, overrides: list[str] | None = None, requeued: bool = False
                          f"position embedding has {model['seq_length']} rows)")
         if wrong:
             raise ConfigError(f"checkpoint.pretrained={src}: " + "; ".join(wrong)
-                              + ": such a model cannot hold the source's weights (drop the "
-                                "override, or start from scratch)")
+                              + ": such a model cannot hold the source's weights or computes "
+                                "another model from them (drop the override, or model=NAME: "
+                                "the model comes from the source; or start from scratch)")
         given_data, _ = _given(overrides, "data")
         if data.get("tokenizer") and "tokenizer" not in given_data:
             cfg.data.tokenizer = data["tokenizer"]
             if "eod_id" not in given_data and data.get("eod_id") is not None:
                 cfg.data.eod_id = int(data["eod_id"])
     _check_vocab(cfg, src, data.get("vocab_size"))
+
+
+def _same(key: str, mine, source, model: dict) -> bool:
+    """Whether a given model field equals the source's, a default (None) equal to the value it
+    stands for: query groups as many as heads, ``kv_channels`` hidden / heads."""
+    if mine == source:
+        return True
+    stands_for = {"num_query_groups": model.get("num_attention_heads"),
+                  "kv_channels": model["hidden_size"] // model["num_attention_heads"]
+                  if model.get("hidden_size") and model.get("num_attention_heads") else None}
+    return key in stands_for and {mine, source} <= {None, stands_for[key]}
 
 
 def _check_vocab(cfg, src, source_vocab) -> None:

@@ -137,3 +137,44 @@ def test_moe_pretrained_at_ep2_exports_the_source(hf, tmp_path, train_jobs):
     exported = tmp_path / "exported"
     assert cli.main(["export", str(out / "ckpt"), str(exported)]) == 0
     _assert_same_tensors(hf / "mixtral", exported)
+
+
+def test_a_preset_that_contradicts_the_source_is_refused_naming_each_field(hf):
+    """``model=moe_tiny`` with a Qwen3-MoE source: the preset's q/k norms (none), head width and
+    routing (renormalised top-k) would load the source's tensors into another model, or drop
+    some: refused before launch, each field named with both values."""
+    from compose import make_cfg
+
+    from recipes import pretrained
+    from recipes.errors import ConfigError
+
+    overrides = ["model=moe_tiny", "model.hidden_size=32", "model.ffn_hidden_size=64",
+                 "model.moe_ffn_hidden_size=24", "model.num_attention_heads=4",
+                 "model.num_query_groups=2", "model.num_layers=2"]
+    cfg = make_cfg(f"checkpoint.pretrained={hf / 'qwen3_moe'}", *overrides)
+    with pytest.raises(ConfigError) as refused:
+        pretrained.apply_source(cfg, overrides=overrides)
+    message = str(refused.value)
+    for field in ("model.qk_layernorm=False (the source has True)",
+                  "model.kv_channels=None (the source has 16)",
+                  "model.moe_router_pre_softmax=False (the source has True)"):
+        assert field in message, message
+    # A value the source's default stands for is no contradiction: kv_channels hidden / heads.
+    cfg = make_cfg(f"checkpoint.pretrained={hf / 'mixtral'}", "model.kv_channels=8")
+    pretrained.apply_source(cfg, overrides=["model.kv_channels=8"])
+    assert cfg.model.kv_channels == 8 and not cfg.model.qk_layernorm
+    cfg = make_cfg(f"checkpoint.pretrained={hf / 'mixtral'}", "model.kv_channels=16")
+    with pytest.raises(ConfigError, match=r"model.kv_channels=16 \(the source has None\)"):
+        pretrained.apply_source(cfg, overrides=["model.kv_channels=16"])
+
+
+def test_an_expert_count_the_weights_contradict_is_named_as_the_file_names_it(hf, tmp_path):
+    """transformers >= 5 writes a Qwen3-MoE's expert count as ``num_local_experts``."""
+    from gtp import hf_import
+
+    bad = tmp_path / "qwen3_moe"
+    shutil.copytree(hf / "qwen3_moe", bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "num_local_experts": 8}))
+    with pytest.raises(hf_import.HFImportError, match=r"num_local_experts \(num_experts\)=8"):
+        hf_import.import_hf(bad, tmp_path / "out")

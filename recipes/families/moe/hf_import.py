@@ -132,7 +132,9 @@ def size_fields(kind: str) -> dict:
     if kind == "mixtral":
         return {**LLAMA_SIZE_FIELDS, "experts": "num_local_experts",
                 "expert_ffn": "intermediate_size"}
-    return {**LLAMA_SIZE_FIELDS, "experts": "num_experts", "expert_ffn": "moe_intermediate_size"}
+    # transformers >= 5 saves num_local_experts (num_experts: its alias, older configs' name)
+    return {**LLAMA_SIZE_FIELDS, "experts": "num_local_experts (num_experts)",
+            "expert_ffn": "moe_intermediate_size"}
 
 
 def moe_sizes(kind: str, tied: bool) -> dict:
