@@ -32,6 +32,7 @@ import torch
 from omegaconf import OmegaConf
 
 from compose import make_cfg
+from hf_logits import megatron_logits
 from gtp import cli
 from multiproc import run_distributed
 from tolerance import LLAMA_TINY, assert_fp32_close
@@ -126,7 +127,6 @@ def _byte_bpe():
     tok.train_from_iterator(["hello world"], trainer)
     assert tok.get_vocab_size() == VOCAB
     return tok
-    assert (root / "gpt2" / "model.safetensors.index.json").is_file()
 
 
 def _tensors(d) -> dict:
@@ -313,30 +313,6 @@ class _Recording:
         return batch
 
 
-def _logits(model, tokens):
-    """Full-vocabulary logits [b, s, padded vocab] on the last pipeline stage, else None."""
-    from megatron.core import parallel_state
-    from megatron.core.utils import unwrap_model
-
-    position_ids = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
-    model.eval()
-    inner = unwrap_model(model)
-    with torch.no_grad():
-        if not parallel_state.is_pipeline_first_stage():
-            hidden = torch.empty(tokens.shape[1], tokens.shape[0], inner.config.hidden_size)
-            torch.distributed.recv(hidden, parallel_state.get_pipeline_model_parallel_prev_rank())
-            inner.set_input_tensor(hidden)
-        out = model(tokens, position_ids, None)
-        if not parallel_state.is_pipeline_last_stage():
-            torch.distributed.send(out.contiguous(),
-                                   parallel_state.get_pipeline_model_parallel_next_rank())
-            return None
-    group = parallel_state.get_tensor_model_parallel_group()
-    parts = [torch.empty_like(out) for _ in range(torch.distributed.get_world_size(group))]
-    torch.distributed.all_gather(parts, out.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
-
-
 def _world(cfgs: dict) -> dict:
     from megatron.core import parallel_state
 
@@ -354,7 +330,7 @@ def _world(cfgs: dict) -> dict:
         layout = validate(cfg, torch.distributed.get_world_size())
         tokenizer, model, optimizer, scheduler = worker.setup(cfg, layout)
         pretrained.load_weights(cfg, model, optimizer)
-        result = {"logits": _logits(model, tokens), "tokens": tokens}
+        result = {"logits": megatron_logits(model, tokens), "tokens": tokens}
         if key in ("llama_tp2_gtp2_a16", "gpt2_tp2_gtp2_a16"):
             model.train()
             group = parallel_state.get_data_parallel_group(with_context_parallel=True)

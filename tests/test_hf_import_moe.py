@@ -2,9 +2,10 @@
 tiny ``Qwen3MoeForCausalLM`` built and saved by ``transformers`` (the goldens: nothing of gtp/ or
 recipes/ makes them; 2 layers, 4 experts, top-2, GQA 4 heads / 2 groups) import and export back
 bit for bit, with the same config; settings megatron-core 0.19.2 cannot express are refused,
-named, before anything is written; and ``checkpoint.pretrained`` of the Mixtral trains one
-iteration at lr 0 with its experts split over two expert-parallel ranks (ep2, world 2), whose
-save exports to the source's tensors bit for bit.
+named, before anything is written; megatron's logits of both, experts split over two
+expert-parallel ranks (ep2, world 2), equal transformers' within 1e-4; and
+``checkpoint.pretrained`` of the Mixtral trains one iteration at lr 0 at ep2, whose save
+exports to the source's tensors bit for bit.
 
 The Qwen3-MoE has ``norm_topk_prob: false`` (megatron's ``moe_router_pre_softmax``), q/k norms
 and a ``head_dim`` apart from hidden / heads; the Mixtral renormalises its top-k. Norm weights
@@ -178,3 +179,54 @@ def test_an_expert_count_the_weights_contradict_is_named_as_the_file_names_it(hf
     (bad / "config.json").write_text(json.dumps({**cfg, "num_local_experts": 8}))
     with pytest.raises(hf_import.HFImportError, match=r"num_local_experts \(num_experts\)=8"):
         hf_import.import_hf(bad, tmp_path / "out")
+
+
+def _logits_world(cfgs: dict) -> dict:
+    from multiproc import reset_model_parallel
+    from omegaconf import OmegaConf
+
+    from hf_logits import megatron_logits
+    from recipes import pretrained, worker
+    from recipes.validate import validate
+
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
+    out = {}
+    for name, cfg_yaml in cfgs.items():
+        reset_model_parallel()
+        cfg = OmegaConf.create(cfg_yaml)
+        layout = validate(cfg, torch.distributed.get_world_size())
+        _, model, optimizer, _ = worker.setup(cfg, layout)
+        pretrained.load_weights(cfg, model, optimizer)
+        out[name] = (tokens, megatron_logits(model, tokens))
+    reset_model_parallel()
+    return out
+
+
+def test_imported_moe_logits_equal_transformers(hf, tmp_path, data_cache):
+    """megatron's logits of each imported model, its experts split over two expert-parallel
+    ranks (ep2), equal transformers' on the same tokens within 1e-4: the routing (Mixtral's
+    softmax over the top-k logits; Qwen3-MoE's softmax then top-k, not renormalised) and every
+    expert, norm and attention tensor in place."""
+    from compose import make_cfg
+    from multiproc import run_distributed
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM
+
+    from recipes import pretrained
+
+    cfgs = {}
+    for name in NAMES:
+        cfg = make_cfg(f"checkpoint.pretrained={hf / name}", "parallelism=tp1",
+                       "parallelism.nproc_per_node=2", "parallelism.expert_model_parallel_size=2",
+                       "logger=none", "train.eval_iters=0", "optim.lr_warmup_iters=0")
+        cfg.output_dir, cfg.data.cache_dir = str(tmp_path / name), str(data_cache)
+        pretrained.apply_source(cfg, overrides=[])
+        pretrained.prepare(cfg, True)
+        cfgs[name] = OmegaConf.to_yaml(cfg)
+    results = run_distributed(_logits_world, 2, cfgs, timeout=600)
+    for name in NAMES:
+        tokens, got = results[0][name]
+        with torch.no_grad():
+            expected = AutoModelForCausalLM.from_pretrained(hf / name).eval()(tokens).logits
+        diff = (got[..., :VOCAB] - expected).abs().max().item()
+        assert diff <= 1e-4, (name, diff)
