@@ -25,19 +25,14 @@ Which optimizer runs and which wrote the file: :mod:`recipes.optim_kinds`.
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from recipes.optim_kinds import (
     DISTRIBUTED, PLAIN, OptimizerCheckpointError, chain_of, entry_kind, is_chain, is_muon,
-    is_muon_group, kind_of, leaves)
-
-_CHAIN_PREFIX = re.compile(r"^chained_\d+\.")
-
+    is_muon_group, kind_of, leaves, without_chain_prefix)
 
 def _single(optimizer):
-    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    chained = chain_of(optimizer)
     if len(chained) != 1:
         raise OptimizerCheckpointError(
             f"changing optimizer kind needs one megatron optimizer per rank, found {len(chained)}")
@@ -147,12 +142,12 @@ def match_chain_prefixes(opt_request: dict, stored_keys) -> None:
 
     by_name: dict = {}
     for key in stored_keys:
-        by_name.setdefault(_CHAIN_PREFIX.sub("", key), []).append(key)
+        by_name.setdefault(without_chain_prefix(key), []).append(key)
     for entry in nested_values(opt_request):
         key = getattr(entry, "key", None)
         if not isinstance(key, str) or key in stored_keys:
             continue
-        found = by_name.get(_CHAIN_PREFIX.sub("", key), [])
+        found = by_name.get(without_chain_prefix(key), [])
         if len(found) > 1:
             raise OptimizerCheckpointError(f"the checkpoint holds {key!r} as {sorted(found)}")
         if found:

@@ -10,8 +10,17 @@ optimizers) writes one common-state entry per optimizer, keyed by its index.
 
 from __future__ import annotations
 
+import re
+
 PLAIN = "adam"
 DISTRIBUTED = "distributed_adam"
+# megatron's ChainedOptimizer prefixes each entry's checkpoint keys with it unless told not to.
+_CHAIN_PREFIX = re.compile(r"^chained_\d+\.")
+
+
+def without_chain_prefix(key: str) -> str:
+    """A checkpoint key without megatron's ``chained_<i>.`` prefix (the param's own name)."""
+    return _CHAIN_PREFIX.sub("", key)
 
 
 class OptimizerCheckpointError(RuntimeError):

@@ -5,7 +5,6 @@ tensor present with its shape."""
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import torch
@@ -17,6 +16,7 @@ from gtp import safe_metadata, safe_objects, verify
 from gtp.collectives import any_rank_failed
 from recipes.checkpoint.errors import CheckpointError, unreadable
 from recipes.checkpoint.files import check_root, iter_dir, read_tracker, saved_iterations
+from recipes.optim_kinds import without_chain_prefix
 
 
 def check_loadable(root: str | os.PathLike, iteration: int | None = None) -> Path:
@@ -149,7 +149,7 @@ def check_shapes(sharded_state: dict, path, stored: dict | None = None,
             continue
         if sh.key not in stored:
             # A chained optimizer's keys carry its "chained_<i>." prefix.
-            if not re.sub(r"^chained_\d+\.", "", sh.key).startswith(skip_prefixes):
+            if not without_chain_prefix(sh.key).startswith(skip_prefixes):
                 absent.append(sh.key)
         elif tuple(stored[sh.key]) != tuple(sh.global_shape):
             wrong.append(f"{sh.key}: checkpoint {tuple(stored[sh.key])}, "
