@@ -32,7 +32,7 @@ import torch
 from omegaconf import OmegaConf
 
 from compose import make_cfg
-from hf_logits import megatron_logits
+from hf_checks import assert_import_refused, megatron_logits, pretrained_run
 from gtp import cli
 from multiproc import run_distributed
 from tolerance import LLAMA_TINY, assert_fp32_close
@@ -190,13 +190,7 @@ def test_refusals_name_the_field_or_tensor(hf, tmp_path):
     from gtp import hf_import
 
     def refused(src: str, change: dict, match: str, out: str) -> None:
-        bad = tmp_path / f"{src}_{out}"
-        shutil.copytree(hf / src, bad)
-        cfg = json.loads((bad / "config.json").read_text())
-        (bad / "config.json").write_text(json.dumps({**cfg, **change}))
-        with pytest.raises(hf_import.HFImportError, match=match):
-            hf_import.import_hf(bad, tmp_path / out)
-        assert not (tmp_path / out / "iter_0000000").exists()
+        assert_import_refused(hf, src, change, match, tmp_path, out)
 
     refused("gpt2", {"activation_function": "relu"}, "activation_function='relu'", "out1")
     # Settings megatron-core 0.19.2 has no field for, named before anything is written.
@@ -317,19 +311,13 @@ def _world(cfgs: dict) -> dict:
     from megatron.core import parallel_state
 
     from multiproc import reset_model_parallel
-    from recipes import pretrained, worker
     from recipes.data import build_iterators
     from recipes.loop import train_step
-    from recipes.validate import validate
 
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
     out = {}
     for key, cfg_yaml in cfgs.items():
-        reset_model_parallel()
-        cfg = OmegaConf.create(cfg_yaml)
-        layout = validate(cfg, torch.distributed.get_world_size())
-        tokenizer, model, optimizer, scheduler = worker.setup(cfg, layout)
-        pretrained.load_weights(cfg, model, optimizer)
+        cfg, tokenizer, model, optimizer, scheduler = pretrained_run(cfg_yaml)
         result = {"logits": megatron_logits(model, tokens), "tokens": tokens}
         if key in ("llama_tp2_gtp2_a16", "gpt2_tp2_gtp2_a16"):
             model.train()

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from gtp import cli
+from hf_checks import assert_import_refused
 
 VOCAB = 257  # the byte tokenizer's, so the recipes' data pipeline feeds the fine-tune
 SEQ = 64
@@ -100,15 +101,8 @@ def test_moe_import_then_export_is_bit_equal(hf, tmp_path, name):
 
 def test_moe_refusals_name_the_field(hf, tmp_path):
     """What megatron-core 0.19.2 cannot express, refused before anything is written."""
-    from gtp import hf_import
-
     def refused(src: str, change: dict, match: str, out: str) -> None:
-        bad = tmp_path / f"{src}_{out}"
-        shutil.copytree(hf / src, bad)
-        cfg = json.loads((bad / "config.json").read_text())
-        (bad / "config.json").write_text(json.dumps({**cfg, **change}))
-        with pytest.raises(hf_import.HFImportError, match=match):
-            hf_import.import_hf(bad, tmp_path / out)
+        assert_import_refused(hf, src, change, match, tmp_path, out)
         assert not (tmp_path / out).exists()
 
     refused("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step=2", "o1")
@@ -182,21 +176,13 @@ def test_an_expert_count_the_weights_contradict_is_named_as_the_file_names_it(hf
 
 
 def _logits_world(cfgs: dict) -> dict:
+    from hf_checks import megatron_logits, pretrained_run
     from multiproc import reset_model_parallel
-    from omegaconf import OmegaConf
-
-    from hf_logits import megatron_logits
-    from recipes import pretrained, worker
-    from recipes.validate import validate
 
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
     out = {}
     for name, cfg_yaml in cfgs.items():
-        reset_model_parallel()
-        cfg = OmegaConf.create(cfg_yaml)
-        layout = validate(cfg, torch.distributed.get_world_size())
-        _, model, optimizer, _ = worker.setup(cfg, layout)
-        pretrained.load_weights(cfg, model, optimizer)
+        model = pretrained_run(cfg_yaml)[2]
         out[name] = (tokens, megatron_logits(model, tokens))
     reset_model_parallel()
     return out

@@ -1,0 +1,71 @@
+"""What the Hugging Face import tests share (tests/test_hf_import.py,
+tests/test_hf_import_moe.py): an import refused for a changed ``config.json``, and (worker-side,
+inside a :func:`multiproc.run_distributed` world) a ``checkpoint.pretrained`` run's model as its
+workers build it and megatron's logits of it, gathered whole, to compare with transformers'."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+
+def assert_import_refused(hf_root, src: str, change: dict, match: str, out_root, out: str):
+    """``gtp.hf_import.import_hf`` of a copy of ``hf_root/src`` whose ``config.json`` has
+    ``change`` raises ``HFImportError`` matching ``match`` and writes no checkpoint under
+    ``out_root/out``."""
+    from gtp import hf_import
+
+    bad = out_root / f"{src}_{out}"
+    shutil.copytree(hf_root / src, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(hf_import.HFImportError, match=match):
+        hf_import.import_hf(bad, out_root / out)
+    assert not (out_root / out / "iter_0000000").exists()
+
+
+def megatron_logits(model, tokens):
+    """Full-vocabulary logits, float [b, s, padded vocab], of ``tokens`` (int [b, s]) on the
+    last pipeline stage (None on the others): collective over the pipeline and tensor-parallel
+    groups (every rank calls it)."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import unwrap_model
+
+    position_ids = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    model.eval()
+    inner = unwrap_model(model)
+    with torch.no_grad():
+        if not parallel_state.is_pipeline_first_stage():
+            hidden = torch.empty(tokens.shape[1], tokens.shape[0], inner.config.hidden_size)
+            torch.distributed.recv(hidden, parallel_state.get_pipeline_model_parallel_prev_rank())
+            inner.set_input_tensor(hidden)
+        out = model(tokens, position_ids, None)
+        if not parallel_state.is_pipeline_last_stage():
+            torch.distributed.send(out.contiguous(),
+                                   parallel_state.get_pipeline_model_parallel_next_rank())
+            return None
+    group = parallel_state.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(out) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, out.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def pretrained_run(cfg_yaml: str) -> tuple:
+    """``(cfg, tokenizer, model, optimizer, scheduler)`` of a resolved config whose
+    ``checkpoint.pretrained`` is prepared (``recipes.pretrained.prepare``): megatron's groups
+    rebuilt, the model built by ``recipes.worker.setup`` and the source's weights loaded."""
+    from omegaconf import OmegaConf
+
+    from multiproc import reset_model_parallel
+    from recipes import pretrained, worker
+    from recipes.validate import validate
+
+    reset_model_parallel()
+    cfg = OmegaConf.create(cfg_yaml)
+    tokenizer, model, optimizer, scheduler = worker.setup(
+        cfg, validate(cfg, torch.distributed.get_world_size()))
+    pretrained.load_weights(cfg, model, optimizer)
+    return cfg, tokenizer, model, optimizer, scheduler
