@@ -40,10 +40,9 @@ from typing import Callable
 
 from gtp import families
 from gtp.hf_weights import HFImportError, Weights, check_sizes, confined
-from gtp.records import GTP_FORMAT_LOGICAL, METADATA_KEY, TRACKER, megatron_core_version
+from gtp.records import (GTP_FORMAT_LOGICAL, IMPORTED_KEY, METADATA_KEY, TRACKER,
+                         megatron_core_version)
 
-# Common-state key: what the checkpoint was imported from.
-IMPORTED_KEY = "hf_imported_from"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 

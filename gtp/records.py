@@ -24,6 +24,9 @@ CHECKPOINT_FORMATS = ("logical", "stock")
 CHECKPOINT_LAYOUTS = CHECKPOINT_FORMATS  # the old name, kept for its importers
 LAYOUT_KEY = "layout"
 PAD_KEY = "pad_for_alignment"
+# The Hugging Face model a checkpoint came from (source dir, model_type, architectures, bos/eos/pad
+# ids): top-level in an import; in train_state of every save of a run started from one.
+IMPORTED_KEY = "hf_imported_from"
 
 
 def layout_defaults(rec: dict) -> dict:

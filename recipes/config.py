@@ -386,3 +386,26 @@ def to_dict(cfg: Any) -> dict:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+
+
+def given_overrides() -> list[str]:
+    """The command line's overrides (Hydra's ``overrides.task``), [] outside a Hydra app."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return list(HydraConfig.get().overrides.task)
+    except (ValueError, ImportError):
+        return []
+
+
+def given_fields(overrides: list[str], group: str) -> tuple[set, bool]:
+    """(fields of ``group`` given as ``group.field=...``, whether the group itself was chosen
+    as ``group=NAME``)."""
+    fields, chosen = set(), False
+    for item in overrides:
+        key = item.split("=", 1)[0].lstrip("+~")
+        if key == group:
+            chosen = True
+        elif key.startswith(group + "."):
+            fields.add(key[len(group) + 1:])
+    return fields, chosen

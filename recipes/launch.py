@@ -371,7 +371,7 @@ def run_job(cfg) -> None:
     Raises:
         ConfigError, CheckpointError: bad input, before any worker starts.
     """
-    from recipes.checkpoint.policy import NothingToTrain, prepare_resume
+    from recipes.checkpoint.policy import NothingToTrain, prepare_resume, take_checkpoint_fields
 
     from recipes import pretrained
     from recipes.checkpoint.auto import AUTO, resolve_auto_load
@@ -409,6 +409,9 @@ def run_job(cfg) -> None:
 
         # The one resolution of what this process loads (recipes/checkpoint/manager.py).
         plan = ResumePlan.resolve(cfg.checkpoint, repair=is_rank0 and not dry_run)
+        note = take_checkpoint_fields(cfg, plan)
+        if note and is_rank0:
+            print(note, flush=True)
     layout = prelaunch.check(cfg, plan=plan)
     if dry_run:
         from recipes.dry_run import report

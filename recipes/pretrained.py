@@ -26,6 +26,7 @@ from pathlib import Path
 
 from omegaconf import open_dict
 
+from recipes.config import given_fields, given_overrides
 from recipes.errors import ConfigError
 
 # Model fields fixed by the source's tensors (their shapes, or which tensors exist).
@@ -50,29 +51,6 @@ def checkpoint_root(cfg) -> str:
     source checkpoint itself."""
     src = cfg.checkpoint.pretrained
     return str(Path(cfg.output_dir) / IMPORT_DIR) if is_hf_dir(src) else str(src)
-
-
-def given_overrides() -> list[str]:
-    """The command line's overrides (Hydra's ``overrides.task``), [] outside a Hydra app."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        return list(HydraConfig.get().overrides.task)
-    except (ValueError, ImportError):
-        return []
-
-
-def _given(overrides: list[str], group: str) -> tuple[set, bool]:
-    """(fields of ``group`` given as ``group.field=...``, whether the group itself was chosen
-    as ``group=NAME``)."""
-    fields, chosen = set(), False
-    for item in overrides:
-        key = item.split("=", 1)[0].lstrip("+~")
-        if key == group:
-            chosen = True
-        elif key.startswith(group + "."):
-            fields.add(key[len(group) + 1:])
-    return fields, chosen
 
 
 def source_config(path) -> tuple[dict, dict]:
@@ -142,7 +120,7 @@ def apply_source(cfg, overrides: list[str] | None = None, requeued: bool = False
             f"give one of them")
     overrides = given_overrides() if overrides is None else overrides
     model, data = source_config(src)
-    given, chosen = _given(overrides, "model")
+    given, chosen = given_fields(overrides, "model")
     if chosen:  # model=NAME gives every field of that group
         given |= set(cfg.model.keys())
     wrong = []
@@ -165,7 +143,7 @@ def apply_source(cfg, overrides: list[str] | None = None, requeued: bool = False
                               + ": such a model cannot hold the source's weights or computes "
                                 "another model from them (drop the override, or model=NAME: "
                                 "the model comes from the source; or start from scratch)")
-        given_data, _ = _given(overrides, "data")
+        given_data, _ = given_fields(overrides, "data")
         if data.get("tokenizer") and "tokenizer" not in given_data:
             cfg.data.tokenizer = data["tokenizer"]
             if "eod_id" not in given_data and data.get("eod_id") is not None:
@@ -226,11 +204,16 @@ def prepare(cfg, is_rank0: bool) -> None:
           f"{time.perf_counter() - started:.1f} s", flush=True)
 
 
-def load_weights(cfg, model, optimizer) -> None:
+def load_weights(cfg, model, optimizer) -> dict | None:
     """Load the source's model weights into ``model`` at this run's layout (every rank calls;
     collective), then refresh the optimizer's main params from them (megatron's
     ``reload_model_params``: bf16 and distributed optimizers keep fp32 copies). Optimizer state,
     scheduler and RNG are left as built (iteration 0).
+
+    Returns:
+        The Hugging Face model the source came from (``gtp.records.IMPORTED_KEY``: its dir,
+        model_type and bos/eos/pad ids), which every save of the run keeps so that its export
+        has the source's token ids; None for a source trained from scratch.
 
     Raises:
         CheckpointError: as :func:`recipes.checkpoint.load.load_model_weights`.
@@ -240,9 +223,14 @@ def load_weights(cfg, model, optimizer) -> None:
     from recipes.checkpoint.load import load_model_weights
 
     torch.distributed.barrier()  # the import (global rank 0, before its launch) is complete
-    load_model_weights(checkpoint_root(cfg), model,
-                       verify=cfg.checkpoint.get("verify_on_load", True))
+    from gtp.records import IMPORTED_KEY
+    from recipes.checkpoint.load import load_common
+
+    path = load_model_weights(checkpoint_root(cfg), model,
+                              verify=cfg.checkpoint.get("verify_on_load", True))
     optimizer.reload_model_params()
+    common = load_common(path.parent, int(path.name[5:]))[1]
+    return common.get(IMPORTED_KEY) or (common.get("train_state") or {}).get(IMPORTED_KEY)
 
 
 def describe(cfg) -> dict:

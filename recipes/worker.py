@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from gtp.records import saved_layout
+from gtp.records import IMPORTED_KEY, saved_layout
 from recipes.config import RESOLVED_CONFIG
 from recipes.rank_env import LAUNCHER_PID_ENV
 
@@ -236,7 +236,8 @@ def run(cfg, resume=None) -> None:
     elif ck.get("pretrained"):
         from recipes import pretrained
 
-        pretrained.load_weights(cfg, model, optimizer)  # weights only: iteration 0, fresh optimizer
+        # weights only: iteration 0, fresh optimizer
+        train_state[IMPORTED_KEY] = pretrained.load_weights(cfg, model, optimizer)
     plan = plan_wandb_run(cfg, train_state if resumed_from is not None else None,
                           iteration if resumed_from is not None else None)
     run_id = plan["run_id"]
@@ -252,7 +253,8 @@ def run(cfg, resume=None) -> None:
         iteration=iteration, consumed_samples=train_state["consumed_samples"],
         validation=validation, skipped=train_state.get("skipped_iterations", 0),
         train_state={"wandb_run_id": run_id, "config": to_dict(cfg),
-                     "data_plan": train_state["data_plan"], "lineage": chain},
+                     "data_plan": train_state["data_plan"], "lineage": chain,
+                     IMPORTED_KEY: train_state.get(IMPORTED_KEY)},
     )
 
     logger = _start_logger(cfg, state, plan, layout, layout_rec, resumed_from) if rank == 0 else None

@@ -495,3 +495,41 @@ def test_a_torn_metadata_file_is_named_with_what_to_do(tmp_path):
             rf"a torch_dist checkpoint's metadata; load another iteration "
             rf"\(checkpoint.load_iteration=N\) or another checkpoint.load$")):
         checkpoint.check_loadable(tmp_path)
+
+
+def test_a_resume_takes_the_checkpoints_model_and_tokenizer_unless_given():
+    """``checkpoint.load=DIR`` alone: every model field and the tokenizer fields come from the
+    checkpoint's run (a fine-tune's came from its source); a given field keeps its value (the
+    shape check refuses it later); ``model=NAME`` keeps the whole group, ``experiment=NAME``
+    both groups; other data fields are never taken."""
+    saved = {"model": {"num_layers": 4, "hidden_size": 72, "qk_layernorm": True,
+                       "not_a_field": 1},
+             "data": {"tokenizer": "/src", "eod_id": 0, "global_batch_size": 99}}
+    plan = SimpleNamespace(path="/ck/iter_0000002",
+                           common={"train_state": {"config": saved}})
+
+    def take(*overrides):
+        cfg = make_cfg(*overrides)
+        return cfg, checkpointer.take_checkpoint_fields(cfg, plan, overrides=list(overrides))
+
+    cfg, note = take()
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.qk_layernorm) == (4, 72, True)
+    assert (cfg.data.tokenizer, cfg.data.eod_id) == ("/src", 0)
+    assert cfg.data.global_batch_size != 99 and "not_a_field" not in cfg.model
+    assert note.startswith("> from /ck/iter_0000002 (not given here): model.num_layers=4")
+    cfg, _ = take("model.hidden_size=96", "data.tokenizer=byte")
+    assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.data.tokenizer) == (96, 4, "byte")
+    assert cfg.data.eod_id == 0
+    cfg, _ = take("model=llama_tiny")
+    assert cfg.model.num_layers == make_cfg("model=llama_tiny").model.num_layers != 4
+    assert cfg.data.tokenizer == "/src"
+    experiment = "experiment=" + _an_experiment()
+    cfg, note = take(experiment)
+    assert note is None and cfg == make_cfg(experiment)
+    assert take()[1] is not None and checkpointer.take_checkpoint_fields(
+        make_cfg(), None, overrides=[]) is None  # no resume: nothing taken
+
+
+def _an_experiment() -> str:
+    return sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "experiment").glob(
+        "*.yaml"))[0]

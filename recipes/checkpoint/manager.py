@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from gtp.collectives import collective_device
+from gtp.records import IMPORTED_KEY
 from recipes.checkpoint.async_save import AsyncSaves
 from recipes.checkpoint.files import (
     TRACKER,
@@ -350,7 +351,8 @@ class CheckpointManager:
                 "job_id": job_id(),  # Slurm/submitit's: a requeue of it is the same run
                 "lineage": fixed.get("lineage"),  # recipes.checkpoint.lineage
                 "wandb_step": int(step.item()), "config": fixed.get("config"),
-                "data_plan": fixed.get("data_plan"), "skipped_iterations": state.skipped}
+                "data_plan": fixed.get("data_plan"), "skipped_iterations": state.skipped,
+                IMPORTED_KEY: fixed.get(IMPORTED_KEY)}  # checkpoint.pretrained's HF model
 
     def _complete(self, iteration: int, previous: int | None, logger, started: float,
                   staged: Path) -> None:

@@ -251,6 +251,51 @@ def format_changes(changes: list[Change]) -> str:
                      for r in rows)
 
 
+# What a resume takes from the checkpoint's run when the command line does not give it
+# (Megatron-LM's --use-checkpoint-args): the model (None: every field of the group) and the
+# tokenizer it was trained with, which checkpoint.pretrained may have chosen.
+TAKEN_FROM_CHECKPOINT = {"model": None, "data": ("tokenizer", "eod_id", "vocab_size")}
+
+
+def take_checkpoint_fields(cfg, plan, overrides: list[str] | None = None) -> str | None:
+    """Before validation, give a resume the checkpoint's model and tokenizer: each field of
+    :data:`TAKEN_FROM_CHECKPOINT` that the command line does not give takes the value the
+    checkpoint's run had, so a fine-tune (``checkpoint.pretrained`` chose its model and
+    tokenizer) or a run of a given model resumes at another layout by ``checkpoint.load=DIR``
+    alone. A given field keeps its value, which the checks that follow compare with the
+    checkpoint's (:func:`recipes.prelaunch.check_model_shape`, :func:`prepare_resume`);
+    ``model=NAME`` (``data=NAME``) or ``experiment=NAME`` gives every field of the group.
+
+    Args:
+        plan: the resolved :class:`~recipes.checkpoint.manager.ResumePlan` (None: no resume).
+        overrides: the command line's overrides (default: Hydra's).
+
+    Returns:
+        A note naming the fields taken that differed from this config's, or None.
+    """
+    from recipes.config import given_fields, given_overrides
+
+    saved = (((plan.common.get("train_state") or {}).get("config") or {})
+             if plan is not None else {})
+    overrides = given_overrides() if overrides is None else overrides
+    if any(o.split("=", 1)[0].lstrip("+~") == "experiment" for o in overrides):
+        return None
+    taken = []
+    with open_dict(cfg):
+        for group, names in TAKEN_FROM_CHECKPOINT.items():
+            given, chosen = given_fields(overrides, group)
+            if chosen or not saved.get(group):
+                continue
+            for key, value in saved[group].items():
+                if ((names is None or key in names) and key in cfg[group] and key not in given
+                        and cfg[group][key] != value):
+                    cfg[group][key] = value
+                    taken.append(f"{group}.{key}={value}")
+    if not taken:
+        return None
+    return f"> from {plan.path} (not given here): " + " ".join(taken)
+
+
 def prepare_resume(cfg, layout, plan=None, auto: bool = False) -> None:
     """Pre-launch checks and decisions of a run that loads a checkpoint (and of every run's save
     dir). ``plan``: the :class:`~recipes.checkpoint.manager.ResumePlan` of ``checkpoint.load``
