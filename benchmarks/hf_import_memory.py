@@ -1,12 +1,14 @@
-"""Peak memory of ``python -m gtp import`` against the model's size and its largest tensor.
+"""Peak memory of ``python -m gtp import`` as a ratio of one layer's tensors, for a dense and a
+Mixture-of-Experts model at two depths and two expert counts.
 
-A transformers ``LlamaForCausalLM`` (random weights, bf16, saved with ``save_pretrained``) is
-imported in a fresh process (``MALLOC_ENV``: freed buffers go back to the kernel); the peak
-resident memory above the process's RSS before the import (:class:`benchmarks.memory.PeakRSS`)
-is shown side by side with the size of the weights and of the largest single tensor the import
-makes (an embedding, or one layer's fused fc1). torch's DCP writer keeps the last chunk of each
-checkpoint key until its file is written, so the peak is about the two vocabulary tensors plus
-one layer's tensors, whatever the number of layers.
+Each model (transformers' ``LlamaForCausalLM`` or ``MixtralForCausalLM``, random weights, bf16,
+``save_pretrained``) is imported in a fresh process (``MALLOC_ENV``: freed buffers go back to the
+kernel); the peak resident memory above the process's RSS before the import
+(:class:`benchmarks.memory.PeakRSS`) is printed beside one decoder layer's bytes and the two
+vocabulary tensors' (embedding and output layer). torch's DCP writer keeps the last chunk of
+each checkpoint key until its file is written, so the peak is about the two vocabulary tensors
+plus one or two layers' tensors, whatever the number of layers and experts: the last column,
+(peak - vocabulary tensors) / one layer, stays put as the rows double the layers or experts.
 
     python -m benchmarks.hf_import_memory [--quick] [--out DIR]
 """
@@ -24,21 +26,45 @@ from pathlib import Path
 from benchmarks.memory import MALLOC_ENV
 from benchmarks.tables import table
 
-# (hidden, ffn, layers, vocab)
-FULL = (1024, 4096, 8, 32000)
-QUICK = (256, 1024, 4, 8000)
+# name: (family, hidden, ffn per expert or dense, layers, experts, vocab)
+FULL = {
+    "llama 8 layers": ("llama", 1024, 4096, 8, 0, 32000),
+    "llama 16 layers": ("llama", 1024, 4096, 16, 0, 32000),
+    "mixtral 4 layers x 8 experts": ("mixtral", 1024, 1024, 4, 8, 32000),
+    "mixtral 8 layers x 8 experts": ("mixtral", 1024, 1024, 8, 8, 32000),
+    "mixtral 4 layers x 16 experts": ("mixtral", 1024, 1024, 4, 16, 32000),
+}
+QUICK = {
+    "llama 4 layers": ("llama", 256, 1024, 4, 0, 8000),
+    "llama 8 layers": ("llama", 256, 1024, 8, 0, 8000),
+    "mixtral 4 layers x 4 experts": ("mixtral", 256, 256, 4, 4, 8000),
+    "mixtral 4 layers x 8 experts": ("mixtral", 256, 256, 4, 8, 8000),
+}
 
 
-def _save(root: Path, hidden: int, ffn: int, layers: int, vocab: int) -> int:
+def _save(root: Path, family: str, hidden: int, ffn: int, layers: int, experts: int,
+          vocab: int) -> dict:
+    """Save the model; returns its bytes: ``total``, ``layer`` (decoder layer 0) and ``vocab``
+    (embedding + output layer)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
-        num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256),
-        tie_word_embeddings=False)).to(torch.bfloat16)
+    dims = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
+                num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                num_key_value_heads=max(1, hidden // 256), tie_word_embeddings=False)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**dims))
+    else:
+        model = MixtralForCausalLM(MixtralConfig(**dims, num_local_experts=experts,
+                                                 num_experts_per_tok=2, sliding_window=None))
+    model = model.to(torch.bfloat16)
     model.save_pretrained(root)
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def size(module) -> int:
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+
+    return {"total": size(model), "layer": size(model.model.layers[0]),
+            "vocab": size(model.model.embed_tokens) + size(model.lm_head)}
 
 
 def _child(hf_dir: str, out: str) -> None:
@@ -67,31 +93,32 @@ def main(argv=None) -> int:
     if args.child:
         _child(*args.child)
         return 0
-    hidden, ffn, layers, vocab = QUICK if args.quick else FULL
+    rows, results = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        hf_dir = Path(tmp) / "hf"
-        total = _save(hf_dir, hidden, ffn, layers, vocab)
-        largest = 2 * max(vocab * hidden, 2 * ffn * hidden)  # bf16: embedding or one fc1
-        peaks = []
-        for i in range(max(1, args.repeats)):
-            proc = subprocess.run(
-                [sys.executable, "-m", "benchmarks.hf_import_memory", "--child", str(hf_dir),
-                 str(Path(tmp) / f"ckpt{i}")],
-                env={**os.environ, **MALLOC_ENV}, capture_output=True, text=True, check=True)
-            peaks.append(json.loads(proc.stdout.strip().splitlines()[-1])["peak_delta"])
-    peak = min(peaks)
-    mib = 1 << 20
-    text = table(["weights MiB", "largest tensor MiB", "import peak MiB", "peak / weights",
-                  "peak / largest tensor"],
-                 [[f"{total / mib:.0f}", f"{largest / mib:.0f}", f"{peak / mib:.0f}",
-                   f"{peak / total:.2f}", f"{peak / largest:.2f}"]])
+        for n, (name, spec) in enumerate((QUICK if args.quick else FULL).items()):
+            hf_dir = Path(tmp) / f"hf{n}"
+            sizes = _save(hf_dir, *spec)
+            peaks = []
+            for i in range(max(1, args.repeats)):
+                proc = subprocess.run(
+                    [sys.executable, "-m", "benchmarks.hf_import_memory", "--child", str(hf_dir),
+                     str(Path(tmp) / f"ckpt{n}_{i}")],
+                    env={**os.environ, **MALLOC_ENV}, capture_output=True, text=True, check=True)
+                peaks.append(json.loads(proc.stdout.strip().splitlines()[-1])["peak_delta"])
+            peak = min(peaks)
+            results[name] = {**sizes, "peak_bytes": peaks, "spec": spec}
+            mib = 1 << 20
+            rows.append([name, f"{sizes['total'] / mib:.0f}", f"{sizes['layer'] / mib:.1f}",
+                         f"{sizes['vocab'] / mib:.0f}", f"{peak / mib:.0f}",
+                         f"{peak / sizes['layer']:.1f}",
+                         f"{(peak - sizes['vocab']) / sizes['layer']:.2f}"])
+    text = table(["model", "weights MiB", "one layer MiB", "vocab tensors MiB",
+                  "import peak MiB", "peak / one layer", "(peak - vocab) / one layer"], rows)
     print(text)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(
-            {"weights_bytes": total, "largest_tensor_bytes": largest, "peak_bytes": peaks,
-             "shape": {"hidden": hidden, "ffn": ffn, "layers": layers, "vocab": vocab}}, indent=1))
+        (out / "results.json").write_text(json.dumps(results, indent=1))
         (out / "table.txt").write_text(text + "\n")
     return 0
 
