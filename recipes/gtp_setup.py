@@ -10,8 +10,9 @@ from __future__ import annotations
 
 
 def before_model(cfg, layout) -> None:
-    """Install the portable backend (when TransformerEngine is not usable) and the num-zeros
-    patch (``gtp.grad_stats``: GTP padding rows are not gradient elements), run megatron's recipe
+    """Install the portable backend (when TransformerEngine is not usable), the num-zeros
+    patch (``gtp.grad_stats``: GTP padding rows are not gradient elements) and, for tied
+    embeddings, ``gtp.tied_output`` (the output layer takes the embedding's GTP shard), run megatron's recipe
     hook, then apply the resolved ``pad_for_alignment`` (megatron 0.19.2 would keep 16).
 
     First, at every layout (GTP off included): ``checkpoint.format`` picks how GTP weights
@@ -23,10 +24,12 @@ def before_model(cfg, layout) -> None:
         return
     from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp_impl
 
-    from gtp import alignment, backend, grad_stats
+    from gtp import alignment, backend, grad_stats, tied_output
 
     backend.install()
     grad_stats.install()
+    if cfg.model.share_embeddings_and_output_weights:
+        tied_output.install()  # the output layer takes the tied embedding's GTP shard
     quant = cfg.gtp.quantization
     gtp_impl.configure_gtp_remat_from_recipe(
         fp4=quant == "nvfp4",
@@ -37,13 +40,15 @@ def before_model(cfg, layout) -> None:
     from recipes import te
 
     gtp_impl.update_gtp_config(**overlap_settings(
-        cfg.gtp, layout.pipeline_model_parallel_size, te.uses_transformer_engine(cfg)))
+        cfg.gtp, layout.pipeline_model_parallel_size, te.uses_transformer_engine(cfg),
+        tied=cfg.model.share_embeddings_and_output_weights))
 
 
 OVERLAP_FIELDS = ("weight_prefetch", "async_reduction")
 
 
-def overlap_settings(gtp_cfg, pipeline_model_parallel_size: int, te_usable: bool) -> dict:
+def overlap_settings(gtp_cfg, pipeline_model_parallel_size: int, te_usable: bool,
+                     tied: bool = False) -> dict:
     """megatron's ``GTP_CONFIG.weight_prefetch`` / ``async_reduction`` for a run.
 
     Both overlap GTP's collectives with compute (megatron's prefetch chain). With
@@ -58,6 +63,12 @@ def overlap_settings(gtp_cfg, pipeline_model_parallel_size: int, te_usable: bool
       with CUDA streams and events, which have no CPU counterpart here: with gloo's async
       gathers the same run gave different losses from one launch to the next.
 
+    With tied embeddings (``tied``), on any backend, both are off and refused: the output
+    layer uses the embedding's GTP weight a second time (``gtp.tied_output``), outside the
+    chain's one-use-per-weight order, so a deferred reduce-scatter would wait on a weight whose
+    gradient does not exist yet, and a prefetch would leave a gathered copy stale across the
+    optimizer step.
+
     Returns:
         ``{"weight_prefetch": bool, "async_reduction": bool}``.
 
@@ -71,6 +82,11 @@ def overlap_settings(gtp_cfg, pipeline_model_parallel_size: int, te_usable: bool
         why["async_reduction"] = (
             f"without TransformerEngine GTP's collectives run in order under pipeline "
             f"parallelism (pipeline_model_parallel_size={pipeline_model_parallel_size})")
+    if tied:
+        for name in OVERLAP_FIELDS:
+            why[name] = ("with tied embeddings the output layer uses the embedding's GTP weight "
+                         "a second time, outside megatron's chain order "
+                         "(model.share_embeddings_and_output_weights=true)")
     out = {}
     for name in OVERLAP_FIELDS:
         value = gtp_cfg.get(name)

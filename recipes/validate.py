@@ -112,23 +112,15 @@ def _check_batches(cfg, layout: ParallelDims) -> None:
 
 
 def _check_gtp(cfg, layout: ParallelDims) -> None:
-    """``gtp`` when ``gtp_remat_size > 1``: the weights' dims, tied embeddings, overlap."""
+    """``gtp`` when ``gtp_remat_size > 1``: the weights' dims and the overlap settings."""
     from recipes import te
     from recipes.gtp_setup import overlap_settings
 
     _check_gtp_dims(cfg, layout)
-    if cfg.model.share_embeddings_and_output_weights:
-        # megatron-core 0.19.2 hands the tied weight to the output layer as its GTP shard,
-        # which ColumnParallelLinear refuses on the first forward (at any pp).
-        raise ConfigError(
-            "model.share_embeddings_and_output_weights=true with GTP "
-            f"(gtp_remat_size={layout.gtp_remat_size}) is not supported by megatron-core "
-            "0.19.2 (the output layer gets the embedding's GTP shard): set "
-            "model.share_embeddings_and_output_weights=false or gtp=off"
-        )
     try:
         overlap_settings(cfg.gtp, layout.pipeline_model_parallel_size,
-                         te.uses_transformer_engine(cfg))
+                         te.uses_transformer_engine(cfg),
+                         tied=cfg.model.share_embeddings_and_output_weights)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

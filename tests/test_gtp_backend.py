@@ -659,19 +659,21 @@ def test_validate_gtp_dims():
         shard_layout(10, 4, 0)
 
 
-@pytest.mark.parametrize("fields, pp, te_usable, want", [
-    ({}, 1, False, (False, True)),
-    ({}, 2, False, (False, False)),
-    ({}, 1, True, (True, True)),
-    ({}, 2, True, (True, True)),
-    ({"async_reduction": False}, 1, False, (False, False)),
-    ({"weight_prefetch": False}, 2, True, (False, True)),
+@pytest.mark.parametrize("fields, pp, te_usable, tied, want", [
+    ({}, 1, False, False, (False, True)),
+    ({}, 2, False, False, (False, False)),
+    ({}, 1, True, False, (True, True)),
+    ({}, 2, True, False, (True, True)),
+    ({"async_reduction": False}, 1, False, False, (False, False)),
+    ({"weight_prefetch": False}, 2, True, False, (False, True)),
+    ({}, 1, False, True, (False, False)),  # tied embeddings: in order on any backend
+    ({}, 1, True, True, (False, False)),
 ])
-def test_overlap_settings(fields, pp, te_usable, want):
+def test_overlap_settings(fields, pp, te_usable, tied, want):
     from recipes.gtp_setup import overlap_settings
 
     got = overlap_settings({"weight_prefetch": None, "async_reduction": None, **fields}, pp,
-                           te_usable)
+                           te_usable, tied=tied)
     assert got == dict(zip(("weight_prefetch", "async_reduction"), want))
 
 

@@ -4,9 +4,8 @@ load at several layouts with transformers' logits, and fine-tune from iteration 
 
 Models: a tiny Llama (GQA 4 heads / 2 groups, untied output, Llama-3 RoPE scaling with a large
 rope_theta so that many frequencies are scaled) and a tiny GPT-2 (exact GeLU, biases, untied,
-saved in shards with an index); a tied GPT-2 for the round trip only (megatron-core 0.19.2 hands
-the tied weight's GTP shard to the output layer, which refuses it: no GTP layout runs a tied
-model). Norm weights and biases are drawn away from their initial 1/0 so that a misplaced
+saved in shards with an index); a tied GPT-2 for the round trip only (tied models at GTP layouts:
+tests/test_tied_embeddings_e2e.py). Norm weights and biases are drawn away from their initial 1/0 so that a misplaced
 tensor shows.
 
 The Llama architectures of other names and GPT-2's published activation, 4 layers each, with

@@ -35,6 +35,7 @@ EXPECTED = {
     "gtp.muon.uninstall",
     "recipes.families.moe.model.experts_leave_rng_alone",
     "gtp.safe_objects.install",
+    "gtp.tied_output.install",
 }
 
 

@@ -8,6 +8,12 @@ rows) and the model pads it (320 rows), so that copy too must load the real rows
 first ``lm loss`` is the source model's at every layout: at tp1 the output layer is the
 embedding itself, so it is the reference (equal up to the order of fp32 reductions,
 tests/helpers/tolerance.py); the export of the pipeline-parallel run is the source, bit for bit.
+
+Under GTP (``gtp.tied_output``: megatron-core 0.19.2's output layer refused the embedding's GTP
+shard) the same model loads at pp2 x gtp2/a16 with tp1's first loss, and a fine-tune (lr > 0)
+at tp2 x gtp2/a16, where the output layer computes with the embedding's GTP shard itself, is
+resumed from iteration 2 at pp2 without GTP and at pp2 x gtp2/a16 (the last stage's copy,
+restored from the embedding's stored rows), each equal to it over iterations 3..5.
 """
 
 from __future__ import annotations
@@ -20,8 +26,16 @@ from tolerance import LLAMA_TINY, assert_fp32_close
 
 pytestmark = pytest.mark.e2e
 
+GTP2 = ["gtp.gtp_remat_size=2", "gtp.pad_for_alignment=16"]
 LAYOUTS = {"tp1": ["parallelism=tp1", "parallelism.nproc_per_node=4"],
-           "pp2": ["parallelism=pp2dp2"], "tp2pp2": ["parallelism=tp2pp2"]}
+           "pp2": ["parallelism=pp2dp2"], "tp2pp2": ["parallelism=tp2pp2"],
+           "pp2gtp2": ["parallelism=pp2dp2", *GTP2]}
+# The fine-tune at tp2 x gtp2/a16 and its resumes from iteration RESUMED_AT.
+FINE_TUNE = ["parallelism=tp2dp2", *GTP2]
+RESUMES = {"ft_pp2": ["parallelism=pp2dp2"], "ft_pp2gtp2": ["parallelism=pp2dp2", *GTP2]}
+RESUMED_AT = 2
+# The tied Llama's parameters, its 257 vocabulary rows padded to 320: 139,904 + 63 x 64.
+PARAMETERS = 143_936
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +52,18 @@ def tied(train_jobs, tmp_path_factory):
     )).save_pretrained(root / "hf")
     common = [f"checkpoint.pretrained={root / 'hf'}", "optim.lr=0", "optim.min_lr=0",
               "optim.lr_warmup_iters=0", "train.train_iters=1", "train.eval_iters=0"]
+    fine_tune = ["train.train_iters=5", "checkpoint.save_interval=2", "train.eval_iters=0"]
     train_jobs([(root / name, [*common, *layout, f"checkpoint.save={root / name / 'ckpt'}"])
-                for name, layout in LAYOUTS.items()])
+                for name, layout in LAYOUTS.items()]
+               + [(root / "ft", [*fine_tune, f"checkpoint.pretrained={root / 'hf'}",
+                                 *FINE_TUNE])]
+               + [(root / name, [*fine_tune, *layout, f"checkpoint.load={root / 'ft'}/checkpoints",
+                                 f"checkpoint.load_iteration={RESUMED_AT}"])
+                  for name, layout in RESUMES.items()])
     return root
 
 
-@pytest.mark.parametrize("layout", ["pp2", "tp2pp2"])
+@pytest.mark.parametrize("layout", ["pp2", "tp2pp2", "pp2gtp2"])
 def test_tied_weights_load_into_a_pipeline_parallel_model(tied, layout):
     want = by_iteration(tied / "tp1")[0][1]["lm loss"]
     got = by_iteration(tied / layout)[0][1]["lm loss"]
@@ -61,3 +81,16 @@ def test_tied_export_after_tp2pp2_is_the_source(tied):
     assert sorted(back) == sorted(src) and "lm_head.weight" not in src
     for key, tensor in src.items():
         assert torch.equal(back[key], tensor), key
+
+
+@pytest.mark.parametrize("name", RESUMES)
+def test_a_tied_fine_tune_at_tp2_gtp2_resumes_at_pp2_with_and_without_gtp(tied, name):
+    from resume_checks import assert_same_step
+
+    want, _ = by_iteration(tied / "ft")
+    got, events = by_iteration(tied / name)
+    assert sorted(want) == [1, 2, 3, 4, 5] and sorted(got) == [3, 4, 5]
+    assert events[0]["event"] == "resume" and events[0]["iteration"] == RESUMED_AT
+    for it in (3, 4, 5):
+        assert_same_step(got[it], want[it], steps=it - RESUMED_AT, terms=PARAMETERS)
+    assert want[5]["lm loss"] < want[1]["lm loss"]  # lr > 0 moved the weights
