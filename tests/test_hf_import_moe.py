@@ -4,8 +4,8 @@ recipes/ makes them; 2 layers, 4 experts, top-2, GQA 4 heads / 2 groups) import 
 bit for bit, with the same config; settings megatron-core 0.19.2 cannot express are refused,
 named, before anything is written; megatron's logits of both, experts split over two
 expert-parallel ranks (ep2, world 2), equal transformers' within 1e-4; and
-``checkpoint.pretrained`` of the Mixtral trains one iteration at lr 0 at ep2, whose save
-exports to the source's tensors bit for bit.
+``checkpoint.pretrained`` of the Mixtral trains one iteration at lr 0 at ep2 x expert
+gtp2/a64 (padded expert rows), whose save exports to the source's tensors bit for bit.
 
 The Qwen3-MoE has ``norm_topk_prob: false`` (megatron's ``moe_router_pre_softmax``), q/k norms
 and a ``head_dim`` apart from hidden / heads; the Mixtral renormalises its top-k. Norm weights
@@ -118,12 +118,14 @@ def test_moe_refusals_name_the_field(hf, tmp_path):
             "o8")
 
 
-def test_moe_pretrained_at_ep2_exports_the_source(hf, tmp_path, train_jobs):
-    """``checkpoint.pretrained=MIXTRAL_DIR`` at ep2 (world 2, each rank two of the four
-    experts), lr 0, one iteration: the save exports to the source's tensors bit for bit."""
+def test_moe_pretrained_at_ep2_egtp2_a64_exports_the_source(hf, tmp_path, train_jobs):
+    """``checkpoint.pretrained=MIXTRAL_DIR`` at ep2 x expert gtp2/a64 (world 4, each rank half
+    of two of the four experts' rows; fc1's 96 rows and fc2's 32 are padded to 128), lr 0, one
+    iteration: the save exports to the source's tensors bit for bit."""
     out = tmp_path / "job"
     done = train_jobs([(out, [f"checkpoint.pretrained={hf / 'mixtral'}", "parallelism=tp1",
-                       "parallelism.nproc_per_node=2", "parallelism.expert_model_parallel_size=2",
+                       "parallelism.nproc_per_node=4", "parallelism.expert_model_parallel_size=2",
+                       "gtp.expert_gtp_remat_size=2", "gtp.pad_for_alignment=64",
                        "optim.lr=0", "optim.min_lr=0", "train.train_iters=1",
                        "optim.lr_warmup_iters=0", "train.eval_iters=0",
                        "checkpoint.save=" + str(out / "ckpt")])])
