@@ -33,7 +33,8 @@ pytestmark = pytest.mark.multiprocess
 VOCAB = 257  # the byte-level BPE below: <|endoftext|> and the 256 byte symbols
 SEQ = 64
 COMMON = ("parallelism=tp1", "parallelism.nproc_per_node=4", "train.train_iters=5",
-          "checkpoint.save_interval=2", "train.eval_iters=0", "optim.lr=3e-3")
+          "checkpoint.save_interval=2", "train.eval_iters=0", "optim.lr=3e-3",
+          "data.micro_batch_size=1", "data.global_batch_size=4")  # small steps: CPU time
 GTP_LAYOUT = {
     "qwen3": ("parallelism.tensor_model_parallel_size=2", "gtp.gtp_remat_size=2",
               "gtp.pad_for_alignment=16"),
