@@ -410,8 +410,10 @@ def run_job(cfg) -> None:
         # The one resolution of what this process loads (recipes/checkpoint/manager.py).
         plan = ResumePlan.resolve(cfg.checkpoint, repair=is_rank0 and not dry_run)
         note = take_checkpoint_fields(cfg, plan)
-        if note and is_rank0:
-            print(note, flush=True)
+        if note:
+            if is_rank0:
+                print(note, flush=True)
+            check_before_launch(cfg.data)  # a tokenizer taken from the checkpoint, too
     layout = prelaunch.check(cfg, plan=plan)
     if dry_run:
         from recipes.dry_run import report

@@ -501,8 +501,8 @@ def test_a_resume_takes_the_checkpoints_model_and_tokenizer_unless_given():
     """``checkpoint.load=DIR`` alone: every model field and the tokenizer fields come from the
     checkpoint's run (a fine-tune's came from its source); a given field keeps its value (the
     shape check refuses it later); ``model=NAME`` keeps the whole group, ``experiment=NAME``
-    both groups; other data fields are never taken."""
-    saved = {"model": {"num_layers": 4, "hidden_size": 72, "qk_layernorm": True,
+    both groups, one given tokenizer field all three; other data fields are never taken."""
+    saved = {"model": {"name": "src", "num_layers": 4, "hidden_size": 72, "qk_layernorm": True,
                        "not_a_field": 1},
              "data": {"tokenizer": "/src", "eod_id": 0, "global_batch_size": 99}}
     plan = SimpleNamespace(path="/ck/iter_0000002",
@@ -514,20 +514,52 @@ def test_a_resume_takes_the_checkpoints_model_and_tokenizer_unless_given():
 
     cfg, note = take()
     assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.qk_layernorm) == (4, 72, True)
-    assert (cfg.data.tokenizer, cfg.data.eod_id) == ("/src", 0)
+    assert (cfg.data.tokenizer, cfg.data.eod_id, cfg.model.name) == ("/src", 0, "src")
     assert cfg.data.global_batch_size != 99 and "not_a_field" not in cfg.model
     assert note.startswith("> from /ck/iter_0000002 (not given here): model.num_layers=4")
+    assert "model.qk_layernorm=true" in note and "model.name" not in note  # Hydra's spelling
     cfg, _ = take("model.hidden_size=96", "data.tokenizer=byte")
     assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.data.tokenizer) == (96, 4, "byte")
-    assert cfg.data.eod_id == 0
+    assert cfg.data.eod_id is None  # another tokenizer: not the checkpoint's end of document
     cfg, _ = take("model=llama_tiny")
     assert cfg.model.num_layers == make_cfg("model=llama_tiny").model.num_layers != 4
     assert cfg.data.tokenizer == "/src"
     experiment = "experiment=" + _an_experiment()
     cfg, note = take(experiment)
     assert note is None and cfg == make_cfg(experiment)
-    assert take()[1] is not None and checkpointer.take_checkpoint_fields(
-        make_cfg(), None, overrides=[]) is None  # no resume: nothing taken
+    assert checkpointer.take_checkpoint_fields(make_cfg(), None, overrides=[]) is None
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"model": {"num_layers": [2]}}, r"model.num_layers=\[2\], not a valid value"),
+    ({"model": {"swiglu": "maybe"}}, r"model.swiglu='maybe', not a valid value"),
+    ({"model": {"name": "${oc.env:HOME}"}}, r"model.name='\$\{oc.env:HOME\}': not a plain value"),
+    ({"data": {"tokenizer": None}}, r"data.tokenizer=None, not a valid value"),
+    ({"model": {"normalization": {"a": 1}}}, r"not a plain value"),
+    ({"model": "tiny"}, r"run config's model is a str, not a mapping"),
+    (["a"], r"run config's train_state.config is a list, not a mapping"),
+])
+def test_a_saved_config_that_is_not_plain_data_is_refused_naming_the_field(config, match):
+    """A checkpoint is data: a saved value of the wrong type or an OmegaConf interpolation
+    (which would run at resolve time, e.g. copy an environment variable) is one CheckpointError
+    naming the field, never a traceback or a resolved lookup."""
+    from omegaconf import OmegaConf
+
+    from recipes.config import Config
+
+    typed = OmegaConf.merge(OmegaConf.structured(Config), make_cfg())  # as train.py's is
+    plan = SimpleNamespace(path="/ck/iter_0000002", common={"train_state": {"config": config}})
+    with pytest.raises(CheckpointError, match=match):
+        checkpointer.take_checkpoint_fields(typed, plan, overrides=[])
+
+
+def test_loading_a_hugging_face_import_is_refused_pointing_to_pretrained():
+    plan = SimpleNamespace(path="/imp/iter_0000000", common={
+        "hf_imported_from": {"source": "/hf"}, "train_state": {"config": {"model": {}}}})
+    with pytest.raises(CheckpointError, match=r"load: /imp/iter_0000000 is an import of a "
+                                              r"Hugging Face model.*"
+                                              r"checkpoint.pretrained=/imp instead"):
+        checkpointer.take_checkpoint_fields(make_cfg(), plan, overrides=[])
 
 
 def _an_experiment() -> str:

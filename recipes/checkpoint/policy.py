@@ -18,7 +18,7 @@ from pathlib import Path
 
 from omegaconf import open_dict
 
-from gtp.records import saved_layout
+from gtp.records import IMPORTED_KEY, saved_layout
 from recipes import checkpoint
 from recipes.optim_kinds import optimizer_mismatch
 from recipes.checkpoint import CheckpointError
@@ -253,8 +253,10 @@ def format_changes(changes: list[Change]) -> str:
 
 # What a resume takes from the checkpoint's run when the command line does not give it
 # (Megatron-LM's --use-checkpoint-args): the model (None: every field of the group) and the
-# tokenizer it was trained with, which checkpoint.pretrained may have chosen.
+# tokenizer it was trained with, which checkpoint.pretrained may have chosen; the tokenizer's
+# fields go together (another tokenizer with the old end-of-document id would be wrong).
 TAKEN_FROM_CHECKPOINT = {"model": None, "data": ("tokenizer", "eod_id", "vocab_size")}
+_TOGETHER = ("data",)
 
 
 def take_checkpoint_fields(cfg, plan, overrides: list[str] | None = None) -> str | None:
@@ -264,7 +266,9 @@ def take_checkpoint_fields(cfg, plan, overrides: list[str] | None = None) -> str
     tokenizer) or a run of a given model resumes at another layout by ``checkpoint.load=DIR``
     alone. A given field keeps its value, which the checks that follow compare with the
     checkpoint's (:func:`recipes.prelaunch.check_model_shape`, :func:`prepare_resume`);
-    ``model=NAME`` (``data=NAME``) or ``experiment=NAME`` gives every field of the group.
+    ``model=NAME`` (``data=NAME``) or ``experiment=NAME`` gives every field of the group, and
+    giving one tokenizer field gives all three. A saved value is data: only a plain value
+    (number, bool, string without ``${``, null, or a list of them) of the field's type is taken.
 
     Args:
         plan: the resolved :class:`~recipes.checkpoint.manager.ResumePlan` (None: no resume).
@@ -272,11 +276,23 @@ def take_checkpoint_fields(cfg, plan, overrides: list[str] | None = None) -> str
 
     Returns:
         A note naming the fields taken that differed from this config's, or None.
+
+    Raises:
+        CheckpointError: ``plan`` is an import of a Hugging Face model (weights only: start
+            from it with ``checkpoint.pretrained``), or its saved run config is not a mapping
+            or holds a value that is not plain or not of the field's type (named).
     """
     from recipes.config import given_fields, given_overrides
 
-    saved = (((plan.common.get("train_state") or {}).get("config") or {})
-             if plan is not None else {})
+    if plan is None:
+        return None
+    if plan.common.get(IMPORTED_KEY):
+        raise CheckpointError(
+            f"checkpoint.load: {plan.path} is an import of a Hugging Face model (weights only: no "
+            f"optimizer, schedule or data position to resume); start from it with "
+            f"checkpoint.pretrained={Path(plan.path).parent} instead")
+    saved = _mapping((plan.common.get("train_state") or {}).get("config") or {}, plan.path,
+                     "train_state.config")
     overrides = given_overrides() if overrides is None else overrides
     if any(o.split("=", 1)[0].lstrip("+~") == "experiment" for o in overrides):
         return None
@@ -284,16 +300,64 @@ def take_checkpoint_fields(cfg, plan, overrides: list[str] | None = None) -> str
     with open_dict(cfg):
         for group, names in TAKEN_FROM_CHECKPOINT.items():
             given, chosen = given_fields(overrides, group)
+            if group in _TOGETHER and given & set(names):
+                continue
             if chosen or not saved.get(group):
                 continue
-            for key, value in saved[group].items():
+            for key, value in _mapping(saved[group], plan.path, group).items():
                 if ((names is None or key in names) and key in cfg[group] and key not in given
                         and cfg[group][key] != value):
-                    cfg[group][key] = value
-                    taken.append(f"{group}.{key}={value}")
+                    assign_saved(cfg[group], key, value, plan.path, f"{group}.{key}")
+                    if key != "name":  # the preset's label: no override needed
+                        taken.append(f"{group}.{key}={_spelled(value)}")
     if not taken:
         return None
     return f"> from {plan.path} (not given here): " + " ".join(taken)
+
+
+def _mapping(value, path, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: its saved run config's {what} is a "
+                              f"{type(value).__name__}, not a mapping: not a checkpoint of this "
+                              f"project, or damaged")
+    return value
+
+
+def _plain(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, str):
+        return "${" not in value  # an OmegaConf interpolation would run at resolve time
+    return value is None or isinstance(value, (bool, int, float))
+
+
+def assign_saved(node, key: str, value, path, name: str) -> None:
+    """``node[key] = value`` for a value read from the checkpoint ``path`` (``name``: the
+    dotted field, for the message).
+
+    Raises:
+        CheckpointError: ``value`` is not plain (:func:`_plain`) or not of the field's type.
+    """
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not _plain(value):
+        raise CheckpointError(f"{path}: its saved run config has {name}={value!r}: not a plain "
+                              f"value; refused (a checkpoint is data)")
+    try:
+        node[key] = value
+    except (OmegaConfBaseException, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: its saved run config has {name}={value!r}, not a valid "
+                              f"value ({type(exc).__name__}); give {name}=... on the command "
+                              f"line") from None
+
+
+def _spelled(value) -> str:
+    """A value as a Hydra override spells it (null, true/false)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
 
 
 def prepare_resume(cfg, layout, plan=None, auto: bool = False) -> None:
@@ -350,7 +414,8 @@ def prepare_resume(cfg, layout, plan=None, auto: bool = False) -> None:
                 key = name.split(".")[1]
                 if _get(saved, name) is None and name in ADAM_FIELDS + MUON_GROUP_FIELDS:
                     continue  # a checkpoint from before the field was recorded
-                cfg.optim[key] = _decay_iters(saved) if key == "lr_decay_iters" else _get(saved, name)
+                value = _decay_iters(saved) if key == "lr_decay_iters" else _get(saved, name)
+                assign_saved(cfg.optim, key, value, ck.load, name)
 
 
 def _check_optimizer(cfg, layout, saved: dict, saved_layout: dict, root) -> None:
