@@ -302,7 +302,7 @@ def check_model_shape(cfg, plan=None) -> None:
 
     from recipes.checkpoint import CheckpointError
     from recipes.checkpoint.manager import ResumePlan
-    from recipes.checkpoint.policy import is_rank0
+    from recipes.checkpoint.policy import is_rank0, spelled
     from recipes.families import parameter_shapes
 
     if plan is None:
@@ -328,16 +328,8 @@ def check_model_shape(cfg, plan=None) -> None:
             f"{path} holds a differently shaped model: parameters {differ[:4]} differ from this "
             f"config's; resume with the checkpoint's model fields (its resolved_config.yaml), "
             f"or checkpoint.load=null to start from scratch")
-    fixes = " ".join(f"model.{f}={_override_value(saved.get(f))}" for f in changed)
+    fixes = " ".join(f"model.{f}={spelled(saved.get(f))}" for f in changed)
     diffs = ", ".join(f"model.{f}={now.get(f)!r} (checkpoint: {saved.get(f)!r})" for f in changed)
     raise CheckpointError(
         f"{path} holds a differently shaped model: {diffs}; set {fixes} to resume it, or "
         f"checkpoint.load=null to start from scratch")
-
-
-def _override_value(v) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return str(v).lower()
-    return str(v)

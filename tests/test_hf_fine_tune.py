@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from gtp import cli
+from hf_checks import byte_bpe
 from resume_checks import assert_same_step, by_iteration
 
 pytestmark = pytest.mark.multiprocess
@@ -47,18 +48,10 @@ TEXT = "def fine_tune(model):\n    return model  # é"
 
 
 def _tokenizer():
-    """A ``PreTrainedTokenizerFast`` of a byte-level BPE with VOCAB tokens, end of text first."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A ``PreTrainedTokenizerFast`` of the byte-level BPE, end of text first."""
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["hello world"], trainer)
-    assert tok.get_vocab_size() == VOCAB
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    return PreTrainedTokenizerFast(tokenizer_object=byte_bpe(VOCAB), eos_token="<|endoftext|>")
 
 
 def _save_models(root) -> None:

@@ -31,7 +31,7 @@ import torch
 from omegaconf import OmegaConf
 
 from compose import make_cfg
-from hf_checks import assert_import_refused, megatron_logits, pretrained_run
+from hf_checks import assert_import_refused, byte_bpe, megatron_logits, pretrained_run
 from gtp import cli
 from multiproc import run_distributed
 from tolerance import LLAMA_TINY, assert_fp32_close
@@ -81,7 +81,7 @@ def _save_models(root):
     llama.to(torch.bfloat16).save_pretrained(root / "llama_bf16")  # for the bf16 fine-tune
     gpt2.save_pretrained(root / "gpt2", max_shard_size="100KB")  # sharded, with an index
     gpt2_tied.save_pretrained(root / "gpt2_tied")
-    _byte_bpe().save(str(root / "gpt2_tied" / "tokenizer.json"))  # its end of text is id 0
+    byte_bpe(VOCAB).save(str(root / "gpt2_tied" / "tokenizer.json"))  # its end of text is id 0
 
 
 def _save_new_models(root):
@@ -112,20 +112,6 @@ def _save_new_models(root):
                     # above LOGITS_ATOL: the test tells the two activations apart.
                     p.normal_(0, 0.3)
             model.save_pretrained(root / name)
-
-
-def _byte_bpe():
-    """A byte-level BPE of VOCAB tokens: <|endoftext|> (id 0) and the 256 byte symbols."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["hello world"], trainer)
-    assert tok.get_vocab_size() == VOCAB
-    return tok
 
 
 def _tensors(d) -> dict:

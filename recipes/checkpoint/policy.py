@@ -309,7 +309,7 @@ def take_checkpoint_fields(cfg, plan, overrides: list[str] | None = None) -> str
                         and cfg[group][key] != value):
                     assign_saved(cfg[group], key, value, plan.path, f"{group}.{key}")
                     if key != "name":  # the preset's label: no override needed
-                        taken.append(f"{group}.{key}={_spelled(value)}")
+                        taken.append(f"{group}.{key}={spelled(value)}")
     if not taken:
         return None
     return f"> from {plan.path} (not given here): " + " ".join(taken)
@@ -351,7 +351,7 @@ def assign_saved(node, key: str, value, path, name: str) -> None:
                               f"line") from None
 
 
-def _spelled(value) -> str:
+def spelled(value) -> str:
     """A value as a Hydra override spells it (null, true/false)."""
     if value is None:
         return "null"

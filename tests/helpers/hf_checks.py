@@ -1,7 +1,8 @@
 """What the Hugging Face import tests share (tests/test_hf_import.py,
-tests/test_hf_import_moe.py): an import refused for a changed ``config.json``, and (worker-side,
-inside a :func:`multiproc.run_distributed` world) a ``checkpoint.pretrained`` run's model as its
-workers build it and megatron's logits of it, gathered whole, to compare with transformers'."""
+tests/test_hf_import_moe.py, tests/test_hf_fine_tune.py): a byte-level BPE tokenizer, an import
+refused for a changed ``config.json``, and (worker-side, inside a
+:func:`multiproc.run_distributed` world) a ``checkpoint.pretrained`` run's model as its workers
+build it and megatron's logits of it, gathered whole, to compare with transformers'."""
 
 from __future__ import annotations
 
@@ -69,3 +70,18 @@ def pretrained_run(cfg_yaml: str) -> tuple:
         cfg, validate(cfg, torch.distributed.get_world_size()))
     pretrained.load_weights(cfg, model, optimizer)
     return cfg, tokenizer, model, optimizer, scheduler
+
+
+def byte_bpe(vocab: int = 257):
+    """A byte-level BPE (``tokenizers.Tokenizer``) of ``vocab`` tokens: ``<|endoftext|>`` (id 0)
+    and the 256 byte symbols, trained on one phrase."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world"], trainer)
+    assert tok.get_vocab_size() == vocab
+    return tok
