@@ -32,7 +32,7 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
 from gtp.alignment import applied_pad_for_alignment
-from gtp.layout import TensorLayout, logical_pieces
+from gtp.layout import TensorLayout, logical_pieces, logical_rows
 
 
 class GTPCheckpointError(RuntimeError):
@@ -142,6 +142,10 @@ def _build_pieces(spec: LogicalSpec, key: str, data: torch.Tensor, replica_id, f
     cols, col0 = spec.global_cols()
     out = []
     for piece, lo, hi, global_offset, global_size in spec.extents():
+        # An empty piece of an all-padding shard sits at one offset on every rank that has one:
+        # one rank writes it, or torch_dist keeps one record and the other ranks' bytes sit in
+        # their files unrecorded (a save that gtp verify then refuses).
+        rid = replica_id if hi > lo or _writes_empty_piece(spec) else _not_main(replica_id)
         part = data if (lo, hi) == (0, data.shape[0]) else _rows(data, lo, hi)
         # Layer axes go into the local shape (a view with leading 1s), not prepend_axis_num:
         # megatron sends irregular ShardedTensors through CheckpointableShardedTensor, which
@@ -152,9 +156,27 @@ def _build_pieces(spec: LogicalSpec, key: str, data: torch.Tensor, replica_id, f
             tuple(pre_shape) + (global_size, cols),
             tuple(pre_offset) + (global_offset, col0),
             None,  # irregular: explicit global shape and offset
-            replica_id=replica_id,
+            replica_id=rid,
         ))
     return out
+
+
+def _writes_empty_piece(spec: LogicalSpec) -> bool:
+    """Whether this rank writes its empty piece: the first all-padding GTP rank, at TP rank 0
+    (a row-parallel weight's empty pieces differ in their column offset, one per TP rank)."""
+    lay = spec.layout
+    empty = [r for r in range(lay.g) if logical_rows(lay.L, lay.g, lay.pad_for_alignment, r)[0]
+             == logical_rows(lay.L, lay.g, lay.pad_for_alignment, r)[1]]
+    if not empty:  # a piece emptied by kept_rows: not an all-padding shard's
+        return True
+    return lay.gtp_rank == empty[0] and (lay.tp_axis == 1 or lay.tp_rank == 0)
+
+
+def _not_main(replica_id):
+    """``replica_id`` marked as not the main replica (megatron saves main replicas only)."""
+    if isinstance(replica_id, tuple):
+        return (replica_id[0] + 1,) + tuple(replica_id[1:])
+    return replica_id + 1
 
 
 def _rows(data: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

@@ -51,7 +51,10 @@ LAYOUTS = {
 # llama_tiny: 6 query heads of 12 channels in 2 K/V groups (QKV rows (6 + 2*2) * 12 = 120, 60
 # per TP rank at tp2: one whole group each; a16 pads 60 to 64 and 120 to 128, so GTP shards cut
 # through a group's query and K/V rows), SwiGLU fc1 400 rows.
-LLAMA_LAYOUTS = ("off", "tp2", "g2a16", "tp2g2a16")
+# tp2 x g2/a64 pads QKV's 60 rows per TP rank to 128: GTP rank 1 holds only padding on both TP
+# ranks, so two ranks have an empty piece at one offset (written once: test_every_save_verifies).
+LLAMA_LAYOUTS = {**{name: LAYOUTS[name] for name in ("off", "tp2", "g2a16", "tp2g2a16")},
+                 "tp2g2a64": (2, 2, 64)}
 
 
 # The pipeline / distributed-optimizer matrix (bf16): name -> (model, tp, g, pad, extra
@@ -417,7 +420,7 @@ def matrix(tmp_path_factory):
     cfgs = {name: make_cfg("tiny_swiglu", tp, g, pad, WORLD) for name, (tp, g, pad) in LAYOUTS.items()}
     plain = {"tp2": make_cfg("tiny", 2, 1, None, WORLD),
              "tp2g2a16": make_cfg("tiny", 2, 2, 16, WORLD)}
-    llama = {name: make_cfg("llama_tiny", *LAYOUTS[name], WORLD) for name in LLAMA_LAYOUTS}
+    llama = {name: make_cfg("llama_tiny", *lay, WORLD) for name, lay in LLAMA_LAYOUTS.items()}
     pp_cfgs = {name: make_cfg(model, tp, g, pad, WORLD, "logical", *extra)
                for name, (model, tp, g, pad, extra) in PP_LAYOUTS.items()}
     t0 = time.time()
@@ -446,7 +449,7 @@ def test_every_layout_pair_restores_weights_and_moments_exactly(matrix):
 def test_llama_gqa_every_layout_pair_restores_exactly(matrix):
     """GQA QKV (query groups interleaved with K and V), SwiGLU fc1 and every other weight and
     Adam moment of llama_tiny, row by row (rtol=0), for every pair of
-    {tp1, tp2, g2/a16, tp2 x g2/a16}."""
+    {tp1, tp2, g2/a16, tp2 x g2/a16, tp2 x g2/a64}."""
     _, results = matrix
     for rank, res in enumerate(results):
         loads = res["llama"]["loads"]
@@ -457,6 +460,20 @@ def test_llama_gqa_every_layout_pair_restores_exactly(matrix):
     padded = sum(r["llama"]["coverage"]["tp2g2a16"]["padded"] for r in results)
     straddle = sum(r["llama"]["coverage"]["g2a16"]["straddle"] for r in results)
     assert padded > 0 and straddle > 0, (padded, straddle)
+
+
+def test_every_save_verifies(matrix):
+    """``gtp verify`` reads every byte of every checkpoint the matrix saved: each byte belongs to
+    a record of .metadata (an all-padding shard's empty piece, at one offset on several ranks,
+    is written by one of them) and every CRC holds."""
+    from gtp import verify
+
+    root, _ = matrix
+    iters = sorted(p for p in root.rglob("iter_*") if p.is_dir())
+    assert len(iters) >= 13 and any("llama_tp2g2a64" in str(p) for p in iters)
+    for path in iters:
+        report = verify.verify_iteration(path)
+        assert not report.problems, (str(path), [str(p) for p in report.problems[:4]])
 
 
 def test_built_models_have_the_shapes_of_the_table(matrix):
