@@ -12,8 +12,9 @@ from __future__ import annotations
 def before_model(cfg, layout) -> None:
     """Install the portable backend (when TransformerEngine is not usable), the num-zeros
     patch (``gtp.grad_stats``: GTP padding rows are not gradient elements) and, for tied
-    embeddings, ``gtp.tied_output`` (the output layer takes the embedding's GTP shard), run megatron's recipe
-    hook, then apply the resolved ``pad_for_alignment`` (megatron 0.19.2 would keep 16).
+    embeddings, ``gtp.tied_output`` (the output layer takes the embedding's GTP shard), run
+    megatron's recipe hook, then apply the resolved ``pad_for_alignment`` (megatron 0.19.2
+    would keep 16).
 
     First, at every layout (GTP off included): ``checkpoint.format`` picks how GTP weights
     are checkpointed ("logical": ``gtp.logical_format`` patch installed; "stock": megatron 0.19.2)."""
