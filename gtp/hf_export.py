@@ -20,7 +20,7 @@ from pathlib import Path
 
 from gtp import families
 from gtp.families import ExportError  # noqa: F401 - raised here; callers catch it from here
-from gtp.records import IMPORTED_KEY, saved_layout
+from gtp.records import imported_from, saved_layout
 
 # The byte tokenizer of recipes (256 byte values + <eod>) when the run recorded no vocab size.
 BYTE_VOCAB_SIZE = 257
@@ -91,8 +91,7 @@ def _token_ids(common: dict, eod) -> dict:
     """bos/eos/pad ids: those of the HF model a checkpoint was imported from
     (:mod:`gtp.hf_import`) or its run was started from (``checkpoint.pretrained``), else the
     run's end of document for all three."""
-    imported = (common.get(IMPORTED_KEY) or (common.get("train_state") or {}).get(IMPORTED_KEY)
-                or {})
+    imported = imported_from(common) or {}
     if imported:
         return {k: imported.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     return {"bos_token_id": eod, "eos_token_id": eod, "pad_token_id": eod}

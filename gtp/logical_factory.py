@@ -165,8 +165,8 @@ def _writes_empty_piece(spec: LogicalSpec) -> bool:
     """Whether this rank writes its empty piece: the first all-padding GTP rank, at TP rank 0
     (a row-parallel weight's empty pieces differ in their column offset, one per TP rank)."""
     lay = spec.layout
-    empty = [r for r in range(lay.g) if logical_rows(lay.L, lay.g, lay.pad_for_alignment, r)[0]
-             == logical_rows(lay.L, lay.g, lay.pad_for_alignment, r)[1]]
+    empty = [r for r in range(lay.g)
+             if not len(range(*logical_rows(lay.L, lay.g, lay.pad_for_alignment, r)))]
     if not empty:  # a piece emptied by kept_rows: not an all-padding shard's
         return True
     return lay.gtp_rank == empty[0] and (lay.tp_axis == 1 or lay.tp_rank == 0)

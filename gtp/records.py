@@ -29,6 +29,12 @@ PAD_KEY = "pad_for_alignment"
 IMPORTED_KEY = "hf_imported_from"
 
 
+def imported_from(common: dict) -> dict | None:
+    """The :data:`IMPORTED_KEY` record of a checkpoint's common state: top-level in an import,
+    in ``train_state`` in a save of a run started from one; None when neither holds one."""
+    return common.get(IMPORTED_KEY) or (common.get("train_state") or {}).get(IMPORTED_KEY)
+
+
 def layout_defaults(rec: dict) -> dict:
     """The layout keys a record written before they existed lacks, at the value such a run had:
     no sequence parallelism, expert parallel size 1, expert tensor parallel size = the record's

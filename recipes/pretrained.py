@@ -223,14 +223,13 @@ def load_weights(cfg, model, optimizer) -> dict | None:
     from recipes.checkpoint.load import load_model_weights
 
     torch.distributed.barrier()  # the import (global rank 0, before its launch) is complete
-    from gtp.records import IMPORTED_KEY
+    from gtp.records import imported_from
     from recipes.checkpoint.load import load_common
 
     path = load_model_weights(checkpoint_root(cfg), model,
                               verify=cfg.checkpoint.get("verify_on_load", True))
     optimizer.reload_model_params()
-    common = load_common(path.parent, int(path.name[5:]))[1]
-    return common.get(IMPORTED_KEY) or (common.get("train_state") or {}).get(IMPORTED_KEY)
+    return imported_from(load_common(path.parent, int(path.name[5:]))[1])
 
 
 def describe(cfg) -> dict:
