@@ -86,15 +86,16 @@ def world_size_of(cfg) -> int:
     return int(cfg.parallelism.nproc_per_node)
 
 
-def _jobs(cache_dir, jobs):
+def _jobs(jobs):
     import torch.distributed as dist
 
     from recipes import launch
+    from recipes.config import register_configs
 
+    register_configs()  # the resolvers a composed config may still name
     rank = dist.get_rank()
     consoles = []
-    for out_dir, overrides in jobs:
-        cfg = compose_job(out_dir, cache_dir, overrides)
+    for out_dir, overrides, cfg in jobs:
         assert world_size_of(cfg) == dist.get_world_size(), (out_dir, world_size_of(cfg))
         buf = io.StringIO()
         try:
@@ -119,14 +120,17 @@ def train_jobs(cache_dir, jobs, timeout: float = 900) -> list[Job]:
     Raises:
         multiproc.DistributedTestError: a job failed (its rank-0 console and traceback named).
     """
+    # Composed once here, not on every rank: Hydra's compose costs more CPU than a tiny job's
+    # training. Each rank gets a pickled copy, as a torchrun rank reads the resolved config.
     jobs = [(str(out), list(overrides)) for out, overrides in jobs]
     groups: list[tuple[int, list]] = []
     for out, overrides in jobs:
-        size = world_size_of(compose_job(out, cache_dir, overrides))
+        cfg = compose_job(out, cache_dir, overrides)
+        size = world_size_of(cfg)
         if not groups or groups[-1][0] != size:
             groups.append((size, []))
-        groups[-1][1].append((out, overrides))
+        groups[-1][1].append((out, overrides, cfg))
     consoles = []
     for size, group in groups:
-        consoles += run_distributed(_jobs, size, str(cache_dir), group, timeout=timeout)[0]
+        consoles += run_distributed(_jobs, size, group, timeout=timeout)[0]
     return [Job(Path(out), text) for (out, _), text in zip(jobs, consoles)]

@@ -31,6 +31,7 @@ import queue as queue_mod
 import socket
 import time
 import traceback
+from pathlib import Path
 
 # Ranks still running this long after another rank failed are assumed blocked and terminated.
 _GRACE_AFTER_FAILURE_S = 10.0
@@ -47,16 +48,31 @@ PRELOAD = [
     "recipes.launch", "recipes.worker", "recipes.loop", "recipes.model", "recipes.optim",
     "recipes.checkpoint", "recipes.metrics", "recipes.data",
     "gtp.logical_format", "gtp.logical_factory",
+    "frozen_preload",  # last: freezes what the imports above built
 ]
 _CONTEXT = None
+HELPERS = Path(__file__).resolve().parent
 
 
 def _context():
     """The session's forkserver context, its preload list set before the server starts."""
     global _CONTEXT
     if _CONTEXT is None:
+        from multiprocessing import forkserver
+
         _CONTEXT = mp.get_context("forkserver")
         _CONTEXT.set_forkserver_preload(PRELOAD)
+        # Python 3.12's forkserver is passed the caller's sys.path but never applies it: it finds
+        # this folder's ``frozen_preload`` through PYTHONPATH, set while the server starts.
+        saved = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HELPERS), saved]))
+        try:
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = saved
     return _CONTEXT
 
 
