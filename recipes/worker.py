@@ -98,13 +98,15 @@ _FROZEN: list[bool] = []  # non-empty once this process froze its objects
 def freeze_imported_objects() -> None:
     """Once per process: move every object alive now (the modules torch, megatron-core and
     their imports built, about half a million on CPU) out of reach of Python's cyclic garbage
-    collector (``gc.freeze``); later calls do nothing.
+    collector (``gc.freeze``); later calls do nothing. (``gc.get_freeze_count()`` cannot tell:
+    an import may already have frozen a few hundred objects of its own.)
 
     They live as long as the process does, yet every full collection walks them: megatron calls
     ``gc.collect()`` itself in each distributed-optimizer save and load
-    (``DistributedOptimizer.sharded_state_dict``), 0.17 s each here, and automatic collections
-    add more. Only the first call freezes: a process that builds a second model (a test world)
-    would otherwise freeze the first one's cycles, and with them its process groups' threads.
+    (``DistributedOptimizer.sharded_state_dict``), each a sizeable part of a second on CPU, and
+    automatic collections add more. Only the first call freezes: a process that builds a second
+    model (a test world) would otherwise freeze the first one's cycles, and with them its
+    process groups' threads.
     """
     import gc
 
