@@ -460,6 +460,9 @@ def _refuse_crafted_metadata(path) -> None:
 def main(argv=None, out=None) -> int:
     """Run the CLI; returns the exit code (errors: message on stderr, code 2)."""
     _quiet()
+    from mcore_compat import lazy_compile
+
+    lazy_compile.install()  # before megatron is imported: start-up time
     out = out or sys.stdout
     parser = build_parser()
     try:

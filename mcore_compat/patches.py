@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 
-from mcore_compat.version import check_megatron_version
+from mcore_compat.version import check_megatron_version, installed_megatron_version
 
 # "module.function" -> the megatron functions or state it patches (for the gate's message).
 PATCHES: dict[str, str] = {}
@@ -35,10 +35,7 @@ def megatron_patch(patches: str):
 
         @functools.wraps(fn)
         def gated(*args, **kwargs):
-            # Lazy (start-up time): declaring a patch must not import megatron.
-            import megatron.core
-
-            check_megatron_version(megatron.core.__version__, f"{name} patches {patches}")
+            check_megatron_version(installed_megatron_version(), f"{name} patches {patches}")
             return fn(*args, **kwargs)
 
         gated.megatron_patch = patches

@@ -3,6 +3,8 @@ written against."""
 
 from __future__ import annotations
 
+import sys
+
 SUPPORTED_MEGATRON_VERSION = "0.19.2"
 
 
@@ -22,3 +24,19 @@ def check_megatron_version(version: str, patched: str = "gtp/ patches megatron-c
             f"megatron-core {version}. Re-check the patched functions against this version "
             "before extending the gate."
         )
+
+
+def installed_megatron_version() -> str:
+    """megatron-core's version: ``megatron.core.__version__`` once it is imported, otherwise the
+    installed distribution's, so that a patch that must run before megatron is imported
+    (:func:`mcore_compat.lazy_compile.install`) is gated without importing it.
+
+    Raises:
+        importlib.metadata.PackageNotFoundError: megatron-core is neither imported nor installed.
+    """
+    core = sys.modules.get("megatron.core")
+    if core is not None:
+        return core.__version__
+    from importlib.metadata import version
+
+    return version("megatron-core")

@@ -14,6 +14,10 @@ if __name__ == "__main__":  # a worker: keep a signal that comes while torch is 
     from recipes import preemption as _preemption
 
     _preemption.note_early()
+    # Before megatron is imported: its import-time torch.compile costs seconds on every rank.
+    from mcore_compat import lazy_compile as _lazy_compile
+
+    _lazy_compile.install()
 
 import os
 import random

@@ -36,6 +36,7 @@ EXPECTED = {
     "recipes.families.moe.model.experts_leave_rng_alone",
     "gtp.safe_objects.install",
     "gtp.tied_output.install",
+    "mcore_compat.lazy_compile.install",
 }
 
 
@@ -118,7 +119,7 @@ import megatron.core
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 for m in MODULES:
     importlib.import_module(m)
-from mcore_compat import cpu
+from mcore_compat import cpu, lazy_compile
 from mcore_compat.patches import PATCHES
 refused = {}
 for name in sorted(PATCHES):
@@ -134,7 +135,8 @@ for name in sorted(PATCHES):
     except RuntimeError as exc:
         refused[name] = str(exc)
     megatron.core.__version__ = "0.19.2"
-untouched = getattr(filesystem_async, "_results_queue", None) is None and not cpu.is_installed()
+untouched = (getattr(filesystem_async, "_results_queue", None) is None
+             and not cpu.is_installed() and not lazy_compile.is_installed())
 print(json.dumps({"registered": PATCHES, "refused": refused, "untouched": untouched}))
 """
 

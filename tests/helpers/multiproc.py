@@ -38,8 +38,10 @@ _GRACE_AFTER_FAILURE_S = 10.0
 
 # Imported once by the forkserver, before any rank forks from it: the modules a training job's
 # rank imports (torch, megatron-core, Hydra, the project's worker path). Imports only: none of
-# them patches megatron or starts a thread at import time.
+# them starts a thread, and none patches megatron but the first, which defers its import-time
+# torch.compile as a worker does before it imports megatron.
 PRELOAD = [
+    "deferred_compile_preload",  # first: before megatron is imported
     "torch", "torch.distributed", "torch.distributed.checkpoint",
     "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer",
     "megatron.core.dist_checkpointing", "megatron.core.pipeline_parallel",
@@ -63,7 +65,7 @@ def _context():
         _CONTEXT = mp.get_context("forkserver")
         _CONTEXT.set_forkserver_preload(PRELOAD)
         # Python 3.12's forkserver is passed the caller's sys.path but never applies it: it finds
-        # this folder's ``frozen_preload`` through PYTHONPATH, set while the server starts.
+        # this folder's preload modules through PYTHONPATH, set while the server starts.
         saved = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HELPERS), saved]))
         try:
