@@ -283,3 +283,50 @@ def child_pids(module: str, parent: int | None = None) -> list[int]:
         if module.encode() in args:
             out.append(int(stat.parent.name))
     return out
+
+
+# How long a rank whose collective failed waits for its own Ctrl-C (train.py's launcher sends it
+# to every worker at once; a rank still in a collective sees the first one leave before that).
+PEER_INTERRUPT_GRACE_S = 3.0
+
+
+def part_of_interrupt(exc: BaseException, grace_s: float | None = None) -> bool:
+    """Whether the error ``exc`` that ends this worker is its share of a Ctrl-C.
+
+    True when a ``KeyboardInterrupt`` is in ``exc``'s chain (``__cause__``/``__context__``), or
+    when ``exc`` is a failed collective (``torch.distributed.DistError``, or gloo's
+    ``RuntimeError`` "Connection closed by peer") and this process receives SIGINT within
+    ``grace_s`` seconds (waited for here; a SIGINT the run exits on counts once noted). Any
+    other error, or a failed collective with no SIGINT after it (a peer that crashed), is not.
+
+    Args:
+        exc: the exception that left the worker's run.
+        grace_s: seconds to wait for SIGINT after a failed collective (default
+            :data:`PEER_INTERRUPT_GRACE_S`).
+    """
+    chain, seen = [], exc
+    while seen is not None and seen not in chain:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    if any(isinstance(e, KeyboardInterrupt) for e in chain):
+        return True
+    if not any(_collective_failed(e) for e in chain):
+        return False
+    deadline = time.monotonic() + (PEER_INTERRUPT_GRACE_S if grace_s is None else grace_s)
+    try:
+        while time.monotonic() < deadline:
+            if received() == signal.SIGINT:
+                return True
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        return True
+    return False
+
+
+def _collective_failed(exc: BaseException) -> bool:
+    """A collective that failed because a peer left: any backend's ``DistError``, or gloo's
+    ``RuntimeError``, which names its transport's "closed/reset by peer"."""
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and isinstance(exc, getattr(distributed, "DistError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and "by peer" in str(exc)

@@ -398,9 +398,15 @@ def main(argv=None) -> None:
     if len(argv) != 1:
         raise SystemExit(f"usage: python -m recipes.worker {RESOLVED_CONFIG}")
     cfg = OmegaConf.load(argv[0])
+    from recipes.preemption import part_of_interrupt
+
     try:
         record(_run_or_refuse)(cfg, launcher is not None)
-    except KeyboardInterrupt:  # Ctrl-C: one line per rank, the launcher names the checkpoint
+    except (KeyboardInterrupt, Exception) as exc:
+        # Ctrl-C: one line per rank, the launcher names the checkpoint. A rank still in a
+        # collective (a save's) sees the first rank that leaves before its own SIGINT.
+        if not part_of_interrupt(exc):
+            raise
         print(f"> rank {os.environ.get('RANK', '?')}: interrupted", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
 
