@@ -31,14 +31,17 @@ train: setup ## train the tiny GPT on the embedded corpus with 2 CPU processes (
 # run_distributed). Under 2 minutes on 2 cores (`make test`: under 30; docs/testing.md): two
 # pytest-xdist workers, one per core (these tests start no processes of their own). The others
 # run one at a time: each starts its own processes, which already keep both cores busy.
-# Both halves run even when the first fails; exit code 5 is pytest's "no test selected" (ARGS
-# chose tests of the other kind only), an error only when neither half selected any.
+# Both halves run even when the first fails, but not after Ctrl-C or a usage error (exit 2);
+# exit code 5 is pytest's "no test selected" (ARGS chose tests of the other kind only), an
+# error only when neither half selected any. Each half has its own -m: select with paths or
+# -k in ARGS (a -m there would replace the half's).
 UNIT := -m "not multiprocess and not e2e"
 WORLD := -m "multiprocess or e2e"
 
 test: setup ## run unit, multi-process and end-to-end tests on CPU
-	@unit=0; world=0; \
+	@trap 'exit 130' INT; unit=0; world=0; \
 	$(PY) -m pytest -n 2 $(UNIT) $(ARGS) || unit=$$?; \
+	[ $$unit -ne 2 ] || exit 2; \
 	$(PY) -m pytest $(WORLD) $(ARGS) || world=$$?; \
 	[ "$$unit$$world" != 55 ] || exit 5; \
 	for rc in $$unit $$world; do [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc; done

@@ -462,7 +462,7 @@ def main(argv=None, out=None) -> int:
     _quiet()
     from mcore_compat import lazy_compile
 
-    lazy_compile.install()  # before megatron is imported: start-up time
+    lazy_compile.install_if_supported()  # before megatron is imported: start-up time
     out = out or sys.stdout
     parser = build_parser()
     try:

@@ -7,8 +7,12 @@ imports) does its scalar updates and ``megatron.core.transformer.moe.router`` on
 Inductor at once: about a third of the time a training process spends importing, on every
 rank, for functions that a CPU run never calls. Here the decoration returns a stand-in that
 calls ``torch.compile(fn, **options)`` on its first call and delegates to the result: the same
-compiled function, compiled at the same moment (the first call), so nothing changes but when
-Dynamo is imported.
+compiled function, compiled at the same moment (the first call). What ``torch.compile`` checks
+when it decorates (``mode`` with ``options``, the Python version) is checked at that first call.
+
+While such an import runs, ``torch.compile`` is the stand-in for the whole process, so what that
+module imports in turn (TransformerEngine's fusions on a GPU machine) and another thread's
+``torch.compile`` are deferred too: the same compiled functions, later.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import sys
+import threading
 
 from mcore_compat.patches import megatron_patch
 
@@ -33,8 +38,9 @@ def lazy_compile(model=None, **options):
         **options: ``torch.compile``'s keyword arguments, passed unchanged.
 
     Returns:
-        A function with ``model``'s name and docstring that, on its first call, compiles
-        ``model`` with the real ``torch.compile`` and from then on calls the compiled function.
+        For a function, a function with its name and docstring that, on its first call,
+        compiles it with the real ``torch.compile`` and from then on calls the compiled
+        function; for a module, ``torch.compile``'s ``OptimizedModule``; for None, a decorator.
     """
     import torch
 
@@ -55,6 +61,9 @@ def lazy_compile(model=None, **options):
 
 # torch.compile as torch defines it, saved by the first deferring import.
 _REAL_COMPILE: list = []
+# Deferring imports under way, in any thread: torch.compile is the stand-in while above 0.
+_DEPTH = [0]
+_DEPTH_LOCK = threading.Lock()
 
 
 class _DeferringLoader:
@@ -66,6 +75,8 @@ class _DeferringLoader:
         self._loader = loader
 
     def __getattr__(self, name):
+        if name == "_loader":  # not set yet (a copy): no recursion
+            raise AttributeError(name)
         return getattr(self._loader, name)
 
     def create_module(self, spec):
@@ -74,14 +85,18 @@ class _DeferringLoader:
     def exec_module(self, module):
         import torch
 
-        before = torch.compile
-        if not _REAL_COMPILE:
-            _REAL_COMPILE.append(before)
-        torch.compile = lazy_compile
+        with _DEPTH_LOCK:
+            if not _REAL_COMPILE:
+                _REAL_COMPILE.append(torch.compile)
+            _DEPTH[0] += 1
+            torch.compile = lazy_compile
         try:
             self._loader.exec_module(module)
         finally:
-            torch.compile = before
+            with _DEPTH_LOCK:
+                _DEPTH[0] -= 1
+                if _DEPTH[0] == 0:
+                    torch.compile = _REAL_COMPILE[0]
 
 
 class _DeferringFinder(importlib.abc.MetaPathFinder):
@@ -91,7 +106,10 @@ class _DeferringFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
         if not any(fullname == p or fullname.startswith(p + ".") for p in DEFERRED_PACKAGES):
             return None
-        for finder in sys.meta_path[sys.meta_path.index(self) + 1:]:
+        finders = list(sys.meta_path)
+        # Called while not on sys.meta_path (a stale copy of it): not this finder's import.
+        rest = finders[finders.index(self) + 1:] if self in finders else []
+        for finder in rest:
             find = getattr(finder, "find_spec", None)
             spec = find(fullname, path, target) if find else None
             if spec is not None:
@@ -117,6 +135,30 @@ def install() -> None:
 
     Raises:
         RuntimeError: the installed megatron-core is not the supported version (the gate).
+        importlib.metadata.PackageNotFoundError: megatron-core is not imported and has no
+            package metadata (:func:`install_if_supported` skips the deferral instead).
     """
     if not is_installed():
         sys.meta_path.insert(0, _DeferringFinder())
+
+
+def install_if_supported() -> bool:
+    """:func:`install` where the installed megatron-core is the supported one; nothing elsewhere.
+
+    The deferral only saves start-up time, so a process does not stop for it: an unsupported
+    megatron-core, or one whose version is unknown before its import (a source checkout on
+    ``PYTHONPATH`` without package metadata), is refused by the patches that change behaviour.
+
+    Returns:
+        Whether the deferral is installed.
+    """
+    from importlib.metadata import PackageNotFoundError
+
+    from mcore_compat.version import check_megatron_version, installed_megatron_version
+
+    try:
+        check_megatron_version(installed_megatron_version())
+    except (RuntimeError, PackageNotFoundError):
+        return False
+    install()
+    return True

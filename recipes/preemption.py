@@ -293,21 +293,26 @@ PEER_INTERRUPT_GRACE_S = 3.0
 def part_of_interrupt(exc: BaseException, grace_s: float | None = None) -> bool:
     """Whether the error ``exc`` that ends this worker is its share of a Ctrl-C.
 
-    True when a ``KeyboardInterrupt`` is in ``exc``'s chain (``__cause__``/``__context__``), or
-    when ``exc`` is a failed collective (``torch.distributed.DistError``, or gloo's
-    ``RuntimeError`` "Connection closed by peer") and this process receives SIGINT within
-    ``grace_s`` seconds (waited for here; a SIGINT the run exits on counts once noted). Any
-    other error, or a failed collective with no SIGINT after it (a peer that crashed), is not.
+    True when a ``KeyboardInterrupt`` is in ``exc``'s chain (every ``__cause__`` and
+    ``__context__``), or when the chain holds a failed collective (``torch.distributed.DistError``,
+    or a ``RuntimeError`` whose message says "by peer", as gloo's "Connection closed by peer")
+    and this process receives SIGINT within ``grace_s`` seconds (waited for here; a SIGINT the run
+    exits on counts once noted after this call starts). Any other error is not; nor is a failed
+    collective followed by no signal (a peer that crashed) or first by another one (the
+    launcher's SIGTERM to the survivors of a crash), which returns as soon as that signal comes.
 
     Args:
         exc: the exception that left the worker's run.
         grace_s: seconds to wait for SIGINT after a failed collective (default
             :data:`PEER_INTERRUPT_GRACE_S`).
     """
-    chain, seen = [], exc
-    while seen is not None and seen not in chain:
-        chain.append(seen)
-        seen = seen.__cause__ or seen.__context__
+    noted = len(_received)
+    chain, todo = [], [exc]
+    while todo:  # by identity: an exception chain may loop
+        seen = todo.pop()
+        if seen is not None and not any(seen is e for e in chain):
+            chain.append(seen)
+            todo += [seen.__cause__, seen.__context__]
     if any(isinstance(e, KeyboardInterrupt) for e in chain):
         return True
     if not any(_collective_failed(e) for e in chain):
@@ -315,8 +320,8 @@ def part_of_interrupt(exc: BaseException, grace_s: float | None = None) -> bool:
     deadline = time.monotonic() + (PEER_INTERRUPT_GRACE_S if grace_s is None else grace_s)
     try:
         while time.monotonic() < deadline:
-            if received() == signal.SIGINT:
-                return True
+            if _received[noted:]:
+                return _received[noted] == signal.SIGINT
             time.sleep(0.05)
     except KeyboardInterrupt:
         return True

@@ -17,7 +17,7 @@ if __name__ == "__main__":  # a worker: keep a signal that comes while torch is 
     # Before megatron is imported: its import-time torch.compile costs seconds on every rank.
     from mcore_compat import lazy_compile as _lazy_compile
 
-    _lazy_compile.install()
+    _lazy_compile.install_if_supported()
 
 import os
 import random
@@ -386,7 +386,11 @@ def _run_or_refuse(cfg, launched_by_train_py: bool) -> None:
 
 
 def main(argv=None) -> None:
-    """Entry point: load the resolved config and run."""
+    """Entry point: load the resolved config and run.
+
+    Raises:
+        SystemExit: 2 for a refusal (its message recorded for the launcher), 130 on Ctrl-C.
+    """
     from torch.distributed.elastic.multiprocessing.errors import record
 
     launcher = os.environ.pop(LAUNCHER_PID_ENV, None)
@@ -398,14 +402,24 @@ def main(argv=None) -> None:
     if len(argv) != 1:
         raise SystemExit(f"usage: python -m recipes.worker {RESOLVED_CONFIG}")
     cfg = OmegaConf.load(argv[0])
+    # Inside record(): torch's error file is written for a failure, not for an interrupt.
+    record(_run_or_interrupt)(cfg, launcher is not None)
+
+
+def _run_or_interrupt(cfg, launched_by_train_py: bool) -> None:
+    """:func:`_run_or_refuse`; Ctrl-C exits 130 with one line per rank (the launcher names the
+    checkpoint), also on a rank still in a collective (a save's) that sees the first rank leave
+    before its own SIGINT comes (:func:`recipes.preemption.part_of_interrupt`)."""
     from recipes.preemption import part_of_interrupt
 
     try:
-        record(_run_or_refuse)(cfg, launcher is not None)
+        _run_or_refuse(cfg, launched_by_train_py)
     except (KeyboardInterrupt, Exception) as exc:
-        # Ctrl-C: one line per rank, the launcher names the checkpoint. A rank still in a
-        # collective (a save's) sees the first rank that leaves before its own SIGINT.
-        if not part_of_interrupt(exc):
+        try:
+            interrupted = part_of_interrupt(exc)
+        except KeyboardInterrupt:  # the SIGINT came while it looked at the chain
+            interrupted = True
+        if not interrupted:
             raise
         print(f"> rank {os.environ.get('RANK', '?')}: interrupted", file=sys.stderr, flush=True)
         raise SystemExit(130) from None

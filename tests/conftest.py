@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 # As a worker does before it imports megatron: its import-time torch.compile costs seconds.
 from mcore_compat import lazy_compile  # noqa: E402
 
-lazy_compile.install()
+lazy_compile.install_if_supported()
 # Small and fast: the tiny model, few iterations, one warmup step (tests/helpers/inworld.py's).
 from inworld import FAST  # noqa: E402
 # `make test-times`: the per-file time table in docs/testing.md (tests/helpers/time_table.py).

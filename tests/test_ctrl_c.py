@@ -13,10 +13,20 @@ import pytest
 
 from recipes import preemption, worker
 
+
 def peer_left() -> RuntimeError:
     """What gloo raises in a collective when a peer's process is gone (torch 2.14)."""
     return RuntimeError("[gloo/transport/tcp/pair.cc:561] Connection closed by peer "
                         "[127.0.0.1]:51353")
+
+
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises ``KeyboardInterrupt``, as in a worker (Python's default; pytest-xdist's
+    workers ignore SIGINT)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 def _sigint_in(seconds: float) -> threading.Timer:
@@ -25,7 +35,7 @@ def _sigint_in(seconds: float) -> threading.Timer:
     return timer
 
 
-def test_a_failed_collective_followed_by_sigint_is_the_interrupt():
+def test_a_failed_collective_followed_by_sigint_is_the_interrupt(sigint_raises):
     started = time.monotonic()
     timer = _sigint_in(0.2)
     try:
@@ -40,6 +50,21 @@ def test_a_failed_collective_without_sigint_is_an_error():
     started = time.monotonic()
     assert not preemption.part_of_interrupt(peer_left(), grace_s=0.3)
     assert time.monotonic() - started >= 0.3
+
+
+def test_a_failed_collective_then_another_signal_is_an_error_at_once(monkeypatch):
+    """The launcher's SIGTERM to the survivors of a crashed rank ends the wait; a SIGINT
+    noted before the failure (``train.exit_signal=SIGINT``) is not this one."""
+    noted = [signal.SIGINT]
+    monkeypatch.setattr(preemption, "_received", noted)
+    timer = threading.Timer(0.2, noted.append, (signal.SIGTERM,))
+    timer.start()
+    started = time.monotonic()
+    try:
+        assert not preemption.part_of_interrupt(peer_left(), grace_s=30)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - started < 10
 
 
 def test_other_errors_are_errors_at_once_and_a_chained_interrupt_is_the_interrupt():
@@ -66,11 +91,14 @@ def worker_raising(tmp_path, monkeypatch):
         raise peer_left()
 
     monkeypatch.setattr(worker, "_run_or_refuse", run_or_refuse)
+    monkeypatch.setattr(preemption, "_received", [])
     return [str(tmp_path / "resolved_config.yaml")]
 
 
 def test_the_worker_prints_one_line_when_sigint_follows_its_failed_collective(worker_raising,
-                                                                              capsys):
+                                                                              capsys, monkeypatch,
+                                                                              sigint_raises):
+    monkeypatch.setattr(preemption, "PEER_INTERRUPT_GRACE_S", 30.0)  # a slow machine's timer
     timer = _sigint_in(0.2)
     try:
         with pytest.raises(SystemExit) as exit_:

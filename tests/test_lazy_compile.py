@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from mcore_compat import lazy_compile
@@ -19,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 _PROBE = """
 import json, sys, warnings
 warnings.simplefilter("ignore")
+import pytest
 import torch
 real = torch.compile
 if INSTALL:
@@ -79,3 +81,24 @@ def test_a_module_is_compiled_at_once(monkeypatch):
                         [lambda model, **options: calls.append(model) or "optimized"])
     module = torch.nn.Linear(2, 2)
     assert lazy_compile.lazy_compile(module) == "optimized" and calls == [module]
+
+
+@pytest.mark.parametrize("version", ["0.18.0", None])
+def test_another_or_an_unknown_megatron_version_starts_without_the_deferral(version, monkeypatch):
+    """Start-up time only: a megatron-core of another version, or a source checkout without
+    package metadata, runs on (its behaviour-changing patches refuse it) without the deferral."""
+    from importlib.metadata import PackageNotFoundError
+
+    from mcore_compat import version as version_module
+
+    def installed():
+        if version is None:
+            raise PackageNotFoundError("megatron-core")
+        return version
+
+    installs = []
+    monkeypatch.setattr(version_module, "installed_megatron_version", installed)
+    monkeypatch.setattr(lazy_compile, "install", lambda: installs.append(1))
+    assert lazy_compile.install_if_supported() is False and installs == []
+    monkeypatch.setattr(version_module, "installed_megatron_version", lambda: "0.19.2")
+    assert lazy_compile.install_if_supported() is True and installs == [1]
