@@ -68,8 +68,9 @@ _DEPTH_LOCK = threading.Lock()
 
 class _DeferringLoader:
     """Runs a module of :data:`DEFERRED_PACKAGES` with ``torch.compile`` set to
-    :func:`lazy_compile`, then puts back what was there; every other attribute is the wrapped
-    loader's (``get_source``, ``get_resource_reader``)."""
+    :func:`lazy_compile`, and puts the real one back when the last such import under way, in
+    any thread, ends; every other attribute is the wrapped loader's (``get_source``,
+    ``get_resource_reader``)."""
 
     def __init__(self, loader):
         self._loader = loader
