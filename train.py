@@ -15,7 +15,8 @@ import hydra
 from mcore_compat import lazy_compile
 from recipes.config import register_configs
 
-lazy_compile.install_if_supported()  # before megatron is imported (a run that loads imports it here)
+# Before megatron is imported (a run that loads imports it in this process).
+lazy_compile.install_if_supported()
 register_configs()
 # conf/hydra/launcher/submitit_local.yaml is meant to be typed by the plugin's schema of that name.
 warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigStore schema")

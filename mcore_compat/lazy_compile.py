@@ -155,11 +155,8 @@ def install_if_supported() -> bool:
     """
     from importlib.metadata import PackageNotFoundError
 
-    from mcore_compat.version import check_megatron_version, installed_megatron_version
-
     try:
-        check_megatron_version(installed_megatron_version())
+        install()  # the gate's refusal, before the body
     except (RuntimeError, PackageNotFoundError):
         return False
-    install()
     return True

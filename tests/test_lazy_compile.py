@@ -89,16 +89,20 @@ def test_another_or_an_unknown_megatron_version_starts_without_the_deferral(vers
     package metadata, runs on (its behaviour-changing patches refuse it) without the deferral."""
     from importlib.metadata import PackageNotFoundError
 
-    from mcore_compat import version as version_module
+    from mcore_compat import patches
 
     def installed():
         if version is None:
             raise PackageNotFoundError("megatron-core")
         return version
 
-    installs = []
-    monkeypatch.setattr(version_module, "installed_megatron_version", installed)
-    monkeypatch.setattr(lazy_compile, "install", lambda: installs.append(1))
-    assert lazy_compile.install_if_supported() is False and installs == []
-    monkeypatch.setattr(version_module, "installed_megatron_version", lambda: "0.19.2")
-    assert lazy_compile.install_if_supported() is True and installs == [1]
+    def installs() -> int:
+        return sum(isinstance(f, lazy_compile._DeferringFinder) for f in sys.meta_path)
+
+    # This process has the deferral (tests/conftest.py): start from a meta_path without it.
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path
+                                           if not isinstance(f, lazy_compile._DeferringFinder)])
+    monkeypatch.setattr(patches, "installed_megatron_version", installed)
+    assert lazy_compile.install_if_supported() is False and installs() == 0
+    monkeypatch.setattr(patches, "installed_megatron_version", lambda: "0.19.2")
+    assert lazy_compile.install_if_supported() is True and installs() == 1
