@@ -29,7 +29,7 @@ checkpoint holds the Adam moments:
    which reads each stored chunk whole, beside ``gtp.dcp_reader``, which reads the requested
    rows only. The stock source file is not loaded
    cross-layout: stock megatron-core 0.19.2 cannot (its padded GTP layout is the bug ``gtp/``
-   fixes; ``gtp/legacy`` converts such a file once instead).
+   fixes; ``gtp/stock`` converts such a file once instead).
 3. **Write throughput**: checkpoint bytes / save seconds next to the raw writes of step 1 (same
    directory, same bytes, same run).
 4. **Asynchronous save** (``checkpoint.async_save``): in each repeat of step 1, after the
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
                   {"phase": "save_only", "tag": f"control_{name}"})
         if "error" not in res:
             controls["control"] = res["source"]
-        # Without padding rows the stock file holds the logical rows (gtp.legacy: not legacy),
+        # Without padding rows the stock file holds the logical rows (gtp.stock: not stock),
         # so stock megatron can read it into a non-GTP model: a control for the file format.
         if not any(main_res["gtp_padding_rows"].values()):
             controls["stock_file"] = str(Path(main_res["source"]).parent / "save_stock")

@@ -15,7 +15,7 @@ after a step), built by ``recipes.worker.setup``. Each repeat, in turn (A B, B A
   own layout is read as is, as megatron does).
 
 Then once: the stock file loaded by the logical format at the same layout, which converts it
-through ``gtp.legacy`` into ``<root>/gtp_converted`` (first load), and again (the conversion
+through ``gtp.stock`` into ``<root>/gtp_converted`` (first load), and again (the conversion
 reused). Every figure is one collective operation timed barrier to barrier on rank 0 (all ranks
 have finished). Rows: medians over repeats and their ratio logical / stock (in parentheses the
 median of the per-repeat ratios), the bytes on disk of each format. Figures depend on the machine
@@ -120,7 +120,7 @@ def _worker(cfg_path: str, out_path: str) -> None:
                                                          record)) for _ in range(2)]
     if rank == 0:
         Path(out_path).write_text(json.dumps({"times": times, "bytes": sizes,
-                                              "stock_via_legacy": convert}))
+                                              "stock_converted": convert}))
         shutil.rmtree(root, ignore_errors=True)
     torch.distributed.barrier()
 
@@ -143,9 +143,9 @@ def format_table(res: dict, model: str) -> str:
         lo, st = t[f"{op} logical"], t[f"{op} stock"]
         rows.append([f"{op}, same layout", f"{statistics.median(lo):.3f}",
                      f"{statistics.median(st):.3f}", _ratio(lo, st)])
-    first, again = res["stock_via_legacy"]
+    first, again = res["stock_converted"]
     lo = statistics.median(t["load logical"])
-    rows.append(["stock file -> logical load (gtp.legacy converts once)", f"{first:.3f}", "-",
+    rows.append(["stock file -> logical load (gtp.stock converts once)", f"{first:.3f}", "-",
                  f"{first / lo:.2f}x of a logical load"])
     rows.append(["  again (conversion reused)", f"{again:.3f}", "-",
                  f"{again / lo:.2f}x of a logical load"])

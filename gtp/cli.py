@@ -6,7 +6,7 @@ Commands (CKPT: a checkpoint root holding ``latest_checkpointed_iteration.txt``,
     python -m gtp inspect CKPT [--layout SPEC]
         Saving layout, format, and for each tensor: logical shape, stored shape, GTP layout
         (TP-local rows L, padding, column/row-parallel, gated) and whether it is stored in the
-        legacy padded format of megatron-core 0.19.2; the optimizer step, with a warning when it
+        stock padded format of megatron-core 0.19.2; the optimizer step, with a warning when it
         is not the iteration minus the skipped iterations. Exit 0, or 2 when the checkpoint
         cannot be read exactly (the message says what is ambiguous).
 
@@ -17,7 +17,7 @@ Commands (CKPT: a checkpoint root holding ``latest_checkpointed_iteration.txt``,
         intact, 1 damaged (one line per problem, naming the file and the item), 2 error.
 
     python -m gtp compare CKPT_A CKPT_B [--layout-a SPEC] [--layout-b SPEC]
-        Compare the logical tensors (model and optimizer; legacy ones reconstructed), the
+        Compare the logical tensors (model and optimizer; stock ones reconstructed), the
         iteration and the optimizer step bit for bit. Exit 0 equal, 1 different (names the first
         differing tensor and row), 2 error.
 
@@ -40,7 +40,7 @@ Commands (CKPT: a checkpoint root holding ``latest_checkpointed_iteration.txt``,
 
 SPEC gives the saving layout of a checkpoint that does not record it, e.g.
 ``tp=2,gtp=2,pad=16,hidden_size=72,ffn_hidden_size=200,swiglu=false,padded_vocab_size=320``
-(keys: :data:`gtp.legacy.LAYOUT_KEYS`).
+(keys: :data:`gtp.stock.LAYOUT_KEYS`).
 
 Runs in one process without torchrun: reading tensor data needs ``torch.distributed``, so the
 commands start (and end) a 1-process gloo group when none exists.
@@ -54,8 +54,11 @@ import logging
 import os
 import sys
 import warnings
+from pathlib import Path
 
-from gtp.records import saved_layout
+from gtp import hf_export, hf_import, safe_objects, stock, verify
+from gtp.records import TRACKER, saved_layout
+from mcore_compat import lazy_compile
 
 EQUAL, DIFFERENT, ERROR = 0, 1, 2
 
@@ -87,9 +90,7 @@ def _gtp_text(info) -> str:
 
 
 def cmd_inspect(args, out=sys.stdout) -> int:
-    from gtp import legacy
-
-    analysis = legacy.analyze(args.ckpt, args.layout)
+    analysis = stock.analyze(args.ckpt, args.layout)
     common = analysis.common
     print(f"checkpoint: {analysis.path}", file=out)
     print(f"iteration: {common.get('iteration')}", file=out)
@@ -99,7 +100,7 @@ def cmd_inspect(args, out=sys.stdout) -> int:
         print(f"recorded layout: {rec}", file=out)
         print(f"parallelism: {describe_parallelism(rec)}", file=out)
         print(f"optimizer: {describe_optimizer(rec, common)}", file=out)
-    conv = common.get(legacy.CONVERTED_KEY)
+    conv = common.get(stock.CONVERTED_KEY)
     if conv:
         print(f"converted by {conv.get('converted_by')} from {conv.get('source')} "
               f"(saved at {conv.get('saved_layout')})", file=out)
@@ -113,21 +114,21 @@ def cmd_inspect(args, out=sys.stdout) -> int:
     rows = []
     for key in _ordered(analysis.tensors):
         info = analysis.tensors[key]
-        if info.legacy:
-            flag = f"LEGACY stored {_fmt_shape(info.stored_shape)}"
+        if info.stock:
+            flag = f"STOCK stored {_fmt_shape(info.stored_shape)}"
         elif info.gtp is not None and analysis.format == "stock" and analysis.layout \
                 and analysis.layout.g > 1:
             flag = "stock, same rows as logical"
         else:
             flag = "-"
         rows.append((key, _fmt_shape(info.logical_shape), _gtp_text(info), flag))
-    widths = [max(len(r[i]) for r in rows + [("tensor", "logical shape", "layout", "legacy")])
+    widths = [max(len(r[i]) for r in rows + [("tensor", "logical shape", "layout", "stock")])
               for i in range(4)]
-    header = ("tensor", "logical shape", "layout", "legacy")
+    header = ("tensor", "logical shape", "layout", "stock")
     for r in [header, *rows]:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip(), file=out)
-    n_legacy = sum(i.legacy for i in analysis.tensors.values())
-    print(f"{len(rows)} tensors, {n_legacy} stored in the legacy padded format", file=out)
+    n_stock = sum(i.stock for i in analysis.tensors.values())
+    print(f"{len(rows)} tensors, {n_stock} stored in the stock padded format", file=out)
     return 0
 
 
@@ -220,10 +221,8 @@ def first_difference(a, b):
 
 
 def cmd_compare(args, out=sys.stdout) -> int:
-    from gtp import legacy
-
-    an_a, ta = legacy.read_logical(args.ckpt_a, args.layout_a)
-    an_b, tb = legacy.read_logical(args.ckpt_b, args.layout_b)
+    an_a, ta = stock.read_logical(args.ckpt_a, args.layout_a)
+    an_b, tb = stock.read_logical(args.ckpt_b, args.layout_b)
     print(f"A: {an_a.path}: {an_a.describe()}", file=out)
     print(f"B: {an_b.path}: {an_b.describe()}", file=out)
     ta, tb = _main_params_alike(ta, tb)
@@ -339,8 +338,6 @@ def _number(step):
 
 
 def cmd_verify(args, out=sys.stdout) -> int:
-    from gtp import verify
-
     dirs, problems = verify.iteration_dirs(args.ckpt, args.all)
     checked = []
     for path in dirs:
@@ -362,17 +359,13 @@ def cmd_verify(args, out=sys.stdout) -> int:
 
 
 def cmd_convert(args, out=sys.stdout) -> int:
-    from gtp import legacy
-
-    path = legacy.convert(args.src, args.dst, args.layout)
-    analysis = legacy.analyze(path)
+    path = stock.convert(args.src, args.dst, args.layout)
+    analysis = stock.analyze(path)
     print(f"wrote {path}: {analysis.describe()}", file=out)
     return 0
 
 
 def cmd_export(args, out=sys.stdout) -> int:
-    from gtp import hf_export
-
     path = hf_export.export(args.ckpt, args.out, args.layout, force=args.force)
     meta = json.loads((path / "gtp_recipes_export.json").read_text())
     print(f"wrote {path}: {meta['architecture']}, vocab {meta['vocab_size']}, iteration "
@@ -381,8 +374,6 @@ def cmd_export(args, out=sys.stdout) -> int:
 
 
 def cmd_import(args, out=sys.stdout) -> int:
-    from gtp import hf_import
-
     path = hf_import.import_hf(args.hf_dir, args.out)
     from megatron.core import dist_checkpointing
 
@@ -396,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m gtp",
         description="Inspect, compare, convert and export megatron checkpoints across parallel layouts "
-                    "(GTP legacy padded checkpoints of megatron-core 0.19.2 included).")
+                    "(GTP stock padded checkpoints of megatron-core 0.19.2 included).")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="saving layout and logical shape of every tensor")
     p.add_argument("ckpt")
@@ -442,10 +433,7 @@ def _refuse_crafted_metadata(path) -> None:
     Raises:
         gtp.safe_metadata.UnsafeMetadataError: as :func:`gtp.safe_metadata.read_metadata`.
     """
-    from pathlib import Path
-
     from gtp import safe_metadata
-    from gtp.records import TRACKER
 
     if path is None:
         return
@@ -460,7 +448,6 @@ def _refuse_crafted_metadata(path) -> None:
 def main(argv=None, out=None) -> int:
     """Run the CLI; returns the exit code (errors: message on stderr, code 2)."""
     _quiet()
-    from mcore_compat import lazy_compile
 
     lazy_compile.install_if_supported()  # before megatron is imported: start-up time
     out = out or sys.stdout
@@ -471,8 +458,6 @@ def main(argv=None, out=None) -> int:
         return int(exc.code or 0)
     # torch DCP's CheckpointException derives from BaseException, not Exception.
     from torch.distributed.checkpoint.api import CheckpointException
-
-    from gtp import safe_objects
 
     try:
         safe_objects.install()  # no pickle of a checkpoint read by any command runs code

@@ -4,7 +4,7 @@
 which of its stock-format checkpoint keys are GTP weights is a :class:`FamilyFormats` that the
 package defining the family registers under the entry-point group :data:`GROUP` (gtp-recipes
 does in ``pyproject.toml``: ``recipes/families/<name>/formats.py``). :mod:`gtp.hf_import`,
-:mod:`gtp.hf_export` and :mod:`gtp.legacy` look them up here, so ``gtp/`` never imports the
+:mod:`gtp.hf_export` and :mod:`gtp.stock` look them up here, so ``gtp/`` never imports the
 package above it.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from typing import Any, Callable, Mapping, Optional
 
 from gtp.hf_weights import HFImportError
@@ -91,7 +92,7 @@ class FamilyFormats:
             setting no architecture of the family computes.
         gtp_patterns: ``(regex, kind)`` per GTP-sharded weight of its stock-format checkpoints
             (kinds ``vocab``, ``qkv``, ``proj``, ``fc1``, ``fc2``:
-            :func:`gtp.legacy.specs.spec_for`).
+            :func:`gtp.stock.specs.spec_for`).
     """
 
     name: str
@@ -107,8 +108,6 @@ def families() -> tuple[FamilyFormats, ...]:
     Raises:
         TypeError: an entry that is not a FamilyFormats (names it).
     """
-    from importlib.metadata import entry_points
-
     found = []
     for entry in sorted(entry_points(group=GROUP), key=lambda e: e.name):
         formats = entry.load()

@@ -26,8 +26,8 @@ import importlib
 
 import torch
 
+from gtp.collectives import collective_device
 from mcore_compat.patches import megatron_patch
-
 
 # Modules that bound ``count_zeros_fp32`` by name at import time (``from .clip_grads import ...``).
 _COUNT_ZEROS_USERS = (
@@ -88,10 +88,8 @@ def _count_zeros_logical(parameters, grad_stats_parallel_group, use_decoupled_gr
                          tp_group=None, expert_tp_group=None):
     """megatron's ``count_zeros_fp32`` minus the zeros in GTP padding rows (same filters, same
     reduction group). Every rank of the group calls it, as megatron's function."""
-    from megatron.core.tensor_parallel import (
-        param_is_not_gtp_duplicate,
-        param_is_not_tensor_parallel_duplicate,
-    )
+    from megatron.core.tensor_parallel import (param_is_not_gtp_duplicate,
+                                               param_is_not_tensor_parallel_duplicate)
     from megatron.core.transformer.module import param_is_not_shared
 
     total = _original_count_zeros(
@@ -111,7 +109,6 @@ def _count_zeros_logical(parameters, grad_stats_parallel_group, use_decoupled_gr
                                                            expert_tp_group=expert_tp_group)
                 and param_is_not_gtp_duplicate(param)):
             local += padding_zeros(param, grad)
-    from gtp.collectives import collective_device
 
     pad = torch.tensor([local], dtype=torch.int64, device=collective_device(grad_stats_parallel_group))
     torch.distributed.all_reduce(pad, op=torch.distributed.ReduceOp.SUM,
@@ -243,13 +240,9 @@ def grad_norms_by_part(chunks, num_layers: int, group, expert_group=None,
         with ``expert_group``) and ``{"grad-norm/layer-<i>": float}`` for ``i`` in
         ``range(num_layers)`` (0-based).
     """
-    from megatron.core.tensor_parallel import (
-        param_is_not_gtp_duplicate,
-        param_is_not_tensor_parallel_duplicate,
-    )
+    from megatron.core.tensor_parallel import (param_is_not_gtp_duplicate,
+                                               param_is_not_tensor_parallel_duplicate)
     from megatron.core.transformer.module import param_is_not_shared
-
-    from gtp.collectives import collective_device
 
     moe = expert_group is not None
     types = MOE_LAYER_TYPES if moe else LAYER_TYPES

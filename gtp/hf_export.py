@@ -1,7 +1,7 @@
 """Export a checkpoint to a Hugging Face ``transformers`` model directory (config.json + safetensors).
 
-Reads only the checkpoint: its logical tensors (:func:`gtp.legacy.read_logical`, so any saving
-layout, GTP's legacy padded one included, gives the same full tensors) and the run config that
+Reads only the checkpoint: its logical tensors (:func:`gtp.stock.read_logical`, so any saving
+layout, GTP's stock padded one included, gives the same full tensors) and the run config that
 gtp-recipes records in its common state (``train_state["config"]``). No model is built and no
 process group is needed beyond the 1-process one the read starts.
 
@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
-from gtp import families
+from gtp import families, stock
 from gtp.families import ExportError  # noqa: F401 - raised here; callers catch it from here
+from gtp.progress import progress
 from gtp.records import imported_from, saved_layout
+from gtp.tokens import eod_of_tokenizer
 
 # The byte tokenizer of recipes (256 byte values + <eod>) when the run recorded no vocab size.
 BYTE_VOCAB_SIZE = 257
@@ -38,8 +41,6 @@ def _vocab(common: dict, data: dict) -> tuple[int, int | None]:
         vocab = vocab or BYTE_VOCAB_SIZE
         eod = BYTE_EOD_ID if eod is None else eod
     elif eod is None and tokenizer_file(tokenizer) is not None:
-        from gtp.tokens import eod_of_tokenizer
-
         eod = eod_of_tokenizer(tokenizer_file(tokenizer))
     if vocab is None:
         raise ExportError("the checkpoint records no vocabulary size (common 'vocab_size' "
@@ -62,8 +63,6 @@ def _copy_tokenizer(data: dict, out: Path, ids: dict) -> list[str]:
     ``tokenizer_config.json`` / ``special_tokens_map.json``); without a tokenizer_config.json
     one naming ``PreTrainedTokenizerFast`` and the bos/eos/pad tokens is written, so
     ``AutoTokenizer`` loads the dir. Returns the names written ([] for the byte tokenizer)."""
-    import shutil
-
     src = tokenizer_file(data.get("tokenizer"))
     if src is None:
         return []
@@ -155,17 +154,14 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None,
     Raises:
         ExportError: ``out_dir`` not empty, no recorded run config, unknown vocabulary size, an
             architecture with no exact transformers equivalent, or a tensor missing (named).
-        gtp.legacy.LegacyCheckpointError: as :func:`gtp.legacy.read_logical`.
+        gtp.stock.StockCheckpointError: as :func:`gtp.stock.read_logical`.
     """
     import torch
     import transformers
     from megatron.core import dist_checkpointing
 
-    from gtp import legacy
-    from gtp.progress import progress
-
     check_out_dir(out_dir, force)  # before anything is read
-    analysis, tensors = legacy.read_logical(ckpt, layout)
+    analysis, tensors = stock.read_logical(ckpt, layout)
     common = dist_checkpointing.load_common_state_dict(str(analysis.path))
     train_state = common.get("train_state") or {}
     run_config = train_state.get("config")

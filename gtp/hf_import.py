@@ -33,6 +33,7 @@ Every file read must lie inside ``HF_DIR`` (symlinks resolved) and every size of
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 from pathlib import Path
@@ -40,6 +41,7 @@ from typing import Callable
 
 from gtp import families
 from gtp.hf_weights import HFImportError, Weights, check_sizes, confined
+from gtp.progress import progress
 from gtp.records import (GTP_FORMAT_LOGICAL, IMPORTED_KEY, METADATA_KEY, TRACKER,
                          megatron_core_version)
 
@@ -152,8 +154,8 @@ def _planner_class():
 
 def _tensor_item(fqn: str, offset: tuple, sizes: tuple, global_size: tuple, dtype):
     import torch
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata, MetadataIndex, TensorProperties)
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                       TensorProperties)
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
     return WriteItem(
@@ -165,8 +167,6 @@ def _tensor_item(fqn: str, offset: tuple, sizes: tuple, global_size: tuple, dtyp
 
 def _write_dcp(path: Path, plan: dict, weights: Weights, common: dict) -> int:
     """Write the checkpoint files into ``path``; returns the number of bytes of tensor data."""
-    import io
-
     import torch
     import torch.distributed.checkpoint as dcp
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
@@ -228,7 +228,6 @@ class _Progress(dict):
 
     def __init__(self, producers: dict, total: int):
         super().__init__(producers)
-        from gtp.progress import progress
 
         self._bar = iter(progress(range(total), "import", total=total, unit="chunk"))
 

@@ -2,7 +2,7 @@
 
 Pure functions, no ``torch.distributed``: everything here is integer arithmetic on one weight's
 layout, so it can be tested exhaustively and reused by the save path, the load path and the
-legacy-checkpoint reader. Units are **rows of dim 0** throughout (never elements or bytes).
+stock-checkpoint reader. Units are **rows of dim 0** throughout (never elements or bytes).
 
 Names used below (``docs/checkpoint-format.md`` explains the format they describe):
 

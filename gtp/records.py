@@ -15,6 +15,7 @@
 """
 
 import functools
+from importlib.metadata import version
 
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA_KEY = "gtp_layout"
@@ -76,6 +77,4 @@ def megatron_core_version() -> str:
     """The installed megatron-core's version, as its package metadata gives it (looked up once:
     a lookup costs milliseconds, and every save records it). Not ``package_info.__version__``,
     which appends the git hash of the *current* directory."""
-    from importlib.metadata import version
-
     return version("megatron-core")

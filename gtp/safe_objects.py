@@ -1,5 +1,5 @@
 """Read a torch_dist checkpoint's object items without running code from the file, and never
-read a legacy ``common.pt``.
+read a ``common.pt`` (megatron-core's legacy common-state file).
 
 A torch DCP checkpoint stores each object item (megatron's ``ShardedObject``: the common state,
 each rank's RNG state, the layers' ``_extra_state``; torch DCP's ``BYTE_IO`` items) as a
@@ -28,9 +28,10 @@ import re
 from pathlib import Path
 from typing import Optional
 
+from gtp.zip_records import check_stored
 from mcore_compat.patches import megatron_patch
 
-LEGACY_COMMON = "common.pt"  # megatron-core's COMMON_STATE_FNAME
+COMMON_STATE_FNAME = "common.pt"  # megatron-core's COMMON_STATE_FNAME
 
 
 class UnsafeObjectError(ValueError):
@@ -62,8 +63,6 @@ def load_object(value: io.BytesIO, item: str) -> object:
         RuntimeError, EOFError: a torn record (as ``torch.load``).
     """
     import torch
-
-    from gtp.zip_records import check_stored
 
     start = value.tell()
     head = value.read(4)
@@ -97,13 +96,13 @@ def load_object(value: io.BytesIO, item: str) -> object:
 def stray_common_state(path) -> Optional[str]:
     """What is wrong with ``<path>/common.pt`` (``path``: an iter dir; the message does not
     name the file), or None when there is none."""
-    stray = Path(path) / LEGACY_COMMON
+    stray = Path(path) / COMMON_STATE_FNAME
     if not (stray.exists() or stray.is_symlink()):
         return None
-    return ("a legacy common-state file, which megatron-core would read in place of the common "
-            "state this checkpoint's save wrote into its data files (gtp-recipes never writes "
-            "one): damage or tampering; move it out of the dir to load the saved common state, "
-            "or load another iteration")
+    return ("a legacy common-state file (megatron-core's term), which megatron-core would read "
+            "in place of the common state this checkpoint's save wrote into its data files "
+            "(gtp-recipes never writes one): damage or tampering; move it out of the dir to "
+            "load the saved common state, or load another iteration")
 
 
 def refusal(exc: BaseException) -> Optional[BaseException]:
@@ -135,8 +134,8 @@ def _load_bytes(self, read_item, value) -> None:
 
 
 def _refuse_common_pt(checkpoint_dir):
-    """In place of megatron's ``load_common`` (the reader of a legacy ``common.pt``)."""
-    raise StrayCommonStateError(f"{Path(checkpoint_dir) / LEGACY_COMMON}: "
+    """In place of megatron's ``load_common`` (the reader of its legacy ``common.pt``)."""
+    raise StrayCommonStateError(f"{Path(checkpoint_dir) / COMMON_STATE_FNAME}: "
                                 f"{stray_common_state(checkpoint_dir) or 'not read'}")
 
 

@@ -27,13 +27,16 @@ share the work (:func:`share`); :func:`verify_iteration` runs all of them in one
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import re
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from gtp import safe_objects, zip_records
 from gtp.records import TRACKER
+from gtp.safe_objects import COMMON_STATE_FNAME, stray_common_state
 
 ITER_NAME = re.compile(r"iter_(\d{7,})")
 
@@ -166,11 +169,10 @@ def check_metadata(path, metadata) -> list[Problem]:
         problems += [Problem(source, f"tensor {fqn!r}", what) for what in _tiling(size, item.chunks)]
     for key in sorted(set(storage) - wanted, key=str):
         problems.append(Problem(source, _describe(*key), "a stored record of no item"))
-    from gtp.safe_objects import LEGACY_COMMON, stray_common_state
 
     stray = stray_common_state(path)
     if stray:
-        problems.append(Problem(str(path / LEGACY_COMMON), "", stray))
+        problems.append(Problem(str(path / COMMON_STATE_FNAME), "", stray))
     for name in sorted({info.relative_path for info in storage.values()}):
         if Path(name).name != name or name in ("", ".", ".."):
             problems.append(Problem(source, "", f"names data file {name!r} outside its dir"))
@@ -235,8 +237,6 @@ def check_data_files(path, metadata, names: Optional[Iterable[str]] = None,
     Returns:
         The problems, each naming the file and the item.
     """
-    from gtp import zip_records
-
     path = Path(path)
     chunks = _chunk_metadata(metadata)
     by_file: dict[str, list] = {}
@@ -298,7 +298,7 @@ def _chunk_metadata(metadata) -> dict:
 
 def _check_one(stream, offset, length, index, chunks, buffer, report) -> list[str]:
     """Problems of one record: its zip entries' CRC-32s, and a tensor's dtype and shape."""
-    from gtp import dcp_reader, zip_records
+    from gtp import dcp_reader
 
     try:
         entries = zip_records.check_record(stream, offset, length, buffer)
@@ -327,8 +327,6 @@ def _check_one(stream, offset, length, index, chunks, buffer, report) -> list[st
 
 
 def _torch_loaded(stream, offset, length):
-    import io
-
     import torch
 
     stream.seek(offset)
@@ -347,7 +345,7 @@ def check_common(path) -> tuple[Optional[dict], list[Problem]]:
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from gtp import dcp_reader, safe_objects
+    from gtp import dcp_reader
 
     path = Path(path)
     if safe_objects.stray_common_state(path):

@@ -21,6 +21,7 @@ import functools
 import importlib.abc
 import sys
 import threading
+from importlib.metadata import PackageNotFoundError
 
 from mcore_compat.patches import megatron_patch
 
@@ -153,8 +154,6 @@ def install_if_supported() -> bool:
     Returns:
         Whether the deferral is installed.
     """
-    from importlib.metadata import PackageNotFoundError
-
     try:
         install()  # the gate's refusal, before the body
     except (RuntimeError, PackageNotFoundError):

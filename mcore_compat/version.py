@@ -4,6 +4,7 @@ written against."""
 from __future__ import annotations
 
 import sys
+from importlib.metadata import version
 
 SUPPORTED_MEGATRON_VERSION = "0.19.2"
 
@@ -37,6 +38,5 @@ def installed_megatron_version() -> str:
     core = sys.modules.get("megatron.core")
     if core is not None:
         return core.__version__
-    from importlib.metadata import version
 
     return version("megatron-core")

@@ -14,6 +14,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, OmegaConf
 
+from recipes.checkpoint.auto import default_load
 from recipes.parallel_dims import default_world_size
 
 # The run's resolved config in its output dir: what the workers run (recipes.launch writes it).
@@ -319,7 +320,7 @@ class TrainConfig:
     # With the check on: skip such a step instead of stopping, counted in `skipped-iterations`.
     skip_nonfinite_iterations: bool = False
     # Validate the config for its world size and print the layout and per-rank sizes
-    # (recipes/dry_run.py); builds nothing heavy and starts no process.
+    # (recipes/dry_run/); builds nothing heavy and starts no process.
     dry_run: bool = False
     # Exit with a save (recipes/preemption.py, Megatron-LM's --exit-signal-handler): on SIGTERM
     # and this signal (e.g. SIGUSR2, submitit's), every rank saves at the next iteration
@@ -370,8 +371,6 @@ def register_configs() -> None:
     or accepts them.
     """
     from omegaconf import OmegaConf
-
-    from recipes.checkpoint.auto import default_load
 
     # checkpoint.load's default: auto under a submitit launcher (conf/checkpoint/default.yaml).
     OmegaConf.register_new_resolver("recipes_default_load", default_load, replace=True)

@@ -11,9 +11,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
 import sys
 import threading
 from pathlib import Path
+
+from recipes.metrics import format_duration
 
 JOB_LOG = "train.log"
 # The epoch seconds the job started at (set by recipes.launch.run_job): the summary's wall time.
@@ -126,10 +129,6 @@ def format_summary(logger, wall_s: float, train_iters: int, checkpoint, how: str
         how: the command that continues the run (``recipes.preemption.CONTINUE_ENV``), if any.
         save_root: ``checkpoint.save`` (None: saving is off).
     """
-    import shlex
-
-    from recipes.metrics import format_duration
-
     last = logger.last
     lines = [f"> run complete: iteration {last.get('iteration', train_iters)}/{train_iters} in "
              f"{format_duration(wall_s)} (wall time)"]

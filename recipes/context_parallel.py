@@ -15,6 +15,9 @@ split over the CP ranks of a data-parallel replica, as Megatron-LM's ``pretrain_
 
 from __future__ import annotations
 
+from recipes import te
+from recipes.errors import ConfigError
+
 
 def check(cfg, layout) -> None:
     """The context-parallel rules, before any process starts (nothing at CP 1).
@@ -23,9 +26,6 @@ def check(cfg, layout) -> None:
         ConfigError: CP > 1 without TransformerEngine (naming ``TEDotProductAttention``), or
             ``model.seq_length`` not divisible by ``2 x context_parallel_size``.
     """
-    from recipes import te
-    from recipes.errors import ConfigError
-
     cp = layout.context_parallel_size
     if cp == 1:
         return

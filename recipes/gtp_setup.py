@@ -8,6 +8,9 @@ megatron and the modules that import it are imported inside the hooks (start-up 
 
 from __future__ import annotations
 
+from gtp import alignment, tied_output
+from recipes import te
+
 
 def before_model(cfg, layout) -> None:
     """Install the portable backend (when TransformerEngine is not usable), the num-zeros
@@ -25,7 +28,7 @@ def before_model(cfg, layout) -> None:
         return
     from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp_impl
 
-    from gtp import alignment, backend, grad_stats, tied_output
+    from gtp import backend, grad_stats
 
     backend.install()
     grad_stats.install()
@@ -38,7 +41,6 @@ def before_model(cfg, layout) -> None:
         fp8_recipe="mxfp8" if quant == "mxfp8" else None,
     )
     alignment.apply_pad_for_alignment(layout.pad_for_alignment)
-    from recipes import te
 
     gtp_impl.update_gtp_config(**overlap_settings(
         cfg.gtp, layout.pipeline_model_parallel_size, te.uses_transformer_engine(cfg),
@@ -112,12 +114,9 @@ def after_model(model, layout, cfg) -> None:
     if layout.gtp_remat_size == 1:
         return
     import torch
-    from megatron.core.tensor_parallel.generalized_tensor_parallelism import (
-        GTP_CONFIG,
-        is_gtp_param,
-    )
+    from megatron.core.tensor_parallel.generalized_tensor_parallelism import (GTP_CONFIG,
+                                                                              is_gtp_param)
 
-    from gtp import alignment
     from recipes.families import gtp_weight_dims
 
     checked = alignment.check_pad_applied(model, layout.pad_for_alignment)

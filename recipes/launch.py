@@ -18,9 +18,16 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from recipes import refusal
+from recipes import lease, preemption, prelaunch, pretrained, rank_env, refusal
+from recipes.checkpoint import write_durable
+from recipes.checkpoint.auto import AUTO, resolve_auto_load
+from recipes.checkpoint.policy import NothingToTrain, prepare_resume, take_checkpoint_fields
 from recipes.config import RESOLVED_CONFIG
-from recipes.rank_env import LAUNCHER_PID_ENV
+from recipes.console import STARTED_ENV
+from recipes.errors import ConfigError
+from recipes.lease import RUN_ID_ENV, Lease, LeaseHeld
+from recipes.preemption import child_pids, forward_to_workers, interrupted_message, stop_forwarding
+from recipes.rank_env import LAUNCHER_PID_ENV, job_id
 
 # A worker that died takes the others down within this many seconds (elastic agent's monitor).
 MONITOR_INTERVAL_S = 0.5
@@ -29,8 +36,6 @@ MONITOR_INTERVAL_S = 0.5
 def write_resolved_config(cfg, output_dir: str) -> Path:
     """Write ``cfg`` with every interpolation resolved to ``<output_dir>/resolved_config.yaml``
     (atomically and durably, through a unique temp file: several writers never collide)."""
-    from recipes.checkpoint import write_durable
-
     path = Path(output_dir) / RESOLVED_CONFIG
     path.parent.mkdir(parents=True, exist_ok=True)
     # Every task of a submitit job may write it: write_durable uses a temp name per writer.
@@ -59,9 +64,6 @@ def claim_job_dir(output_dir, wait: bool = True) -> str | None:
     Raises:
         ConfigError: naming the dir, the run that holds it and the file to remove.
     """
-    from recipes.lease import Lease, LeaseHeld
-    from recipes.errors import ConfigError
-
     claim = Lease(Path(output_dir) / CLAIM)
     try:
         note = claim.take("job dir", wait=wait)
@@ -142,8 +144,6 @@ def claim_free_dir(base: str) -> tuple[str, str | None]:
     Raises:
         ConfigError: every one of them held by a live run.
     """
-    from recipes.validate import ConfigError
-
     for i in range(MAX_SUFFIX + 1):
         out = base if i == 0 else f"{base}-{i}"
         try:
@@ -189,9 +189,6 @@ def take_save_dir(cfg, is_rank0: bool) -> str | None:
     Raises:
         LeaseHeld: naming the dir, the other job and the file to remove.
     """
-    from recipes import lease
-    from recipes.rank_env import job_id
-
     root = cfg.checkpoint.save
     if not root:
         return None
@@ -231,8 +228,6 @@ def launch_local(config_path: Path, nproc: int, exit_signals: list[int] = (),
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from recipes.preemption import child_pids, forward_to_workers
-
     previous = {signum: signal.getsignal(signum) for signum in exit_signals}
     config = LaunchConfig(
         signals_to_handle=forward_to_workers(list(exit_signals),
@@ -269,13 +264,9 @@ def launch_local(config_path: Path, nproc: int, exit_signals: list[int] = (),
             print(_failure_message(failure), file=sys.stderr)
         raise SystemExit(1) from None
     except SignalException as exc:
-        from recipes.preemption import interrupted_message
-
         print(interrupted_message(exc.sigval.name, save_root), file=sys.stderr, flush=True)
         raise SystemExit(128 + int(exc.sigval)) from None
     finally:
-        from recipes.preemption import stop_forwarding
-
         agent_log.setLevel(agent_level)
         stop_forwarding()  # a multirun's next job has workers of its own
         os.environ.pop(LAUNCHER_PID_ENV, None)  # for the workers of this launch only
@@ -350,8 +341,6 @@ def rank_env_from_submitit() -> dict | None:
 def run(cfg) -> None:
     """:func:`run_job`, then give back the dir leases it took (a multirun runs many jobs in one
     process; they are also given back at exit)."""
-    from recipes.lease import RUN_ID_ENV
-
     try:
         run_job(cfg)
     finally:
@@ -371,18 +360,10 @@ def run_job(cfg) -> None:
     Raises:
         ConfigError, CheckpointError: bad input, before any worker starts.
     """
-    from recipes.checkpoint.policy import NothingToTrain, prepare_resume, take_checkpoint_fields
-
-    from recipes import pretrained
-    from recipes.checkpoint.auto import AUTO, resolve_auto_load
-
-    from recipes.console import STARTED_ENV
-
     os.environ[STARTED_ENV] = str(time.time())  # the workers' summary counts from here
     submitit_env = rank_env_from_submitit()
     if submitit_env is not None:
         os.environ.update(submitit_env)
-    from recipes import rank_env
 
     world_note = rank_env.check(cfg)  # a stray RANK or a bad WORLD_SIZE: refused here
     as_rank = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -400,7 +381,6 @@ def run_job(cfg) -> None:
     from recipes.data.tokenizers import check_before_launch
 
     check_before_launch(cfg.data)
-    from recipes import prelaunch
 
     plan = None
     if cfg.checkpoint.get("load") is not None:
@@ -439,7 +419,6 @@ def run_job(cfg) -> None:
     if is_rank0:
         config_path = write_resolved_config(resolved, cfg.output_dir)
         print(f"> job output dir: {cfg.output_dir}\n> layout: {layout.describe()}", flush=True)
-    from recipes import preemption
 
     # The command that continues it (a submitit job is requeued by submitit instead).
     if submitit_env is None and not any(a in ("-m", "--multirun") for a in sys.argv[1:]):

@@ -16,6 +16,7 @@ from gtp.grad_stats import grad_norms_by_part
 from recipes import context_parallel, faults, preemption, throughput
 from recipes.data import build_tokenizer
 from recipes.model import model_chunks
+from recipes.moe import is_moe
 from recipes.shapes import padded_vocab_size
 
 
@@ -156,8 +157,6 @@ def _grad_stats_groups(optimizer, cfg) -> tuple:
     megatron's ``get_megatron_optimizer`` gives its expert optimizer
     (``expt_tp_pp_with_egtp_remat``) with the expert tensor-parallel group."""
     from megatron.core import parallel_state as ps
-
-    from recipes.moe import is_moe
 
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
     group = chained[0].get_grad_stats_parallel_group()

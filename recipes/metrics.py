@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import string
 import time
 from pathlib import Path
+
+from recipes.checkpoint import tracked, write_durable
 
 METRICS_FILE = "metrics.jsonl"
 # wandb run modes ``logger.mode`` may take.
@@ -20,9 +24,6 @@ LOGGER_MODES = ("offline", "online", "disabled")
 def new_run_id() -> str:
     """A fresh wandb-compatible run id (8 lowercase alphanumerics), the same on every rank
     (drawn on rank 0 and broadcast: it is part of the checkpoint's common state)."""
-    import secrets
-    import string
-
     import torch
 
     alphabet = string.ascii_lowercase + string.digits
@@ -70,8 +71,6 @@ def plan_wandb_run(cfg, train_state: dict | None, loaded_iteration: int | None) 
         parent_id = (train_state or {}).get("wandb_run_id")
         plan = {"run_id": None, "resume": False, "parent": None}
         if parent_id is not None:
-            from recipes.checkpoint import tracked
-
             ck = cfg.checkpoint
             # No usable tracker (checkpoint.load_iteration=N of a dir without one): a fork.
             if _same_dir(ck.load, ck.save) and loaded_iteration == tracked(ck.load):
@@ -181,7 +180,6 @@ class MetricLogger:
         steps = self._read_steps()
         steps[self.run_id] = step
         self._steps_path.parent.mkdir(parents=True, exist_ok=True)
-        from recipes.checkpoint import write_durable
 
         # As the tracker: a temp name per writer, fsync, rename (two writers never collide).
         write_durable(self._steps_path, json.dumps(steps))
@@ -232,6 +230,16 @@ class MetricLogger:
             # and exit; the next wandb.init() starts a new one.
             wandb.teardown()
             self.run = None
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in the largest binary unit that keeps it >= 1 (B, KiB, MiB, GiB, TiB)."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    i = 0
+    while i < len(units) - 1 and abs(n) >= 1024:
+        n /= 1024
+        i += 1
+    return f"{int(n)} B" if i == 0 else f"{n:.2f} {units[i]}"
 
 
 def format_duration(seconds: float) -> str:
@@ -306,8 +314,6 @@ def _full_rest(m: dict, elapsed_s, remaining_s, aux: list, skipped: int) -> str:
     if "throughput" in m:  # Megatron-LM's model TFLOP/s per GPU (recipes.throughput)
         perf += f"throughput per GPU (TFLOP/s/GPU): {m['throughput']:.3g} | "
     if "peak-memory-bytes" in m:
-        from recipes.dry_run import format_bytes
-
         perf += f"peak memory per rank: {format_bytes(m['peak-memory-bytes'])} | "
     moe = "".join(f"{name}: {value:.6E} | " for name, value in aux)
     return (

@@ -4,8 +4,11 @@ weights at every layout, and padded vocabulary rows that never reach the loss.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from recipes import te
 from recipes.families import family_of
 from recipes.shapes import padded_vocab_size
 
@@ -18,7 +21,7 @@ def padded_vocab_of_config(cfg, tp: int) -> int:
     tensor-parallel size ``tp``: the tokenizer's vocab padded by :func:`padded_vocab_size`.
 
     Registered as gtp-recipes' reader of the entry-point group ``gtp.run_config_vocab``, through
-    which ``gtp.legacy`` learns the vocab of a checkpoint that records only its run config.
+    which ``gtp.stock`` learns the vocab of a checkpoint that records only its run config.
 
     Raises:
         KeyError, ValueError: ``cfg`` is not a gtp-recipes run config.
@@ -38,8 +41,6 @@ def transformer_config(cfg, layout, use_te: bool | None = None):
     (``recipes.te``); None: when TransformerEngine is importable.
     """
     from megatron.core.transformer import TransformerConfig
-
-    from recipes import te
 
     if use_te is None:
         use_te = te.uses_transformer_engine(cfg)
@@ -128,8 +129,6 @@ def _draw_like_layers_before(cfg, config, vocab: int, num_layers: int, use_te: b
     the first ``num_layers`` layers of the whole model does: build that prefix (one pipeline
     stage, no output layer) and drop it. Only random draws matter; sizes and order are the
     pp1 model's, so each layer gets the weights it gets at pp1."""
-    import dataclasses
-
     prefix = dataclasses.replace(config, num_layers=num_layers, pipeline_model_parallel_size=1,
                                  virtual_pipeline_model_parallel_size=None)
     # Untied: a tied embedding would wait for its output-layer peer in megatron's all-reduce.
@@ -158,8 +157,6 @@ def build_model(cfg, layout, vocab_size: int, reseed=lambda: None):
     """
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    from recipes import te
 
     use_te = te.uses_transformer_engine(cfg)
     config = transformer_config(cfg, layout, use_te)

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import torch
 
+from gtp import alignment, expert_grads
+from gtp.alignment import validate_gtp_dims
+from recipes.errors import ConfigError
+from recipes.families import gtp_weight_dims
 from recipes.families.moe.model import is_moe
+from recipes.families.moe.params import is_moe_layer
 
 DISPATCHERS = ("allgather", "alltoall")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
@@ -39,8 +44,6 @@ def reduce_aux_loss(model_cfg, num_microbatches: int) -> dict:
     """
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-
-    from recipes.families.moe.params import is_moe_layer
 
     name = aux_loss_name(model_cfg)
     if name is None:
@@ -75,8 +78,6 @@ def check(cfg, layout) -> None:
     Raises:
         ConfigError: the first problem, naming the value and what is valid.
     """
-    from recipes.errors import ConfigError
-
     m = cfg.model
     tp, ep = layout.tensor_model_parallel_size, layout.expert_model_parallel_size
     etp, egtp = layout.expert_tensor_parallel_size, layout.expert_gtp_remat_size
@@ -145,11 +146,9 @@ def check(cfg, layout) -> None:
 def _check_checkpoints(cfg, layout) -> None:
     """What MoE checkpoints support (docs/moe.md, Checkpoints): the logical format (fp32 or
     bf16 parameters, megatron's plain or distributed optimizer) and the stock one with fp32
-    parameters and the plain optimizer (read at other layouts through gtp.legacy); pretrained
+    parameters and the plain optimizer (read at other layouts through gtp.stock); pretrained
     starts (a Mixtral / Qwen3-MoE import, or a checkpoint) load logical-format weights at any
     expert layout. Anything else is refused, naming why."""
-    from recipes.errors import ConfigError
-
     ck, m = cfg.checkpoint, cfg.model
     used = [key for key in ("save", "load") if ck.get(key) is not None]
     if not used or ck.get("format", "logical") == "logical":
@@ -168,10 +167,6 @@ def _check_checkpoints(cfg, layout) -> None:
 
 
 def _check_expert_gtp(cfg, layout) -> None:
-    from gtp.alignment import validate_gtp_dims
-    from recipes.families import gtp_weight_dims
-    from recipes.errors import ConfigError
-
     egtp = layout.expert_gtp_remat_size
     if layout.gtp_remat_size > 1 and layout.gtp_remat_size != egtp:
         raise ConfigError(f"gtp.expert_gtp_remat_size={egtp} with gtp.gtp_remat_size="
@@ -189,20 +184,14 @@ def after_model(chunk, layout) -> None:
     """Before DDP: expert GTP's first gradient fix (``gtp.expert_grads.tag_expert_params``) and,
     without dense GTP (``recipes.gtp_setup.after_model`` checks it otherwise), the expert shards'
     alignment (``gtp.alignment.check_pad_applied``)."""
-    from gtp import expert_grads
-
     if layout.expert_gtp_remat_size <= 1:
         return
     expert_grads.tag_expert_params(chunk, layout.expert_gtp_remat_size)
     if layout.gtp_remat_size == 1:
-        from gtp import alignment
-
         alignment.check_pad_applied(chunk, layout.pad_for_alignment)
 
 
 def after_ddp(ddp_chunk, layout) -> None:
     """After DDP: expert GTP's second gradient fix (``gtp.expert_grads.scale_expert_gradients``)."""
-    from gtp import expert_grads
-
     expert_grads.scale_expert_gradients(ddp_chunk, layout.expert_gtp_remat_size,
                                         layout.gtp_remat_size)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from gtp.collectives import collective_device
+
 
 def metric_names(layer: int) -> tuple[str, str]:
     """The two metrics of MoE layer ``layer`` (0-based, as ``grad-norm/layer-<i>``): the most and
@@ -63,8 +65,6 @@ class TokensPerExpert:
             rank).
         """
         from megatron.core import parallel_state as ps
-
-        from gtp.collectives import collective_device
 
         group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
         counts = self.counts.to(collective_device(group))

@@ -12,7 +12,9 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from gtp.alignment import RECIPE_DEFAULT_PAD, resolve_pad_for_alignment
 from recipes.errors import ConfigError
+from recipes.optim import distributed_optimizer
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,6 @@ class ParallelDims:
                 ``gtp.pad_for_alignment`` / ``gtp.quantization``, or a distributed-optimizer
                 format that cannot change layout; the message names the value and what is valid.
         """
-        from recipes.optim import distributed_optimizer
-
         par, gtp = cfg.parallelism, cfg.gtp
         tp, pp, g = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, gtp.gtp_remat_size
         cp = par.get("context_parallel_size", 1)
@@ -88,7 +88,6 @@ class ParallelDims:
             if vpp == 1:
                 vpp = None  # one chunk per stage: megatron's plain 1F1B
         # The GTP fields are checked whatever gtp_remat_size is: a typo must not wait for g > 1.
-        from gtp.alignment import RECIPE_DEFAULT_PAD, resolve_pad_for_alignment
 
         try:
             resolved_pad = resolve_pad_for_alignment(gtp.pad_for_alignment, gtp.quantization)

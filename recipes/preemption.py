@@ -21,6 +21,9 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
+
+from recipes.checkpoint import iter_dir, saved_iterations
 
 # What train.py's launch puts here: the command that continues the run (printed at the exit).
 CONTINUE_ENV = "GTP_RECIPES_CONTINUE"
@@ -162,10 +165,6 @@ def exit_message(reason: str, iteration: int, saved) -> str:
 def interrupted_message(signame: str, save_root) -> str:
     """The closing line of a run stopped by Ctrl-C (or another signal it does not exit on with
     a save): the last complete checkpoint of ``save_root`` and the command that continues."""
-    from pathlib import Path
-
-    from recipes.checkpoint import iter_dir, saved_iterations
-
     saved = saved_iterations(save_root) if save_root and Path(save_root).is_dir() else []
     if not saved:
         return f"> interrupted ({signame}): no complete checkpoint was saved"
@@ -268,8 +267,6 @@ def _catches(pid: int, signum: int) -> bool:
 def child_pids(module: str, parent: int | None = None) -> list[int]:
     """Pids of the live children of ``parent`` (default: this process) running
     ``python -m module``, from ``/proc``."""
-    from pathlib import Path
-
     parent = os.getpid() if parent is None else parent
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):

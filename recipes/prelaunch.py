@@ -11,11 +11,15 @@ and an override that works.
 from __future__ import annotations
 
 import difflib
+import netrc
 import os
 from dataclasses import fields, is_dataclass
 from typing import Optional
+from urllib.parse import urlparse
 
 from gtp.records import CHECKPOINT_FORMATS
+from recipes import te
+from recipes.checkpoint import CheckpointError
 from recipes.errors import ConfigError
 from recipes.parallel_dims import ParallelDims, world_size_from_env
 from recipes.validate import validate
@@ -71,12 +75,11 @@ def _group_options(group: str) -> Optional[list[str]]:
 
 def check_transformer_impl(cfg) -> None:
     """``model.transformer_impl`` is null, "transformer_engine" or "local"
-    (:func:`recipes.dry_run.target_attention`)."""
-    from recipes.dry_run import IMPLS
-
+    (:data:`recipes.te.TRANSFORMER_IMPLS`)."""
     impl = cfg.model.get("transformer_impl")
-    if impl is not None and impl not in IMPLS:
-        raise ConfigError(f"model.transformer_impl={impl!r}: valid are null, {', '.join(IMPLS)} "
+    if impl is not None and impl not in te.TRANSFORMER_IMPLS:
+        raise ConfigError(f"model.transformer_impl={impl!r}: valid are null, "
+                          f"{', '.join(te.TRANSFORMER_IMPLS)} "
                           f"(the layer implementation the recipe targets; the dry run's attention)")
 
 
@@ -224,8 +227,6 @@ def check_tokenizer(cfg) -> None:
 
 
 def _wandb_host() -> str:
-    from urllib.parse import urlparse
-
     return urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or ""
 
 
@@ -235,7 +236,6 @@ def check_wandb(cfg) -> None:
     lg = cfg.logger
     if not lg.get("wandb", False) or lg.get("mode") != "online" or os.environ.get("WANDB_API_KEY"):
         return
-    import netrc
 
     host = _wandb_host()
     try:
@@ -300,7 +300,6 @@ def check_model_shape(cfg, plan=None) -> None:
     """
     from omegaconf import OmegaConf
 
-    from recipes.checkpoint import CheckpointError
     from recipes.checkpoint.manager import ResumePlan
     from recipes.checkpoint.policy import is_rank0, spelled
     from recipes.families import parameter_shapes

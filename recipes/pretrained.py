@@ -26,6 +26,9 @@ from pathlib import Path
 
 from omegaconf import open_dict
 
+from gtp import hf_import
+from gtp.records import TRACKER, imported_from
+from recipes.checkpoint import CheckpointError
 from recipes.config import given_fields, given_overrides
 from recipes.errors import ConfigError
 
@@ -61,8 +64,6 @@ def source_config(path) -> tuple[dict, dict]:
         ConfigError: not an HF dir nor a readable checkpoint of gtp-recipes, or an HF model
             that cannot be imported (naming the config field).
     """
-    from gtp import hf_import
-
     if not Path(path).exists():
         raise ConfigError(f"checkpoint.pretrained={path}: no such file or directory (an HF model "
                           f"dir with config.json, or a checkpoint of gtp-recipes)")
@@ -78,7 +79,7 @@ def source_config(path) -> tuple[dict, dict]:
         if (Path(path) / "tokenizer.json").is_file():
             data["tokenizer"] = str(Path(path).resolve())
         return model, data
-    from recipes.checkpoint import CheckpointError, load_common
+    from recipes.checkpoint import load_common
 
     root = Path(path)
     iteration = int(root.name[5:]) if root.name.startswith("iter_") else None
@@ -189,8 +190,6 @@ def prepare(cfg, is_rank0: bool) -> None:
     src = cfg.checkpoint.get("pretrained")
     if not src or not is_hf_dir(src) or not is_rank0:
         return
-    from gtp import hf_import
-    from gtp.records import TRACKER
 
     root = Path(checkpoint_root(cfg))
     if (root / TRACKER).exists():
@@ -223,7 +222,6 @@ def load_weights(cfg, model, optimizer) -> dict | None:
     from recipes.checkpoint.load import load_model_weights
 
     torch.distributed.barrier()  # the import (global rank 0, before its launch) is complete
-    from gtp.records import imported_from
     from recipes.checkpoint.load import load_common
 
     path = load_model_weights(checkpoint_root(cfg), model,

@@ -15,6 +15,9 @@ import os
 import sys
 import time
 
+from recipes.checkpoint.errors import CheckpointError
+from recipes.errors import ConfigError
+
 EXIT_CODE = 2
 # The key of a refusal in torch elastic's error file (extraInfo): the launcher prints it as is.
 MARK = "refusal"
@@ -22,9 +25,6 @@ MARK = "refusal"
 
 def message(exc: BaseException) -> str | None:
     """The message of the refusal behind ``exc``, or None when ``exc`` is another error."""
-    from recipes.checkpoint.errors import CheckpointError
-    from recipes.errors import ConfigError
-
     if isinstance(exc, (ConfigError, CheckpointError)):
         return str(exc)
     if "gtp.safe_objects" in sys.modules:  # loaded by whatever read a checkpoint

@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from gtp.layout import gtp_padding
+
 
 @dataclass(frozen=True)
 class ParamShape:
@@ -84,7 +86,6 @@ def local_shape(p: ParamShape, tp: int, g: int, pad_for_alignment: int) -> tuple
     shape = tp_local_shape(p, tp)
     if not (p.gtp and g > 1):
         return shape, 0
-    from gtp.layout import gtp_padding
 
     pad_length, rows = gtp_padding(shape[0], g, pad_for_alignment)
     return (rows, *shape[1:]), pad_length

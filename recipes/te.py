@@ -31,6 +31,9 @@ from __future__ import annotations
 
 import importlib
 
+# model.transformer_impl besides null (which picks TransformerEngine where it imports).
+TRANSFORMER_IMPLS = ("transformer_engine", "local")
+
 QUANTIZATION_FIELDS: dict[str, dict] = {
     "none": {},
     "fp8": {"fp8": "hybrid", "fp8_recipe": "tensorwise"},

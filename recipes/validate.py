@@ -8,8 +8,17 @@ from __future__ import annotations
 
 import os
 import sys
+
+from gtp.alignment import validate_gtp_dims
+from gtp.records import CHECKPOINT_FORMATS
+from recipes import context_parallel, te
+from recipes.checkpoint import CheckpointError
 from recipes.errors import ConfigError
+from recipes.gtp_setup import overlap_settings
+from recipes.metrics import CONSOLE_LINES, LOGGER_MODES
+from recipes.optim import LR_DECAY_STYLES, optim_refusal
 from recipes.parallel_dims import ParallelDims, check_positive
+from recipes.preemption import EXIT_SIGNALS
 
 
 def _has_validation_share(split) -> bool:
@@ -35,7 +44,7 @@ def validate(cfg, world_size: int, plan=None) -> ParallelDims:
     Raises:
         ConfigError: the first problem found, naming the key, its value and what is valid.
     """
-    from recipes import context_parallel, moe
+    from recipes import moe
 
     layout = ParallelDims.from_config(cfg, world_size)
     moe.check(cfg, layout)
@@ -113,9 +122,6 @@ def _check_batches(cfg, layout: ParallelDims) -> None:
 
 def _check_gtp(cfg, layout: ParallelDims) -> None:
     """``gtp`` when ``gtp_remat_size > 1``: the weights' dims and the overlap settings."""
-    from recipes import te
-    from recipes.gtp_setup import overlap_settings
-
     _check_gtp_dims(cfg, layout)
     try:
         overlap_settings(cfg.gtp, layout.pipeline_model_parallel_size,
@@ -128,9 +134,6 @@ def _check_gtp(cfg, layout: ParallelDims) -> None:
 def _check_optim(cfg, layout: ParallelDims) -> None:
     """``optim``: the optimizer at this layout and precision, FP8 weight gathers, the lr
     schedule."""
-    from recipes import te
-    from recipes.optim import LR_DECAY_STYLES, optim_refusal
-
     o, t = cfg.optim, cfg.train
     for refusal in (optim_refusal(o, cfg.precision.params_dtype, cfg.model.get("num_moe_experts")),
                     te.fp8_param_gather_refusal(cfg.gtp.quantization,
@@ -157,8 +160,6 @@ def _check_optim(cfg, layout: ParallelDims) -> None:
 
 def _check_train(cfg) -> None:
     """``train``: evaluation, logging and exit settings."""
-    from recipes.preemption import EXIT_SIGNALS
-
     t = cfg.train
     for name in ("eval_interval", "eval_iters"):
         if t.get(name, 0) < 0:
@@ -178,9 +179,6 @@ def _check_train(cfg) -> None:
 def _check_outputs(cfg, plan) -> None:
     """``checkpoint`` and ``logger``: formats, intervals, the loaded checkpoint's vocabulary and,
     unless a dry run, the data files."""
-    from gtp.records import CHECKPOINT_FORMATS
-    from recipes.metrics import CONSOLE_LINES, LOGGER_MODES
-
     ck = cfg.checkpoint
     fmt = ck.get("format", "logical")
     if fmt not in CHECKPOINT_FORMATS:
@@ -260,7 +258,7 @@ def _check_checkpoint_vocab(cfg, plan=None) -> None:
     """The checkpoint to load is loadable and was trained with this run's real vocabulary
     size (``plan``: its resolved ``ResumePlan``, else it is opened here)."""
     from recipes import vocab
-    from recipes.checkpoint import CheckpointError, load_common
+    from recipes.checkpoint import load_common
 
     if plan is None:
         path, common = load_common(cfg.checkpoint.load, cfg.checkpoint.load_iteration)
@@ -279,8 +277,6 @@ def _check_checkpoint_vocab(cfg, plan=None) -> None:
 
 def _check_gtp_dims(cfg, layout: ParallelDims) -> None:
     """Every GTP-sharded TP-local dim 0 must shard over gtp_remat_size (pad 0 needs divisibility)."""
-    from gtp.alignment import validate_gtp_dims
-
     g, pad = layout.gtp_remat_size, layout.pad_for_alignment
     from recipes.families import gtp_weight_dims
 
@@ -321,7 +317,6 @@ def _announce_quantization(cfg, layout: ParallelDims) -> None:
         effect = f"has no effect: gtp.pad_for_alignment={cfg.gtp.pad_for_alignment} is explicit"
     else:
         effect = f"only sets the GTP alignment (pad_for_alignment={layout.pad_for_alignment})"
-    from recipes import te
 
     if te.uses_transformer_engine(cfg):
         fields = ", ".join(f"{k}={v}" for k, v in te.config_fields(

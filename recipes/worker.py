@@ -19,22 +19,38 @@ if __name__ == "__main__":  # a worker: keep a signal that comes while torch is 
 
     _lazy_compile.install_if_supported()
 
+import gc
 import os
 import random
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
-
-import warnings
 
 import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from gtp import safe_objects
 from gtp.records import IMPORTED_KEY, saved_layout
-from recipes.config import RESOLVED_CONFIG
+from mcore_compat import distrib_optimizer
+from recipes import checkpoint, gtp_setup, preemption, pretrained, refusal, te
+from recipes.checkpoint import lineage
+from recipes.checkpoint.policy import agree_load_iteration, planned_samples
+from recipes.config import RESOLVED_CONFIG, to_dict
+from recipes.console import STARTED_ENV, format_summary, quiet_megatron
+from recipes.data import build_iterators, build_tokenizer, build_train_iterator
+from recipes.errors import ConfigError
+from recipes.lifetime import die_with_parent
+from recipes.metrics import MetricLogger, plan_wandb_run
+from recipes.moe_metrics import attach_metrics
+from recipes.optim import (apply_schedule_override, build_optimizer, build_scheduler,
+                           layer_wise_param_layouts)
+from recipes.preemption import part_of_interrupt
+from recipes.pretrained import describe
 from recipes.rank_env import LAUNCHER_PID_ENV
+from recipes.validate import validate
 
 # megatron and torch.distributed.checkpoint warn at import and on every save about optional
 # GPU packages (apex, TE) and deprecations that do not apply on this path; keep the log readable.
@@ -112,8 +128,6 @@ def freeze_imported_objects() -> None:
     model (a test world) would otherwise freeze the first one's cycles, and with them its
     process groups' threads.
     """
-    import gc
-
     if _FROZEN:
         return
     gc.collect()
@@ -129,18 +143,12 @@ def setup(cfg, layout, optimizer_cfg=None):
     its param groups on load).
     """
     from megatron.core import parallel_state
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
+    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                           finalize_model_grads)
 
-    from mcore_compat import cpu as cpu_compat
-    from mcore_compat import moe_cpu
-    from gtp import safe_objects
-    from recipes import gtp_setup, moe, te
+    from mcore_compat import cpu as cpu_compat, moe_cpu
+    from recipes import moe
     from recipes.model import build_model
-    from recipes.optim import build_optimizer, build_scheduler, layer_wise_param_layouts
 
     freeze_imported_objects()
     cpu_compat.install()
@@ -149,7 +157,6 @@ def setup(cfg, layout, optimizer_cfg=None):
     gtp_setup.before_model(cfg, layout)
     parallel_state.initialize_model_parallel(**layout.megatron_kwargs())
     set_seed(cfg.train.seed)
-    from recipes.data import build_tokenizer
 
     tokenizer = build_tokenizer(cfg.data)
     chunks, config = build_model(cfg, layout, tokenizer.vocab_size,
@@ -179,8 +186,6 @@ def setup(cfg, layout, optimizer_cfg=None):
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [chunk.no_sync for chunk in ddp] if len(ddp) > 1 else ddp[0].no_sync
     if layout.use_distributed_optimizer:
-        from mcore_compat import distrib_optimizer
-
         distrib_optimizer.install()
     optimizer = build_optimizer(optimizer_cfg or cfg, ddp)
     scheduler = build_scheduler(cfg, optimizer)
@@ -195,8 +200,6 @@ def check_same_run(cfg) -> None:
     Raises:
         ConfigError: on every rank, naming each rank's dirs.
     """
-    from recipes.errors import ConfigError
-
     mine = (str(cfg.output_dir), str(cfg.checkpoint.save))
     everyone = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, mine)
@@ -215,14 +218,7 @@ def run(cfg, resume=None) -> None:
     """
     from megatron.core import parallel_state
 
-    from recipes import checkpoint, preemption
     from recipes.checkpoint.manager import CheckpointManager, ResumePlan
-    from recipes.checkpoint.policy import agree_load_iteration, planned_samples
-    from recipes.config import to_dict
-    from recipes.metrics import plan_wandb_run
-    from recipes.optim import apply_schedule_override
-    from recipes.validate import validate
-    from recipes.console import STARTED_ENV, format_summary, quiet_megatron
 
     started = float(os.environ.get(STARTED_ENV) or time.time())
     preemption.install(cfg.train)  # a signal from here on: save at the next iteration boundary
@@ -264,14 +260,11 @@ def run(cfg, resume=None) -> None:
         iteration, train_state = common["iteration"], dict(common["train_state"])
         resumed_from = saved_layout(common)
     elif ck.get("pretrained"):
-        from recipes import pretrained
-
         # weights only: iteration 0, fresh optimizer
         train_state[IMPORTED_KEY] = pretrained.load_weights(cfg, model, optimizer)
     plan = plan_wandb_run(cfg, train_state if resumed_from is not None else None,
                           iteration if resumed_from is not None else None)
     run_id = plan["run_id"]
-    from recipes.checkpoint import lineage
 
     chain = lineage.of_run(train_state if resumed_from is not None else None, iteration, plan)
     train_state["data_plan"] = planned_samples(train_state, iteration, saved_cfg, cfg)
@@ -290,7 +283,6 @@ def run(cfg, resume=None) -> None:
     logger = _start_logger(cfg, state, plan, layout, layout_rec, resumed_from) if rank == 0 else None
 
     from recipes.loop import train
-    from recipes.moe_metrics import attach_metrics
 
     attach_metrics(cfg, state, logger)  # the load-balancing loss of MoE models (else nothing)
 
@@ -321,8 +313,6 @@ def _iterators(cfg, layout, train_state: dict, tokenizer):
     this rank, continuing at ``train_state["consumed_samples"]``."""
     from megatron.core import parallel_state
 
-    from recipes.data import build_iterators, build_train_iterator
-
     # Without CP: the context-parallel ranks of a replica read the same micro-batches and split
     # each one's sequence (recipes.context_parallel), as Megatron-LM's data loader.
     dp_group = parallel_state.get_data_parallel_group(with_context_parallel=False)
@@ -344,7 +334,6 @@ def _iterators(cfg, layout, train_state: dict, tokenizer):
 def _start_logger(cfg, state, plan: dict, layout, layout_rec: dict, resumed_from):
     """Rank 0's ``MetricLogger``; prints the layout line and records the start or the resume
     event (``resumed_from``: the saved layout, None for a new run)."""
-    from recipes.metrics import MetricLogger
     from recipes.model import count_parameters
 
     ck, model, iteration, run_id = cfg.checkpoint, state.model, state.iteration, plan["run_id"]
@@ -363,8 +352,6 @@ def _start_logger(cfg, state, plan: dict, layout, layout_rec: dict, resumed_from
                      load=str(ck.load), wandb_run_id=run_id,
                      wandb_parent_run_id=parent and parent["run_id"])
     else:
-        from recipes.pretrained import describe
-
         logger.event("start", iteration=0, layout=layout_rec, **describe(cfg))
     return logger
 
@@ -373,8 +360,6 @@ def _run_or_refuse(cfg, launched_by_train_py: bool) -> None:
     """:func:`run`; a refusal (:mod:`recipes.refusal`) before training starts (a checkpoint or
     config this process cannot load) exits 2 with its one message, no traceback (the launcher
     prints it once). A later error (a failed save) is a failure, traceback and all."""
-    from recipes import refusal
-
     try:
         run(cfg)
     except Exception as exc:
@@ -395,7 +380,6 @@ def main(argv=None) -> None:
 
     launcher = os.environ.pop(LAUNCHER_PID_ENV, None)
     if launcher is not None:  # started by train.py: never outlive it (a kill -9 of train.py)
-        from recipes.lifetime import die_with_parent
 
         die_with_parent(int(launcher))
     argv = sys.argv[1:] if argv is None else argv
@@ -410,8 +394,6 @@ def _run_or_interrupt(cfg, launched_by_train_py: bool) -> None:
     """:func:`_run_or_refuse`; Ctrl-C exits 130 with one line per rank (the launcher names the
     checkpoint), also on a rank still in a collective (a save's) that sees the first rank leave
     before its own SIGINT comes (:func:`recipes.preemption.part_of_interrupt`)."""
-    from recipes.preemption import part_of_interrupt
-
     try:
         _run_or_refuse(cfg, launched_by_train_py)
     except (KeyboardInterrupt, Exception) as exc:

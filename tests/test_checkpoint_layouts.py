@@ -540,7 +540,7 @@ def test_checkpoint_records_its_layout(matrix):
 
 
 def test_stock_layout_checkpoint_says_so(matrix):
-    """checkpoint_layout=stock: megatron 0.19.2's padded layout, tagged for the legacy reader."""
+    """checkpoint_layout=stock: megatron 0.19.2's padded layout, tagged for the stock reader."""
     _, results = matrix
     meta = results[0]["stock_metadata"]
     assert meta["gtp_format"] == "stock-0.19.2"

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from compose import make_cfg
 
-from recipes.dry_run import activation_bytes, fit_line, format_bytes, rank_sizes, report
+from recipes.dry_run import activation_bytes, fit_line, rank_sizes, report
+from recipes.metrics import format_bytes
 from recipes.validate import validate
 
 LLAMA3_VOCAB = 128256

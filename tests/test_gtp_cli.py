@@ -1,10 +1,10 @@
-"""``python -m gtp inspect / compare / convert`` on the checkpoints of tests/test_legacy.py.
+"""``python -m gtp inspect / compare / convert`` on the checkpoints of tests/test_stock_format.py.
 
-The checkpoints (built once per session by ``test_legacy.legacy_checkpoints``, 4 gloo ranks):
-``legacy`` (stock 0.19.2 writer, tp2 x gtp2, pad_for_alignment 16), ``logical_twin`` (same
-model, gtp.logical_format's logical writer), ``tp2`` (loaded from ``legacy`` into a non-GTP tp2 model
+The checkpoints (built once per session by ``test_stock_format.stock_checkpoints``, 4 gloo ranks):
+``stock`` (stock 0.19.2 writer, tp2 x gtp2, pad_for_alignment 16), ``logical_twin`` (same
+model, gtp.logical_format's logical writer), ``tp2`` (loaded from ``stock`` into a non-GTP tp2 model
 and saved by megatron), ``perturbed`` (``tp2`` with logical fc1 row 110 of layer 1 changed), and
-``legacy/gtp_converted`` (written by the load path). The CLI runs in this process (it starts and
+``stock/gtp_converted`` (written by the load path). The CLI runs in this process (it starts and
 ends its own 1-process gloo group), and once as ``python -m gtp`` for the entry point and exit code.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from test_legacy import ITER, PERTURB_LAYER, PERTURB_ROW, legacy_checkpoints
+from test_stock_format import ITER, PERTURB_LAYER, PERTURB_ROW, stock_checkpoints
 
 pytestmark = pytest.mark.multiprocess
 
@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def ckpts(tmp_path_factory):
-    return legacy_checkpoints(tmp_path_factory)["root"]
+    return stock_checkpoints(tmp_path_factory)["root"]
 
 
 def cli(*argv):
@@ -43,30 +43,31 @@ def _line(text: str, key: str) -> str:
     return next(line for line in text.splitlines() if line.split(" ", 1)[0] == key)
 
 
-def test_inspect_shows_logical_shapes_and_legacy_flags(ckpts):
-    rc, out = cli("inspect", ckpts / "tiny" / "legacy")
+def test_inspect_shows_logical_shapes_and_stock_flags(ckpts):
+    rc, out = cli("inspect", ckpts / "tiny" / "stock")
     assert rc == 0, out
-    assert "legacy padded GTP layout (megatron-core 0.19.2)" in out
+    assert "stock padded GTP layout (megatron-core 0.19.2)" in out
     assert "tp2 x gtp2 (pad_for_alignment=16)" in out
     fc1 = _line(out, "decoder.layers.mlp.linear_fc1.weight")
     assert "(2, 200, 72)" in fc1 and "column-parallel L=100" in fc1
-    assert "LEGACY stored (2, 256, 72)" in fc1
+    assert "STOCK stored (2, 256, 72)" in fc1
     proj = _line(out, "decoder.layers.self_attention.linear_proj.weight")
-    assert "(2, 72, 72)" in proj and "row-parallel L=72" in proj and "LEGACY stored (2, 96, 72)" in proj
+    assert "(2, 72, 72)" in proj and "row-parallel L=72" in proj
+    assert "STOCK stored (2, 96, 72)" in proj
     moment = _line(out, "optimizer.state.exp_avg_sq.decoder.layers.mlp.linear_fc1.weight")
-    assert "LEGACY stored (2, 256, 72)" in moment
+    assert "STOCK stored (2, 256, 72)" in moment
     # vocab rows need no padding at this layout: stock, but the same rows as logical
     assert "stock, same rows as logical" in _line(out, "embedding.word_embeddings.weight")
     bias = _line(out, "decoder.layers.mlp.linear_fc1.bias")
-    assert "(2, 200)" in bias and "LEGACY" not in bias
-    assert "51 tensors, 12 stored in the legacy padded format" in out
+    assert "(2, 200)" in bias and "STOCK" not in bias
+    assert "51 tensors, 12 stored in the stock padded format" in out
 
 
 def test_inspect_of_logical_checkpoints_flags_nothing(ckpts):
-    for name in ("logical_twin", "tp2", "legacy/gtp_converted"):
+    for name in ("logical_twin", "tp2", "stock/gtp_converted"):
         rc, out = cli("inspect", ckpts / "tiny_swiglu" / name)
         assert rc == 0, out
-        assert "LEGACY" not in out and "0 stored in the legacy padded format" in out, name
+        assert "STOCK" not in out and "0 stored in the stock padded format" in out, name
         assert "(2, 400, 72)" in _line(out, "decoder.layers.mlp.linear_fc1.weight"), name
     rc, out = cli("inspect", ckpts / "tiny_swiglu" / "logical_twin")
     assert "logical format; saved at tp2 x gtp2 (pad_for_alignment=16)" in out
@@ -74,9 +75,9 @@ def test_inspect_of_logical_checkpoints_flags_nothing(ckpts):
 
 
 @pytest.mark.parametrize("model", ["tiny", "tiny_swiglu"])
-@pytest.mark.parametrize("other", ["tp2", "logical_twin", "legacy/gtp_converted"])
+@pytest.mark.parametrize("other", ["tp2", "logical_twin", "stock/gtp_converted"])
 def test_compare_equal_whatever_the_layout(ckpts, model, other):
-    rc, out = cli("compare", ckpts / model / "legacy", ckpts / model / other)
+    rc, out = cli("compare", ckpts / model / "stock", ckpts / model / other)
     assert rc == 0, out
     assert f"EQUAL: 51 logical tensors (17 model, 34 optimizer) bit for bit; iteration {ITER}, " \
            "optimizer step 7.0" in out
@@ -84,7 +85,8 @@ def test_compare_equal_whatever_the_layout(ckpts, model, other):
 
 @pytest.mark.parametrize("model", ["tiny", "tiny_swiglu"])
 def test_compare_names_the_first_differing_tensor_and_row(ckpts, model):
-    rc, out = cli("compare", ckpts / model / "legacy", ckpts / model / "perturbed" / f"iter_{ITER:07d}")
+    perturbed = ckpts / model / "perturbed" / f"iter_{ITER:07d}"
+    rc, out = cli("compare", ckpts / model / "stock", perturbed)
     assert rc == 1, out
     assert (f"DIFFERENT: first differing tensor decoder.layers.mlp.linear_fc1.weight at layer "
             f"{PERTURB_LAYER}, row {PERTURB_ROW}: first difference at layer {PERTURB_LAYER}, row "
@@ -93,21 +95,21 @@ def test_compare_names_the_first_differing_tensor_and_row(ckpts, model):
 
 
 def test_compare_errors_exit_2(ckpts, tmp_path, capsys):
-    rc, out = cli("compare", ckpts / "tiny" / "legacy", tmp_path / "nothing")
+    rc, out = cli("compare", ckpts / "tiny" / "stock", tmp_path / "nothing")
     assert rc == 2
     assert "not a megatron torch_dist checkpoint" in capsys.readouterr().err
     # a given layout that does not explain the stored shapes is refused, not guessed around
-    rc, out = cli("compare", ckpts / "tiny" / "legacy", ckpts / "tiny" / "tp2",
+    rc, out = cli("compare", ckpts / "tiny" / "stock", ckpts / "tiny" / "tp2",
                   "--layout-a", "tp=2,gtp=2,pad=32")
     err = capsys.readouterr().err
-    assert rc == 2 and "LegacyCheckpointError" in err
+    assert rc == 2 and "StockCheckpointError" in err
     assert "linear_fc2.weight is stored with shape (2, 96, 200)" in err
-    rc, _ = cli("compare", ckpts / "tiny" / "legacy")  # usage error
+    rc, _ = cli("compare", ckpts / "tiny" / "stock")  # usage error
     assert rc == 2
 
 
 def test_convert_writes_a_checkpoint_equal_to_the_non_gtp_one(ckpts, tmp_path):
-    rc, out = cli("convert", ckpts / "tiny_swiglu" / "legacy", tmp_path / "converted")
+    rc, out = cli("convert", ckpts / "tiny_swiglu" / "stock", tmp_path / "converted")
     assert rc == 0, out
     assert (tmp_path / "converted" / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITER)
     rc, out = cli("compare", tmp_path / "converted", ckpts / "tiny_swiglu" / "tp2")
@@ -120,7 +122,7 @@ def test_python_dash_m_gtp(ckpts):
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
     proc = subprocess.run(
-        [sys.executable, "-m", "gtp", "compare", str(ckpts / "tiny" / "legacy"),
+        [sys.executable, "-m", "gtp", "compare", str(ckpts / "tiny" / "stock"),
          str(ckpts / "tiny" / "perturbed")],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
@@ -132,7 +134,7 @@ def test_convert_refuses_its_source_and_a_newer_destination(ckpts, tmp_path, cap
     import shutil
 
     src = tmp_path / "src"
-    shutil.copytree(ckpts / "tiny" / "legacy", src)
+    shutil.copytree(ckpts / "tiny" / "stock", src)
     before = sorted((p.relative_to(src), p.read_bytes()) for p in src.rglob("*") if p.is_file())
     rc, _ = cli("convert", src, src)
     assert rc == 2 and "the destination is the source" in capsys.readouterr().err
@@ -150,7 +152,7 @@ def test_verify_passes_checkpoints_of_every_writer(ckpts):
     """Stock 0.19.2's padded GTP writer, the logical writer, megatron's non-GTP tp2 save, the
     converted copy: every chunk of every tensor stored once, every CRC-32 intact."""
     for model in ("tiny", "tiny_swiglu"):
-        for name in ("legacy", "logical_twin", "tp2", "perturbed", "legacy/gtp_converted"):
+        for name in ("stock", "logical_twin", "tp2", "perturbed", "stock/gtp_converted"):
             rc, out = cli("verify", ckpts / model / name)
             assert rc == 0 and out.startswith("OK "), (model, name, out)
 

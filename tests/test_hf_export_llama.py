@@ -228,7 +228,7 @@ def test_expert_widths_are_not_taken_for_ffn_hidden_size():
     """The checkpoint reader the export goes through infers ffn_hidden_size from a dense fc2
     only, and moe_ffn_hidden_size from a routed expert's: moe_tiny's experts are 100 wide, its
     recorded ffn_hidden_size is 200."""
-    from gtp.legacy.specs import infer_dims
+    from gtp.stock.specs import infer_dims
 
     shapes = {k: tuple(v.shape) for k, v in _moe_tensors(MOE).items()}
     assert infer_dims(shapes) == {"hidden_size": 72, "moe_ffn_hidden_size": 100}

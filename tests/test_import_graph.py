@@ -14,27 +14,19 @@ from pathlib import Path
 
 import pytest
 
+from import_graph import ImportGraph
+
 ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = {"mcore_compat": ("gtp", "recipes"), "gtp": ("recipes",)}
 
 
-def _imported_top_levels(path: Path) -> set[str]:
-    """Top-level package names of every import statement in ``path`` (lazy imports included)."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
-    return names
-
-
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_no_module_imports_a_package_above_it(package):
-    modules = sorted((ROOT / package).rglob("*.py"))
-    assert modules, package
-    bad = {str(p.relative_to(ROOT)): sorted(_imported_top_levels(p) & set(FORBIDDEN[package]))
-           for p in modules}
+    imports = {mod: imps for mod, imps in ImportGraph(ROOT).imports.items()
+               if mod.split(".")[0] == package}
+    assert imports, package
+    bad = {mod: sorted({i.target.split(".")[0] for i in imps} & set(FORBIDDEN[package]))
+           for mod, imps in imports.items()}
     assert {k: v for k, v in bad.items() if v} == {}
 
 
@@ -68,39 +60,10 @@ def test_no_module_imports_another_modules_private_name():
     assert found == []
 
 
-def _module_name(path: Path, root: Path) -> str:
-    return str(path.relative_to(root).with_suffix("")).replace("/", ".").removesuffix(".__init__")
-
-
 def project_import_graph(root: Path = ROOT) -> dict[str, set[str]]:
-    """``{module: modules it imports}`` over the modules of mcore_compat/, gtp/ and recipes/,
-    function-local imports included (every import statement in the file), relative imports
-    resolved; ``from pkg import name`` is an arrow to ``pkg.name`` when that is a module, else to
-    ``pkg``."""
-    paths = {_module_name(p, root): p for package in ("mcore_compat", "gtp", "recipes")
-             for p in sorted((root / package).rglob("*.py"))}
-
-    def known(name: str) -> str | None:
-        while name and name not in paths:
-            name = name.rpartition(".")[0]
-        return name or None
-
-    graph = {}
-    for mod, path in paths.items():
-        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-        targets = []
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if isinstance(node, ast.Import):
-                targets += [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join([*parts, base] if base else parts)
-                targets += [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base
-                            for a in node.names]
-        graph[mod] = {t for t in map(known, targets) if t and t != mod}
-    return graph
+    """``{module: project modules it imports}``, imports inside functions included
+    (:class:`tests.helpers.import_graph.ImportGraph`)."""
+    return ImportGraph(root).graph()
 
 
 def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -157,6 +120,53 @@ def test_the_circle_check_finds_a_circle_made_by_a_function_local_import(tmp_pat
     graph = project_import_graph(tmp_path)
     assert graph["recipes.b"] == {"recipes.c"}
     assert import_circles(graph) == [["recipes.a", "recipes.b", "recipes.c"]]
+
+
+# Packages beside a run, and the only modules outside them that may import them.
+BESIDE_THE_RUN = {"recipes.report": set(), "recipes.dry_run": {"recipes.launch"}}
+
+
+def test_the_sweep_report_and_the_dry_run_stay_out_of_the_run():
+    """The sweep report (matplotlib, reads finished runs' logs) and the dry run (sizes, no
+    process) are packages of their own: no module of a run imports them, except the launcher's
+    ``train.dry_run=true`` branch."""
+    graph = project_import_graph()
+    found = {f"{mod} -> {target}" for mod, targets in graph.items() for target in targets
+             for package, allowed in BESIDE_THE_RUN.items()
+             if (target == package or target.startswith(package + "."))
+             and not (mod == package or mod.startswith(package + ".")) and mod not in allowed}
+    assert found == set()
+
+
+# Standard-library modules that are data more than code, imported by the one function that reads
+# them: the 700 KB help-topic table of the built-in corpus (recipes/data/corpus.py).
+LAZY_STDLIB = frozenset({"pydoc_data"})
+
+
+def test_an_import_inside_a_function_keeps_a_package_off_start_up():
+    """An import inside a function is there for start-up time only: it names an outside
+    package (torch, megatron-core, transformers, ...), or a project module that loads one that
+    the importing module does not already load. Any other import (the standard library, a
+    project module that costs nothing more) is at the top of the module, where a reader and the
+    import-graph tests see it."""
+    assert ImportGraph(ROOT).needless_local_imports(LAZY_STDLIB) == []
+
+
+def test_the_start_up_rule_finds_needless_local_imports(tmp_path):
+    for package in ("mcore_compat", "gtp", "recipes"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "gtp" / "heavy.py").write_text("import torch\n")
+    (tmp_path / "gtp" / "light.py").write_text("import os\n")
+    (tmp_path / "recipes" / "a.py").write_text(
+        "def f():\n    import json\n    from gtp import light\n    from gtp import heavy\n"
+        "    import torch\n    import pydoc_data\n")
+    (tmp_path / "recipes" / "b.py").write_text("import torch\n\n\ndef f():\n"
+                                                "    from gtp import heavy\n")
+    graph = ImportGraph(tmp_path)
+    assert graph.outside_packages("recipes.b") == {"torch"}
+    assert graph.needless_local_imports(LAZY_STDLIB) == [
+        "recipes.a:2 json", "recipes.a:3 gtp.light", "recipes.b:5 gtp.heavy"]
 
 
 def test_no_module_is_over_500_lines():

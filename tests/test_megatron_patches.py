@@ -81,17 +81,18 @@ def _patching_functions() -> set[str]:
             for fn in tree.body:
                 if not isinstance(fn, ast.FunctionDef):
                     continue
+                # megatron modules the function itself imports by name
+                local = megatron | {t.id for n in ast.walk(fn) if isinstance(n, ast.Assign)
+                                    and isinstance(n.value, ast.Call)
+                                    and getattr(n.value.func, "attr", None) == "import_module"
+                                    for t in n.targets if isinstance(t, ast.Name)}
                 for node in ast.walk(fn):
-                    local = megatron | {t.id for n in ast.walk(fn) if isinstance(n, ast.Assign)
-                                        and isinstance(n.value, ast.Call)
-                                        and getattr(n.value.func, "attr", None) == "import_module"
-                                        for t in n.targets if isinstance(t, ast.Name)}
                     targets = node.targets if isinstance(node, ast.Assign) else []
                     hit = any(isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
                               and t.value.id in local for t in targets)
                     hit |= (isinstance(node, ast.Call)
-                            and getattr(node.func, "id", None) == "setattr" and node.args and isinstance(node.args[0], ast.Name)
-                            and node.args[0].id in local)
+                            and getattr(node.func, "id", None) == "setattr" and node.args
+                            and isinstance(node.args[0], ast.Name) and node.args[0].id in local)
                     if hit:
                         found |= _public_callers(tree, fn.name, _module_name(path))
                         break

@@ -31,7 +31,7 @@ ALLOWED = {
     "gtp/verify.py",
     # The stock reader's dims, read off megatron's unsharded tensors (qkv / fc1 biases, the
     # final norm) and the layout key qkv_rows described by linear_qkv.
-    "gtp/legacy/specs.py",
+    "gtp/stock/specs.py",
 }
 
 
@@ -82,7 +82,7 @@ def test_each_model_is_exported_by_its_family():
 
 def test_the_stock_reader_classifies_keys_by_the_families_patterns():
     from gtp.families import gtp_patterns
-    from gtp.legacy.specs import gtp_kind
+    from gtp.stock.specs import gtp_kind
     from recipes.families.gpt.formats import GTP_PATTERNS
 
     assert gtp_patterns() == GTP_PATTERNS

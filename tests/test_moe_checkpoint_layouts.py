@@ -214,13 +214,13 @@ def _goldens_by_param(model, cfg) -> dict:
 
 def _goldens(model, cfg) -> dict:
     """{local name: (param, weight, exp_avg, exp_avg_sq)} expected on this rank (pp1;
-    tests/test_moe_legacy.py's form)."""
+    tests/test_moe_stock_format.py's form)."""
     gold = _goldens_by_param(model, cfg)
     return {name: gold[id(p)][1:] for name, _, p in _params(model, cfg)}
 
 
 def _opt_states(optimizer):
-    """(torch optimizer, param) of a plain optimizer's states (tests/test_moe_legacy.py)."""
+    """(torch optimizer, param) of a plain optimizer's states (tests/test_moe_stock_format.py)."""
     for co in getattr(optimizer, "chained_optimizers", [optimizer]):
         co.init_state_fn(co.optimizer, co.config)
         for group in co.optimizer.param_groups:

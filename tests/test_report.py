@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 from matplotlib.container import BarContainer
 
-from recipes.report import (MEMORY_TITLE, TOKENS_TITLE, ReportError, _label_jobs, figure,
-                            find_job_dirs, load_job, main, report)
+from recipes.report import (MEMORY_TITLE, TOKENS_TITLE, ReportError, figure, find_job_dirs,
+                            load_job, report)
+from recipes.report.__main__ import main
+from recipes.report.jobs import label_jobs, parent_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -105,12 +107,10 @@ def test_png_and_table(sweep, tmp_path):
 
 
 def test_resume_segments_and_parent_link(sweep):
-    from recipes.report import _parent_of
-
     jobs = [load_job(d) for d in find_job_dirs([sweep])]
     resumed = jobs[2]
     assert len(resumed.segments) == 1 and resumed.segments[0].resume["iteration"] == 6
-    assert _parent_of(resumed.segments[0].resume["load"], jobs) is jobs[0]
+    assert parent_of(resumed.segments[0].resume["load"], jobs) is jobs[0]
     assert jobs[0].value_at("lm loss", 6) == pytest.approx(6 - 1.8)
 
 
@@ -195,7 +195,7 @@ def test_tokens_per_sec_bars_are_the_median_with_the_range_over_iterations(tmp_p
             f.write(json.dumps(rec) + "\n")
     kept = {"0_a": speeds["0_a"][1:], "1_b": speeds["1_b"][1:] + [750.0]}
     jobs = [load_job(d) for d in find_job_dirs([root])]
-    _label_jobs(jobs)
+    label_jobs(jobs)
     fig = figure(jobs)
     ax = next(a for a in fig.axes if a.get_title() == TOKENS_TITLE)
     bars = next(c for c in ax.containers if isinstance(c, BarContainer))
@@ -236,7 +236,7 @@ def test_nothing_of_one_panel_overlaps_another_at_2_to_12_jobs(tmp_path, n):
                       "peak-memory-bytes": (300 + 10 * j) * 2**20} for i in range(1, 41)],
                   [f"gtp.pad_for_alignment={pad}", "parallelism=tp2", "train.train_iters=40"])
     jobs = [load_job(d) for d in find_job_dirs([root])]
-    _label_jobs(jobs)
+    label_jobs(jobs)
     fig = figure(jobs)
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from recipes import checkpoint
+from recipes.checkpoint import TRACKER, CheckpointError
+from recipes.errors import ConfigError
+
 AUTO = "auto"
 
 
@@ -42,10 +46,6 @@ def resolve_auto_load(cfg, is_rank0: bool = True) -> str | None:
         CheckpointError: as :meth:`~recipes.checkpoint.manager.ResumePlan.auto`.
     """
     from omegaconf import open_dict
-
-    from recipes import checkpoint
-    from recipes.checkpoint import TRACKER, CheckpointError
-    from recipes.errors import ConfigError
 
     ck = cfg.checkpoint
     if ck.load != AUTO:

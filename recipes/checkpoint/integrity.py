@@ -52,7 +52,8 @@ def check_loadable(root: str | os.PathLike, iteration: int | None = None) -> Pat
             raise CheckpointError(f"{path} is incomplete: {name} is missing")
     stray = safe_objects.stray_common_state(path)
     if stray:
-        raise CheckpointError(f"{path} is damaged: {path / safe_objects.LEGACY_COMMON}: {stray}")
+        raise CheckpointError(
+            f"{path} is damaged: {path / safe_objects.COMMON_STATE_FNAME}: {stray}")
     check_storage(path)
     return path
 

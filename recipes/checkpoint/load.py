@@ -2,7 +2,7 @@
 weights alone (``checkpoint.pretrained``), through one reading path.
 
 Both open the checkpoint the same way (:func:`_open`: the common state, the byte
-verification, the vocabulary refusal, the legacy GTP conversion, the stored shapes), adapt the
+verification, the vocabulary refusal, the stock GTP conversion, the stored shapes), adapt the
 vocabulary rows alike and read with megatron's strict ``dist_checkpointing.load`` through
 ``gtp.dcp_reader``, every rank agreeing on a failure before any raises (:func:`_read`).
 """
@@ -19,7 +19,7 @@ from megatron.core.dist_checkpointing.validation import StrictHandling
 # torch DCP's CheckpointException derives from BaseException, not Exception.
 from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
 
-from gtp import dcp_reader, legacy, logical_format, safe_objects
+from gtp import dcp_reader, stock, logical_format, safe_objects
 from gtp.collectives import any_rank_failed
 from gtp.records import saved_layout
 from gtp.safe_metadata import reused as metadata_reused
@@ -73,9 +73,9 @@ def load_common(root, iteration: int | None = None) -> tuple[Path, dict]:
 class _Opened:
     """A checkpoint as a load reads it."""
 
-    path: Path  # the iter dir read (the legacy conversion's when converted)
+    path: Path  # the iter dir read (the stock conversion's when converted)
     common: dict
-    converted: bool  # a legacy GTP checkpoint read from its conversion
+    converted: bool  # a stock GTP checkpoint read from its conversion
     stored: dict  # {key: global shape} of its tensors
     real_vocab: int | None  # this model's real vocabulary size
 
@@ -84,7 +84,7 @@ def _open(path: Path, common: dict, model, layout_dict, verify: bool,
           fix: str = LOAD_FIX) -> _Opened:
     """Checks and conversion shared by every load of ``path`` (its ``common`` state read).
 
-    A legacy GTP checkpoint (megatron-core 0.19.2's padded layout) is converted once into
+    A stock GTP checkpoint (megatron-core 0.19.2's padded layout) is converted once into
     ``<root>/gtp_converted/`` and read from there; its RNG states are not carried over.
     """
     if verify:  # before any tensor is overwritten (checkpoint.verify_on_load)
@@ -94,9 +94,9 @@ def _open(path: Path, common: dict, model, layout_dict, verify: bool,
     if message:
         raise CheckpointError(message)
     try:
-        path, converted = legacy.prepare_load(path, common, layout_dict,
+        path, converted = stock.prepare_load(path, common, layout_dict,
                                               stock_writer=not logical_format.is_installed())
-    except legacy.LegacyCheckpointError as exc:
+    except stock.StockCheckpointError as exc:
         raise CheckpointError(str(exc)) from exc
     return _Opened(path, common, converted, stored_shapes(path), real)
 

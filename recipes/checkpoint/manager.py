@@ -28,15 +28,13 @@ import torch
 
 from gtp.collectives import collective_device
 from gtp.records import IMPORTED_KEY
+from gtp.verify import verify_iteration
+from recipes.checkpoint import lineage
 from recipes.checkpoint.async_save import AsyncSaves
-from recipes.checkpoint.files import (
-    TRACKER,
-    iter_dir,
-    write_durable,
-    recover_replaced,
-    remove_old_checkpoints,
-    tracked,
-)
+from recipes.checkpoint.errors import CheckpointError
+from recipes.checkpoint.files import (TRACKER, iter_dir, read_tracker, recover_replaced,
+                                      remove_old_checkpoints, saved_iterations, tracked,
+                                      write_durable)
 from recipes.checkpoint.integrity import check_loadable
 from recipes.checkpoint.load import load_checkpoint, load_common
 from recipes.checkpoint.save import finalize_save, stage_save
@@ -131,11 +129,6 @@ class ResumePlan:
                 the readable ones are not of one lineage, naming two; or no save of the lineage
                 loads.
         """
-        from gtp.verify import verify_iteration
-        from recipes.checkpoint import lineage
-        from recipes.checkpoint.errors import CheckpointError
-        from recipes.checkpoint.files import read_tracker, saved_iterations
-
         saved = saved_iterations(root)
         if not saved:
             return None, []
@@ -213,8 +206,6 @@ class ResumePlan:
     def _set_aside(root, damaged: list, repair: bool) -> list[str]:
         """Notes on the damaged saves ``auto`` skipped (``(iteration, problem)``), each set
         aside (:func:`recipes.checkpoint.lineage.set_aside`) with ``repair``."""
-        from recipes.checkpoint import lineage
-
         notes = []
         for it, problem in damaged:
             kept = lineage.set_aside(iter_dir(root, it)) if repair else iter_dir(root, it)

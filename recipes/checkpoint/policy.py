@@ -20,9 +20,9 @@ from omegaconf import open_dict
 
 from gtp.records import IMPORTED_KEY, saved_layout
 from recipes import checkpoint
-from recipes.optim_kinds import optimizer_mismatch
 from recipes.checkpoint import CheckpointError
-from recipes.config import to_dict
+from recipes.config import given_fields, given_overrides, to_dict
+from recipes.optim_kinds import optimizer_mismatch
 
 
 class NothingToTrain(Exception):
@@ -282,8 +282,6 @@ def take_checkpoint_fields(cfg, plan, overrides: list[str] | None = None) -> str
             from it with ``checkpoint.pretrained``), or its saved run config is not a mapping
             or holds a value that is not plain or not of the field's type (named).
     """
-    from recipes.config import given_fields, given_overrides
-
     if plan is None:
         return None
     if plan.common.get(IMPORTED_KEY):

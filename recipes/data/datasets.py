@@ -12,13 +12,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from recipes.data.corpus import (
-    check_indexed_paths,
-    check_text_paths,
-    prepare_data,
-    resolved_cache_dir,
-    sequence_lengths,
-)
+from gtp.collectives import collective_device
+from recipes.data.corpus import (check_indexed_paths, check_text_paths, prepare_data,
+                                 resolved_cache_dir, sequence_lengths)
 from recipes.data.tokenizers import Tokenizer, build_tokenizer, check_source
 
 
@@ -41,7 +37,6 @@ def _rank0_first(fn: Callable[[], Any]) -> Any:
             result = fn()
         except Exception as err:  # re-raised below, after telling the other ranks
             error = err
-    from gtp.collectives import collective_device
 
     failed = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=collective_device())
     dist.broadcast(failed, src=0)
@@ -57,9 +52,7 @@ def _rank0_first(fn: Callable[[], Any]) -> Any:
 def _train_split_tokens(prefix: str, split: str) -> int:
     """Tokens in the train split of ``prefix``, split by documents exactly as megatron does."""
     from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix,
-        parse_and_normalize_split,
-    )
+        convert_split_vector_to_split_matrix, parse_and_normalize_split)
 
     lengths = sequence_lengths(prefix)
     bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))[0]
@@ -81,9 +74,7 @@ def split_document_counts(num_documents: int, split: str) -> tuple[int, int, int
     (``BlendedMegatronDatasetBuilder._build_megatron_dataset_splits``); a weight of 0 gives 0.
     """
     from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix,
-        parse_and_normalize_split,
-    )
+        convert_split_vector_to_split_matrix, parse_and_normalize_split)
 
     n = float(num_documents)
     bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(check_split(split)))
@@ -179,9 +170,8 @@ def build_datasets(
             holding fewer than ``train_samples`` train samples.
         FileNotFoundError: as :func:`prepare_data`.
     """
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder,
-    )
+    from megatron.core.datasets.blended_megatron_dataset_builder import \
+        BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
     data_cfg = cfg.data

@@ -17,6 +17,7 @@ import numpy
 
 # End-of-document tokens looked up in a Hugging Face tokenizer when data.eod_id is null.
 from gtp.tokens import EOD_TOKENS
+from recipes.errors import ConfigError
 
 SOURCES = ("pydoc", "text", "indexed", "mock")
 # Named tokenizers; any other data.tokenizer value is a path to a Hugging Face tokenizer.json.
@@ -200,8 +201,6 @@ def check_before_launch(data_cfg: Any) -> None:
     Raises:
         recipes.validate.ConfigError: with :func:`build_tokenizer`'s message.
     """
-    from recipes.errors import ConfigError
-
     try:
         build_tokenizer(data_cfg)
     except (ValueError, OSError) as exc:

@@ -1,17 +1,18 @@
-"""The logical tensors of any checkpoint (:func:`read_logical`; legacy ones reconstructed).
+"""The logical tensors of any checkpoint (:func:`read_logical`; stock ones reconstructed).
 
 Memory: :func:`read_logical` holds the whole checkpoint (stored and logical copies of the GTP
-tensors) in the memory of one process; :func:`gtp.legacy.convert` and
-:func:`gtp.legacy.prepare_load` do that on rank 0 only.
+tensors) in the memory of one process; :func:`gtp.stock.convert` and
+:func:`gtp.stock.prepare_load` do that on rank 0 only.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from gtp.legacy.analysis import analyze
-from gtp.legacy.format import LegacyCheckpointError
-from gtp.legacy.specs import Analysis, TensorInfo, split_key, strip_suffix
+from gtp.progress import progress
+from gtp.stock.analysis import analyze
+from gtp.stock.format import StockCheckpointError
+from gtp.stock.specs import Analysis, TensorInfo, split_key, strip_suffix
 
 
 def ensure_dist():
@@ -46,13 +47,13 @@ def _reconstruct(info: TensorInfo, stored: Mapping[str, Any]):
 def read_logical(ckpt, layout=None, analysis: Optional[Analysis] = None):
     """The logical tensors of ``ckpt``: ``(analysis, {key: tensor})``.
 
-    Legacy GTP weights (and their optimizer moments / fp32 copies, sharded like them) are
+    Stock GTP weights (and their optimizer moments / fp32 copies, sharded like them) are
     reconstructed; every other tensor is returned as stored. Initializes a 1-process gloo group
     for the read when ``torch.distributed`` is not initialized (and removes it after). In a
     multi-process group this reads on the calling rank only (no collective).
 
     Raises:
-        LegacyCheckpointError: as :func:`analyze`.
+        StockCheckpointError: as :func:`analyze`.
     """
     from megatron.core import dist_checkpointing
 
@@ -62,12 +63,11 @@ def read_logical(ckpt, layout=None, analysis: Optional[Analysis] = None):
         stored = dist_checkpointing.load_plain_tensors(str(analysis.path))
     finally:
         cleanup()
-    from gtp.progress import progress
 
     out = {}
     for key, info in progress(analysis.tensors.items(), "read", total=len(analysis.tensors),
                               unit="tensor"):
-        if not info.legacy:
+        if not info.stock:
             out[key] = stored[key]
             continue
         prefix, model_key = split_key(key)
@@ -78,7 +78,7 @@ def read_logical(ckpt, layout=None, analysis: Optional[Analysis] = None):
                 group[suf] = stored[k]
         logical = _reconstruct(info, group)
         if tuple(logical.shape) != tuple(info.logical_shape):
-            raise LegacyCheckpointError(
+            raise StockCheckpointError(
                 f"{key}: reconstructed shape {tuple(logical.shape)} != {info.logical_shape}")
         out[key] = logical
     return analysis, out

@@ -1,9 +1,7 @@
-"""``train.dry_run=true``: check a whole config for its world size and say what each rank holds.
+"""What one rank holds at a layout, counted from ``recipes.shapes`` without building anything.
 
-Nothing heavy is built and no process starts: the config is validated (``recipes.prelaunch``),
-megatron's ``TransformerConfig`` is constructed (its own checks run), and the sizes come from
-``recipes.shapes``. Per rank of the most loaded pipeline stage, with megatron's DDP (fp32
-gradient buffer, ``grad_reduce_in_fp32``) and Adam, as Megatron-LM's
+Per rank of the most loaded pipeline stage, with megatron's DDP (fp32 gradient buffer,
+``grad_reduce_in_fp32``) and Adam, as Megatron-LM's
 ``theoretical_memory_usage.compute_weight_and_optimizer_memory`` counts them:
 
 * parameters: ``params_dtype`` bytes each (GTP padding rows included: they are allocated);
@@ -21,12 +19,16 @@ buffers (all-gathers, the loss's logits copies) are not counted.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
-_BYTES = {"fp32": 4, "bf16": 2}
-RECOMPUTE = (None, "selective", "full")
+from recipes import te
+from recipes.families import parameter_counts, parameter_shapes
+from recipes.shapes import local_shape, padded_vocab_size
+
+# Bytes per parameter of each precision.params_dtype.
+PARAM_BYTES = {"fp32": 4, "bf16": 2}
+
 
 
 @dataclass(frozen=True)
@@ -70,10 +72,6 @@ def rank_sizes(cfg, layout, vocab_size: int) -> RankSizes:
     ``optimizer.get_megatron_optimizer`` shards the dense state over the data-parallel group
     with context parallelism, the experts' over the expert data-parallel group).
     """
-    from recipes.shapes import padded_vocab_size
-    from recipes.families import parameter_shapes
-    from recipes.shapes import local_shape
-
     tp, g, pad = layout.tensor_model_parallel_size, layout.gtp_remat_size, layout.pad_for_alignment
     pp, m = layout.pipeline_model_parallel_size, cfg.model
     padded = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
@@ -108,19 +106,14 @@ def rank_sizes(cfg, layout, vocab_size: int) -> RankSizes:
     dp, edp = ((layout.data_parallel_size * layout.context_parallel_size,
                 layout.expert_data_parallel_size) if layout.use_distributed_optimizer else (1, 1))
     experts = experts_per_stage[stage]
-    from recipes.families import parameter_counts
-
     return RankSizes(
         active_parameters=parameter_counts(m, padded)[1],
         expert_parameters=experts_per_stage[stage],
         total_parameters=total, parameters=local, gtp_padding_rows=pad_rows[stage],
-        param_bytes=local * _BYTES[dtype], grad_bytes=local * 4,
+        param_bytes=local * PARAM_BYTES[dtype], grad_bytes=local * 4,
         optimizer_bytes=-(-(local - experts) * state // dp) - (-experts * state // edp),
         activation_bytes=activation_bytes(cfg, layout, padded),
     )
-
-
-IMPLS = ("transformer_engine", "local")
 
 
 def target_attention(cfg) -> tuple[str, str]:
@@ -135,14 +128,13 @@ def target_attention(cfg) -> tuple[str, str]:
     """
     impl = cfg.model.get("transformer_impl")
     if impl is None:
-        from recipes import te
-
         usable = te.transformer_engine_usable()
         return (("fused" if usable else "local"),
                 f"this machine: TransformerEngine {'imports' if usable else 'not importable'}, "
                 f"model.transformer_impl=null")
-    if impl not in IMPLS:
-        raise ValueError(f"model.transformer_impl={impl!r}: valid are null, {', '.join(IMPLS)}")
+    if impl not in te.TRANSFORMER_IMPLS:
+        raise ValueError(f"model.transformer_impl={impl!r}: valid are null, "
+                         f"{', '.join(te.TRANSFORMER_IMPLS)}")
     return ("fused" if impl == "transformer_engine" else "local"),\
         f"from model.transformer_impl={impl}"
 
@@ -205,145 +197,3 @@ def activation_bytes(cfg, layout, padded_vocab: int, scores: bool | None = None)
     return int(math.ceil(act))
 
 
-def format_bytes(n: float) -> str:
-    """``n`` bytes in the largest binary unit that keeps it >= 1 (B, KiB, MiB, GiB, TiB)."""
-    units = ("B", "KiB", "MiB", "GiB", "TiB")
-    i = 0
-    while i < len(units) - 1 and abs(n) >= 1024:
-        n /= 1024
-        i += 1
-    return f"{int(n)} B" if i == 0 else f"{n:.2f} {units[i]}"
-
-
-def _variant(cfg, layout, **changes):
-    """``(cfg, layout)`` with dotted-key ``changes`` applied to copies."""
-    from omegaconf import OmegaConf, open_dict
-
-    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-    with open_dict(cfg):
-        for key, value in changes.items():
-            OmegaConf.update(cfg, key, value)
-    if "optim.use_distributed_optimizer" in changes:
-        layout = dataclasses.replace(
-            layout, use_distributed_optimizer=changes["optim.use_distributed_optimizer"],
-            distrib_optim_sharding_type="fully_reshardable")
-    return cfg, layout
-
-
-def fit_line(cfg, layout, vocab_size: int, sizes: RankSizes) -> str:
-    """Whether ``sizes.total_bytes`` fits ``train.gpu_memory_gib``; if not, the first of the
-    distributed optimizer (dp > 1), selective then full recompute and micro_batch_size 1, taken
-    in that order and cumulatively, that makes it fit."""
-    limit = float(cfg.train.get("gpu_memory_gib", 80.0))
-    budget = limit * 2**30
-    head = f"> fit: {format_bytes(sizes.total_bytes)} per rank"
-    if sizes.total_bytes <= budget:
-        return f"{head} fits train.gpu_memory_gib={limit:g}"
-    steps = []
-    if not layout.use_distributed_optimizer and \
-            layout.data_parallel_size * layout.context_parallel_size > 1:
-        steps.append(("optim.use_distributed_optimizer", True))
-    rc = cfg.model.get("recompute_granularity")
-    if rc is None:
-        steps.append(("model.recompute_granularity", "selective"))
-    if rc != "full":
-        steps.append(("model.recompute_granularity", "full"))
-    if cfg.data.micro_batch_size > 1:
-        steps.append(("data.micro_batch_size", 1))
-    changes: dict = {}
-    for key, value in steps:
-        changes[key] = value
-        vcfg, vlayout = _variant(cfg, layout, **changes)
-        total = rank_sizes(vcfg, vlayout, vocab_size).total_bytes
-        if total <= budget:
-            sets = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}"
-                            for k, v in changes.items())
-            return (f"{head} does not fit train.gpu_memory_gib={limit:g}; fits with {sets} "
-                    f"({format_bytes(total)})")
-    return (f"{head} does not fit train.gpu_memory_gib={limit:g}, nor with the distributed "
-            f"optimizer, full recompute and micro-batch 1: raise "
-            f"parallelism.tensor_model_parallel_size, pipeline_model_parallel_size"
-            f"{', expert_model_parallel_size' if sizes.expert_parameters else ''} or "
-            f"gtp.gtp_remat_size")
-
-
-def assumed_line(cfg, layout) -> str:
-    """What the estimate assumed: the attention kind and where it came from
-    (:func:`target_attention`), recompute, the distributed optimizer and the GPU memory."""
-    kind, source = target_attention(cfg)
-    scores = "no scores stored" if kind == "fused" else "scores stored"
-    dp = layout.data_parallel_size * layout.context_parallel_size
-    optim = (f"distributed optimizer over dp {dp}" if layout.use_distributed_optimizer
-             else "no distributed optimizer")
-    return (f"> assumed: attention {kind} ({scores}), {source}; recompute "
-            f"{cfg.model.get('recompute_granularity') or 'none'} (model.recompute_granularity); "
-            f"{optim} (optim.use_distributed_optimizer); checked against "
-            f"train.gpu_memory_gib={float(cfg.train.get('gpu_memory_gib', 80.0)):g}")
-
-
-def report(cfg, layout) -> str:
-    """The dry-run text for ``cfg`` at ``layout`` (validated already).
-
-    Raises:
-        ValueError: megatron's ``TransformerConfig`` refuses the model config (its message).
-    """
-    from recipes.data import build_tokenizer
-    from recipes.model import transformer_config
-    from recipes.shapes import padded_vocab_size
-
-    transformer_config(cfg, layout)  # megatron's own checks of the model fields
-    vocab = build_tokenizer(cfg.data).vocab_size
-    tp = layout.tensor_model_parallel_size
-    padded = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, tp)
-    sp_text = ("sequence parallel" if layout.sequence_parallel and tp > 1
-               else "no sequence parallelism")
-    if layout.context_parallel_size > 1:
-        sp_text += (f", context parallel: {cfg.model.seq_length // layout.context_parallel_size} "
-                    f"tokens of each sequence per rank")
-    s = rank_sizes(cfg, layout, vocab)
-    dtype = cfg.precision.params_dtype
-    per_param = (s.param_bytes + s.grad_bytes + s.optimizer_bytes) / max(s.parameters, 1)
-    sharded = (f", 1/{layout.data_parallel_size * layout.context_parallel_size} per rank: "
-               f"distributed optimizer"
-               if layout.use_distributed_optimizer else "")
-    if sharded and s.expert_parameters:
-        sharded += f"; routed experts 1/{layout.expert_data_parallel_size}: expert data parallel"
-    rc = cfg.model.get("recompute_granularity")
-    kind = target_attention(cfg)[0]
-    stage = " (most loaded pipeline stage)" if layout.pipeline_model_parallel_size > 1 else ""
-    lines = [
-        "> dry run: config valid; nothing built, no process started",
-        f"> layout: {layout.describe()}",
-        f"> model: {cfg.model.name}, {s.total_parameters:,} parameters "
-        f"(vocabulary {vocab:,} tokens, {padded:,} rows padded)",
-        f"> per rank{stage}: {s.parameters:,} parameters, {per_param:.4g} bytes each for "
-        f"weights, gradients and optimizer state",
-        f">   parameters       {format_bytes(s.param_bytes)} ({dtype})",
-        f">   gradients        {format_bytes(s.grad_bytes)} (fp32 grad buffer)",
-        f">   optimizer state  {format_bytes(s.optimizer_bytes)} (Adam moments fp32"
-        f"{', fp32 main params' if dtype != 'fp32' else ''}{sharded})",
-        f">   activations      {format_bytes(s.activation_bytes)} (micro-batch "
-        f"{cfg.data.micro_batch_size} x {cfg.model.seq_length} tokens, recompute "
-        f"{rc or 'none'}{', attention scores stored' if kind == 'local' and not rc else ''};"
-        f" Megatron-LM's formula, {sp_text})",
-        f">   total            {format_bytes(s.total_bytes)}",
-        assumed_line(cfg, layout),
-        fit_line(cfg, layout, vocab, s),
-    ]
-    try:
-        from recipes.data import check_data_paths
-
-        check_data_paths(cfg.data)
-    except (ValueError, FileNotFoundError) as exc:
-        lines.append(f"> data not checked: {exc} (a real run refuses this before launch)")
-    if cfg.model.get("num_moe_experts"):
-        lines.insert(3, f"> MoE: {s.active_parameters:,} active parameters per token "
-                        f"(top-{cfg.model.moe_router_topk} of {cfg.model.num_moe_experts} experts); "
-                        f"per rank {s.expert_parameters:,} routed-expert parameters, "
-                        f"{format_bytes(s.expert_parameters * _BYTES[dtype])} ({dtype})")
-    if layout.gtp_remat_size > 1:
-        lines.append(
-            f"> GTP: gtp_remat_size={layout.gtp_remat_size}, pad_for_alignment="
-            f"{layout.pad_for_alignment}: {s.gtp_padding_rows:,} padding rows in the TP-local "
-            f"GTP weights (a tail suffix, held by the last GTP ranks)")
-    return "\n".join(lines)

@@ -6,7 +6,7 @@ TP-local logical dim 0 ``L`` is stored with dim 0 ``tp*(L+pad)`` and every TP ra
 ``tp_rank*pad`` late; a row-parallel one with ``L+pad`` rows (zero tail); a gated (SwiGLU) fc1 has
 its gate/up halves mislabelled whenever ``g > 1``. Upstream can read such a file only into the
 exact layout that wrote it. The maps here reconstruct the **logical** tensors (what the non-GTP
-model at the same TP writes; ``docs/legacy-conversion.md``) with the layout math of
+model at the same TP writes; ``docs/stock-conversion.md``) with the layout math of
 :mod:`gtp.layout`.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 from gtp.layout import TensorLayout, logical_pieces, stock_0192_offsets
-from gtp.legacy.specs import SavedLayout, TensorSpec
+from gtp.stock.specs import SavedLayout, TensorSpec
 
 
 def row_map(spec: TensorSpec, lay: SavedLayout, L: Optional[int] = None):

@@ -1,4 +1,4 @@
-"""The vocabulary of the legacy reader: layout keys, tensor specs, the analysis result, and the
+"""The vocabulary of the stock reader: layout keys, tensor specs, the analysis result, and the
 helpers that classify checkpoint keys and derive model dims.
 
 A user layout (:func:`parse_layout`) and the gtp-recipes records (:func:`config_layout`) give
@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from gtp.alignment import resolve_pad_for_alignment
 from gtp.families import gtp_patterns
-from gtp.legacy.format import LegacyCheckpointError
+from gtp.stock.format import StockCheckpointError
 
 # What a user may pass as ``layout`` (aliases in parentheses):
 #   tensor_model_parallel_size (tp), gtp_remat_size (gtp, g), pad_for_alignment (pad, a),
@@ -93,7 +95,7 @@ class TensorInfo:
         stored_shape: global shape on disk.
         logical_shape: shape of the logical tensor (what a non-GTP model at any TP reads).
         gtp: the key's GTP spec, None for tensors GTP never shards.
-        legacy: the stored rows differ from the logical ones (padding and/or shifted rows).
+        stock: the stored rows differ from the logical ones (padding and/or shifted rows).
         out_key: key of the logical tensor (differs from ``key`` only for singleton gated halves,
             which keep their suffix).
     """
@@ -102,7 +104,7 @@ class TensorInfo:
     stored_shape: tuple
     logical_shape: tuple
     gtp: Optional[TensorSpec] = None
-    legacy: bool = False
+    stock: bool = False
     rowmap: Any = field(default=None, repr=False)  # {out_suffix: [(src_suffix, src_row)...]}
     base: str = ""
 
@@ -116,7 +118,7 @@ class Analysis:
     format: str  # "logical" | "stock"
     layout: Optional[SavedLayout]
     layout_source: str
-    legacy: bool
+    stock: bool
     tensors: dict  # stored key -> TensorInfo
     notes: list = field(default_factory=list)
     # The routed experts' layout (expert TP as tp, expert GTP as g), None without expert weights.
@@ -126,7 +128,7 @@ class Analysis:
         lay = self.layout.describe() if self.layout else "unknown"
         if self.expert_layout is not None:
             lay += f"; routed experts at expert {self.expert_layout.describe()}"
-        kind = ("legacy padded GTP layout (megatron-core 0.19.2)" if self.legacy else
+        kind = ("stock padded GTP layout (megatron-core 0.19.2)" if self.stock else
                 "logical format" if self.format == "logical" else
                 "stock format, nothing padded or shifted")
         return f"{kind}; saved at {lay} [{self.layout_source}]"
@@ -134,7 +136,7 @@ class Analysis:
 
 @dataclass
 class StoredCheckpoint:
-    """What :func:`gtp.legacy.analyze` knows of a checkpoint before resolving its saving layout."""
+    """What :func:`gtp.stock.analyze` knows of a checkpoint before resolving its saving layout."""
 
     path: Path
     common: dict
@@ -163,7 +165,7 @@ def parse_layout(text_or_mapping) -> dict:
     Accepts a mapping or a string ``"tp=2,gtp=2,pad=16,swiglu=true"``.
 
     Raises:
-        LegacyCheckpointError: unknown key or a value that is not an int / bool.
+        StockCheckpointError: unknown key or a value that is not an int / bool.
     """
     if text_or_mapping is None:
         return {}
@@ -171,7 +173,7 @@ def parse_layout(text_or_mapping) -> dict:
         items = []
         for part in filter(None, (p.strip() for p in text_or_mapping.split(","))):
             if "=" not in part:
-                raise LegacyCheckpointError(f"layout item {part!r}: expected key=value")
+                raise StockCheckpointError(f"layout item {part!r}: expected key=value")
             k, v = part.split("=", 1)
             items.append((k.strip(), v.strip()))
     else:
@@ -180,21 +182,21 @@ def parse_layout(text_or_mapping) -> dict:
     for k, v in items:
         name = _ALIASES.get(k, k)
         if name not in LAYOUT_KEYS:
-            raise LegacyCheckpointError(
+            raise StockCheckpointError(
                 f"unknown layout key {k!r}; valid: {list(LAYOUT_KEYS)} (aliases {_ALIASES})")
         if name == "swiglu":
             if isinstance(v, str):
                 if v.lower() not in ("true", "false", "1", "0"):
-                    raise LegacyCheckpointError(f"layout swiglu={v!r}: expected true or false")
+                    raise StockCheckpointError(f"layout swiglu={v!r}: expected true or false")
                 v = v.lower() in ("true", "1")
             out[name] = bool(v)
         else:
             try:
                 out[name] = int(v)
             except (TypeError, ValueError):
-                raise LegacyCheckpointError(f"layout {k}={v!r}: expected an integer") from None
+                raise StockCheckpointError(f"layout {k}={v!r}: expected an integer") from None
             if out[name] < (0 if name == "pad_for_alignment" else 1):
-                raise LegacyCheckpointError(f"layout {k}={v!r} out of range")
+                raise StockCheckpointError(f"layout {k}={v!r} out of range")
     return out
 
 
@@ -215,8 +217,6 @@ RUN_CONFIG_VOCAB_GROUP = "gtp.run_config_vocab"
 def _vocab_from_config(cfg: Mapping, tp: int) -> Optional[int]:
     """Padded vocab rows of a saved run config, from the first registered reader that knows it
     (None: no reader knows this config, the vocab stays unknown)."""
-    from importlib.metadata import entry_points
-
     for entry in entry_points(group=RUN_CONFIG_VOCAB_GROUP):
         try:
             vocab = entry.load()(cfg, tp)
@@ -261,8 +261,6 @@ def config_layout(common: Mapping) -> tuple[dict, str]:
         if "pad_for_alignment" not in out and max(out.get("gtp_remat_size", 1),
                                                   out.get("expert_gtp_remat_size", 1)) > 1:
             try:
-                from gtp.alignment import resolve_pad_for_alignment
-
                 out["pad_for_alignment"] = resolve_pad_for_alignment(
                     gtp_cfg.get("pad_for_alignment"), gtp_cfg.get("quantization", "none"))
             except Exception:  # noqa: BLE001

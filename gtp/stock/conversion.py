@@ -1,20 +1,24 @@
-"""Write any checkpoint as a logical one (:func:`convert`; legacy GTP weights reconstructed)."""
+"""Write any checkpoint as a logical one (:func:`convert`; stock GTP weights reconstructed)."""
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 from pathlib import Path
 from typing import Mapping, Optional
 
-from gtp.legacy.format import FORMAT_LOGICAL, METADATA_KEY, TRACKER, LegacyCheckpointError
-from gtp.legacy.reading import ensure_dist, read_logical
-from gtp.legacy.specs import Analysis, SavedLayout, get_path
 from gtp.records import megatron_core_version
+from gtp.stock.format import FORMAT_LOGICAL, METADATA_KEY, TRACKER, StockCheckpointError
+from gtp.stock.reading import ensure_dist, read_logical
+from gtp.stock.specs import Analysis, SavedLayout, get_path
 
 # Common-state key of a converted checkpoint: where it came from.
 CONVERTED_KEY = "gtp_converted_from"
 CONVERTER_VERSION = 1
+# The record's "converted_by": the package's name before it was gtp.stock, kept so that the
+# conversions cached before the rename stay valid (gtp.stock.loading compares it).
+CONVERTED_BY = f"gtp.legacy v{CONVERTER_VERSION}"
 
 
 def fingerprint(path: Path) -> dict:
@@ -36,8 +40,6 @@ def _expert_saved_layout(analysis: Analysis) -> dict:
 
 
 def _converted_common(analysis: Analysis) -> dict:
-    import copy
-
     common = copy.deepcopy(analysis.common)
     lay = analysis.layout or SavedLayout(
         int(get_path(common, "layout", "tensor_model_parallel_size") or 1), 1, 0)
@@ -57,14 +59,15 @@ def _converted_common(analysis: Analysis) -> dict:
         "megatron_core": megatron_core_version(), "tensors": {},
     }
     common[CONVERTED_KEY] = {
-        "converted_by": f"gtp.legacy v{CONVERTER_VERSION}",
+        "converted_by": CONVERTED_BY,
         "saved_layout": {"tensor_model_parallel_size": lay.tp, "gtp_remat_size": lay.g,
                          "pad_for_alignment": lay.pad_for_alignment,
                          **_expert_saved_layout(analysis)},
         "layout_source": analysis.layout_source,
         "layout": orig_layout,
         METADATA_KEY: analysis.common.get(METADATA_KEY),
-        "legacy_keys": sorted(k for k, i in analysis.tensors.items() if i.legacy),
+        # stored under its old name: records of older conversions read alike
+        "legacy_keys": sorted(k for k, i in analysis.tensors.items() if i.stock),
         **fingerprint(analysis.path),
     }
     return common
@@ -134,14 +137,14 @@ def _tracked(root: Path):
 
 
 def convert(src, dst_root, layout=None) -> Path:
-    """Write ``src`` (any checkpoint; legacy GTP weights reconstructed) as a logical checkpoint.
+    """Write ``src`` (any checkpoint; stock GTP weights reconstructed) as a logical checkpoint.
 
     The result is a normal torch_dist checkpoint under ``dst_root`` (``iter_XXXXXXX`` and
     ``latest_checkpointed_iteration.txt``) that stock megatron-core loads at any TP without GTP,
     and gtp-recipes loads at any layout. Its common state is the source's, with ``layout``
     rewritten to the non-GTP layout of the same TP (``gtp_remat_size`` 1, pad 0), a
     ``gtp_layout`` record tagged ``logical-v1``, and ``gtp_converted_from`` (source path,
-    original layout and its source, legacy keys). Per-rank RNG states are not carried over.
+    original layout and its source, stock keys). Per-rank RNG states are not carried over.
 
     Collective when ``torch.distributed`` is initialized with several ranks (all call it; rank 0
     reads and writes the data); in one process it initializes a 1-process gloo group itself.
@@ -156,7 +159,7 @@ def convert(src, dst_root, layout=None) -> Path:
         The written iter dir.
 
     Raises:
-        LegacyCheckpointError: as :func:`analyze` (on every rank); ``dst_root`` is the source's
+        StockCheckpointError: as :func:`analyze` (on every rank); ``dst_root`` is the source's
             dir, or its tracker names a newer iteration (it would move back).
     """
     import torch
@@ -165,7 +168,7 @@ def convert(src, dst_root, layout=None) -> Path:
     if src_root.name.startswith("iter_"):
         src_root = src_root.parent
     if Path(dst_root).resolve() == src_root:
-        raise LegacyCheckpointError(
+        raise StockCheckpointError(
             f"convert {src} {dst_root}: the destination is the source's checkpoint dir; write the "
             f"converted checkpoint to another dir")
     from mcore_compat import cpu as cpu_compat
@@ -183,19 +186,19 @@ def convert(src, dst_root, layout=None) -> Path:
                 objects = _read_objects(analysis.path)
                 common = _converted_common(analysis)
                 status = ("ok", common, int(common.get("iteration", 0) or 0))
-            except LegacyCheckpointError as exc:
+            except StockCheckpointError as exc:
                 status = ("error", str(exc), 0)
             except Exception as exc:  # noqa: BLE001 - the other ranks must not wait forever
                 status = ("error", f"cannot read {src}: {type(exc).__name__}: {exc}", 0)
         status = broadcast_object(status)
         if status[0] == "error":
-            raise LegacyCheckpointError(status[1])
+            raise StockCheckpointError(status[1])
         common, iteration = status[1], status[2]
         dst_root = Path(dst_root)
         dst_iter = dst_root / f"iter_{iteration:07d}"
         tracked = _tracked(dst_root)
         if tracked is not None and tracked > iteration:
-            raise LegacyCheckpointError(
+            raise StockCheckpointError(
                 f"convert into {dst_root}: its {TRACKER} names iteration {tracked}, newer than the "
                 f"converted {iteration}; writing would move it back: convert into another dir")
         # Written beside, renamed into place when complete: an existing save stays whole.

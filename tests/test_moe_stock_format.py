@@ -1,5 +1,5 @@
 """Stock megatron-core 0.19.2 MoE checkpoints (expert GTP padding written into the expert
-weights) read exactly at other expert layouts through ``gtp.legacy``.
+weights) read exactly at other expert layouts through ``gtp.stock``.
 
 One 4-process gloo world, moe_tiny (4 SwiGLU experts, fc1 200 rows, hidden 72, 2 layers, fp32,
 Adam), the goldens of ``tests/test_moe_checkpoint_layouts.py`` (plain-sliced from a full logical
@@ -14,13 +14,13 @@ and both Adam moments set to garbage before saving:
    garbage padding rows too) into sentinel-filled tensors: exact. In B's model, megatron's own loader reads A's expert fc1 (the
    naive read at another layout: the global shapes agree, nothing complains) and most rows come
    out wrong; then, the logical format switched on in the same model,
-   ``recipes.checkpoint.load_checkpoint`` reads A (converted once by ``gtp.legacy``) into
+   ``recipes.checkpoint.load_checkpoint`` reads A (converted once by ``gtp.stock``) into
    sentinel-filled tensors: every weight and moment exact. (At B's alignment 16, megatron
    refuses A's fc1 instead: global shape mismatch, 256 stored rows against 224.)
 3. ``C``: ep2 x etp2 without expert GTP, logical format: A and B each loaded into sentinel-filled
    tensors, every weight and moment exact.
 
-In this process: ``gtp.legacy`` analyses A, and its reconstructed expert tensors equal the full
+In this process: ``gtp.stock`` analyses A, and its reconstructed expert tensors equal the full
 golden, while the stored rows read as they lie do not.
 """
 
@@ -132,13 +132,13 @@ def _world(root: str, cfgs: dict) -> dict:
         out["garbage_rows"][name] = _garbage_padding(model, opt)
         checkpoint.save_checkpoint(root / name, 1, model, opt, sched, {"consumed_samples": 0},
                                    record)
-    # still at B (stock): its own file, read as is (gtp.legacy.prepare_load: same layout)
+    # still at B (stock): its own file, read as is (gtp.stock.prepare_load: same layout)
     _fill_sentinel(model, opt)
     checkpoint.load_checkpoint(root / "B", model, opt, sched, record)
     out["B_as_is"] = (not (root / "B" / "gtp_converted").exists(),
                       _padding_was_garbage_then_zero(model, opt))
     out["loads"][("B", "B")] = _check(model, opt, cfg)
-    # megatron's own read of A; then gtp.legacy's, into the same model in
+    # megatron's own read of A; then gtp.stock's, into the same model in
     # the logical format (a stock run loads only its own layout: recipes.checkpoint.policy refuses)
     out["naive"] = _naive_stock_read(model, root / "A" / "iter_0000001", cfg)
     logical_format.configure("logical")
@@ -161,13 +161,13 @@ def _world(root: str, cfgs: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe_legacy")
+    root = tmp_path_factory.mktemp("moe_stock")
     cfgs = {name: make_cfg(*extra) for name, extra in LAYOUTS.items()}
     from multiproc import run_distributed
 
     t0 = time.time()
     results = run_distributed(_world, WORLD, str(root), cfgs, timeout=900)
-    print(f"\nMoE legacy world: {time.time() - t0:.0f}s")
+    print(f"\nMoE stock world: {time.time() - t0:.0f}s")
     return root, results
 
 
@@ -204,16 +204,16 @@ def test_megatrons_own_read_at_another_layout_gets_expert_rows_wrong(world):
 
 
 def test_reader_reconstructs_every_expert_row_against_the_plain_sliced_golden(world):
-    from gtp import legacy
+    from gtp import stock
 
     root, results = world
     index = results[0]["index"]
-    a = legacy.analyze(root / "A")
-    assert a.format == "stock" and a.legacy
+    a = stock.analyze(root / "A")
+    assert a.format == "stock" and a.stock
     lay = a.expert_layout
     assert (lay.tp, lay.g, lay.pad_for_alignment) == (2, 2, 16), a.describe()
     assert "gtp_layout record" in a.layout_source and "inferred" not in a.layout_source
-    common = a.common[legacy.METADATA_KEY]
+    common = a.common[stock.METADATA_KEY]
     assert (common["expert_tensor_parallel_size"], common["expert_gtp_remat_size"],
             common["pad_for_alignment"]) == (2, 2, 16)
     assert common["tensors"][FC1]["global_shape"] == [200, 72]
@@ -222,7 +222,7 @@ def test_reader_reconstructs_every_expert_row_against_the_plain_sliced_golden(wo
     assert fc1.stored_shape == (2, 4, 256, 72) and fc1.logical_shape == (2, 4, 200, 72)
     assert fc1.gtp.gated and a.tensors[FC2].stored_shape == (2, 4, 96, 100)
 
-    _, tensors = legacy.read_logical(root / "A")
+    _, tensors = stock.read_logical(root / "A")
     checked = 0
     for key in (FC1, FC2):
         shape = (200, 72) if key == FC1 else (72, 100)
@@ -232,11 +232,11 @@ def test_reader_reconstructs_every_expert_row_against_the_plain_sliced_golden(wo
             assert torch.equal(tensors[k], want), k
             checked += 1
     assert checked == 6
-    # the copy the loads read (gtp.legacy.prepare_load): logical, expert saving layout recorded
-    conv = legacy.analyze(root / "A" / legacy.CONVERTED_DIR)
-    assert conv.format == "logical" and not conv.legacy
+    # the copy the loads read (gtp.stock.prepare_load): logical, expert saving layout recorded
+    conv = stock.analyze(root / "A" / stock.CONVERTED_DIR)
+    assert conv.format == "logical" and not conv.stock
     assert conv.tensors[FC1].stored_shape == (2, 4, 200, 72)
-    saved = conv.common[legacy.CONVERTED_KEY]["saved_layout"]
+    saved = conv.common[stock.CONVERTED_KEY]["saved_layout"]
     assert (saved["expert_tensor_parallel_size"], saved["expert_gtp_remat_size"],
             saved["pad_for_alignment"]) == (2, 2, 16), saved
     assert conv.common["layout"]["expert_gtp_remat_size"] == 1
@@ -247,12 +247,12 @@ def test_stored_rows_read_as_they_lie_are_not_the_logical_rows(world):
     rows: the golden is not a prefix of the stored rows, and padding garbage sits inside."""
     from megatron.core import dist_checkpointing
 
-    from gtp import legacy
-    from gtp.legacy.reading import ensure_dist
+    from gtp import stock
+    from gtp.stock.reading import ensure_dist
 
     root, results = world
     index = results[0]["index"]
-    path = legacy.resolve_iter_dir(root / "A")
+    path = stock.resolve_iter_dir(root / "A")
     cleanup = ensure_dist()
     try:
         stored = dist_checkpointing.load_plain_tensors(str(path))
@@ -267,11 +267,11 @@ def test_stored_rows_read_as_they_lie_are_not_the_logical_rows(world):
 
 
 def test_a_given_expert_layout_that_cannot_explain_the_stored_shapes_is_refused(world):
-    from gtp import legacy
+    from gtp import stock
 
     root, _ = world
-    with pytest.raises(legacy.LegacyCheckpointError) as err:
-        legacy.analyze(root / "A", "etp=2,egtp=2,pad=32")
+    with pytest.raises(stock.StockCheckpointError) as err:
+        stock.analyze(root / "A", "etp=2,egtp=2,pad=32")
     msg = str(err.value)
     assert msg.startswith("routed-expert weights (read with tp = expert_tensor_parallel_size")
     assert f"{FC2} is stored with shape (2, 4, 96, 100)" in msg and "gives dim 0 128" in msg

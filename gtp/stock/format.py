@@ -1,4 +1,4 @@
-"""What a checkpoint records about its GTP format, and the error the legacy reader raises.
+"""What a checkpoint records about its GTP format, and the error the stock reader raises.
 
 :func:`checkpoint_format` is the one place that knows the format tag written by
 :mod:`gtp.logical_format`.
@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from gtp.records import GTP_FORMAT_LOGICAL as FORMAT_LOGICAL
-from gtp.records import GTP_FORMAT_STOCK as FORMAT_STOCK
-from gtp.records import METADATA_KEY, TRACKER
+from gtp.records import (GTP_FORMAT_LOGICAL as FORMAT_LOGICAL, GTP_FORMAT_STOCK as FORMAT_STOCK,
+                         METADATA_KEY, TRACKER)
 
 
-class LegacyCheckpointError(ValueError):
+class StockCheckpointError(ValueError):
     """A checkpoint whose tensors cannot be read exactly; the message says what is ambiguous or
     inconsistent and how to pass the layout."""
 
@@ -24,10 +23,10 @@ def checkpoint_format(common: Mapping) -> str:
     Reads the ``gtp_layout`` record that :mod:`gtp.logical_format` adds to the common state
     (``gtp_format``: ``"logical-v1"`` or ``"stock-0.19.2"``). A checkpoint without it predates that
     record (or was written by megatron itself): "stock". Whether a stock checkpoint is actually
-    padded depends on its GTP degree (:func:`gtp.legacy.is_legacy`).
+    padded depends on its GTP degree (:func:`gtp.stock.is_stock`).
 
     Raises:
-        LegacyCheckpointError: an unknown ``gtp_format`` tag.
+        StockCheckpointError: an unknown ``gtp_format`` tag.
     """
     meta = common.get(METADATA_KEY)
     if not meta:
@@ -37,7 +36,7 @@ def checkpoint_format(common: Mapping) -> str:
         return "logical"
     if tag == FORMAT_STOCK:
         return "stock"
-    raise LegacyCheckpointError(
+    raise StockCheckpointError(
         f"unknown {METADATA_KEY}.gtp_format {tag!r} (known: {FORMAT_LOGICAL!r}, {FORMAT_STOCK!r}); "
         "this checkpoint was written by a newer gtp/"
     )

@@ -1,4 +1,4 @@
-"""Legacy GTP checkpoints written by stock megatron-core 0.19.2 read exactly at other layouts.
+"""Stock GTP checkpoints written by stock megatron-core 0.19.2 read exactly at other layouts.
 
 One spawn of 4 gloo ranks (world size asserted by ``multiproc``) does, for the tiny model and
 its SwiGLU twin (hidden 72, ffn 200):
@@ -6,11 +6,11 @@ its SwiGLU twin (hidden 72, ffn 200):
 1. build the model at tp2 x gtp2 with pad_for_alignment 16 and ``gtp.checkpoint_layout=stock``
    (megatron 0.19.2's padded writer), set every parameter to a golden value that encodes its
    global logical row (and column, and layer), every Adam moment to a value derived from it,
-   every padding row to garbage and the Adam step to 7, and save: the legacy checkpoint. The
+   every padding row to garbage and the Adam step to 7, and save: the stock checkpoint. The
    golden of each rank is computed here by plain slicing of a full logical tensor (TP split,
    gate/up halves, tail padding, GTP split), independently of ``gtp.layout``;
 2. with the logical writer (``gtp.logical_format``) save the same model again: its logical twin;
-3. load the legacy checkpoint into a non-GTP model at tp2 (dp2) and at tp1 (dp4), every
+3. load the stock checkpoint into a non-GTP model at tp2 (dp2) and at tp1 (dp4), every
    parameter pre-filled with -999, through ``recipes.checkpoint.load_checkpoint`` (which
    converts it once into ``<root>/gtp_converted``), and check every parameter, both Adam
    moments and the step against the golden, bit for bit;
@@ -35,7 +35,7 @@ H, F, V, SEQ = 72, 200, 320, 64
 ITER = 3
 STEP = 7.0
 SENTINEL = -999.0
-GARBAGE = -5555.0  # padding rows of params and moments in the legacy writer's memory
+GARBAGE = -5555.0  # padding rows of params and moments in the stock writer's memory
 MODELS = ("tiny", "tiny_swiglu")
 # (layer 1 = second layer) logical fc1 row changed in the "perturbed" checkpoint
 PERTURB_LAYER, PERTURB_ROW = 1, 110
@@ -215,9 +215,9 @@ def _write_and_reload(root: str, cfgs: dict):
         assert not logical_format.is_installed(), "gtp.checkpoint_layout=stock must be stock"
         _set_golden(model, opt, swiglu)
         record = checkpoint.layout_record(layout)
-        train_state = {"consumed_samples": 48, "wandb_run_id": "legacy-test",
+        train_state = {"consumed_samples": 48, "wandb_run_id": "stock-test",
                        "config": to_dict(cfg)}
-        checkpoint.save_checkpoint(base / "legacy", ITER, model, opt, sched, train_state, record)
+        checkpoint.save_checkpoint(base / "stock", ITER, model, opt, sched, train_state, record)
         logical_format.install()
         checkpoint.save_checkpoint(base / "logical_twin", ITER, model, opt, sched, train_state,
                                    record)
@@ -233,9 +233,9 @@ def _write_and_reload(root: str, cfgs: dict):
                 for p in model.parameters():
                     p.fill_(SENTINEL)
             record = checkpoint.layout_record(layout)
-            common = checkpoint.load_checkpoint(base / "legacy", model, opt, sched, record)
+            common = checkpoint.load_checkpoint(base / "stock", model, opt, sched, record)
             problems, checked = _check_golden(model, opt, swiglu)
-            cache = base / "legacy" / "gtp_converted" / f"iter_{ITER:07d}" / ".metadata"
+            cache = base / "stock" / "gtp_converted" / f"iter_{ITER:07d}" / ".metadata"
             results[tp] = {"problems": problems, "checked": checked,
                            "iteration": common["iteration"],
                            "consumed": common["train_state"]["consumed_samples"],
@@ -257,7 +257,7 @@ def _write_and_reload(root: str, cfgs: dict):
 
 
 # ------------------------------------------------------------------------------------------
-# Fixture (shared with test_gtp_cli.py through legacy_checkpoints(); built once per session)
+# Fixture (shared with test_gtp_cli.py through stock_checkpoints(); built once per session)
 # ------------------------------------------------------------------------------------------
 _BUILT: dict = {}
 
@@ -277,15 +277,15 @@ def _cfg_file(path: Path, *overrides: str) -> str:
     return str(path)
 
 
-def legacy_checkpoints(tmp_path_factory) -> dict:
+def stock_checkpoints(tmp_path_factory) -> dict:
     """Build (once per session) the checkpoints of the module docstring.
 
     Returns ``{"root": Path, "results": {model: {tp: {...}}}}``; checkpoints under
-    ``root/<model>/{legacy,logical_twin,tp2,perturbed}``."""
+    ``root/<model>/{stock,logical_twin,tp2,perturbed}``."""
     if "value" not in _BUILT:
         from multiproc import run_distributed
 
-        root = tmp_path_factory.mktemp("legacy_gtp")
+        root = tmp_path_factory.mktemp("stock_gtp")
         cfgs = {}
         for model in MODELS:
             cfgs[model] = {
@@ -305,18 +305,18 @@ def legacy_checkpoints(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def built(tmp_path_factory):
-    return legacy_checkpoints(tmp_path_factory)
+    return stock_checkpoints(tmp_path_factory)
 
 
 # ------------------------------------------------------------------------------------------
 # Tests
 # ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("model", MODELS)
-def test_stock_writer_wrote_a_padded_legacy_checkpoint(built, model):
-    from gtp import legacy
+def test_stock_writer_wrote_a_padded_checkpoint(built, model):
+    from gtp import stock
 
-    a = legacy.analyze(built["root"] / model / "legacy")
-    assert a.format == "stock" and a.legacy
+    a = stock.analyze(built["root"] / model / "stock")
+    assert a.format == "stock" and a.stock
     assert (a.layout.tp, a.layout.g, a.layout.pad_for_alignment) == (2, 2, 16)
     fc1 = a.tensors["decoder.layers.mlp.linear_fc1.weight"]
     qkv = a.tensors["decoder.layers.self_attention.linear_qkv.weight"]
@@ -330,14 +330,14 @@ def test_stock_writer_wrote_a_padded_legacy_checkpoint(built, model):
     assert qkv.stored_shape == (2, 256, 72) and qkv.logical_shape == (2, 216, 72)
     assert proj.stored_shape == (2, 96, 72) and proj.logical_shape == (2, 72, 72)
     # Adam moments are sharded like their param
-    assert a.tensors["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"].legacy
+    assert a.tensors["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"].stock
     # the vocab rows need no padding at tp2 x gtp2/a16 (L = 160): same rows as logical
-    assert not a.tensors["embedding.word_embeddings.weight"].legacy
+    assert not a.tensors["embedding.word_embeddings.weight"].stock
 
 
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("tp", [2, 1])
-def test_legacy_checkpoint_loads_exactly_without_gtp(built, model, tp):
+def test_stock_checkpoint_loads_exactly_without_gtp(built, model, tp):
     res = built["results"][model][tp]
     assert res["problems"] == [], res["problems"][:10]
     # every parameter (17 per rank, 18 ... with layer-wise names) plus 2 moments each
@@ -355,13 +355,13 @@ def test_prepare_load_decisions(built):
     """Single process: what the load hook does with each kind of checkpoint."""
     from megatron.core import dist_checkpointing
 
-    from gtp import legacy
+    from gtp import stock
 
     root = built["root"] / "tiny"
-    path = legacy.resolve_iter_dir(root / "legacy")
+    path = stock.resolve_iter_dir(root / "stock")
     common = dist_checkpointing.load_common_state_dict(str(path))
-    # legacy, converted copy already there: reused
-    assert legacy.prepare_load(path, common, {}) == (root / "legacy" / "gtp_converted" / path.name,
+    # stock, converted copy already there: reused
+    assert stock.prepare_load(path, common, {}) == (root / "stock" / "gtp_converted" / path.name,
                                                      True)
     # the loader writes the stock layout at the very same layout (its record, pad included):
     # megatron reads it as is; at another pad_for_alignment it is converted
@@ -369,15 +369,15 @@ def test_prepare_load_decisions(built):
 
     same = saved_layout(common)
     assert same["pad_for_alignment"] == 16 and "pad_for_alignment" not in common["layout"]
-    assert legacy.prepare_load(path, common, same, stock_writer=True) == (path, False)
-    assert legacy.prepare_load(path, common, {**same, "pad_for_alignment": 32},
+    assert stock.prepare_load(path, common, same, stock_writer=True) == (path, False)
+    assert stock.prepare_load(path, common, {**same, "pad_for_alignment": 32},
                                stock_writer=True)[1]
     # a non-GTP checkpoint and a logical one are loaded as they are
     for name in ("tp2", "logical_twin"):
-        other = legacy.resolve_iter_dir(root / name)
+        other = stock.resolve_iter_dir(root / name)
         other_common = dist_checkpointing.load_common_state_dict(str(other))
-        assert legacy.prepare_load(other, other_common, {}) == (other, False)
-        assert not legacy.is_legacy(other)
+        assert stock.prepare_load(other, other_common, {}) == (other, False)
+        assert not stock.is_stock(other)
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -385,13 +385,13 @@ def test_read_logical_equals_the_golden(built, model):
     """Single process: every reconstructed model tensor and moment equals the full golden."""
     import torch
 
-    from gtp import legacy
+    from gtp import stock
 
     swiglu = model.endswith("swiglu")
-    analysis, tensors = legacy.read_logical(built["root"] / model / "legacy")
+    analysis, tensors = stock.read_logical(built["root"] / model / "stock")
     checked = 0
     for key, t in tensors.items():
-        prefix, mkey = legacy.split_key(key)
+        prefix, mkey = stock.split_key(key)
         if mkey.startswith("decoder.layers."):
             sub = mkey[len("decoder.layers."):]
             name_sub = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -414,13 +414,13 @@ def test_read_logical_equals_the_golden(built, model):
 
 @pytest.mark.parametrize("model", MODELS)
 def test_conversion_is_cached_and_logical(built, model):
-    from gtp import legacy
+    from gtp import stock
 
-    root = built["root"] / model / "legacy"
-    conv = root / legacy.CONVERTED_DIR / f"iter_{ITER:07d}"
-    a = legacy.analyze(conv)
-    assert a.format == "logical" and not a.legacy
-    rec = a.common[legacy.CONVERTED_KEY]
+    root = built["root"] / model / "stock"
+    conv = root / stock.CONVERTED_DIR / f"iter_{ITER:07d}"
+    a = stock.analyze(conv)
+    assert a.format == "logical" and not a.stock
+    rec = a.common[stock.CONVERTED_KEY]
     assert rec["saved_layout"] == {"tensor_model_parallel_size": 2, "gtp_remat_size": 2,
                                    "pad_for_alignment": 16}
     assert a.common["layout"]["gtp_remat_size"] == 1 and "pad_for_alignment" not in a.common["layout"]
@@ -428,45 +428,45 @@ def test_conversion_is_cached_and_logical(built, model):
     assert saved_layout(a.common)["pad_for_alignment"] == 0
     assert "decoder.layers.mlp.linear_fc1.weight" in rec["legacy_keys"]
     # shapes are those of the non-GTP tp2 twin written by megatron itself
-    twin = legacy.analyze(built["root"] / model / "tp2")
+    twin = stock.analyze(built["root"] / model / "tp2")
     assert {k: i.stored_shape for k, i in a.tensors.items()} == \
         {k: i.stored_shape for k, i in twin.tensors.items()}
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_layout_from_metadata_and_from_run_config_agree(built, model):
-    """The legacy file carries gtp.logical_format's stock-0.19.2 record; without it the layout
+    """The stock file carries gtp.logical_format's stock-0.19.2 record; without it the layout
     record and the run config give the same reading."""
     from megatron.core import dist_checkpointing
 
-    from gtp import legacy
+    from gtp import stock
 
-    path = legacy.resolve_iter_dir(built["root"] / model / "legacy")
+    path = stock.resolve_iter_dir(built["root"] / model / "stock")
     common = dist_checkpointing.load_common_state_dict(str(path))
-    with_meta = legacy.analyze(path, common=common)
-    if legacy.METADATA_KEY in common:
-        assert common[legacy.METADATA_KEY]["gtp_format"] == legacy.FORMAT_STOCK
+    with_meta = stock.analyze(path, common=common)
+    if stock.METADATA_KEY in common:
+        assert common[stock.METADATA_KEY]["gtp_format"] == stock.FORMAT_STOCK
         assert "gtp_layout record" in with_meta.layout_source
-    stripped = {k: v for k, v in common.items() if k != legacy.METADATA_KEY}
-    from_cfg = legacy.analyze(path, common=stripped)
+    stripped = {k: v for k, v in common.items() if k != stock.METADATA_KEY}
+    from_cfg = stock.analyze(path, common=stripped)
     assert "gtp_layout" not in from_cfg.layout_source
     for key, info in with_meta.tensors.items():
         other = from_cfg.tensors[key]
-        assert (info.legacy, info.logical_shape, info.rowmap) == \
-            (other.legacy, other.logical_shape, other.rowmap), key
+        assert (info.stock, info.logical_shape, info.rowmap) == \
+            (other.stock, other.logical_shape, other.rowmap), key
 
 
 def _stripped(built, model):
-    """The legacy checkpoint's iter dir and its common state without anything that records the
+    """The stock checkpoint's iter dir and its common state without anything that records the
     layout or the model (no ``layout``, no run config, no ``gtp_layout``)."""
     from megatron.core import dist_checkpointing
 
-    from gtp import legacy
+    from gtp import stock
 
-    path = legacy.resolve_iter_dir(built["root"] / model / "legacy")
+    path = stock.resolve_iter_dir(built["root"] / model / "stock")
     common = dist_checkpointing.load_common_state_dict(str(path))
     return path, {k: v for k, v in common.items()
-                  if k not in ("layout", "train_state", legacy.METADATA_KEY)}
+                  if k not in ("layout", "train_state", stock.METADATA_KEY)}
 
 
 def test_refused_when_the_layout_is_unknown(built):
@@ -475,45 +475,45 @@ def test_refused_when_the_layout_is_unknown(built):
     explain it and how to pass one. Given what is missing, it reads exactly."""
     import torch
 
-    from gtp import legacy
+    from gtp import stock
 
     # tiny: only tp2 layouts of alignment 32 explain every shape, and they read the same rows
     # (without gated weights the GTP split does not move rows) - but the vocab size is open.
     path, stripped = _stripped(built, "tiny")
-    with pytest.raises(legacy.LegacyCheckpointError) as err:
-        legacy.analyze(path, common=stripped)
+    with pytest.raises(stock.StockCheckpointError) as err:
+        stock.analyze(path, common=stripped)
     msg = str(err.value)
     assert "neither recorded nor given" in msg
     assert "embedding.word_embeddings.weight stored with shape (320, 72) is ambiguous" in msg
     assert "padded_vocab_size" in msg and "tp=2,gtp=2,pad=16" in msg and "--layout" in msg
-    a = legacy.analyze(path, "padded_vocab_size=320", common=stripped)
-    full = legacy.analyze(path)
-    assert a.legacy and "3 equivalent layouts" in a.layout_source
+    a = stock.analyze(path, "padded_vocab_size=320", common=stripped)
+    full = stock.analyze(path)
+    assert a.stock and "3 equivalent layouts" in a.layout_source
     assert all(a.tensors[k].rowmap == full.tensors[k].rowmap for k in full.tensors)
-    _, got = legacy.read_logical(path, analysis=a)
-    _, want = legacy.read_logical(path, analysis=full)
+    _, got = stock.read_logical(path, analysis=a)
+    _, want = stock.read_logical(path, analysis=full)
     assert all(torch.equal(got[k], want[k]) for k in want)
 
     # tiny_swiglu: the gated fc1's rows depend on the GTP degree: refused even with the vocab.
     path, stripped = _stripped(built, "tiny_swiglu")
-    with pytest.raises(legacy.LegacyCheckpointError) as err:
-        legacy.analyze(path, "padded_vocab_size=320", common=stripped)
+    with pytest.raises(stock.StockCheckpointError) as err:
+        stock.analyze(path, "padded_vocab_size=320", common=stripped)
     msg = str(err.value)
     assert ("decoder.layers.mlp.linear_fc1.weight stored with shape (2, 448, 72) is explained "
             "by 3 layouts that read different rows") in msg
     assert "tp=2,gtp=2,pad=16, tp=2,gtp=4,pad=8, tp=2,gtp=8,pad=4" in msg
     assert "--layout" in msg
-    a = legacy.analyze(path, "tp=2,gtp=2,pad=16,padded_vocab_size=320", common=stripped)
-    assert a.legacy and a.layout_source.startswith("given by the caller")
-    full = legacy.analyze(path)
+    a = stock.analyze(path, "tp=2,gtp=2,pad=16,padded_vocab_size=320", common=stripped)
+    assert a.stock and a.layout_source.startswith("given by the caller")
+    full = stock.analyze(path)
     assert all(a.tensors[k].rowmap == full.tensors[k].rowmap for k in full.tensors)
 
 
 def test_refused_when_the_given_layout_cannot_explain_a_shape(built):
-    from gtp import legacy
+    from gtp import stock
 
-    with pytest.raises(legacy.LegacyCheckpointError) as err:
-        legacy.analyze(built["root"] / "tiny" / "legacy", "tp=2,gtp=2,pad=32")
+    with pytest.raises(stock.StockCheckpointError) as err:
+        stock.analyze(built["root"] / "tiny" / "stock", "tp=2,gtp=2,pad=32")
     msg = str(err.value)
     assert "decoder.layers.mlp.linear_fc2.weight is stored with shape (2, 96, 200)" in msg
     assert "tp2 x gtp2 (pad_for_alignment=32)" in msg and "gives dim 0 128" in msg

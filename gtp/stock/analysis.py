@@ -2,14 +2,14 @@
 
 Where the saving layout comes from, first match wins per item:
 
-1. a layout the caller passes (``layout=``: a mapping, see :data:`gtp.legacy.LAYOUT_KEYS`);
+1. a layout the caller passes (``layout=``: a mapping, see :data:`gtp.stock.LAYOUT_KEYS`);
 2. the checkpoint's ``gtp_layout`` record (:mod:`gtp.logical_format`'s per-tensor metadata);
 3. the checkpoint's ``layout`` record and its saved run config (``train_state.config``:
    ``model.*`` dims, the vocabulary from ``data.*``), as every gtp-recipes checkpoint has;
 4. dims implied by tensors GTP never pads (biases, norms, ``in_features``), and, when ``tp`` /
    ``gtp_remat_size`` / ``pad_for_alignment`` are unknown, every layout of a small grid that
    explains every stored shape. If those layouts do not all read the same rows, or a tensor's
-   logical size stays open, :class:`LegacyCheckpointError` names the tensor, its stored shape and
+   logical size stays open, :class:`StockCheckpointError` names the tensor, its stored shape and
    the layouts that could explain it, and says how to pass the layout.
 
 A layout that does not explain a stored shape is refused the same way: nothing is ever read
@@ -21,31 +21,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping, Optional
 
-from gtp.legacy.format import METADATA_KEY, TRACKER, LegacyCheckpointError, checkpoint_format
-from gtp.legacy.messages import LAYOUT_HELP
-from gtp.legacy.specs import (
-    PLAIN,
-    Analysis,
-    SavedLayout,
-    TensorInfo,
-    TensorSpec,
-    StoredCheckpoint,
-    config_layout,
-    dims_problems,
-    infer_dims,
-    gtp_kind,
-    split_key,
-    strip_suffix,
-    parse_layout,
-)
-from gtp.legacy.stock_layout import analyze_stock
+from gtp.safe_objects import install
+from gtp.stock.format import METADATA_KEY, TRACKER, StockCheckpointError, checkpoint_format
+from gtp.stock.messages import LAYOUT_HELP
+from gtp.stock.specs import (PLAIN, Analysis, SavedLayout, StoredCheckpoint, TensorInfo, TensorSpec,
+                             config_layout, dims_problems, gtp_kind, infer_dims, parse_layout,
+                             split_key, strip_suffix)
+from gtp.stock.stock_layout import analyze_stock
 
 
 def resolve_iter_dir(path) -> Path:
     """A checkpoint iter dir from a checkpoint root (its tracker's iteration) or an iter dir.
 
     Raises:
-        LegacyCheckpointError: neither (names what is missing).
+        StockCheckpointError: neither (names what is missing).
     """
     path = Path(path)
     if (path / TRACKER).is_file():
@@ -53,10 +42,11 @@ def resolve_iter_dir(path) -> Path:
         try:
             it = int(text)
         except ValueError:
-            raise LegacyCheckpointError(f"{path / TRACKER}: not an iteration number: {text!r}") from None
+            raise StockCheckpointError(
+                f"{path / TRACKER}: not an iteration number: {text!r}") from None
         path = path / f"iter_{it:07d}"
     if not (path / "metadata.json").is_file():
-        raise LegacyCheckpointError(
+        raise StockCheckpointError(
             f"{path}: not a megatron torch_dist checkpoint (no metadata.json); pass a checkpoint "
             f"root holding {TRACKER} or an iter_XXXXXXX dir")
     return path
@@ -82,16 +72,14 @@ def analyze(ckpt, layout=None, common: Optional[Mapping] = None) -> Analysis:
         common: the checkpoint's common state when already loaded (read from ``ckpt`` otherwise).
 
     Returns:
-        An :class:`Analysis`; ``.legacy`` is True when some GTP weight's stored rows differ from
+        An :class:`Analysis`; ``.stock`` is True when some GTP weight's stored rows differ from
         its logical rows.
 
     Raises:
-        LegacyCheckpointError: the layout is unknown and the stored shapes leave a tensor
+        StockCheckpointError: the layout is unknown and the stored shapes leave a tensor
             ambiguous, or the given/recorded layout does not explain a stored shape (the message
             names the tensor, its stored shape and the layouts that could explain it).
     """
-    from gtp.safe_objects import install
-
     install()  # no pickle of the checkpoint (.metadata, objects) runs code, whatever reads it
     ck = _read_checkpoint(ckpt, layout, common)
     if ck.format == "logical":
@@ -99,9 +87,9 @@ def analyze(ckpt, layout=None, common: Optional[Mapping] = None) -> Analysis:
     return analyze_stock(ck)
 
 
-def is_legacy(ckpt, layout=None) -> bool:
+def is_stock(ckpt, layout=None) -> bool:
     """Whether ``ckpt`` holds GTP weights in stock 0.19.2's padded format (see :func:`analyze`)."""
-    return analyze(ckpt, layout).legacy
+    return analyze(ckpt, layout).stock
 
 
 # --------------------------------------------------------------------------------------------
@@ -111,7 +99,7 @@ def _read_checkpoint(ckpt, layout, common: Optional[Mapping]) -> StoredCheckpoin
     """Common state, stored shapes, layout items by source, model dims and GTP weights.
 
     Raises:
-        LegacyCheckpointError: the given/recorded dims contradict the stored tensors.
+        StockCheckpointError: the given/recorded dims contradict the stored tensors.
     """
     from megatron.core import dist_checkpointing
 
@@ -128,7 +116,7 @@ def _read_checkpoint(ckpt, layout, common: Optional[Mapping]) -> StoredCheckpoin
     inferred = infer_dims(shapes)
     problems = dims_problems(items, inferred, "recorded" if not user else "given")
     if problems:
-        raise LegacyCheckpointError(
+        raise StockCheckpointError(
             f"{path}: the layout does not match the stored tensors: {'; '.join(problems)}; "
             + LAYOUT_HELP)
     dims = {**inferred, **items}

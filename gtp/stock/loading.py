@@ -1,4 +1,4 @@
-"""The load hook: convert a legacy checkpoint once into a cache folder and load that
+"""The load hook: convert a stock checkpoint once into a cache folder and load that
 (:func:`prepare_load`)."""
 
 from __future__ import annotations
@@ -9,19 +9,13 @@ import tempfile
 from pathlib import Path
 from typing import Mapping, Optional
 
-from gtp.legacy.analysis import analyze
-from gtp.legacy.conversion import (
-    CONVERTED_KEY,
-    CONVERTER_VERSION,
-    broadcast_object,
-    fingerprint,
-    convert,
-)
-from gtp.legacy.format import METADATA_KEY, TRACKER, LegacyCheckpointError, checkpoint_format
-from gtp.legacy.specs import get_path
 from gtp.records import saved_layout
+from gtp.stock.analysis import analyze
+from gtp.stock.conversion import CONVERTED_BY, CONVERTED_KEY, broadcast_object, convert, fingerprint
+from gtp.stock.format import METADATA_KEY, TRACKER, StockCheckpointError, checkpoint_format
+from gtp.stock.specs import get_path
 
-# Cache folder (under the checkpoint root) that prepare_load converts legacy checkpoints into.
+# Cache folder (under the checkpoint root) that prepare_load converts stock checkpoints into.
 CONVERTED_DIR = "gtp_converted"
 
 
@@ -36,7 +30,7 @@ def _cached(cache_iter: Path, src_iter: Path) -> bool:
         return False
     fp = fingerprint(src_iter)
     return all(rec.get(k) == v for k, v in fp.items()) and \
-        rec.get("converted_by") == f"gtp.legacy v{CONVERTER_VERSION}"
+        rec.get("converted_by") == CONVERTED_BY
 
 
 def prepare_load(path, common: Mapping, layout_record: Optional[Mapping] = None,
@@ -44,8 +38,8 @@ def prepare_load(path, common: Mapping, layout_record: Optional[Mapping] = None,
     """Where to load ``path`` from: itself, or its logical conversion (collective).
 
     Every rank of the default group calls this with the same arguments. For a checkpoint that
-    is not legacy it returns ``(path, False)`` without reading anything beyond metadata. For a
-    legacy one (stock 0.19.2 GTP layout with padded or gated GTP weights) it returns
+    is not stock it returns ``(path, False)`` without reading anything beyond metadata. For a
+    stock one (stock 0.19.2 GTP layout with padded or gated GTP weights) it returns
     ``(converted_iter_dir, True)``: rank 0 converts it once (:func:`convert`) into
     ``<cache_root or path.parent/gtp_converted>/iter_XXXXXXX`` and later loads reuse it while the
     source is unchanged. Exception: when the loader itself writes the stock format
@@ -53,7 +47,7 @@ def prepare_load(path, common: Mapping, layout_record: Optional[Mapping] = None,
     as is (megatron's same-layout resume is self-consistent).
 
     Raises:
-        LegacyCheckpointError: the legacy checkpoint cannot be read exactly (on every rank), or
+        StockCheckpointError: the stock checkpoint cannot be read exactly (on every rank), or
             the cache folder cannot be written (the message says how to convert elsewhere).
     """
     import torch
@@ -74,7 +68,7 @@ def prepare_load(path, common: Mapping, layout_record: Optional[Mapping] = None,
     if rank == 0:
         try:
             analysis = analyze(path, common=common)
-            if not analysis.legacy:
+            if not analysis.stock:
                 decision = ("as_is", str(path))
             elif _cached(cache_iter, path):
                 decision = ("cached", str(cache_iter))
@@ -85,16 +79,16 @@ def prepare_load(path, common: Mapping, layout_record: Optional[Mapping] = None,
                     decision = ("convert", str(staging))
                 except OSError as exc:
                     decision = ("error", (
-                        f"{path} is a legacy GTP checkpoint (megatron-core 0.19.2 padded format) "
+                        f"{path} is a stock GTP checkpoint (megatron-core 0.19.2 padded format) "
                         f"and its converted copy cannot be written to {cache_root}: {exc}. "
                         f"Convert it elsewhere: `python -m gtp convert {path} DST` and load DST"))
-        except LegacyCheckpointError as exc:
+        except StockCheckpointError as exc:
             decision = ("error", str(exc))
         except Exception as exc:  # noqa: BLE001 - the other ranks must not wait forever
             decision = ("error", f"cannot read {path}: {type(exc).__name__}: {exc}")
     kind, where = broadcast_object(decision)
     if kind == "error":
-        raise LegacyCheckpointError(where)
+        raise StockCheckpointError(where)
     if kind == "as_is":
         return path, False
     if kind == "convert":

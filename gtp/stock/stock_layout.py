@@ -11,34 +11,13 @@ import dataclasses
 import itertools
 from typing import Mapping, Optional
 
-from gtp.legacy.format import LegacyCheckpointError
-from gtp.legacy.messages import (
-    LAYOUT_HELP,
-    explaining_layouts,
-    fmt_dims,
-    fmt_stored,
-    layout_text,
-    missing_dims,
-    safe_expected,
-)
-from gtp.legacy.rowmaps import candidate_Ls, expected_stored_rows, is_identity, row_map
-from gtp.legacy.specs import (
-    EXPERT_ITEMS,
-    GRID_A,
-    GRID_G,
-    GRID_TP,
-    Analysis,
-    SavedLayout,
-    TensorInfo,
-    TensorSpec,
-    StoredCheckpoint,
-    gtp_kind,
-    is_routed_expert,
-    logical_rows_global,
-    spec_for,
-    split_key,
-    strip_suffix,
-)
+from gtp.stock.format import StockCheckpointError
+from gtp.stock.messages import (LAYOUT_HELP, explaining_layouts, fmt_dims, fmt_stored, layout_text,
+                                missing_dims, safe_expected)
+from gtp.stock.rowmaps import candidate_Ls, expected_stored_rows, is_identity, row_map
+from gtp.stock.specs import (EXPERT_ITEMS, GRID_A, GRID_G, GRID_TP, Analysis, SavedLayout,
+                             StoredCheckpoint, TensorInfo, TensorSpec, gtp_kind, is_routed_expert,
+                             logical_rows_global, spec_for, split_key, strip_suffix)
 
 
 def analyze_stock(ck: StoredCheckpoint) -> Analysis:
@@ -54,8 +33,8 @@ def analyze_stock(ck: StoredCheckpoint) -> Analysis:
     if experts.gtp_bases:
         try:
             expert_lay, esource, eplans, enotes = _resolve(experts)
-        except LegacyCheckpointError as exc:
-            raise LegacyCheckpointError(
+        except StockCheckpointError as exc:
+            raise StockCheckpointError(
                 f"routed-expert weights (read with tp = expert_tensor_parallel_size (etp), gtp = "
                 f"expert_gtp_remat_size (egtp), ffn_hidden_size = moe_ffn_hidden_size): {exc}"
             ) from None
@@ -63,10 +42,10 @@ def analyze_stock(ck: StoredCheckpoint) -> Analysis:
         notes += [f"routed experts: {n}" for n in enotes]
         if esource != source:
             source = f"{source}; routed experts: {esource}"
-    infos, legacy_any = _tensor_infos(ck.shapes, plans)
-    if plans and not legacy_any:
+    infos, stock_any = _tensor_infos(ck.shapes, plans)
+    if plans and not stock_any:
         notes.append("stored rows equal the logical rows (no padding, no gated GTP weight)")
-    return Analysis(ck.path, ck.common, ck.format, lay, source, legacy_any, infos, notes,
+    return Analysis(ck.path, ck.common, ck.format, lay, source, stock_any, infos, notes,
                     expert_lay)
 
 
@@ -103,8 +82,8 @@ def _resolve(ck: StoredCheckpoint) -> tuple:
     tp, g, a = (ck.items.get(k) for k in ("tensor_model_parallel_size", "gtp_remat_size",
                                           "pad_for_alignment"))
     if g is not None and g > 1 and ck.unknown:
-        raise LegacyCheckpointError(
-            f"{ck.path}: saved with GTP (gtp_remat_size={g}) and holds tensors gtp.legacy does not "
+        raise StockCheckpointError(
+            f"{ck.path}: saved with GTP (gtp_remat_size={g}) and holds tensors gtp.stock does not "
             f"know to be GTP-sharded or not: {ck.unknown[:5]}; only megatron GPT (local spec) "
             "weights are supported")
     if g == 1 or (g is None and not ck.gtp_bases):
@@ -181,7 +160,7 @@ def _plans_for_layout(ck: StoredCheckpoint, lay: SavedLayout) -> dict:
     """{base: (spec, row map)} under the known saving layout ``lay``.
 
     Raises:
-        LegacyCheckpointError: ``lay`` does not explain a weight's stored shape, or leaves its
+        StockCheckpointError: ``lay`` does not explain a weight's stored shape, or leaves its
             logical size open.
     """
     plans = {}
@@ -191,7 +170,7 @@ def _plans_for_layout(ck: StoredCheckpoint, lay: SavedLayout) -> dict:
             plans[base] = (spec, row_map(spec, lay)[0])
         elif not ok and spec.L is not None:
             expl = explaining_layouts(spec, ck.dims, stored_rows, kind) if kind else ""
-            raise LegacyCheckpointError(
+            raise StockCheckpointError(
                 f"{ck.path}: {base} is stored with shape {fmt_stored(base, ck.gtp_bases[base])}, "
                 f"but the layout {lay.describe()} [{ck.source}] with its logical size (TP-local "
                 f"dim 0 L={spec.L}{', gated' if spec.gated else ''}) gives dim 0 "
@@ -199,7 +178,7 @@ def _plans_for_layout(ck: StoredCheckpoint, lay: SavedLayout) -> dict:
                 f"{expl or 'none in the searched grid'}; check the checkpoint's "
                 f"layout record and run config, or {LAYOUT_HELP}")
         else:
-            raise LegacyCheckpointError(
+            raise StockCheckpointError(
                 f"{ck.path}: {base} is stored with shape {fmt_stored(base, ck.gtp_bases[base])}; "
                 f"under {lay.describe()} [{ck.source}] its logical size is "
                 f"{'ambiguous' if ok else 'unexplained'}: "
@@ -212,7 +191,7 @@ def _viable_layouts(ck: StoredCheckpoint, candidates: list, tp: Optional[int]) -
     """{layout: its :func:`_options_for`} for each candidate that explains every GTP weight.
 
     Raises:
-        LegacyCheckpointError: none does (names the first weight and the layouts explaining it).
+        StockCheckpointError: none does (names the first weight and the layouts explaining it).
     """
     viable = {}
     for cand in candidates:
@@ -225,7 +204,7 @@ def _viable_layouts(ck: StoredCheckpoint, candidates: list, tp: Optional[int]) -
         kind = gtp_kind(base)
         spec = spec_for(base, kind, ck.dims, tp or 1, "_w" in sub or "_v" in sub)
         expl = explaining_layouts(spec, ck.dims, {s: v[-2] for s, v in sub.items()}, kind)
-        raise LegacyCheckpointError(
+        raise StockCheckpointError(
             f"{ck.path}: no layout explains every stored GTP weight (saving layout not recorded: "
             f"{ck.source}; model dims {fmt_dims(ck.dims)}). {base} is stored with shape "
             f"{fmt_stored(base, sub)}; layouts explaining it: "
@@ -237,7 +216,7 @@ def _plans_agreed_by(ck: StoredCheckpoint, viable: dict) -> dict:
     """{base: (spec, row map)} on which every viable layout agrees (those of the first one).
 
     Raises:
-        LegacyCheckpointError: the viable layouts read different rows for a weight, or leave its
+        StockCheckpointError: the viable layouts read different rows for a weight, or leave its
             logical size open.
     """
     names = [layout_text(c) for c in viable]
@@ -258,14 +237,14 @@ def _plans_agreed_by(ck: StoredCheckpoint, viable: dict) -> dict:
                 plans[base] = maps[first_lay]
                 continue
             other = next(c for c in maps if maps[c][1] != maps[first_lay][1])
-            raise LegacyCheckpointError(
+            raise StockCheckpointError(
                 f"{ck.path}: the saving layout (tp, gtp_remat_size, pad_for_alignment) is neither "
                 f"recorded nor given ({ck.source}) and is ambiguous: "
                 f"{base} stored with shape {fmt_stored(base, ck.gtp_bases[base])} is explained "
                 f"by {len(viable)} layouts that read different rows for it: {listed} (e.g. "
                 f"{layout_text(first_lay)} vs {layout_text(other)}); {LAYOUT_HELP}")
         kind = next(iter(per.values()))[1]
-        raise LegacyCheckpointError(
+        raise StockCheckpointError(
             f"{ck.path}: the saving layout (tp, gtp_remat_size, pad_for_alignment) is neither "
             f"recorded nor given ({ck.source}) and {base} stored with "
             f"shape {fmt_stored(base, ck.gtp_bases[base])} is ambiguous: its TP-local dim 0 L "
@@ -275,9 +254,9 @@ def _plans_agreed_by(ck: StoredCheckpoint, viable: dict) -> dict:
 
 
 def _tensor_infos(shapes: Mapping[str, tuple], plans: Mapping) -> tuple[dict, bool]:
-    """A :class:`TensorInfo` per stored key, and whether any is stored in the legacy layout."""
+    """A :class:`TensorInfo` per stored key, and whether any is stored in the stock layout."""
     infos = {}
-    legacy_any = False
+    stock_any = False
     for key, shape in shapes.items():
         prefix, model_key = split_key(key)
         base, suffix = strip_suffix(model_key)
@@ -292,8 +271,8 @@ def _tensor_infos(shapes: Mapping[str, tuple], plans: Mapping) -> tuple[dict, bo
                 logical = (*pre, len(rowmap[""]), cols)
             info = TensorInfo(key, shape, logical, spec,
                               not identity or tuple(logical) != tuple(shape), rowmap, base)
-            legacy_any |= info.legacy
+            stock_any |= info.stock
             infos[key] = info
         else:
             infos[key] = TensorInfo(key, shape, shape)
-    return infos, legacy_any
+    return infos, stock_any
