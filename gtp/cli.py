@@ -370,6 +370,9 @@ def cmd_export(args, out=sys.stdout) -> int:
     meta = json.loads((path / "gtp_recipes_export.json").read_text())
     print(f"wrote {path}: {meta['architecture']}, vocab {meta['vocab_size']}, iteration "
           f"{meta['iteration']} of {meta['source']}", file=out)
+    left = meta.get("not_exported")
+    if left:
+        print(f"note: {len(left['weights'])} weights not exported, {left['why']}", file=out)
     return 0
 
 

@@ -139,12 +139,20 @@ def _describe(out: Path, held: list) -> str:
         return names
 
 
+# megatron's multi-token prediction layers (``mtp.layers.N.*``): left out of an export.
+MTP_PREFIX = "mtp."
+MTP_NOT_EXPORTED = ("multi-token prediction layers (model.mtp_num_layers): transformers' "
+                    "causal-LM classes have no place for them; the exported model predicts the "
+                    "next token only")
+
+
 def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None,
            force: bool = False) -> Path:
     """Write ``ckpt`` (a checkpoint root or ``iter_*`` dir of gtp-recipes, any layout) as a
     transformers model directory ``out_dir`` (``config.json``, ``model.safetensors``,
     ``generation_config.json``, and ``gtp_recipes_export.json`` naming the source checkpoint,
-    iteration and class), in the checkpoint's dtype (fp32 for fp32 runs).
+    iteration and class), in the checkpoint's dtype (fp32 for fp32 runs). Multi-token
+    prediction layers are left out and named under ``not_exported`` there.
 
     Returns:
         ``out_dir`` as a Path.
@@ -173,6 +181,8 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None,
     vocab, eod = _vocab(common, data_cfg)
     model_keys = {k: v for k, v in tensors.items() if not k.startswith("optimizer")
                   and isinstance(v, torch.Tensor)}
+    mtp = sorted(k for k in model_keys if k.startswith(MTP_PREFIX))
+    model_keys = {k: v for k, v in model_keys.items() if k not in mtp}
     try:
         config, state = arch.build(model_keys, model_cfg, vocab, _token_ids(common, eod))
     except KeyError as exc:
@@ -200,5 +210,6 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None,
         "source": str(analysis.path), "iteration": common.get("iteration"),
         "architecture": arch.hf_class, "vocab_size": vocab,
         "saved_layout": saved_layout(common), "tokenizer_files": tokenizer_files,
+        "not_exported": {"weights": mtp, "why": MTP_NOT_EXPORTED} if mtp else None,
     }, indent=1, default=str))
     return out

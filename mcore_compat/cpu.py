@@ -61,6 +61,9 @@ PATCHED_MODULES: dict[str, str] = {
     "megatron.core.models.common.embeddings.rotary_pos_embedding": (
         "RotaryEmbedding.get_emb (RoPE): inv_freq.to(torch.cuda.current_device())"
     ),
+    "megatron.core.transformer.multi_token_prediction": (
+        "MTPLossLoggingHelper.save_metrics_to_tracker: torch.zeros(device=current_device())"
+    ),
     "megatron.core.tensor_parallel.generalized_tensor_parallelism": (
         "wait_for_gtp_grad_reduction_on_current_stream (finalize_model_grads under GTP): "
         "current_stream(); GTPShardedParam AG/RS streams and events"

@@ -95,6 +95,11 @@ class ModelConfig:
     kv_channels: Optional[int] = None
     # RMSNorm/LayerNorm over each query and key head before attention (Qwen3, OLMo-2).
     qk_layernorm: bool = False
+    # Multi-token prediction (megatron's names; DeepSeek-V3's MTP, docs/mtp.md): null or 0: none;
+    # N: N MTP layers after the decoder, on the last pipeline stage, each predicting one more
+    # token ahead; their mean loss times mtp_loss_scaling_factor is added to the lm loss.
+    mtp_num_layers: Optional[int] = None
+    mtp_loss_scaling_factor: float = 0.1
     # Mixture of Experts (megatron TransformerConfig names; docs/moe.md). null: a dense MLP.
     num_moe_experts: Optional[int] = None
     moe_router_topk: int = 2

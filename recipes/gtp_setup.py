@@ -44,14 +44,26 @@ def before_model(cfg, layout) -> None:
 
     gtp_impl.update_gtp_config(**overlap_settings(
         cfg.gtp, layout.pipeline_model_parallel_size, te.uses_transformer_engine(cfg),
-        tied=cfg.model.share_embeddings_and_output_weights))
+        reused=weight_reuse(cfg.model)))
 
 
 OVERLAP_FIELDS = ("weight_prefetch", "async_reduction")
 
 
+def weight_reuse(model_cfg) -> str | None:
+    """The ``model`` setting under which a forward uses a GTP weight twice (None: none):
+    tied embeddings (the output layer computes with the embedding's weight) or multi-token
+    prediction (each MTP layer computes logits with the output layer again and looks up the
+    embedding again)."""
+    if model_cfg.share_embeddings_and_output_weights:
+        return "model.share_embeddings_and_output_weights=true"
+    if model_cfg.get("mtp_num_layers"):
+        return f"model.mtp_num_layers={model_cfg.mtp_num_layers}"
+    return None
+
+
 def overlap_settings(gtp_cfg, pipeline_model_parallel_size: int, te_usable: bool,
-                     tied: bool = False) -> dict:
+                     reused: str | None = None) -> dict:
     """megatron's ``GTP_CONFIG.weight_prefetch`` / ``async_reduction`` for a run.
 
     Both overlap GTP's collectives with compute (megatron's prefetch chain). With
@@ -66,11 +78,13 @@ def overlap_settings(gtp_cfg, pipeline_model_parallel_size: int, te_usable: bool
       with CUDA streams and events, which have no CPU counterpart here: with gloo's async
       gathers the same run gave different losses from one launch to the next.
 
-    With tied embeddings (``tied``), on any backend, both are off and refused: the output
-    layer uses the embedding's GTP weight a second time (``gtp.tied_output``), outside the
-    chain's one-use-per-weight order, so a deferred reduce-scatter would wait on a weight whose
-    gradient does not exist yet, and a prefetch would leave a gathered copy stale across the
-    optimizer step.
+    When a forward uses a GTP weight twice (``reused``, :func:`weight_reuse`: tied embeddings,
+    whose output layer computes with the embedding's weight, ``gtp.tied_output``; MTP layers,
+    which use the output layer and the embedding again), on any backend, both are off and
+    refused: the second use falls outside the chain's one-use-per-weight order, so a deferred
+    reduce-scatter would wait on a weight whose gradient does not exist yet (megatron-core
+    0.19.2 fails with ``KeyError: None`` in ``wgrad_reduce_scatter``), and a prefetch would
+    leave a gathered copy stale across the optimizer step.
 
     Returns:
         ``{"weight_prefetch": bool, "async_reduction": bool}``.
@@ -85,11 +99,10 @@ def overlap_settings(gtp_cfg, pipeline_model_parallel_size: int, te_usable: bool
         why["async_reduction"] = (
             f"without TransformerEngine GTP's collectives run in order under pipeline "
             f"parallelism (pipeline_model_parallel_size={pipeline_model_parallel_size})")
-    if tied:
+    if reused:
         for name in OVERLAP_FIELDS:
-            why[name] = ("with tied embeddings the output layer uses the embedding's GTP weight "
-                         "a second time, outside megatron's chain order "
-                         "(model.share_embeddings_and_output_weights=true)")
+            why[name] = (f"with {reused} the model uses a GTP weight a second time in one "
+                         f"forward, outside megatron's chain order")
     out = {}
     for name in OVERLAP_FIELDS:
         value = gtp_cfg.get(name)
@@ -139,16 +152,21 @@ def after_model(model, layout, cfg) -> None:
 def _stage_share(dims: dict, chunk, cfg) -> dict:
     """The entries of ``gtp_weight_dims`` (whole model) that pipeline chunk ``chunk`` holds,
     under its local names: its ``decoder.layers.0..n-1`` (all layers have the same dims), the
-    embedding on the first stage, the output layer on the last one (a copy of the tied embedding
+    embedding on the first stage (and on the stage of the MTP layers, where megatron keeps a
+    copy), the MTP layers and the output layer on the last one (a copy of the tied embedding
     there when the embedding lives on another stage)."""
     n = len(chunk.decoder.layers)
+    mtp = getattr(chunk, "mtp_process", False)
     out = {}
     for name, dim in dims.items():
         if name.startswith("decoder.layers."):
             if int(name.split(".")[2]) < n:
                 out[name] = dim
         elif name.startswith("embedding."):
-            if chunk.pre_process:
+            if chunk.pre_process or mtp:
+                out[name] = dim
+        elif name.startswith("mtp."):
+            if mtp:
                 out[name] = dim
         elif chunk.post_process:
             out[name] = dim

@@ -51,7 +51,9 @@ def forward_step(data_iterator, model):
     device = next(model.parameters()).device
     if device.type != "cpu":
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    # loss_mask: megatron's MTP loss (multi_token_prediction.process_mtp_loss) masks with it.
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                   loss_mask=batch["loss_mask"])
     return output, partial(loss_func, batch["loss_mask"])
 
 

@@ -129,8 +129,10 @@ def _draw_like_layers_before(cfg, config, vocab: int, num_layers: int, use_te: b
     the first ``num_layers`` layers of the whole model does: build that prefix (one pipeline
     stage, no output layer) and drop it. Only random draws matter; sizes and order are the
     pp1 model's, so each layer gets the weights it gets at pp1."""
+    # No MTP layers: megatron would build them in the prefix on the last stage (it asks
+    # parallel_state, not the config, which stage this is), drawing them before this chunk's.
     prefix = dataclasses.replace(config, num_layers=num_layers, pipeline_model_parallel_size=1,
-                                 virtual_pipeline_model_parallel_size=None)
+                                 virtual_pipeline_model_parallel_size=None, mtp_num_layers=None)
     # Untied: a tied embedding would wait for its output-layer peer in megatron's all-reduce.
     _chunk(cfg, prefix, vocab, True, False, None, False, use_te)
 

@@ -14,6 +14,7 @@ from recipes.errors import ConfigError
 from recipes.families import gtp_weight_dims
 from recipes.families.moe.model import is_moe
 from recipes.families.moe.params import is_moe_layer
+from recipes.mtp import mtp_num_layers
 
 DISPATCHERS = ("allgather", "alltoall")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
@@ -37,7 +38,8 @@ def reduce_aux_loss(model_cfg, num_microbatches: int) -> dict:
     As megatron's ``MoEMetricsTracker.report``: per layer summed over the pipeline group and
     the entry's reduce group, averaged over its average group and the data group (gloo has no
     ``AVG`` reduction: a sum divided by the group size), times ``1 / num_microbatches``, then
-    the mean over MoE layers. Megatron records the loss without ``moe_aux_loss_coeff``.
+    the mean over MoE layers (MTP layers included, as megatron's ``report`` counts them).
+    Megatron records the loss without ``moe_aux_loss_coeff``.
 
     Returns:
         ``{"load_balancing_loss": float}`` (megatron's name for ``aux_loss``), empty without one.
@@ -49,7 +51,9 @@ def reduce_aux_loss(model_cfg, num_microbatches: int) -> dict:
     if name is None:
         return {}
     tracker = get_moe_metrics_tracker()
-    tracker.ensure_initialized(name, int(model_cfg.num_layers), device="cpu")
+    # megatron's router records MTP layers after the decoder's (num_layers + mtp_num_layers).
+    mtp = mtp_num_layers(model_cfg)
+    tracker.ensure_initialized(name, int(model_cfg.num_layers) + mtp, device="cpu")
     entry = tracker.metrics[name]
     v = entry.values
     dist = torch.distributed
@@ -65,7 +69,10 @@ def reduce_aux_loss(model_cfg, num_microbatches: int) -> dict:
         avg(entry.avg_group)
     if entry.needs_dp_avg:
         avg(ps.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False))
-    moe_layers = sum(is_moe_layer(model_cfg, i) for i in range(int(model_cfg.num_layers)))
+    layers = int(model_cfg.num_layers)
+    # An MTP layer is built from the decoder's last layer spec: MoE when that layer is.
+    moe_layers = (sum(is_moe_layer(model_cfg, i) for i in range(layers))
+                  + mtp * is_moe_layer(model_cfg, layers - 1))
     value = float(v.sum()) / num_microbatches / max(moe_layers, 1)
     tracker.clear()
     return {name: value}

@@ -12,9 +12,12 @@ layers). ``docs/moe.md`` names the metrics.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from gtp.collectives import collective_device
+from recipes.mtp import mtp_num_layers
 
 
 def metric_names(layer: int) -> tuple[str, str]:
@@ -31,27 +34,32 @@ class TokensPerExpert:
 
     Args:
         chunks: this rank's model chunks (megatron ``GPTModel``, DDP-wrapped or not).
-        num_layers: transformer layers of the whole model.
+        num_layers: transformer layers of the decoder (``model.num_layers``).
         num_experts: routed experts per MoE layer (``num_moe_experts``).
+        mtp_num_layers: multi-token prediction layers after the decoder; MTP layer ``i`` counts
+            as layer ``num_layers + i``, as megatron's router numbers it in its metrics.
     """
 
-    def __init__(self, chunks, num_layers: int, num_experts: int):
+    def __init__(self, chunks, num_layers: int, num_experts: int, mtp_num_layers: int = 0):
         from megatron.core.transformer.moe.router import TopKRouter
 
-        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        self.counts = torch.zeros(num_layers + mtp_num_layers, num_experts, dtype=torch.float64)
         self.handles = []
         for chunk in chunks:
-            for module in chunk.modules():
+            for name, module in chunk.named_modules():
                 if isinstance(module, TopKRouter):
-                    self.handles.append(module.register_forward_hook(self._hook))
+                    # megatron's layer_number: the global 1-based decoder layer; inside the MTP
+                    # block, the layer's own number, so the MTP index comes from the name.
+                    mtp = name.partition("mtp.layers.")[2]
+                    row = num_layers + int(mtp.split(".")[0]) if mtp else module.layer_number - 1
+                    self.handles.append(module.register_forward_hook(partial(self._hook, row)))
 
-    def _hook(self, module, args, output) -> None:
+    def _hook(self, row: int, module, args, output) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return
         routing_map = output[1]
         with torch.no_grad():
-            # megatron's layer_number is the global 1-based index of the transformer layer.
-            self.counts[module.layer_number - 1] += routing_map.sum(dim=0).double().cpu()
+            self.counts[row] += routing_map.sum(dim=0).double().cpu()
 
     def clear(self) -> None:
         """Forget the counts (at the start of each step)."""
@@ -99,7 +107,7 @@ def attach_metrics(cfg, state, logger) -> None:
     from recipes.model import model_chunks
 
     tokens = TokensPerExpert(model_chunks(state.model), int(cfg.model.num_layers),
-                             int(cfg.model.num_moe_experts))
+                             int(cfg.model.num_moe_experts), mtp_num_layers(cfg.model))
     with_aux = aux_loss_name(cfg.model) is not None
     optimizer, pending = state.optimizer, {}
     zero_grad, step = optimizer.zero_grad, optimizer.step

@@ -11,10 +11,10 @@ import sys
 
 from gtp.alignment import validate_gtp_dims
 from gtp.records import CHECKPOINT_FORMATS
-from recipes import context_parallel, te
+from recipes import context_parallel, mtp, te
 from recipes.checkpoint import CheckpointError
 from recipes.errors import ConfigError
-from recipes.gtp_setup import overlap_settings
+from recipes.gtp_setup import overlap_settings, weight_reuse
 from recipes.metrics import CONSOLE_LINES, LOGGER_MODES
 from recipes.optim import LR_DECAY_STYLES, optim_refusal
 from recipes.parallel_dims import ParallelDims, check_positive
@@ -48,6 +48,7 @@ def validate(cfg, world_size: int, plan=None) -> ParallelDims:
 
     layout = ParallelDims.from_config(cfg, world_size)
     moe.check(cfg, layout)
+    mtp.check(cfg, layout)
     context_parallel.check(cfg, layout)
     _check_model(cfg, layout)
     _check_batches(cfg, layout)
@@ -126,7 +127,7 @@ def _check_gtp(cfg, layout: ParallelDims) -> None:
     try:
         overlap_settings(cfg.gtp, layout.pipeline_model_parallel_size,
                          te.uses_transformer_engine(cfg),
-                         tied=cfg.model.share_embeddings_and_output_weights)
+                         reused=weight_reuse(cfg.model))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -35,7 +35,7 @@ from omegaconf import OmegaConf
 from gtp import safe_objects
 from gtp.records import IMPORTED_KEY, saved_layout
 from mcore_compat import distrib_optimizer
-from recipes import checkpoint, gtp_setup, preemption, pretrained, refusal, te
+from recipes import checkpoint, gtp_setup, mtp, preemption, pretrained, refusal, te
 from recipes.checkpoint import lineage
 from recipes.checkpoint.policy import agree_load_iteration, planned_samples
 from recipes.config import RESOLVED_CONFIG, to_dict
@@ -285,6 +285,7 @@ def run(cfg, resume=None) -> None:
     from recipes.loop import train
 
     attach_metrics(cfg, state, logger)  # the load-balancing loss of MoE models (else nothing)
+    mtp.attach_metrics(cfg, state, logger)  # mtp_N loss with MTP layers (else nothing)
 
     _TRAINING.append(True)  # an error from here on is no refusal of the input
     try:

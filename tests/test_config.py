@@ -73,8 +73,9 @@ def test_virtual_pipeline_stages_are_accepted_when_layers_and_micro_batches_spli
          r"virtual_pipeline_model_parallel_size=2 needs parallelism.pipeline_model_parallel_size > 1"),
         (["gtp=tp2_align16", "model.share_embeddings_and_output_weights=true",
           "gtp.async_reduction=true"], 2,
-         r"gtp.async_reduction=true cannot run here: with tied embeddings the output layer uses "
-         r"the embedding's GTP weight a second time"),
+         r"gtp.async_reduction=true cannot run here: with "
+         r"model.share_embeddings_and_output_weights=true the model uses a GTP weight a second "
+         r"time in one forward"),
         (["parallelism=tp2pp2"], 6, r"world size 6 is not divisible by tensor_model_parallel_size=2 x "
          r"pipeline_model_parallel_size=2 x gtp_remat_size=1 = 4"),
         (["optim.use_distributed_optimizer=true", "optim.distrib_optim_sharding_type=dp_reshardable"],

@@ -1,4 +1,5 @@
-"""mcore_compat.cpu: each redirected megatron call works on CPU and keeps megatron's math."""
+"""mcore_compat.cpu: each redirected megatron call works on CPU and keeps megatron's math; and
+mcore_compat.distrib_optimizer's layout of the distributed optimizer's gathered state."""
 
 from __future__ import annotations
 
@@ -61,3 +62,23 @@ def test_cpu_tensors_report_cuda_types_only_inside_the_float16_optimizer_init():
         assert t.type() == "torch.cuda.BFloat16Tensor"
         assert t.type(torch.float32).dtype == torch.float32
     assert t.type() == "torch.BFloat16Tensor"
+
+
+def test_dp_zero_state_gets_the_padding_between_buckets_back():
+    """megatron-core 0.19.2's get_parameter_state_dp_zero drops the padding between buckets; the
+    fully_reshardable save slices at padded offsets (param_index_map). Buckets [0, 6) with 5
+    real elements and [6, 10) with 3: element i of bucket b must land at its padded offset."""
+    from types import SimpleNamespace
+
+    from mcore_compat.distrib_optimizer import with_bucket_padding
+
+    buckets = [SimpleNamespace(offset=0, numel_unpadded=5), SimpleNamespace(offset=6, numel_unpadded=3)]
+    buffer = SimpleNamespace(numel=10, buckets=buckets)
+    flat = torch.arange(1.0, 9.0)  # bucket 0: 1..5, bucket 1: 6..8
+    state = {"buckets_coalesced": True,
+             0: {torch.float32: {"param": flat, "exp_avg": flat + 10, "numel_unpadded": 8}}}
+    world = with_bucket_padding([buffer], state)[0][torch.float32]
+    assert world["param"].tolist() == [1, 2, 3, 4, 5, 0, 6, 7, 8, 0]
+    assert world["exp_avg"].tolist() == [11, 12, 13, 14, 15, 0, 16, 17, 18, 0]
+    assert world["numel_unpadded"] == 8
+    assert with_bucket_padding([buffer], None) is None

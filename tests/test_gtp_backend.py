@@ -659,21 +659,26 @@ def test_validate_gtp_dims():
         shard_layout(10, 4, 0)
 
 
-@pytest.mark.parametrize("fields, pp, te_usable, tied, want", [
-    ({}, 1, False, False, (False, True)),
-    ({}, 2, False, False, (False, False)),
-    ({}, 1, True, False, (True, True)),
-    ({}, 2, True, False, (True, True)),
-    ({"async_reduction": False}, 1, False, False, (False, False)),
-    ({"weight_prefetch": False}, 2, True, False, (False, True)),
-    ({}, 1, False, True, (False, False)),  # tied embeddings: in order on any backend
-    ({}, 1, True, True, (False, False)),
+TIED, MTP = "model.share_embeddings_and_output_weights=true", "model.mtp_num_layers=1"
+
+
+@pytest.mark.parametrize("fields, pp, te_usable, reused, want", [
+    ({}, 1, False, None, (False, True)),
+    ({}, 2, False, None, (False, False)),
+    ({}, 1, True, None, (True, True)),
+    ({}, 2, True, None, (True, True)),
+    ({"async_reduction": False}, 1, False, None, (False, False)),
+    ({"weight_prefetch": False}, 2, True, None, (False, True)),
+    ({}, 1, False, TIED, (False, False)),  # a weight used twice: in order on any backend
+    ({}, 1, True, TIED, (False, False)),
+    ({}, 1, False, MTP, (False, False)),
+    ({}, 1, True, MTP, (False, False)),
 ])
-def test_overlap_settings(fields, pp, te_usable, tied, want):
+def test_overlap_settings(fields, pp, te_usable, reused, want):
     from recipes.gtp_setup import overlap_settings
 
     got = overlap_settings({"weight_prefetch": None, "async_reduction": None, **fields}, pp,
-                           te_usable, tied=tied)
+                           te_usable, reused=reused)
     assert got == dict(zip(("weight_prefetch", "async_reduction"), want))
 
 
@@ -682,6 +687,9 @@ def test_overlap_settings(fields, pp, te_usable, tied, want):
                                    r"has no CUDA streams.*set gtp.weight_prefetch=null or false"),
     (["parallelism=pp2", "gtp.async_reduction=true"],
      r"gtp.async_reduction=true cannot run here: .*pipeline_model_parallel_size=2"),
+    (["model=llama_tiny", "model.mtp_num_layers=1", "gtp.async_reduction=true"],
+     r"gtp.async_reduction=true cannot run here: with model.mtp_num_layers=1 the model uses a "
+     r"GTP weight a second time"),
 ])
 def test_overlap_the_gloo_backend_cannot_run_is_refused_before_launch(monkeypatch, overrides,
                                                                       message):

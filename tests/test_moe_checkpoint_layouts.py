@@ -17,7 +17,9 @@ each): moe_tiny (4 SwiGLU experts of width 100, hidden 72, 2 layers, Adam) at
   optimizer);
 * ``egtp2do_bf16``: expert GTP 2 at alignment 16 with megatron's distributed optimizer (expert
   data parallel 2: each rank holds a flat slice of its expert GTP shard's main param and
-  moments) and bf16 weights.
+  moments) and bf16 weights;
+* with one multi-token prediction layer (``model.mtp_num_layers=1``, an MoE layer): ep1,
+  pp2 x ep2 with the distributed optimizer in bf16, and ep2 x expert GTP 2.
 
 Each layout builds the model through ``recipes.worker.setup``, sets every weight, fp32 main
 param and Adam moment to a golden and saves through ``recipes.checkpoint``; then each layout
@@ -99,6 +101,18 @@ MUON_PAIRS = [(src, dst) for dst in MUON_LAYOUTS for src in MUON_LAYOUTS if src 
 # Muon optimizer with no params, whose file entry holds no tensors; read at its own layout.
 MUON_NO_EXPERTS_ON_A_STAGE = "muon_pp2ep2_freq2"
 MUON_SELF = [(MUON_NO_EXPERTS_ON_A_STAGE, MUON_NO_EXPERTS_ON_A_STAGE)]
+# One multi-token prediction layer (its MLP MoE, as the decoder's last layer): its experts and
+# the last stage's copy of the word embedding across expert and pipeline layouts, with the
+# distributed optimizer under pp2 (a grad-buffer bucket of its own for the first stage's
+# embedding); each reads the saves of the two others.
+MTP = ("model.mtp_num_layers=1",)
+MTP_LAYOUTS = {
+    "mtp_ep1": MTP,
+    "mtp_pp2ep2do_bf16": (*MTP, "parallelism.pipeline_model_parallel_size=2", *EP2,
+                          "optim.use_distributed_optimizer=true", "precision=bf16"),
+    "mtp_ep2egtp2": (*MTP, *EP2, "gtp.expert_gtp_remat_size=2", "gtp.pad_for_alignment=16"),
+}
+MTP_PAIRS = [(src, dst) for dst in MTP_LAYOUTS for src in MTP_LAYOUTS if src != dst]
 _LOCAL = re.compile(r"\.local_experts\.(\d+)\.")
 
 
@@ -347,12 +361,13 @@ def _matrix_worker(root: str, cfgs: dict, pairs: list) -> dict:
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_layouts")
-    cfgs = {name: make_cfg(*extra) for name, extra in {**LAYOUTS, **MUON_LAYOUTS}.items()}
+    cfgs = {name: make_cfg(*extra)
+            for name, extra in {**LAYOUTS, **MUON_LAYOUTS, **MTP_LAYOUTS}.items()}
     cfgs[MUON_NO_EXPERTS_ON_A_STAGE] = make_cfg(
         *MUON, *EP2, "parallelism.pipeline_model_parallel_size=2", "model.moe_layer_freq=2")
     t0 = time.time()
     results = run_distributed(_matrix_worker, WORLD, str(root), cfgs,
-                              PAIRS + MUON_PAIRS + MUON_SELF, timeout=1200)
+                              PAIRS + MUON_PAIRS + MUON_SELF + MTP_PAIRS, timeout=1200)
     print(f"\nMoE matrix: {time.time() - t0:.0f}s")
     return results
 
@@ -375,10 +390,11 @@ def test_expert_layout_pairs_restore_weights_main_params_and_moments_exactly(mat
             assert (experts > 0 or no_experts_here) and n > experts, (rank, src, dst, experts, n)
             pairs += 1
     assert not failed, failed
-    assert pairs == WORLD * (len(PAIRS) + len(MUON_PAIRS) + len(MUON_SELF))
+    assert pairs == WORLD * (len(PAIRS) + len(MUON_PAIRS) + len(MUON_SELF) + len(MTP_PAIRS))
     assert sum(res["loads"][MUON_SELF[0]][0] for res in matrix) > 0
     # Expert GTP padded every expert weight on every rank (the padded branch ran).
     assert all(res["padded"]["ep2egtp2"] > 0 for res in matrix)
+    assert all(res["padded"]["mtp_ep2egtp2"] > res["padded"]["ep2egtp2"] for res in matrix)
     # The optimizers the rows name: a dense and an expert one where experts are split.
     kinds = matrix[0]["kinds"]
     assert kinds["ep1"] == ["FP32Optimizer"], kinds

@@ -53,8 +53,8 @@ class RankSizes:
 
 def _stage(name: str, num_layers: int, pp: int) -> tuple[int, ...]:
     """Pipeline stages holding parameter ``name`` (megatron: the embedding on the first stage,
-    final norm and output layer on the last, layers split evenly; a shared output weight is a
-    copy of the embedding on the last stage)."""
+    final norm, MTP layers and output layer on the last, layers split evenly; the last stage
+    also holds a copy of the embedding for a shared output weight or for the MTP layers)."""
     if name.startswith("embedding."):
         return (0,)
     if name.startswith("decoder.layers."):
@@ -91,8 +91,8 @@ def rank_sizes(cfg, layout, vocab_size: int) -> RankSizes:
             shape, pad_length = local_shape(p, tp, g, pad)
         total += math.prod(p.shape)
         stages = _stage(p.name, m.num_layers, pp)
-        if p.name == "embedding.word_embeddings.weight" and m.share_embeddings_and_output_weights \
-                and pp > 1:
+        copied = m.share_embeddings_and_output_weights or m.get("mtp_num_layers")
+        if p.name == "embedding.word_embeddings.weight" and copied and pp > 1:
             stages = (0, pp - 1)
         for s in stages:
             per_stage[s] += math.prod(shape)

@@ -108,7 +108,7 @@ def report(cfg, layout) -> str:
         "> dry run: config valid; nothing built, no process started",
         f"> layout: {layout.describe()}",
         f"> model: {cfg.model.name}, {s.total_parameters:,} parameters "
-        f"(vocabulary {vocab:,} tokens, {padded:,} rows padded)",
+        f"(vocabulary {vocab:,} tokens, {padded:,} rows padded{_mtp_note(cfg.model)})",
         f"> per rank{stage}: {s.parameters:,} parameters, {per_param:.4g} bytes each for "
         f"weights, gradients and optimizer state",
         f">   parameters       {format_bytes(s.param_bytes)} ({dtype})",
@@ -140,3 +140,11 @@ def report(cfg, layout) -> str:
             f"GTP weights (a tail suffix, held by the last GTP ranks)")
     return "\n".join(lines)
 
+
+
+def _mtp_note(m) -> str:
+    """The model line's note of multi-token prediction layers (counted in its parameters; on
+    the last pipeline stage, with a copy of the word embedding there under pipeline
+    parallelism)."""
+    n = int(m.get("mtp_num_layers") or 0)
+    return f"; {n} MTP layer{'s' if n > 1 else ''} included" if n else ""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
+import torch
 import torch.nn.functional as F
 
 
@@ -34,7 +36,18 @@ def transformer_config_fields(m, dims) -> dict:
     )
     if m.get("kv_channels"):
         out["kv_channels"] = int(m.kv_channels)
+    out.update(mtp_fields(m))
     return out
+
+
+def mtp_fields(m) -> dict:
+    """``TransformerConfig``'s multi-token prediction fields: ``mtp_num_layers`` (None when the
+    config has none, as megatron expects) and ``mtp_loss_scaling_factor``."""
+    layers = int(m.get("mtp_num_layers") or 0)
+    if not layers:
+        return {}
+    return {"mtp_num_layers": layers,
+            "mtp_loss_scaling_factor": float(m.get("mtp_loss_scaling_factor", 0.1))}
 
 
 def gelu_tanh(x):
@@ -83,18 +96,66 @@ def build(m, config, spec, vocab: int, pre: bool, post: bool, vp_stage, tied: bo
     """
     from megatron.core.models.gpt import GPTModel
 
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=vocab,
-        max_sequence_length=m.seq_length,
-        pre_process=pre,
-        post_process=post,
-        position_embedding_type=m.position_embedding_type,
-        rotary_base=m.get("rotary_base", 10000),
-        rotary_percent=m.get("rotary_percent", 1.0),
-        rope_scaling=m.get("rope_scaling", False),
-        rope_scaling_factor=m.get("rope_scaling_factor", 8.0),
-        share_embeddings_and_output_weights=tied,
-        vp_stage=vp_stage,
-    )
+    with _mtp_embedding_draws_nothing(pre):
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=vocab,
+            max_sequence_length=m.seq_length,
+            pre_process=pre,
+            post_process=post,
+            position_embedding_type=m.position_embedding_type,
+            rotary_base=m.get("rotary_base", 10000),
+            rotary_percent=m.get("rotary_percent", 1.0),
+            rope_scaling=m.get("rope_scaling", False),
+            rope_scaling_factor=m.get("rope_scaling_factor", 8.0),
+            share_embeddings_and_output_weights=tied,
+            vp_stage=vp_stage,
+            mtp_block_spec=mtp_block_spec(config, spec, vp_stage),
+        )
+
+
+def mtp_block_spec(config, spec, vp_stage):
+    """megatron's MTP block spec (``get_gpt_mtp_block_spec``, local or TransformerEngine as
+    ``config.transformer_impl``), built from the decoder's last layer spec, for the chunk that
+    holds the MTP layers (the last pipeline stage); None without MTP or on another chunk."""
+    if not config.mtp_num_layers:
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    return get_gpt_mtp_block_spec(config, spec, config.transformer_impl == "transformer_engine",
+                                  vp_stage=vp_stage)
+
+
+@contextlib.contextmanager
+def _mtp_embedding_draws_nothing(pre: bool):
+    """Keep the RNG where it was across a non-first chunk's embedding copy, so its layers draw
+    the weights they draw at pp1.
+
+    With MTP, megatron builds the word embedding again on the last pipeline stage
+    (``GPTModel.__init__``: ``if self.pre_process or self.mtp_process``), zeroes the copy and
+    sums it with the first stage's (``LanguageModule.setup_embeddings_and_output_layer``). Its
+    random draw is thrown away but would shift every draw after it; at pp1 there is no copy.
+    The first chunk (``pre``) is left alone: its embedding is the real one.
+    """
+    if pre:
+        yield
+        return
+    from megatron.core.models.common.embeddings.language_model_embedding import (
+        LanguageModelEmbedding)
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    init = LanguageModelEmbedding.__init__
+
+    def init_keeping_rng(self, *args, **kwargs):
+        tracker = get_cuda_rng_tracker()
+        states = tracker.get_states()
+        with torch.random.fork_rng(devices=[]):
+            init(self, *args, **kwargs)
+        tracker.set_states(states)
+
+    LanguageModelEmbedding.__init__ = init_keeping_rng
+    try:
+        yield
+    finally:
+        LanguageModelEmbedding.__init__ = init

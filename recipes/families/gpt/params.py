@@ -36,14 +36,14 @@ def parameter_shapes(m, padded_vocab: int, mlp: Optional[MlpShapes] = None) -> l
 
     Returns:
         The ``ParamShape`` list. Norm weights (and LayerNorm biases), linear biases when
-        ``add_bias_linear``, the learned position embedding and the output layer (absent when
-        embeddings and output weights are shared) follow megatron's module tree.
+        ``add_bias_linear``, the learned position embedding, the ``mtp_num_layers`` MTP layers
+        and the output layer (absent when embeddings and output weights are shared) follow
+        megatron's module tree. A pipeline stage holding the MTP layers but not the first
+        layer also holds a copy of ``embedding.word_embeddings.weight`` (not listed twice).
     """
     get = getter(m)
     h = m.hidden_size
-    bias = get("add_bias_linear", True)
     norm_bias = get("normalization", "LayerNorm") == "LayerNorm"
-    attn = m.num_attention_heads * kv_channels(m)
     out = [ParamShape("embedding.word_embeddings.weight", (padded_vocab, h), 0, True)]
     if get("position_embedding_type", "learned_absolute") == "learned_absolute":
         out.append(ParamShape("embedding.position_embeddings.weight", (m.seq_length, h)))
@@ -54,21 +54,49 @@ def parameter_shapes(m, padded_vocab: int, mlp: Optional[MlpShapes] = None) -> l
             out.append(ParamShape(f"{prefix}.bias", (width,)))
 
     for i in range(m.num_layers):
-        layer = f"decoder.layers.{i}"
-        norm(f"{layer}.input_layernorm")
-        out.append(ParamShape(f"{layer}.self_attention.linear_qkv.weight", (qkv_rows(m), h), 0, True))
-        if bias or get("add_qkv_bias", False):
-            out.append(ParamShape(f"{layer}.self_attention.linear_qkv.bias", (qkv_rows(m),), 0))
-        if get("qk_layernorm", False):
-            norm(f"{layer}.self_attention.q_layernorm", kv_channels(m))
-            norm(f"{layer}.self_attention.k_layernorm", kv_channels(m))
-        out.append(ParamShape(f"{layer}.self_attention.linear_proj.weight", (h, attn), 1, True))
-        if bias:
-            out.append(ParamShape(f"{layer}.self_attention.linear_proj.bias", (h,)))
-        norm(f"{layer}.pre_mlp_layernorm")
-        if not (mlp and mlp(m, i, layer, out.append)):
-            mlp_shapes(m, f"{layer}.mlp", m.ffn_hidden_size, out.append)
+        _layer(m, f"decoder.layers.{i}", i, out.append, norm, mlp)
     norm("decoder.final_layernorm")
+    for i in range(int(get("mtp_num_layers") or 0)):
+        # megatron's MultiTokenPredictionLayer: norms of the embedding and of the hidden state,
+        # eh_proj ([embedding; hidden] -> hidden, column-parallel), a layer built from the
+        # decoder's last layer spec (its self_attention holds linear_proj before linear_qkv),
+        # and a final norm; the output layer is the model's.
+        layer = f"mtp.layers.{i}"
+        norm(f"{layer}.enorm")
+        norm(f"{layer}.hnorm")
+        out.append(ParamShape(f"{layer}.eh_proj.weight", (h, 2 * h), 0, True))
+        _layer(m, f"{layer}.mtp_model_layer", m.num_layers - 1, out.append, norm, mlp,
+               proj_first=True)
+        norm(f"{layer}.final_layernorm")
     if not m.share_embeddings_and_output_weights:
         out.append(ParamShape("output_layer.weight", (padded_vocab, h), 0, True))
     return out
+
+
+def _layer(m, layer: str, index: int, add: Callable[[ParamShape], None], norm, mlp,
+           proj_first: bool = False) -> None:
+    """Add one ``TransformerLayer``'s parameters under ``layer``; ``index``: the decoder layer
+    whose MLP kind it has (``mlp``); ``proj_first``: attention's ``linear_proj`` registered
+    before ``linear_qkv`` (megatron's MTP layer)."""
+    get = getter(m)
+    h, bias = m.hidden_size, get("add_bias_linear", True)
+    attn = m.num_attention_heads * kv_channels(m)
+    norm(f"{layer}.input_layernorm")
+    proj = [ParamShape(f"{layer}.self_attention.linear_proj.weight", (h, attn), 1, True)]
+    if bias:
+        proj.append(ParamShape(f"{layer}.self_attention.linear_proj.bias", (h,)))
+    if proj_first:
+        for p in proj:
+            add(p)
+    add(ParamShape(f"{layer}.self_attention.linear_qkv.weight", (qkv_rows(m), h), 0, True))
+    if bias or get("add_qkv_bias", False):
+        add(ParamShape(f"{layer}.self_attention.linear_qkv.bias", (qkv_rows(m),), 0))
+    if get("qk_layernorm", False):
+        norm(f"{layer}.self_attention.q_layernorm", kv_channels(m))
+        norm(f"{layer}.self_attention.k_layernorm", kv_channels(m))
+    if not proj_first:
+        for p in proj:
+            add(p)
+    norm(f"{layer}.pre_mlp_layernorm")
+    if not (mlp and mlp(m, index, layer, add)):
+        mlp_shapes(m, f"{layer}.mlp", m.ffn_hidden_size, add)

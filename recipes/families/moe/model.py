@@ -90,7 +90,7 @@ def init_experts(chunk, config, seed: int) -> int:
     """Give every routed expert weight of ``chunk`` its logical value, the same at any layout.
 
     Expert ``g`` (global index: ``ep_rank * local experts + i``) of layer ``l`` (megatron's
-    1-based ``layer_number``) draws its full weight with megatron's init method (``init_method``
+    1-based ``layer_number``; MTP layer ``i``: ``num_layers + 1 + i``) draws its full weight with megatron's init method (``init_method``
     for fc1, ``output_layer_init_method`` for fc2, as ``MLP`` uses them) from a generator seeded
     by ``(seed, l, g, name)``; this rank keeps its expert-TP part (``partition_dim``, stride 2 for
     a gated fc1: ``[gate | up]`` per rank, as megatron's ``_initialize_affine_weight_cpu``) and,
@@ -106,11 +106,10 @@ def init_experts(chunk, config, seed: int) -> int:
     etp, etp_rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
     ep_rank = ps.get_expert_model_parallel_rank()
     n = 0
-    for transformer_layer in chunk.decoder.layers:
+    for layer, transformer_layer in _layers_with_numbers(chunk, config):
         module = getattr(transformer_layer.mlp, "experts", None)
         if not isinstance(module, SequentialMLP):
             continue
-        layer = transformer_layer.layer_number
         for i, expert in enumerate(module.local_experts):
             g = ep_rank * module.num_local_experts + i
             for lin_name, init in (("linear_fc1", config.init_method),
@@ -136,3 +135,14 @@ def init_experts(chunk, config, seed: int) -> int:
                     param.data.copy_(part)
                 n += 1
     return n
+
+
+def _layers_with_numbers(chunk, config):
+    """``(1-based global layer number, TransformerLayer)`` of the chunk's decoder layers, then of
+    its multi-token prediction layers (numbered after the decoder's, as megatron's router
+    numbers them in its metrics)."""
+    for transformer_layer in chunk.decoder.layers:
+        yield transformer_layer.layer_number, transformer_layer
+    if getattr(chunk, "mtp_process", False):
+        for i, mtp_layer in enumerate(chunk.mtp.layers):
+            yield config.num_layers + 1 + i, mtp_layer.mtp_model_layer
