@@ -34,6 +34,7 @@ EXPECTED = {
     "gtp.muon.install",
     "gtp.muon.uninstall",
     "recipes.families.moe.model.experts_leave_rng_alone",
+    "recipes.families.gpt.model.mtp_embedding_copy_draws_nothing",
     "gtp.safe_objects.install",
     "gtp.tied_output.install",
     "mcore_compat.lazy_compile.install",

@@ -3,7 +3,9 @@ Llama with one MTP layer (``model.mtp_num_layers=1``) restored exactly at every 
 {tp1, tp2 x g2/a16, g4/a32, pp2 x dp2 with the distributed optimizer, pp2 x g2/a16}; and of a
 tied Llama between tp1 and pp2 x dp2 with the distributed optimizer. An MoE model's MTP layer
 (whose MLP is MoE) starts from the same expert weights at ep1 and ep2 (its checkpoints across
-expert layouts: tests/test_moe_checkpoint_layouts.py).
+expert layouts: tests/test_moe_checkpoint_layouts.py). A checkpoint megatron-core 0.19.2's own
+(padded) writer saved at tp2 x g2/a16 loads exactly at every layout through ``gtp.stock``; and
+megatron's own reader, reading a tp2 save into tp2 x g2/a16, misplaces the MTP layer's rows.
 
 One 4-process gloo world builds each layout through ``recipes.worker.setup`` (bf16 weights,
 fp32 main params), fills every parameter, main param and moment with goldens built
@@ -44,6 +46,13 @@ LAYOUTS = {
     "pp2g2a16": (1, 2, 16, _PP2),
 }
 PP1 = ("tp1", "tp2g2a16", "g4a32")
+# megatron-core 0.19.2's own (stock, padded) writer at tp2 x g2/a16: read through gtp.stock at
+# every layout above.
+STOCK = {"stock_tp2g2a16": (2, 2, 16, ())}
+# The discriminating read: the plain-MLP tiny model with an MTP layer saved at tp2 (no GTP),
+# read into tp2 x g2/a16 by megatron's own reader and by the logical one. (megatron's reader
+# refuses a SwiGLU model's fc1 outright: a global shape mismatch.)
+ASYM = {"asym_tp2": (2, 1, None, ()), "asym_tp2g2a16": (2, 2, 16, ())}
 # moe_tiny with one MTP layer (an MoE layer, as the decoder's last) without and with expert
 # parallelism: the MTP layer's experts start from the same weights at both (each expert draws
 # from its own seed, recipes.families.moe.model.init_experts).
@@ -110,6 +119,7 @@ def _mtp_experts(model) -> dict:
 def _worker(root: str, cfgs: dict) -> dict:
     from megatron.core import parallel_state as ps
 
+    from gtp import logical_format
     from recipes import checkpoint
 
     root = Path(root)
@@ -128,22 +138,36 @@ def _worker(root: str, cfgs: dict) -> dict:
         checkpoint.save_checkpoint(root / name, 1, model, opt, sched, {"consumed_samples": 0},
                                    record)
     for name, cfg_yaml in cfgs.items():
-        if name in MOE_LAYOUTS:
+        if name in MOE_LAYOUTS or name in STOCK or name in ASYM:
             continue
         model, opt, sched, record, cfg = build(cfg_yaml)
         for src in cfgs:
-            if (src in TIED_LAYOUTS) != (name in TIED_LAYOUTS) or src in MOE_LAYOUTS:
+            mtp_model = {**LAYOUTS, **STOCK}  # STOCK: the MTP model, written by megatron
+            if not ({src, name} <= mtp_model.keys() or {src, name} <= TIED_LAYOUTS.keys()):
                 continue  # another model
             fill(model, opt, cfg, sentinel=True)
             checkpoint.load_checkpoint(root / src, model, opt, sched, record)
             out["loads"][(src, name)] = check(model, opt, cfg)
+    # The non-GTP save read into a padded GTP layout: megatron-core 0.19.2's reader, ours.
+    model, opt, sched, record, cfg = build(cfgs["asym_tp2g2a16"])
+    out["asym"] = {}
+    for mode in ("stock", "logical"):
+        logical_format.configure(mode)
+        fill(model, opt, cfg, sentinel=True)
+        checkpoint.load_checkpoint(root / "asym_tp2", model, opt, sched, record)
+        out["asym"][mode] = check(model, opt, cfg)
+    logical_format.configure("logical")
     ps.destroy_model_parallel()
     return out
 
 
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mtp_layouts")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("mtp_layouts")
+
+
+@pytest.fixture(scope="module")
+def matrix(root):
     cfgs = {name: make_cfg("llama_tiny", tp, g, pad, WORLD, "logical", "precision=bf16",
                            "model.mtp_num_layers=1", *extra)
             for name, (tp, g, pad, extra) in LAYOUTS.items()}
@@ -153,14 +177,21 @@ def matrix(tmp_path_factory):
     cfgs.update({name: make_cfg("moe_tiny", tp, g, pad, WORLD, "logical", "precision=bf16",
                                 "model.mtp_num_layers=1", *extra)
                  for name, (tp, g, pad, extra) in MOE_LAYOUTS.items()})
+    cfgs.update({name: make_cfg("llama_tiny", tp, g, pad, WORLD, "stock", "precision=bf16",
+                                "model.mtp_num_layers=1", *extra)
+                 for name, (tp, g, pad, extra) in STOCK.items()})
+    cfgs.update({name: make_cfg("tiny", tp, g, pad, WORLD, "logical", "model.mtp_num_layers=1",
+                                *extra)
+                 for name, (tp, g, pad, extra) in ASYM.items()})
     return run_distributed(_worker, WORLD, str(root), cfgs, timeout=900)
 
 
-@pytest.mark.parametrize("layouts", [LAYOUTS, TIED_LAYOUTS], ids=["mtp", "tied"])
-def test_every_layout_pair_restores_weights_and_moments_exactly(matrix, layouts):
+@pytest.mark.parametrize("sources, layouts", [(LAYOUTS, LAYOUTS), (TIED_LAYOUTS, TIED_LAYOUTS),
+                                              (STOCK, LAYOUTS)], ids=["mtp", "tied", "stock"])
+def test_every_layout_pair_restores_weights_and_moments_exactly(matrix, sources, layouts):
     for rank, res in enumerate(matrix):
-        loads = {pair: v for pair, v in res["loads"].items() if pair[0] in layouts}
-        assert set(loads) == {(s, d) for s in layouts for d in layouts}
+        loads = {pair: v for pair, v in res["loads"].items() if pair[0] in sources}
+        assert set(loads) == {(s, d) for s in sources for d in layouts}
         for (src, dst), (n, problems) in sorted(loads.items()):
             assert n > 10, (src, dst, n)
             assert not problems, f"rank {rank}: save {src} -> load {dst}: {problems[:6]}"
@@ -196,3 +227,39 @@ def test_the_mtp_layers_experts_start_alike_at_every_expert_layout(matrix):
     assert len(one) == 8 and sorted(one) == sorted(two), sorted(two)  # 4 experts x fc1, fc2
     for key in one:
         assert torch.equal(one[key], two[key]), key
+
+
+def test_megatrons_reader_misplaces_the_mtp_rows_that_the_logical_reader_restores(matrix):
+    """A tp2 save (no GTP) read into tp2 x g2/a16 (fc1 100 rows per TP rank, padded to 128):
+    megatron-core 0.19.2's own reader puts rows of the padded weights in the wrong places, the
+    MTP layer's among them, with no error; the logical reader restores every one."""
+    problems = [p for r in matrix for p in r["asym"]["stock"][1]]
+    for name in ("mtp.layers.0.mtp_model_layer.mlp.linear_fc1.weight weight",
+                 "mtp.layers.0.mtp_model_layer.mlp.linear_fc1.weight exp_avg"):
+        assert any(p.startswith(name) for p in problems), (name, problems[:8])
+    for rank, r in enumerate(matrix):
+        n, logical = r["asym"]["logical"]
+        assert n > 10 and not logical, (rank, logical[:5])
+
+
+def test_a_stock_mtp_checkpoint_with_nothing_recorded_reads_the_same_rows(matrix, root):
+    """The stock save without any record of its layout or model (as Megatron-LM's own writer
+    leaves it): given the layout, gtp.stock finds every GTP weight by its name, the MTP
+    layer's ``eh_proj`` among them, and reads the rows the recorded checkpoint reads."""
+    from megatron.core import dist_checkpointing
+
+    from gtp import stock
+
+    path = stock.resolve_iter_dir(root / "stock_tp2g2a16")
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    stripped = {k: v for k, v in common.items()
+                if k not in ("layout", "train_state", stock.METADATA_KEY)}
+    given = stock.analyze(path, "tp=2,gtp=2,pad=16,padded_vocab_size=320,ffn_hidden_size=200,"
+                                "swiglu=true,qkv_rows=120", common=stripped)
+    recorded = stock.analyze(path)
+    assert given.stock and given.layout_source.startswith("given by the caller")
+    assert "mtp.layers.0.eh_proj.weight" in given.tensors
+    assert all(given.tensors[k].rowmap == recorded.tensors[k].rowmap for k in recorded.tensors)
+    _, got = stock.read_logical(path, analysis=given)
+    _, want = stock.read_logical(path, analysis=recorded)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)

@@ -78,5 +78,5 @@ def fmt_stored(base: str, sub: Mapping[str, tuple]) -> str:
 def missing_dims(kind) -> str:
     """The model dims that fix the logical size of a GTP weight of this kind."""
     return ("padded_vocab_size" if kind == "vocab" else
-            "hidden_size" if kind in ("proj", "fc2") else
+            "hidden_size" if kind in ("proj", "fc2", "eh_proj") else
             "ffn_hidden_size and swiglu" if kind == "fc1" else "qkv_rows")

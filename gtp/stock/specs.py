@@ -334,7 +334,7 @@ def logical_rows_global(kind: str, dims: Mapping) -> Optional[int]:
     """Global logical dim 0 (all TP ranks) of a GTP weight kind, from model dims."""
     if kind == "vocab":
         return dims.get("padded_vocab_size")
-    if kind in ("proj", "fc2"):
+    if kind in ("proj", "fc2", "eh_proj"):
         return dims.get("hidden_size")
     if kind == "fc1":
         ffn = dims.get("ffn_hidden_size")

@@ -23,6 +23,9 @@ GTP_PATTERNS = (
     (re.compile(r"(^|\.)linear_proj\.weight$"), "proj"),
     (re.compile(r"(^|\.)linear_fc1\.weight(_w|_v)?$"), "fc1"),
     (re.compile(r"(^|\.)linear_fc2\.weight$"), "fc2"),
+    # A multi-token prediction layer's [embedding; hidden] -> hidden projection (column-parallel,
+    # hidden rows); its transformer layer's linears match the patterns above.
+    (re.compile(r"(^|\.)eh_proj\.weight$"), "eh_proj"),
 )
 
 GPT2 = HFArchitecture(

@@ -8,6 +8,8 @@ import importlib
 import torch
 import torch.nn.functional as F
 
+from mcore_compat.patches import megatron_patch
+
 
 def transformer_config_fields(m, dims) -> dict:
     """megatron ``TransformerConfig`` keyword arguments of a dense GPT/Llama ``model`` config.
@@ -96,7 +98,7 @@ def build(m, config, spec, vocab: int, pre: bool, post: bool, vp_stage, tied: bo
     """
     from megatron.core.models.gpt import GPTModel
 
-    with _mtp_embedding_draws_nothing(pre):
+    with mtp_embedding_copy_draws_nothing(not pre and bool(config.mtp_num_layers)):
         return GPTModel(
             config=config,
             transformer_layer_spec=spec,
@@ -128,17 +130,20 @@ def mtp_block_spec(config, spec, vp_stage):
 
 
 @contextlib.contextmanager
-def _mtp_embedding_draws_nothing(pre: bool):
-    """Keep the RNG where it was across a non-first chunk's embedding copy, so its layers draw
-    the weights they draw at pp1.
+@megatron_patch("models.common.embeddings.language_model_embedding.LanguageModelEmbedding."
+                "__init__ (while an MTP stage's embedding copy is built)")
+def mtp_embedding_copy_draws_nothing(copy: bool):
+    """While active and ``copy`` (a chunk without the first layer, of a model with MTP layers),
+    building a ``LanguageModelEmbedding`` leaves torch's CPU generator and megatron's RNG
+    tracker where they were, so the chunk's layers draw the weights they draw at pp1.
 
     With MTP, megatron builds the word embedding again on the last pipeline stage
     (``GPTModel.__init__``: ``if self.pre_process or self.mtp_process``), zeroes the copy and
     sums it with the first stage's (``LanguageModule.setup_embeddings_and_output_layer``). Its
     random draw is thrown away but would shift every draw after it; at pp1 there is no copy.
-    The first chunk (``pre``) is left alone: its embedding is the real one.
+    Otherwise (``copy`` false: the first chunk's embedding is the real one) nothing changes.
     """
-    if pre:
+    if not copy:
         yield
         return
     from megatron.core.models.common.embeddings.language_model_embedding import (
