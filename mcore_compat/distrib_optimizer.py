@@ -78,11 +78,11 @@ def with_bucket_padding(buffers, state):
     elements ("gets rid of the padding between buckets"), while
     ``sharded_param_state_fully_reshardable`` slices those tensors at each param's
     ``param_index_map`` range, an offset in the padded buffer. With one bucket they agree. A
-    buffer split into buckets (megatron gives a ``shared_embedding`` param its own: the first
-    pipeline stage's word embedding of a tied or multi-token-prediction model) shifts every
-    param after the first bucket's end padding, and the last ones read past the end, which
-    megatron pads with zeros ("param range exceeds unpadded buffer"): the saved main params
-    and moments of those params were wrong.
+    buffer split into buckets (megatron gives a ``shared_embedding`` param its own: under
+    pipeline parallelism the first stage's word embedding of a tied or multi-token-prediction
+    model, and the last stage's copy of it) shifts every param after the first bucket's end
+    padding, and the last ones read past the end, which megatron pads with zeros ("param range
+    exceeds unpadded buffer"): the saved main params and moments of those params were wrong.
 
     Args:
         buffers: the optimizer's grad buffers (``DistributedOptimizer.buffers``), whose

@@ -268,7 +268,8 @@ def format_progress(iteration: int, total: int, m: dict, elapsed_s: float | None
     seconds, default the present).
 
     The compact line (default) holds at most :data:`CONSOLE_WIDTH` columns: the iteration,
-    ``lm loss``, the MoE load-balancing loss, the ``skipped iterations`` (when not 0),
+    ``lm loss``, the MoE load-balancing loss and the MTP losses (``mtp_1 loss``, ...), the
+    ``skipped iterations`` (when not 0),
     ``grad norm``, the learning rate, the estimate of the rest (``remaining_s``), ms per
     iteration, the iteration resumed from and tokens/s; what does not fit is dropped from the
     end of that list. ``full`` adds everything else (elapsed time, consumed samples, TFLOP/s per
@@ -278,7 +279,9 @@ def format_progress(iteration: int, total: int, m: dict, elapsed_s: float | None
     """
     head = f" {timestamp(now)} iteration {iteration:6d}/{total}"
     resumed = f" (resumed from {resumed_from})" if resumed_from is not None else ""
-    aux = [(k, m[k]) for k in _AUX_LOSSES if k in m]
+    # The MoE load-balancing loss, then the MTP losses (recipes.mtp: "mtp_1 loss", ...).
+    aux = [(k, m[k]) for k in _AUX_LOSSES if k in m] + sorted(
+        (k, v) for k, v in m.items() if k.startswith("mtp_") and k.endswith(" loss"))
     skipped = int(m.get("skipped-iterations", 0) or 0)
     if full:
         return head + resumed + _full_rest(m, elapsed_s, remaining_s, aux, skipped)
@@ -290,7 +293,9 @@ def format_progress(iteration: int, total: int, m: dict, elapsed_s: float | None
                (9, f" | tokens/s: {m['tokens-per-sec']:.0f}"),
                (5, f" | lr: {m['learning-rate']:.3E}"),
                (0, f" | lm loss: {m['lm loss']:.4E}")]
-    fields += [(1, f" | {name}: {value:.4E}") for name, value in aux]
+    # The MTP losses give way after grad norm, before the learning rate.
+    fields += [(4.5 if name.startswith("mtp_") else 1, f" | {name}: {value:.4E}")
+               for name, value in aux]
     fields.append((4, f" | grad norm: {m['grad-norm']:.4g}"))
     if skipped:
         # Megatron-LM's "number of skipped iterations", shortened to leave room for grad norm.

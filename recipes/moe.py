@@ -38,7 +38,7 @@ def reduce_aux_loss(model_cfg, num_microbatches: int) -> dict:
     As megatron's ``MoEMetricsTracker.report``: per layer summed over the pipeline group and
     the entry's reduce group, averaged over its average group and the data group (gloo has no
     ``AVG`` reduction: a sum divided by the group size), times ``1 / num_microbatches``, then
-    the mean over MoE layers (MTP layers included, as megatron's ``report`` counts them).
+    the mean over MoE layers (and the MTP layers, which megatron's ``report`` always counts).
     Megatron records the loss without ``moe_aux_loss_coeff``.
 
     Returns:
@@ -69,10 +69,8 @@ def reduce_aux_loss(model_cfg, num_microbatches: int) -> dict:
         avg(entry.avg_group)
     if entry.needs_dp_avg:
         avg(ps.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False))
-    layers = int(model_cfg.num_layers)
-    # An MTP layer is built from the decoder's last layer spec: MoE when that layer is.
-    moe_layers = (sum(is_moe_layer(model_cfg, i) for i in range(layers))
-                  + mtp * is_moe_layer(model_cfg, layers - 1))
+    # megatron's MoEMetricsTracker.report counts every MTP layer as an MoE layer.
+    moe_layers = sum(is_moe_layer(model_cfg, i) for i in range(int(model_cfg.num_layers))) + mtp
     value = float(v.sum()) / num_microbatches / max(moe_layers, 1)
     tracker.clear()
     return {name: value}

@@ -73,15 +73,18 @@ def reduce_mtp_loss(model_cfg, num_microbatches: int) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+    from gtp.collectives import collective_device
+
     n = mtp_num_layers(model_cfg)
     tracker = MTPLossLoggingHelper.tracker
+    dp = ps.get_data_parallel_group(with_context_parallel=True)
     values = tracker.get("loss_values")
-    values = torch.zeros(n) if values is None else values.detach().float().cpu().clone()
+    values = torch.zeros(n) if values is None else values.detach().float()
+    values = values.to(collective_device(dp), copy=True)  # NCCL takes no CPU tensor
     dist = torch.distributed
     dist.all_reduce(values, group=ps.get_pipeline_model_parallel_group())
-    dp = ps.get_data_parallel_group(with_context_parallel=True)
     dist.all_reduce(values, group=dp)  # gloo has no AVG: a sum divided by the group size
-    values /= dist.get_world_size(dp) * num_microbatches
+    values = values.cpu() / (dist.get_world_size(dp) * num_microbatches)
     MTPLossLoggingHelper.clean_metrics_in_tracker()
     return {f"mtp_{i + 1} loss": float(v) for i, v in enumerate(values)}
 

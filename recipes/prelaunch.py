@@ -287,7 +287,7 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_g
                 "ffn_hidden_size", "swiglu", "normalization", "add_bias_linear", "add_qkv_bias",
                 "position_embedding_type", "seq_length", "share_embeddings_and_output_weights",
                 "kv_channels", "qk_layernorm", "num_moe_experts", "moe_ffn_hidden_size",
-                "moe_shared_expert_intermediate_size", "moe_layer_freq")
+                "moe_shared_expert_intermediate_size", "moe_layer_freq", "mtp_num_layers")
 
 
 def check_model_shape(cfg, plan=None) -> None:

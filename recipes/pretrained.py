@@ -139,6 +139,11 @@ def apply_source(cfg, overrides: list[str] | None = None, requeued: bool = False
                 and cfg.model.seq_length != model["seq_length"]):
             wrong.append(f"model.seq_length={cfg.model.seq_length} (the source's learned "
                          f"position embedding has {model['seq_length']} rows)")
+        mtp = cfg.model.get("mtp_num_layers")
+        if mtp and mtp != model.get("mtp_num_layers"):
+            wrong.append(f"model.mtp_num_layers={mtp} (the source has "
+                         f"{model.get('mtp_num_layers') or 'none'}; MTP layers are not added to "
+                         f"a pretrained model here)")
         if wrong:
             raise ConfigError(f"checkpoint.pretrained={src}: " + "; ".join(wrong)
                               + ": such a model cannot hold the source's weights or computes "

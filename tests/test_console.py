@@ -67,6 +67,20 @@ def test_the_moe_losses_are_on_the_line():
         assert f"| {name}: 2.5000E-01 |" in line, line
 
 
+def test_the_mtp_losses_are_on_the_line_after_the_moe_loss():
+    m = {"consumed-samples": 32, "iteration-time": 0.0998, "tokens-per-sec": 10258.0,
+         "learning-rate": 1e-3, "lm loss": 5.545337, "grad-norm": 2.4348, "num-zeros": 0,
+         "skipped-iterations": 0, "load_balancing_loss": 0.25, "mtp_1 loss": 5.25}
+    line = format_progress(3, 10, m, 1.0, 2.0)
+    assert "| load_balancing_loss: 2.5000E-01 | mtp_1 loss: 5.2500E+00 |" in line, line
+    assert len(line) <= CONSOLE_WIDTH and "grad norm: 2.435" in line, line
+    assert "mtp_1 loss: 5.250000E+00 | grad norm" in format_progress(3, 10, m, full=True)
+    # With the longest figures the MTP losses give way before grad norm.
+    longest = format_progress(1_000_000, 1_000_000, _metrics(**{"mtp_1 loss": 12.3, "mtp_2 loss":
+                              12.3, "load_balancing_loss": 1.5}), 3_600_000.0, 3_600_000.0)
+    assert len(longest) <= CONSOLE_WIDTH and "grad norm: 1.235e+05" in longest, longest
+
+
 def test_the_full_line_holds_every_figure():
     line = format_progress(3, 10, _metrics(load_balancing_loss=0.25, **{"skipped-iterations": 2}),
                            1.0, 2.0, full=True)

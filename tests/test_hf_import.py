@@ -428,6 +428,11 @@ def test_pretrained_model_fields_and_refusals_before_launch(hf):
     cfg = make_cfg(src, "model.hidden_size=96")
     with pytest.raises(ConfigError, match=r"model.hidden_size=96 \(the source has 64\)"):
         pretrained.apply_source(cfg, overrides=["model.hidden_size=96"])
+    # A Hugging Face model has no MTP layers, and none are added to it.
+    cfg = make_cfg(src, "model.mtp_num_layers=1")
+    with pytest.raises(ConfigError, match=r"model.mtp_num_layers=1 \(the source has none; MTP "
+                                          r"layers are not added to a pretrained model here\)"):
+        pretrained.apply_source(cfg, overrides=["model.mtp_num_layers=1"])
     # A checkpoint of this project as the source; model=NAME gives all of that group's fields.
     cfg = make_cfg(f"checkpoint.pretrained={hf / 'gpt2_ckpt'}", "model=llama_tiny")
     with pytest.raises(ConfigError) as refused:

@@ -24,7 +24,7 @@ def family_of(m) -> ModelFamily:
 
 
 def parameter_shapes(m, padded_vocab: int) -> list[ParamShape]:
-    """Every parameter of the model ``m`` describes, in module order, without building it: the
+    """Every parameter of the model ``m`` describes, module by module, without building it: the
     family's table (``ParamShape``: name as ``named_parameters()``, full logical shape, the dim
     TP splits, whether GTP shards it, whether it is a routed expert's).
 

@@ -27,7 +27,8 @@ def mlp_shapes(m, prefix: str, width: int, add: Callable[[ParamShape], None],
 
 
 def parameter_shapes(m, padded_vocab: int, mlp: Optional[MlpShapes] = None) -> list[ParamShape]:
-    """Every parameter of megatron's ``GPTModel`` with the local layer spec, in module order.
+    """Every parameter of megatron's ``GPTModel`` with the local layer spec, module by module
+    (within attention, ``linear_qkv`` before ``linear_proj``: the order of the computation).
 
     Args:
         m: the ``model`` config (``ModelConfig`` fields).
@@ -59,44 +60,34 @@ def parameter_shapes(m, padded_vocab: int, mlp: Optional[MlpShapes] = None) -> l
     for i in range(int(get("mtp_num_layers") or 0)):
         # megatron's MultiTokenPredictionLayer: norms of the embedding and of the hidden state,
         # eh_proj ([embedding; hidden] -> hidden, column-parallel), a layer built from the
-        # decoder's last layer spec (its self_attention holds linear_proj before linear_qkv),
-        # and a final norm; the output layer is the model's.
+        # decoder's last layer spec, and a final norm; the output layer is the model's.
         layer = f"mtp.layers.{i}"
         norm(f"{layer}.enorm")
         norm(f"{layer}.hnorm")
         out.append(ParamShape(f"{layer}.eh_proj.weight", (h, 2 * h), 0, True))
-        _layer(m, f"{layer}.mtp_model_layer", m.num_layers - 1, out.append, norm, mlp,
-               proj_first=True)
+        _layer(m, f"{layer}.mtp_model_layer", m.num_layers - 1, out.append, norm, mlp)
         norm(f"{layer}.final_layernorm")
     if not m.share_embeddings_and_output_weights:
         out.append(ParamShape("output_layer.weight", (padded_vocab, h), 0, True))
     return out
 
 
-def _layer(m, layer: str, index: int, add: Callable[[ParamShape], None], norm, mlp,
-           proj_first: bool = False) -> None:
+def _layer(m, layer: str, index: int, add: Callable[[ParamShape], None], norm, mlp) -> None:
     """Add one ``TransformerLayer``'s parameters under ``layer``; ``index``: the decoder layer
-    whose MLP kind it has (``mlp``); ``proj_first``: attention's ``linear_proj`` registered
-    before ``linear_qkv`` (megatron's MTP layer)."""
+    whose MLP kind it has (``mlp``)."""
     get = getter(m)
     h, bias = m.hidden_size, get("add_bias_linear", True)
     attn = m.num_attention_heads * kv_channels(m)
     norm(f"{layer}.input_layernorm")
-    proj = [ParamShape(f"{layer}.self_attention.linear_proj.weight", (h, attn), 1, True)]
-    if bias:
-        proj.append(ParamShape(f"{layer}.self_attention.linear_proj.bias", (h,)))
-    if proj_first:
-        for p in proj:
-            add(p)
     add(ParamShape(f"{layer}.self_attention.linear_qkv.weight", (qkv_rows(m), h), 0, True))
     if bias or get("add_qkv_bias", False):
         add(ParamShape(f"{layer}.self_attention.linear_qkv.bias", (qkv_rows(m),), 0))
     if get("qk_layernorm", False):
         norm(f"{layer}.self_attention.q_layernorm", kv_channels(m))
         norm(f"{layer}.self_attention.k_layernorm", kv_channels(m))
-    if not proj_first:
-        for p in proj:
-            add(p)
+    add(ParamShape(f"{layer}.self_attention.linear_proj.weight", (h, attn), 1, True))
+    if bias:
+        add(ParamShape(f"{layer}.self_attention.linear_proj.bias", (h,)))
     norm(f"{layer}.pre_mlp_layernorm")
     if not (mlp and mlp(m, index, layer, add)):
         mlp_shapes(m, f"{layer}.mlp", m.ffn_hidden_size, add)

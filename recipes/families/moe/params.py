@@ -36,7 +36,7 @@ def moe_mlp_shapes(m, i: int, layer: str, add) -> bool:
 
 
 def parameter_shapes(m, padded_vocab: int) -> list[ParamShape]:
-    """Every parameter of an MoE ``GPTModel`` (local spec), in module order (see
+    """Every parameter of an MoE ``GPTModel`` (local spec), module by module (see
     ``recipes.families.gpt.params.parameter_shapes``); routed experts' entries have
     ``expert=True``."""
     return gpt_parameter_shapes(m, padded_vocab, moe_mlp_shapes)
