@@ -11,7 +11,7 @@ compute the same math with autograd:
   ``chunk_size`` steps: inside a chunk as a masked quadratic form, across chunks through the
   chunk-final states (:func:`ssd_scan`);
 * the causal depthwise convolution of the ``x | B | C`` channels (:func:`causal_conv1d`);
-* the gated RMSNorm over groups of channels (:func:`rmsnorm_gated`).
+* the gated RMSNorm over groups of channels (:func:`rmsnorm_fn`).
 
 Shapes follow ``mamba_ssm``: ``b`` batch, ``l`` sequence, ``h`` heads, ``p`` head dim,
 ``g`` groups of heads sharing ``B`` and ``C``, ``n`` state size. The scan runs in fp32 (fp64
@@ -107,9 +107,8 @@ def _dt(dt, dt_bias, dt_softplus: bool, dt_limit) -> torch.Tensor:
         dt = dt + dt_bias.to(dt.dtype)
     if dt_softplus:
         dt = F.softplus(dt)
-    if tuple(dt_limit) != (0.0, math.inf):
-        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
-    return dt
+    # Always, as mamba_ssm's kernel: the default (0, inf) turns a negative dt into 0.
+    return dt.clamp(min=dt_limit[0], max=dt_limit[1])
 
 
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size: int, D=None, z=None, dt_bias=None,
@@ -147,13 +146,14 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size: int, D=None, z=None, d
 def causal_conv1d(x, weight, bias=None, activation=None) -> torch.Tensor:
     """Depthwise causal convolution (``causal_conv1d.causal_conv1d_fn``): channel ``d`` at step
     ``t`` sums ``weight[d, k] * x[d, t - w + 1 + k]`` over the ``w`` taps (zeros before the
-    start), plus ``bias``; then SiLU when ``activation`` is ``"silu"`` or ``"swish"``.
+    start), plus ``bias``; then SiLU when ``activation`` is ``"silu"`` or ``"swish"``. Computed
+    in fp32 (fp64 stays fp64), as the CUDA kernel accumulates.
 
     Args:
         x: ``[b, d, l]``; weight: ``[d, w]``; bias: ``[d]`` or None.
 
     Returns:
-        ``[b, d, l]``.
+        ``[b, d, l]`` in ``x``'s dtype.
 
     Raises:
         ValueError: another ``activation``.
@@ -161,20 +161,22 @@ def causal_conv1d(x, weight, bias=None, activation=None) -> torch.Tensor:
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"causal_conv1d: activation={activation!r}: valid are None, 'silu', "
                          f"'swish'")
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     width = weight.shape[-1]
-    out = F.conv1d(x, weight[:, None, :], bias, padding=width - 1, groups=x.shape[1])
-    out = out[..., :x.shape[-1]]
-    return F.silu(out) if activation else out
+    out = F.conv1d(x.to(dtype), weight.to(dtype)[:, None, :],
+                   None if bias is None else bias.to(dtype), padding=width - 1,
+                   groups=x.shape[1])[..., :x.shape[-1]]
+    return (F.silu(out) if activation else out).to(x.dtype)
 
 
-def rmsnorm_gated(x, weight, z=None, eps: float = 1e-6, group_size=None,
-                  norm_before_gate: bool = True) -> torch.Tensor:
-    """``mamba_ssm.ops.triton.layernorm_gated.rmsnorm_fn`` without a bias: RMSNorm over groups
-    of ``group_size`` channels (None: all of them), times ``weight``; with ``z``, gated by
-    ``silu(z)`` after the norm (``norm_before_gate``) or before it.
+def rmsnorm_fn(x, weight, bias=None, z=None, eps: float = 1e-6, group_size=None,
+               norm_before_gate: bool = True) -> torch.Tensor:
+    """``mamba_ssm.ops.triton.layernorm_gated.rmsnorm_fn``: RMSNorm over groups of
+    ``group_size`` channels (None: all of them), times ``weight``, plus ``bias``; with ``z``,
+    gated by ``silu(z)`` after the norm (``norm_before_gate``) or before it.
 
     Args:
-        x, z: ``[..., d]``; weight: ``[d]``.
+        x, z: ``[..., d]``; weight, bias: ``[d]``.
 
     Returns:
         ``[..., d]`` in ``x``'s dtype (computed in fp32, or fp64).
@@ -188,6 +190,8 @@ def rmsnorm_gated(x, weight, z=None, eps: float = 1e-6, group_size=None,
     grouped = y.reshape(*y.shape[:-1], d // group, group)
     grouped = grouped * torch.rsqrt(grouped.pow(2).mean(dim=-1, keepdim=True) + eps)
     y = grouped.reshape(y.shape) * weight.to(dtype)
+    if bias is not None:
+        y = y + bias.to(dtype)
     if z is not None and norm_before_gate:
         y = y * F.silu(z.to(dtype))
     return y.to(x.dtype)
@@ -204,8 +208,8 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
     the training path of megatron's ``MambaMixer``: split the fused input projection into
     ``z | xBC | dt``, convolve ``xBC`` (:func:`causal_conv1d`), split it into ``x | B | C``,
     scan with ``dt`` softplus'ed (:func:`mamba_chunk_scan_combined`), gate by ``silu(z)`` (or,
-    with ``rmsnorm_weight``, :func:`rmsnorm_gated` over the whole width), then the optional
-    output projection.
+    with ``rmsnorm_weight``, :func:`rmsnorm_fn` in ``ngroups`` groups, as mamba_ssm's kernel
+    normalises), then the optional output projection.
 
     Args:
         zxbcdt: ``[b, l, 2 d + 2 g n + h]`` with ``d = h p``; conv1d_weight: ``[d + 2 g n, w]``;
@@ -217,18 +221,24 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
         ``return_final_states``.
 
     Raises:
-        ValueError: ``zxbcdt``'s width does not split as above.
-        NotImplementedError: packed sequences (``seq_idx``) or another option (named).
+        ValueError: a 1-D ``D`` without ``headdim``; ``zxbcdt``'s or ``conv1d_weight``'s width
+            not as above.
+        NotImplementedError: packed sequences (``seq_idx``), channels outside the SSM
+            (``zxbcdt`` wider than above) or another option (named).
     """
     _refuse(seq_idx=seq_idx, **unsupported)
     heads = D.shape[0]
+    if D.dim() == 1 and headdim is None:
+        raise ValueError("mamba_split_conv1d_scan_combined: D of shape [heads] needs headdim")
     headdim = D.shape[1] if D.dim() == 2 else headdim
     dim = heads * headdim
-    rest = zxbcdt.shape[-1] - 2 * dim - heads
-    if rest <= 0 or rest % (2 * ngroups):
-        raise ValueError(f"mamba_split_conv1d_scan_combined: zxbcdt width {zxbcdt.shape[-1]} is "
-                         f"not 2 * {dim} + 2 * {ngroups} * d_state + {heads}")
-    n = rest // (2 * ngroups)
+    n, odd = divmod(conv1d_weight.shape[0] - dim, 2 * ngroups)
+    if n <= 0 or odd:
+        raise ValueError(f"mamba_split_conv1d_scan_combined: conv1d_weight has "
+                         f"{conv1d_weight.shape[0]} channels, not {dim} + 2 * {ngroups} * d_state")
+    extra = zxbcdt.shape[-1] - (2 * dim + 2 * ngroups * n + heads)
+    if extra:
+        _refuse(**{f"{extra} channels outside the SSM in zxbcdt": True})
     z, xbc, dt = torch.split(zxbcdt, [dim, dim + 2 * ngroups * n, heads], dim=-1)
     xbc = causal_conv1d(xbc.transpose(1, 2), conv1d_weight, conv1d_bias, activation)
     x, B, C = torch.split(xbc.transpose(1, 2), [dim, ngroups * n, ngroups * n], dim=-1)
@@ -244,7 +254,8 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
     y, final = y
     y = y.reshape(b, l, dim)
     if rmsnorm_weight is not None:
-        y = rmsnorm_gated(y, rmsnorm_weight, z, rmsnorm_eps, norm_before_gate=norm_before_gate)
+        y = rmsnorm_fn(y, rmsnorm_weight, None, z, rmsnorm_eps, group_size=dim // ngroups,
+                       norm_before_gate=norm_before_gate)
     if outproj_weight is not None:
         y = F.linear(y, outproj_weight, outproj_bias)
     return (y, final) if return_final_states else y

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import string
 import time
@@ -268,20 +269,20 @@ def format_progress(iteration: int, total: int, m: dict, elapsed_s: float | None
     seconds, default the present).
 
     The compact line (default) holds at most :data:`CONSOLE_WIDTH` columns: the iteration,
-    ``lm loss``, the MoE load-balancing loss and the MTP losses (``mtp_1 loss``, ...), the
-    ``skipped iterations`` (when not 0),
-    ``grad norm``, the learning rate, the estimate of the rest (``remaining_s``), ms per
-    iteration, the iteration resumed from and tokens/s; what does not fit is dropped from the
-    end of that list. ``full`` adds everything else (elapsed time, consumed samples, TFLOP/s per
+    ``lm loss``, the MoE load-balancing loss, the ``skipped iterations`` (when not 0),
+    ``grad norm``, the MTP losses (``mtp_1 loss``, ..., shown after the load-balancing loss),
+    the learning rate, the estimate of the rest (``remaining_s``), ms per iteration, the
+    iteration resumed from and tokens/s; what does not fit is dropped from the end of that
+    list. ``full`` adds everything else (elapsed time, consumed samples, TFLOP/s per
     GPU, peak memory, num zeros) whatever its width. tokens/s counts the whole job's tokens (all
     data-parallel ranks); the throughput is per GPU (process), the peak memory the largest of
     any rank. metrics.jsonl and wandb hold every figure either way.
     """
     head = f" {timestamp(now)} iteration {iteration:6d}/{total}"
     resumed = f" (resumed from {resumed_from})" if resumed_from is not None else ""
-    # The MoE load-balancing loss, then the MTP losses (recipes.mtp: "mtp_1 loss", ...).
-    aux = [(k, m[k]) for k in _AUX_LOSSES if k in m] + sorted(
-        (k, v) for k, v in m.items() if k.startswith("mtp_") and k.endswith(" loss"))
+    # The MoE load-balancing loss, then the MTP losses (recipes.mtp: "mtp_1 loss", ...) by layer.
+    mtp = sorted((int(k[4:-5]), k) for k in m if re.fullmatch(r"mtp_\d+ loss", k))
+    aux = [(k, m[k]) for k in _AUX_LOSSES if k in m] + [(k, m[k]) for _, k in mtp]
     skipped = int(m.get("skipped-iterations", 0) or 0)
     if full:
         return head + resumed + _full_rest(m, elapsed_s, remaining_s, aux, skipped)
@@ -293,9 +294,9 @@ def format_progress(iteration: int, total: int, m: dict, elapsed_s: float | None
                (9, f" | tokens/s: {m['tokens-per-sec']:.0f}"),
                (5, f" | lr: {m['learning-rate']:.3E}"),
                (0, f" | lm loss: {m['lm loss']:.4E}")]
-    # The MTP losses give way after grad norm, before the learning rate.
-    fields += [(4.5 if name.startswith("mtp_") else 1, f" | {name}: {value:.4E}")
-               for name, value in aux]
+    # The MTP losses give way after the learning rate, before grad norm: the last layer's first.
+    fields += [(4.5 + i / 1000 if name.startswith("mtp_") else 1, f" | {name}: {value:.4E}")
+               for i, (name, value) in enumerate(aux)]
     fields.append((4, f" | grad norm: {m['grad-norm']:.4g}"))
     if skipped:
         # Megatron-LM's "number of skipped iterations", shortened to leave room for grad norm.

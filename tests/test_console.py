@@ -75,10 +75,15 @@ def test_the_mtp_losses_are_on_the_line_after_the_moe_loss():
     assert "| load_balancing_loss: 2.5000E-01 | mtp_1 loss: 5.2500E+00 |" in line, line
     assert len(line) <= CONSOLE_WIDTH and "grad norm: 2.435" in line, line
     assert "mtp_1 loss: 5.250000E+00 | grad norm" in format_progress(3, 10, m, full=True)
-    # With the longest figures the MTP losses give way before grad norm.
-    longest = format_progress(1_000_000, 1_000_000, _metrics(**{"mtp_1 loss": 12.3, "mtp_2 loss":
-                              12.3, "load_balancing_loss": 1.5}), 3_600_000.0, 3_600_000.0)
+    # By layer number (10 after 2); with the longest figures the MTP losses give way before
+    # grad norm does, the last layer's first.
+    many = {f"mtp_{i} loss": float(i) for i in (10, 2, 1)}
+    line = format_progress(3, 10, {**m, **many}, 1.0, 2.0, full=True)
+    assert line.index("mtp_1 loss") < line.index("mtp_2 loss") < line.index("mtp_10 loss"), line
+    longest = format_progress(1_000_000, 1_000_000, _metrics(**many, load_balancing_loss=1.5),
+                              3_600_000.0, 3_600_000.0)
     assert len(longest) <= CONSOLE_WIDTH and "grad norm: 1.235e+05" in longest, longest
+    assert "mtp_10 loss" not in longest and "mtp_1 loss" in longest, longest
 
 
 def test_the_full_line_holds_every_figure():

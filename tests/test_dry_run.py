@@ -98,11 +98,12 @@ def test_activation_bytes_follow_the_paper(recompute, tp):
     assert activation_bytes(cfg, layout, v, scores=True) == math.ceil(golden)
     cfg.precision.params_dtype = "fp32"  # fp32 activations: twice Megatron's 16-bit figure
     assert activation_bytes(cfg, layout, v, scores=True) == math.ceil(2 * golden)
-    # One MTP layer: one more layer, eh_proj's [embedding; hidden] input (4 s b h), enorm's,
-    # hnorm's and the final norm's inputs (6 s b h), and a second logits and loss.
+    # One MTP layer: one more layer, its embedding's dropout (s b h), eh_proj's [embedding;
+    # hidden] input (4 s b h), enorm's and hnorm's inputs (4 s b h), the final norm's and the
+    # output layer's inputs (4 s b h), and a second logits and loss.
     cfg.precision.params_dtype = "bf16"
     cfg.model.mtp_num_layers = 1
-    mtp = (paper_tp_row_per_layer(s, b, h, a, tp, recompute) + 10 * s * b * h
+    mtp = (paper_tp_row_per_layer(s, b, h, a, tp, recompute) + (1 + 4 + 4 + 4) * s * b * h
            + 4 * s * b * v / tp)
     assert activation_bytes(cfg, layout, v, scores=True) == math.ceil(golden + mtp)
 

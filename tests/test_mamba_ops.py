@@ -117,27 +117,80 @@ def test_the_split_conv1d_scan_is_the_conv_then_the_scan():
     y = mamba_ops.mamba_split_conv1d_scan_combined(zxbcdt, weight, bias, a["dt_bias"], a["A"],
                                                    a["D"], 8, ngroups=GROUPS)
     assert (y - want.reshape(BATCH, LENGTH, dim)).abs().max() < 1e-12
-    # With the norm: RMSNorm(y * silu(z)) (norm_before_gate false, megatron's Mamba-2 setting).
+    # D per head with headdim (megatron's default, D_has_hdim false): the same skip per head.
+    per_head = mamba_ops.mamba_split_conv1d_scan_combined(
+        zxbcdt, weight, bias, a["dt_bias"], a["A"], a["D"][:, 0], 8, ngroups=GROUPS,
+        headdim=HEADDIM)
+    want_head = (y0 + x.reshape(BATCH, LENGTH, HEADS, HEADDIM) * a["D"][:, :1]) * F.silu(gate)
+    assert (per_head - want_head.reshape(BATCH, LENGTH, dim)).abs().max() < 1e-12
+    # With the norm: RMSNorm(y * silu(z)) in each group's channels (norm_before_gate false,
+    # megatron's Mamba-2 setting), as mamba_ssm's kernel normalises.
     w = torch.randn(dim, generator=g, dtype=torch.float64)
     y_norm = mamba_ops.mamba_split_conv1d_scan_combined(
         zxbcdt, weight, bias, a["dt_bias"], a["A"], a["D"], 8, ngroups=GROUPS,
         rmsnorm_weight=w, norm_before_gate=False)
     gated = (y0 + x.reshape(BATCH, LENGTH, HEADS, HEADDIM) * a["D"]).reshape(
         BATCH, LENGTH, dim) * F.silu(z)
-    want = gated / torch.sqrt(gated.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    parts = gated.split(dim // GROUPS, dim=-1)
+    want = torch.cat([q / torch.sqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6) for q in parts],
+                     -1) * w
     assert (y_norm - want).abs().max() < 1e-12
 
 
+def test_the_split_scan_gradients_match_finite_differences():
+    g = torch.Generator().manual_seed(6)
+    dim, n = HEADS * HEADDIM, STATE
+    zxbcdt = torch.randn(1, 7, 2 * dim + 2 * GROUPS * n + HEADS, generator=g,
+                         dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(dim + 2 * GROUPS * n, 3, generator=g, dtype=torch.float64,
+                         requires_grad=True)
+    A = (-torch.rand(HEADS, generator=g, dtype=torch.float64) - 0.5).requires_grad_()
+    dt_bias, D = (torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+                  for shape in ((HEADS,), (HEADS, HEADDIM)))
+
+    def split_scan(zxbcdt, weight, A, dt_bias, D):
+        return mamba_ops.mamba_split_conv1d_scan_combined(zxbcdt, weight, None, dt_bias, A, D, 4,
+                                                          ngroups=GROUPS)
+
+    assert torch.autograd.gradcheck(split_scan, (zxbcdt, weight, A, dt_bias, D))
+
+
+def test_a_negative_dt_is_clamped_to_zero_by_default():
+    """mamba_ssm's kernel always applies dt_limit: by default a negative dt becomes 0 (no decay,
+    no input at that step)."""
+    a = _inputs(7)
+    y = mamba_ops.mamba_chunk_scan_combined(a["x"], a["dt"], a["A"], a["B"], a["C"], 8)
+    want, _ = _recurrence(a["x"], a["dt"].clamp(min=0), a["A"], a["B"], a["C"],
+                          torch.zeros_like(a["h0"]))
+    assert (a["dt"] < 0).any() and (y - want).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lower_precision_inputs_come_back_in_their_dtype_close_to_fp64(dtype):
+    a = _inputs(8)
+    want = mamba_ops.mamba_chunk_scan_combined(a["x"], a["dt"], a["A"], a["B"], a["C"], 8,
+                                               D=a["D"], dt_softplus=True)
+    low = {k: a[k].to(dtype) for k in ("x", "dt", "B", "C", "D")}
+    got = mamba_ops.mamba_chunk_scan_combined(low["x"], low["dt"], a["A"].float(), low["B"],
+                                              low["C"], 8, D=low["D"], dt_softplus=True)
+    # Inputs rounded to the dtype (fp32: 24 bits, bf16: 8), the scan itself in fp32: errors of a
+    # few roundings of the largest output, far below what a wrong scan moves it by.
+    assert got.dtype == dtype
+    ulp = 2.0 ** (-23 if dtype == torch.float32 else -7)
+    assert (got.double() - want).abs().max() < 64 * ulp * want.abs().max()
+
+
 @pytest.mark.parametrize("norm_before_gate", [True, False])
-def test_rmsnorm_gated_normalises_each_group(norm_before_gate):
+def test_rmsnorm_fn_normalises_each_group(norm_before_gate):
     g = torch.Generator().manual_seed(5)
     x, z = (torch.randn(3, 8, generator=g, dtype=torch.float64) for _ in range(2))
     w = torch.randn(8, generator=g, dtype=torch.float64)
-    got = mamba_ops.rmsnorm_gated(x, w, z, eps=1e-5, group_size=4,
-                                  norm_before_gate=norm_before_gate)
+    bias = torch.randn(8, generator=g, dtype=torch.float64)
+    got = mamba_ops.rmsnorm_fn(x, w, bias, z=z, eps=1e-5, group_size=4,
+                               norm_before_gate=norm_before_gate)
     inner = x if norm_before_gate else x * F.silu(z)
     halves = [h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) for h in inner.split(4, -1)]
-    want = torch.cat(halves, -1) * w
+    want = torch.cat(halves, -1) * w + bias
     if norm_before_gate:
         want = want * F.silu(z)
     assert (got - want).abs().max() < 1e-13

@@ -24,9 +24,11 @@ EMBEDDING = 320 * 72
 
 def test_megatron_gets_the_mtp_fields_only_with_mtp_layers():
     plain = make_cfg("model=llama_tiny")
-    mtp = make_cfg("model=llama_tiny", "model.mtp_num_layers=2", "model.mtp_loss_scaling_factor=0.3")
+    mtp = make_cfg("model=llama_tiny", "model.mtp_num_layers=2",
+                   "model.mtp_loss_scaling_factor=0.3")
     dims = ParallelDims.from_config(plain, 1)
-    assert "mtp_num_layers" not in family_of(plain.model).transformer_config_fields(plain.model, dims)
+    fields = family_of(plain.model).transformer_config_fields(plain.model, dims)
+    assert "mtp_num_layers" not in fields
     fields = family_of(mtp.model).transformer_config_fields(mtp.model, dims)
     assert (fields["mtp_num_layers"], fields["mtp_loss_scaling_factor"]) == (2, 0.3)
 

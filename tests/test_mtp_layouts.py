@@ -95,8 +95,8 @@ def _table_problems(model, cfg, record) -> list[str]:
     want = {p.name: local_shape(p, tp, g, record["pad_for_alignment"])[0]
             for p in parameter_shapes(cfg.model, padded)}
     got = {n: tuple(p.shape) for n, p in _gpt(model).named_parameters()}
-    return [f"{n}: built {got.get(n)}, table {want.get(n)}" for n in sorted(got.keys() | want.keys())
-            if got.get(n) != want.get(n)]
+    return [f"{n}: built {got.get(n)}, table {want.get(n)}"
+            for n in sorted(got.keys() | want.keys()) if got.get(n) != want.get(n)]
 
 
 def _mtp_experts(model) -> dict:

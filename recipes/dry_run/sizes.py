@@ -163,8 +163,9 @@ def activation_bytes(cfg, layout, padded_vocab: int, scores: bool | None = None)
     first), plus the embedding's ``8 s b pp + s b h pp``; then Megatron-LM's pipeline factors
     (interleaved: ``1 + (pp - 1) / (pp vpp)``; 1F1B: ``min(1, micro-batches / pp)``) and, at
     pp 1, the output layer and loss ``4 s b h + 4 s b v / t`` and, per MTP layer
-    (``model.mtp_num_layers``, which the last stage holds), a layer plus ``10 s b h + 4 s b v / t``
-    (eh_proj's doubled input, three norms' inputs, its logits and loss); with sequence parallelism the
+    (``model.mtp_num_layers``: on the last stage, so only at pp 1 in this first-stage figure), a
+    layer plus ``13 s b h + 4 s b v / t`` (embedding dropout, eh_proj's doubled input, three
+    norms' and the output layer's inputs, its logits and loss); with sequence parallelism the
     embedding's and output layer's ``s b h`` terms are divided by t. With context parallelism
     each rank holds ``s / cp`` of every sequence: the whole is divided by cp (the ``s^2`` term
     too: each rank's queries against every key). Megatron's constants count 16-bit
@@ -193,11 +194,12 @@ def activation_bytes(cfg, layout, padded_vocab: int, scores: bool | None = None)
         act *= min(1, micro_batches / pp)
     if pp == 1:
         act += 4 * s * b * h / sp + 4 * s * b * padded_vocab / t
-        # MTP layers (on the last stage: here only at pp 1): each a layer, the inputs of
-        # eh_proj ([embedding; hidden], 4 s b h), of enorm and hnorm (4 s b h) and of the final
-        # norm (2 s b h), and its own logits and loss (4 s b v / t).
+        # MTP layers (on the last stage: here only at pp 1): each a layer, its embedding's
+        # dropout (s b h), the inputs of enorm and hnorm (4 s b h), of eh_proj ([embedding;
+        # hidden], 4 s b h), of the final norm and the output layer (4 s b h), and its own
+        # logits and loss (4 s b v / t).
         mtp = int(m.get("mtp_num_layers") or 0)
-        act += mtp * (layer + 10 * s * b * h / sp + 4 * s * b * padded_vocab / t)
+        act += mtp * (layer + 13 * s * b * h / sp + 4 * s * b * padded_vocab / t)
     act /= layout.context_parallel_size
     if cfg.precision.params_dtype == "fp32":
         act *= 2

@@ -98,7 +98,9 @@ def build(m, config, spec, vocab: int, pre: bool, post: bool, vp_stage, tied: bo
     """
     from megatron.core.models.gpt import GPTModel
 
-    with mtp_embedding_copy_draws_nothing(not pre and bool(config.mtp_num_layers)):
+    # Only for a chunk holding an embedding copy: the gated patch refuses another megatron-core.
+    copy = not pre and bool(config.mtp_num_layers)
+    with mtp_embedding_copy_draws_nothing() if copy else contextlib.nullcontext():
         return GPTModel(
             config=config,
             transformer_layer_spec=spec,
@@ -132,20 +134,16 @@ def mtp_block_spec(config, spec, vp_stage):
 @contextlib.contextmanager
 @megatron_patch("models.common.embeddings.language_model_embedding.LanguageModelEmbedding."
                 "__init__ (while an MTP stage's embedding copy is built)")
-def mtp_embedding_copy_draws_nothing(copy: bool):
-    """While active and ``copy`` (a chunk without the first layer, of a model with MTP layers),
-    building a ``LanguageModelEmbedding`` leaves torch's CPU generator and megatron's RNG
-    tracker where they were, so the chunk's layers draw the weights they draw at pp1.
+def mtp_embedding_copy_draws_nothing():
+    """While active (around building a chunk without the first layer, of a model with MTP
+    layers), building a ``LanguageModelEmbedding`` leaves torch's CPU generator and megatron's
+    RNG tracker where they were, so the chunk's layers draw the weights they draw at pp1.
 
     With MTP, megatron builds the word embedding again on the last pipeline stage
     (``GPTModel.__init__``: ``if self.pre_process or self.mtp_process``), zeroes the copy and
     sums it with the first stage's (``LanguageModule.setup_embeddings_and_output_layer``). Its
     random draw is thrown away but would shift every draw after it; at pp1 there is no copy.
-    Otherwise (``copy`` false: the first chunk's embedding is the real one) nothing changes.
     """
-    if not copy:
-        yield
-        return
     from megatron.core.models.common.embeddings.language_model_embedding import (
         LanguageModelEmbedding)
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
