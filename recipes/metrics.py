@@ -233,6 +233,36 @@ class MetricLogger:
             self.run = None
 
 
+def add_to_each_step(optimizer, logger, clear, reduce) -> None:
+    """Merge figures measured during each step into the metrics ``logger`` writes: ``clear()``
+    runs when a step starts (``optimizer.zero_grad``), ``reduce() -> dict`` on every rank after
+    the optimizer step (it may be collective), and its figures join the next ``logger.log``
+    (rank 0's metrics.jsonl and wandb; ``logger`` None on the other ranks). Used by the MoE
+    metrics and the MTP losses."""
+    pending: dict = {}
+    zero_grad, step = optimizer.zero_grad, optimizer.step
+
+    def zero_grad_and_clear(*args, **kwargs):
+        clear()
+        return zero_grad(*args, **kwargs)
+
+    def step_and_reduce(*args, **kwargs):
+        out = step(*args, **kwargs)
+        pending.update(reduce())
+        return out
+
+    optimizer.zero_grad, optimizer.step = zero_grad_and_clear, step_and_reduce
+    if logger is not None:
+        log = logger.log
+
+        def log_with_step_figures(iteration, metrics):
+            metrics = {**metrics, **pending}
+            pending.clear()
+            return log(iteration, metrics)
+
+        logger.log = log_with_step_figures
+
+
 def format_bytes(n: float) -> str:
     """``n`` bytes in the largest binary unit that keeps it >= 1 (B, KiB, MiB, GiB, TiB)."""
     units = ("B", "KiB", "MiB", "GiB", "TiB")

@@ -17,6 +17,7 @@ from functools import partial
 import torch
 
 from gtp.collectives import collective_device
+from recipes.metrics import add_to_each_step
 from recipes.mtp import mtp_num_layers
 
 
@@ -109,28 +110,13 @@ def attach_metrics(cfg, state, logger) -> None:
     tokens = TokensPerExpert(model_chunks(state.model), int(cfg.model.num_layers),
                              int(cfg.model.num_moe_experts), mtp_num_layers(cfg.model))
     with_aux = aux_loss_name(cfg.model) is not None
-    optimizer, pending = state.optimizer, {}
-    zero_grad, step = optimizer.zero_grad, optimizer.step
 
-    def zero_grad_and_clear(*args, **kwargs):
+    def clear():
         get_moe_metrics_tracker().clear()
         tokens.clear()
-        return zero_grad(*args, **kwargs)
 
-    def step_and_reduce(*args, **kwargs):
-        out = step(*args, **kwargs)
-        if with_aux:
-            pending.update(reduce_aux_loss(cfg.model, state.num_microbatches))
-        pending.update(tokens.reduce())
-        return out
+    def reduce():
+        aux = reduce_aux_loss(cfg.model, state.num_microbatches) if with_aux else {}
+        return {**aux, **tokens.reduce()}
 
-    optimizer.zero_grad, optimizer.step = zero_grad_and_clear, step_and_reduce
-    if logger is not None:
-        log = logger.log
-
-        def log_with_moe(iteration, metrics):
-            metrics = {**metrics, **pending}
-            pending.clear()
-            return log(iteration, metrics)
-
-        logger.log = log_with_moe
+    add_to_each_step(state.optimizer, logger, clear, reduce)

@@ -9,6 +9,7 @@ more.
 from __future__ import annotations
 
 from recipes.errors import ConfigError
+from recipes.metrics import add_to_each_step
 
 
 def mtp_num_layers(model_cfg) -> int:
@@ -98,25 +99,5 @@ def attach_metrics(cfg, state, logger) -> None:
         return
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    optimizer, pending = state.optimizer, {}
-    zero_grad, step = optimizer.zero_grad, optimizer.step
-
-    def zero_grad_and_clear(*args, **kwargs):
-        MTPLossLoggingHelper.clean_metrics_in_tracker()
-        return zero_grad(*args, **kwargs)
-
-    def step_and_reduce(*args, **kwargs):
-        out = step(*args, **kwargs)
-        pending.update(reduce_mtp_loss(cfg.model, state.num_microbatches))
-        return out
-
-    optimizer.zero_grad, optimizer.step = zero_grad_and_clear, step_and_reduce
-    if logger is not None:
-        log = logger.log
-
-        def log_with_mtp(iteration, metrics):
-            metrics = {**metrics, **pending}
-            pending.clear()
-            return log(iteration, metrics)
-
-        logger.log = log_with_mtp
+    add_to_each_step(state.optimizer, logger, MTPLossLoggingHelper.clean_metrics_in_tracker,
+                     lambda: reduce_mtp_loss(cfg.model, state.num_microbatches))
