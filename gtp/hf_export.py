@@ -182,7 +182,7 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None,
     model_keys = {k: v for k, v in tensors.items() if not k.startswith("optimizer")
                   and isinstance(v, torch.Tensor)}
     mtp = sorted(k for k in model_keys if k.startswith(MTP_PREFIX))
-    model_keys = {k: v for k, v in model_keys.items() if k not in mtp}
+    model_keys = {k: v for k, v in model_keys.items() if not k.startswith(MTP_PREFIX)}
     try:
         config, state = arch.build(model_keys, model_cfg, vocab, _token_ids(common, eod))
     except KeyError as exc:

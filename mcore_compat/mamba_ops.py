@@ -27,6 +27,11 @@ import torch
 import torch.nn.functional as F
 
 
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """fp64 for fp64 tensors, else fp32: what these kernels compute in."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def segsum(x: torch.Tensor) -> torch.Tensor:
     """Segment sums ``out[..., i, j] = x[..., j+1] + ... + x[..., i]`` for ``i >= j`` (0 on
     the diagonal) and ``-inf`` above it, so ``exp(segsum(a))`` is the decay from step ``j`` to
@@ -69,7 +74,7 @@ def ssd_scan(x, dt, A, B, C, chunk_size: int, initial_states=None):
     if chunk_size < 1 or h % g:
         raise ValueError(f"ssd_scan: chunk_size={chunk_size} must be >= 1 and groups={g} must "
                          f"divide heads={h}")
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dtype = _compute_dtype(x)
     x, dt, A, B, C = (t.to(dtype) for t in (x, dt, A, B, C))
     B = B.repeat_interleave(h // g, dim=2)
     C = C.repeat_interleave(h // g, dim=2)
@@ -102,7 +107,7 @@ def ssd_scan(x, dt, A, B, C, chunk_size: int, initial_states=None):
 
 
 def _dt(dt, dt_bias, dt_softplus: bool, dt_limit) -> torch.Tensor:
-    dt = dt.float() if dt.dtype != torch.float64 else dt
+    dt = dt.to(_compute_dtype(dt))
     if dt_bias is not None:
         dt = dt + dt_bias.to(dt.dtype)
     if dt_softplus:
@@ -161,7 +166,7 @@ def causal_conv1d(x, weight, bias=None, activation=None) -> torch.Tensor:
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"causal_conv1d: activation={activation!r}: valid are None, 'silu', "
                          f"'swish'")
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dtype = _compute_dtype(x)
     width = weight.shape[-1]
     out = F.conv1d(x.to(dtype), weight.to(dtype)[:, None, :],
                    None if bias is None else bias.to(dtype), padding=width - 1,
@@ -181,7 +186,7 @@ def rmsnorm_fn(x, weight, bias=None, z=None, eps: float = 1e-6, group_size=None,
     Returns:
         ``[..., d]`` in ``x``'s dtype (computed in fp32, or fp64).
     """
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dtype = _compute_dtype(x)
     y = x.to(dtype)
     if z is not None and not norm_before_gate:
         y = y * F.silu(z.to(dtype))
@@ -238,20 +243,20 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
                          f"{conv1d_weight.shape[0]} channels, not {dim} + 2 * {ngroups} * d_state")
     extra = zxbcdt.shape[-1] - (2 * dim + 2 * ngroups * n + heads)
     if extra:
-        _refuse(**{f"{extra} channels outside the SSM in zxbcdt": True})
+        raise NotImplementedError(f"mcore_compat.mamba_ops does not implement the {extra} "
+                                  f"channels of zxbcdt outside the SSM (mamba_ssm's d_nonssm)")
     z, xbc, dt = torch.split(zxbcdt, [dim, dim + 2 * ngroups * n, heads], dim=-1)
     xbc = causal_conv1d(xbc.transpose(1, 2), conv1d_weight, conv1d_bias, activation)
     x, B, C = torch.split(xbc.transpose(1, 2), [dim, ngroups * n, ngroups * n], dim=-1)
     b, l = zxbcdt.shape[:2]
     gate = z.reshape(b, l, heads, headdim)
-    y = mamba_chunk_scan_combined(
+    y, final = mamba_chunk_scan_combined(
         x.reshape(b, l, heads, headdim), dt, A, B.reshape(b, l, ngroups, n),
         C.reshape(b, l, ngroups, n), chunk_size,
-        D=D if D.dtype == torch.float64 else D.float(),
+        D=D.to(_compute_dtype(D)),
         z=gate if rmsnorm_weight is None else None, dt_bias=dt_bias,
         initial_states=initial_states, dt_softplus=True, dt_limit=dt_limit,
         return_final_states=True)
-    y, final = y
     y = y.reshape(b, l, dim)
     if rmsnorm_weight is not None:
         y = rmsnorm_fn(y, rmsnorm_weight, None, z, rmsnorm_eps, group_size=dim // ngroups,

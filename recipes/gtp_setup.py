@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from gtp import alignment, tied_output
 from recipes import te
+from recipes.mtp import mtp_num_layers
 
 
 def before_model(cfg, layout) -> None:
@@ -57,8 +58,8 @@ def weight_reuse(model_cfg) -> str | None:
     embedding again)."""
     if model_cfg.share_embeddings_and_output_weights:
         return "model.share_embeddings_and_output_weights=true"
-    if model_cfg.get("mtp_num_layers"):
-        return f"model.mtp_num_layers={model_cfg.mtp_num_layers}"
+    if mtp_num_layers(model_cfg):
+        return f"model.mtp_num_layers={mtp_num_layers(model_cfg)}"
     return None
 
 

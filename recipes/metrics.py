@@ -311,7 +311,7 @@ def format_progress(iteration: int, total: int, m: dict, elapsed_s: float | None
     head = f" {timestamp(now)} iteration {iteration:6d}/{total}"
     resumed = f" (resumed from {resumed_from})" if resumed_from is not None else ""
     # The MoE load-balancing loss, then the MTP losses (recipes.mtp: "mtp_1 loss", ...) by layer.
-    mtp = sorted((int(k[4:-5]), k) for k in m if re.fullmatch(r"mtp_\d+ loss", k))
+    mtp = sorted((int(hit[1]), k) for k in m if (hit := re.fullmatch(r"mtp_(\d+) loss", k)))
     aux = [(k, m[k]) for k in _AUX_LOSSES if k in m] + [(k, m[k]) for _, k in mtp]
     skipped = int(m.get("skipped-iterations", 0) or 0)
     if full:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from recipes import te
 from recipes.families import parameter_counts, parameter_shapes
+from recipes.mtp import mtp_num_layers
 from recipes.shapes import local_shape, padded_vocab_size
 
 # Bytes per parameter of each precision.params_dtype.
@@ -91,7 +92,7 @@ def rank_sizes(cfg, layout, vocab_size: int) -> RankSizes:
             shape, pad_length = local_shape(p, tp, g, pad)
         total += math.prod(p.shape)
         stages = _stage(p.name, m.num_layers, pp)
-        copied = m.share_embeddings_and_output_weights or m.get("mtp_num_layers")
+        copied = m.share_embeddings_and_output_weights or mtp_num_layers(m)
         if p.name == "embedding.word_embeddings.weight" and copied and pp > 1:
             stages = (0, pp - 1)
         for s in stages:
@@ -198,8 +199,7 @@ def activation_bytes(cfg, layout, padded_vocab: int, scores: bool | None = None)
         # dropout (s b h), the inputs of enorm and hnorm (4 s b h), of eh_proj ([embedding;
         # hidden], 4 s b h), of the final norm and the output layer (4 s b h), and its own
         # logits and loss (4 s b v / t).
-        mtp = int(m.get("mtp_num_layers") or 0)
-        act += mtp * (layer + 13 * s * b * h / sp + 4 * s * b * padded_vocab / t)
+        act += mtp_num_layers(m) * (layer + 13 * s * b * h / sp + 4 * s * b * padded_vocab / t)
     act /= layout.context_parallel_size
     if cfg.precision.params_dtype == "fp32":
         act *= 2

@@ -11,6 +11,7 @@ from recipes.data import build_tokenizer, check_data_paths
 from recipes.dry_run.sizes import PARAM_BYTES, RankSizes, rank_sizes, target_attention
 from recipes.metrics import format_bytes
 from recipes.model import transformer_config
+from recipes.mtp import mtp_num_layers
 from recipes.shapes import padded_vocab_size
 
 
@@ -146,5 +147,5 @@ def _mtp_note(m) -> str:
     """The model line's note of multi-token prediction layers (counted in its parameters; on
     the last pipeline stage, with a copy of the word embedding there under pipeline
     parallelism)."""
-    n = int(m.get("mtp_num_layers") or 0)
+    n = mtp_num_layers(m)
     return f"; {n} MTP layer{'s' if n > 1 else ''} included" if n else ""

@@ -90,11 +90,12 @@ def init_experts(chunk, config, seed: int) -> int:
     """Give every routed expert weight of ``chunk`` its logical value, the same at any layout.
 
     Expert ``g`` (global index: ``ep_rank * local experts + i``) of layer ``l`` (megatron's
-    1-based ``layer_number``; MTP layer ``i``: ``num_layers + 1 + i``) draws its full weight with megatron's init method (``init_method``
-    for fc1, ``output_layer_init_method`` for fc2, as ``MLP`` uses them) from a generator seeded
-    by ``(seed, l, g, name)``; this rank keeps its expert-TP part (``partition_dim``, stride 2 for
-    a gated fc1: ``[gate | up]`` per rank, as megatron's ``_initialize_affine_weight_cpu``) and,
-    under expert GTP, its rows of the zero-padded part.
+    1-based ``layer_number``; MTP layer ``i``: ``num_layers + 1 + i``) draws its full weight
+    with megatron's init method (``init_method`` for fc1, ``output_layer_init_method`` for
+    fc2, as ``MLP`` uses them) from a generator seeded by ``(seed, l, g, name)``; this rank keeps
+    its expert-TP part (``partition_dim``, stride 2 for a gated fc1: ``[gate | up]`` per rank, as
+    megatron's ``_initialize_affine_weight_cpu``) and, under expert GTP, its rows of the
+    zero-padded part.
 
     Returns:
         The number of weights set.
