@@ -162,6 +162,10 @@ class TensorLayout:
             ``tp_axis == 0`` and even ``L``.
         singleton_local_shards: megatron's sharded_state_dict metadata flag of the same name;
             for gated fc1 it stores gate/up under ``<key>_w`` / ``<key>_v`` instead of one key.
+        components: ``((key_suffix, rows), ...)`` for a column-parallel weight whose TP-local
+            rows pack several tensors, each TP-sharded on its own and stored under its own key
+            ``<key><key_suffix>`` (Mamba's ``in_proj``: ``.z | .x | .B | .C | .dt``; megatron's
+            ``ssm.utils._split_tensor_factory``); rows are TP-local and sum to ``L``.
     """
 
     L: int
@@ -173,6 +177,7 @@ class TensorLayout:
     tp_axis: int = 0
     gated: bool = False
     singleton_local_shards: bool = False
+    components: tuple = ()
 
     def __post_init__(self):
         _check_int("tp", self.tp, 1)
@@ -189,6 +194,8 @@ class TensorLayout:
                 f"gated weight needs an even TP-local dim 0 (gate + up), got L={self.L}")
         # validates L, g, a, gtp_rank
         logical_rows(self.L, self.g, self.pad_for_alignment, self.gtp_rank)
+        if self.components:
+            _check_components(self)
 
     @property
     def pad(self) -> int:
@@ -223,6 +230,19 @@ class TensorLayout:
         if self.gated and self.singleton_local_shards:
             return self.tp * (self.L // 2)
         return self.tp * self.L
+
+
+def _check_components(layout: "TensorLayout") -> None:
+    if layout.tp_axis != 0 or layout.gated:
+        raise ValueError("components: only a column-parallel, non-gated weight packs components")
+    for part in layout.components:
+        if not (isinstance(part, tuple) and len(part) == 2 and isinstance(part[0], str)):
+            raise ValueError(f"components: expected (key_suffix, rows) pairs, got {part!r}")
+        _check_int(f"rows of component {part[0]!r}", part[1], 1)
+    total = sum(rows for _, rows in layout.components)
+    if total != layout.L:
+        raise ValueError(f"components {layout.components} hold {total} rows, but the weight's "
+                         f"TP-local dim 0 is L={layout.L}")
 
 
 @dataclass(frozen=True)
@@ -271,9 +291,15 @@ def logical_pieces(layout: TensorLayout) -> list[Piece]:
       below ``h`` are gate rows, stored at ``tp_rank*h + row``; rows from ``h`` on are up rows,
       stored at ``tp*h + tp_rank*h + (row - h)`` (``singleton_local_shards``: keys ``_w`` / ``_v``,
       each at ``tp_rank*h + row_in_half`` of ``tp*h``). One or two pieces, gate first.
+    * packed components (``layout.components``, component ``c`` at TP-local rows
+      ``[o_c, o_c + n_c)``): the rank's logical rows ``[start, stop)`` meet each component in
+      ``[lo, hi)``, stored under key suffix ``c`` at ``tp_rank*n_c + (lo - o_c)`` of ``tp*n_c``
+      (the two-component gated layout with ``singleton_local_shards``, generalised). A shard
+      may straddle several components; one piece per component it meets, in row order.
     * all-padding shard (``n == 0``): one empty piece ``[0, 0)`` at ``global_offset ==
       global_size`` (the only offset torch_dist tolerates for an empty chunk in every layout;
-      see the module docstring). For singleton gated it is on the ``_v`` key.
+      see the module docstring). For singleton gated it is on the ``_v`` key, for packed
+      components on the last component's key.
 
     Args:
         layout: the weight's layout on this rank.
@@ -285,6 +311,8 @@ def logical_pieces(layout: TensorLayout) -> list[Piece]:
     start, stop = layout.logical
     if layout.tp_axis == 1:
         return [Piece(0, stop - start, "", start, L)]  # empty shard: start == L, the end
+    if layout.components:
+        return _component_pieces(layout.components, tp, k, start, stop)
     if not layout.gated:
         if start == stop:  # not (k+1)*L: that is where TP rank k+1's first chunk starts
             return [Piece(0, 0, "", tp * L, tp * L)]
@@ -306,6 +334,21 @@ def logical_pieces(layout: TensorLayout) -> list[Piece]:
         pieces.append(
             Piece(u_start - start, stop - start, up_suffix, up_base + (u_start - h), size, UP)
         )
+    return pieces
+
+
+def _component_pieces(components, tp: int, k: int, start: int, stop: int) -> list[Piece]:
+    """:func:`logical_pieces` of a weight packing ``components`` (TP rank ``k`` of ``tp``,
+    logical TP-local rows ``[start, stop)``)."""
+    pieces, base = [], 0
+    for suffix, n in components:
+        lo, hi = max(start, base), min(stop, base + n)
+        if lo < hi:
+            pieces.append(Piece(lo - start, hi - start, suffix, k * n + (lo - base), tp * n))
+        base += n
+    if not pieces:  # all padding: at the end of the last component's tensor
+        suffix, n = components[-1]
+        pieces.append(Piece(0, 0, suffix, tp * n, tp * n))
     return pieces
 
 
@@ -338,8 +381,12 @@ def stock_0192_offsets(layout: TensorLayout) -> list[Piece]:
     Raises:
         ValueError: gated with odd ``s`` (``torch.chunk`` gives unequal halves with different
             global shapes, which stock megatron cannot save: ``s == 1`` yields a single chunk and
-            the factory's unpacking fails; larger odd ``s`` fails the same-global-shape check).
+            the factory's unpacking fails; larger odd ``s`` fails the same-global-shape check);
+            packed components (stock 0.19.2 gathers those and writes the logical rows).
     """
+    if layout.components:
+        raise ValueError("stock 0.19.2 gathers a GTP weight of packed components (Mamba's "
+                         "in_proj) and writes it without padding: no per-shard offsets")
     s, pad = layout.shard_rows, layout.pad
     mismatch = pad > 0
     if layout.tp_axis == 1:

@@ -285,7 +285,7 @@ def with_stored_rows(factory: LogicalGTPFactory, stored_rows: int,
     """
     spec = factory.spec
     layout = spec.layout
-    if layout.gated or layout.tp_axis != 0:
+    if layout.gated or layout.components or layout.tp_axis != 0:
         raise GTPCheckpointError(f"{factory.key}: stored rows can only be limited for a "
                                  f"column-parallel, non-gated GTP weight")
     if not 0 <= kept_rows <= min(stored_rows, layout.global_rows):

@@ -203,3 +203,38 @@ def test_what_the_kernels_do_not_do_is_refused_by_name():
                                             seq_idx=torch.zeros(BATCH, LENGTH, dtype=torch.int32))
     with pytest.raises(ValueError, match="groups=2 must divide heads=3"):
         mamba_ops.ssd_scan(a["x"][:, :, :3], a["dt"][:, :, :3], a["A"][:3], a["B"], a["C"], 4)
+
+
+# --------------------------------------------------------------------------------------------
+# mcore_compat.mamba_cpu: the kernels installed into megatron's MambaMixer
+# --------------------------------------------------------------------------------------------
+def test_install_puts_the_kernels_where_the_mixer_looks_for_mamba_ssm():
+    import megatron.core.ssm.mamba_mixer as mixer
+
+    from mcore_compat import mamba_cpu
+
+    assert mamba_cpu.install() is True
+    assert mamba_cpu.install() is True  # idempotent
+    assert mixer.HAVE_MAMBA_SSM is True
+    assert mixer.mamba_split_conv1d_scan_combined is mamba_ops.mamba_split_conv1d_scan_combined
+    assert mixer.mamba_chunk_scan_combined is mamba_ops.mamba_chunk_scan_combined
+    assert mixer.ExtendedRMSNorm is mamba_cpu.ExtendedRMSNorm
+    norm = mixer.ExtendedRMSNorm(8, eps=1e-5, group_size=4, norm_before_gate=False)
+    assert [n for n, _ in norm.named_parameters()] == ["weight"]
+    x, z = torch.randn(3, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)
+    norm.double()
+    want = mamba_ops.rmsnorm_fn(x, norm.weight, None, z, 1e-5, 4, False)
+    assert torch.equal(norm(x, z), want)
+
+
+def test_install_leaves_megatron_alone_where_mamba_ssm_runs(monkeypatch):
+    import megatron.core.ssm.mamba_mixer as mixer
+
+    from mcore_compat import mamba_cpu
+
+    own = object()
+    monkeypatch.delattr(mixer, "_mcore_compat_kernels", raising=False)
+    monkeypatch.setattr(mixer, "HAVE_MAMBA_SSM", True)  # as when mamba_ssm imported
+    monkeypatch.setattr(mixer, "mamba_chunk_scan_combined", own)
+    assert mamba_cpu.install() is False
+    assert mixer.mamba_chunk_scan_combined is own

@@ -38,6 +38,8 @@ EXPECTED = {
     "gtp.safe_objects.install",
     "gtp.tied_output.install",
     "mcore_compat.lazy_compile.install",
+    "mcore_compat.mamba_cpu.install",
+    "gtp.mamba_format.install",
 }
 
 
