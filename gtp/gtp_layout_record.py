@@ -73,6 +73,8 @@ def gtp_layout_record(model, model_sharded_state_dict=None, *, logical: bool) ->
             "singleton_local_shards": layout.singleton_local_shards,
             "global_shape": [layout.global_rows, cols],
         }
+        if layout.components:  # stored under <key><suffix>, each tp * rows (Mamba's in_proj)
+            record["components"] = [[suffix, rows] for suffix, rows in layout.components]
         key = entry.key
         old = tensors.get(key)
         params = sorted({*(old or {}).get("params", []), names.get(id(param), "?")})

@@ -145,6 +145,9 @@ def _save_and_load_all(root: str, names, fmt: str):
     import mamba_mixer as mm
     from megatron.core import dist_checkpointing
 
+    from gtp.gtp_layout_record import gtp_layout_record
+
+    records = {}
     for name in names:
         tp, g, pad, do = LAYOUTS[name]
         mm.setup(tp, g, pad, fmt)
@@ -154,8 +157,10 @@ def _save_and_load_all(root: str, names, fmt: str):
         if torch.distributed.get_rank() == 0:
             os.makedirs(path)
         torch.distributed.barrier()
-        dist_checkpointing.save(_state(ddp, opt, loading=False), path)
-    out = {}
+        state = _state(ddp, opt, loading=False)
+        records[name] = gtp_layout_record(ddp, state["model"], logical=True)["tensors"]
+        dist_checkpointing.save(state, path)
+    out = {"records": records}
     for name in names:
         tp, g, pad, do = LAYOUTS[name]
         # A change of optimizer kind goes through recipes.optim_checkpoint (tested with GPT).
@@ -176,8 +181,13 @@ def test_every_weight_and_moment_loads_exactly_at_every_layout():
     with tempfile.TemporaryDirectory() as root:
         results = run_distributed(_save_and_load_all, WORLD, root, names, "logical",
                                   timeout=900)
+    assert results[0]["records"]["g2a16"]["in_proj.weight"]["components"] == [
+        [".z", 64], [".x", 64], [".B", 16], [".C", 16], [".dt", 4]]
+    assert results[0]["records"]["tp2g2a16"]["in_proj.weight"]["components"] == [
+        [".z", 32], [".x", 32], [".B", 8], [".C", 8], [".dt", 2]]
     failures = []
     for rank, res in enumerate(results):
+        res.pop("records")
         for (source, target), (problems, seen) in res.items():
             assert len(seen) == 8 or LAYOUTS[target][3], (target, seen)
             failures += [f"rank {rank} {source} -> {target}: {p}" for p in problems]
