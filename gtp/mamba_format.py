@@ -18,13 +18,14 @@ trims the padding and splits the gathered copy. So the model file is logical, bu
 offsets, from the live shard, without a gather. The entry is a :class:`LogicalGTPFactory`, so
 its back-link keeps Adam's and the distributed optimizer's moments mapped. Everything else in
 the mixer's state dict is built as megatron builds it. In the stock format, and without GTP,
-megatron's method runs unchanged.
+megatron's method runs, without grad.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import torch
 from megatron.core.ssm import mamba_mixer
 from megatron.core.ssm.utils import _split_tensor_factory
 from megatron.core.tensor_parallel.generalized_tensor_parallelism import is_gtp_param
@@ -61,14 +62,21 @@ def mixer_sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None)
     With the logical format and a GTP ``in_proj``: the same keys, shapes and offsets as the
     non-GTP mixer writes (``in_proj.weight.{z,x,B,C,dt}``, ``conv1d.{weight,bias}.{x,B,C}``,
     the plain TP tensors), ``in_proj`` as one :class:`LogicalGTPFactory` over its components.
-    Not a collective. Otherwise megatron's method.
+    Not a collective. Otherwise megatron's method, run without grad (in the stock format it
+    all-gathers a GTP ``in_proj``, which gloo cannot do for a tensor that requires grad; the
+    model file is then logical too, but the optimizer's moments of ``in_proj`` cannot be
+    mapped: megatron's "Param id N does not match any model sharded param").
 
     Raises:
         GTPCheckpointError: ``in_proj``'s entry is not a logical GTP factory, or its rows differ
             from the mixer's component sizes.
     """
     if not _gtp_in_proj(self):
-        return _ORIGINAL["sharded_state_dict"](self, prefix, sharded_offsets, metadata)
+        # Stock format: megatron's gather of a GTP in_proj, whose gloo all_gather_into_tensor
+        # of a param that requires grad fails outside no_grad ("A view was created in no_grad
+        # mode and is being modified inplace").
+        with torch.no_grad():
+            return _ORIGINAL["sharded_state_dict"](self, prefix, sharded_offsets, metadata)
     metadata = ensure_metadata_has_dp_cp_group(metadata)
     own = {}
     self._save_to_state_dict(own, "", keep_vars=True)

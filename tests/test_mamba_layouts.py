@@ -192,3 +192,29 @@ def test_every_weight_and_moment_loads_exactly_at_every_layout():
             assert len(seen) == 8 or LAYOUTS[target][3], (target, seen)
             failures += [f"rank {rank} {source} -> {target}: {p}" for p in problems]
     assert not failures, "\n".join(failures[:40])
+
+
+def _stock_model_file(root: str):
+    """The stock format at g2/a16 (megatron's own gather of in_proj, run without grad by
+    gtp.mamba_format): the model file saves, and a tp1 mixer without GTP loads it exactly."""
+    import mamba_mixer as mm
+    from megatron.core import dist_checkpointing
+
+    mm.setup(1, 2, 16, "stock")
+    mixer, ddp, opt = mm.build(1, 2)
+    _fill(mixer, opt, sentinel=False)
+    dist_checkpointing.save(ddp.module.sharded_state_dict(), root)
+    mm.setup(1, 1, None, "logical")
+    mixer, ddp, opt = mm.build(1, 1)
+    _fill(mixer, opt, sentinel=True)
+    mixer.load_state_dict(dist_checkpointing.load(ddp.module.sharded_state_dict(), root),
+                          strict=True)
+    gold = _goldens(mixer)
+    return [name for name, p, (want, _, _) in gold.values() if not torch.equal(p.detach(), want)]
+
+
+def test_stock_format_model_file_saves_on_gloo_and_loads_without_gtp():
+    with tempfile.TemporaryDirectory() as root:
+        results = run_distributed(_stock_model_file, WORLD, root, timeout=300)
+    assert results == [[]] * WORLD
+
