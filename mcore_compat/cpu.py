@@ -269,7 +269,7 @@ def _patch_float16_optimizer_init():
 
 
 @contextlib.contextmanager
-def _tensor_cuda_returns_self():
+def tensor_cuda_returns_self():
     """While active, ``tensor.cuda()`` returns the CPU tensor itself."""
     original = torch.Tensor.cuda
     torch.Tensor.cuda = lambda t, *args, **kwargs: t
@@ -296,7 +296,7 @@ def _patch_tensor_cuda_methods():
         original = getattr(cls, method)
 
         def wrapper(*args, _original=original, **kwargs):
-            with _tensor_cuda_returns_self():
+            with tensor_cuda_returns_self():
                 return _original(*args, **kwargs)
 
         wrapper.__wrapped__ = original

@@ -40,6 +40,7 @@ EXPECTED = {
     "mcore_compat.lazy_compile.install",
     "mcore_compat.mamba_cpu.install",
     "gtp.mamba_format.install",
+    "mcore_compat.vision_cpu.install",
 }
 
 

@@ -1,0 +1,254 @@
+"""One megatron module (a Mamba mixer, a CLIP ViT...) at many parallel layouts in one gloo world,
+for tests of forward/backward and of checkpoints, weights and Adam moments.
+
+A *builder* is a helper module (``tests/helpers/mamba_mixer.py``, ``tests/helpers/vit.py``)
+with ``install()`` (its shims), ``build(tp)`` (the module, whose ``config`` megatron's DDP
+takes) and ``loss(model)`` (a scalar from a fixed input, the same on every rank). Builders are
+named by module so that the functions here can run inside :func:`multiproc.run_distributed`.
+
+Goldens are built independently of the code under test: each parameter's tp1 tensor holds
+``k*1024 + row + (index in row)/256`` (``k``: its index in sorted name order),
+``exp_avg = golden + 0.5``, ``exp_avg_sq = golden * 2``, ``step = 7``; a rank's expected tensor
+is cut by hand (:func:`local`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+from multiproc import reset_model_parallel
+from optimizer_entries import main_param_entries
+
+SENTINEL, STEP = -999.0, 7.0
+
+
+def setup(builder: str, tp: int, g: int, pad, fmt: str = "logical"):
+    """The project's shims, the builder's, and megatron's process groups for ``tp`` x ``g``
+    (seed 1234); returns the builder module."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp_impl
+
+    from gtp import alignment, backend, grad_stats, logical_format
+    from mcore_compat import cpu, distrib_optimizer
+
+    cpu.install()
+    distrib_optimizer.install()  # as recipes.worker
+    module = importlib.import_module(builder)
+    module.install()
+    logical_format.configure(fmt)
+    reset_model_parallel()
+    if g > 1:
+        backend.install()
+        grad_stats.install()
+        gtp_impl.configure_gtp_remat_from_recipe(fp4=False, fp8=False, fp8_recipe=None)
+        alignment.apply_pad_for_alignment(pad)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, gtp_remat_size=g)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    torch.manual_seed(1234)
+    return module
+
+
+def build(builder: str, tp: int, g: int, distributed_optimizer: bool = False):
+    """(module, DDP-wrapped module, megatron Adam) at the layout :func:`setup` made."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp_impl
+
+    module = importlib.import_module(builder).build(tp)
+    ddp = DistributedDataParallel(module.config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer), module)
+    if g > 1:
+        gtp_impl.classify_gtp_remat_chains(ddp)
+    opt = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=1e-3, use_distributed_optimizer=distributed_optimizer,
+        params_dtype=torch.float32), [ddp])
+    return module, ddp, opt
+
+
+def local(full: torch.Tensor, p) -> torch.Tensor:
+    """This rank's piece of a tp1 tensor, by hand: the TP chunk (of each packed component in
+    turn, megatron's ``partition_sizes``), then megatron's GTP tail padding with zeros and the
+    rank's shard rows."""
+    from megatron.core import parallel_state as ps
+
+    tp, k = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    t = full
+    if getattr(p, "tensor_model_parallel", False):
+        dim = p.partition_dim
+        sizes = getattr(p, "partition_sizes", None)
+        if sizes is None:
+            t = t.chunk(tp, dim=dim)[k]
+        else:
+            parts = torch.split(t, [n * tp for n in sizes], dim=dim)
+            t = torch.cat([part.narrow(dim, k * n, n) for part, n in zip(parts, sizes)], dim=dim)
+    if getattr(p, "is_gtp_weight_remat", False):
+        g, r, s = p.group.size(), p.group.rank(), p.shape[0]
+        padded = torch.zeros((s * g, *t.shape[1:]), dtype=t.dtype)
+        padded[:t.shape[0]] = t
+        t = padded[r * s:(r + 1) * s]
+    assert t.shape == p.shape, (t.shape, p.shape)
+    return t
+
+
+def full_shape(p) -> tuple:
+    from megatron.core import parallel_state as ps
+
+    shape = list(p.shape)
+    if getattr(p, "is_gtp_weight_remat", False):
+        shape[0] = p._unsharded_shape[0]
+    if getattr(p, "tensor_model_parallel", False):
+        shape[p.partition_dim] *= ps.get_tensor_model_parallel_world_size()
+    return tuple(shape)
+
+
+def golden_full(k: int, shape: tuple) -> torch.Tensor:
+    """``k * 1024 + row + (index within the row) / 256``: exact in fp32."""
+    rows, rest = shape[0], int(torch.Size(shape[1:]).numel())
+    assert rows < 1024 and rest <= 256, shape
+    within = torch.arange(rest, dtype=torch.float32).reshape(shape[1:]) / 256
+    return k * 1024 + torch.arange(rows, dtype=torch.float32).reshape(
+        (rows,) + (1,) * (len(shape) - 1)) + within
+
+
+def forward_backward(builder: str, layouts: dict):
+    """``{name: (|loss - tp1 loss|, max |grad - tp1 grad|, number of grads)}`` for each layout
+    ``name: (tp, g, pad)``, the module holding the tp1 module's weights."""
+    mod = setup(builder, 1, 1, None)
+    ref_module, ref_ddp, _ = build(builder, 1, 1)
+    ref = {n: p.detach().clone() for n, p in ref_module.named_parameters()}
+    ref_loss, ref_grads = _loss_and_grads(mod, ref_ddp, ref_module)
+    out = {}
+    for name, (tp, g, pad) in layouts.items():
+        mod = setup(builder, tp, g, pad)
+        module, ddp, _ = build(builder, tp, g)
+        params = dict(module.named_parameters())
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(local(ref[n], p))
+        loss, grads = _loss_and_grads(mod, ddp, module)
+        worst = max((grads[n] - local(ref_grads[n], params[n])).abs().max().item() for n in grads)
+        out[name] = (abs(loss.item() - ref_loss.item()), worst, len(grads))
+    return out
+
+
+def _loss_and_grads(mod, ddp, module):
+    loss = mod.loss(ddp)
+    loss.backward()
+    return loss.detach(), {n: (p.main_grad if getattr(p, "main_grad", None) is not None
+                               else p.grad).detach().clone() for n, p in module.named_parameters()}
+
+
+def goldens(module) -> dict:
+    """{id(param): (name, param, (weight, exp_avg, exp_avg_sq) expected on this rank)}."""
+    out = {}
+    for k, (name, p) in enumerate(sorted(module.named_parameters()), start=1):
+        full = golden_full(k, full_shape(p))
+        out[id(p)] = (name, p, tuple(local(t, p) for t in (full, full + 0.5, full * 2)))
+    return out
+
+
+def _cut(t, sl):
+    return t if sl is None else t.reshape(-1)[sl]
+
+
+@torch.no_grad()
+def fill(module, opt, sentinel: bool) -> None:
+    """Weights, fp32 main params and Adam state: the goldens, or the sentinel."""
+    gold = goldens(module)
+    for _, p, (want, _, _) in gold.values():
+        p.copy_(torch.full_like(p, SENTINEL) if sentinel else want)
+    for torch_opt, p, main, sl in main_param_entries(opt):
+        want, m, v = gold[id(p)][2]
+        state = torch_opt.state[main]
+        for key, value in (("main", want), ("exp_avg", m), ("exp_avg_sq", v)):
+            dst = main if key == "main" else state[key]
+            dst.copy_(torch.full_like(dst, SENTINEL) if sentinel else _cut(value, sl))
+        state["step"] = torch.tensor(SENTINEL if sentinel else STEP)
+
+
+@torch.no_grad()
+def check(module, opt) -> tuple[list[str], list[str]]:
+    """(differences from the goldens, names of the params this rank's optimizer holds)."""
+    gold = goldens(module)
+    problems = []
+
+    def compare(what, got, want):
+        if got.shape != want.shape or not torch.equal(got, want):
+            bad = int((got != want).sum()) if got.shape == want.shape else "shape"
+            problems.append(f"{what}: {bad} elements differ")
+
+    for name, p, (want, _, _) in gold.values():
+        compare(f"{name} weight", p.detach(), want)
+    seen = set()
+    for torch_opt, p, main, sl in main_param_entries(opt):
+        name, _, (want, m, v) = gold[id(p)]
+        seen.add(name)
+        state = torch_opt.state[main]
+        compare(f"{name} main param", main.detach(), _cut(want, sl))
+        compare(f"{name} exp_avg", state["exp_avg"], _cut(m, sl))
+        compare(f"{name} exp_avg_sq", state["exp_avg_sq"], _cut(v, sl))
+        if float(state["step"]) != STEP:
+            problems.append(f"{name} step {float(state['step'])}")
+    return problems, sorted(seen)
+
+
+def sharded_state(ddp, opt, loading: bool) -> dict:
+    """``{"model", "optimizer"}`` sharded state dicts, as ``recipes.checkpoint`` builds them."""
+    from recipes.checkpoint.state import optimizer_metadata
+
+    model_sd = ddp.module.sharded_state_dict()
+    return {"model": model_sd, "optimizer": opt.sharded_state_dict(
+        model_sd, is_loading=loading, metadata=optimizer_metadata(opt))}
+
+
+def save_and_load_all(builder: str, root: str, layouts: dict, fmt: str = "logical"):
+    """Each layout ``name: (tp, g, pad, distributed optimizer)`` saves its goldens to
+    ``root/<name>``; then each loads every checkpoint of the same optimizer kind (a change of
+    kind goes through ``recipes.optim_checkpoint``, tested with GPT) into a sentinel-filled
+    module and optimizer. Returns ``{"records": {name: gtp_layout tensors}, (source, target):
+    check()}``."""
+    from megatron.core import dist_checkpointing
+
+    from gtp.gtp_layout_record import gtp_layout_record
+
+    records = {}
+    for name, (tp, g, pad, do) in layouts.items():
+        setup(builder, tp, g, pad, fmt)
+        module, ddp, opt = build(builder, tp, g, do)
+        fill(module, opt, sentinel=False)
+        path = os.path.join(root, name)
+        if torch.distributed.get_rank() == 0:
+            os.makedirs(path)
+        torch.distributed.barrier()
+        state = sharded_state(ddp, opt, loading=False)
+        records[name] = gtp_layout_record(ddp, state["model"], logical=fmt == "logical")["tensors"]
+        dist_checkpointing.save(state, path)
+    out = {"records": records}
+    for name, (tp, g, pad, do) in layouts.items():
+        for source in (s for s, lay in layouts.items() if lay[3] == do):
+            setup(builder, tp, g, pad, fmt)
+            module, ddp, opt = build(builder, tp, g, do)
+            fill(module, opt, sentinel=True)
+            loaded = dist_checkpointing.load(sharded_state(ddp, opt, loading=True),
+                                             os.path.join(root, source))
+            module.load_state_dict(loaded["model"], strict=True)
+            opt.load_state_dict(loaded["optimizer"])
+            out[(source, name)] = check(module, opt)
+    return out
+
+
+def failures(results: list, layouts: dict, n_params: int) -> list[str]:
+    """The problems of :func:`save_and_load_all`'s per-rank results, one line each; every
+    rank's plain optimizer must hold all ``n_params`` params."""
+    out = []
+    for rank, res in enumerate(results):
+        for key, (problems, seen) in ((k, v) for k, v in res.items() if k != "records"):
+            source, target = key
+            if not layouts[target][3] and len(seen) != n_params:
+                out.append(f"rank {rank} {target}: optimizer holds {len(seen)} params")
+            out += [f"rank {rank} {source} -> {target}: {p}" for p in problems]
+    return out
