@@ -18,6 +18,9 @@ missing; with it, megatron's own path is left alone) replaces, in that module:
   ``torch.cuda.current_device()``).
 
 The one-step decode update (``selective_state_update``, inference only) is not replaced.
+
+:func:`hybrid_stack_without_te` lets megatron's ``HybridStack`` build without TransformerEngine:
+its final norm is ``TENorm`` whatever the spec says.
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
+import megatron.core.models.hybrid.hybrid_block as hybrid_block
 import megatron.core.ssm.mamba_mixer as mixer
 import torch
 from megatron.core import parallel_state
+from megatron.core.extensions import transformer_engine
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from mcore_compat import mamba_ops
@@ -110,3 +116,14 @@ def install() -> bool:
         redirect_torch([mixer.__name__])
     mixer._mcore_compat_kernels = True
     return True
+
+
+@megatron_patch("models.hybrid.hybrid_block.TENorm (HybridStack's final norm)")
+def hybrid_stack_without_te() -> None:
+    """Where TransformerEngine is not installed, make ``HybridStack``'s final norm megatron's
+    ``WrappedTorchNorm`` (torch's LayerNorm or RMSNorm as ``config.normalization``, the same
+    ``weight`` key): megatron-core 0.19.2 builds it as ``TENorm`` in every spec, which raises
+    ``ImportError`` without TransformerEngine. Idempotent; nothing where TE is installed."""
+    if not transformer_engine.HAVE_TE:
+        hybrid_block.TENorm = WrappedTorchNorm
+

@@ -115,6 +115,16 @@ class ModelConfig:
     moe_token_dispatcher_type: str = "alltoall"  # allgather | alltoall
     # 1: every layer is MoE; N: every N-th layer (megatron's int form of moe_layer_freq).
     moe_layer_freq: int = 1
+    # Hybrid Mamba models (megatron's HybridModel and names; docs/hybrid.md): one symbol a
+    # layer, "M" Mamba, "*" attention, "-" MLP ("|" between pipeline stages); null: a GPT decoder.
+    hybrid_layer_pattern: Optional[str] = None
+    mamba_state_dim: int = 128
+    mamba_head_dim: int = 64
+    mamba_num_groups: int = 8
+    # null: hidden_size * 2 / mamba_head_dim (megatron's default, expand 2).
+    mamba_num_heads: Optional[int] = None
+    # Steps of the SSD scan's chunks (MambaMixer's chunk_size).
+    mamba_chunk_size: int = 128
 
 
 @dataclass

@@ -152,17 +152,20 @@ def after_model(model, layout, cfg) -> None:
 
 def _stage_share(dims: dict, chunk, cfg) -> dict:
     """The entries of ``gtp_weight_dims`` (whole model) that pipeline chunk ``chunk`` holds,
-    under its local names: its ``decoder.layers.0..n-1`` (all layers have the same dims), the
-    embedding on the first stage (and on the stage of the MTP layers, where megatron keeps a
-    copy), the MTP layers and the output layer on the last one (a copy of the tied embedding
-    there when the embedding lives on another stage)."""
-    n = len(chunk.decoder.layers)
+    under its local names: its layers (local ``decoder.layers.i`` is megatron's layer number
+    ``layer_number - 1`` of the whole model: a hybrid model's layers differ), the embedding on
+    the first stage (and on the stage of the MTP layers, where megatron keeps a copy), the MTP
+    layers and the output layer on the last one (a copy of the tied embedding there when the
+    embedding lives on another stage)."""
+    local = {layer.layer_number - 1: i for i, layer in enumerate(chunk.decoder.layers)}
     mtp = getattr(chunk, "mtp_process", False)
     out = {}
     for name, dim in dims.items():
         if name.startswith("decoder.layers."):
-            if int(name.split(".")[2]) < n:
-                out[name] = dim
+            parts = name.split(".")
+            if int(parts[2]) in local:
+                parts[2] = str(local[int(parts[2])])
+                out[".".join(parts)] = dim
         elif name.startswith("embedding."):
             if chunk.pre_process or mtp:
                 out[name] = dim

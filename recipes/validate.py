@@ -45,8 +45,12 @@ def validate(cfg, world_size: int, plan=None) -> ParallelDims:
         ConfigError: the first problem found, naming the key, its value and what is valid.
     """
     from recipes import moe
+    from recipes.families import family_of
 
     layout = ParallelDims.from_config(cfg, world_size)
+    family = family_of(cfg.model)
+    if family.check is not None:
+        family.check(cfg, layout)
     moe.check(cfg, layout)
     mtp.check(cfg, layout)
     context_parallel.check(cfg, layout)

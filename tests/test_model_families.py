@@ -19,13 +19,15 @@ from recipes.families.family import ModelFamily
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
 MOE_PRESETS = {"moe_tiny", "mixtral_8x7b", "qwen3_30b_a3b"}
+HYBRID_PRESETS = {"hybrid_tiny"}
 # What a family may take from another family's folder: the one it builds on.
 BUILDS_ON = {"moe": {"gpt"}}
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_belongs_to_its_family(preset):
-    expected = "moe" if preset in MOE_PRESETS else "gpt"
+    expected = ("moe" if preset in MOE_PRESETS else "hybrid" if preset in HYBRID_PRESETS
+                else "gpt")
     assert family_of(make_cfg(f"model={preset}").model).name == expected
 
 
@@ -96,7 +98,7 @@ def _build_each(cfg_yamls: dict) -> dict:
         got = {n: tuple(p.shape) for n, p in model.module.named_parameters()}
         out[name] = [f"{n}: built {got.get(n)}, table {want.get(n)}"
                      for n in sorted(got.keys() | want.keys()) if got.get(n) != want.get(n)]
-        mlp = model.module.decoder.layers[0].mlp
+        mlp = next(layer.mlp for layer in model.module.decoder.layers if hasattr(layer, "mlp"))
         out[name].append(getattr(mlp, "config", model.module.config).activation_func.__name__)
     return out
 
@@ -110,7 +112,7 @@ def test_every_tiny_preset_builds_the_parameters_of_its_table():
 
     cfgs = {p: layout_cfg(p, 2, 1, None, 2) for p in TINY_PRESETS}
     results = run_distributed(_build_each, 2, cfgs, timeout=300)
-    activation = {"gpt2_tiny": "gelu_tanh", "tiny": "gelu"}
+    activation = {"gpt2_tiny": "gelu_tanh", "tiny": "gelu", "hybrid_tiny": "gelu"}
     for rank, res in enumerate(results):
         for preset, problems in res.items():
             *problems, act = problems

@@ -27,6 +27,8 @@ class ModelFamily:
         building: a context manager active while chunks are built (default: none).
         init_weights: ``(chunk, TransformerConfig, seed) -> None`` after a chunk is built, for
             weights whose CPU draw would differ between layouts (default: none).
+        check: ``(run config, ParallelDims) -> None``, the family's own rules before launch
+            (``recipes.validate``; raises ``ConfigError``; default: none).
     """
 
     name: str
@@ -37,3 +39,4 @@ class ModelFamily:
     parameter_shapes: Callable[[Any, int], list]
     building: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     init_weights: Optional[Callable[[Any, Any, int], None]] = None
+    check: Optional[Callable[[Any, Any], None]] = None

@@ -65,7 +65,7 @@ def is_gtp(p) -> bool:
 
 
 def gated(name: str, cfg) -> bool:
-    return bool(cfg.model.swiglu) and ".mlp.linear_fc1." in name
+    return cfg is not None and bool(cfg.model.swiglu) and ".mlp.linear_fc1." in name
 
 
 def full_shape(p) -> tuple:
@@ -80,25 +80,33 @@ def full_shape(p) -> tuple:
 
 
 def golden_full(k: int, shape: tuple) -> torch.Tensor:
-    if len(shape) == 2:
-        assert shape[0] < 1024 and shape[1] < 256, shape
-        rows = torch.arange(shape[0], dtype=torch.float32)[:, None]
-        cols = torch.arange(shape[1], dtype=torch.float32)[None, :]
-        return k * 1024 + rows + cols / 256
-    assert len(shape) == 1 and shape[0] < 1024, shape
-    return k * 1024 + torch.arange(shape[0], dtype=torch.float32)
+    """``k * 1024 + row + (index within the row) / 256``: exact in fp32 (2-D: ``col / 256``;
+    1-D: ``k * 1024 + row``)."""
+    rows, rest = shape[0], int(torch.Size(shape[1:]).numel())
+    assert rows < 1024 and rest <= 256, shape
+    within = torch.arange(rest, dtype=torch.float32).reshape(shape[1:]) / 256
+    return k * 1024 + torch.arange(rows, dtype=torch.float32).reshape(
+        (rows,) + (1,) * (len(shape) - 1)) + within
 
 
 def local(full: torch.Tensor, p, name: str, cfg) -> torch.Tensor:
-    """This rank's piece of a full logical tensor: TP slice, then GTP pad + shard."""
+    """This rank's piece of a full logical tensor: the TP slice (gated fc1: gate rows then up
+    rows of the TP rank; a weight packing components, megatron's ``partition_sizes``: each
+    component's TP chunk in turn), then GTP pad + shard. ``cfg``: the run config, or None for
+    a module without gated MLPs."""
     from megatron.core import parallel_state as ps
 
     tp, k = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     t = full
+    sizes = getattr(p, "partition_sizes", None)
     if gated(name, cfg):
         n = t.shape[0] // 2
         h = n // tp
         t = torch.cat([t[k * h:(k + 1) * h], t[n + k * h:n + (k + 1) * h]])
+    elif getattr(p, "tensor_model_parallel", False) and sizes is not None:
+        dim = p.partition_dim
+        parts = torch.split(t, [n * tp for n in sizes], dim=dim)
+        t = torch.cat([part.narrow(dim, k * n, n) for part, n in zip(parts, sizes)], dim=dim)
     elif getattr(p, "tensor_model_parallel", False):
         t = t.chunk(tp, dim=p.partition_dim)[k]
     t = gtp_shard(t, p)

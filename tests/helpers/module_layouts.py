@@ -9,7 +9,7 @@ named by module so that the functions here can run inside :func:`multiproc.run_d
 Goldens are built independently of the code under test: each parameter's tp1 tensor holds
 ``k*1024 + row + (index in row)/256`` (``k``: its index in sorted name order),
 ``exp_avg = golden + 0.5``, ``exp_avg_sq = golden * 2``, ``step = 7``; a rank's expected tensor
-is cut by hand (:func:`local`).
+is cut by hand (:func:`local`). The goldens are ``tests/helpers/layout_goldens.py``'s.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import os
 
 import torch
 
+import layout_goldens
+from layout_goldens import full_shape, golden_full
 from multiproc import reset_model_parallel
 from optimizer_entries import main_param_entries
 
@@ -70,48 +72,9 @@ def build(builder: str, tp: int, g: int, distributed_optimizer: bool = False):
 
 
 def local(full: torch.Tensor, p) -> torch.Tensor:
-    """This rank's piece of a tp1 tensor, by hand: the TP chunk (of each packed component in
-    turn, megatron's ``partition_sizes``), then megatron's GTP tail padding with zeros and the
-    rank's shard rows."""
-    from megatron.core import parallel_state as ps
-
-    tp, k = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    t = full
-    if getattr(p, "tensor_model_parallel", False):
-        dim = p.partition_dim
-        sizes = getattr(p, "partition_sizes", None)
-        if sizes is None:
-            t = t.chunk(tp, dim=dim)[k]
-        else:
-            parts = torch.split(t, [n * tp for n in sizes], dim=dim)
-            t = torch.cat([part.narrow(dim, k * n, n) for part, n in zip(parts, sizes)], dim=dim)
-    if getattr(p, "is_gtp_weight_remat", False):
-        g, r, s = p.group.size(), p.group.rank(), p.shape[0]
-        padded = torch.zeros((s * g, *t.shape[1:]), dtype=t.dtype)
-        padded[:t.shape[0]] = t
-        t = padded[r * s:(r + 1) * s]
-    assert t.shape == p.shape, (t.shape, p.shape)
-    return t
-
-
-def full_shape(p) -> tuple:
-    from megatron.core import parallel_state as ps
-
-    shape = list(p.shape)
-    if getattr(p, "is_gtp_weight_remat", False):
-        shape[0] = p._unsharded_shape[0]
-    if getattr(p, "tensor_model_parallel", False):
-        shape[p.partition_dim] *= ps.get_tensor_model_parallel_world_size()
-    return tuple(shape)
-
-
-def golden_full(k: int, shape: tuple) -> torch.Tensor:
-    """``k * 1024 + row + (index within the row) / 256``: exact in fp32."""
-    rows, rest = shape[0], int(torch.Size(shape[1:]).numel())
-    assert rows < 1024 and rest <= 256, shape
-    within = torch.arange(rest, dtype=torch.float32).reshape(shape[1:]) / 256
-    return k * 1024 + torch.arange(rows, dtype=torch.float32).reshape(
-        (rows,) + (1,) * (len(shape) - 1)) + within
+    """This rank's piece of a tp1 tensor, by hand (``layout_goldens.local``: the TP chunk of
+    each packed component in turn, megatron's GTP tail padding with zeros, the rank's rows)."""
+    return layout_goldens.local(full, p, "", None)
 
 
 def forward_backward(builder: str, layouts: dict):

@@ -1,0 +1,17 @@
+"""The hybrid family: Mamba, attention and MLP layers mixed by a ``hybrid_layer_pattern``
+(NVIDIA's Nemotron-H), built as megatron's ``HybridModel`` (``model.py``), with its parameter
+table (``params.py``)."""
+
+from recipes.families.family import ModelFamily
+from recipes.families.hybrid import checks, model, params
+
+FAMILY = ModelFamily(
+    name="hybrid",
+    matches=model.is_hybrid,
+    transformer_config_fields=model.transformer_config_fields,
+    layer_spec=model.layer_spec,
+    build=model.build,
+    parameter_shapes=params.parameter_shapes,
+    building=model.building,
+    check=checks.check,
+)

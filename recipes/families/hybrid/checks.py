@@ -1,0 +1,86 @@
+"""The hybrid family's rules, before any process starts (``recipes.validate``)."""
+
+from __future__ import annotations
+
+from recipes.errors import ConfigError
+from recipes.families.hybrid.model import PIPE, SUPPORTED, UNSUPPORTED
+from recipes.families.hybrid.params import mamba_dims
+
+
+def check(cfg, layout) -> None:
+    """What a hybrid ``model`` needs of itself and of the run.
+
+    Raises:
+        ConfigError: a layer symbol other than ``M``, ``*``, ``-`` (GatedDeltaNet ``G``, MoE
+            ``E``, ... named with the reason), a pattern whose length is not ``num_layers``;
+            Mamba sizes that tensor parallelism cannot split (``nheads``, ``mamba_num_groups``);
+            and what is not run here: bf16/fp16 weights (megatron-core 0.19.2's optimizers map
+            the mixer's fp32 ``A_log`` / ``D`` to other params' state), the stock checkpoint
+            format under GTP (it cannot place ``in_proj``'s optimizer moments), context or
+            sequence parallelism, multi-token prediction, MoE, TransformerEngine layers.
+    """
+    m = cfg.model
+    pattern = str(m.hybrid_layer_pattern)
+    key = f"model.hybrid_layer_pattern={pattern!r}"
+    valid = ", ".join(f"{s!r} {what}" for s, what in SUPPORTED.items())
+    for symbol in dict.fromkeys(pattern):
+        if symbol in SUPPORTED:
+            continue
+        if symbol == PIPE:
+            raise ConfigError(f"{key}: '|' stage boundaries are not supported here; the layers "
+                              f"split evenly over pipeline stages (valid symbols: {valid})")
+        why = UNSUPPORTED.get(symbol, "not a layer symbol")
+        raise ConfigError(f"{key}: {symbol!r}: {why} (valid symbols: {valid})")
+    if len(pattern) != m.num_layers:
+        raise ConfigError(f"{key} has {len(pattern)} layers but model.num_layers={m.num_layers}: "
+                          f"one symbol a layer")
+    _check_mamba_sizes(m, layout.tensor_model_parallel_size)
+    _check_run(cfg, layout, key)
+
+
+def _check_mamba_sizes(m, tp: int) -> None:
+    head = int(m.mamba_head_dim)
+    if not m.get("mamba_num_heads") and (2 * m.hidden_size) % head:
+        raise ConfigError(f"model.mamba_head_dim={head} must divide 2 * model.hidden_size = "
+                          f"{2 * m.hidden_size} (Mamba's inner width), or set "
+                          f"model.mamba_num_heads")
+    d = mamba_dims(m)
+    tp_name = f"tensor_model_parallel_size={tp}"
+    for name, value, div, by in (
+            ("Mamba heads", d["nheads"], tp, tp_name),
+            ("model.mamba_num_groups", d["groups"], tp, tp_name),
+            ("Mamba heads", d["nheads"], d["groups"], f"model.mamba_num_groups={d['groups']}")):
+        if value % div:
+            raise ConfigError(f"{name} = {value} must be divisible by {by} (megatron's "
+                              f"MambaMixer splits heads and groups over TP ranks, and heads "
+                              f"over groups)")
+
+
+def _check_run(cfg, layout, key: str) -> None:
+    m = cfg.model
+    refusals = (
+        (cfg.precision.params_dtype != "fp32",
+         f"precision.params_dtype={cfg.precision.params_dtype!r}: a hybrid model runs in fp32 "
+         f"here: megatron-core 0.19.2 keeps the mixer's A_log and D in fp32 inside a bf16 "
+         f"model, and its optimizers then pair them with other params' state (the checkpoint "
+         f"of the optimizer fails)"),
+        (layout.gtp_remat_size > 1 and cfg.checkpoint.get("format", "logical") == "stock",
+         "checkpoint.format=stock under GTP: megatron-core 0.19.2 gathers Mamba's in_proj for "
+         "its checkpoint and cannot place the optimizer moments of it; use checkpoint.format="
+         "logical"),
+        (layout.context_parallel_size > 1,
+         f"parallelism.context_parallel_size={layout.context_parallel_size}: not run here "
+         f"(context_parallel_size=1)"),
+        (layout.sequence_parallel, "parallelism.sequence_parallel=true: not run here"),
+        (bool(m.get("mtp_num_layers")), f"model.mtp_num_layers={m.get('mtp_num_layers')}: "
+         f"multi-token prediction in a hybrid stack is not in this family yet"),
+        (bool(m.get("num_moe_experts")), f"model.num_moe_experts={m.get('num_moe_experts')}: "
+         f"MoE layers in a hybrid stack are not in this family yet"),
+        (m.get("transformer_impl") == "transformer_engine",
+         "model.transformer_impl='transformer_engine': the hybrid family builds megatron's "
+         "local layers (its TransformerEngine spec fuses the norms into in_proj and linear_qkv, "
+         "other weights than its parameter table); use 'local' or null"),
+    )
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"{key}: {why}")

@@ -1,0 +1,115 @@
+"""The hybrid family's megatron side: config fields, the local hybrid stack spec and
+``HybridModel`` (Mamba, attention and MLP layers mixed, as NVIDIA's Nemotron-H)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from recipes.families.gpt import model as gpt_model
+
+# megatron's layer symbols (megatron.core.models.hybrid.hybrid_layer_allocation.Symbols).
+MAMBA, ATTENTION, MLP, PIPE = "M", "*", "-", "|"
+SUPPORTED = {MAMBA: "Mamba", ATTENTION: "attention", MLP: "MLP"}
+# Other symbols megatron knows, refused here with the reason.
+UNSUPPORTED = {
+    "G": "GatedDeltaNet (Qwen3-Next) needs flash-linear-attention's kernels, which this project "
+         "does not port to CPU, and megatron-core 0.19.2 has no GTP save path for its in_proj",
+    "E": "MoE layers in a hybrid stack are not in this family yet",
+    "S": "DeepSeek sparse attention is not in this family",
+    "D": "DeepSeek sparse attention is not in this family",
+    "/": "multi-token prediction in a hybrid stack is not in this family yet",
+}
+
+
+def is_hybrid(m) -> bool:
+    """Whether a ``model`` config is a hybrid one: it has a ``hybrid_layer_pattern``."""
+    return bool(m.get("hybrid_layer_pattern"))
+
+
+def layer_symbols(pattern: str) -> str:
+    """The pattern's layer symbols, pipeline separators ``|`` left out."""
+    return pattern.replace(PIPE, "")
+
+
+def transformer_config_fields(m, dims) -> dict:
+    """The GPT fields (attention and MLP layers are GPT's) plus megatron's Mamba fields
+    ``mamba_state_dim``, ``mamba_head_dim``, ``mamba_num_groups`` and ``mamba_num_heads``."""
+    out = gpt_model.transformer_config_fields(m, dims)
+    out.update(mamba_state_dim=int(m.mamba_state_dim), mamba_head_dim=int(m.mamba_head_dim),
+               mamba_num_groups=int(m.mamba_num_groups))
+    if m.get("mamba_num_heads"):
+        out["mamba_num_heads"] = int(m.mamba_num_heads)
+    return out
+
+
+def layer_spec(m, config, use_te: bool, vp_stage=None):
+    """The local hybrid stack spec (:func:`local_stack_spec`) whether TransformerEngine is
+    there or not: megatron's TransformerEngine spec fuses the norms into ``in_proj`` and
+    ``linear_qkv``, weights other than the family's parameter table (``model.transformer_impl=
+    transformer_engine`` is refused)."""
+    return local_stack_spec(m)
+
+
+def local_stack_spec(m):
+    """A ``HybridStack`` spec without TransformerEngine (megatron-core 0.19.2 has only the TE
+    one): a Mamba layer is a norm (``WrappedTorchNorm``, the config's normalization) then
+    ``MambaMixer`` with a ``ColumnParallelLinear`` ``in_proj`` and a ``RowParallelLinear``
+    ``out_proj``; an attention layer and an MLP layer are the local GPT layer's attention and
+    MLP halves (``get_gpt_layer_local_spec``), each with its own input norm."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_layer import (
+        TransformerLayer,
+        TransformerLayerSubmodules,
+    )
+
+    gpt = get_gpt_layer_local_spec(normalization=m.get("normalization", "LayerNorm"),
+                                   qk_layernorm=bool(m.get("qk_layernorm", False))).submodules
+    mamba = ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
+        norm=WrappedTorchNorm,
+        mixer=ModuleSpec(module=MambaMixer, params={"chunk_size": int(m.mamba_chunk_size)},
+                         submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear,
+                                                         out_proj=RowParallelLinear)),
+        mamba_bda=get_bias_dropout_add))
+    attention = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=gpt.input_layernorm, self_attention=gpt.self_attention,
+        self_attn_bda=gpt.self_attn_bda))
+    mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=gpt.mlp, mlp_bda=gpt.mlp_bda))
+    return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
+        mamba_layer=mamba, attention_layer=attention, mlp_layer=mlp))
+
+
+def build(m, config, spec, vocab: int, pre: bool, post: bool, vp_stage, tied: bool):
+    """One chunk of megatron's ``HybridModel`` (arguments as the GPT family's ``build``)."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    return HybridModel(
+        config=config, hybrid_stack_spec=spec, vocab_size=vocab,
+        max_sequence_length=m.seq_length, hybrid_layer_pattern=m.hybrid_layer_pattern,
+        pre_process=pre, post_process=post, share_embeddings_and_output_weights=tied,
+        position_embedding_type=m.position_embedding_type,
+        rotary_base=m.get("rotary_base", 10000), rotary_percent=m.get("rotary_percent", 1.0),
+        vp_stage=vp_stage)
+
+
+@contextlib.contextmanager
+def building():
+    """While chunks are built: megatron's ``MambaMixer`` on the torch kernels where
+    ``mamba_ssm`` cannot run and ``HybridStack``'s final norm without TransformerEngine
+    (``mcore_compat.mamba_cpu``), and its packed ``in_proj`` in the logical checkpoint format
+    (``gtp.mamba_format``)."""
+    from gtp import mamba_format
+    from mcore_compat import mamba_cpu
+
+    mamba_cpu.install()
+    mamba_cpu.hybrid_stack_without_te()
+    mamba_format.install()
+    yield

@@ -1,0 +1,74 @@
+"""The hybrid family before launch: which models it owns, megatron's Mamba fields, the
+parameter table (figures worked out by hand from hybrid_tiny's dims: hidden 48, RMSNorm, no
+biases, 4 heads of 12, ffn 120, Mamba d_inner 96 in 6 heads of 16, 2 groups of state 8, vocab
+257 padded to 320, untied, pattern ``M*-M*-``), the refusals and the export's."""
+
+from __future__ import annotations
+
+import pytest
+from compose import make_cfg
+
+from gtp.families import ExportError, for_export
+from recipes.families import family_of, parameter_counts
+from recipes.parallel_dims import ParallelDims
+from recipes.validate import ConfigError, validate
+
+# Mamba layer: norm 48; conv1d (96 + 2 * 2 * 8 = 128 channels) weight 128 x 1 x 4 and bias 128;
+# dt_bias, A_log, D 6 each; in_proj (2 * 96 + 2 * 16 + 6 = 230) x 48; gated norm 96; out_proj
+# 48 x 96.
+MAMBA = 48 + 128 * 4 + 128 + 3 * 6 + 230 * 48 + 96 + 48 * 96
+ATTENTION = 48 + (4 + 2 * 4) * 12 * 48 + 48 * 48  # norm, QKV, proj
+MLP = 48 + 120 * 48 + 48 * 120  # norm, fc1, fc2
+EMBEDDING = 320 * 48
+
+
+def test_hybrid_tiny_is_the_hybrid_family_and_its_count_is_worked_out_by_hand():
+    m = make_cfg("model=hybrid_tiny").model
+    assert family_of(m).name == "hybrid"
+    total = 2 * EMBEDDING + 2 * (MAMBA + ATTENTION + MLP) + 48  # + final norm
+    assert total == 105_332
+    assert parameter_counts(m, 320) == (total, total)
+
+
+def test_megatron_gets_the_mamba_fields():
+    cfg = make_cfg("model=hybrid_tiny", "model.mamba_num_heads=6")
+    fields = family_of(cfg.model).transformer_config_fields(cfg.model,
+                                                          ParallelDims.from_config(cfg, 2))
+    assert (fields["mamba_state_dim"], fields["mamba_head_dim"], fields["mamba_num_groups"],
+            fields["mamba_num_heads"]) == (8, 16, 2, 6)
+    assert fields["num_layers"] == 6 and fields["normalization"] == "RMSNorm"
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["model.hybrid_layer_pattern=MG*-M-"], r"'G': GatedDeltaNet \(Qwen3-Next\) needs "
+                                            r"flash-linear-attention's kernels"),
+    (["model.hybrid_layer_pattern=ME*-M-"], "'E': MoE layers"),
+    (["model.hybrid_layer_pattern=MX*-M-"], "'X': not a layer symbol"),
+    (["model.hybrid_layer_pattern=M*-|M*-"], "'|' stage boundaries are not supported"),
+    (["model.num_layers=5"], "has 6 layers but model.num_layers=5"),
+    (["precision=bf16"], "runs in fp32 here"),
+    (["parallelism=tp2dp2", "gtp.gtp_remat_size=2", "gtp.pad_for_alignment=16",
+      "checkpoint.format=stock"], "checkpoint.format=stock under GTP"),
+    (["parallelism=tp2dp2", "model.mamba_num_groups=3", "model.mamba_num_heads=6"],
+     r"model.mamba_num_groups = 3 must be divisible by tensor_model_parallel_size=2"),
+    (["model.mamba_num_groups=4"], r"Mamba heads = 6 must be divisible by "
+                                   r"model.mamba_num_groups=4"),
+    (["model.mamba_head_dim=40"], r"model.mamba_head_dim=40 must divide 2 \* model.hidden_size"),
+    (["model.mtp_num_layers=1"], "multi-token prediction in a hybrid stack"),
+    (["model.transformer_impl=transformer_engine"], "builds megatron's local layers"),
+    (["parallelism.sequence_parallel=true", "parallelism=tp2dp2"], "sequence_parallel"),
+])
+def test_what_the_family_does_not_run_is_refused_before_launch(overrides, match):
+    cfg = make_cfg("model=hybrid_tiny", *overrides)
+    world = cfg.parallelism.nproc_per_node
+    with pytest.raises(ConfigError, match=match):
+        validate(cfg, world)
+
+
+def test_a_hybrid_checkpoint_is_not_exported_and_the_reason_is_named():
+    m = dict(make_cfg("model=hybrid_tiny").model)
+    with pytest.raises(ExportError, match="NemotronH and Mamba2 classes, but the mapping"):
+        for_export(m)
+    m.pop("hybrid_layer_pattern")  # the same dims without the pattern: the GPT family's answer
+    with pytest.raises(ExportError, match="no transformers class computes this model exactly"):
+        for_export(m)

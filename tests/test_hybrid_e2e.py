@@ -1,0 +1,61 @@
+"""End to end (each job run as train.py's workers run it, tests/helpers/inworld.py): the hybrid
+Mamba model ``model=hybrid_tiny`` (Mamba, attention and MLP layers, megatron's ``HybridModel``
+on the torch kernels) trained at tp2 x gtp2/a16 (Mamba's packed ``in_proj`` sharded with the
+GTP boundary inside ``x``), resumed from iteration 2 at the same layout and at pp2 x dp2 with
+the distributed optimizer.
+
+The same-layout resume gives the original run's ``lm loss`` and ``grad-norm`` bit for bit over
+iterations 3..5; the pp2 x dp2 resume gives them up to the order of fp32 reductions
+(tests/helpers/tolerance.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from resume_checks import assert_same_step, by_iteration
+
+pytestmark = pytest.mark.e2e
+
+HYBRID = ["model=hybrid_tiny", "train.train_iters=5", "checkpoint.save_interval=2",
+          "train.eval_iters=0"]
+GTP2 = ["parallelism=tp2dp2", "gtp.gtp_remat_size=2", "gtp.pad_for_alignment=16"]
+RESUMED_AT = 2
+PARAMETERS = 105_332  # hybrid_tiny's (the terms of a reduction, tolerance.py)
+
+
+@pytest.fixture(scope="module")
+def runs(train_jobs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid")
+    resume = [f"checkpoint.load={root / 'tp2gtp2'}/checkpoints",
+              f"checkpoint.load_iteration={RESUMED_AT}"]
+    train_jobs([(root / "tp2gtp2", [*HYBRID, *GTP2]),
+                (root / "same", [*HYBRID, *GTP2, *resume]),
+                (root / "pp2do", [*HYBRID, "parallelism=pp2dp2",
+                                  "optim.use_distributed_optimizer=true", *resume])])
+    return root
+
+
+def test_the_hybrid_model_trains(runs):
+    got, _ = by_iteration(runs / "tp2gtp2")
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    assert got[5]["lm loss"] < got[1]["lm loss"]
+
+
+def test_a_resume_at_the_same_layout_is_bit_for_bit(runs):
+    want, _ = by_iteration(runs / "tp2gtp2")
+    got, events = by_iteration(runs / "same")
+    assert sorted(got) == [3, 4, 5]
+    assert events[0]["event"] == "resume" and events[0]["iteration"] == RESUMED_AT
+    for it in (3, 4, 5):
+        for key in ("lm loss", "grad-norm", "learning-rate", "consumed-samples"):
+            assert got[it][key] == want[it][key], (it, key)
+
+
+def test_tp2_gtp2_run_resumes_at_pp2_dp2_with_the_distributed_optimizer(runs):
+    want, _ = by_iteration(runs / "tp2gtp2")
+    got, events = by_iteration(runs / "pp2do")
+    assert sorted(got) == [3, 4, 5]
+    assert events[0]["event"] == "resume" and events[0]["iteration"] == RESUMED_AT
+    for it in (3, 4, 5):
+        assert_same_step(got[it], want[it], it - RESUMED_AT, terms=PARAMETERS)
