@@ -39,6 +39,7 @@ EXPECTED = {
     "gtp.tied_output.install",
     "mcore_compat.lazy_compile.install",
     "mcore_compat.mamba_cpu.install",
+    "mcore_compat.mamba_cpu.hybrid_stack_without_te",
     "gtp.mamba_format.install",
     "mcore_compat.vision_cpu.install",
 }
