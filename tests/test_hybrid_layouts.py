@@ -13,7 +13,8 @@ Where the GTP shards fall (``in_proj`` 230 rows, ``z96 | x96 | B16 | C16 | dt6``
 g2/a16 at tp1 cuts inside ``x`` (shards of 128); tp2 x g2/a16 cuts inside ``x`` of each TP
 rank's rows (shards of 64, 13 padding rows after ``dt``); g4/a32 gives the 48-row ``out_proj``,
 ``linear_proj`` and ``linear_fc2`` shards of 32, 16, 0 and 0 rows (all padding on GTP ranks 2
-and 3); pp2 puts layers 3-5 on stage 1 (their global numbers in the checkpoint).
+and 3); g2/a1 cuts at row 115, row 19 of ``x``; pp2 puts layers 3-5 on stage 1 (their global
+numbers in the checkpoint).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ LAYOUTS = {
     "g2a16": (1, 2, 16, ()),
     "tp2g2a16": (2, 2, 16, ()),
     "g4a32": (1, 4, 32, ()),
+    "g2a1": (1, 2, 1, ()),  # in_proj shards of 115 rows: rank 1 from row 19 of x
     "pp2dp2do": (1, 1, None, (_PP2, _DISTOPT)),
     "pp2g2a16": (1, 2, 16, (_PP2,)),
     "tp2g2a16do": (2, 2, 16, (_DISTOPT,)),
