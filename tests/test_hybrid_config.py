@@ -30,6 +30,21 @@ def test_hybrid_tiny_is_the_hybrid_family_and_its_count_is_worked_out_by_hand():
     assert parameter_counts(m, 320) == (total, total)
 
 
+def test_biases_and_a_learned_position_embedding_are_counted():
+    m = make_cfg("model=hybrid_tiny", "model.add_bias_linear=true",
+                 "model.position_embedding_type=learned_absolute").model
+    # Per attention layer QKV 144 + proj 48 biases; per MLP layer fc1 120 + fc2 48; position
+    # embedding 64 x 48; the mixer's in_proj and out_proj have no bias in megatron.
+    total = 105_332 + 64 * 48 + 2 * (144 + 48) + 2 * (120 + 48)
+    assert parameter_counts(m, 320) == (total, total)
+
+
+def test_a_pattern_without_mamba_layers_skips_the_mamba_sizes():
+    cfg = make_cfg("model=hybrid_tiny", "model.hybrid_layer_pattern=*-*-*-",
+                   "model.mamba_head_dim=0")
+    validate(cfg, cfg.parallelism.nproc_per_node)
+
+
 def test_megatron_gets_the_mamba_fields():
     cfg = make_cfg("model=hybrid_tiny", "model.mamba_num_heads=6")
     fields = family_of(cfg.model).transformer_config_fields(cfg.model,
@@ -57,6 +72,15 @@ def test_megatron_gets_the_mamba_fields():
     (["model.mtp_num_layers=1"], "multi-token prediction in a hybrid stack"),
     (["model.transformer_impl=transformer_engine"], "builds megatron's local layers"),
     (["parallelism.sequence_parallel=true", "parallelism=tp2dp2"], "sequence_parallel"),
+    (["model.hybrid_layer_pattern=''"], r"model.hybrid_layer_pattern='' is empty: .* or "
+                                        r"model.hybrid_layer_pattern=null"),
+    (["model.mamba_head_dim=0"], r"model.mamba_head_dim=0 is invalid: it must be an integer"),
+    (["model.mamba_num_groups=0"], r"model.mamba_num_groups=0 is invalid"),
+    (["model.mamba_num_heads=0"], r"model.mamba_num_heads=0 is invalid"),
+    (["model.mamba_state_dim=-8"], r"model.mamba_state_dim=-8 is invalid"),
+    (["model.mamba_chunk_size=0"], r"model.mamba_chunk_size=0 is invalid"),
+    (["parallelism=pp2", "parallelism.virtual_pipeline_model_parallel_size=3"],
+     "virtual_pipeline_model_parallel_size=3: megatron-core 0.19.2 places"),
 ])
 def test_what_the_family_does_not_run_is_refused_before_launch(overrides, match):
     cfg = make_cfg("model=hybrid_tiny", *overrides)

@@ -111,10 +111,14 @@ def test_every_tiny_preset_builds_the_parameters_of_its_table():
     from multiproc import run_distributed
 
     cfgs = {p: layout_cfg(p, 2, 1, None, 2) for p in TINY_PRESETS}
+    # The hybrid table's optional parameters: biases, q/k norms, a learned position embedding.
+    cfgs["hybrid_tiny+biases"] = layout_cfg(
+        "hybrid_tiny", 2, 1, None, 2, "logical", "model.add_bias_linear=true",
+        "model.qk_layernorm=true", "model.position_embedding_type=learned_absolute")
     results = run_distributed(_build_each, 2, cfgs, timeout=300)
     activation = {"gpt2_tiny": "gelu_tanh", "tiny": "gelu", "hybrid_tiny": "gelu"}
     for rank, res in enumerate(results):
         for preset, problems in res.items():
             *problems, act = problems
             assert not problems, (rank, preset, problems[:5])
-            assert act == activation.get(preset, "silu"), (preset, act)
+            assert act == activation.get(preset.split("+")[0], "silu"), (preset, act)

@@ -45,9 +45,7 @@ def parameter_shapes(m, padded_vocab: int, mlp: Optional[MlpShapes] = None) -> l
     get = getter(m)
     h = m.hidden_size
     norm_bias = get("normalization", "LayerNorm") == "LayerNorm"
-    out = [ParamShape("embedding.word_embeddings.weight", (padded_vocab, h), 0, True)]
-    if get("position_embedding_type", "learned_absolute") == "learned_absolute":
-        out.append(ParamShape("embedding.position_embeddings.weight", (m.seq_length, h)))
+    out = embedding_shapes(m, padded_vocab)
 
     def norm(prefix, width=h):
         out.append(ParamShape(f"{prefix}.weight", (width,)))
@@ -72,9 +70,31 @@ def parameter_shapes(m, padded_vocab: int, mlp: Optional[MlpShapes] = None) -> l
     return out
 
 
+def embedding_shapes(m, padded_vocab: int) -> list[ParamShape]:
+    """megatron's ``LanguageModelEmbedding``: the word embedding (``padded_vocab`` x hidden,
+    vocab-parallel and GTP-sharded) and, with ``position_embedding_type=learned_absolute``,
+    the position embedding (``seq_length`` x hidden, replicated)."""
+    h = m.hidden_size
+    out = [ParamShape("embedding.word_embeddings.weight", (padded_vocab, h), 0, True)]
+    if getter(m)("position_embedding_type", "learned_absolute") == "learned_absolute":
+        out.append(ParamShape("embedding.position_embeddings.weight", (m.seq_length, h)))
+    return out
+
+
 def _layer(m, layer: str, index: int, add: Callable[[ParamShape], None], norm, mlp) -> None:
     """Add one ``TransformerLayer``'s parameters under ``layer``; ``index``: the decoder layer
     whose MLP kind it has (``mlp``)."""
+    attention_shapes(m, layer, add, norm)
+    norm(f"{layer}.pre_mlp_layernorm")
+    if not (mlp and mlp(m, index, layer, add)):
+        mlp_shapes(m, f"{layer}.mlp", m.ffn_hidden_size, add)
+
+
+def attention_shapes(m, layer: str, add: Callable[[ParamShape], None], norm) -> None:
+    """Add a layer's ``input_layernorm`` and ``self_attention`` under ``layer`` (``linear_qkv``
+    with its bias when ``add_bias_linear`` or ``add_qkv_bias``, the q/k norms when
+    ``qk_layernorm``, ``linear_proj`` with its bias when ``add_bias_linear``); ``norm(prefix,
+    width)`` adds a norm's weight (and LayerNorm bias)."""
     get = getter(m)
     h, bias = m.hidden_size, get("add_bias_linear", True)
     attn = m.num_attention_heads * kv_channels(m)
@@ -88,6 +108,3 @@ def _layer(m, layer: str, index: int, add: Callable[[ParamShape], None], norm, m
     add(ParamShape(f"{layer}.self_attention.linear_proj.weight", (h, attn), 1, True))
     if bias:
         add(ParamShape(f"{layer}.self_attention.linear_proj.bias", (h,)))
-    norm(f"{layer}.pre_mlp_layernorm")
-    if not (mlp and mlp(m, index, layer, add)):
-        mlp_shapes(m, f"{layer}.mlp", m.ffn_hidden_size, add)

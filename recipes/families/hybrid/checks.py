@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from recipes.errors import ConfigError
-from recipes.families.hybrid.model import PIPE, SUPPORTED, UNSUPPORTED
+from recipes.parallel_dims import check_positive
+from recipes.families.hybrid.model import MAMBA, PIPE, SUPPORTED, UNSUPPORTED
 from recipes.families.hybrid.params import mamba_dims
 
 
@@ -11,18 +12,22 @@ def check(cfg, layout) -> None:
     """What a hybrid ``model`` needs of itself and of the run.
 
     Raises:
-        ConfigError: a layer symbol other than ``M``, ``*``, ``-`` (GatedDeltaNet ``G``, MoE
-            ``E``, ... named with the reason), a pattern whose length is not ``num_layers``;
-            Mamba sizes that tensor parallelism cannot split (``nheads``, ``mamba_num_groups``);
+        ConfigError: an empty pattern, a layer symbol other than ``M``, ``*``, ``-``
+            (GatedDeltaNet ``G``, MoE ``E``, ... named with the reason), a pattern whose length
+            is not ``num_layers``; with Mamba layers, a Mamba size < 1 and sizes that tensor
+            parallelism cannot split (``nheads``, ``mamba_num_groups``);
             and what is not run here: bf16/fp16 weights (megatron-core 0.19.2's optimizers map
             the mixer's fp32 ``A_log`` / ``D`` to other params' state), the stock checkpoint
             format under GTP (it cannot place ``in_proj``'s optimizer moments), context or
-            sequence parallelism, multi-token prediction, MoE, TransformerEngine layers.
+            sequence parallelism, virtual pipeline stages, multi-token prediction, MoE, TransformerEngine layers.
     """
     m = cfg.model
     pattern = str(m.hybrid_layer_pattern)
     key = f"model.hybrid_layer_pattern={pattern!r}"
     valid = ", ".join(f"{s!r} {what}" for s, what in SUPPORTED.items())
+    if not pattern:
+        raise ConfigError(f"{key} is empty: give one symbol a layer ({valid}), or "
+                          f"model.hybrid_layer_pattern=null for a transformer-only model")
     for symbol in dict.fromkeys(pattern):
         if symbol in SUPPORTED:
             continue
@@ -34,11 +39,16 @@ def check(cfg, layout) -> None:
     if len(pattern) != m.num_layers:
         raise ConfigError(f"{key} has {len(pattern)} layers but model.num_layers={m.num_layers}: "
                           f"one symbol a layer")
-    _check_mamba_sizes(m, layout.tensor_model_parallel_size)
+    if MAMBA in pattern:
+        _check_mamba_sizes(m, layout.tensor_model_parallel_size)
     _check_run(cfg, layout, key)
 
 
 def _check_mamba_sizes(m, tp: int) -> None:
+    for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_chunk_size"):
+        check_positive(f"model.{name}", m.get(name))
+    if m.get("mamba_num_heads") is not None:
+        check_positive("model.mamba_num_heads", m.mamba_num_heads)
     head = int(m.mamba_head_dim)
     if not m.get("mamba_num_heads") and (2 * m.hidden_size) % head:
         raise ConfigError(f"model.mamba_head_dim={head} must divide 2 * model.hidden_size = "
@@ -72,6 +82,11 @@ def _check_run(cfg, layout, key: str) -> None:
          f"parallelism.context_parallel_size={layout.context_parallel_size}: not run here "
          f"(context_parallel_size=1)"),
         (layout.sequence_parallel, "parallelism.sequence_parallel=true: not run here"),
+        (bool(layout.virtual_pipeline_model_parallel_size),
+         f"parallelism.virtual_pipeline_model_parallel_size="
+         f"{layout.virtual_pipeline_model_parallel_size}: megatron-core 0.19.2 places a "
+         f"hybrid model's virtual stages by '|' in the pattern, which this family does not "
+         f"take; use virtual_pipeline_model_parallel_size=null"),
         (bool(m.get("mtp_num_layers")), f"model.mtp_num_layers={m.get('mtp_num_layers')}: "
          f"multi-token prediction in a hybrid stack is not in this family yet"),
         (bool(m.get("num_moe_experts")), f"model.num_moe_experts={m.get('num_moe_experts')}: "

@@ -22,8 +22,9 @@ UNSUPPORTED = {
 
 
 def is_hybrid(m) -> bool:
-    """Whether a ``model`` config is a hybrid one: it has a ``hybrid_layer_pattern``."""
-    return bool(m.get("hybrid_layer_pattern"))
+    """Whether a ``model`` config is a hybrid one: its ``hybrid_layer_pattern`` is not null (an
+    empty one is the hybrid family's to refuse, not a transformer)."""
+    return m.get("hybrid_layer_pattern") is not None
 
 
 def layer_symbols(pattern: str) -> str:

@@ -3,9 +3,9 @@ building it (a multi-process test compares the table with built models at severa
 
 from __future__ import annotations
 
-from recipes.families.gpt.params import mlp_shapes
+from recipes.families.gpt.params import attention_shapes, embedding_shapes, mlp_shapes
 from recipes.families.hybrid.model import ATTENTION, MAMBA, MLP, layer_symbols
-from recipes.shapes import ParamShape, getter, kv_channels, qkv_rows
+from recipes.shapes import ParamShape, getter
 
 
 def mamba_dims(m) -> dict:
@@ -25,7 +25,9 @@ def parameter_shapes(m, padded_vocab: int) -> list[ParamShape]:
     as ``hybrid_layer_pattern`` orders them: a Mamba layer's norm and mixer (``in_proj``
     column-parallel and GTP-sharded; ``conv1d``, ``A_log``, ``D``, ``dt_bias`` and the gated
     norm TP-split, not GTP weights; ``out_proj`` row-parallel and GTP-sharded), an attention
-    layer's norm and attention, an MLP layer's norm and MLP, as the GPT family's.
+    layer's norm and attention, an MLP layer's norm and MLP, as the GPT family's (biases when
+    ``add_bias_linear``); the embedding as the GPT family's (a position embedding when
+    ``position_embedding_type=learned_absolute``).
 
     Args:
         m: the ``model`` config; padded_vocab: rows of the embedding and output layer.
@@ -33,7 +35,7 @@ def parameter_shapes(m, padded_vocab: int) -> list[ParamShape]:
     get = getter(m)
     h = m.hidden_size
     norm_bias = get("normalization", "LayerNorm") == "LayerNorm"
-    out = [ParamShape("embedding.word_embeddings.weight", (padded_vocab, h), 0, True)]
+    out = embedding_shapes(m, padded_vocab)
 
     def norm(prefix, width=h):
         out.append(ParamShape(f"{prefix}.weight", (width,)))
@@ -56,11 +58,7 @@ def parameter_shapes(m, padded_vocab: int) -> list[ParamShape]:
                     ParamShape(f"{mixer}.norm.weight", (d["d_inner"],), 0),
                     ParamShape(f"{mixer}.out_proj.weight", (h, d["d_inner"]), 1, True)]
         elif symbol == ATTENTION:
-            norm(f"{layer}.input_layernorm")
-            attn = m.num_attention_heads * kv_channels(m)
-            out += [ParamShape(f"{layer}.self_attention.linear_qkv.weight", (qkv_rows(m), h), 0,
-                               True),
-                    ParamShape(f"{layer}.self_attention.linear_proj.weight", (h, attn), 1, True)]
+            attention_shapes(m, layer, out.append, norm)
         elif symbol == MLP:
             norm(f"{layer}.pre_mlp_layernorm")
             mlp_shapes(m, f"{layer}.mlp", m.ffn_hidden_size, out.append)
