@@ -265,7 +265,7 @@ class CheckpointConfig:
     """Megatron layout: ``<save>/iter_0000010/`` (torch_dist) + ``latest_checkpointed_iteration.txt``."""
 
     name: str = "default"
-    save: Optional[str] = "${hydra:runtime.output_dir}/checkpoints"
+    save: Optional[str] = "${output_dir}/checkpoints"
     save_interval: int = 50
     # A checkpoint dir written by a previous run (any layout); null starts from scratch; auto
     # loads the newest complete save of `save` if there is one, else starts from scratch

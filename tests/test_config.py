@@ -32,6 +32,16 @@ def test_default_config_is_the_tiny_model_on_two_processes():
     assert (layout.world_size, layout.tensor_model_parallel_size, layout.data_parallel_size) == (2, 1, 2)
 
 
+def test_checkpoints_are_saved_under_output_dir_when_it_is_set():
+    """``output_dir=X`` moves the metrics and the checkpoints together: the command line a run
+    prints to continue it pins ``hydra.run.dir`` to X and loads ``X/checkpoints``."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("config", overrides=["output_dir=/tmp/elsewhere"])
+    assert cfg.checkpoint.save == "/tmp/elsewhere/checkpoints"
+
+
 def test_unknown_key_fails_at_compose_time():
     with pytest.raises(ConfigCompositionException, match="bogus"):
         make_cfg("model.bogus=1")
