@@ -93,12 +93,17 @@ class FamilyFormats:
         gtp_patterns: ``(regex, kind)`` per GTP-sharded weight of its stock-format checkpoints
             (kinds ``vocab``, ``qkv``, ``proj``, ``fc1``, ``fc2``:
             :func:`gtp.stock.specs.spec_for`).
+        stored_logical: regexes of the keys its stock-format checkpoints store at their logical
+            shape although they are not norms or biases (which the reader knows): weights
+            megatron gathers over GTP before it saves them (Mamba's ``in_proj`` components),
+            and params GTP never shards (Mamba's ``conv1d``, ``A_log``, ``D``, ``dt_bias``).
     """
 
     name: str
     architectures: tuple[HFArchitecture, ...]
     architecture: Callable[[dict], Optional[str]]
     gtp_patterns: tuple[tuple[re.Pattern, str], ...] = ()
+    stored_logical: tuple[re.Pattern, ...] = ()
 
 
 @functools.cache
@@ -155,3 +160,10 @@ def for_export(model: dict) -> HFArchitecture:
 def gtp_patterns() -> tuple[tuple[re.Pattern, str], ...]:
     """Every family's ``(regex, kind)`` of GTP-sharded stock-format keys, in family order."""
     return tuple(p for f in families() for p in f.gtp_patterns)
+
+
+@functools.cache
+def stored_logical_patterns() -> tuple[re.Pattern, ...]:
+    """Every family's regexes of stock-format keys stored at their logical shape
+    (:attr:`FamilyFormats.stored_logical`)."""
+    return tuple(p for f in families() for p in f.stored_logical)

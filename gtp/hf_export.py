@@ -8,7 +8,8 @@ process group is needed beyond the 1-process one the read starts.
 The mappings are the model families' (:mod:`gtp.families`): the family that claims the recorded
 ``model`` config picks the transformers class and builds its config and tensors (gtp-recipes:
 ``recipes/families/gpt/hf_export.py`` for ``GPT2LMHeadModel`` and ``LlamaForCausalLM``,
-``recipes/families/moe/formats.py`` for ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM``).
+``recipes/families/moe/formats.py`` for ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM``,
+``recipes/families/hybrid/formats.py`` for ``NemotronHForCausalLM``).
 The padded vocabulary rows (``make_vocab_size_divisible_by``) are not exported.
 """
 

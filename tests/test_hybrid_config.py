@@ -1,7 +1,7 @@
 """The hybrid family before launch: which models it owns, megatron's Mamba fields, the
 parameter table (figures worked out by hand from hybrid_tiny's dims: hidden 48, RMSNorm, no
 biases, 4 heads of 12, ffn 120, Mamba d_inner 96 in 6 heads of 16, 2 groups of state 8, vocab
-257 padded to 320, untied, pattern ``M*-M*-``), the refusals and the export's."""
+257 padded to 320, untied, pattern ``M*-M*-``), the refusals and the export's class."""
 
 from __future__ import annotations
 
@@ -89,10 +89,18 @@ def test_what_the_family_does_not_run_is_refused_before_launch(overrides, match)
         validate(cfg, world)
 
 
-def test_a_hybrid_checkpoint_is_not_exported_and_the_reason_is_named():
+def test_a_hybrid_model_exports_to_nemotron_h_and_what_it_cannot_compute_is_refused():
     m = dict(make_cfg("model=hybrid_tiny").model)
-    with pytest.raises(ExportError, match="NemotronH and Mamba2 classes, but the mapping"):
-        for_export(m)
+    assert for_export(m).hf_class == "NemotronHForCausalLM"
+    for field, value, why in (("normalization", "LayerNorm", "norms are RMSNorm"),
+                              ("position_embedding_type", "rope", "no position embedding"),
+                              ("add_bias_linear", True, "attention has no bias"),
+                              ("swiglu", True, "MLP is not gated"),
+                              ("qk_layernorm", True, "no q/k norms"),
+                              ("layernorm_epsilon", 1e-6, "eps 1e-5")):
+        with pytest.raises(ExportError, match=f"model.{field}={value!r}: NemotronHForCausalLM "
+                                              f"does not compute .*{why}"):
+            for_export({**m, field: value})
     m.pop("hybrid_layer_pattern")  # the same dims without the pattern: the GPT family's answer
     with pytest.raises(ExportError, match="no transformers class computes this model exactly"):
         for_export(m)

@@ -82,12 +82,19 @@ def test_each_model_is_exported_by_its_family():
 
 def test_the_stock_reader_classifies_keys_by_the_families_patterns():
     from gtp.families import gtp_patterns
-    from gtp.stock.specs import gtp_kind
+    from gtp.stock.specs import gtp_kind, is_plain
     from recipes.families.gpt.formats import GTP_PATTERNS
+    from recipes.families.hybrid import formats as hybrid
 
-    assert gtp_patterns() == GTP_PATTERNS
+    assert gtp_patterns() == GTP_PATTERNS + hybrid.GTP_PATTERNS  # families by name: gpt, hybrid
     assert gtp_kind("decoder.layers.mlp.experts.experts.linear_fc1.weight") == "fc1"
     assert gtp_kind("decoder.layers.self_attention.linear_qkv.bias") is None
+    assert gtp_kind("decoder.layers.3.mixer.out_proj.weight") == "proj"
+    for key in ("decoder.layers.3.mixer.in_proj.weight.dt", "decoder.layers.0.mixer.A_log",
+                "decoder.layers.0.mixer.conv1d.weight.B", "decoder.layers.0.mixer.norm.weight"):
+        assert is_plain(key) and gtp_kind(key) is None, key
+    # An in_proj stored whole is not known: a GTP checkpoint holding one is refused, naming it.
+    assert not is_plain("decoder.layers.0.mixer.in_proj.weight")
 
 
 def test_gtp_names_no_familys_tensors_outside_the_allowed_modules():

@@ -24,9 +24,9 @@ from typing import Mapping, Optional
 from gtp.safe_objects import install
 from gtp.stock.format import METADATA_KEY, TRACKER, StockCheckpointError, checkpoint_format
 from gtp.stock.messages import LAYOUT_HELP
-from gtp.stock.specs import (PLAIN, Analysis, SavedLayout, StoredCheckpoint, TensorInfo, TensorSpec,
-                             config_layout, dims_problems, gtp_kind, infer_dims, parse_layout,
-                             split_key, strip_suffix)
+from gtp.stock.specs import (Analysis, SavedLayout, StoredCheckpoint, TensorInfo, TensorSpec,
+                             config_layout, dims_problems, gtp_kind, infer_dims, is_plain,
+                             parse_layout, split_key, strip_suffix)
 from gtp.stock.stock_layout import analyze_stock
 
 
@@ -163,7 +163,7 @@ def _gtp_weights(shapes: Mapping[str, tuple], meta_tensors: Mapping) -> tuple[di
         base, suffix = strip_suffix(key)
         if base in meta_tensors or gtp_kind(key):
             gtp_bases.setdefault(base, {})[suffix] = shapes[key]
-        elif not PLAIN.search(key):
+        elif not is_plain(key):
             unknown.append(key)
     return gtp_bases, unknown
 

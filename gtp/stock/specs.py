@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from gtp.alignment import resolve_pad_for_alignment
-from gtp.families import gtp_patterns
+from gtp.families import gtp_patterns, stored_logical_patterns
 from gtp.stock.format import StockCheckpointError
 
 # What a user may pass as ``layout`` (aliases in parentheses):
@@ -53,6 +53,13 @@ PLAIN = re.compile(r"(\.bias|norm_weight|norm_bias|norm\.weight|position_embeddi
 # Routed-expert weights (megatron's SequentialMLP keys: ``...mlp.experts.experts.linear_fc1.weight``
 # with a prepended expert axis; shared experts are ``shared_experts.`` and dense-parallel).
 _ROUTED_EXPERT = re.compile(r"(^|\.)experts\.")
+
+
+def is_plain(key: str) -> bool:
+    """Whether a stock-format model key is stored at its logical shape and read as stored: a
+    norm, bias, position embedding or router (:data:`PLAIN`), or a key a model family registers
+    as stored at its logical shape (:attr:`gtp.families.FamilyFormats.stored_logical`)."""
+    return bool(PLAIN.search(key)) or any(p.search(key) for p in stored_logical_patterns())
 
 
 def is_routed_expert(key: str) -> bool:

@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 from typing import Mapping, Optional
 
+from gtp.families import families
 from gtp.stock.format import StockCheckpointError
 from gtp.stock.messages import (LAYOUT_HELP, explaining_layouts, fmt_dims, fmt_stored, layout_text,
                                 missing_dims, safe_expected)
@@ -84,8 +85,9 @@ def _resolve(ck: StoredCheckpoint) -> tuple:
     if g is not None and g > 1 and ck.unknown:
         raise StockCheckpointError(
             f"{ck.path}: saved with GTP (gtp_remat_size={g}) and holds tensors gtp.stock does not "
-            f"know to be GTP-sharded or not: {ck.unknown[:5]}; only megatron GPT (local spec) "
-            "weights are supported")
+            f"know to be GTP-sharded or not: {ck.unknown[:5]}; read are the weights of the "
+            f"registered model families ({', '.join(f.name for f in families())}: megatron's "
+            f"local specs)")
     if g == 1 or (g is None and not ck.gtp_bases):
         return SavedLayout(tp or 1, 1, 0), ck.source, {}, notes
 

@@ -1,33 +1,171 @@
 """The hybrid family's formats as ``gtp/`` reads and writes them (registered in
-``pyproject.toml`` under the entry-point group ``gtp.model_families``).
+``pyproject.toml`` under the entry-point group ``gtp.model_families``): the export to
+transformers' ``NemotronHForCausalLM``.
 
-No Hugging Face mapping yet: an export is refused, naming why. No stock-format names: the stock
-reader refuses a checkpoint with Mamba weights (``docs/hybrid.md``).
+megatron's ``HybridModel`` (the family's local stack spec) and NemotronH compute the same
+function: a pre-norm residual block per layer symbol (``M`` -> ``linear_attention``, NemotronH's
+Mamba-2 mixer; ``*`` -> ``full_attention``, attention without position embedding; ``-`` ->
+``mlp``, a non-gated MLP), RMSNorm everywhere and a final ``norm_f``. transformers'
+``Mamba2ForCausalLM`` holds Mamba layers only; NemotronH holds every pattern, so it is the
+one class exported to. The checkpoint's tensors map as:
+
+* ``in_proj.weight.{z,x,B,C,dt}`` (logical, as megatron's ``MambaMixer.sharded_state_dict``
+  splits them) -> ``in_proj.weight`` rows ``z | x | B | C | dt``;
+* ``conv1d.{weight,bias}.{x,B,C}`` -> ``conv1d.{weight,bias}`` rows ``x | B | C``;
+* ``A_log``, ``D``, ``dt_bias``, the gated norm's ``norm.weight``, ``out_proj.weight`` as they
+  are; each layer's norm (``norm``, ``input_layernorm`` or ``pre_mlp_layernorm``) ->
+  ``layers.<i>.norm``;
+* the fused QKV split per query group (:func:`recipes.families.gpt.hf_export.split_qkv`),
+  ``linear_proj`` -> ``o_proj``, ``linear_fc1`` / ``linear_fc2`` -> ``up_proj`` / ``down_proj``.
+
+A stock-format (0.19.2) checkpoint holds the same keys: megatron gathers ``in_proj``'s GTP
+shards and drops their padding before it splits it (:data:`STORED_LOGICAL`), and pads
+``out_proj`` like the GPT family's ``linear_proj`` (:data:`GTP_PATTERNS`); the attention and MLP
+layers' weights are the GPT family's names, which its patterns cover. So the stock reader
+(:mod:`gtp.stock`) reads its model weights, and it exports the same way.
 
 Cheap to import (no megatron, no Hydra, no torch): the ``gtp`` command line loads it.
 """
 
 from __future__ import annotations
 
-from gtp.families import ExportError, FamilyFormats
+import re
+from typing import Any
 
-NOT_EXPORTED = ("transformers has NemotronH and Mamba2 classes, but the mapping of megatron's "
-                "HybridModel weights to them (the packed in_proj z|x|B|C|dt, the conv1d, the "
-                "gated norm) is not written yet")
+from gtp.families import ExportError, FamilyFormats, HFArchitecture
+from recipes.families.gpt.hf_export import split_qkv
+
+# megatron-core 0.19.2's MambaMixer builds its gated RMSNorm with eps 1e-5 whatever the config
+# says; NemotronH takes every norm's eps from layer_norm_epsilon.
+MIXER_NORM_EPS = 1e-5
+LAYER_TYPES = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
+
+# Mamba's out_proj: row-parallel, its hidden rows GTP-sharded and padded, as linear_proj.
+GTP_PATTERNS = ((re.compile(r"(^|\.)mixer\.out_proj\.weight$"), "proj"),)
+# Stored at their logical shape in both formats: in_proj's components (megatron gathers them
+# over GTP), conv1d's (TP-split, never GTP), and A_log, D, dt_bias (per head, TP-split).
+STORED_LOGICAL = (
+    re.compile(r"(^|\.)mixer\.in_proj\.weight\.(z|x|B|C|dt)$"),
+    re.compile(r"(^|\.)mixer\.conv1d\.(weight|bias)\.(x|B|C)$"),
+    re.compile(r"(^|\.)mixer\.(A_log|D|dt_bias)$"),
+)
 
 
 def architecture(model: dict) -> str | None:
-    """None for a model without ``hybrid_layer_pattern``.
+    """``"nemotron_h"`` for a hybrid ``model`` config dict, None for one without
+    ``hybrid_layer_pattern``.
 
     Raises:
-        ExportError: a hybrid model (:data:`NOT_EXPORTED`).
+        ExportError: a setting NemotronH does not compute (named with what it computes):
+            normalization other than RMSNorm, linear biases, a position embedding, SwiGLU,
+            q/k norms or QKV biases, ``layernorm_epsilon`` other than the mixer's 1e-5, a layer
+            symbol other than ``M``, ``*``, ``-``.
     """
     pattern = model.get("hybrid_layer_pattern")
-    if not pattern:
+    if pattern is None:
         return None
-    raise ExportError(f"model.hybrid_layer_pattern={pattern!r}: a hybrid Mamba model cannot be "
-                      f"exported to transformers: {NOT_EXPORTED}")
+    refusals = (
+        (model.get("normalization", "LayerNorm") != "RMSNorm", "normalization",
+         "NemotronH's norms are RMSNorm"),
+        (model.get("add_bias_linear", True), "add_bias_linear",
+         "NemotronH's attention has no bias"),
+        (model.get("position_embedding_type", "learned_absolute") != "none",
+         "position_embedding_type", "NemotronH's attention has no position embedding ('none')"),
+        (model.get("swiglu", False), "swiglu", "NemotronH's MLP is not gated"),
+        (model.get("qk_layernorm", False), "qk_layernorm", "NemotronH has no q/k norms"),
+        (model.get("add_qkv_bias", False), "add_qkv_bias", "NemotronH has no QKV bias"),
+        (float(model.get("layernorm_epsilon", 1e-5)) != MIXER_NORM_EPS, "layernorm_epsilon",
+         "megatron's Mamba mixer norms with eps 1e-5 and NemotronH takes one eps for all"),
+        (any(s not in LAYER_TYPES for s in pattern), "hybrid_layer_pattern",
+         f"layer symbols {sorted(LAYER_TYPES)} are exported"),
+    )
+    for refused, field, why in refusals:
+        if refused:
+            raise ExportError(f"model.{field}={model.get(field)!r}: NemotronHForCausalLM does "
+                              f"not compute this hybrid model exactly: {why}")
+    return "nemotron_h"
 
 
-FORMATS = FamilyFormats(name="hybrid", architectures=(), architecture=architecture,
-                        gtp_patterns=())
+def nemotron_h_build(t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict]:
+    """(``NemotronHConfig``, state dict) of a hybrid model from its full logical tensors ``t``
+    (megatron's keys ``decoder.layers.<i>....``, layer ``i`` numbered over the whole pattern),
+    its recorded model config ``m``, the unpadded vocabulary size and the special token ids.
+
+    A shared output layer is written as ``lm_head`` (a copy of the embedding's rows) with
+    ``tie_word_embeddings`` false: transformers 5.25's NemotronH declares no tied weights.
+
+    Raises:
+        KeyError: a tensor the pattern needs is missing (named).
+    """
+    from transformers import NemotronHConfig
+
+    from recipes.families.hybrid.params import mamba_dims
+
+    h, heads = m["hidden_size"], m["num_attention_heads"]
+    groups = m.get("num_query_groups") or heads
+    head_dim = m.get("kv_channels") or h // heads
+    pattern = m["hybrid_layer_pattern"]
+    d = mamba_dims(_Fields(m))
+    act = ("gelu_pytorch_tanh" if m.get("openai_gelu") else "gelu")
+    config = NemotronHConfig(
+        vocab_size=vocab, hidden_size=h, layers_block_type=[LAYER_TYPES[s] for s in pattern],
+        num_attention_heads=heads, num_key_value_heads=groups, head_dim=head_dim,
+        max_position_embeddings=m["seq_length"], attention_bias=False,
+        intermediate_size=m["ffn_hidden_size"], mlp_hidden_act=act, mlp_bias=False,
+        ssm_state_size=d["state"], mamba_num_heads=d["nheads"], mamba_head_dim=d["d_inner"] // d["nheads"],
+        n_groups=d["groups"], conv_kernel=4, expand=2,
+        chunk_size=int(m.get("mamba_chunk_size", 128)), use_conv_bias=True, use_bias=False,
+        mamba_proj_bias=False, layer_norm_epsilon=MIXER_NORM_EPS, residual_in_fp32=False,
+        tie_word_embeddings=False, architectures=["NemotronHForCausalLM"], **ids)
+    sd = {"model.embeddings.weight": t["embedding.word_embeddings.weight"][:vocab],
+          "model.norm_f.weight": t["decoder.final_norm.weight"]}
+    out = ("embedding.word_embeddings.weight" if m.get("share_embeddings_and_output_weights")
+           else "output_layer.weight")
+    sd["lm_head.weight"] = t[out][:vocab]
+    for i, symbol in enumerate(pattern):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        if symbol == "M":
+            mix = src + "mixer."
+            sd.update({
+                dst + "norm.weight": t[src + "norm.weight"],
+                dst + "mixer.in_proj.weight": _cat(
+                    [t[f"{mix}in_proj.weight.{c}"] for c in ("z", "x", "B", "C", "dt")]),
+                dst + "mixer.conv1d.weight": _cat(
+                    [t[f"{mix}conv1d.weight.{c}"] for c in ("x", "B", "C")]),
+                dst + "mixer.conv1d.bias": _cat(
+                    [t[f"{mix}conv1d.bias.{c}"] for c in ("x", "B", "C")]),
+                **{dst + f"mixer.{n}": t[mix + n]
+                   for n in ("dt_bias", "A_log", "D", "norm.weight", "out_proj.weight")},
+            })
+        elif symbol == "*":
+            q, k, v = split_qkv(t[src + "self_attention.linear_qkv.weight"], heads, groups,
+                                head_dim)
+            sd.update({dst + "norm.weight": t[src + "input_layernorm.weight"],
+                       dst + "mixer.q_proj.weight": q, dst + "mixer.k_proj.weight": k,
+                       dst + "mixer.v_proj.weight": v,
+                       dst + "mixer.o_proj.weight": t[src + "self_attention.linear_proj.weight"]})
+        else:
+            sd.update({dst + "norm.weight": t[src + "pre_mlp_layernorm.weight"],
+                       dst + "mixer.up_proj.weight": t[src + "mlp.linear_fc1.weight"],
+                       dst + "mixer.down_proj.weight": t[src + "mlp.linear_fc2.weight"]})
+    return config, sd
+
+
+class _Fields(dict):
+    """A recorded config dict read as the ``model`` config (``m.name`` and ``m.get``)."""
+
+    __getattr__ = dict.__getitem__
+
+
+def _cat(parts):
+    """Rows of ``parts`` one after another (dim 0)."""
+    import torch
+
+    return torch.cat(parts, dim=0)
+
+
+NEMOTRON_H = HFArchitecture(model_type="nemotron_h", hf_class="NemotronHForCausalLM",
+                            embedding="model.embeddings.weight", build=nemotron_h_build)
+
+FORMATS = FamilyFormats(name="hybrid", architectures=(NEMOTRON_H,), architecture=architecture,
+                        gtp_patterns=GTP_PATTERNS, stored_logical=STORED_LOGICAL)
