@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from gtp import cli
+from hf_checks import megatron_logits
 from layout_goldens import build, full_shape, global_names, local, make_cfg
 from multiproc import run_distributed
 
@@ -89,7 +90,6 @@ def _world(root: str, cfgs: dict) -> dict:
     from recipes import checkpoint
 
     tokens = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(7))
-    position_ids = torch.arange(64).unsqueeze(0).expand_as(tokens)
     out = {}
     for name, cfg_yaml in cfgs.items():
         model, opt, sched, record, cfg = build(cfg_yaml)
@@ -100,13 +100,7 @@ def _world(root: str, cfgs: dict) -> dict:
         checkpoint.save_checkpoint(f"{root}/{name}", 1, model, opt, sched, common, record)
         if name == STOCK_OF:
             _save_stock_model(f"{root}/{name}_stock", model, common, record)
-        model.eval()
-        with torch.no_grad():
-            logits = model(tokens, position_ids, None)
-        tp_group = parallel_state.get_tensor_model_parallel_group()
-        parts = [torch.empty_like(logits) for _ in range(torch.distributed.get_world_size(tp_group))]
-        torch.distributed.all_gather(parts, logits.contiguous(), group=tp_group)
-        out[name] = {"tokens": tokens, "logits": torch.cat(parts, dim=-1)}
+        out[name] = {"tokens": tokens, "logits": megatron_logits(model, tokens)}
     parallel_state.destroy_model_parallel()
     return out
 
