@@ -30,8 +30,8 @@ Commands (CKPT: a checkpoint root holding ``latest_checkpointed_iteration.txt``,
         --force (which removes the weight files there first) (config.json +
         model.safetensors): GPT models as GPT2LMHeadModel, Llama-family ones as
         LlamaForCausalLM, MoE ones as MixtralForCausalLM or (with qk_layernorm)
-        Qwen3MoeForCausalLM, hybrid Mamba ones as NemotronHForCausalLM (:mod:`gtp.hf_export`; the classes: :mod:`gtp.families`). Needs
-        the ``hf`` extra. Exit 0, or 2 on error.
+        Qwen3MoeForCausalLM, hybrid Mamba ones as NemotronHForCausalLM (:mod:`gtp.hf_export`;
+        the classes: :mod:`gtp.families`). Needs the ``hf`` extra. Exit 0, or 2 on error.
 
     python -m gtp import HF_DIR OUT
         Write a Hugging Face model directory (GPT-2 or Llama family, safetensors) as a logical

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from recipes.errors import ConfigError
-from recipes.parallel_dims import check_positive
 from recipes.families.hybrid.model import MAMBA, PIPE, SUPPORTED, UNSUPPORTED
 from recipes.families.hybrid.params import mamba_dims
+from recipes.parallel_dims import check_positive
 
 
 def check(cfg, layout) -> None:
@@ -19,7 +19,8 @@ def check(cfg, layout) -> None:
             and what is not run here: bf16/fp16 weights (megatron-core 0.19.2's optimizers map
             the mixer's fp32 ``A_log`` / ``D`` to other params' state), the stock checkpoint
             format under GTP (it cannot place ``in_proj``'s optimizer moments), context or
-            sequence parallelism, virtual pipeline stages, multi-token prediction, MoE, TransformerEngine layers.
+            sequence parallelism, virtual pipeline stages, multi-token prediction, MoE,
+            TransformerEngine layers.
     """
     m = cfg.model
     pattern = str(m.hybrid_layer_pattern)

@@ -24,7 +24,8 @@ shards and drops their padding before it splits it (:data:`STORED_LOGICAL`), and
 layers' weights are the GPT family's names, which its patterns cover. So the stock reader
 (:mod:`gtp.stock`) reads its model weights, and it exports the same way.
 
-Cheap to import (no megatron, no Hydra, no torch): the ``gtp`` command line loads it.
+No megatron or Hydra at import (the ``gtp`` command line loads it); the parameter sizes come
+from the family's table (``params.mamba_dims``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 
 from gtp.families import ExportError, FamilyFormats, HFArchitecture
 from recipes.families.gpt.hf_export import split_qkv
+from recipes.families.hybrid.params import mamba_dims
 
 # megatron-core 0.19.2's MambaMixer builds its gated RMSNorm with eps 1e-5 whatever the config
 # says; NemotronH takes every norm's eps from layer_norm_epsilon.
@@ -97,22 +99,21 @@ def nemotron_h_build(t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict
     Raises:
         KeyError: a tensor the pattern needs is missing (named).
     """
+    import torch
     from transformers import NemotronHConfig
-
-    from recipes.families.hybrid.params import mamba_dims
 
     h, heads = m["hidden_size"], m["num_attention_heads"]
     groups = m.get("num_query_groups") or heads
     head_dim = m.get("kv_channels") or h // heads
     pattern = m["hybrid_layer_pattern"]
-    d = mamba_dims(_Fields(m))
+    d = mamba_dims(m)
     act = ("gelu_pytorch_tanh" if m.get("openai_gelu") else "gelu")
     config = NemotronHConfig(
         vocab_size=vocab, hidden_size=h, layers_block_type=[LAYER_TYPES[s] for s in pattern],
         num_attention_heads=heads, num_key_value_heads=groups, head_dim=head_dim,
         max_position_embeddings=m["seq_length"], attention_bias=False,
         intermediate_size=m["ffn_hidden_size"], mlp_hidden_act=act, mlp_bias=False,
-        ssm_state_size=d["state"], mamba_num_heads=d["nheads"], mamba_head_dim=d["d_inner"] // d["nheads"],
+        ssm_state_size=d["state"], mamba_num_heads=d["nheads"], mamba_head_dim=d["head_dim"],
         n_groups=d["groups"], conv_kernel=4, expand=2,
         chunk_size=int(m.get("mamba_chunk_size", 128)), use_conv_bias=True, use_bias=False,
         mamba_proj_bias=False, layer_norm_epsilon=MIXER_NORM_EPS, residual_in_fp32=False,
@@ -128,11 +129,11 @@ def nemotron_h_build(t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict
             mix = src + "mixer."
             sd.update({
                 dst + "norm.weight": t[src + "norm.weight"],
-                dst + "mixer.in_proj.weight": _cat(
+                dst + "mixer.in_proj.weight": torch.cat(
                     [t[f"{mix}in_proj.weight.{c}"] for c in ("z", "x", "B", "C", "dt")]),
-                dst + "mixer.conv1d.weight": _cat(
+                dst + "mixer.conv1d.weight": torch.cat(
                     [t[f"{mix}conv1d.weight.{c}"] for c in ("x", "B", "C")]),
-                dst + "mixer.conv1d.bias": _cat(
+                dst + "mixer.conv1d.bias": torch.cat(
                     [t[f"{mix}conv1d.bias.{c}"] for c in ("x", "B", "C")]),
                 **{dst + f"mixer.{n}": t[mix + n]
                    for n in ("dt_bias", "A_log", "D", "norm.weight", "out_proj.weight")},
@@ -149,19 +150,6 @@ def nemotron_h_build(t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict
                        dst + "mixer.up_proj.weight": t[src + "mlp.linear_fc1.weight"],
                        dst + "mixer.down_proj.weight": t[src + "mlp.linear_fc2.weight"]})
     return config, sd
-
-
-class _Fields(dict):
-    """A recorded config dict read as the ``model`` config (``m.name`` and ``m.get``)."""
-
-    __getattr__ = dict.__getitem__
-
-
-def _cat(parts):
-    """Rows of ``parts`` one after another (dim 0)."""
-    import torch
-
-    return torch.cat(parts, dim=0)
 
 
 NEMOTRON_H = HFArchitecture(model_type="nemotron_h", hf_class="NemotronHForCausalLM",

@@ -10,14 +10,18 @@ from recipes.shapes import ParamShape, getter
 
 def mamba_dims(m) -> dict:
     """megatron's ``MambaMixer`` sizes (``ssm/mamba_mixer.py``, expand 2): ``d_inner``,
-    ``nheads``, ``groups`` and ``state`` (whole model, before TP), and ``in_proj`` rows
-    ``2 d_inner + 2 groups state + nheads`` (``z | x | B | C | dt``)."""
+    ``nheads`` of ``head_dim``, ``groups`` and ``state`` (whole model, before TP), and
+    ``in_proj`` rows ``2 d_inner + 2 groups state + nheads`` (``z | x | B | C | dt``).
+
+    Args:
+        m: the ``model`` config, or its recorded dict (read through ``get`` only).
+    """
     get = getter(m)
-    head = int(m.mamba_head_dim)
-    heads = int(get("mamba_num_heads") or (2 * m.hidden_size) // head)
-    inner, groups, state = heads * head, int(m.mamba_num_groups), int(m.mamba_state_dim)
-    return {"d_inner": inner, "nheads": heads, "groups": groups, "state": state,
-            "in_proj": 2 * inner + 2 * groups * state + heads}
+    head = int(get("mamba_head_dim"))
+    heads = int(get("mamba_num_heads") or (2 * get("hidden_size")) // head)
+    inner, groups, state = heads * head, int(get("mamba_num_groups")), int(get("mamba_state_dim"))
+    return {"d_inner": inner, "nheads": heads, "head_dim": head, "groups": groups,
+            "state": state, "in_proj": 2 * inner + 2 * groups * state + heads}
 
 
 def parameter_shapes(m, padded_vocab: int) -> list[ParamShape]:
