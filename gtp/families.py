@@ -71,6 +71,9 @@ class HFArchitecture:
             from the full logical tensors (per-layer ones stacked on dim 0), the unpadded vocab
             size and the bos/eos/pad ids; raises KeyError naming a missing tensor.
         imports: how it is imported, None when only exported.
+        notes: ``model dict -> dict`` that an export records under ``notes`` in
+            ``gtp_recipes_export.json`` (e.g. a config setting it had to write, and why);
+            None: nothing to note.
     """
 
     model_type: str
@@ -78,6 +81,7 @@ class HFArchitecture:
     embedding: str
     build: Callable[[dict, dict, int, dict], tuple]
     imports: Optional[HFImport] = None
+    notes: Optional[Callable[[dict], dict]] = None
 
 
 @dataclass(frozen=True)

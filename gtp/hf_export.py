@@ -140,11 +140,55 @@ def _describe(out: Path, held: list) -> str:
         return names
 
 
+class _ReadKeys(dict):
+    """The checkpoint's model tensors, remembering which keys a family's build read."""
+
+    def __init__(self, tensors: dict):
+        super().__init__(tensors)
+        self.read: set = set()
+
+    def __getitem__(self, key):
+        value = super().__getitem__(key)
+        self.read.add(key)
+        return value
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+
 # megatron's multi-token prediction layers (``mtp.layers.N.*``): left out of an export.
 MTP_PREFIX = "mtp."
 MTP_NOT_EXPORTED = ("multi-token prediction layers (model.mtp_num_layers): transformers' "
                     "causal-LM classes have no place for them; the exported model predicts the "
                     "next token only")
+
+
+def build_state(arch, tensors: dict, model_cfg: dict, vocab: int, ids: dict, where) -> tuple:
+    """(transformers config, state dict) of ``arch`` (a :class:`gtp.families.HFArchitecture`)
+    from a checkpoint's full logical model tensors, checking that its build read every one.
+
+    Args:
+        tensors: {megatron key: full logical tensor}, MTP layers left out; model_cfg: the
+            recorded ``model`` config dict; vocab: the unpadded vocabulary size; ids: the
+            bos/eos/pad token ids; where: the checkpoint, for messages.
+
+    Raises:
+        ExportError: a tensor the architecture needs is missing, or a tensor was not read (the
+            recorded config does not describe it, so the export would drop it), both named.
+    """
+    tensors = _ReadKeys(tensors)
+    try:
+        config, state = arch.build(tensors, model_cfg, vocab, ids)
+    except KeyError as exc:
+        raise ExportError(f"{where} lacks tensor {exc} needed for {arch.hf_class}") from exc
+    unused = sorted(set(tensors) - tensors.read)
+    if unused:
+        raise ExportError(f"{where} holds {len(unused)} model tensors that the recorded run "
+                          f"config's {arch.hf_class} has no place for: {unused[:6]}"
+                          f"{' ...' if len(unused) > 6 else ''}; the run config recorded in the "
+                          f"checkpoint does not describe its weights (e.g. a shorter layer "
+                          f"pattern or fewer layers than were saved)")
+    return config, state
 
 
 def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None,
@@ -153,7 +197,8 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None,
     transformers model directory ``out_dir`` (``config.json``, ``model.safetensors``,
     ``generation_config.json``, and ``gtp_recipes_export.json`` naming the source checkpoint,
     iteration and class), in the checkpoint's dtype (fp32 for fp32 runs). Multi-token
-    prediction layers are left out and named under ``not_exported`` there.
+    prediction layers are left out and named under ``not_exported`` there; the architecture's
+    notes (:attr:`gtp.families.HFArchitecture.notes`) are recorded under ``notes``.
 
     Returns:
         ``out_dir`` as a Path.
@@ -162,7 +207,9 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None,
 
     Raises:
         ExportError: ``out_dir`` not empty, no recorded run config, unknown vocabulary size, an
-            architecture with no exact transformers equivalent, or a tensor missing (named).
+            architecture with no exact transformers equivalent (or not in the installed
+            transformers), a tensor missing, or a model tensor the recorded config has no place
+            for (named).
         gtp.stock.StockCheckpointError: as :func:`gtp.stock.read_logical`.
     """
     import torch
@@ -184,11 +231,12 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None,
                   and isinstance(v, torch.Tensor)}
     mtp = sorted(k for k in model_keys if k.startswith(MTP_PREFIX))
     model_keys = {k: v for k, v in model_keys.items() if not k.startswith(MTP_PREFIX)}
-    try:
-        config, state = arch.build(model_keys, model_cfg, vocab, _token_ids(common, eod))
-    except KeyError as exc:
-        raise ExportError(f"{analysis.path} lacks tensor {exc} needed for {arch.hf_class}") from exc
-    hf_cls = getattr(transformers, arch.hf_class)
+    hf_cls = getattr(transformers, arch.hf_class, None)
+    if hf_cls is None:
+        raise ExportError(f"transformers {transformers.__version__} has no {arch.hf_class}: "
+                          f"install a transformers that has it (tested: 5.25)")
+    config, state = build_state(arch, model_keys, model_cfg, vocab, _token_ids(common, eod),
+                                analysis.path)
     # In the checkpoint's dtype: load_state_dict would cast a bf16 run's weights to fp32.
     model = hf_cls(config).to(state[arch.embedding].dtype)
     state = {k: v.contiguous()
@@ -212,5 +260,6 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None,
         "architecture": arch.hf_class, "vocab_size": vocab,
         "saved_layout": saved_layout(common), "tokenizer_files": tokenizer_files,
         "not_exported": {"weights": mtp, "why": MTP_NOT_EXPORTED} if mtp else None,
+        "notes": (arch.notes(model_cfg) if arch.notes else None) or None,
     }, indent=1, default=str))
     return out

@@ -94,7 +94,7 @@ def test_a_hybrid_model_exports_to_nemotron_h_and_what_it_cannot_compute_is_refu
     assert for_export(m).hf_class == "NemotronHForCausalLM"
     for field, value, why in (("normalization", "LayerNorm", "norms are RMSNorm"),
                               ("position_embedding_type", "rope", "no position embedding"),
-                              ("add_bias_linear", True, "attention has no bias"),
+                              ("add_bias_linear", True, "writes no linear biases"),
                               ("swiglu", True, "MLP is not gated"),
                               ("qk_layernorm", True, "no q/k norms"),
                               ("layernorm_epsilon", 1e-6, "eps 1e-5")):
@@ -104,3 +104,84 @@ def test_a_hybrid_model_exports_to_nemotron_h_and_what_it_cannot_compute_is_refu
     m.pop("hybrid_layer_pattern")  # the same dims without the pattern: the GPT family's answer
     with pytest.raises(ExportError, match="no transformers class computes this model exactly"):
         for_export(m)
+
+
+def _nemotron_h(pattern: str, use_cache: bool):
+    """A tiny random NemotronH of ``pattern`` (transformers' own classes, no export code)."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    types = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
+    config = NemotronHConfig(
+        vocab_size=64, hidden_size=32, layers_block_type=[types[s] for s in pattern],
+        num_attention_heads=4, num_key_value_heads=4, head_dim=8, intermediate_size=40,
+        ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=16, n_groups=2, chunk_size=16,
+        use_cache=use_cache)
+    return NemotronHForCausalLM(config).eval()
+
+
+PATTERNS = ("M*-M*-", "*M", "M-*", "**", "*-M", "MMMM", "M-M-", "M", "-M*", "--", "-*M")
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_the_exports_use_cache_is_off_exactly_where_transformers_cache_fails(pattern):
+    """transformers 5.25's NemotronH cache fails for some patterns (model(ids) raises): the
+    export writes use_cache false for exactly those, and without the cache every pattern runs
+    forward and generate()."""
+    import torch
+
+    from recipes.families.hybrid.formats import cache_works, notes
+
+    ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        try:
+            _nemotron_h(pattern, use_cache=True)(ids)
+            ran = True
+        except (ValueError, AttributeError):
+            ran = False
+        assert cache_works(pattern) == ran
+        assert notes({"hybrid_layer_pattern": pattern}).get("use_cache", True) == ran
+        model = _nemotron_h(pattern, use_cache=False)
+        assert model(ids).logits.shape == (1, 7, 64)
+        assert model.generate(ids, max_new_tokens=2, do_sample=False).shape == (1, 9)
+
+
+def _logical_tensors(m, vocab: int = 320) -> dict:
+    """Random full tensors named as a checkpoint stores a pattern without Mamba layers (the
+    parameter names: no packed weight to split)."""
+    import torch
+
+    from recipes.families.hybrid.params import parameter_shapes
+
+    g = torch.Generator().manual_seed(0)
+    return {s.name: torch.randn(s.shape, generator=g) for s in parameter_shapes(m, vocab)}
+
+
+def test_a_pattern_without_mamba_layers_counts_and_exports_with_mamba_sizes_unset():
+    """No Mamba layer: the dry run's table and the export never read the Mamba sizes (here 0),
+    and the model's own layernorm_epsilon is NemotronH's (only the mixer fixes it at 1e-5)."""
+    from transformers import NemotronHForCausalLM
+
+    from gtp.hf_export import build_state
+
+    cfg = make_cfg("model=hybrid_tiny", "model.hybrid_layer_pattern=*-*-*-",
+                   "model.mamba_head_dim=0", "model.layernorm_epsilon=1e-6")
+    attention_mlp = ATTENTION + MLP
+    assert parameter_counts(cfg.model, 320)[0] == 2 * EMBEDDING + 3 * attention_mlp + 48
+    m = dict(cfg.model)
+    arch = for_export(m)
+    config, state = build_state(arch, _logical_tensors(cfg.model), m, 257, {}, "ckpt")
+    assert config.layer_norm_epsilon == 1e-6 and config.use_cache
+    NemotronHForCausalLM(config).load_state_dict(state, strict=True)
+
+
+def test_a_tensor_the_recorded_config_does_not_describe_is_refused_by_name():
+    """A checkpoint of six layers whose recorded pattern has four: the export would silently
+    drop layers 4 and 5; it refuses, naming them."""
+    from gtp.hf_export import build_state
+
+    saved = make_cfg("model=hybrid_tiny", "model.hybrid_layer_pattern=*-*-*-").model
+    m = {**dict(saved), "hybrid_layer_pattern": "*-*-", "num_layers": 4}
+    with pytest.raises(ExportError, match=r"ckpt holds 6 model tensors that the recorded run "
+                                          r"config's NemotronHForCausalLM has no place for: "
+                                          r"\['decoder.layers.4.input_layernorm.weight'"):
+        build_state(for_export(m), _logical_tensors(saved), m, 257, {}, "ckpt")

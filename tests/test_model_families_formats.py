@@ -97,6 +97,18 @@ def test_the_stock_reader_classifies_keys_by_the_families_patterns():
     assert not is_plain("decoder.layers.0.mixer.in_proj.weight")
 
 
+def test_a_mamba_only_model_file_tells_the_stock_reader_its_hidden_size():
+    """Without a layout record the reader needs hidden_size for out_proj's logical rows; in a
+    model of Mamba layers only no attention or MLP weight gives it, the final norm does."""
+    from gtp.stock.specs import infer_dims
+
+    layer = "decoder.layers.0.mixer."
+    shapes = {"embedding.word_embeddings.weight": (320, 48), layer + "out_proj.weight": (64, 96),
+              layer + "in_proj.weight.x": (96, 48), layer + "A_log": (6,),
+              "decoder.layers.0.norm.weight": (48,), "decoder.final_norm.weight": (48,)}
+    assert infer_dims(shapes) == {"hidden_size": 48}
+
+
 def test_gtp_names_no_familys_tensors_outside_the_allowed_modules():
     mentioning = {str(p.relative_to(ROOT)) for p in sorted((ROOT / "gtp").rglob("*.py"))
                   if FAMILY_NAMES.search(p.read_text())}

@@ -321,7 +321,7 @@ def infer_dims(shapes: Mapping[str, tuple]) -> dict:
             out.setdefault("qkv_rows", shape[-1])
         elif key.endswith("linear_fc1.bias"):
             out["_fc1_bias_rows"] = shape[-1]
-        elif key.endswith("final_layernorm.weight"):
+        elif key.endswith(("final_layernorm.weight", "final_norm.weight")):  # GPT, hybrid
             out.setdefault("hidden_size", shape[-1])
     ffn, fc1b = out.get("ffn_hidden_size"), out.pop("_fc1_bias_rows", None)
     if ffn and fc1b in (ffn, 2 * ffn):

@@ -7,7 +7,8 @@ function: a pre-norm residual block per layer symbol (``M`` -> ``linear_attentio
 Mamba-2 mixer; ``*`` -> ``full_attention``, attention without position embedding; ``-`` ->
 ``mlp``, a non-gated MLP), RMSNorm everywhere and a final ``norm_f``. transformers'
 ``Mamba2ForCausalLM`` holds Mamba layers only; NemotronH holds every pattern, so it is the
-one class exported to. The checkpoint's tensors map as:
+one class exported to (transformers 5.25 runs some patterns only without its cache:
+:func:`cache_works`). The checkpoint's tensors map as:
 
 * ``in_proj.weight.{z,x,B,C,dt}`` (logical, as megatron's ``MambaMixer.sharded_state_dict``
   splits them) -> ``in_proj.weight`` rows ``z | x | B | C | dt``;
@@ -35,12 +36,18 @@ from typing import Any
 
 from gtp.families import ExportError, FamilyFormats, HFArchitecture
 from recipes.families.gpt.hf_export import split_qkv
+from recipes.families.hybrid.model import ATTENTION, MAMBA, MLP
 from recipes.families.hybrid.params import mamba_dims
 
 # megatron-core 0.19.2's MambaMixer builds its gated RMSNorm with eps 1e-5 whatever the config
 # says; NemotronH takes every norm's eps from layer_norm_epsilon.
 MIXER_NORM_EPS = 1e-5
-LAYER_TYPES = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
+LAYER_TYPES = {MAMBA: "linear_attention", ATTENTION: "full_attention", MLP: "mlp"}
+NO_CACHE_WHY = ("transformers 5.25's NemotronH cache reads its sequence length from layer 0 and "
+                "its attention mask sizes from the first attention layer: a pattern that starts "
+                "with an MLP layer ('-') or has no attention layer ('*') raises in model(ids) and "
+                "generate() unless use_cache is false (the logits are the same without the "
+                "cache; generation recomputes every position)")
 
 # Mamba's out_proj: row-parallel, its hidden rows GTP-sharded and padded, as linear_proj.
 GTP_PATTERNS = ((re.compile(r"(^|\.)mixer\.out_proj\.weight$"), "proj"),)
@@ -70,7 +77,7 @@ def architecture(model: dict) -> str | None:
         (model.get("normalization", "LayerNorm") != "RMSNorm", "normalization",
          "NemotronH's norms are RMSNorm"),
         (model.get("add_bias_linear", True), "add_bias_linear",
-         "NemotronH's attention has no bias"),
+         "this export writes no linear biases (attention, MLP or Mamba projections)"),
         (model.get("position_embedding_type", "learned_absolute") != "none",
          "position_embedding_type", "NemotronH's attention has no position embedding ('none')"),
         (model.get("swiglu", False), "swiglu", "NemotronH's MLP is not gated"),
@@ -82,10 +89,26 @@ def architecture(model: dict) -> str | None:
          f"layer symbols {sorted(LAYER_TYPES)} are exported"),
     )
     for refused, field, why in refusals:
+        if field == "layernorm_epsilon" and MAMBA not in pattern:
+            continue  # only the mixer's norm is fixed at 1e-5; NemotronH takes the model's eps
         if refused:
             raise ExportError(f"model.{field}={model.get(field)!r}: NemotronHForCausalLM does "
                               f"not compute this hybrid model exactly: {why}")
     return "nemotron_h"
+
+
+def cache_works(pattern: str) -> bool:
+    """Whether transformers 5.25's ``NemotronHModel`` runs ``pattern`` with its cache: layer 0 is
+    not an MLP layer and some layer is attention (:data:`NO_CACHE_WHY`)."""
+    return bool(pattern) and pattern[0] != MLP and ATTENTION in pattern
+
+
+def notes(model: dict) -> dict:
+    """What an export of the hybrid ``model`` config dict records beside the weights
+    (``gtp_recipes_export.json``'s ``notes``): ``use_cache`` false, and why, for a pattern
+    NemotronH runs only without its cache; {} otherwise."""
+    pattern = model.get("hybrid_layer_pattern") or ""
+    return {} if cache_works(pattern) else {"use_cache": False, "why": NO_CACHE_WHY}
 
 
 def nemotron_h_build(t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict]:
@@ -95,6 +118,10 @@ def nemotron_h_build(t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict
 
     A shared output layer is written as ``lm_head`` (a copy of the embedding's rows) with
     ``tie_word_embeddings`` false: transformers 5.25's NemotronH declares no tied weights.
+    ``use_cache`` is false where :func:`cache_works` says the cache fails. The Mamba sizes are
+    written only when the pattern has Mamba layers (NemotronH's defaults otherwise, unused);
+    ``expand`` only when ``d_inner`` is a multiple of the hidden size (it is metadata: NemotronH
+    sizes the mixer from ``mamba_num_heads * mamba_head_dim``).
 
     Raises:
         KeyError: a tensor the pattern needs is missing (named).
@@ -106,18 +133,24 @@ def nemotron_h_build(t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict
     groups = m.get("num_query_groups") or heads
     head_dim = m.get("kv_channels") or h // heads
     pattern = m["hybrid_layer_pattern"]
-    d = mamba_dims(m)
+    mamba = {}
+    if MAMBA in pattern:  # a pattern without Mamba layers may leave their sizes unset
+        d = mamba_dims(m)
+        mamba = dict(ssm_state_size=d["state"], mamba_num_heads=d["nheads"],
+                     mamba_head_dim=d["head_dim"], n_groups=d["groups"],
+                     chunk_size=int(m.get("mamba_chunk_size", 128)))
+        if d["d_inner"] % h == 0:
+            mamba["expand"] = d["d_inner"] // h
+    eps = MIXER_NORM_EPS if MAMBA in pattern else float(m.get("layernorm_epsilon", 1e-5))
     act = ("gelu_pytorch_tanh" if m.get("openai_gelu") else "gelu")
     config = NemotronHConfig(
         vocab_size=vocab, hidden_size=h, layers_block_type=[LAYER_TYPES[s] for s in pattern],
         num_attention_heads=heads, num_key_value_heads=groups, head_dim=head_dim,
         max_position_embeddings=m["seq_length"], attention_bias=False,
         intermediate_size=m["ffn_hidden_size"], mlp_hidden_act=act, mlp_bias=False,
-        ssm_state_size=d["state"], mamba_num_heads=d["nheads"], mamba_head_dim=d["head_dim"],
-        n_groups=d["groups"], conv_kernel=4, expand=2,
-        chunk_size=int(m.get("mamba_chunk_size", 128)), use_conv_bias=True, use_bias=False,
-        mamba_proj_bias=False, layer_norm_epsilon=MIXER_NORM_EPS, residual_in_fp32=False,
-        tie_word_embeddings=False, architectures=["NemotronHForCausalLM"], **ids)
+        conv_kernel=4, use_conv_bias=True, use_bias=False, mamba_proj_bias=False,
+        layer_norm_epsilon=eps, residual_in_fp32=False, use_cache=cache_works(pattern),
+        tie_word_embeddings=False, architectures=["NemotronHForCausalLM"], **mamba, **ids)
     sd = {"model.embeddings.weight": t["embedding.word_embeddings.weight"][:vocab],
           "model.norm_f.weight": t["decoder.final_norm.weight"]}
     out = ("embedding.word_embeddings.weight" if m.get("share_embeddings_and_output_weights")
@@ -125,7 +158,7 @@ def nemotron_h_build(t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict
     sd["lm_head.weight"] = t[out][:vocab]
     for i, symbol in enumerate(pattern):
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
-        if symbol == "M":
+        if symbol == MAMBA:
             mix = src + "mixer."
             sd.update({
                 dst + "norm.weight": t[src + "norm.weight"],
@@ -138,7 +171,7 @@ def nemotron_h_build(t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict
                 **{dst + f"mixer.{n}": t[mix + n]
                    for n in ("dt_bias", "A_log", "D", "norm.weight", "out_proj.weight")},
             })
-        elif symbol == "*":
+        elif symbol == ATTENTION:
             q, k, v = split_qkv(t[src + "self_attention.linear_qkv.weight"], heads, groups,
                                 head_dim)
             sd.update({dst + "norm.weight": t[src + "input_layernorm.weight"],
@@ -153,7 +186,8 @@ def nemotron_h_build(t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict
 
 
 NEMOTRON_H = HFArchitecture(model_type="nemotron_h", hf_class="NemotronHForCausalLM",
-                            embedding="model.embeddings.weight", build=nemotron_h_build)
+                            embedding="model.embeddings.weight", build=nemotron_h_build,
+                            notes=notes)
 
 FORMATS = FamilyFormats(name="hybrid", architectures=(NEMOTRON_H,), architecture=architecture,
                         gtp_patterns=GTP_PATTERNS, stored_logical=STORED_LOGICAL)

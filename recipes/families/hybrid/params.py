@@ -46,9 +46,11 @@ def parameter_shapes(m, padded_vocab: int) -> list[ParamShape]:
         if norm_bias:
             out.append(ParamShape(f"{prefix}.bias", (width,)))
 
-    d = mamba_dims(m)
-    conv = d["d_inner"] + 2 * d["groups"] * d["state"]
-    for i, symbol in enumerate(layer_symbols(m.hybrid_layer_pattern)):
+    symbols = layer_symbols(m.hybrid_layer_pattern)
+    if MAMBA in symbols:  # without Mamba layers their sizes may be unset
+        d = mamba_dims(m)
+        conv = d["d_inner"] + 2 * d["groups"] * d["state"]
+    for i, symbol in enumerate(symbols):
         layer = f"decoder.layers.{i}"
         if symbol == MAMBA:
             norm(f"{layer}.norm")
