@@ -1,11 +1,12 @@
 """End to end (each job run as train.py's workers run it, tests/helpers/inworld.py): the LLaVA
 model ``model=llava_tiny`` (megatron's LLaVAModel: CLIP ViT, MLP projector, Llama-style language
 model) on ``data=shapes`` (images with captions, loss on the caption only), trained at tp2 x
-g2/a16 with validation, checkpointed at iteration 2 and resumed from it at the same layout and
-at tp1 x dp2 without GTP.
+g2/a16 with validation, checkpointed at iteration 2 and resumed from it at the same layout, at
+tp1 x g4/a32 (the ViT's linear_proj / linear_fc2: 72 rows in shards of 32, the last all padding)
+and at tp1 x dp2 without GTP.
 
 The same-layout resume gives the original run's ``lm loss``, ``grad-norm`` and validation loss
-bit for bit over iterations 3..5; the tp1 x dp2 resume gives them up to the order of fp32
+bit for bit over iterations 3..5; the other resumes give them up to the order of fp32
 reductions (tests/helpers/tolerance.py). ``gtp export`` refuses the checkpoint, naming why.
 """
 
@@ -21,7 +22,8 @@ from tolerance import assert_fp32_close
 
 pytestmark = pytest.mark.e2e
 
-LLAVA = ["model=llava_tiny", "data=shapes", "data.micro_batch_size=2",
+# One sample a micro-batch: every layout below averages the same per-sample caption losses.
+LLAVA = ["model=llava_tiny", "data=shapes", "data.micro_batch_size=1",
          "data.global_batch_size=4", "train.train_iters=5", "checkpoint.save_interval=2",
          "train.eval_iters=1", "train.eval_interval=5"]
 GTP2 = ["parallelism=tp2", "gtp=tp2_align16"]
@@ -38,6 +40,7 @@ def runs(train_jobs, tmp_path_factory):
               f"checkpoint.load_iteration={RESUMED_AT}"]
     jobs = train_jobs([(root / "tp2gtp2", [*LLAVA, *GTP2]),
                        (root / "same", [*LLAVA, *GTP2, *resume]),
+                       (root / "g4", [*LLAVA, "parallelism=tp1", "gtp=tp4_align32", *resume]),
                        (root / "dp2", [*LLAVA, "parallelism=dp2", *resume])])
     return root, jobs
 
@@ -50,7 +53,8 @@ def test_the_llava_model_trains_with_validation_on_the_built_parameters(runs):
     assert VALID in got[5] and VALID not in got[4]
     assert f"parameters on rank 0: {PER_RANK_TP2_G2}" in jobs[0].stdout
     assert "> GTP: 20 weights sharded over gtp_remat_size=2, pad_for_alignment=16" in jobs[0].stdout
-    assert f"parameters on rank 0: {PARAMETERS}" in jobs[2].stdout  # tp1: one rank holds all
+    assert "pad_for_alignment=32 verified on the built model" in jobs[2].stdout
+    assert f"parameters on rank 0: {PARAMETERS}" in jobs[3].stdout  # tp1: one rank holds all
 
 
 def test_a_resume_at_the_same_layout_is_bit_for_bit(runs):
@@ -65,10 +69,11 @@ def test_a_resume_at_the_same_layout_is_bit_for_bit(runs):
     assert got[5][VALID] == want[5][VALID]
 
 
-def test_tp2_gtp2_run_resumes_at_tp1_dp2_without_gtp(runs):
+@pytest.mark.parametrize("resumed", ["g4", "dp2"])
+def test_tp2_gtp2_run_resumes_at_g4_a32_and_at_tp1_dp2_without_gtp(runs, resumed):
     root, _ = runs
     want, _ = by_iteration(root / "tp2gtp2")
-    got, events = by_iteration(root / "dp2")
+    got, events = by_iteration(root / resumed)
     assert sorted(got) == [3, 4, 5]
     assert events[0]["event"] == "resume" and events[0]["iteration"] == RESUMED_AT
     for it in (3, 4, 5):
