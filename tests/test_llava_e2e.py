@@ -3,7 +3,8 @@ model ``model=llava_tiny`` (megatron's LLaVAModel: CLIP ViT, MLP projector, Llam
 model) on ``data=shapes`` (images with captions, loss on the caption only), trained at tp2 x
 g2/a16 with validation, checkpointed at iteration 2 and resumed from it at the same layout, at
 tp1 x g4/a32 (the ViT's linear_proj / linear_fc2: 72 rows in shards of 32, the last all padding)
-and at tp1 x dp2 without GTP.
+and at tp1 x dp2 without GTP with more vocabulary padding (384 rows where the checkpoint holds
+320: the real rows are read, the padding rows start at zero and never reach the loss).
 
 The same-layout resume gives the original run's ``lm loss``, ``grad-norm`` and validation loss
 bit for bit over iterations 3..5; the other resumes give them up to the order of fp32
@@ -34,15 +35,19 @@ VALID = "lm loss validation"
 
 
 @pytest.fixture(scope="module")
-def runs(train_jobs, tmp_path_factory):
+def runs(train_jobs, train_run, tmp_path_factory):
     root = tmp_path_factory.mktemp("llava")
     resume = [f"checkpoint.load={root / 'tp2gtp2'}/checkpoints",
               f"checkpoint.load_iteration={RESUMED_AT}"]
     jobs = train_jobs([(root / "tp2gtp2", [*LLAVA, *GTP2]),
                        (root / "same", [*LLAVA, *GTP2, *resume]),
-                       (root / "g4", [*LLAVA, "parallelism=tp1", "gtp=tp4_align32", *resume]),
-                       (root / "dp2", [*LLAVA, "parallelism=dp2", *resume])])
-    return root, jobs
+                       (root / "g4", [*LLAVA, "parallelism=tp1", "gtp=tp4_align32", *resume])])
+    # Through train.py itself: a resume takes the model fields its command line does not give
+    # from the checkpoint, and only Hydra's command line gives them (an in-world job gives
+    # none). 384 vocabulary rows (lcm 128) where the checkpoint holds 320 (lcm 64).
+    proc = train_run(root / "dp2", *LLAVA, "parallelism=dp2",
+                     "model.make_vocab_size_divisible_by=128", *resume)
+    return root, [*(job.stdout for job in jobs), proc.stdout]
 
 
 def test_the_llava_model_trains_with_validation_on_the_built_parameters(runs):
@@ -51,10 +56,11 @@ def test_the_llava_model_trains_with_validation_on_the_built_parameters(runs):
     assert sorted(got) == [1, 2, 3, 4, 5]
     assert got[5]["lm loss"] < got[1]["lm loss"]
     assert VALID in got[5] and VALID not in got[4]
-    assert f"parameters on rank 0: {PER_RANK_TP2_G2}" in jobs[0].stdout
-    assert "> GTP: 20 weights sharded over gtp_remat_size=2, pad_for_alignment=16" in jobs[0].stdout
-    assert "pad_for_alignment=32 verified on the built model" in jobs[2].stdout
-    assert f"parameters on rank 0: {PARAMETERS}" in jobs[3].stdout  # tp1: one rank holds all
+    assert f"parameters on rank 0: {PER_RANK_TP2_G2}" in jobs[0]
+    assert "> GTP: 20 weights sharded over gtp_remat_size=2, pad_for_alignment=16" in jobs[0]
+    assert "pad_for_alignment=32 verified on the built model" in jobs[2]
+    # tp1: one rank holds all, with 384 rows in the embedding and the output layer.
+    assert f"parameters on rank 0: {PARAMETERS + 2 * (384 - 320) * 64}" in jobs[3]
 
 
 def test_a_resume_at_the_same_layout_is_bit_for_bit(runs):
