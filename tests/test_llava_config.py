@@ -58,6 +58,16 @@ def test_llava_tiny_is_the_llava_family_and_its_count_is_worked_out_by_hand():
     assert len(names) == len(set(names)) == 15 + 29 + 4
 
 
+def test_a_learned_position_embedding_covers_the_text_and_the_image_embeddings():
+    # seq_length 32 text tokens: the image token gives way to 17 image embeddings (48 rows),
+    # or 16 when the class token is dropped (47); the ViT keeps its 17 positions either way.
+    m = make_cfg(*LLAVA, "model.position_embedding_type=learned_absolute").model
+    assert parameter_counts(m, VOCAB)[0] == TOTAL + 48 * 64
+    m = make_cfg(*LLAVA, "model.position_embedding_type=learned_absolute",
+                 "model.drop_vision_class_token=true").model
+    assert parameter_counts(m, VOCAB)[0] == TOTAL + 47 * 64
+
+
 def test_the_dry_run_counts_the_whole_model_and_one_rank():
     from recipes.dry_run import rank_sizes, report
 

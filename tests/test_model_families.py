@@ -119,6 +119,10 @@ def test_every_tiny_preset_builds_the_parameters_of_its_table():
     cfgs["hybrid_tiny+biases"] = layout_cfg(
         "hybrid_tiny", 2, 1, None, 2, "logical", "model.add_bias_linear=true",
         "model.qk_layernorm=true", "model.position_embedding_type=learned_absolute")
+    # The LLaVA table's learned position embedding over text and image embeddings.
+    cfgs["llava_tiny+positions"] = layout_cfg(
+        "llava_tiny", 2, 1, None, 2, "logical", "data=shapes",
+        "model.position_embedding_type=learned_absolute", "model.drop_vision_class_token=true")
     results = run_distributed(_build_each, 2, cfgs, timeout=300)
     activation = {"gpt2_tiny": "gelu_tanh", "tiny": "gelu", "hybrid_tiny": "gelu"}
     for rank, res in enumerate(results):

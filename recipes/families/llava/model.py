@@ -122,11 +122,6 @@ def build(m, config, spec, vocab: int, pre: bool, post: bool, vp_stage, tied: bo
     return model
 
 
-def output_layer(chunk):
-    """The language model's ``output_layer`` of a built ``LLaVAModel``."""
-    return chunk.language_model.output_layer
-
-
 @contextlib.contextmanager
 def building():
     """While chunks are built: megatron's CLIP ViT and LLaVA without TransformerEngine and
