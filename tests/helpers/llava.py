@@ -18,6 +18,7 @@ VOCAB, BATCH = 320, 2
 
 
 def install() -> None:
+    """megatron's CLIP ViT and LLaVA without TransformerEngine and CUDA (the family's shims)."""
     from mcore_compat import vision_cpu
 
     vision_cpu.install()
@@ -25,12 +26,14 @@ def install() -> None:
 
 @functools.cache
 def model_config():
+    """``llava_tiny``'s ``model`` config (OmegaConf) with ``swiglu`` off."""
     from compose import make_cfg
 
     return make_cfg("model=llava_tiny", "data=shapes", "model.swiglu=false").model
 
 
 def config(tp: int):
+    """The language model's ``TransformerConfig`` at TP ``tp`` (fp32, CPU init, no fusions)."""
     from megatron.core.transformer import TransformerConfig
 
     from recipes.families.llava import model as llava
@@ -52,7 +55,8 @@ def build(tp: int):
 
 
 def loss(model) -> torch.Tensor:
-    """The caption loss of two fixed image-caption samples (``recipes.data.images``)."""
+    """The caption loss (a float32 scalar) of two fixed image-caption samples
+    (``recipes.data.images``), as the training loop's ``loss_func`` takes it."""
     from recipes.data import ByteTokenizer
     from recipes.data.images import ShapesDataset
     from recipes.data.sampler import collate
