@@ -217,26 +217,29 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None,
     from megatron.core import dist_checkpointing
 
     check_out_dir(out_dir, force)  # before anything is read
-    analysis, tensors = stock.read_logical(ckpt, layout)
-    common = dist_checkpointing.load_common_state_dict(str(analysis.path))
+    # The recorded model first: a model no family exports is refused with its reason before
+    # its tensors are read (a vision model's tensors are not the text layouts the reader infers).
+    path = stock.resolve_iter_dir(ckpt)
+    common = dist_checkpointing.load_common_state_dict(str(path))
     train_state = common.get("train_state") or {}
     run_config = train_state.get("config")
     if not run_config or "model" not in run_config:
-        raise ExportError(f"{analysis.path} records no run config (train_state['config']): it "
+        raise ExportError(f"{path} records no run config (train_state['config']): it "
                           f"was not written by gtp-recipes")
     model_cfg, data_cfg = run_config["model"], run_config.get("data") or {}
     arch = families.for_export(model_cfg)
+    hf_cls = getattr(transformers, arch.hf_class, None)
+    if hf_cls is None:
+        raise ExportError(f"transformers {transformers.__version__} has no {arch.hf_class}: "
+                          f"install a transformers that has it (tested: 5.25)")
+    _, tensors = stock.read_logical(path, layout)
     vocab, eod = _vocab(common, data_cfg)
     model_keys = {k: v for k, v in tensors.items() if not k.startswith("optimizer")
                   and isinstance(v, torch.Tensor)}
     mtp = sorted(k for k in model_keys if k.startswith(MTP_PREFIX))
     model_keys = {k: v for k, v in model_keys.items() if not k.startswith(MTP_PREFIX)}
-    hf_cls = getattr(transformers, arch.hf_class, None)
-    if hf_cls is None:
-        raise ExportError(f"transformers {transformers.__version__} has no {arch.hf_class}: "
-                          f"install a transformers that has it (tested: 5.25)")
     config, state = build_state(arch, model_keys, model_cfg, vocab, _token_ids(common, eod),
-                                analysis.path)
+                                path)
     # In the checkpoint's dtype: load_state_dict would cast a bf16 run's weights to fp32.
     model = hf_cls(config).to(state[arch.embedding].dtype)
     state = {k: v.contiguous()
@@ -256,7 +259,7 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None,
     model.save_pretrained(out, safe_serialization=True)
     tokenizer_files = _copy_tokenizer(data_cfg, out, _token_ids(common, eod))
     (out / "gtp_recipes_export.json").write_text(json.dumps({
-        "source": str(analysis.path), "iteration": common.get("iteration"),
+        "source": str(path), "iteration": common.get("iteration"),
         "architecture": arch.hf_class, "vocab_size": vocab,
         "saved_layout": saved_layout(common), "tokenizer_files": tokenizer_files,
         "not_exported": {"weights": mtp, "why": MTP_NOT_EXPORTED} if mtp else None,

@@ -125,6 +125,23 @@ class ModelConfig:
     mamba_num_heads: Optional[int] = None
     # Steps of the SSD scan's chunks (MambaMixer's chunk_size).
     mamba_chunk_size: int = 128
+    # Vision-language (megatron's LLaVAModel, docs/llava.md): "clip" puts megatron's CLIP ViT
+    # and an MLP projector in front of the language model above; null: text only. The ViT's
+    # dims are the vision_* fields; images are img_h x img_w in patch_dim x patch_dim patches.
+    vision_model_type: Optional[str] = None
+    vision_num_layers: int = 2
+    vision_hidden_size: int = 72
+    vision_num_attention_heads: int = 4
+    vision_ffn_hidden_size: int = 200
+    # The projector (MultimodalProjector): "mlp", vision hidden -> this width -> hidden_size.
+    vision_projection_type: str = "mlp"
+    vision_projection_ffn_hidden_size: int = 128
+    img_h: int = 32
+    img_w: int = 32
+    patch_dim: int = 8
+    # Drop the ViT's class token before the language model (Megatron-LM's
+    # --disable-vision-class-token).
+    drop_vision_class_token: bool = False
 
 
 @dataclass
@@ -201,7 +218,8 @@ class DataConfig:
     ``source``: ``pydoc`` (CPython's bundled documentation text, tokenized on first use and
     cached), ``indexed`` (existing Megatron .bin/.idx prefixes in ``paths``, tokenized with
     ``tokenizer``), ``text`` (.txt / .jsonl files in ``paths``, converted on first use), ``mock``
-    (megatron's MockGPTDataset, no files).
+    (megatron's MockGPTDataset, no files), ``shapes`` (images of coloured shapes with their
+    captions, drawn here: a vision-language model's data, ``recipes.data.images``).
     """
 
     name: str = "pydoc"

@@ -157,7 +157,10 @@ def _stage_share(dims: dict, chunk, cfg) -> dict:
     the first stage (and on the stage of the MTP layers, where megatron keeps a copy), the MTP
     layers and the output layer on the last one (a copy of the tied embedding there when the
     embedding lives on another stage)."""
-    local = {layer.layer_number - 1: i for i, layer in enumerate(chunk.decoder.layers)}
+    # A LLaVAModel has no decoder of its own (its weights are all prefixed; no pipeline stages).
+    decoder = getattr(chunk, "decoder", None)
+    local = ({layer.layer_number - 1: i for i, layer in enumerate(decoder.layers)}
+             if decoder is not None else {})
     mtp = getattr(chunk, "mtp_process", False)
     out = {}
     for name, dim in dims.items():

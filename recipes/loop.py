@@ -46,11 +46,18 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def forward_step(data_iterator, model):
     """megatron ``forward_step_func``: one micro-batch (this rank's share of its sequence with
-    context parallelism) through the model."""
+    context parallelism) through the model; a batch with ``images`` through a vision-language
+    model (``LLaVAModel``: images, then the text arguments)."""
     batch = context_parallel.batch_on_this_rank(next(data_iterator))
     device = next(model.parameters()).device
     if device.type != "cpu":
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    if "images" in batch:
+        # megatron's LLaVAModel: the image's embeddings replace its token, so the loss and the
+        # loss mask it returns are over that longer sequence.
+        output, loss_mask = model(batch["images"], batch["tokens"], batch["position_ids"], None,
+                                  labels=batch["labels"], loss_mask=batch["loss_mask"])
+        return output, partial(loss_func, loss_mask)
     # loss_mask: megatron's MTP loss (multi_token_prediction.process_mtp_loss) masks with it.
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                    loss_mask=batch["loss_mask"])

@@ -95,7 +95,8 @@ def mask_padded_vocab(model, vocab_size: int, padded_size: int) -> None:
     ``make_vocab_size_divisible_by``). Works in fp32 and bf16 (``-inf`` exists in both).
 
     Args:
-        model: the ``GPTModel`` (its ``output_layer`` yields ``(logits [s, b, padded/tp], bias)``,
+        model: the ``GPTModel`` or ``LLaVAModel`` (its or its ``language_model`` 's
+            ``output_layer`` yields ``(logits [s, b, padded/tp], bias)``,
             or the full padded width when the output is gathered).
         vocab_size: real (tokenizer) vocabulary rows.
         padded_size: rows of the whole padded output layer.
@@ -115,7 +116,9 @@ def mask_padded_vocab(model, vocab_size: int, padded_size: int) -> None:
         return logits.masked_fill(torch.arange(width, device=logits.device) >= real,
                                  float("-inf")), bias
 
-    model.output_layer.register_forward_hook(hook)
+    # A vision-language model's output layer is its language model's.
+    output_layer = getattr(model, "output_layer", None) or model.language_model.output_layer
+    output_layer.register_forward_hook(hook)
 
 
 def _chunk(cfg, config, vocab: int, pre: bool, post: bool, vp_stage, tied: bool, use_te: bool):

@@ -96,6 +96,10 @@ def _check_batches(cfg, layout: ParallelDims) -> None:
     d = cfg.data
     if d.source not in SOURCES:
         raise ConfigError(f"data.source={d.source!r}: valid are {SOURCES}")
+    if d.source == "shapes" and cfg.model.get("vision_model_type") is None:
+        raise ConfigError("data.source='shapes' (images with captions) needs a vision-language "
+                          "model (model.vision_model_type, e.g. model=llava_tiny); a text model "
+                          "trains on pydoc, text, indexed or mock")
     check_positive("data.micro_batch_size", d.micro_batch_size)
     check_positive("data.global_batch_size", d.global_batch_size)
     # Batches are split over the full data group, dp x gtp_remat_size: GTP peers read different

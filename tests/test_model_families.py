@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
 MOE_PRESETS = {"moe_tiny", "mixtral_8x7b", "qwen3_30b_a3b"}
 HYBRID_PRESETS = {"hybrid_tiny"}
+LLAVA_PRESETS = {"llava_tiny"}
 # What a family may take from another family's folder: the one it builds on.
 BUILDS_ON = {"moe": {"gpt"}}
 
@@ -27,7 +28,7 @@ BUILDS_ON = {"moe": {"gpt"}}
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_belongs_to_its_family(preset):
     expected = ("moe" if preset in MOE_PRESETS else "hybrid" if preset in HYBRID_PRESETS
-                else "gpt")
+                else "llava" if preset in LLAVA_PRESETS else "gpt")
     assert family_of(make_cfg(f"model={preset}").model).name == expected
 
 
@@ -98,7 +99,9 @@ def _build_each(cfg_yamls: dict) -> dict:
         got = {n: tuple(p.shape) for n, p in model.module.named_parameters()}
         out[name] = [f"{n}: built {got.get(n)}, table {want.get(n)}"
                      for n in sorted(got.keys() | want.keys()) if got.get(n) != want.get(n)]
-        mlp = next(layer.mlp for layer in model.module.decoder.layers if hasattr(layer, "mlp"))
+        # A LLaVA model's MLPs are its language model's (its ViT's are GeLU by megatron's spec).
+        decoder = getattr(model.module, "decoder", None) or model.module.language_model.decoder
+        mlp = next(layer.mlp for layer in decoder.layers if hasattr(layer, "mlp"))
         out[name].append(getattr(mlp, "config", model.module.config).activation_func.__name__)
     return out
 
@@ -110,11 +113,16 @@ def test_every_tiny_preset_builds_the_parameters_of_its_table():
     from layout_goldens import make_cfg as layout_cfg
     from multiproc import run_distributed
 
-    cfgs = {p: layout_cfg(p, 2, 1, None, 2) for p in TINY_PRESETS}
+    cfgs = {p: layout_cfg(p, 2, 1, None, 2, "logical",
+                          *(["data=shapes"] if p in LLAVA_PRESETS else [])) for p in TINY_PRESETS}
     # The hybrid table's optional parameters: biases, q/k norms, a learned position embedding.
     cfgs["hybrid_tiny+biases"] = layout_cfg(
         "hybrid_tiny", 2, 1, None, 2, "logical", "model.add_bias_linear=true",
         "model.qk_layernorm=true", "model.position_embedding_type=learned_absolute")
+    # The LLaVA table's learned position embedding over text and image embeddings.
+    cfgs["llava_tiny+positions"] = layout_cfg(
+        "llava_tiny", 2, 1, None, 2, "logical", "data=shapes",
+        "model.position_embedding_type=learned_absolute", "model.drop_vision_class_token=true")
     results = run_distributed(_build_each, 2, cfgs, timeout=300)
     activation = {"gpt2_tiny": "gelu_tanh", "tiny": "gelu", "hybrid_tiny": "gelu"}
     for rank, res in enumerate(results):

@@ -35,10 +35,10 @@ ALLOWED = {
 }
 
 
-def test_the_registry_lists_the_gpt_hybrid_and_moe_families():
+def test_the_registry_lists_the_gpt_hybrid_llava_and_moe_families():
     from gtp.families import FamilyFormats, families
 
-    assert [f.name for f in families()] == ["gpt", "hybrid", "moe"]
+    assert [f.name for f in families()] == ["gpt", "hybrid", "llava", "moe"]
     assert all(isinstance(f, FamilyFormats) for f in families())
 
 

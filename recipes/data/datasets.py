@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from gtp.collectives import collective_device
+from recipes.data import images
 from recipes.data.corpus import (check_indexed_paths, check_text_paths, prepare_data,
                                  resolved_cache_dir, sequence_lengths)
 from recipes.data.tokenizers import Tokenizer, build_tokenizer, check_source
@@ -177,6 +178,8 @@ def build_datasets(
     data_cfg = cfg.data
     seq_length = int(cfg.model.seq_length)
     source = check_source(data_cfg)
+    if source == "shapes":  # images with captions, drawn on the fly (no files, no index caches)
+        return images.build_datasets(cfg, tokenizer, train_samples, valid_samples)
     split = check_split(data_cfg.split)
     if int(train_samples) < 1:
         raise ValueError(f"train_samples={train_samples} must be >= 1")

@@ -12,6 +12,9 @@ from recipes.data.datasets import build_datasets
 from recipes.data.tokenizers import Tokenizer, build_tokenizer
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+# Also stacked when the samples have them: a vision-language model's images
+# (recipes.data.images, float32 [3, h, w] each).
+IMAGE_KEY = "images"
 
 
 class PretrainingSampler:
@@ -93,8 +96,10 @@ class PretrainingSampler:
 
 def collate(samples: Sequence[dict]) -> dict[str, torch.Tensor]:
     """Stack per-sample dicts into a micro-batch: ``tokens``, ``labels``, ``position_ids`` int64
-    ``[b, s]`` and ``loss_mask`` float32 ``[b, s]`` (other keys are dropped)."""
-    return {key: torch.stack([s[key] for s in samples]) for key in BATCH_KEYS}
+    ``[b, s]``, ``loss_mask`` float32 ``[b, s]`` and, when the samples have them, ``images``
+    float32 ``[b, 3, h, w]`` (other keys are dropped)."""
+    keys = BATCH_KEYS + ((IMAGE_KEY,) if IMAGE_KEY in samples[0] else ())
+    return {key: torch.stack([s[key] for s in samples]) for key in keys}
 
 
 class MicroBatchIterator:

@@ -19,7 +19,7 @@ import numpy
 from gtp.tokens import EOD_TOKENS
 from recipes.errors import ConfigError
 
-SOURCES = ("pydoc", "text", "indexed", "mock")
+SOURCES = ("pydoc", "text", "indexed", "mock", "shapes")
 # Named tokenizers; any other data.tokenizer value is a path to a Hugging Face tokenizer.json.
 TOKENIZERS = ("byte", "external")
 # Megatron's "no pad token" id (megatron.core.datasets.megatron_dataset._PAD_TOKEN_ID,

@@ -9,13 +9,14 @@ name patterns (``formats.py``, registered with ``gtp/`` under the entry-point gr
 
 from __future__ import annotations
 
-from recipes.families import gpt, hybrid, moe
+from recipes.families import gpt, hybrid, llava, moe
 from recipes.families.family import ModelFamily
 from recipes.shapes import ParamShape, count, getter, padded_vocab_size, tp_local_shape
 from recipes.vocab import VOCAB_KEYS
 
-# First match wins: the dense GPT family matches every decoder, so it comes last.
-FAMILIES: tuple[ModelFamily, ...] = (hybrid.FAMILY, moe.FAMILY, gpt.FAMILY)
+# First match wins: the dense GPT family matches every decoder, so it comes last; LLaVA first,
+# as its language model may carry other families' fields (which it refuses).
+FAMILIES: tuple[ModelFamily, ...] = (llava.FAMILY, hybrid.FAMILY, moe.FAMILY, gpt.FAMILY)
 
 
 def family_of(m) -> ModelFamily:

@@ -1,0 +1,99 @@
+"""End to end (each job run as train.py's workers run it, tests/helpers/inworld.py): the LLaVA
+model ``model=llava_tiny`` (megatron's LLaVAModel: CLIP ViT, MLP projector, Llama-style language
+model) on ``data=shapes`` (images with captions, loss on the caption only), trained at tp2 x
+g2/a16 with validation, checkpointed at iteration 2 and resumed from it at the same layout and
+at tp1 x dp2 without GTP with more vocabulary padding (384 rows where the checkpoint holds
+320: the real rows are read, the padding rows start at zero and never reach the loss).
+
+The same-layout resume gives the original run's ``lm loss``, ``grad-norm`` and validation loss
+bit for bit over iterations 3..5; the tp1 x dp2 resume gives them up to the order of fp32
+reductions (tests/helpers/tolerance.py). ``gtp export`` refuses the checkpoint, naming why.
+Every weight and moment across layouts, g4/a32's all-padding shard included:
+tests/test_llava_layouts.py.
+"""
+
+from __future__ import annotations
+
+import io
+from contextlib import redirect_stderr
+
+import pytest
+
+from resume_checks import assert_same_step, by_iteration
+from tolerance import assert_fp32_close
+
+pytestmark = pytest.mark.e2e
+
+# Two samples a micro-batch, one micro-batch a data rank (tp2 x g2: GTP peers read different
+# ones; dp2): both layouts average the same micro-batch losses.
+LLAVA = ["model=llava_tiny", "data=shapes", "data.micro_batch_size=2",
+         "data.global_batch_size=4", "train.train_iters=5", "checkpoint.save_interval=2",
+         "train.eval_iters=1", "train.eval_interval=5"]
+GTP2 = ["parallelism=tp2", "gtp=tp2_align16"]
+RESUMED_AT = 2
+PARAMETERS = 248_640  # llava_tiny's (tests/test_llava_config.py works it out by hand)
+PER_RANK_TP2_G2 = 81_504  # one rank's at tp2 x g2/a16 (the same test, by hand)
+VALID = "lm loss validation"
+
+
+@pytest.fixture(scope="module")
+def runs(train_jobs, train_run, tmp_path_factory):
+    root = tmp_path_factory.mktemp("llava")
+    resume = [f"checkpoint.load={root / 'tp2gtp2'}/checkpoints",
+              f"checkpoint.load_iteration={RESUMED_AT}"]
+    jobs = train_jobs([(root / "tp2gtp2", [*LLAVA, *GTP2]),
+                       (root / "same", [*LLAVA, *GTP2, *resume])])
+    # Through train.py itself: a resume takes the model fields its command line does not give
+    # from the checkpoint, and only Hydra's command line gives them (an in-world job gives
+    # none). 384 vocabulary rows (lcm 128) where the checkpoint holds 320 (lcm 64).
+    proc = train_run(root / "dp2", *LLAVA, "parallelism=dp2",
+                     "model.make_vocab_size_divisible_by=128", *resume)
+    return root, [*(job.stdout for job in jobs), proc.stdout]
+
+
+def test_the_llava_model_trains_with_validation_on_the_built_parameters(runs):
+    root, jobs = runs
+    got, _ = by_iteration(root / "tp2gtp2")
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    assert got[5]["lm loss"] < got[1]["lm loss"]
+    assert VALID in got[5] and VALID not in got[4]
+    assert f"parameters on rank 0: {PER_RANK_TP2_G2}" in jobs[0]
+    assert "> GTP: 20 weights sharded over gtp_remat_size=2, pad_for_alignment=16" in jobs[0]
+    # tp1: one rank holds all, with 384 rows in the embedding and the output layer.
+    assert f"parameters on rank 0: {PARAMETERS + 2 * (384 - 320) * 64}" in jobs[2]
+
+
+def test_a_resume_at_the_same_layout_is_bit_for_bit(runs):
+    root, _ = runs
+    want, _ = by_iteration(root / "tp2gtp2")
+    got, events = by_iteration(root / "same")
+    assert sorted(got) == [3, 4, 5]
+    assert events[0]["event"] == "resume" and events[0]["iteration"] == RESUMED_AT
+    for it in (3, 4, 5):
+        for key in ("lm loss", "grad-norm", "learning-rate", "consumed-samples"):
+            assert got[it][key] == want[it][key], (it, key)
+    assert got[5][VALID] == want[5][VALID]
+
+
+def test_tp2_gtp2_run_resumes_at_tp1_dp2_without_gtp(runs):
+    root, _ = runs
+    want, _ = by_iteration(root / "tp2gtp2")
+    got, events = by_iteration(root / "dp2")
+    assert sorted(got) == [3, 4, 5]
+    assert events[0]["event"] == "resume" and events[0]["iteration"] == RESUMED_AT
+    for it in (3, 4, 5):
+        assert_same_step(got[it], want[it], it - RESUMED_AT, terms=PARAMETERS)
+    assert_fp32_close(got[5][VALID], want[5][VALID], 5 - RESUMED_AT, PARAMETERS, what=VALID)
+
+
+def test_gtp_export_refuses_the_llava_checkpoint_naming_why(runs, tmp_path):
+    from gtp.cli import main
+
+    root, _ = runs
+    err = io.StringIO()
+    with redirect_stderr(err):
+        rc = main(["export", str(root / "tp2gtp2" / "checkpoints"), str(tmp_path / "hf")])
+    assert rc == 2, err.getvalue()
+    assert ("model.vision_model_type='clip': a vision-language (LLaVA) checkpoint is not "
+            "exported") in err.getvalue()
+    assert not (tmp_path / "hf").exists()
