@@ -101,6 +101,14 @@ class FamilyFormats:
             shape although they are not norms or biases (which the reader knows): weights
             megatron gathers over GTP before it saves them (Mamba's ``in_proj`` components),
             and params GTP never shards (Mamba's ``conv1d``, ``A_log``, ``D``, ``dt_bias``).
+        sub_models: the key prefixes of a model made of sub-models with model dims of their own
+            (LLaVA's ``language_model.``, ``vision_model.``, ``vision_projection.``): the stock
+            reader gives each prefix's keys their own dims, from :attr:`sub_model_dims` where
+            the checkpoint records the model config and from that prefix's tensors otherwise.
+        sub_model_dims: ``recorded model config dict -> {prefix: dims}`` with the stock reader's
+            dim names (``hidden_size``, ``ffn_hidden_size``, ``swiglu``,
+            ``num_attention_heads``, ``num_query_groups``, ``kv_channels``: those that shape
+            the GTP weights under that prefix); None for a model that is not this family's.
     """
 
     name: str
@@ -108,6 +116,8 @@ class FamilyFormats:
     architecture: Callable[[dict], Optional[str]]
     gtp_patterns: tuple[tuple[re.Pattern, str], ...] = ()
     stored_logical: tuple[re.Pattern, ...] = ()
+    sub_models: tuple[str, ...] = ()
+    sub_model_dims: Optional[Callable[[Mapping], Optional[dict]]] = None
 
 
 @functools.cache
@@ -171,3 +181,23 @@ def stored_logical_patterns() -> tuple[re.Pattern, ...]:
     """Every family's regexes of stock-format keys stored at their logical shape
     (:attr:`FamilyFormats.stored_logical`)."""
     return tuple(p for f in families() for p in f.stored_logical)
+
+
+def sub_model_dims(model_keys, model: Optional[Mapping]) -> dict:
+    """``{prefix: recorded dims}`` of the sub-models of a checkpoint (:attr:`FamilyFormats.
+    sub_models`) whose prefix some of ``model_keys`` (checkpoint model keys, strings) starts
+    with; ``{}`` for a model of one set of dims. A prefix's dims are ``{}`` when ``model`` (the
+    recorded ``model`` config dict, None when not recorded) does not give them.
+
+    Raises:
+        whatever a family's ``sub_model_dims`` raises for a malformed model config.
+    """
+    keys = list(model_keys)
+    out: dict = {}
+    for f in families():
+        used = [p for p in f.sub_models if any(k.startswith(p) for k in keys)]
+        if not used:
+            continue
+        recorded = (f.sub_model_dims(dict(model)) if f.sub_model_dims and model else None) or {}
+        out.update({p: dict(recorded.get(p) or {}) for p in used})
+    return out

@@ -21,12 +21,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping, Optional
 
+from gtp.families import sub_model_dims
 from gtp.safe_objects import install
 from gtp.stock.format import METADATA_KEY, TRACKER, StockCheckpointError, checkpoint_format
 from gtp.stock.messages import LAYOUT_HELP
-from gtp.stock.specs import (Analysis, SavedLayout, StoredCheckpoint, TensorInfo, TensorSpec,
-                             config_layout, dims_problems, gtp_kind, infer_dims, is_plain,
-                             parse_layout, split_key, strip_suffix)
+from gtp.stock.specs import (MODEL_DIMS, Analysis, SavedLayout, StoredCheckpoint, TensorInfo,
+                             TensorSpec, config_layout, dims_problems, get_path, gtp_kind,
+                             infer_dims, is_plain, parse_layout, split_key, strip_suffix)
 from gtp.stock.stock_layout import analyze_stock
 
 
@@ -113,8 +114,24 @@ def _read_checkpoint(ckpt, layout, common: Optional[Mapping]) -> StoredCheckpoin
     meta = common.get(METADATA_KEY) or {}
 
     items, sources = _layout_items(common, user, meta)
-    inferred = infer_dims(shapes)
+    sub = sub_model_dims((k for k in shapes if not split_key(k)[0]),
+                         get_path(common, "train_state", "config", "model"))
+    given = sorted(k for k in user if k in MODEL_DIMS)
+    if sub and given:
+        raise StockCheckpointError(
+            f"{path}: a model of sub-models ({', '.join(sub)}) with model dims given by the "
+            f"caller ({given}): each sub-model has dims of its own, read from the recorded run "
+            f"config (train_state.config.model) or from its tensors; give only the layout "
+            f"(tp, gtp, pad, vocab)")
+    inferred = infer_dims(_under(shapes, sub, None))
     problems = dims_problems(items, inferred, "recorded" if not user else "given")
+    # Each sub-model: its recorded dims over those its tensors imply; the layout is shared.
+    shared = {k: v for k, v in items.items() if k not in MODEL_DIMS}
+    sub_dims = {}
+    for prefix, recorded in sub.items():
+        implied = infer_dims(_under(shapes, sub, prefix))
+        problems += [f"{prefix}*: {p}" for p in dims_problems(recorded, implied, "recorded")]
+        sub_dims[prefix] = {**implied, **recorded, **shared}
     if problems:
         raise StockCheckpointError(
             f"{path}: the layout does not match the stored tensors: {'; '.join(problems)}; "
@@ -122,7 +139,17 @@ def _read_checkpoint(ckpt, layout, common: Optional[Mapping]) -> StoredCheckpoin
     dims = {**inferred, **items}
     source = " + ".join(sources) if sources else "nothing recorded"
     gtp_bases, unknown = _gtp_weights(shapes, meta.get("tensors") or {})
-    return StoredCheckpoint(path, common, fmt, shapes, meta, items, source, dims, gtp_bases, unknown)
+    return StoredCheckpoint(path, common, fmt, shapes, meta, items, source, dims, gtp_bases,
+                            unknown, sub_dims)
+
+
+def _under(shapes: Mapping[str, tuple], prefixes, prefix: Optional[str]) -> dict:
+    """The stored shapes of the keys under the sub-model ``prefix`` (None: of the keys under
+    none of ``prefixes``)."""
+    def owner(key):
+        model_key = split_key(key)[1]
+        return next((p for p in prefixes if model_key.startswith(p)), None)
+    return {k: v for k, v in shapes.items() if owner(k) == prefix}
 
 
 def _layout_items(common: dict, user: dict, meta: Mapping) -> tuple[dict, list]:

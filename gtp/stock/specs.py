@@ -40,6 +40,11 @@ EXPERT_ITEMS = {"expert_tensor_parallel_size": "tensor_model_parallel_size",
                 "expert_gtp_remat_size": "gtp_remat_size",
                 "moe_ffn_hidden_size": "ffn_hidden_size"}
 
+# The model dims among LAYOUT_KEYS (the others are the layout and the vocabulary, one per
+# checkpoint): a model of sub-models (LLaVA) has one set of these per key prefix.
+MODEL_DIMS = ("hidden_size", "ffn_hidden_size", "swiglu", "num_attention_heads",
+              "num_query_groups", "kv_channels", "qkv_rows", "moe_ffn_hidden_size")
+
 # Grid searched when the checkpoint records no layout.
 GRID_TP = (1, 2, 4, 8, 16)
 GRID_G = (1, 2, 4, 8)
@@ -155,6 +160,17 @@ class StoredCheckpoint:
     dims: dict  # model dims: inferred from the stored shapes, overridden by the items
     gtp_bases: dict  # base key of a GTP weight -> {suffix: stored shape}
     unknown: list  # model keys neither known GTP weights nor known plain tensors
+    # {key prefix: model dims} of a model of sub-models (LLaVA: gtp.families.sub_model_dims)
+    sub_dims: dict = field(default_factory=dict)
+
+    def dims_for(self, key: str) -> dict:
+        """The model dims that shape ``key`` (a model or optimizer key): its sub-model's
+        (:attr:`sub_dims`, by key prefix), else the checkpoint's (:attr:`dims`)."""
+        model_key = split_key(key)[1]
+        for prefix, dims in self.sub_dims.items():
+            if model_key.startswith(prefix):
+                return dims
+        return self.dims
 
     @property
     def meta_tensors(self) -> dict:

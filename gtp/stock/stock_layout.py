@@ -124,7 +124,7 @@ def _all_at_logical_size(ck: StoredCheckpoint) -> bool:
     known_sizes = []
     for base, sub in ck.gtp_bases.items():
         kind = gtp_kind(base)
-        rows = logical_rows_global(kind, ck.dims)
+        rows = logical_rows_global(kind, ck.dims_for(base))
         if rows is None:
             continue
         want = ({"_w": rows // 2, "_v": rows // 2} if ("_w" in sub or "_v" in sub)
@@ -145,7 +145,7 @@ def _options_for(ck: StoredCheckpoint, lay: SavedLayout) -> dict:
             kind = gtp_kind(base)  # for messages only (None: not a known GPT weight)
         else:
             kind = gtp_kind(base)
-            spec = spec_for(base, kind, ck.dims, lay.tp, "_w" in sub or "_v" in sub)
+            spec = spec_for(base, kind, ck.dims_for(base), lay.tp, "_w" in sub or "_v" in sub)
         Ls = [spec.L] if spec.L is not None else candidate_Ls(spec, lay, stored_rows)
         ok = []
         for L in Ls:
@@ -171,7 +171,8 @@ def _plans_for_layout(ck: StoredCheckpoint, lay: SavedLayout) -> dict:
             spec = dataclasses.replace(spec, L=ok[0])
             plans[base] = (spec, row_map(spec, lay)[0])
         elif not ok and spec.L is not None:
-            expl = explaining_layouts(spec, ck.dims, stored_rows, kind) if kind else ""
+            expl = (explaining_layouts(spec, ck.dims_for(base), stored_rows, kind) if kind
+                    else "")
             raise StockCheckpointError(
                 f"{ck.path}: {base} is stored with shape {fmt_stored(base, ck.gtp_bases[base])}, "
                 f"but the layout {lay.describe()} [{ck.source}] with its logical size (TP-local "
@@ -204,11 +205,12 @@ def _viable_layouts(ck: StoredCheckpoint, candidates: list, tp: Optional[int]) -
         # Report the first tensor and the layouts explaining it alone.
         base, sub = next(iter(sorted(ck.gtp_bases.items())))
         kind = gtp_kind(base)
-        spec = spec_for(base, kind, ck.dims, tp or 1, "_w" in sub or "_v" in sub)
-        expl = explaining_layouts(spec, ck.dims, {s: v[-2] for s, v in sub.items()}, kind)
+        spec = spec_for(base, kind, ck.dims_for(base), tp or 1, "_w" in sub or "_v" in sub)
+        expl = explaining_layouts(spec, ck.dims_for(base), {s: v[-2] for s, v in sub.items()},
+                                  kind)
         raise StockCheckpointError(
             f"{ck.path}: no layout explains every stored GTP weight (saving layout not recorded: "
-            f"{ck.source}; model dims {fmt_dims(ck.dims)}). {base} is stored with shape "
+            f"{ck.source}; model dims {fmt_dims(ck.dims_for(base))}). {base} is stored with shape "
             f"{fmt_stored(base, sub)}; layouts explaining it: "
             f"{expl or 'none in the searched grid'}. {LAYOUT_HELP}")
     return viable

@@ -1,15 +1,25 @@
 """The LLaVA family's formats as ``gtp/`` reads and writes them (registered in ``pyproject.toml``
-under the entry-point group ``gtp.model_families``): none yet. An export of a LLaVA checkpoint
-is refused with the reason; its GTP weights' stock-format names are the GPT family's patterns
-(``linear_qkv``, ``linear_fc1``, ... under ``vision_model.`` / ``vision_projection.``), but the
-stock format is refused before launch for this family (``checks.py``).
+under the entry-point group ``gtp.model_families``). An export to Hugging Face is refused with
+the reason. Stock-format checkpoints are read: the GTP weights' names are the GPT family's
+patterns (``linear_qkv``, ``linear_fc1``, ... under ``language_model.``, ``vision_model.`` and
+``vision_projection.``), each of the three sub-models with its own dims (:func:`sub_model_dims`),
+and the ViT's patch convolution, class token and ``ln_pre`` are stored as they are.
 
 No megatron, Hydra or torch at import (the ``gtp`` command line loads it).
 """
 
 from __future__ import annotations
 
+import re
+from typing import Mapping
+
 from gtp.families import ExportError, FamilyFormats
+
+# megatron's LLaVAModel: the language model, the CLIP ViT, the MLP projector.
+SUB_MODELS = ("language_model.", "vision_model.", "vision_projection.")
+# The ViT's params that GTP never shards and that are neither norms nor biases nor position
+# embeddings (which the stock reader knows).
+STORED_LOGICAL = (re.compile(r"^vision_model\.(conv1\.weight|class_token|ln_pre\.weight)$"),)
 
 
 def architecture(model: dict) -> str | None:
@@ -30,4 +40,38 @@ def architecture(model: dict) -> str | None:
         f"hybrid models export)")
 
 
-FORMATS = FamilyFormats(name="llava", architectures=(), architecture=architecture)
+def sub_model_dims(model: Mapping) -> dict | None:
+    """``{key prefix: dims}`` of a recorded LLaVA ``model`` config (None without
+    ``vision_model_type``): the language model's own dims; the ViT's ``vision_*`` dims (no
+    SwiGLU, no query groups: megatron's CLIP config, ``model.py:vision_config``); the
+    projector's ``vision_projection_ffn_hidden_size`` rows into the language model's
+    ``hidden_size`` (no SwiGLU). Dims a config leaves null are left out (inferred from the
+    tensors).
+
+    Raises:
+        ValueError: a dim that is not a number.
+    """
+    if model.get("vision_model_type") is None:
+        return None
+
+    def pick(**names):
+        return {k: (v if k == "swiglu" else int(model[v])) if isinstance(v, str) else v
+                for k, v in names.items() if not isinstance(v, str) or model.get(v) is not None}
+
+    language = pick(hidden_size="hidden_size", ffn_hidden_size="ffn_hidden_size",
+                    num_attention_heads="num_attention_heads",
+                    num_query_groups="num_query_groups", kv_channels="kv_channels")
+    if model.get("swiglu") is not None:
+        language["swiglu"] = bool(model["swiglu"])
+    vision = pick(hidden_size="vision_hidden_size", ffn_hidden_size="vision_ffn_hidden_size",
+                  num_attention_heads="vision_num_attention_heads", swiglu=False)
+    if "num_attention_heads" in vision:  # CLIP: every head its own key/value
+        vision["num_query_groups"] = vision["num_attention_heads"]
+    projection = pick(hidden_size="hidden_size",
+                      ffn_hidden_size="vision_projection_ffn_hidden_size", swiglu=False)
+    return dict(zip(SUB_MODELS, (language, vision, projection)))
+
+
+FORMATS = FamilyFormats(name="llava", architectures=(), architecture=architecture,
+                        stored_logical=STORED_LOGICAL, sub_models=SUB_MODELS,
+                        sub_model_dims=sub_model_dims)
