@@ -103,10 +103,8 @@ def test_every_stock_layout_reads_the_logical_weights_and_moments(saved):
 
 def test_stock_checkpoints_load_exactly_into_padded_gtp_layouts(saved):
     _, results = saved
-    layouts = {**SAVES}
-    problems = module_layouts.failures([{k: v for k, v in r.items()} for r in results], layouts,
-                                       N_PARAMS)
     assert all(set(r) == set(LOADS) for r in results)
+    problems = module_layouts.failures(results, SAVES, N_PARAMS)
     assert not problems, "\n".join(problems[:40])
 
 

@@ -94,10 +94,9 @@ def _check_run(cfg, layout, key: str) -> None:
          f"precision.params_dtype={cfg.precision.params_dtype!r}: a LLaVA model is run in fp32 "
          f"here (not tested in bf16); use fp32"),
         (fmt == "stock",
-         "checkpoint.format=stock: megatron-core 0.19.2 stores the ViT's and projector's GTP "
-         "weights padded, and the stock reader that re-lays them reads one model's dims (it "
-         "takes the language model's SwiGLU for the ViT's fc1 too); use "
-         "checkpoint.format=logical"),
+         "checkpoint.format=stock: a run's stock-format save and resume is not tested with a "
+         "LLaVA model here (megatron-core 0.19.2's own LLaVA checkpoints are read, per "
+         "sub-model: python -m gtp inspect / convert); use checkpoint.format=logical"),
         (cfg.optim.get("optimizer", "adam") != "adam",
          f"optim.optimizer={cfg.optim.get('optimizer')!r}: only Adam is run with a LLaVA model "
          f"here (Muon's per-layer layouts read a GPT decoder); use adam"),
