@@ -118,8 +118,6 @@ def test_the_two_vision_cases_of_the_seed():
     (["model.mtp_num_layers=1"], "mtp_num_layers=1: LLaVAModel's language model"),
     (["model.transformer_impl=transformer_engine"], "builds megatron's local layers"),
     (["precision=bf16"], "params_dtype='bf16': a LLaVA model is run in fp32"),
-    (["checkpoint.format=stock"], "checkpoint.format=stock: a run's stock-format save and "
-                                  "resume is not tested with a LLaVA model"),
     (["optim=muon"], "optim.optimizer='muon': only Adam"),
     (["logger.grad_norm_detail=true"], "grad_norm_detail=true"),
     (["model.vision_model_type=siglip"], r"vision_model_type='siglip': valid are \('clip',\)"),

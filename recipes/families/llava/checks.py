@@ -21,7 +21,7 @@ def check(cfg, layout) -> None:
             caption token; data without images (``data.source`` other than ``shapes``); and
             what is not run here, each named with the reason: pipeline (and virtual pipeline),
             context or sequence parallelism, MoE, multi-token prediction, a hybrid language
-            model, TransformerEngine layers, bf16, the stock checkpoint format, Muon, a
+            model, TransformerEngine layers, bf16, Muon, a
             Hugging Face ``checkpoint.pretrained``, ``logger.grad_norm_detail``.
     """
     m, tp = cfg.model, layout.tensor_model_parallel_size
@@ -65,7 +65,6 @@ def _check_sizes(m, tp: int) -> None:
 
 def _check_run(cfg, layout, key: str) -> None:
     m = cfg.model
-    fmt = cfg.checkpoint.get("format", "logical")
     refusals = (
         (layout.pipeline_model_parallel_size > 1,
          f"parallelism.pipeline_model_parallel_size={layout.pipeline_model_parallel_size}: "
@@ -93,10 +92,6 @@ def _check_run(cfg, layout, key: str) -> None:
         (cfg.precision.params_dtype != "fp32",
          f"precision.params_dtype={cfg.precision.params_dtype!r}: a LLaVA model is run in fp32 "
          f"here (not tested in bf16); use fp32"),
-        (fmt == "stock",
-         "checkpoint.format=stock: a run's stock-format save and resume is not tested with a "
-         "LLaVA model here (megatron-core 0.19.2's own LLaVA checkpoints are read, per "
-         "sub-model: python -m gtp inspect / convert); use checkpoint.format=logical"),
         (cfg.optim.get("optimizer", "adam") != "adam",
          f"optim.optimizer={cfg.optim.get('optimizer')!r}: only Adam is run with a LLaVA model "
          f"here (Muon's per-layer layouts read a GPT decoder); use adam"),
