@@ -119,3 +119,27 @@ def test_inspect_describes_the_stock_llava_checkpoint(saved):
     line = next(x for x in text.splitlines()
                 if x.startswith("vision_model.decoder.layers.mlp.linear_fc1.weight "))
     assert re.search(r"\(2, 200, 72\).*STOCK stored \(2, 256, 72\)", line), line
+
+
+def test_dims_the_record_lacks_come_from_each_sub_models_tensors(saved):
+    """The ViT's and the projector's dims (and the language model's width) left out of the
+    recorded model config are read from each sub-model's own tensors (biases, in_features; the
+    projector's width from its linear_fc2 bias), not from another's; the rows read are the
+    same. Model dims given by the caller are refused: they name no sub-model."""
+    from gtp import stock
+
+    root, _ = saved
+    path = stock.resolve_iter_dir(root / "g4a32")
+    _, want = stock.read_logical(path)
+    common = stock.analyze(path).common
+    model = common["train_state"]["config"]["model"]
+    for k in ("hidden_size", "vision_hidden_size", "vision_ffn_hidden_size",
+              "vision_num_attention_heads", "vision_projection_ffn_hidden_size"):
+        model[k] = None
+    analysis = stock.analyze(path, common=common)
+    _, got = stock.read_logical(path, analysis=analysis)
+    assert analysis.stock and set(got) == set(want)
+    problems = [layout_goldens.diff(k, got[k], want[k]) for k in want]
+    assert not any(problems), [p for p in problems if p][:5]
+    with pytest.raises(stock.StockCheckpointError, match="model dims given by the caller"):
+        stock.analyze(path, "tp=1,gtp=4,pad=32,ffn_hidden_size=200")

@@ -14,6 +14,10 @@ Where the saving layout comes from, first match wins per item:
 
 A layout that does not explain a stored shape is refused the same way: nothing is ever read
 under a guessed layout.
+
+A model of sub-models (LLaVA: :attr:`gtp.families.FamilyFormats.sub_models`) has its model
+dims per key prefix, from 3. (through the family's ``sub_model_dims``) and 4. (that prefix's
+tensors), and one layout (:attr:`gtp.stock.specs.StoredCheckpoint.sub_dims`).
 """
 
 from __future__ import annotations
@@ -114,8 +118,11 @@ def _read_checkpoint(ckpt, layout, common: Optional[Mapping]) -> StoredCheckpoin
     meta = common.get(METADATA_KEY) or {}
 
     items, sources = _layout_items(common, user, meta)
-    sub = sub_model_dims((k for k in shapes if not split_key(k)[0]),
-                         get_path(common, "train_state", "config", "model"))
+    try:
+        sub = sub_model_dims((k for k in shapes if not split_key(k)[0]),
+                             get_path(common, "train_state", "config", "model"))
+    except (TypeError, ValueError) as exc:
+        raise StockCheckpointError(f"{path}: the recorded model config: {exc}") from None
     given = sorted(k for k in user if k in MODEL_DIMS)
     if sub and given:
         raise StockCheckpointError(

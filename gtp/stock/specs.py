@@ -339,6 +339,9 @@ def infer_dims(shapes: Mapping[str, tuple]) -> dict:
             out["_fc1_bias_rows"] = shape[-1]
         elif key.endswith(("final_layernorm.weight", "final_norm.weight")):  # GPT, hybrid
             out.setdefault("hidden_size", shape[-1])
+        elif key.endswith(("linear_proj.bias", "linear_fc2.bias")):
+            # a model without qkv or final norm (LLaVA's projector) shows its width here
+            out.setdefault("hidden_size", shape[-1])
     ffn, fc1b = out.get("ffn_hidden_size"), out.pop("_fc1_bias_rows", None)
     if ffn and fc1b in (ffn, 2 * ffn):
         out["swiglu"] = fc1b == 2 * ffn
