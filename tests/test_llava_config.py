@@ -198,3 +198,25 @@ def test_an_image_shows_the_shape_its_caption_names():
     assert torch.equal(img[:, ~inside], torch.full((3, 36), -1.0))
     cross = draw("cross", "white", "big", (0.5, 0.5), 10, 10)
     assert cross[0, 0, 5] == -1.0 and cross[0, 5, 5] == 1.0 and cross[0, 2, 2] == -1.0
+
+
+def test_the_stock_reader_gets_each_sub_models_dims_from_the_run_config():
+    """``gtp.stock``'s dims per key prefix (the LLaVA family's ``sub_model_dims``), by hand from
+    conf/model/llava_tiny.yaml: the Llama-style language model, the CLIP ViT (every head its
+    own key/value, GeLU), the projector 72 -> 128 -> 64 (GeLU)."""
+    from omegaconf import OmegaConf
+
+    from gtp.families import sub_model_dims
+
+    m = OmegaConf.to_container(make_cfg(*LLAVA).model)
+    keys = ["language_model.output_layer.weight", "vision_model.conv1.weight",
+            "vision_projection.encoder.linear_fc1.weight"]
+    assert sub_model_dims(keys, m) == {
+        "language_model.": {"hidden_size": 64, "ffn_hidden_size": 128, "swiglu": True,
+                            "num_attention_heads": 4, "num_query_groups": 2},
+        "vision_model.": {"hidden_size": 72, "ffn_hidden_size": 200, "swiglu": False,
+                          "num_attention_heads": 4, "num_query_groups": 4},
+        "vision_projection.": {"hidden_size": 64, "ffn_hidden_size": 128, "swiglu": False}}
+    # a text-only checkpoint has no sub-models; nothing recorded leaves their dims to the tensors
+    assert sub_model_dims(["decoder.final_layernorm.weight"], m) == {}
+    assert sub_model_dims(keys[1:], None) == {"vision_model.": {}, "vision_projection.": {}}

@@ -53,23 +53,26 @@ def sub_model_dims(model: Mapping) -> dict | None:
     """
     if model.get("vision_model_type") is None:
         return None
-
-    def pick(**names):
-        return {k: (v if k == "swiglu" else int(model[v])) if isinstance(v, str) else v
-                for k, v in names.items() if not isinstance(v, str) or model.get(v) is not None}
-
-    language = pick(hidden_size="hidden_size", ffn_hidden_size="ffn_hidden_size",
+    language = _set(model, hidden_size="hidden_size", ffn_hidden_size="ffn_hidden_size",
                     num_attention_heads="num_attention_heads",
                     num_query_groups="num_query_groups", kv_channels="kv_channels")
     if model.get("swiglu") is not None:
         language["swiglu"] = bool(model["swiglu"])
-    vision = pick(hidden_size="vision_hidden_size", ffn_hidden_size="vision_ffn_hidden_size",
-                  num_attention_heads="vision_num_attention_heads", swiglu=False)
+    vision = _set(model, hidden_size="vision_hidden_size",
+                  ffn_hidden_size="vision_ffn_hidden_size",
+                  num_attention_heads="vision_num_attention_heads")
     if "num_attention_heads" in vision:  # CLIP: every head its own key/value
         vision["num_query_groups"] = vision["num_attention_heads"]
-    projection = pick(hidden_size="hidden_size",
-                      ffn_hidden_size="vision_projection_ffn_hidden_size", swiglu=False)
+    projection = _set(model, hidden_size="hidden_size",
+                      ffn_hidden_size="vision_projection_ffn_hidden_size")
+    for dims in (vision, projection):
+        dims["swiglu"] = False
     return dict(zip(SUB_MODELS, (language, vision, projection)))
+
+
+def _set(model: Mapping, **fields: str) -> dict:
+    """``{dim: int(model[field])}`` for each field the config sets (not null)."""
+    return {dim: int(model[f]) for dim, f in fields.items() if model.get(f) is not None}
 
 
 FORMATS = FamilyFormats(name="llava", architectures=(), architecture=architecture,
