@@ -217,11 +217,14 @@ def clamp_warmup(cfg, resume_settled: bool = False) -> None:
 
 
 def check_tokenizer(cfg) -> None:
-    """``data.tokenizer`` builds (a path names a readable ``tokenizer.json``)."""
-    from recipes.data import build_tokenizer
+    """``data.tokenizer`` builds (a path names a readable ``tokenizer.json``), and with image
+    captions (``data.source=shapes``) ``model.seq_length`` holds the longest in its tokens."""
+    from recipes.data import build_tokenizer, images
 
     try:
-        build_tokenizer(cfg.data)
+        tokenizer = build_tokenizer(cfg.data)
+        if cfg.data.source == "shapes":
+            images.check_seq_length(tokenizer, cfg.model.seq_length)
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(str(exc)) from None
 

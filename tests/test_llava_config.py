@@ -220,3 +220,15 @@ def test_the_stock_reader_gets_each_sub_models_dims_from_the_run_config():
     # a text-only checkpoint has no sub-models; nothing recorded leaves their dims to the tensors
     assert sub_model_dims(["decoder.final_layernorm.weight"], m) == {}
     assert sub_model_dims(keys[1:], None) == {"vision_model.": {}, "vision_projection.": {}}
+
+
+def test_a_text_length_too_short_for_a_caption_is_refused_before_launch():
+    """The longest caption, "small magenta triangle", is 22 byte tokens: with the image token,
+    the prompt and eod a sample needs 25 text positions (the workers raised it, once a rank)."""
+    from recipes.prelaunch import check_tokenizer
+
+    with pytest.raises(ConfigError, match=r"^model.seq_length=24 holds no whole caption: .* up "
+                                          r"to 22 caption tokens and eod need "
+                                          r"model.seq_length >= 25$"):
+        check_tokenizer(make_cfg(*LLAVA, "model.seq_length=24"))
+    check_tokenizer(make_cfg(*LLAVA, "model.seq_length=25"))

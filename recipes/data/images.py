@@ -51,6 +51,21 @@ def draw(shape: str, colour: str, size: str, centre: tuple[float, float], h: int
     return torch.from_numpy(image)
 
 
+def check_seq_length(tokenizer: Any, seq_length: int) -> None:
+    """Whether ``seq_length`` text tokens hold every sample: the image token, the prompt, the
+    longest caption in ``tokenizer``'s tokens and ``eod``.
+
+    Raises:
+        ValueError: it does not (names the length needed).
+    """
+    longest = max(len(tokenizer.tokenize(f"{s} {c} {k}")) for s in SIZES for c in COLOURS
+                  for k in SHAPES)
+    if 3 + longest > int(seq_length):
+        raise ValueError(f"model.seq_length={seq_length} holds no whole caption: the image "
+                         f"token, the prompt, up to {longest} caption tokens and eod need "
+                         f"model.seq_length >= {3 + longest}")
+
+
 class ShapesDataset(torch.utils.data.Dataset):
     """``num_samples`` image-caption samples of one split.
 
@@ -69,12 +84,7 @@ class ShapesDataset(torch.utils.data.Dataset):
         self.tokenizer, self.num_samples = tokenizer, int(num_samples)
         self.seq_length, self.img_h, self.img_w = int(seq_length), int(img_h), int(img_w)
         self.seed, self.split = int(seed), SPLITS[split]
-        longest = max(len(tokenizer.tokenize(f"{s} {c} {k}")) for s in SIZES for c in COLOURS
-                      for k in SHAPES)
-        if 3 + longest > self.seq_length:
-            raise ValueError(f"model.seq_length={seq_length} holds no whole caption: the image "
-                             f"token, the prompt, up to {longest} caption tokens and eod need "
-                             f"{3 + longest}")
+        check_seq_length(tokenizer, self.seq_length)
 
     def __len__(self) -> int:
         return self.num_samples
