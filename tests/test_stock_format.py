@@ -380,6 +380,30 @@ def test_prepare_load_decisions(built):
         assert not stock.is_stock(other)
 
 
+def test_prepare_load_of_a_renamed_iter_dir(built, tmp_path):
+    """A stock iter dir copied under another name (its recorded iteration is 3, the folder says
+    99) is converted into ``gtp_converted/iter_0000099`` and holds the same tensors."""
+    import shutil
+
+    import torch
+    from megatron.core import dist_checkpointing
+
+    from gtp import stock
+
+    src = stock.resolve_iter_dir(built["root"] / "tiny" / "stock")
+    renamed = tmp_path / "copy" / "iter_0000099"
+    shutil.copytree(src, renamed)
+    common = dist_checkpointing.load_common_state_dict(str(renamed))
+    assert common["iteration"] == ITER
+    where, converted = stock.prepare_load(renamed, common, {})
+    assert converted and where == tmp_path / "copy" / "gtp_converted" / "iter_0000099"
+    _, want = stock.read_logical(src)
+    _, got = stock.read_logical(where)
+    assert sorted(got) == sorted(want)
+    for key, t in want.items():
+        assert torch.equal(got[key], t), key
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_read_logical_equals_the_golden(built, model):
     """Single process: every reconstructed model tensor and moment equals the full golden."""

@@ -95,13 +95,15 @@ def prepare_load(path, common: Mapping, layout_record: Optional[Mapping] = None,
         # Written into a private staging root, then moved into place by rank 0, so a
         # concurrent job loading the same checkpoint never reads a half-written copy.
         staging = Path(where)
-        convert(path, staging)
+        # convert names its iter dir from the recorded iteration, which may differ from
+        # (or be missing beside) the source folder's name.
+        written = convert(path, staging)
         if rank == 0:
             try:
                 if not _cached(cache_iter, path):
                     if cache_iter.exists():
                         shutil.rmtree(cache_iter)
-                    os.replace(staging / path.name, cache_iter)
+                    os.replace(written, cache_iter)
                     tmp = cache_root / f"{TRACKER}.{staging.name}"
                     tmp.write_text(f"{int(path.name[5:]) if path.name[5:].isdigit() else 0}\n")
                     os.replace(tmp, cache_root / TRACKER)
