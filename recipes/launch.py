@@ -338,21 +338,25 @@ def rank_env_from_submitit() -> dict | None:
     }
 
 
-def run(cfg) -> None:
+def run(cfg, overrides: list[str] | None = None) -> None:
     """:func:`run_job`, then give back the dir leases it took (a multirun runs many jobs in one
     process; they are also given back at exit)."""
     try:
-        run_job(cfg)
+        run_job(cfg, overrides)
     finally:
         while _HELD:
             _HELD.pop().release()
         os.environ.pop(RUN_ID_ENV, None)  # the next job of a multirun is another run
 
 
-def run_job(cfg) -> None:
+def run_job(cfg, overrides: list[str] | None = None) -> None:
     """Validate ``cfg``, settle the checkpoint to load and the save dir, write the resolved config
     (what runs), and run the job (local launch or as one rank); with ``train.dry_run`` only
     validate and print the dry-run report.
+
+    ``overrides`` are the command line's (default: Hydra's, :func:`recipes.config.given_overrides`):
+    the model and tokenizer fields they give are kept where a resume or ``checkpoint.pretrained``
+    would take the checkpoint's. A caller composing configs outside a Hydra app passes its own.
 
     Under a submitit launcher (``hydra/launcher=slurm`` or ``submitit_local``) every task of the
     job calls this and runs as its global rank (:func:`rank_env_from_submitit`).
@@ -377,7 +381,7 @@ def run_job(cfg) -> None:
             print(note, flush=True)
     # model fields from checkpoint.pretrained, before validation; a requeued fine-tune
     # (checkpoint.load=auto found its own save) resumes that save.
-    pretrained.apply_source(cfg, requeued=auto)
+    pretrained.apply_source(cfg, overrides, requeued=auto)
     from recipes.data.tokenizers import check_before_launch
 
     check_before_launch(cfg.data)
@@ -389,7 +393,7 @@ def run_job(cfg) -> None:
 
         # The one resolution of what this process loads (recipes/checkpoint/manager.py).
         plan = ResumePlan.resolve(cfg.checkpoint, repair=is_rank0 and not dry_run)
-        note = take_checkpoint_fields(cfg, plan)
+        note = take_checkpoint_fields(cfg, plan, overrides)
         if note:
             if is_rank0:
                 print(note, flush=True)

@@ -62,13 +62,14 @@ def runs(train_jobs, tmp_path_factory):
     out = {name: by_iteration(d[name])[0] for name in d}
     out["a_checkpoints"] = d["vocab_a"] / "checkpoints"
     out["llama_a_stdout"] = done[1].stdout
+    out["vocab_c_stdout"] = done[3].stdout
     return out
 
 
 @pytest.fixture(scope="module")
 def vocab_runs(runs):
     return {"a": runs["vocab_a"], "b": runs["vocab_b"], "c": runs["vocab_c"],
-            "a_checkpoints": runs["a_checkpoints"]}
+            "a_checkpoints": runs["a_checkpoints"], "c_stdout": runs["vocab_c_stdout"]}
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +85,15 @@ def test_resumed_loss_does_not_depend_on_vocabulary_padding(vocab_runs):
         assert sorted(vocab_runs[name]) == list(RESUMED), name
         for it in RESUMED:  # same bits at the resume (2): it - 2 steps of rounding apart
             assert_same_step(vocab_runs[name][it], a[it], steps=it - 2)
+
+
+def test_the_resume_ran_with_the_vocabulary_padding_it_gave(vocab_runs):
+    """vocab_c gives model.make_vocab_size_divisible_by=128: the resume keeps it (the model
+    fields a command line does not give come from the checkpoint) and says so."""
+    import re
+
+    table = vocab_runs["c_stdout"]
+    assert re.search(r"model\.make_vocab_size_divisible_by\s+3\s+128\s", table), table[-3000:]
 
 
 def test_another_tokenizer_is_refused_before_launch(vocab_runs):

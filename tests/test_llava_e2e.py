@@ -44,8 +44,8 @@ def runs(train_jobs, train_run, tmp_path_factory):
     jobs = train_jobs([(root / "tp2gtp2", [*LLAVA, *GTP2]),
                        (root / "same", [*LLAVA, *GTP2, *resume])])
     # Through train.py itself: a resume takes the model fields its command line does not give
-    # from the checkpoint, and only Hydra's command line gives them (an in-world job gives
-    # none). 384 vocabulary rows (lcm 128) where the checkpoint holds 320 (lcm 64).
+    # from the checkpoint, here from Hydra's command line. 384 vocabulary rows (lcm 128) where
+    # the checkpoint holds 320 (lcm 64).
     proc = train_run(root / "dp2", *LLAVA, "parallelism=dp2",
                      "model.make_vocab_size_divisible_by=128", *resume)
     return root, [*(job.stdout for job in jobs), proc.stdout]

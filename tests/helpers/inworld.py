@@ -6,7 +6,7 @@ iterations. Tests that need many short jobs of the same world size run them here
 rank of one :func:`multiproc.run_distributed` world runs every job through
 ``recipes.launch.run`` as a torchrun/Slurm rank does (``RANK``/``WORLD_SIZE`` set: the same
 validation, resume plan, resolved config and ``recipes.worker.run`` as ``train.py`` under
-torchrun), then drops the job's process groups and megatron's globals before the next one.
+torchrun, with the job's overrides as its command line), then drops the job's process groups and megatron's globals before the next one.
 
     from inworld import train_jobs
 
@@ -47,9 +47,18 @@ class Job:
     stdout: str
 
 
-def compose_job(out_dir, cache_dir, overrides) -> object:
-    """The config ``python train.py hydra.run.dir=OUT_DIR ...FAST overrides`` would run, with
+def job_overrides(out_dir, cache_dir, overrides) -> list[str]:
+    """The command line of ``python train.py hydra.run.dir=OUT_DIR ...FAST overrides``, with
     Hydra's run-time interpolations (output dir, save dir) filled in as Hydra fills them."""
+    given = {o.split("=", 1)[0] for o in overrides}
+    filled = [f"{key}={value}" for key, value in (
+        ("output_dir", out_dir), ("checkpoint.save", f"{out_dir}/checkpoints"),
+        ("data.cache_dir", cache_dir)) if key not in given]
+    return [*filled, *FAST, *overrides]
+
+
+def compose_job(out_dir, cache_dir, overrides) -> object:
+    """The config of :func:`job_overrides`' command line."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -58,11 +67,7 @@ def compose_job(out_dir, cache_dir, overrides) -> object:
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        given = {o.split("=", 1)[0] for o in overrides}
-        filled = [f"{key}={value}" for key, value in (
-            ("output_dir", out_dir), ("checkpoint.save", f"{out_dir}/checkpoints"),
-            ("data.cache_dir", cache_dir)) if key not in given]
-        cfg = compose("config", overrides=[*filled, *FAST, *overrides])
+        cfg = compose("config", overrides=job_overrides(out_dir, cache_dir, overrides))
     return cfg
 
 
@@ -100,7 +105,9 @@ def _jobs(jobs):
         buf = io.StringIO()
         try:
             with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-                launch.run(cfg)
+                # The command line, as Hydra gives train.py's (a resume keeps the model and
+                # tokenizer fields it gives, takes the rest from the checkpoint).
+                launch.run(cfg, overrides)
         except BaseException:  # noqa: BLE001 - name the job, keep its console
             raise RuntimeError(f"job {out_dir} ({' '.join(overrides)}) failed on rank {rank}:\n"
                                f"{buf.getvalue()[-4000:]}\n{traceback.format_exc()}") from None
@@ -129,7 +136,7 @@ def train_jobs(cache_dir, jobs, timeout: float = 900) -> list[Job]:
         size = world_size_of(cfg)
         if not groups or groups[-1][0] != size:
             groups.append((size, []))
-        groups[-1][1].append((out, overrides, cfg))
+        groups[-1][1].append((out, job_overrides(out, cache_dir, overrides), cfg))
     consoles = []
     for size, group in groups:
         consoles += run_distributed(_jobs, size, group, timeout=timeout)[0]
