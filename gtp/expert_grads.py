@@ -19,7 +19,9 @@ groups coincide (expert parallel size 1 and EGTP equal to the dense GTP size):
    buckets ``1 / dp_cp`` (the dense replicate size, which excludes the dense GTP group but holds
    the EGTP peers when GTP < EGTP): ``1 / (EGTP x dp)`` in all, where the mean over the data group
    is ``1 / (GTP x dp)``. Fix: after DDP, the expert buckets' ``gradient_scaling_factor`` is
-   multiplied by ``EGTP / GTP``.
+   multiplied by ``EGTP / GTP``. Under per-token loss (``calculate_per_token_loss``) neither
+   scale is applied (both reductions sum; ``finalize_model_grads`` divides by the token count)
+   and nothing is changed.
 
 Both are needed; tests/test_moe_layouts.py breaks each and sees the gradient norm
 move.
@@ -63,10 +65,10 @@ def scale_expert_gradients(ddp_model, expert_gtp_remat_size: int, gtp_remat_size
     megatron ``DistributedDataParallel``) by ``expert_gtp_remat_size / gtp_remat_size``.
 
     Returns:
-        The number of buckets rescaled.
+        The number of buckets rescaled (0 without expert GTP or under per-token loss).
 
     """
-    if expert_gtp_remat_size <= 1:
+    if expert_gtp_remat_size <= 1 or getattr(ddp_model.config, "calculate_per_token_loss", False):
         return 0
     factor = expert_gtp_remat_size / gtp_remat_size
     n = 0

@@ -352,6 +352,10 @@ class TrainConfig:
     check_for_nan_in_loss_and_grad: bool = True
     # With the check on: skip such a step instead of stopping, counted in `skipped-iterations`.
     skip_nonfinite_iterations: bool = False
+    # The loss and its gradients as the mean over the global batch's loss tokens (Megatron-LM's
+    # --calculate-per-token-loss), not the mean of each micro-batch's mean: independent of
+    # data.micro_batch_size and the data-parallel size where loss masks differ (LLaVA captions).
+    calculate_per_token_loss: bool = False
     # Validate the config for its world size and print the layout and per-rank sizes
     # (recipes/dry_run/); builds nothing heavy and starts no process.
     dry_run: bool = False

@@ -40,6 +40,8 @@ def before_model(cfg, layout) -> None:
         fp4=quant == "nvfp4",
         fp8=quant in ("fp8", "mxfp8"),
         fp8_recipe="mxfp8" if quant == "mxfp8" else None,
+        # The gtp_remat reduce-scatter sums (not averages) under per-token loss.
+        calculate_per_token_loss=bool(cfg.train.get("calculate_per_token_loss", False)),
     )
     alignment.apply_pad_for_alignment(layout.pad_for_alignment)
 

@@ -9,7 +9,7 @@ from functools import partial
 import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.utils import unwrap_model
+from megatron.core.utils import get_model_config, unwrap_model
 
 from gtp.collectives import collective_device
 from gtp.grad_stats import grad_norms_by_part
@@ -20,10 +20,18 @@ from recipes.moe import is_moe
 from recipes.shapes import padded_vocab_size
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Mean token loss of one micro-batch, as Megatron-LM's ``pretrain_gpt.loss_func``
-    (without per-token normalization); with context parallelism, over the whole sequence
-    (:func:`recipes.context_parallel.loss_over_cp`).
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, per_token: bool = False):
+    """One micro-batch's loss, as Megatron-LM's ``pretrain_gpt.loss_func``.
+
+    Without ``per_token``: the mean over its loss tokens; with context parallelism, over the
+    whole sequence (:func:`recipes.context_parallel.loss_over_cp`). megatron's schedule divides
+    it by the number of micro-batches and DDP averages over the data-parallel group, so the
+    step's loss is the mean of the micro-batches' means.
+
+    With ``per_token`` (megatron's ``calculate_per_token_loss``): the sum over this rank's loss
+    tokens and their count. The schedule leaves the sum undivided and ``finalize_model_grads``
+    divides every gradient by the count summed over the global batch (all micro-batches, the
+    data-parallel and context-parallel ranks): the mean over the global batch's loss tokens.
 
     Args:
         loss_mask: float [micro_batch_size, seq_length / CP], 1 for tokens that count.
@@ -31,8 +39,15 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
             GPTModel.
 
     Returns:
-        ``(loss, {"lm loss": loss})``: the scalar megatron's schedule back-propagates.
+        ``(loss, {"lm loss": loss})``, or with ``per_token`` ``(sum, count, {"lm loss":
+        [sum, count]})`` (count an int tensor; :func:`_lm_loss` reduces either).
     """
+    if per_token:
+        losses = output_tensor.float().view(-1)
+        mask = loss_mask.view(-1).float()
+        total = torch.sum(losses * mask)
+        count = mask.sum()
+        return total, count.to(torch.int), {"lm loss": torch.stack([total.detach(), count])}
     if parallel_state.get_context_parallel_world_size() > 1:
         loss, reported = context_parallel.loss_over_cp(
             loss_mask, output_tensor, parallel_state.get_context_parallel_group())
@@ -52,35 +67,44 @@ def forward_step(data_iterator, model):
     device = next(model.parameters()).device
     if device.type != "cpu":
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    per_token = get_model_config(model).calculate_per_token_loss
     if "images" in batch:
         # megatron's LLaVAModel: the image's embeddings replace its token, so the loss and the
         # loss mask it returns are over that longer sequence.
         output, loss_mask = model(batch["images"], batch["tokens"], batch["position_ids"], None,
                                   labels=batch["labels"], loss_mask=batch["loss_mask"])
-        return output, partial(loss_func, loss_mask)
+        return output, partial(loss_func, loss_mask, per_token=per_token)
     # loss_mask: megatron's MTP loss (multi_token_prediction.process_mtp_loss) masks with it.
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                    loss_mask=batch["loss_mask"])
-    return output, partial(loss_func, batch["loss_mask"])
+    return output, partial(loss_func, batch["loss_mask"], per_token=per_token)
 
 
-def _mean_over_data_group(value: torch.Tensor) -> torch.Tensor:
+def _sum_over_data_group(value: torch.Tensor) -> torch.Tensor:
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     value = value.detach().to(collective_device(group), copy=True)
     torch.distributed.all_reduce(value, group=group)
-    return value / torch.distributed.get_world_size(group)
+    return value
 
 
 def _lm_loss(losses: list) -> float:
     """The global batch's ``lm loss``, the same on every rank.
 
     Only the last pipeline stage computes it (megatron's schedules return an empty list on the
-    others); it is averaged over the data-parallel group there and then broadcast from the last
+    others): the mean of the micro-batches' losses averaged over the data-parallel group, or
+    (per-token loss, ``[sum, count]`` per micro-batch) the summed loss over the summed count,
+    as Megatron-LM's ``training.train_step`` reduces either. It is then broadcast from the last
     stage over each pipeline group, so rank 0 logs it, as Megatron-LM's last rank reports it. A
     broadcast (not a reduction) carries a NaN/inf as it is, for the non-finite check.
     """
     if losses:
-        local = _mean_over_data_group(torch.stack([x["lm loss"] for x in losses]).mean())
+        stacked = torch.stack([x["lm loss"] for x in losses])
+        if stacked.dim() == 2:  # per-token: [sum, count] per micro-batch
+            total = _sum_over_data_group(stacked.sum(0))
+            local = total[0] / total[1].clamp(min=1)
+        else:
+            group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            local = _sum_over_data_group(stacked.mean()) / torch.distributed.get_world_size(group)
     else:
         local = torch.tensor(float("nan"))
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:

@@ -64,6 +64,7 @@ def transformer_config(cfg, layout, use_te: bool | None = None):
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
+        calculate_per_token_loss=bool(cfg.train.get("calculate_per_token_loss", False)),
     )
     if layout.virtual_pipeline_model_parallel_size and layout.pipeline_model_parallel_size == 2:
         # At pp2 the previous and the next stage are the same peer, and the interleaved schedule

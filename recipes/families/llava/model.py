@@ -15,7 +15,8 @@ PROJECTION_TYPES = ("mlp",)
 RUN_WIDE = ("tensor_model_parallel_size", "use_cpu_initialization", "params_dtype", "bf16",
             "pipeline_dtype", "bias_activation_fusion", "masked_softmax_fusion",
             "bias_dropout_fusion", "apply_rope_fusion", "gradient_accumulation_fusion",
-            "gtp_weight_remat_size", "init_method_std", "hidden_dropout", "attention_dropout")
+            "gtp_weight_remat_size", "init_method_std", "hidden_dropout", "attention_dropout",
+            "calculate_per_token_loss")
 
 
 def is_llava(m) -> bool:
