@@ -26,6 +26,7 @@ Which optimizer runs and which wrote the file: :mod:`recipes.optim_kinds`.
 from __future__ import annotations
 
 import torch
+from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
 from recipes.optim_kinds import (
     DISTRIBUTED, PLAIN, OptimizerCheckpointError, chain_of, entry_kind, is_chain, is_muon,
@@ -264,14 +265,22 @@ def prepare_one(opt_request: dict, stored_keys, mine: str, saved: str) -> list:
     src, dst = (("optimizer.state.param.", "optimizer.state.fp32_param.") if mine == DISTRIBUTED
                 else ("optimizer.state.fp32_param.", "optimizer.state.param."))
     dropped = []
+    stored_keys = set(stored_keys)
+    # A factory's key is stored as its parts' keys, <key>.<part> (megatron's
+    # _split_tensor_factory: Mamba's conv1d x/B/C, in_proj's z/x/B/C/dt without GTP).
+    parts = {k.rpartition(".")[0] for k in stored_keys}
+
+    def held(entry_, key_):
+        return key_ in stored_keys or isinstance(entry_, ShardedTensorFactory) and key_ in parts
+
     for container, key, entry in _main_param_entries(opt_request, mine):
-        if entry.key in stored_keys:
+        if held(entry, entry.key):
             continue  # a chain's entry of the file's kind (Muon's layer-wise chain)
         prefix, found, name = entry.key.partition(src)  # prefix: a chain's "chained_<i>."
         if not found or prefix.count(".") > 1:
             continue
         new = prefix + dst + name
-        if new in stored_keys:
+        if held(entry, new):
             entry.key = new
         elif mine == DISTRIBUTED:
             del container[key]

@@ -61,7 +61,6 @@ def test_megatron_gets_the_mamba_fields():
     (["model.hybrid_layer_pattern=MX*-M-"], "'X': not a layer symbol"),
     (["model.hybrid_layer_pattern=M*-|M*-"], "'|' stage boundaries are not supported"),
     (["model.num_layers=5"], "has 6 layers but model.num_layers=5"),
-    (["precision=bf16"], "runs in fp32 here"),
     (["parallelism=tp2dp2", "gtp.gtp_remat_size=2", "gtp.pad_for_alignment=16",
       "checkpoint.format=stock"], "checkpoint.format=stock under GTP"),
     (["parallelism=tp2dp2", "model.mamba_num_groups=3", "model.mamba_num_heads=6"],
@@ -87,6 +86,13 @@ def test_what_the_family_does_not_run_is_refused_before_launch(overrides, match)
     world = cfg.parallelism.nproc_per_node
     with pytest.raises(ConfigError, match=match):
         validate(cfg, world)
+
+
+def test_bf16_is_accepted():
+    """bf16 weights with fp32 main params train and resume (tests/test_hybrid_e2e.py,
+    tests/test_hybrid_layouts.py): megatron's Float16Module casts the mixer's A_log and D too."""
+    cfg = make_cfg("model=hybrid_tiny", "precision=bf16")
+    validate(cfg, cfg.parallelism.nproc_per_node)
 
 
 def test_a_hybrid_model_exports_to_nemotron_h_and_what_it_cannot_compute_is_refused():

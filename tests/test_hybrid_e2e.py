@@ -7,6 +7,11 @@ the distributed optimizer.
 The same-layout resume gives the original run's ``lm loss`` and ``grad-norm`` bit for bit over
 iterations 3..5; the pp2 x dp2 resume gives them up to the order of fp32 reductions
 (tests/helpers/tolerance.py).
+
+In bf16: trained at tp2 x gtp2/a16 with the distributed optimizer, resumed at the same layout
+with the plain one (its fp32 main params from the file's, ``conv1d``'s and ``in_proj``'s by
+component): the same ``lm loss`` bit for bit (a main param taken from the bf16 weight instead
+would move it), ``grad-norm`` up to the order of its reduction.
 """
 
 from __future__ import annotations
@@ -29,10 +34,14 @@ def runs(train_jobs, tmp_path_factory):
     root = tmp_path_factory.mktemp("hybrid")
     resume = [f"checkpoint.load={root / 'tp2gtp2'}/checkpoints",
               f"checkpoint.load_iteration={RESUMED_AT}"]
+    bf16 = [*HYBRID, *GTP2, "precision=bf16"]
     train_jobs([(root / "tp2gtp2", [*HYBRID, *GTP2]),
                 (root / "same", [*HYBRID, *GTP2, *resume]),
                 (root / "pp2do", [*HYBRID, "parallelism=pp2dp2",
-                                  "optim.use_distributed_optimizer=true", *resume])])
+                                  "optim.use_distributed_optimizer=true", *resume]),
+                (root / "bf16do", [*bf16, "optim.use_distributed_optimizer=true"]),
+                (root / "bf16plain", [*bf16, f"checkpoint.load={root / 'bf16do'}/checkpoints",
+                                      f"checkpoint.load_iteration={RESUMED_AT}"])])
     return root
 
 
@@ -58,4 +67,14 @@ def test_tp2_gtp2_run_resumes_at_pp2_dp2_with_the_distributed_optimizer(runs):
     assert sorted(got) == [3, 4, 5]
     assert events[0]["event"] == "resume" and events[0]["iteration"] == RESUMED_AT
     for it in (3, 4, 5):
+        assert_same_step(got[it], want[it], it - RESUMED_AT, terms=PARAMETERS)
+
+
+def test_a_bf16_run_resumes_with_the_other_optimizer_kind(runs):
+    want, _ = by_iteration(runs / "bf16do")
+    got, events = by_iteration(runs / "bf16plain")
+    assert sorted(got) == [3, 4, 5]
+    assert events[0]["event"] == "resume" and events[0]["iteration"] == RESUMED_AT
+    for it in (3, 4, 5):
+        assert got[it]["lm loss"] == want[it]["lm loss"], it
         assert_same_step(got[it], want[it], it - RESUMED_AT, terms=PARAMETERS)

@@ -15,6 +15,10 @@ rank's rows (shards of 64, 13 padding rows after ``dt``); g4/a32 gives the 48-ro
 ``linear_proj`` and ``linear_fc2`` shards of 32, 16, 0 and 0 rows (all padding on GTP ranks 2
 and 3); g2/a1 cuts at row 115, row 19 of ``x``; pp2 puts layers 3-5 on stage 1 (their global
 numbers in the checkpoint).
+
+In bf16 (bf16 weights, fp32 main params): the plain and the distributed optimizer read each
+other's files, ``conv1d``'s and ``in_proj``'s main params stored as their components
+(``recipes.optim_checkpoint.prepare_one``).
 """
 
 from __future__ import annotations
@@ -69,6 +73,27 @@ def test_every_weight_and_moment_of_the_hybrid_model_loads_exactly_at_every_layo
     problems = []
     for rank, res in enumerate(results):
         assert all(n > 0 for n in res["filled"].values()), res["filled"]
+        for (source, target), (n, found) in res["loads"].items():
+            assert n > 0
+            problems += [f"rank {rank} {source} -> {target}: {p}" for p in found]
+    assert not problems, "\n".join(problems[:40])
+
+
+# bf16: plain (Float16 optimizer, fp32_param.<key>) and distributed (param.<key>) optimizers.
+BF16_LAYOUTS = {
+    "bf16 tp1": (1, 1, None, ()),
+    "bf16 g2a16do": (1, 2, 16, (_DISTOPT,)),
+    "bf16 tp2g2a16": (2, 2, 16, ()),
+    "bf16 pp2dp2do": (1, 1, None, (_PP2, _DISTOPT)),
+}
+
+
+def test_bf16_main_params_and_moments_load_exactly_across_optimizer_kinds(tmp_path):
+    cfgs = {name: make_cfg("hybrid_tiny", tp, g, pad, WORLD, "logical", "precision=bf16", *extra)
+            for name, (tp, g, pad, extra) in BF16_LAYOUTS.items()}
+    results = run_distributed(_pairs, WORLD, str(tmp_path), cfgs, timeout=1200)
+    problems = []
+    for rank, res in enumerate(results):
         for (source, target), (n, found) in res["loads"].items():
             assert n > 0
             problems += [f"rank {rank} {source} -> {target}: {p}" for p in found]

@@ -16,9 +16,7 @@ def check(cfg, layout) -> None:
             (GatedDeltaNet ``G``, MoE ``E``, ... named with the reason), a pattern whose length
             is not ``num_layers``; with Mamba layers, a Mamba size < 1 and sizes that tensor
             parallelism cannot split (``nheads``, ``mamba_num_groups``);
-            and what is not run here: bf16/fp16 weights (megatron-core 0.19.2's optimizers map
-            the mixer's fp32 ``A_log`` / ``D`` to other params' state), the stock checkpoint
-            format under GTP (it cannot place ``in_proj``'s optimizer moments), context or
+            and what is not run here: the stock checkpoint format under GTP (it cannot place ``in_proj``'s optimizer moments), context or
             sequence parallelism, virtual pipeline stages, multi-token prediction, MoE,
             TransformerEngine layers.
     """
@@ -70,11 +68,6 @@ def _check_mamba_sizes(m, tp: int) -> None:
 def _check_run(cfg, layout, key: str) -> None:
     m = cfg.model
     refusals = (
-        (cfg.precision.params_dtype != "fp32",
-         f"precision.params_dtype={cfg.precision.params_dtype!r}: a hybrid model runs in fp32 "
-         f"here: megatron-core 0.19.2 keeps the mixer's A_log and D in fp32 inside a bf16 "
-         f"model, and its optimizers then pair them with other params' state (the checkpoint "
-         f"of the optimizer fails)"),
         (layout.gtp_remat_size > 1 and cfg.checkpoint.get("format", "logical") == "stock",
          "checkpoint.format=stock under GTP: megatron-core 0.19.2 gathers Mamba's in_proj for "
          "its checkpoint and cannot place the optimizer moments of it; use checkpoint.format="
