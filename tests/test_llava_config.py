@@ -117,7 +117,6 @@ def test_the_two_vision_cases_of_the_seed():
     (["model.num_moe_experts=4"], "num_moe_experts=4: an MoE language model"),
     (["model.mtp_num_layers=1"], "mtp_num_layers=1: LLaVAModel's language model"),
     (["model.transformer_impl=transformer_engine"], "builds megatron's local layers"),
-    (["precision=bf16"], "params_dtype='bf16': a LLaVA model is run in fp32"),
     (["optim=muon"], "optim.optimizer='muon': only Adam"),
     (["logger.grad_norm_detail=true"], "grad_norm_detail=true"),
     (["model.vision_model_type=siglip"], r"vision_model_type='siglip': valid are \('clip',\)"),
@@ -148,7 +147,9 @@ def test_image_data_for_a_text_model_is_refused():
 
 def test_llava_tiny_validates_at_the_tested_layouts():
     for overrides, world in ((["parallelism=tp2", "gtp=tp2_align16"], 4), (["parallelism=tp1"], 1),
-                             (["parallelism=dp2"], 2), (["gtp=tp4_align32", "parallelism=tp1"], 4)):
+                             (["parallelism=dp2"], 2), (["gtp=tp4_align32", "parallelism=tp1"], 4),
+                             (["parallelism=tp2", "gtp=tp2_align16", "precision=bf16",
+                               "optim.use_distributed_optimizer=true"], 4)):
         validate(make_cfg(*LLAVA, *overrides), world)
 
 

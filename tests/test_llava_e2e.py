@@ -6,7 +6,8 @@ at tp1 x dp2 without GTP with more vocabulary padding (384 rows where the checkp
 320: the real rows are read, the padding rows start at zero and never reach the loss).
 
 The same-layout resume gives the original run's ``lm loss``, ``grad-norm`` and validation loss
-bit for bit over iterations 3..5; the tp1 x dp2 resume gives them up to the order of fp32
+bit for bit over iterations 3..5, and so does a bf16 run of the distributed optimizer resumed
+with the plain one (``lm loss`` and validation loss; ``grad-norm`` up to its reduction order); the tp1 x dp2 resume gives them up to the order of fp32
 reductions (tests/helpers/tolerance.py). ``gtp export`` refuses the checkpoint, naming why.
 Every weight and moment across layouts, g4/a32's all-padding shard included:
 tests/test_llava_layouts.py.
@@ -41,8 +42,12 @@ def runs(train_jobs, train_run, tmp_path_factory):
     root = tmp_path_factory.mktemp("llava")
     resume = [f"checkpoint.load={root / 'tp2gtp2'}/checkpoints",
               f"checkpoint.load_iteration={RESUMED_AT}"]
+    bf16 = [*LLAVA, *GTP2, "precision=bf16"]
     jobs = train_jobs([(root / "tp2gtp2", [*LLAVA, *GTP2]),
-                       (root / "same", [*LLAVA, *GTP2, *resume])])
+                       (root / "same", [*LLAVA, *GTP2, *resume]),
+                       (root / "bf16do", [*bf16, "optim.use_distributed_optimizer=true"]),
+                       (root / "bf16plain", [*bf16, f"checkpoint.load={root / 'bf16do'}/checkpoints",
+                                             f"checkpoint.load_iteration={RESUMED_AT}"])])
     # Through train.py itself: a resume takes the model fields its command line does not give
     # from the checkpoint, here from Hydra's command line. 384 vocabulary rows (lcm 128) where
     # the checkpoint holds 320 (lcm 64).
@@ -60,7 +65,7 @@ def test_the_llava_model_trains_with_validation_on_the_built_parameters(runs):
     assert f"parameters on rank 0: {PER_RANK_TP2_G2}" in jobs[0]
     assert "> GTP: 20 weights sharded over gtp_remat_size=2, pad_for_alignment=16" in jobs[0]
     # tp1: one rank holds all, with 384 rows in the embedding and the output layer.
-    assert f"parameters on rank 0: {PARAMETERS + 2 * (384 - 320) * 64}" in jobs[2]
+    assert f"parameters on rank 0: {PARAMETERS + 2 * (384 - 320) * 64}" in jobs[-1]
 
 
 def test_a_resume_at_the_same_layout_is_bit_for_bit(runs):
@@ -97,3 +102,15 @@ def test_gtp_export_refuses_the_llava_checkpoint_naming_why(runs, tmp_path):
     assert ("model.vision_model_type='clip': a vision-language (LLaVA) checkpoint is not "
             "exported") in err.getvalue()
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_bf16_run_resumes_with_the_other_optimizer_kind(runs):
+    root, _ = runs
+    want, _ = by_iteration(root / "bf16do")
+    got, events = by_iteration(root / "bf16plain")
+    assert sorted(got) == [3, 4, 5]
+    assert events[0]["event"] == "resume" and events[0]["iteration"] == RESUMED_AT
+    for it in (3, 4, 5):
+        assert got[it]["lm loss"] == want[it]["lm loss"], it
+        assert_same_step(got[it], want[it], it - RESUMED_AT, terms=PARAMETERS)
+    assert got[5][VALID] == want[5][VALID]

@@ -5,15 +5,21 @@ of the ViT's linear_proj / linear_fc2 is all padding) and tp2 x g2/a16.
 
 Goldens, sentinels and the comparison: tests/helpers/module_layouts.py (built by hand, exact,
 padding rows included).
+
+In bf16 through the recipe's own model, optimizer and checkpoint code (tests/helpers/
+layout_goldens.py): bf16 weights, fp32 main params and Adam moments between the plain and the
+distributed optimizer at tp1, g2/a16, g4/a32 and tp2 x g2/a16.
 """
 
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 
 import pytest
 
 import module_layouts
+from layout_goldens import build, check, fill, make_cfg
 from multiproc import run_distributed
 
 pytestmark = pytest.mark.multiprocess
@@ -41,4 +47,46 @@ def test_llava_matches_tp1_and_every_weight_and_moment_loads_exactly_at_every_la
     projector = records["tp2g2a16"]["vision_projection.encoder.linear_fc1.weight"]
     assert (projector["L"], projector["pad"], projector["shard_rows"]) == (64, 0, 32)
     problems = module_layouts.failures(results, LAYOUTS, N_PARAMS)
+    assert not problems, "\n".join(problems[:40])
+
+
+_DISTOPT = "optim.use_distributed_optimizer=true"
+# name: (tp, g, pad_for_alignment, extra overrides); data parallel fills the world.
+BF16_LAYOUTS = {
+    "bf16 tp1": (1, 1, None, ()),
+    "bf16 g2a16do": (1, 2, 16, (_DISTOPT,)),
+    "bf16 g4a32": (1, 4, 32, ()),
+    "bf16 tp2g2a16do": (2, 2, 16, (_DISTOPT,)),
+}
+
+
+def _pairs(root: str, cfgs: dict) -> dict:
+    from recipes import checkpoint
+
+    out = {"filled": {}, "loads": {}}
+    for name, cfg_yaml in cfgs.items():
+        model, opt, sched, record, cfg = build(cfg_yaml)
+        out["filled"][name] = fill(model, opt, cfg, sentinel=False)
+        checkpoint.save_checkpoint(Path(root) / name, 1, model, opt, sched,
+                                   {"consumed_samples": 0}, record)
+    for name, cfg_yaml in cfgs.items():
+        model, opt, sched, record, cfg = build(cfg_yaml)
+        for source in cfgs:
+            fill(model, opt, cfg, sentinel=True)
+            checkpoint.load_checkpoint(Path(root) / source, model, opt, sched, record)
+            out["loads"][(source, name)] = check(model, opt, cfg)
+    return out
+
+
+def test_bf16_weights_main_params_and_moments_load_exactly_across_optimizer_kinds(tmp_path):
+    cfgs = {name: make_cfg("llava_tiny", tp, g, pad, WORLD, "logical", "data=shapes",
+                           "precision=bf16", *extra)
+            for name, (tp, g, pad, extra) in BF16_LAYOUTS.items()}
+    results = run_distributed(_pairs, WORLD, str(tmp_path), cfgs, timeout=1200)
+    problems = []
+    for rank, res in enumerate(results):
+        assert all(n > 0 for n in res["filled"].values()), res["filled"]
+        for (source, target), (n, found) in res["loads"].items():
+            assert n > 0
+            problems += [f"rank {rank} {source} -> {target}: {p}" for p in found]
     assert not problems, "\n".join(problems[:40])

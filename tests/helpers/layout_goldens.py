@@ -65,7 +65,10 @@ def is_gtp(p) -> bool:
 
 
 def gated(name: str, cfg) -> bool:
-    return cfg is not None and bool(cfg.model.swiglu) and ".mlp.linear_fc1." in name
+    """Whether ``name`` is a gated (SwiGLU) fc1: the run's ``model.swiglu`` applies to the
+    language model's MLPs, not to a LLaVA model's ViT (``vision_model.``, CLIP's GeLU MLP)."""
+    return (cfg is not None and bool(cfg.model.swiglu) and ".mlp.linear_fc1." in name
+            and not name.startswith("vision_model."))
 
 
 def full_shape(p) -> tuple:

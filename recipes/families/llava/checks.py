@@ -21,7 +21,7 @@ def check(cfg, layout) -> None:
             caption token; data without images (``data.source`` other than ``shapes``); and
             what is not run here, each named with the reason: pipeline (and virtual pipeline),
             context or sequence parallelism, MoE, multi-token prediction, a hybrid language
-            model, TransformerEngine layers, bf16, Muon, a
+            model, TransformerEngine layers, Muon, a
             Hugging Face ``checkpoint.pretrained``, ``logger.grad_norm_detail``.
     """
     m, tp = cfg.model, layout.tensor_model_parallel_size
@@ -89,9 +89,6 @@ def _check_run(cfg, layout, key: str) -> None:
         (m.get("transformer_impl") == "transformer_engine",
          "model.transformer_impl='transformer_engine': the family builds megatron's local "
          "layers (their weights are its parameter table); use 'local' or null"),
-        (cfg.precision.params_dtype != "fp32",
-         f"precision.params_dtype={cfg.precision.params_dtype!r}: a LLaVA model is run in fp32 "
-         f"here (not tested in bf16); use fp32"),
         (cfg.optim.get("optimizer", "adam") != "adam",
          f"optim.optimizer={cfg.optim.get('optimizer')!r}: only Adam is run with a LLaVA model "
          f"here (Muon's per-layer layouts read a GPT decoder); use adam"),
