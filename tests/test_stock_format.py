@@ -404,6 +404,27 @@ def test_prepare_load_of_a_renamed_iter_dir(built, tmp_path):
         assert torch.equal(got[key], t), key
 
 
+def test_no_viable_layout_names_the_weight_that_rules_them_out(built):
+    """Layout not recorded and one weight (linear_qkv, 999 rows) that no layout explains: the
+    refusal names it, not the first weight in sorted order (linear_fc1, which layouts explain)."""
+    import dataclasses
+
+    from gtp import stock
+    from gtp.stock import analysis, stock_layout
+
+    path = stock.resolve_iter_dir(built["root"] / "tiny" / "stock")
+    ck = analysis._read_checkpoint(path, None, None)
+    qkv = "decoder.layers.self_attention.linear_qkv.weight"
+    assert sorted(ck.gtp_bases)[0] < qkv and qkv in ck.gtp_bases
+    (suffix, shape), = ck.gtp_bases[qkv].items()
+    crafted = dataclasses.replace(
+        ck, items={}, meta={}, source="nothing recorded",
+        gtp_bases={**ck.gtp_bases, qkv: {suffix: (*shape[:-2], 999, shape[-1])}})
+    with pytest.raises(stock.StockCheckpointError, match="no layout explains") as err:
+        stock_layout._resolve(crafted)
+    assert f"{qkv} is stored with shape" in str(err.value), str(err.value)
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_read_logical_equals_the_golden(built, model):
     """Single process: every reconstructed model tensor and moment equals the full golden."""

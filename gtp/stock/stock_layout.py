@@ -194,16 +194,17 @@ def _viable_layouts(ck: StoredCheckpoint, candidates: list, tp: Optional[int]) -
     """{layout: its :func:`_options_for`} for each candidate that explains every GTP weight.
 
     Raises:
-        StockCheckpointError: none does (names the first weight and the layouts explaining it).
+        StockCheckpointError: none does (names the weight the fewest candidates explain and the
+            layouts explaining it).
     """
-    viable = {}
-    for cand in candidates:
-        opts = _options_for(ck, cand)
-        if all(o[3] for o in opts.values()):
-            viable[cand] = opts
+    options = {cand: _options_for(ck, cand) for cand in candidates}
+    viable = {cand: opts for cand, opts in options.items() if all(o[3] for o in opts.values())}
     if not viable:
-        # Report the first tensor and the layouts explaining it alone.
-        base, sub = next(iter(sorted(ck.gtp_bases.items())))
+        # The weight that rules out the most candidates (none explain it where one rules out
+        # all): the first in sorted order may be one every layout explains.
+        explained = {b: sum(bool(opts[b][3]) for opts in options.values()) for b in ck.gtp_bases}
+        base = min(sorted(ck.gtp_bases), key=explained.get)
+        sub = ck.gtp_bases[base]
         kind = gtp_kind(base)
         spec = spec_for(base, kind, ck.dims_for(base), tp or 1, "_w" in sub or "_v" in sub)
         expl = explaining_layouts(spec, ck.dims_for(base), {s: v[-2] for s, v in sub.items()},
