@@ -291,6 +291,30 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_g
                 "position_embedding_type", "seq_length", "share_embeddings_and_output_weights",
                 "kv_channels", "qk_layernorm", "num_moe_experts", "moe_ffn_hidden_size",
                 "moe_shared_expert_intermediate_size", "moe_layer_freq", "mtp_num_layers")
+# The model kind: absent from a checkpoint written before the field existed (a text model).
+KIND_FIELDS = ("vision_model_type", "hybrid_layer_pattern")
+# Fields that shape a model only of that kind (compared when both sides are of it).
+KIND_SHAPE_FIELDS = {
+    "vision_model_type": ("vision_num_layers", "vision_hidden_size", "vision_num_attention_heads",
+                          "vision_ffn_hidden_size", "vision_projection_type",
+                          "vision_projection_ffn_hidden_size", "img_h", "img_w", "patch_dim",
+                          "drop_vision_class_token"),
+    "hybrid_layer_pattern": ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups",
+                             "mamba_num_heads"),
+}
+
+
+def changed_shape_fields(saved: dict, now: dict) -> list[str]:
+    """The model fields that shape parameters and differ between ``saved`` (a checkpoint's
+    recorded model config) and ``now``: the kind first (``vision_model_type``,
+    ``hybrid_layer_pattern``; absent from the record: null), then :data:`SHAPE_FIELDS`, then the
+    fields of a kind both sides share."""
+    kinds = [f for f in KIND_FIELDS if saved.get(f) != now.get(f)]
+    fields = [f for f in SHAPE_FIELDS if f in saved and saved.get(f) != now.get(f)]
+    for kind, names in KIND_SHAPE_FIELDS.items():
+        if saved.get(kind) is not None and now.get(kind) is not None:
+            fields += [f for f in names if f in saved and saved.get(f) != now.get(f)]
+    return kinds + fields
 
 
 def check_model_shape(cfg, plan=None) -> None:
@@ -322,7 +346,7 @@ def check_model_shape(cfg, plan=None) -> None:
     mine, theirs = shapes(OmegaConf.create(now)), shapes(merged)
     if mine == theirs:
         return
-    changed = [f for f in SHAPE_FIELDS if f in saved and saved.get(f) != now.get(f)]
+    changed = changed_shape_fields(saved, now)
     if not changed:  # a field outside SHAPE_FIELDS: name the parameters instead
         differ = sorted(set(mine) ^ set(theirs) | {k for k in set(mine) & set(theirs)
                                                    if mine[k] != theirs[k]})

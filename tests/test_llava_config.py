@@ -233,3 +233,52 @@ def test_a_text_length_too_short_for_a_caption_is_refused_before_launch():
                                           r"model.seq_length >= 25$"):
         check_tokenizer(make_cfg(*LLAVA, "model.seq_length=24"))
     check_tokenizer(make_cfg(*LLAVA, "model.seq_length=25"))
+
+
+@pytest.mark.parametrize("saved_model, resumed, names", [
+    # a LLaVA checkpoint resumed as a text model, and the other way round
+    (["model=llava_tiny"], ["model=llama_tiny"], ["model.vision_model_type=None (checkpoint: 'clip')"]),
+    (["model=llama_tiny"], ["model=llava_tiny", "data=shapes"],
+     ["model.vision_model_type='clip' (checkpoint: None)"]),
+    # one vision field changed on a LLaVA resume
+    (["model=llava_tiny"], ["model=llava_tiny", "model.vision_ffn_hidden_size=256"],
+     ["model.vision_ffn_hidden_size=256 (checkpoint: 200)"]),
+    (["model=llava_tiny"], ["model=llava_tiny", "model.patch_dim=4"],
+     ["model.patch_dim=4 (checkpoint: 8)"]),
+])
+def test_a_resume_into_another_model_kind_or_vision_shape_names_the_field(saved_model, resumed,
+                                                                         names):
+    """The refusal names the model kind (``vision_model_type``) and the vision field that
+    changed, with the checkpoint's value (it named only the language model's fields, or
+    parameters)."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from recipes.checkpoint import CheckpointError
+    from recipes.prelaunch import check_model_shape
+
+    saved = OmegaConf.to_container(make_cfg(*saved_model).model, resolve=True)
+    cfg = make_cfg(*resumed, "checkpoint.load=/tmp/unused")
+    plan = SimpleNamespace(path="CKPT", common={"train_state": {"config": {"model": saved}}})
+    with pytest.raises(CheckpointError) as info:
+        check_model_shape(cfg, plan)
+    for name in names:
+        assert name in str(info.value), str(info.value)
+
+
+def test_a_text_checkpoint_recorded_before_the_vision_fields_is_a_text_model():
+    """A record without ``vision_model_type`` (written before the field) is a text model."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from recipes.checkpoint import CheckpointError
+    from recipes.prelaunch import check_model_shape
+
+    saved = OmegaConf.to_container(make_cfg("model=llama_tiny").model, resolve=True)
+    saved = {k: v for k, v in saved.items() if not k.startswith(("vision_", "img_", "patch_"))}
+    cfg = make_cfg("model=llava_tiny", "data=shapes", "checkpoint.load=/tmp/unused")
+    plan = SimpleNamespace(path="CKPT", common={"train_state": {"config": {"model": saved}}})
+    with pytest.raises(CheckpointError, match=r"model.vision_model_type='clip' \(checkpoint: None\)"):
+        check_model_shape(cfg, plan)
