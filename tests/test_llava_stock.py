@@ -143,3 +143,21 @@ def test_dims_the_record_lacks_come_from_each_sub_models_tensors(saved):
     assert not any(problems), [p for p in problems if p][:5]
     with pytest.raises(stock.StockCheckpointError, match="model dims given by the caller"):
         stock.analyze(path, "tp=1,gtp=4,pad=32,ffn_hidden_size=200")
+
+
+def test_without_a_recorded_model_config_the_refusal_does_not_ask_for_dims(saved):
+    """No recorded run config at all: the language model's ffn width and SwiGLU are implied by
+    no tensor, so the read is refused; the message says a model of sub-models takes no dims
+    from the caller (the generic hint asked for ffn_hidden_size=.., which is then refused)."""
+    from gtp import stock
+
+    root, _ = saved
+    path = stock.resolve_iter_dir(root / "g4a32")
+    common = stock.analyze(path).common
+    common["train_state"] = {k: v for k, v in common["train_state"].items() if k != "config"}
+    for layout in (None, "tp=1,gtp=4,pad=32"):
+        with pytest.raises(stock.StockCheckpointError) as err:
+            stock.analyze(path, layout, common=common)
+        text = str(err.value)
+        assert "a model of sub-models (" in text and "never from --layout" in text, text
+        assert "ffn_hidden_size=.." not in text, text

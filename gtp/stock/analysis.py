@@ -28,7 +28,7 @@ from typing import Mapping, Optional
 from gtp.families import sub_model_dims
 from gtp.safe_objects import install
 from gtp.stock.format import METADATA_KEY, TRACKER, StockCheckpointError, checkpoint_format
-from gtp.stock.messages import LAYOUT_HELP
+from gtp.stock.messages import layout_help
 from gtp.stock.specs import (MODEL_DIMS, Analysis, SavedLayout, StoredCheckpoint, TensorInfo,
                              TensorSpec, config_layout, dims_problems, get_path, gtp_kind,
                              infer_dims, is_plain, parse_layout, split_key, strip_suffix)
@@ -142,7 +142,7 @@ def _read_checkpoint(ckpt, layout, common: Optional[Mapping]) -> StoredCheckpoin
     if problems:
         raise StockCheckpointError(
             f"{path}: the layout does not match the stored tensors: {'; '.join(problems)}; "
-            + LAYOUT_HELP)
+            + layout_help(sub))
     dims = {**inferred, **items}
     source = " + ".join(sources) if sources else "nothing recorded"
     gtp_bases, unknown = _gtp_weights(shapes, meta.get("tensors") or {})

@@ -19,6 +19,17 @@ LAYOUT_HELP = (
 )
 
 
+def layout_help(sub_prefixes) -> str:
+    """How to read a checkpoint whose layout or dims are not recorded: :data:`LAYOUT_HELP`, or
+    for a model of sub-models (``sub_prefixes``, LLaVA's) that its dims cannot be given."""
+    if not sub_prefixes:
+        return LAYOUT_HELP
+    return (f"a model of sub-models ({', '.join(sub_prefixes)}) takes each sub-model's dims from "
+            f"the run config its training recorded (train_state.config.model) or from that "
+            f"sub-model's tensors, never from --layout: read the checkpoint with its recorded run "
+            f"config; --layout gives only the saving layout (tp, gtp, pad, padded_vocab_size)")
+
+
 def layout_text(lay: SavedLayout) -> str:
     return f"tp={lay.tp},gtp={lay.g},pad={lay.pad_for_alignment}"
 

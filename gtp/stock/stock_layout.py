@@ -13,7 +13,7 @@ from typing import Mapping, Optional
 
 from gtp.families import families
 from gtp.stock.format import StockCheckpointError
-from gtp.stock.messages import (LAYOUT_HELP, explaining_layouts, fmt_dims, fmt_stored, layout_text,
+from gtp.stock.messages import (layout_help, explaining_layouts, fmt_dims, fmt_stored, layout_text,
                                 missing_dims, safe_expected)
 from gtp.stock.rowmaps import candidate_Ls, expected_stored_rows, is_identity, row_map
 from gtp.stock.specs import (EXPERT_ITEMS, GRID_A, GRID_G, GRID_TP, Analysis, SavedLayout,
@@ -179,14 +179,15 @@ def _plans_for_layout(ck: StoredCheckpoint, lay: SavedLayout) -> dict:
                 f"dim 0 L={spec.L}{', gated' if spec.gated else ''}) gives dim 0 "
                 f"{safe_expected(spec, lay)}. Layouts that explain this stored shape: "
                 f"{expl or 'none in the searched grid'}; check the checkpoint's "
-                f"layout record and run config, or {LAYOUT_HELP}")
+                f"layout record and run config, or {layout_help(ck.sub_dims)}")
         else:
             raise StockCheckpointError(
                 f"{ck.path}: {base} is stored with shape {fmt_stored(base, ck.gtp_bases[base])}; "
                 f"under {lay.describe()} [{ck.source}] its logical size is "
                 f"{'ambiguous' if ok else 'unexplained'}: "
                 f"TP-local dim 0 L could be any of {ok or 'none'}, and each reads different "
-                f"rows. The checkpoint does not record {missing_dims(kind)}; {LAYOUT_HELP}")
+                f"rows. The checkpoint does not record {missing_dims(kind)}; "
+                f"{layout_help(ck.sub_dims)}")
     return plans
 
 
@@ -210,10 +211,11 @@ def _viable_layouts(ck: StoredCheckpoint, candidates: list, tp: Optional[int]) -
         expl = explaining_layouts(spec, ck.dims_for(base), {s: v[-2] for s, v in sub.items()},
                                   kind)
         raise StockCheckpointError(
-            f"{ck.path}: no layout explains every stored GTP weight (saving layout not recorded: "
-            f"{ck.source}; model dims {fmt_dims(ck.dims_for(base))}). {base} is stored with shape "
+            f"{ck.path}: no layout explains every stored GTP weight (the saving layout is not "
+            f"fully recorded; known from: {ck.source}; model dims "
+            f"{fmt_dims(ck.dims_for(base))}). {base} is stored with shape "
             f"{fmt_stored(base, sub)}; layouts explaining it: "
-            f"{expl or 'none in the searched grid'}. {LAYOUT_HELP}")
+            f"{expl or 'none in the searched grid'}. {layout_help(ck.sub_dims)}")
     return viable
 
 
@@ -247,14 +249,16 @@ def _plans_agreed_by(ck: StoredCheckpoint, viable: dict) -> dict:
                 f"recorded nor given ({ck.source}) and is ambiguous: "
                 f"{base} stored with shape {fmt_stored(base, ck.gtp_bases[base])} is explained "
                 f"by {len(viable)} layouts that read different rows for it: {listed} (e.g. "
-                f"{layout_text(first_lay)} vs {layout_text(other)}); {LAYOUT_HELP}")
+                f"{layout_text(first_lay)} vs {layout_text(other)}); "
+                f"{layout_help(ck.sub_dims)}")
         kind = next(iter(per.values()))[1]
         raise StockCheckpointError(
             f"{ck.path}: the saving layout (tp, gtp_remat_size, pad_for_alignment) is neither "
             f"recorded nor given ({ck.source}) and {base} stored with "
             f"shape {fmt_stored(base, ck.gtp_bases[base])} is ambiguous: its TP-local dim 0 L "
             f"could be any of {sorted(Ls)[:12]} under the layouts {listed}, and each reads "
-            f"different rows. The checkpoint does not record {missing_dims(kind)}; {LAYOUT_HELP}")
+            f"different rows. The checkpoint does not record {missing_dims(kind)}; "
+            f"{layout_help(ck.sub_dims)}")
     return plans
 
 
