@@ -162,6 +162,17 @@ def test_resume_diff_names_every_change_and_refuses_data_changes():
     assert lr.effect.startswith("new value used")
 
 
+def test_a_data_field_the_checkpoint_does_not_record_is_named_as_unrecorded():
+    """A run config without the model section (an edited checkpoint): model.seq_length is
+    refused as not recorded, not as a change from None."""
+    from recipes.config import to_dict
+
+    saved = {k: v for k, v in to_dict(make_cfg()).items() if k != "model"}
+    changes = {c.field: c for c in checkpointer.resume_changes(saved, to_dict(make_cfg()), 0)}
+    effect = changes["model.seq_length"].effect
+    assert effect.startswith("REFUSED: not recorded in the checkpoint"), effect
+
+
 @pytest.mark.parametrize("overrides, effect", [
     (("parallelism.pipeline_model_parallel_size=2",), "resharded"),
     (("parallelism.context_parallel_size=2",), "resharded"),

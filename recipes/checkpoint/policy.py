@@ -214,7 +214,10 @@ def resume_changes(saved: dict, now: dict, consumed_samples: int) -> list[Change
             continue
         if name.startswith("optim.muon_") and _get(now, "optim.optimizer") != "muon":
             continue  # no effect on Adam (and absent from checkpoints older than optim=muon)
-        if name in DATA_FIELDS:
+        if name in DATA_FIELDS and name not in flat_saved:
+            effect = ("REFUSED: not recorded in the checkpoint, so the data it saw cannot be "
+                      "compared (checkpoint.allow_data_change=true resumes with this value)")
+        elif name in DATA_FIELDS:
             effect = "REFUSED: changes the data seen (checkpoint.allow_data_change=true allows it)"
         elif name == "data.global_batch_size":
             effect = (f"batches of {new} samples from sample {consumed_samples} on"
@@ -402,7 +405,8 @@ def prepare_resume(cfg, layout, plan=None, auto: bool = False) -> None:
     if refused and not ck.get("allow_data_change", False):
         raise CheckpointError(
             "resuming would change the data the run sees: " + "; ".join(
-                f"{c.field} {c.saved!r} -> {c.now!r}" for c in refused)
+                f"{c.field} {c.saved!r} -> {c.now!r}" if "not recorded" not in c.effect else
+                f"{c.field} (not recorded in the checkpoint) -> {c.now!r}" for c in refused)
             + f" (the checkpoint's values are in {ck.load}; set them back, or "
               f"checkpoint.allow_data_change=true)")
     with open_dict(cfg):
