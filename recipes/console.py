@@ -142,6 +142,11 @@ def format_summary(logger, wall_s: float, train_iters: int, checkpoint, how: str
         why = ("checkpoint.save=null" if save_root is None else
                f"none saved into {save_root}: checkpoint.save_interval, checkpoint.save_at_end")
         lines.append(f">   no checkpoint to resume from ({why})")
+    elif save_root is None:
+        # Only the checkpoint this run loaded: what it trained since is not saved, and
+        # checkpoint.load=auto finds nothing without checkpoint.save.
+        lines.append(f">   resume from: {checkpoint} (the checkpoint this run loaded; it saved "
+                     f"nothing: checkpoint.save=null)")
     else:
         lines.append(f">   resume from: {checkpoint}")
         if how:

@@ -108,7 +108,7 @@ def _logger(offline_dir=None, validation=True):
 def test_the_summary_names_losses_checkpoint_command_and_wandb_sync():
     how = "python train.py train.train_iters=8 hydra.run.dir=out checkpoint.load=auto"
     text = format_summary(_logger("out/wandb/offline-run-x"), 83.2, 8, "out/checkpoints/iter_0000008",
-                          how)
+                          how, save_root="out/checkpoints")
     assert text.startswith("> run complete: iteration 8/8 in 0:01:23 (wall time)"), text
     assert "final lm loss: 4.500000E+00" in text
     assert "lm loss validation: final 4.750000E+00 (iteration 8), best 4.500000E+00 " \
@@ -118,6 +118,16 @@ def test_the_summary_names_losses_checkpoint_command_and_wandb_sync():
     assert shlex.split(command) == ["python", "train.py", "hydra.run.dir=out",
                                     "checkpoint.load=auto", "train.train_iters=16"]
     assert "`wandb sync out/wandb/offline-run-x`" in text
+
+
+def test_a_run_that_saved_nothing_names_the_checkpoint_it_loaded_and_no_command():
+    """checkpoint.save=null after a load: the loaded checkpoint is named as such, and no
+    checkpoint.load=auto command (it would find nothing and start from scratch)."""
+    how = "python train.py checkpoint.save=null checkpoint.load=auto"
+    text = format_summary(_logger(), 5.0, 8, "src/checkpoints/iter_0000002", how, save_root=None)
+    assert ("resume from: src/checkpoints/iter_0000002 (the checkpoint this run loaded; it saved "
+            "nothing: checkpoint.save=null)") in text, text
+    assert "train on" not in text, text
 
 
 def test_the_summary_without_validation_checkpoint_or_wandb():
