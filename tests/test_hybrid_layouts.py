@@ -23,11 +23,10 @@ other's files, ``conv1d``'s and ``in_proj``'s main params stored as their compon
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
-from layout_goldens import build, check, fill, make_cfg
+from layout_goldens import make_cfg, pair_problems, save_and_load_pairs
 from multiproc import run_distributed
 
 pytestmark = pytest.mark.multiprocess
@@ -48,34 +47,11 @@ LAYOUTS = {
 }
 
 
-def _pairs(root: str, cfgs: dict) -> dict:
-    from recipes import checkpoint
-
-    out = {"filled": {}, "loads": {}}
-    for name, cfg_yaml in cfgs.items():
-        model, opt, sched, record, cfg = build(cfg_yaml)
-        out["filled"][name] = fill(model, opt, cfg, sentinel=False)
-        checkpoint.save_checkpoint(Path(root) / name, 1, model, opt, sched,
-                                   {"consumed_samples": 0}, record)
-    for name, cfg_yaml in cfgs.items():
-        model, opt, sched, record, cfg = build(cfg_yaml)
-        for source in cfgs:
-            fill(model, opt, cfg, sentinel=True)
-            checkpoint.load_checkpoint(Path(root) / source, model, opt, sched, record)
-            out["loads"][(source, name)] = check(model, opt, cfg)
-    return out
-
-
 def test_every_weight_and_moment_of_the_hybrid_model_loads_exactly_at_every_layout(tmp_path):
     cfgs = {name: make_cfg("hybrid_tiny", tp, g, pad, WORLD, "logical", *extra)
             for name, (tp, g, pad, extra) in LAYOUTS.items()}
-    results = run_distributed(_pairs, WORLD, str(tmp_path), cfgs, timeout=1200)
-    problems = []
-    for rank, res in enumerate(results):
-        assert all(n > 0 for n in res["filled"].values()), res["filled"]
-        for (source, target), (n, found) in res["loads"].items():
-            assert n > 0
-            problems += [f"rank {rank} {source} -> {target}: {p}" for p in found]
+    results = run_distributed(save_and_load_pairs, WORLD, str(tmp_path), cfgs, timeout=1200)
+    problems = pair_problems(results)
     assert not problems, "\n".join(problems[:40])
 
 
@@ -91,10 +67,6 @@ BF16_LAYOUTS = {
 def test_bf16_main_params_and_moments_load_exactly_across_optimizer_kinds(tmp_path):
     cfgs = {name: make_cfg("hybrid_tiny", tp, g, pad, WORLD, "logical", "precision=bf16", *extra)
             for name, (tp, g, pad, extra) in BF16_LAYOUTS.items()}
-    results = run_distributed(_pairs, WORLD, str(tmp_path), cfgs, timeout=1200)
-    problems = []
-    for rank, res in enumerate(results):
-        for (source, target), (n, found) in res["loads"].items():
-            assert n > 0
-            problems += [f"rank {rank} {source} -> {target}: {p}" for p in found]
+    results = run_distributed(save_and_load_pairs, WORLD, str(tmp_path), cfgs, timeout=1200)
+    problems = pair_problems(results)
     assert not problems, "\n".join(problems[:40])

@@ -14,12 +14,11 @@ distributed optimizer at tp1, g2/a16, g4/a32 and tp2 x g2/a16.
 from __future__ import annotations
 
 import tempfile
-from pathlib import Path
 
 import pytest
 
 import module_layouts
-from layout_goldens import build, check, fill, make_cfg
+from layout_goldens import make_cfg, pair_problems, save_and_load_pairs
 from multiproc import run_distributed
 
 pytestmark = pytest.mark.multiprocess
@@ -60,33 +59,10 @@ BF16_LAYOUTS = {
 }
 
 
-def _pairs(root: str, cfgs: dict) -> dict:
-    from recipes import checkpoint
-
-    out = {"filled": {}, "loads": {}}
-    for name, cfg_yaml in cfgs.items():
-        model, opt, sched, record, cfg = build(cfg_yaml)
-        out["filled"][name] = fill(model, opt, cfg, sentinel=False)
-        checkpoint.save_checkpoint(Path(root) / name, 1, model, opt, sched,
-                                   {"consumed_samples": 0}, record)
-    for name, cfg_yaml in cfgs.items():
-        model, opt, sched, record, cfg = build(cfg_yaml)
-        for source in cfgs:
-            fill(model, opt, cfg, sentinel=True)
-            checkpoint.load_checkpoint(Path(root) / source, model, opt, sched, record)
-            out["loads"][(source, name)] = check(model, opt, cfg)
-    return out
-
-
 def test_bf16_weights_main_params_and_moments_load_exactly_across_optimizer_kinds(tmp_path):
     cfgs = {name: make_cfg("llava_tiny", tp, g, pad, WORLD, "logical", "data=shapes",
                            "precision=bf16", *extra)
             for name, (tp, g, pad, extra) in BF16_LAYOUTS.items()}
-    results = run_distributed(_pairs, WORLD, str(tmp_path), cfgs, timeout=1200)
-    problems = []
-    for rank, res in enumerate(results):
-        assert all(n > 0 for n in res["filled"].values()), res["filled"]
-        for (source, target), (n, found) in res["loads"].items():
-            assert n > 0
-            problems += [f"rank {rank} {source} -> {target}: {p}" for p in found]
+    results = run_distributed(save_and_load_pairs, WORLD, str(tmp_path), cfgs, timeout=1200)
+    problems = pair_problems(results)
     assert not problems, "\n".join(problems[:40])

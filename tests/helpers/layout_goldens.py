@@ -227,3 +227,40 @@ def check(model, optimizer, cfg) -> tuple[int, list[str]]:
             problems.append(f"{name} step {float(st['step'])}")
         n += 4
     return n, [x for x in problems if x]
+
+
+def save_and_load_pairs(root: str, cfgs: dict) -> dict:
+    """In a worker of a gloo world: build each layout of ``cfgs`` (name -> :func:`make_cfg`
+    YAML), fill it with the goldens and save it under ``root/name`` through
+    ``recipes.checkpoint``; then load every save into every layout pre-filled with a sentinel.
+
+    Returns:
+        ``{"filled": {name: tensors filled}, "loads": {(source, target): check()}}``.
+    """
+    from recipes import checkpoint
+
+    out = {"filled": {}, "loads": {}}
+    for name, cfg_yaml in cfgs.items():
+        model, opt, sched, record, cfg = build(cfg_yaml)
+        out["filled"][name] = fill(model, opt, cfg, sentinel=False)
+        checkpoint.save_checkpoint(Path(root) / name, 1, model, opt, sched,
+                                   {"consumed_samples": 0}, record)
+    for name, cfg_yaml in cfgs.items():
+        model, opt, sched, record, cfg = build(cfg_yaml)
+        for source in cfgs:
+            fill(model, opt, cfg, sentinel=True)
+            checkpoint.load_checkpoint(Path(root) / source, model, opt, sched, record)
+            out["loads"][(source, name)] = check(model, opt, cfg)
+    return out
+
+
+def pair_problems(results: list) -> list[str]:
+    """Every difference :func:`save_and_load_pairs` found on any rank (asserting each layout
+    filled and each load checked some tensors)."""
+    problems = []
+    for rank, res in enumerate(results):
+        assert all(n > 0 for n in res["filled"].values()), res["filled"]
+        for (source, target), (n, found) in res["loads"].items():
+            assert n > 0, (source, target)
+            problems += [f"rank {rank} {source} -> {target}: {p}" for p in found]
+    return problems

@@ -16,9 +16,9 @@ def check(cfg, layout) -> None:
             (GatedDeltaNet ``G``, MoE ``E``, ... named with the reason), a pattern whose length
             is not ``num_layers``; with Mamba layers, a Mamba size < 1 and sizes that tensor
             parallelism cannot split (``nheads``, ``mamba_num_groups``);
-            and what is not run here: the stock checkpoint format under GTP (it cannot place ``in_proj``'s optimizer moments), context or
-            sequence parallelism, virtual pipeline stages, multi-token prediction, MoE,
-            TransformerEngine layers.
+            and what is not run here: the stock checkpoint format under GTP (it cannot place
+            ``in_proj``'s optimizer moments), context or sequence parallelism, virtual pipeline
+            stages, multi-token prediction, MoE, TransformerEngine layers.
     """
     m = cfg.model
     pattern = str(m.hybrid_layer_pattern)
