@@ -113,8 +113,12 @@ def test_a_hybrid_model_exports_to_nemotron_h_and_what_it_cannot_compute_is_refu
 
 
 def _nemotron_h(pattern: str, use_cache: bool):
-    """A tiny random NemotronH of ``pattern`` (transformers' own classes, no export code)."""
+    """A tiny random NemotronH of ``pattern`` (transformers' own classes, no export code),
+    drawn from a fixed seed: the same model whatever ran before."""
+    import torch
     from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    torch.manual_seed(0)
 
     types = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
     config = NemotronHConfig(
@@ -148,7 +152,9 @@ def test_the_exports_use_cache_is_off_exactly_where_transformers_cache_fails(pat
         assert notes({"hybrid_layer_pattern": pattern}).get("use_cache", True) == ran
         model = _nemotron_h(pattern, use_cache=False)
         assert model(ids).logits.shape == (1, 7, 64)
-        assert model.generate(ids, max_new_tokens=2, do_sample=False).shape == (1, 9)
+        # min_new_tokens: a random model may draw its end-of-sequence id and stop early.
+        assert model.generate(ids, max_new_tokens=2, min_new_tokens=2,
+                              do_sample=False).shape == (1, 9)
 
 
 def _logical_tensors(m, vocab: int = 320) -> dict:
