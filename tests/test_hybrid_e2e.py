@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from resume_checks import assert_same_step, by_iteration
+from resume_checks import assert_same_step, by_iteration, resumed_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -53,9 +53,7 @@ def test_the_hybrid_model_trains(runs):
 
 def test_a_resume_at_the_same_layout_is_bit_for_bit(runs):
     want, _ = by_iteration(runs / "tp2gtp2")
-    got, events = by_iteration(runs / "same")
-    assert sorted(got) == [3, 4, 5]
-    assert events[0]["event"] == "resume" and events[0]["iteration"] == RESUMED_AT
+    got = resumed_rows(runs / "same", RESUMED_AT)
     for it in (3, 4, 5):
         for key in ("lm loss", "grad-norm", "learning-rate", "consumed-samples"):
             assert got[it][key] == want[it][key], (it, key)
@@ -63,18 +61,14 @@ def test_a_resume_at_the_same_layout_is_bit_for_bit(runs):
 
 def test_tp2_gtp2_run_resumes_at_pp2_dp2_with_the_distributed_optimizer(runs):
     want, _ = by_iteration(runs / "tp2gtp2")
-    got, events = by_iteration(runs / "pp2do")
-    assert sorted(got) == [3, 4, 5]
-    assert events[0]["event"] == "resume" and events[0]["iteration"] == RESUMED_AT
+    got = resumed_rows(runs / "pp2do", RESUMED_AT)
     for it in (3, 4, 5):
         assert_same_step(got[it], want[it], it - RESUMED_AT, terms=PARAMETERS)
 
 
 def test_a_bf16_run_resumes_with_the_other_optimizer_kind(runs):
     want, _ = by_iteration(runs / "bf16do")
-    got, events = by_iteration(runs / "bf16plain")
-    assert sorted(got) == [3, 4, 5]
-    assert events[0]["event"] == "resume" and events[0]["iteration"] == RESUMED_AT
+    got = resumed_rows(runs / "bf16plain", RESUMED_AT)
     for it in (3, 4, 5):
         assert got[it]["lm loss"] == want[it]["lm loss"], it
         assert_same_step(got[it], want[it], it - RESUMED_AT, terms=PARAMETERS)

@@ -22,3 +22,12 @@ def assert_same_step(resumed: dict, reference: dict, steps: int, terms: int = TI
     for key in ("lm loss", "grad-norm"):
         assert_fp32_close(resumed[key], reference[key], steps, terms,
                           what=(key, resumed["iteration"]))
+
+
+def resumed_rows(run_dir, resumed_at: int, iterations=(3, 4, 5)) -> dict:
+    """``{iteration: metrics row}`` of a run resumed from ``resumed_at``, asserting it logged
+    exactly ``iterations`` and that its first event is the resume from ``resumed_at``."""
+    got, events = by_iteration(run_dir)
+    assert sorted(got) == list(iterations), sorted(got)
+    assert events[0]["event"] == "resume" and events[0]["iteration"] == resumed_at, events[:1]
+    return got
