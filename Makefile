@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup train test test-fast test-times bench golden gpu-smoke clean
+.PHONY: help setup train test test-fast test-kernels test-times bench golden gpu-smoke clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -48,6 +48,14 @@ test: setup ## run unit, multi-process and end-to-end tests on CPU
 
 test-fast: setup ## run the unit and config tests only (no multi-process, no end-to-end)
 	$(PY) -m pytest -n 2 $(UNIT) $(ARGS)
+
+# Every world test file that compares two runs bit for bit (resume_checks.assert_bit_for_bit),
+# under two other kernel choices: a same-computation pair holds under any (docs/testing.md).
+KERNEL_FILES = $(shell grep -l assert_bit_for_bit tests/test_*.py)
+
+test-kernels: setup ## run the bit-for-bit resume tests under ATEN_CPU_CAPABILITY=default and avx2
+	@for cap in default avx2; do echo "ATEN_CPU_CAPABILITY=$$cap"; \
+	ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest $(WORLD) $(KERNEL_FILES) $(ARGS) || exit $$?; done
 
 test-times: setup ## run the whole suite and rewrite the per-file time table in docs/testing.md
 	$(PY) -m pytest --time-table=docs/testing.md $(ARGS)

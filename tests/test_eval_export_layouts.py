@@ -136,7 +136,9 @@ def test_hf_export_logits_equal_megatron(world, tmp_path, name):
     prompt = res[name]["tokens"][:1, :8]
     generated = model.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=256)
     assert generated.shape == (1, 11) and torch.equal(generated[0, :8], prompt[0])
-    assert generated[0, 8].item() == hf[0, 7].argmax().item()
+    # Its first new token is the argmax of the same logits, up to rounding: the 8-token prompt's
+    # forward is another computation than the 64-token one's, so a near-tie may pick another.
+    assert hf[0, 7, generated[0, 8]] >= hf[0, 7].max() - LOGITS_ATOL
 
 
 def test_grad_norm_detail_is_layout_invariant_and_adds_up_to_the_total(world):

@@ -568,6 +568,7 @@ def test_overlapped_collectives_train_exactly_as_in_order_ones(world_results):
     for rank, r in enumerate(w["invariance"] for w in world_results):
         for layout in OVERLAP_LAYOUTS:
             got, want = r[layout], r[layout[:3]]
+            # same computation: the same collectives in the same order; only when they finish moves
             assert got["loss"] == want["loss"] and got["grad_norm"] == want["grad_norm"], layout
             assert want["async"] == {"ag": 0, "rs": 0}, layout
             n = got["n_gtp"]

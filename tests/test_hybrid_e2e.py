@@ -5,20 +5,22 @@ GTP boundary inside ``x``), resumed from iteration 2 at the same layout and at p
 the distributed optimizer.
 
 The same-layout resume gives the original run's ``lm loss`` and ``grad-norm`` bit for bit over
-iterations 3..5; the pp2 x dp2 resume gives them up to the order of fp32 reductions
-(tests/helpers/tolerance.py).
+iterations 3..5 (the same computation on the same machine); the pp2 x dp2 resume gives them
+within the derived fp32 bound (tests/helpers/tolerance.py).
 
 In bf16: trained at tp2 x gtp2/a16 with the distributed optimizer, resumed at the same layout
 with the plain one (its fp32 main params from the file's, ``conv1d``'s and ``in_proj``'s by
-component): the same ``lm loss`` bit for bit (a main param taken from the bf16 weight instead
-would move it), ``grad-norm`` up to the order of its reduction.
+component): ``lm loss`` and ``grad-norm`` within the bound, since another optimizer kind is
+another computation (issue 53: equal with AVX-512 here, 1.9e-6 apart with
+``ATEN_CPU_CAPABILITY=default``). That each main param is the file's, not the bf16 weight's, is
+checked exactly in tests/test_hybrid_layouts.py's bf16 matrix.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from resume_checks import assert_same_step, by_iteration, resumed_rows
+from resume_checks import assert_bit_for_bit, assert_same_step, by_iteration, resumed_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -54,9 +56,7 @@ def test_the_hybrid_model_trains(runs):
 def test_a_resume_at_the_same_layout_is_bit_for_bit(runs):
     want, _ = by_iteration(runs / "tp2gtp2")
     got = resumed_rows(runs / "same", RESUMED_AT)
-    for it in (3, 4, 5):
-        for key in ("lm loss", "grad-norm", "learning-rate", "consumed-samples"):
-            assert got[it][key] == want[it][key], (it, key)
+    assert_bit_for_bit(got, want, (3, 4, 5), got_dir=runs / "same", want_dir=runs / "tp2gtp2")
 
 
 def test_tp2_gtp2_run_resumes_at_pp2_dp2_with_the_distributed_optimizer(runs):
@@ -70,5 +70,4 @@ def test_a_bf16_run_resumes_with_the_other_optimizer_kind(runs):
     want, _ = by_iteration(runs / "bf16do")
     got = resumed_rows(runs / "bf16plain", RESUMED_AT)
     for it in (3, 4, 5):
-        assert got[it]["lm loss"] == want[it]["lm loss"], it
         assert_same_step(got[it], want[it], it - RESUMED_AT, terms=PARAMETERS)

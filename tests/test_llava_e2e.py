@@ -6,9 +6,10 @@ at tp1 x dp2 without GTP with more vocabulary padding (384 rows where the checkp
 320: the real rows are read, the padding rows start at zero and never reach the loss).
 
 The same-layout resume gives the original run's ``lm loss``, ``grad-norm`` and validation loss
-bit for bit over iterations 3..5, and so does a bf16 run of the distributed optimizer resumed
-with the plain one (``lm loss`` and validation loss; ``grad-norm`` up to its reduction order); the tp1 x dp2 resume gives them up to the order of fp32
-reductions (tests/helpers/tolerance.py). ``gtp export`` refuses the checkpoint, naming why.
+bit for bit over iterations 3..5 (the same computation on the same machine); a bf16 run of the
+distributed optimizer resumed with the plain one, and the tp1 x dp2 resume, give them within the
+derived fp32 bound (tests/helpers/tolerance.py): another optimizer kind or layout is another
+computation, equal on one CPU and not on the next (issue 53). ``gtp export`` refuses the checkpoint, naming why.
 Every weight and moment across layouts, g4/a32's all-padding shard included:
 tests/test_llava_layouts.py.
 """
@@ -20,7 +21,7 @@ from contextlib import redirect_stderr
 
 import pytest
 
-from resume_checks import assert_same_step, by_iteration, resumed_rows
+from resume_checks import assert_bit_for_bit, assert_same_step, by_iteration, resumed_rows
 from tolerance import assert_fp32_close
 
 pytestmark = pytest.mark.e2e
@@ -72,10 +73,8 @@ def test_a_resume_at_the_same_layout_is_bit_for_bit(runs):
     root, _ = runs
     want, _ = by_iteration(root / "tp2gtp2")
     got = resumed_rows(root / "same", RESUMED_AT)
-    for it in (3, 4, 5):
-        for key in ("lm loss", "grad-norm", "learning-rate", "consumed-samples"):
-            assert got[it][key] == want[it][key], (it, key)
-    assert got[5][VALID] == want[5][VALID]
+    assert_bit_for_bit(got, want, (3, 4, 5), got_dir=root / "same", want_dir=root / "tp2gtp2")
+    assert_bit_for_bit(got, want, (5,), (VALID,), got_dir=root / "same", want_dir=root / "tp2gtp2")
 
 
 def test_tp2_gtp2_run_resumes_at_tp1_dp2_without_gtp(runs):
@@ -104,7 +103,8 @@ def test_a_bf16_run_resumes_with_the_other_optimizer_kind(runs):
     root, _ = runs
     want, _ = by_iteration(root / "bf16do")
     got = resumed_rows(root / "bf16plain", RESUMED_AT)
+    # Another optimizer kind: another computation (seen: iteration 5's lm loss 3.1e-5 apart on
+    # an AMD EPYC, validation loss 2.3e-6 with ATEN_CPU_CAPABILITY=avx2); bound 1.8e-4 at 3 steps.
     for it in (3, 4, 5):
-        assert got[it]["lm loss"] == want[it]["lm loss"], it
         assert_same_step(got[it], want[it], it - RESUMED_AT, terms=PARAMETERS)
-    assert got[5][VALID] == want[5][VALID]
+    assert_fp32_close(got[5][VALID], want[5][VALID], 5 - RESUMED_AT, PARAMETERS, what=VALID)

@@ -14,7 +14,9 @@ iteration 1's ``lm loss``, ``grad-norm``, ``num-zeros`` and ``load_balancing_los
 reduction-order noise (``tolerance.fp32_rtol(1)``, tests/helpers/tolerance.py). ``grad-norm`` at ``ep2``/``etp2``/``egtp2`` equal to
 ``ep1``'s means each expert element is counted once. So do ``logger.grad_norm_detail``'s
 per-part norms (the ``experts`` group among them), whose squares add up to ``grad-norm``, and
-the per-layer tokens-per-expert ratios (integer counts over the same global batch: exactly).
+the per-layer tokens-per-expert ratios: integer counts over the same global batch, equal
+unless a token whose 2nd and 3rd router logits nearly tie flips expert under another rounding
+(each flip moves a ratio by 1/512: 1024 tokens x top-2 over 4 experts), so within two flips.
 """
 
 from __future__ import annotations
@@ -105,6 +107,9 @@ def test_tokens_per_expert_ratios_are_the_same_at_every_layout(runs):
             high, low = metric_names(layer)
             # 4 experts: the most-loaded takes more than the mean, at most 4x; the least less.
             assert 1.0 < r[high] <= 4.0 and 0.0 <= r[low] < 1.0, r
+    # Another layout rounds the router logits differently: a near-tie may route a token elsewhere.
+    per_flip = 1 / (16 * 64 * 2 / 4)  # one token of the mean count (global batch x seq x top-k)
     for name, (rows, _) in runs.items():
         for r, want in zip(rows[:1], ref[:1]):
-            assert {k: r[k] for k in keys} == {k: want[k] for k in keys}, name
+            for k in keys:
+                assert abs(r[k] - want[k]) <= 2 * per_flip, (name, k, r[k], want[k])

@@ -18,8 +18,9 @@ With tied embedding/output weights (the tiny GPT with 4 layers; the tied weight 
 pipeline stages): pp2 -> tp1 and pp2 x vpp2 (the interleaved schedule, stage 0 holding layers
 0 and 2) -> tp1, each 4 iterations resumed from 1, and one-iteration runs at tp1 and at dp2
 with the distributed optimizer. The iteration-1 ``lm loss``, ``grad-norm`` and ``num-zeros``
-of tp1, dp2 + distributed optimizer and pp2 x vpp2 equal the pp2 run's (each logical element
-counted once, the tied weight once).
+of tp1, dp2 + distributed optimizer and pp2 x vpp2 equal the pp2 run's within the derived
+bounds (each logical element counted once, the tied weight once; ``num-zeros`` within
+``tolerance.ZEROS_RTOL``: a gradient may cancel to 0.0 under one rounding only).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from __future__ import annotations
 import pytest
 
 from recipes.metrics import read_metrics
-from tolerance import TINY_SWIGLU, TINY_TIED_4_LAYERS, assert_fp32_close
+from tolerance import TINY_SWIGLU, TINY_TIED_4_LAYERS, assert_fp32_close, assert_zeros_close
 
 pytestmark = pytest.mark.e2e
 
@@ -126,6 +127,7 @@ def test_iteration_one_grad_norm_and_num_zeros_equal_across_pp_vpp_and_distribut
     ref, _ = _rows(chain["tied_pp2"])
     for name in (*FIRST_ITERATION, "tied_pp2vpp2"):
         got, _ = _rows(chain[name])
-        assert got[1]["num-zeros"] == ref[1]["num-zeros"], (name, got[1], ref[1])
+        # Other layouts and optimizer kinds: a gradient may cancel to 0.0 under one rounding only.
+        assert_zeros_close(got[1]["num-zeros"], ref[1]["num-zeros"], what=(name,))
         for key in ("grad-norm", "lm loss"):  # one step from the same initial weights
             assert_fp32_close(got[1][key], ref[1][key], 1, TINY_TIED_4_LAYERS, what=(name, key))

@@ -64,6 +64,7 @@ def test_crashed_run_continues_from_its_last_checkpoint(runs):
     # Rows 1..5 of the crashed job, then 5..8 of the resumed one (5 again: logged after the save).
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5, 5, 6, 7, 8]
     first, again = rows[4], rows[5]
+    # same computation: one run dir, one command, iteration 5 again from iteration 4's save
     assert again["lm loss"] == first["lm loss"] and again["grad-norm"] == first["grad-norm"]
     resume = [e for e in events if e["event"] == "resume"]
     assert resume[0]["iteration"] == 4 and resume[0]["wandb_parent_run_id"] is None

@@ -113,6 +113,9 @@ def differences_from_tp1(result: dict, n_params: int) -> list[str]:
     tp > 1, 1e-6; exactly under GTP alone)."""
     out = []
     for name, (dloss, dgrad, n) in result.items():
+        # GTP alone is exact on any CPU: the GEMMs see the gathered (unpadded) weight, data
+        # movement, and the reduce-scatter sums g identical partial gradients scaled by 1/g
+        # (every rank reads the same input), exact for g = 2 and 4, powers of two.
         tol = 1e-6 if LAYOUTS[name][0] > 1 else 0.0
         if n != n_params or dloss > tol or dgrad > tol:
             out.append(f"{name}: {n} grads, |dloss| {dloss:g}, max |dgrad| {dgrad:g}")
