@@ -473,7 +473,7 @@ def test_the_moves_back_note_reads_the_tracker_after_the_save_in_flight(tmp_path
         pending.append(lambda: on_written(staged))
         return staged
 
-    def finalize_save(root, iteration, staged):
+    def finalize_save(root, iteration, staged, chain=None):
         fake_save(Path(root), iteration)
         (Path(root) / checkpoint.TRACKER).write_text(f"{iteration}\n")
         return checkpoint.iter_dir(root, iteration)

@@ -5,6 +5,7 @@ Folder layout (Megatron-LM's)::
     <save>/iter_0000020/                      megatron dist_checkpointing (torch_dist) files
     <save>/.iter_0000020.staging/             a save being written (hidden; never loaded)
     <save>/latest_checkpointed_iteration.txt  written only after every rank finished the save
+    <save>/.lineage.json                      each save's lineage (recipes.checkpoint.lineage)
 """
 
 from __future__ import annotations

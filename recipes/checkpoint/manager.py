@@ -113,8 +113,9 @@ class ResumePlan:
         usable tracker: of the newest complete save) that loads and, with ``verify``, verifies
         (:func:`gtp.verify.verify_iteration`). A newer save of the same lineage is taken (a
         crash between its rename and the tracker's write); another lineage's is never taken.
-        A save to follow that cannot be read is damaged: the newest readable save stands in
-        when every readable save is of its lineage.
+        A save to follow that cannot be read is damaged: its lineage recorded beside the tracker
+        (:func:`recipes.checkpoint.lineage.recorded`) is followed, back to the iteration it
+        forked at; without that record it is refused.
         With ``repair`` (global rank 0) a damaged save of the lineage is set aside as
         ``iter_N.damaged`` (never deleted, never written over) once the tracker names the save
         chosen; without it nothing is written.
@@ -126,8 +127,7 @@ class ResumePlan:
         Raises:
             CheckpointError: it cannot tell a save's lineage from the tracker's (a save from
                 before lineages beside it), naming both; the save to follow cannot be read and
-                the readable ones are not of one lineage, naming two; or no save of the lineage
-                loads.
+                its lineage is not recorded, naming it; or no save of the lineage loads.
         """
         saved = saved_iterations(root)
         if not saved:
@@ -154,24 +154,24 @@ class ResumePlan:
             notes.append(f"> checkpoint.load=auto: {why}; following the lineage of the newest "
                          f"complete save, {iter_dir(root, ref).name}")
         history = chain(ref)
-        readable = [it for it in reversed(saved) if not isinstance(chain(it), CheckpointError)]
-        if isinstance(history, CheckpointError) and readable:
-            # The save to follow cannot be read: damaged (skipped below). The newest readable
-            # one stands in, when every readable save lies on its lineage.
-            newest = readable[0]
-            other = next((it for it in readable[1:]
-                          if not lineage.on_path(chain(it), it, chain(newest))), None)
-            if other is not None:
+        if isinstance(history, CheckpointError):
+            # The save to follow cannot be read: damaged (skipped below). Its lineage as recorded
+            # beside the tracker when it was saved says which saves continue it; without that
+            # record nothing does (the readable saves may all be another lineage's).
+            history = lineage.recorded(root).get(ref, history)
+            others = [it for it in saved if it != ref and not isinstance(chain(it), CheckpointError)]
+            if isinstance(history, CheckpointError) and others:
+                which = "the tracker names" if mark == ref else "the newest"
                 raise CheckpointError(
-                    f"checkpoint.load=auto cannot tell which saves of {root} continue "
-                    f"{iter_dir(root, ref).name}: it cannot be read ({history}), and "
-                    f"{iter_dir(root, newest).name} and {iter_dir(root, other).name} are not "
-                    f"of one lineage (or one was saved before saves recorded it); load one "
-                    f"explicitly (checkpoint.load={root} checkpoint.load_iteration=N)")
-            notes.append(f"> checkpoint.load=auto: {iter_dir(root, ref).name} cannot be read; "
-                         f"the saves left are of one lineage: following "
-                         f"{iter_dir(root, newest).name}'s")
-            ref, history = newest, chain(newest)
+                    f"checkpoint.load=auto cannot tell which saves of {root} continue iteration "
+                    f"{ref} ({which}): {iter_dir(root, ref).name} cannot be read ({history}) and "
+                    f"{lineage.RECORD} records no lineage for it, so its readable saves "
+                    f"{others} may be another run's; load one explicitly (checkpoint.load={root} "
+                    f"checkpoint.load_iteration=N)")
+            if not isinstance(history, CheckpointError):
+                notes.append(f"> checkpoint.load=auto: {iter_dir(root, ref).name} cannot be "
+                             f"read; following its lineage as recorded in {lineage.RECORD} "
+                             f"(run {history[-1][0]}, from iteration {history[-1][1]})")
         for it in reversed(saved):
             mine = chain(it)
             if it != ref and not isinstance(mine, CheckpointError):
@@ -318,12 +318,13 @@ class CheckpointManager:
         if self.async_saves is not None:
             self.async_saves.wait()  # the save still in flight moves the tracker first
         previous = tracked(self.root) if torch.distributed.get_rank() == 0 else None
+        train_state = self._train_state(state, logger)
         complete = functools.partial(self._complete, iteration, previous, logger,
-                                     time.perf_counter())
+                                     time.perf_counter(), train_state.get(lineage.KEY))
         async_saves = None if sync else self.async_saves
         self._started = iteration
         staged = stage_save(self.root, iteration, state.model, state.optimizer, state.scheduler,
-                            self._train_state(state, logger), self.layout_record,
+                            train_state, self.layout_record,
                             async_saves=async_saves, on_written=complete)
         if async_saves is None:
             complete(staged)
@@ -346,11 +347,12 @@ class CheckpointManager:
                 IMPORTED_KEY: fixed.get(IMPORTED_KEY)}  # checkpoint.pretrained's HF model
 
     def _complete(self, iteration: int, previous: int | None, logger, started: float,
-                  staged: Path) -> None:
+                  chain: list | None, staged: Path) -> None:
         """Every rank, once every rank's files of ``iteration`` are written: rename the staged
-        save into place, then (rank 0) note a tracker that moves back, prune and log the seconds
-        since the save started (``started``: ``time.perf_counter()``)."""
-        path = finalize_save(self.root, iteration, staged)
+        save into place (its lineage ``chain`` recorded beside the tracker), then (rank 0) note
+        a tracker that moves back, prune and log the seconds since the save started
+        (``started``: ``time.perf_counter()``)."""
+        path = finalize_save(self.root, iteration, staged, chain=chain)
         self.last_good = path
         if torch.distributed.get_rank() != 0:
             return

@@ -20,6 +20,7 @@ from gtp.logical_format import METADATA_KEY, layout_metadata
 from gtp.collectives import barrier, collective_device, rank as global_rank
 from gtp.records import TRACKER, stored_layout
 from recipes import faults, vocab
+from recipes.checkpoint import lineage
 from recipes.checkpoint.async_save import (
     AsyncSaves,
     failed_save_message,
@@ -155,7 +156,7 @@ def stage_save(root, iteration: int, model, optimizer, scheduler, common: dict,
     return staged
 
 
-def finalize_save(root, iteration: int, staged: Path) -> Path:
+def finalize_save(root, iteration: int, staged: Path, chain: list | None = None) -> Path:
     """Make a staged save the checkpoint of ``iteration`` once every rank finished writing.
 
     A barrier first (a rank that died or failed while writing stops the others here, and the
@@ -163,7 +164,9 @@ def finalize_save(root, iteration: int, staged: Path) -> Path:
     iteration aside, renames the staged dir into place, writes the tracker, then removes the
     old one. Every step is a rename within ``root``: a crash at any point leaves either the old
     or the new complete checkpoint under its name (or the old one as ``.iter_*.replaced``,
-    which :func:`recipes.checkpoint.files.recover_replaced` puts back).
+    which :func:`recipes.checkpoint.files.recover_replaced` puts back). ``chain``: the save's
+    lineage, recorded beside the tracker before it names the save
+    (:func:`recipes.checkpoint.lineage.record`).
 
     Returns:
         The iter dir.
@@ -185,6 +188,7 @@ def finalize_save(root, iteration: int, staged: Path) -> Path:
                 os.replace(path, replaced)
             os.replace(staged, path)
             fsync_dir(root)
+            lineage.record(root, iteration, chain)
             # The tracker first: a crash before it leaves the old save aside for
             # recover_replaced.
             write_durable(Path(root) / TRACKER, f"{iteration}\n")
@@ -235,7 +239,7 @@ def save_checkpoint(root, iteration: int, model, optimizer, scheduler, common: d
         The iter dir. The tracker file names it only once every rank finished writing.
     """
     def written(staged: Path) -> None:
-        path = finalize_save(root, iteration, staged)
+        path = finalize_save(root, iteration, staged, chain=common.get(lineage.KEY))
         if on_done is not None:
             on_done(path)
 
