@@ -205,7 +205,9 @@ def take_save_dir(cfg, is_rank0: bool) -> str | None:
         return note
     holder = lease.read(Path(root) / lease.WRITER_LEASE)
     mine = job_id()
-    if holder is not None and holder.get("job_id") != mine and lease.stale_reason(holder, mine) is None:
+    # Another host's holder is watched as rank 0 watches it (recipes.lease.stale_reason).
+    if holder is not None and holder.get("job_id") != mine and lease.stale_reason(
+            holder, mine, lease.STALE_AFTER_S) is None:
         raise lease.LeaseHeld(f"checkpoint.save {root} is in use by {lease.describe(holder)}; "
                               f"use another dir, or, if that run is gone, remove "
                               f"{Path(root) / lease.WRITER_LEASE}")

@@ -36,7 +36,7 @@ from recipes.checkpoint.files import (
     write_durable,
 )
 from recipes.checkpoint.state import rng_sharded_object, sharded_state_dict
-from recipes.lease import check_writer
+from recipes.lease import RUN_ID_ENV, LeaseHeld, check_writer
 
 
 def gc_paused(fn):
@@ -180,7 +180,10 @@ def finalize_save(root, iteration: int, staged: Path, chain: list | None = None)
     failure = [None]
     if global_rank() == 0:
         try:
-            check_writer(root)  # still this run's dir: one live writer (recipes/lease.py)
+            try:
+                check_writer(root)  # still this run's dir: one live writer (recipes/lease.py)
+            except LeaseHeld as exc:
+                raise LeaseHeld(f"{exc}; {keep_unowned(root, iteration, staged)}") from None
             replaced = Path(root) / f".{path.name}.replaced"
             if path.exists():
                 if replaced.exists():
@@ -206,6 +209,23 @@ def finalize_save(root, iteration: int, staged: Path, chain: list | None = None)
     if failure[0] is not None:
         raise failure[0]
     return path
+
+
+def keep_unowned(root, iteration: int, staged: Path) -> str:
+    """A complete save that may not be renamed into place (another run took ``root``'s writer
+    lease) is kept, not dropped: renamed to ``iter_NNNNNNN.lease-lost.RUN_ID`` beside the
+    others (never listed, loaded or pruned as a save; a hidden staging dir would be removed by
+    the other run's save of the same iteration). Returns the sentence saying where, and how to
+    resume from it."""
+    name = iter_dir(root, iteration).name
+    kept = Path(root) / f"{name}.lease-lost.{os.environ.get(RUN_ID_ENV) or os.getpid()}"
+    try:
+        os.replace(staged, kept)
+    except OSError:
+        kept = staged
+    return (f"its complete files are kept as {kept} (to resume from them: move it to "
+            f"NEW_DIR/{name} and run with checkpoint.load=NEW_DIR "
+            f"checkpoint.load_iteration={iteration})")
 
 
 def save_checkpoint(root, iteration: int, model, optimizer, scheduler, common: dict,
