@@ -259,11 +259,18 @@ def launch_local(config_path: Path, nproc: int, exit_signals: list[int] = (),
             for text in _refusals(failures):
                 print(f"error: {text}", file=sys.stderr)
             raise SystemExit(refusal.EXIT_CODE) from None
+        said: dict = {}  # message -> the rank that said it: each message once
         for i, (rank, failure) in enumerate(failures):
             head = "error" if i == 0 else "then"
+            text = _failure_message(failure)
+            if text in said:
+                print(f"\n{head}: worker rank {rank} failed (exit code {failure.exitcode}): "
+                      f"the same error as rank {said[text]}", file=sys.stderr)
+                continue
+            said[text] = rank
             print(f"\n{head}: worker rank {rank} failed (exit code {failure.exitcode}):",
                   file=sys.stderr)
-            print(_failure_message(failure), file=sys.stderr)
+            print(text, file=sys.stderr)
         raise SystemExit(1) from None
     except SignalException as exc:
         print(interrupted_message(exc.sigval.name, save_root), file=sys.stderr, flush=True)

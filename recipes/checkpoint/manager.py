@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass
@@ -30,14 +31,16 @@ from gtp.collectives import collective_device
 from gtp.records import IMPORTED_KEY
 from gtp.verify import verify_iteration
 from recipes.checkpoint import lineage
-from recipes.checkpoint.async_save import AsyncSaves
+from recipes.checkpoint.async_save import AsyncSaves, failure_message
 from recipes.checkpoint.errors import CheckpointError
-from recipes.checkpoint.files import (TRACKER, iter_dir, read_tracker, recover_replaced,
+from recipes.checkpoint.files import (TRACKER, ensure_disk_space, iter_dir, read_tracker,
+                                      recover_replaced, save_files,
                                       remove_old_checkpoints, saved_iterations, tracked,
                                       write_durable)
 from recipes.checkpoint.integrity import check_loadable
 from recipes.checkpoint.load import load_checkpoint, load_common
-from recipes.checkpoint.save import finalize_save, stage_save
+from recipes.checkpoint.save import expected_checkpoint_bytes, finalize_save, stage_save
+from recipes.checkpoint.state import sharded_state_dict
 from recipes.rank_env import job_id
 
 
@@ -159,7 +162,8 @@ class ResumePlan:
             # beside the tracker when it was saved says which saves continue it; without that
             # record nothing does (the readable saves may all be another lineage's).
             history = lineage.recorded(root).get(ref, history)
-            others = [it for it in saved if it != ref and not isinstance(chain(it), CheckpointError)]
+            others = [it for it in saved
+                      if it != ref and not isinstance(chain(it), CheckpointError)]
             if isinstance(history, CheckpointError) and others:
                 which = "the tracker names" if mark == ref else "the newest"
                 raise CheckpointError(
@@ -245,6 +249,7 @@ class CheckpointManager:
         # checkpoint.async_save: saves written in the background, finalized in poll()/wait().
         self.async_saves = AsyncSaves() if ck.get("async_save", False) else None
         self._started: int | None = None  # iteration of the last save started
+        self._space_checked = False  # the exact disk pre-check of step() done
 
     def load(self, model, optimizer, scheduler) -> dict | None:
         """Load the plan's checkpoint into ``model``, ``optimizer`` and ``scheduler``
@@ -277,12 +282,36 @@ class CheckpointManager:
         """After each iteration: finalize the background save in flight if every rank's writer
         has finished, then save ``state`` if :meth:`should_save`.
 
+        After the run's first iteration (unless it saves then) the disk pre-check of a save runs
+        once, so a save that cannot fit is refused before the iterations up to the first save
+        are spent.
+
         Raises:
             CheckpointError: as :meth:`wait`, or a save that cannot start (disk space).
         """
         self.poll()
         if self.should_save(state.iteration, train_iters):
             self.save(state, logger)
+        elif self.root and not self._space_checked:  # the state a save holds exists now
+            ensure_disk_space(self.root, expected_checkpoint_bytes(
+                sharded_state_dict(state.model, state.optimizer, is_loading=False)),
+                files=save_files(torch.distributed.get_world_size()))
+        self._space_checked = True
+
+    def check_space(self) -> None:
+        """Before the first iteration of a resumed run with ``checkpoint.save``: its saves will
+        be about the size of the one it loaded; refuse one that cannot fit (or find no inodes)
+        now, not after the iterations before the first save are spent. A fresh run is checked
+        exactly after its first iteration (:meth:`step`: its optimizer state exists from
+        then), and every save checks again (:func:`recipes.checkpoint.save.prepare_staging`).
+
+        Raises:
+            CheckpointError: as :func:`recipes.checkpoint.files.ensure_disk_space`.
+        """
+        if not self.root or self.plan is None:
+            return
+        loaded = sum(f.stat().st_size for f in Path(self.plan.path).iterdir() if f.is_file())
+        ensure_disk_space(self.root, loaded, files=save_files(torch.distributed.get_world_size()))
 
     def stop(self, state, logger=None) -> None:
         """The run stops after ``state.iteration``: save it synchronously unless its save has
@@ -316,19 +345,40 @@ class CheckpointManager:
         """
         iteration = state.iteration
         if self.async_saves is not None:
-            self.async_saves.wait()  # the save still in flight moves the tracker first
+            with self._peer_lost_fails(self._started):
+                self.async_saves.wait()  # the save still in flight moves the tracker first
         previous = tracked(self.root) if torch.distributed.get_rank() == 0 else None
         train_state = self._train_state(state, logger)
         complete = functools.partial(self._complete, iteration, previous, logger,
                                      time.perf_counter(), train_state.get(lineage.KEY))
         async_saves = None if sync else self.async_saves
         self._started = iteration
-        staged = stage_save(self.root, iteration, state.model, state.optimizer, state.scheduler,
-                            train_state, self.layout_record,
-                            async_saves=async_saves, on_written=complete)
-        if async_saves is None:
-            complete(staged)
+        with self._peer_lost_fails(iteration):
+            staged = stage_save(self.root, iteration, state.model, state.optimizer,
+                                state.scheduler, train_state, self.layout_record,
+                                async_saves=async_saves, on_written=complete)
+            if async_saves is None:
+                complete(staged)
         return iter_dir(self.root, iteration)
+
+    @contextlib.contextmanager
+    def _peer_lost_fails(self, iteration: int | None):
+        """A collective of a save that fails because a peer left (a rank killed or failed while
+        the save was in flight: gloo's "closed/reset by peer", a ``DistError``) fails the save of
+        ``iteration`` in the one form of a failed save (the launcher names the lost rank)."""
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            dist_error = getattr(torch.distributed, "DistError", ())
+            if iteration is None or not (isinstance(exc, dist_error) or (
+                    isinstance(exc, RuntimeError) and "by peer" in str(exc))):
+                raise
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise CheckpointError(failure_message(
+                self.root, iteration, {torch.distributed.get_rank(): f"another rank stopped "
+                                       f"answering ({type(exc).__name__}: {first})"})) from exc
 
     def _train_state(self, state, logger) -> dict:
         """The checkpoint's ``train_state``: the counters of ``state``, its fixed entries, this
@@ -380,7 +430,8 @@ class CheckpointManager:
             CheckpointError: as :meth:`wait`.
         """
         if self.async_saves is not None:
-            self.async_saves.poll()
+            with self._peer_lost_fails(self._started):
+                self.async_saves.poll()
 
     def wait(self) -> None:
         """Wait for the background save in flight and finalize it (a collective; no-op without
@@ -391,4 +442,5 @@ class CheckpointManager:
                 the tracker still names the previous checkpoint.
         """
         if self.async_saves is not None:
-            self.async_saves.wait()
+            with self._peer_lost_fails(self._started):
+                self.async_saves.wait()

@@ -24,6 +24,7 @@ from recipes.checkpoint import lineage
 from recipes.checkpoint.async_save import (
     AsyncSaves,
     failed_save_message,
+    failure_message,
     use_in_process_results_queue,
     write_in_background,
 )
@@ -32,6 +33,7 @@ from recipes.checkpoint.files import (
     ensure_disk_space,
     fsync_dir,
     iter_dir,
+    save_files,
     staging_dir,
     write_durable,
 )
@@ -109,13 +111,7 @@ def stage_save(root, iteration: int, model, optimizer, scheduler, common: dict,
         async_saves.wait()  # the previous save completes (or fails) before this one starts
     use_in_process_results_queue(async_saves is not None)
     state = sharded_state_dict(model, optimizer, is_loading=False)
-    ensure_disk_space(root, expected_checkpoint_bytes(state))
-    if rank == 0:
-        # A leftover of an interrupted save: never a checkpoint (it was never renamed).
-        if staged.exists():
-            shutil.rmtree(staged)
-        staged.mkdir(parents=True)
-    barrier()
+    prepare_staging(root, iteration, expected_checkpoint_bytes(state))
     state.update(
         iteration=iteration,
         opt_param_scheduler=scheduler.state_dict(),
@@ -156,6 +152,50 @@ def stage_save(root, iteration: int, model, optimizer, scheduler, common: dict,
     return staged
 
 
+def agree_failures(local: str | None) -> dict:
+    """Every rank's failure of one step (``local``: this rank's, None for none), on every rank
+    (a collective where there are several ranks): rank -> its cause."""
+    rank = global_rank()
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        return {rank: local} if local else {}
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, local)
+    return {r: text for r, text in enumerate(every) if text}
+
+
+def prepare_staging(root, iteration: int, needed_bytes: int) -> Path:
+    """Before a save writes anything (every rank calls this): each rank checks the space and
+    inodes it needs (:func:`recipes.checkpoint.files.ensure_disk_space`), then global rank 0
+    creates the staging dir (removing a leftover of an interrupted save: never a checkpoint).
+    A failure on any rank (a full disk, a read-only file system) fails the save on every rank
+    with the same message, in the one form of a failed save.
+
+    Raises:
+        CheckpointError: ``the save of iteration N into DIR failed on rank(s) ...``.
+    """
+    staged = staging_dir(root, iteration)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    problem = None
+    try:
+        ensure_disk_space(root, needed_bytes, files=save_files(world))
+    except CheckpointError as exc:
+        problem = f"refused before anything was written: {exc}"
+    except OSError as exc:
+        problem = f"measuring the free space failed: {exc}"
+    if problem is None and global_rank() == 0:
+        try:
+            if staged.exists():
+                shutil.rmtree(staged)
+            staged.mkdir(parents=True)
+        except OSError as exc:
+            problem = f"creating its staging dir failed: {exc}"
+    failures = agree_failures(problem)  # also every rank waits for the staging dir
+    if failures:
+        raise CheckpointError(failure_message(root, iteration, failures,
+                                              outcome="Nothing was written into place"))
+    return staged
+
+
 def finalize_save(root, iteration: int, staged: Path, chain: list | None = None) -> Path:
     """Make a staged save the checkpoint of ``iteration`` once every rank finished writing.
 
@@ -172,12 +212,15 @@ def finalize_save(root, iteration: int, staged: Path, chain: list | None = None)
         The iter dir.
 
     Raises:
-        CheckpointError: on every rank, when rank 0 could not rename or write the tracker
-            (rank 0 raises its own ``CheckpointError``/``OSError``).
+        CheckpointError: on every rank, the same message in the one form of a failed save
+            (:func:`recipes.checkpoint.async_save.failure_message`), when rank 0 could not
+            rename, record or write the tracker, naming the step and its error; a
+            :class:`recipes.lease.LeaseHeld` on rank 0 when another run took the dir over (this
+            save kept aside, :func:`keep_unowned`).
     """
     barrier()
     path = iter_dir(root, iteration)
-    failure = [None]
+    failure, step, renamed = [None], "checking the writer lease", False
     if global_rank() == 0:
         try:
             try:
@@ -185,29 +228,43 @@ def finalize_save(root, iteration: int, staged: Path, chain: list | None = None)
             except LeaseHeld as exc:
                 raise LeaseHeld(f"{exc}; {keep_unowned(root, iteration, staged)}") from None
             replaced = Path(root) / f".{path.name}.replaced"
+            step = "moving the previous save of this iteration aside"
             if path.exists():
                 if replaced.exists():
                     shutil.rmtree(replaced)
                 os.replace(path, replaced)
+            step = "renaming it into place"
             os.replace(staged, path)
+            renamed = True
             fsync_dir(root)
+            step = f"recording its lineage ({lineage.RECORD})"
             lineage.record(root, iteration, chain)
             # The tracker first: a crash before it leaves the old save aside for
             # recover_replaced.
+            step = f"writing {TRACKER}"
             write_durable(Path(root) / TRACKER, f"{iteration}\n")
-            if replaced.exists():
-                shutil.rmtree(replaced)
         except (CheckpointError, OSError) as exc:
             failure[0] = exc
+        else:
+            try:
+                if replaced.exists():
+                    shutil.rmtree(replaced)
+            except OSError as exc:  # the save is complete and tracked: a leftover, said once
+                print(f"> warning: {path.name} is saved, but the copy it replaced could not be "
+                      f"removed ({exc}); {replaced} is never loaded: remove it", flush=True)
+    text = None
+    if failure[0] is not None:
+        outcome = (f"{path.name} is complete in place (checkpoint.load_iteration={iteration} "
+                   f"loads it)" if renamed else "Nothing was renamed into place")
+        text = failure_message(root, iteration, {0: f"{step} failed: {type(failure[0]).__name__}: "
+                                                    f"{failure[0]}"}, outcome=outcome)
     # Every rank raises rank 0's error (none waits alone in a later collective).
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        message = [None if failure[0] is None else f"{type(failure[0]).__name__}: {failure[0]}"]
+        message = [text]
         torch.distributed.broadcast_object_list(message, src=0)
-        if failure[0] is None and message[0] is not None:
-            raise CheckpointError(f"finalizing the save of iteration {iteration} into {root} "
-                                  f"failed on rank 0: {message[0]}")
-    if failure[0] is not None:
-        raise failure[0]
+        text = message[0]
+    if text is not None:
+        raise (LeaseHeld if isinstance(failure[0], LeaseHeld) else CheckpointError)(text)
     return path
 
 
