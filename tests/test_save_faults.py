@@ -306,3 +306,25 @@ def test_a_failure_during_training_is_one_line_without_a_traceback(tmp_path, mon
     monkeypatch.setattr(worker, "_run_or_refuse", bug)
     with pytest.raises(ValueError, match="a bug"):
         worker._run_or_interrupt(None, True)
+
+
+def test_a_fresh_runs_disk_pre_check_runs_after_its_first_iteration(one_rank, monkeypatch):
+    """A fresh run (nothing loaded): once its first iteration made the optimizer state a save
+    holds, the save's pre-check runs, long before its first save (here at iteration 1000)."""
+    from types import SimpleNamespace
+
+    from compose import make_cfg
+
+    from recipes.checkpoint import manager
+
+    monkeypatch.setattr(manager, "sharded_state_dict", lambda *a, **k: {})
+    monkeypatch.setattr(manager, "expected_checkpoint_bytes", lambda state: 8 << 20)
+    monkeypatch.setattr(os, "statvfs", _statvfs(4 << 20, 1000))
+    ck = make_cfg().checkpoint
+    ck.save, ck.save_interval = str(one_rank), 1000
+    saver = manager.CheckpointManager(ck)
+    saver.check_space()  # nothing loaded: nothing to go by before the first iteration
+    with pytest.raises(checkpoint.CheckpointError, match=r"not enough disk space .* 4.0 MiB "
+                                                         r"free, about 9.\d MiB needed"):
+        saver.step(SimpleNamespace(iteration=1, model=None, optimizer=None), train_iters=2000)
+    saver.step(SimpleNamespace(iteration=2, model=None, optimizer=None), train_iters=2000)

@@ -290,13 +290,13 @@ class CheckpointManager:
             CheckpointError: as :meth:`wait`, or a save that cannot start (disk space).
         """
         self.poll()
+        checked, self._space_checked = self._space_checked, True  # once
         if self.should_save(state.iteration, train_iters):
             self.save(state, logger)
-        elif self.root and not self._space_checked:  # the state a save holds exists now
+        elif self.root and not checked:  # the state a save holds exists now
             ensure_disk_space(self.root, expected_checkpoint_bytes(
                 sharded_state_dict(state.model, state.optimizer, is_loading=False)),
                 files=save_files(torch.distributed.get_world_size()))
-        self._space_checked = True
 
     def check_space(self) -> None:
         """Before the first iteration of a resumed run with ``checkpoint.save``: its saves will
