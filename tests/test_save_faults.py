@@ -328,3 +328,28 @@ def test_a_fresh_runs_disk_pre_check_runs_after_its_first_iteration(one_rank, mo
                                                          r"free, about 9.\d MiB needed"):
         saver.step(SimpleNamespace(iteration=1, model=None, optimizer=None), train_iters=2000)
     saver.step(SimpleNamespace(iteration=2, model=None, optimizer=None), train_iters=2000)
+
+
+def test_a_ranks_own_write_error_fails_the_save_in_its_one_form(one_rank, monkeypatch):
+    """An OSError of this rank outside torch DCP's gathered errors (rank 0 writing the global
+    ``.metadata`` on a file system out of inodes): the documented message, not a bare OSError."""
+    import errno
+    from types import SimpleNamespace
+
+    from recipes.checkpoint import save
+
+    def full(state, path, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"{path}/.metadata")
+
+    monkeypatch.setattr(save.dist_checkpointing, "save", full)
+    monkeypatch.setattr(save, "sharded_state_dict", lambda *a, **k: {"model": {}})
+    monkeypatch.setattr(save, "expected_checkpoint_bytes", lambda state: 1 << 20)
+    monkeypatch.setattr(save, "rng_sharded_object", lambda: {})
+    monkeypatch.setattr(save, "layout_metadata", lambda *a: {})
+    monkeypatch.setattr(save, "stored_layout", lambda d: {})
+    monkeypatch.setattr(save, "vocab", SimpleNamespace(RECORD_KEY="v", real_vocab_size=len))
+    scheduler = SimpleNamespace(state_dict=dict)
+    cause = r"writing its files failed: \[Errno 28\] No space left on device: .*\.metadata'"
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=FORM.format(root=re.escape(str(one_rank)), cause=cause)):
+        save.stage_save(one_rank, 4, [], None, scheduler, {}, {})

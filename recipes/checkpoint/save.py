@@ -129,9 +129,13 @@ def stage_save(root, iteration: int, model, optimizer, scheduler, common: dict,
         try:
             with faults.while_writing(iteration, rank):
                 dist_checkpointing.save(state, str(staged))
+            faults.maybe_fail("save", iteration, rank)
         except CheckpointException as exc:  # a BaseException: torch's error file misses it
             raise CheckpointError(failed_save_message(exc, root, iteration)) from None
-        faults.maybe_fail("save", iteration, rank)
+        except OSError as exc:  # this rank's own, outside DCP's gathered errors (rank 0's
+            # .metadata): the others learn of it as a lost peer (CheckpointManager.save)
+            raise CheckpointError(failure_message(
+                root, iteration, {rank: f"writing its files failed: {exc}"})) from None
         return staged
     # megatron's own async path ("mcore"; the "nvrx" default needs nvidia-resiliency-ext).
     request = dist_checkpointing.save(state, str(staged), async_sharded_save=True,
