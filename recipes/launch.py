@@ -319,6 +319,27 @@ def _failure_order(rank: int, failure) -> tuple:
     return (0 if died else 2 if consequence else 1, failure.timestamp, rank)
 
 
+def run_as_rank(resolved, plan) -> None:
+    """Run this process as its torchrun/Slurm rank (:func:`recipes.worker.run`). A failed save or
+    a lost peer during training ends it with one ``error:`` line and exit 1, no traceback
+    (:func:`recipes.worker.failure_text`; ``train.py`` would take a ``CheckpointError`` for a
+    refusal of its input, exit 2); any other error raises.
+
+    Raises:
+        SystemExit(1): such a failure, said.
+    """
+    from recipes.worker import failure_text, run as run_worker
+
+    try:
+        run_worker(resolved, plan)
+    except Exception as exc:
+        text = failure_text(exc)
+        if text is None:
+            raise
+        print(f"error: {text}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
 def rank_env_from_submitit() -> dict | None:
     """torchrun-style variables for this process when it is a task of a submitit job (Slurm, or
     submitit's local executor), else None.
@@ -437,9 +458,7 @@ def run_job(cfg, overrides: list[str] | None = None) -> None:
     if submitit_env is None and not any(a in ("-m", "--multirun") for a in sys.argv[1:]):
         os.environ[preemption.CONTINUE_ENV] = preemption.continue_command(sys.argv, cfg.output_dir)
     if as_rank:
-        from recipes.worker import run as run_worker
-
-        run_worker(resolved, plan)
+        run_as_rank(resolved, plan)
     else:
         launch_local(config_path, cfg.parallelism.nproc_per_node,
                      preemption.exit_signals(cfg.train), cfg.checkpoint.save)

@@ -353,3 +353,21 @@ def test_a_ranks_own_write_error_fails_the_save_in_its_one_form(one_rank, monkey
     with pytest.raises(checkpoint.CheckpointError,
                        match=FORM.format(root=re.escape(str(one_rank)), cause=cause)):
         save.stage_save(one_rank, 4, [], None, scheduler, {}, {})
+
+
+def test_a_torchrun_ranks_failed_save_is_one_line_and_exit_1(monkeypatch, capsys):
+    """``train.py`` run as each rank (torchrun/Slurm): a failed save during training is one
+    ``error:`` line and exit 1 (not a refusal's exit 2, not a traceback)."""
+    from recipes import launch, worker
+
+    def run(resolved, plan):
+        worker._TRAINING.append(True)
+        raise checkpoint.CheckpointError("the save of iteration 4 into D failed on rank(s) [1]")
+
+    monkeypatch.setattr(worker, "_TRAINING", [])
+    monkeypatch.setattr(worker, "run", run)
+    with pytest.raises(SystemExit) as ended:
+        launch.run_as_rank(None, None)
+    assert ended.value.code == 1
+    assert capsys.readouterr().err == ("error: CheckpointError: the save of iteration 4 into D "
+                                       "failed on rank(s) [1]\n")
