@@ -205,7 +205,9 @@ def take_save_dir(cfg, is_rank0: bool) -> str | None:
         return note
     holder = lease.read(Path(root) / lease.WRITER_LEASE)
     mine = job_id()
-    if holder is not None and holder.get("job_id") != mine and lease.stale_reason(holder, mine) is None:
+    # Another host's holder is watched as rank 0 watches it (recipes.lease.stale_reason).
+    if holder is not None and holder.get("job_id") != mine and lease.stale_reason(
+            holder, mine, lease.STALE_AFTER_S) is None:
         raise lease.LeaseHeld(f"checkpoint.save {root} is in use by {lease.describe(holder)}; "
                               f"use another dir, or, if that run is gone, remove "
                               f"{Path(root) / lease.WRITER_LEASE}")
@@ -257,11 +259,18 @@ def launch_local(config_path: Path, nproc: int, exit_signals: list[int] = (),
             for text in _refusals(failures):
                 print(f"error: {text}", file=sys.stderr)
             raise SystemExit(refusal.EXIT_CODE) from None
+        said: dict = {}  # message -> the rank that said it: each message once
         for i, (rank, failure) in enumerate(failures):
             head = "error" if i == 0 else "then"
+            text = _failure_message(failure)
+            if text in said:
+                print(f"\n{head}: worker rank {rank} failed (exit code {failure.exitcode}): "
+                      f"the same error as rank {said[text]}", file=sys.stderr)
+                continue
+            said[text] = rank
             print(f"\n{head}: worker rank {rank} failed (exit code {failure.exitcode}):",
                   file=sys.stderr)
-            print(_failure_message(failure), file=sys.stderr)
+            print(text, file=sys.stderr)
         raise SystemExit(1) from None
     except SignalException as exc:
         print(interrupted_message(exc.sigval.name, save_root), file=sys.stderr, flush=True)
@@ -308,6 +317,27 @@ def _failure_order(rank: int, failure) -> tuple:
     died = no_error and failure.exitcode != -signal.SIGTERM
     consequence = (no_error and not died) or any(s in str(failure.message) for s in _PEER_LOST)
     return (0 if died else 2 if consequence else 1, failure.timestamp, rank)
+
+
+def run_as_rank(resolved, plan) -> None:
+    """Run this process as its torchrun/Slurm rank (:func:`recipes.worker.run`). A failed save or
+    a lost peer during training ends it with one ``error:`` line and exit 1, no traceback
+    (:func:`recipes.worker.failure_text`; ``train.py`` would take a ``CheckpointError`` for a
+    refusal of its input, exit 2); any other error raises.
+
+    Raises:
+        SystemExit(1): such a failure, said.
+    """
+    from recipes.worker import failure_text, run as run_worker
+
+    try:
+        run_worker(resolved, plan)
+    except Exception as exc:
+        text = failure_text(exc)
+        if text is None:
+            raise
+        print(f"error: {text}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 def rank_env_from_submitit() -> dict | None:
@@ -428,9 +458,7 @@ def run_job(cfg, overrides: list[str] | None = None) -> None:
     if submitit_env is None and not any(a in ("-m", "--multirun") for a in sys.argv[1:]):
         os.environ[preemption.CONTINUE_ENV] = preemption.continue_command(sys.argv, cfg.output_dir)
     if as_rank:
-        from recipes.worker import run as run_worker
-
-        run_worker(resolved, plan)
+        run_as_rank(resolved, plan)
     else:
         launch_local(config_path, cfg.parallelism.nproc_per_node,
                      preemption.exit_signals(cfg.train), cfg.checkpoint.save)

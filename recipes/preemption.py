@@ -312,7 +312,7 @@ def part_of_interrupt(exc: BaseException, grace_s: float | None = None) -> bool:
             todo += [seen.__cause__, seen.__context__]
     if any(isinstance(e, KeyboardInterrupt) for e in chain):
         return True
-    if not any(_collective_failed(e) for e in chain):
+    if not any(collective_failed(e) for e in chain):
         return False
     deadline = time.monotonic() + (PEER_INTERRUPT_GRACE_S if grace_s is None else grace_s)
     try:
@@ -325,7 +325,7 @@ def part_of_interrupt(exc: BaseException, grace_s: float | None = None) -> bool:
     return False
 
 
-def _collective_failed(exc: BaseException) -> bool:
+def collective_failed(exc: BaseException) -> bool:
     """A collective that failed because a peer left: any backend's ``DistError``, or gloo's
     ``RuntimeError``, which names its transport's "closed/reset by peer"."""
     distributed = sys.modules.get("torch.distributed")

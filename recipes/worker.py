@@ -20,6 +20,7 @@ if __name__ == "__main__":  # a worker: keep a signal that comes while torch is 
     _lazy_compile.install_if_supported()
 
 import gc
+import json
 import os
 import random
 import sys
@@ -254,6 +255,7 @@ def run(cfg, resume=None) -> None:
     iteration, resumed_from = 0, None
     manager = CheckpointManager(ck, resume, layout_rec)
     common = manager.load(model, optimizer, scheduler)
+    manager.check_space()  # a resumed run's saves fit: refused before the first iteration
     if common is not None:
         if optimizer_cfg is not None:
             apply_schedule_override(optimizer, scheduler, cfg)
@@ -360,7 +362,7 @@ def _start_logger(cfg, state, plan: dict, layout, layout_rec: dict, resumed_from
 def _run_or_refuse(cfg, launched_by_train_py: bool) -> None:
     """:func:`run`; a refusal (:mod:`recipes.refusal`) before training starts (a checkpoint or
     config this process cannot load) exits 2 with its one message, no traceback (the launcher
-    prints it once). A later error (a failed save) is a failure, traceback and all."""
+    prints it once). A later error is a failure (:func:`_run_or_interrupt`)."""
     try:
         run(cfg)
     except Exception as exc:
@@ -394,7 +396,9 @@ def main(argv=None) -> None:
 def _run_or_interrupt(cfg, launched_by_train_py: bool) -> None:
     """:func:`_run_or_refuse`; Ctrl-C exits 130 with one line per rank (the launcher names the
     checkpoint), also on a rank still in a collective (a save's) that sees the first rank leave
-    before its own SIGINT comes (:func:`recipes.preemption.part_of_interrupt`)."""
+    before its own SIGINT comes (:func:`recipes.preemption.part_of_interrupt`). A failed save or
+    a lost peer during training exits 1 with one line, no traceback (:func:`failure_text`);
+    any other error keeps its traceback."""
     try:
         _run_or_refuse(cfg, launched_by_train_py)
     except (KeyboardInterrupt, Exception) as exc:
@@ -403,9 +407,51 @@ def _run_or_interrupt(cfg, launched_by_train_py: bool) -> None:
         except KeyboardInterrupt:  # the SIGINT came while it looked at the chain
             interrupted = True
         if not interrupted:
-            raise
+            text = failure_text(exc)
+            if text is None:
+                raise
+            _report_failure(text, launched_by_train_py)
+            raise SystemExit(1) from None
         print(f"> rank {os.environ.get('RANK', '?')}: interrupted", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
+
+
+def failure_text(exc: BaseException) -> str | None:
+    """The one line a failure during training is reported with, no traceback: a failed save
+    (a :class:`~recipes.checkpoint.CheckpointError`, whose message says which ranks failed, why
+    and what the tracker still names) or a collective that failed because a peer left (a rank
+    killed or failed: the launcher names that rank first). None for any other error (a bug: its
+    traceback is kept)."""
+    if not _TRAINING:
+        return None
+    chain, seen = [], exc
+    while seen is not None and len(chain) < 16:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    for error in chain:
+        if isinstance(error, checkpoint.CheckpointError):
+            return f"{type(error).__name__}: {error}"
+    for error in chain:
+        if preemption.collective_failed(error):
+            first = (str(error).strip().splitlines() or [""])[0]
+            return f"lost a peer during training: {type(error).__name__}: {first}"
+    return None
+
+
+def _report_failure(text: str, launched_by_train_py: bool) -> None:
+    """Report a failure once: into torch elastic's error file, which ``train.py``'s launcher
+    prints in its closing summary (:func:`recipes.launch.launch_local`); printed here as
+    ``error: ...`` when no such launcher will."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        data = {"message": {"message": text, "extraInfo": {"timestamp": str(int(time.time()))}}}
+        try:
+            with open(path, "w") as f:
+                json.dump(data, f)
+        except OSError:
+            path = None  # a dead file system: say it here instead
+    if not (path and launched_by_train_py):
+        print(f"error: {text}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -436,7 +436,11 @@ def test_a_job_dir_is_claimed_by_one_live_run(tmp_path, monkeypatch):
     (tmp_path / CLAIM).write_text(f"{os.uname().nodename} 999999999\n")
     assert "its process is gone" in claim_job_dir(tmp_path)
     # One from another host: taken over when it is this same job (a requeue) once its
-    # heartbeat stopped (waited for), else refused.
+    # heartbeat stopped (watched), else refused while it beats.
+    import threading
+
+    from test_cluster_races import _beating
+
     from recipes import lease
 
     monkeypatch.setattr(lease, "STALE_AFTER_S", 0.5)
@@ -445,8 +449,15 @@ def test_a_job_dir_is_claimed_by_one_live_run(tmp_path, monkeypatch):
     try:
         assert "(this job, 77, before a requeue)" in claim_job_dir(tmp_path)
         (tmp_path / CLAIM).write_text(json.dumps({"run_id": "r", "job_id": "78", "host": "n9", "pid": 1}))
-        with pytest.raises(ConfigError, match=f"job 78.* on n9.*remove {tmp_path / CLAIM}"):
-            claim_job_dir(tmp_path)
+        stop = threading.Event()  # another job whose heartbeat moves: live
+        beat = threading.Thread(target=_beating, args=(tmp_path / CLAIM, stop, 0.05, 0))
+        beat.start()
+        try:
+            with pytest.raises(ConfigError, match=f"job 78.* on n9.*remove {tmp_path / CLAIM}"):
+                claim_job_dir(tmp_path)
+        finally:
+            stop.set()
+            beat.join()
     finally:
         del os.environ["SLURM_JOB_ID"]
     (tmp_path / CLAIM).unlink()
@@ -473,7 +484,7 @@ def test_the_moves_back_note_reads_the_tracker_after_the_save_in_flight(tmp_path
         pending.append(lambda: on_written(staged))
         return staged
 
-    def finalize_save(root, iteration, staged):
+    def finalize_save(root, iteration, staged, chain=None):
         fake_save(Path(root), iteration)
         (Path(root) / checkpoint.TRACKER).write_text(f"{iteration}\n")
         return checkpoint.iter_dir(root, iteration)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import time
@@ -23,7 +24,8 @@ def test_a_lease_another_taker_just_took_is_put_back(tmp_path, monkeypatch):
     B must not delete A's lease: it puts it back and is refused."""
     path = tmp_path / lease.WRITER_LEASE
     stale = {"run_id": "old", "host": socket.gethostname(), "pid": 999999999}
-    fresh = {"run_id": "a", "host": "node7", "pid": 5}  # another host's, beating
+    fresh = {"run_id": "a", "host": socket.gethostname(), "pid": os.getppid(),  # live
+             "start": lease.process_start(os.getppid())}
     path.write_text(json.dumps(fresh))  # what is on disk when B renames
     real_read, calls = lease.read, []
 
@@ -116,7 +118,11 @@ def test_a_finalize_refused_on_rank_0_fails_on_every_rank(tmp_path):
         {"run_id": "other", "host": "node7", "pid": 5}))
     got = run_distributed(_finalize_with_rank0_refused, 2, str(tmp_path), timeout=120)
     assert got[0] and got[0].startswith("LeaseHeld") and "not by this run (me)" in got[0], got
-    assert got[1] and "failed on rank 0: LeaseHeld" in got[1], got
+    # issue 59.6: the same message on every rank, in the one form of a failed save.
+    assert got[1] == "CheckpointError" + got[0][len("LeaseHeld"):], got
+    assert re.search(r": the save of iteration 4 into .* failed on rank\(s\) \[0\]: rank 0: "
+                     r"checking the writer lease failed: LeaseHeld: .*Nothing was renamed into "
+                     r"place; .* has no latest_checkpointed_iteration.txt yet", got[1]), got
     assert not checkpoint.iter_dir(tmp_path, 4).exists()
 
 
@@ -135,9 +141,10 @@ def test_a_lease_naming_this_process_an_ancestor_or_a_reused_pid_goes_stale(tmp_
             ({"pid": os.getpid()}, 0, "this process"),  # one it no longer holds
             ({"pid": os.getppid()}, 0, "an ancestor of this process"),  # no start recorded
             ({"pid": other.pid, "start": start + 1}, 0, "now another process"),
-            ({"pid": other.pid, "start": start}, lease.STALE_AFTER_S + 5, "no heartbeat"),
+            # Its live process with its start time holds it, whatever the heartbeat's age.
+            ({"pid": other.pid, "start": start}, lease.STALE_AFTER_S + 5, None),
             ({"pid": other.pid, "start": start}, 0, None),
-            ({"pid": other.pid}, 0, None),  # an older lease without a start time
+            ({"pid": other.pid}, 0, None),  # an older lease without a start time, not watched
         ]
         for holder, age, why in cases:
             _write(path, age, run_id="x", host=here, **holder)
@@ -195,7 +202,7 @@ def test_two_runs_of_one_allocation_do_not_take_each_others_lease(tmp_path, monk
     _write(path, 0, run_id="x", job_id="77", host="node9", pid=5)  # its beat stops now
     began = time.time()
     note = lease.Lease(path, run_id="z", job_id="77").take("checkpoint.save")
-    assert time.time() - began >= 1.0 and "no heartbeat" in note and "before a requeue" in note
+    assert time.time() - began >= 1.0 and "did not move" in note and "before a requeue" in note
     lease.Lease(path, run_id="z").release()
     _write(path, 0, run_id="x", job_id="77", host="node9", pid=5)
     stop = threading.Event()
@@ -208,3 +215,99 @@ def test_two_runs_of_one_allocation_do_not_take_each_others_lease(tmp_path, monk
     finally:
         stop.set()
         beat.join()
+
+
+def _beating(path, stop, every_s: float, offset_s: float) -> None:
+    """Another host's live holder: its heartbeat moves every ``every_s``, stamped by a clock
+    ``offset_s`` away from this one (its own, or its file server's)."""
+    while not stop.wait(every_s):
+        t = time.time() + offset_s
+        os.utime(path, (t, t))
+
+
+def test_heartbeats_are_judged_by_change_not_against_this_hosts_clock(tmp_path, monkeypatch):
+    """Issue 59.2: a lease of another host stamped 1 h ahead whose heartbeat no longer moves is
+    taken over after the watch (not after an hour); one stamped 90 s behind that keeps beating
+    is live; so is a live holder on this host whose file's time lags 90 s."""
+    import multiprocessing as mp
+    import threading
+
+    monkeypatch.setattr(lease, "STALE_AFTER_S", 0.6)
+    here, path = socket.gethostname(), tmp_path / lease.WRITER_LEASE
+    _write(path, -3600, run_id="x", host="node7", pid=5)  # an hour ahead, not beating
+    began = time.monotonic()
+    note = lease.Lease(path, run_id="me", job_id=None).take("checkpoint.save")
+    assert "its heartbeat did not move in 1 s watched" in note, note
+    assert time.monotonic() - began < 5
+    lease.Lease(path, run_id="me").release()
+    _write(path, 90, run_id="x", host="node7", pid=5)
+    stop = threading.Event()
+    beat = threading.Thread(target=_beating, args=(path, stop, 0.1, -90), daemon=True)
+    beat.start()
+    try:
+        with pytest.raises(lease.LeaseHeld, match="in use by run x.*last heartbeat at .* "
+                                                  r"\(file time\)"):
+            lease.Lease(path, run_id="me", job_id=None).take("checkpoint.save")
+    finally:
+        stop.set()
+        beat.join()
+    other = mp.get_context("fork").Process(target=time.sleep, args=(60,))
+    other.start()
+    try:
+        _write(path, 90, run_id="x", host=here, pid=other.pid,
+               start=lease.process_start(other.pid))
+        with pytest.raises(lease.LeaseHeld, match="in use by run x"):
+            lease.Lease(path, run_id="me", job_id=None).take("checkpoint.save")
+    finally:
+        other.kill()
+        other.join()
+
+
+def test_a_heartbeat_that_fails_for_a_while_retries_and_says_so_once(tmp_path, monkeypatch,
+                                                                      capsys):
+    """Issue 59.2: a read-only window (EROFS) fails some beats; the heartbeat says so once,
+    beats again when it ends, and says that once."""
+    import errno
+
+    monkeypatch.setattr(lease, "HEARTBEAT_S", 0.05)
+    path = tmp_path / lease.WRITER_LEASE
+    held = lease.Lease(path, run_id="me", job_id=None)
+    real, calls = os.utime, []
+
+    def utime(p, *args, **kwargs):
+        calls.append(p)
+        if len(calls) <= 5:
+            raise OSError(errno.EROFS, "Read-only file system", str(p))
+        return real(p, *args, **kwargs)
+
+    monkeypatch.setattr(lease.os, "utime", utime)
+    held.take("checkpoint.save")
+    real(path, (1000, 1000))
+    deadline = time.monotonic() + 10
+    while path.stat().st_mtime == 1000 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    held.release()
+    assert path.exists() is False
+    err = capsys.readouterr().err
+    assert err.count("the heartbeat of") == 2, err
+    assert f"> warning: the heartbeat of {path} failed ([Errno 30] Read-only file system" in err
+    assert "is renewed again after" in err and len(calls) > 5
+
+
+def test_release_never_raises_on_a_dead_file_system(tmp_path, monkeypatch):
+    """Issue 59.6: a save dir remounted read-only (or gone): release (also its atexit
+    callback) leaves the file and returns."""
+    import errno
+
+    held = lease.Lease(tmp_path / lease.WRITER_LEASE, run_id="me", job_id=None)
+    held.take("checkpoint.save")
+    for err in (errno.EROFS, errno.EIO, errno.ESTALE):
+        def fail(*args, err=err, **kwargs):
+            raise OSError(err, os.strerror(err))
+
+        monkeypatch.setattr(type(held.path), "unlink", fail)
+        held.release()
+        monkeypatch.setattr(type(held.path), "read_text", fail)
+        held.release()
+        monkeypatch.undo()
+    assert held.path.exists()

@@ -307,7 +307,8 @@ def test_load_defaults_to_auto_under_the_submitit_launchers():
 
 # --- one live writer per save dir -----------------------------------------------------------
 
-def test_a_live_lease_is_refused_naming_the_holder_and_the_file(tmp_path):
+def test_a_live_lease_is_refused_naming_the_holder_and_the_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(lease, "HEARTBEAT_S", 0.1)  # the holder beats while it is watched
     first = lease.Lease(tmp_path / lease.WRITER_LEASE, run_id="aaa", job_id="11")
     assert first.take("checkpoint.save") is None
     # As another node's holder would see it (a holder that is this very process is stale).
@@ -329,26 +330,38 @@ def _write_holder(path: Path, age_s: float, **holder) -> None:
     os.utime(path, (time.time() - age_s, time.time() - age_s))
 
 
-def test_stale_leases_are_taken_over_with_a_note(tmp_path):
+def test_stale_leases_are_taken_over_with_a_note(tmp_path, monkeypatch):
+    import threading
+
+    from test_cluster_races import _beating
+
+    monkeypatch.setattr(lease, "STALE_AFTER_S", 1.0)  # how long another host's file is watched
     path = tmp_path / lease.WRITER_LEASE
     here = socket.gethostname()
     cases = [  # (holder, age of its heartbeat, taken over?)
         ({"run_id": "x", "host": here, "pid": 999999999}, 0, "its process is gone"),
-        ({"run_id": "x", "host": "node7", "pid": 1}, lease.STALE_AFTER_S + 5, "no heartbeat"),
+        ({"run_id": "x", "host": "node7", "pid": 1}, 0, "its heartbeat did not move"),
         # This job before a requeue: on this host its process is gone (at once); on another
-        # host waited for until its heartbeat is STALE_AFTER_S old (here 2 s).
+        # host its heartbeat is watched like any other.
         ({"run_id": "x", "host": here, "pid": 999999999, "job_id": "42"}, 0,
          "its process is gone (this job, 42, before a requeue)"),
-        ({"run_id": "x", "host": "node7", "pid": 1, "job_id": "42"}, lease.STALE_AFTER_S - 2,
-         "no heartbeat for over 60 s (this job, 42, before a requeue)"),
-        ({"run_id": "x", "host": "node7", "pid": 1, "job_id": "41"}, 0, None),
+        ({"run_id": "x", "host": "node7", "pid": 1, "job_id": "42"}, 0,
+         "its heartbeat did not move in 1 s watched (this job, 42, before a requeue)"),
+        ({"run_id": "x", "host": "node7", "pid": 1, "job_id": "41"}, 0, None),  # beating
     ]
     for holder, age, why in cases:
         _write_holder(path, age, **holder)
         mine = lease.Lease(path, run_id="me", job_id="42")
         if why is None:
-            with pytest.raises(lease.LeaseHeld, match=f"run x \\(job 41\\).*remove {path}"):
-                mine.take("checkpoint.save")
+            stop = threading.Event()
+            beat = threading.Thread(target=_beating, args=(path, stop, 0.1, 0), daemon=True)
+            beat.start()
+            try:
+                with pytest.raises(lease.LeaseHeld, match=f"run x \\(job 41\\).*remove {path}"):
+                    mine.take("checkpoint.save")
+            finally:
+                stop.set()
+                beat.join()
             continue
         note = mine.take("checkpoint.save")
         assert note and why in note and "took over" in note, (holder, note)
@@ -386,9 +399,18 @@ def test_finalize_refuses_a_save_dir_another_run_took_over(tmp_path, monkeypatch
     staged.mkdir()
     (staged / ".metadata").write_bytes(b"mine")
     monkeypatch.setenv(lease.RUN_ID_ENV, "me")
-    with pytest.raises(lease.LeaseHeld, match="is now held by run other.*not by this run \\(me\\)"):
+    kept = tmp_path / "iter_0000004.lease-lost.me"
+    with pytest.raises(lease.LeaseHeld, match="is now held by run other.*not by this run \\(me\\).*"
+                                              f"its complete files are kept as {kept} .*"
+                                              "checkpoint.load_iteration=4"):
         checkpoint.finalize_save(tmp_path, 4, staged)
     assert (old / ".metadata").read_bytes() == b"x", "the other run's iter_4 is untouched"
+    # issue 59.2: this run's save is kept (never listed, loaded or pruned as a save), not left
+    # in the staging dir the other run's save of iteration 4 would remove.
+    assert (kept / ".metadata").read_bytes() == b"mine" and not staged.exists()
+    assert checkpoint.saved_iterations(tmp_path) == [4]
+    staged.mkdir()
+    (staged / ".metadata").write_bytes(b"mine")
     monkeypatch.setenv(lease.RUN_ID_ENV, "other")
     checkpoint.finalize_save(tmp_path, 4, staged)
     assert (old / ".metadata").read_bytes() == b"mine"
@@ -438,7 +460,8 @@ def test_a_second_job_on_a_live_jobs_save_dir_is_refused_before_launch(live_job,
     root = out / "checkpoints"
     proc2 = train_run(tmp_path, f"checkpoint.save={root}", rc=2)
     assert re.search(rf"error: checkpoint.save {root} is in use by run \w+, process {proc.pid} "
-                     rf"on \S+, last heartbeat \d+ s ago; .*remove {root / lease.WRITER_LEASE}",
+                     rf"on \S+, last heartbeat at .* \(file time\); .*remove "
+                     rf"{root / lease.WRITER_LEASE}",
                      proc2.stdout), proc2.stdout[-2000:]
     assert "worker" not in proc2.stdout
     assert proc.poll() is None, "the first job trains on"
@@ -479,6 +502,20 @@ def test_the_other_ranks_of_a_job_refuse_a_save_dir_another_live_job_holds(tmp_p
     monkeypatch.setenv("SLURM_JOB_ID", "500")
     _write_holder(tmp_path / lease.WRITER_LEASE, 0, run_id="r0", job_id="500", host="n1", pid=7)
     assert take_save_dir(cfg, is_rank0=False) is None
+    import threading
+
+    from test_cluster_races import _beating
+
+    monkeypatch.setattr(lease, "STALE_AFTER_S", 1.0)
     _write_holder(tmp_path / lease.WRITER_LEASE, 0, run_id="r9", job_id="499", host="n1", pid=7)
-    with pytest.raises(lease.LeaseHeld, match=rf"run r9 \(job 499\).*remove {tmp_path / lease.WRITER_LEASE}"):
-        take_save_dir(cfg, is_rank0=False)
+    assert take_save_dir(cfg, is_rank0=False) is None  # its heartbeat does not move: stale
+    stop = threading.Event()
+    beat = threading.Thread(target=_beating, args=(tmp_path / lease.WRITER_LEASE, stop, 0.1, 0))
+    beat.start()
+    try:
+        with pytest.raises(lease.LeaseHeld, match=rf"run r9 \(job 499\).*remove "
+                                                  rf"{tmp_path / lease.WRITER_LEASE}"):
+            take_save_dir(cfg, is_rank0=False)
+    finally:
+        stop.set()
+        beat.join()

@@ -34,6 +34,7 @@ from recipes.checkpoint.files import (
     read_tracker,
     recover_replaced,
     remove_old_checkpoints,
+    save_files,
     saved_iterations,
     staging_dir,
     tracked,
@@ -51,7 +52,8 @@ _LAZY = {
 }
 
 __all__ = ["TRACKER", "CheckpointError", "ITER_NAME", "ensure_disk_space", "fsync_dir", "iter_dir",
-           "read_tracker", "recover_replaced", "remove_old_checkpoints", "saved_iterations",
+           "read_tracker", "recover_replaced", "remove_old_checkpoints", "save_files",
+           "saved_iterations",
            "staging_dir", "tracked", "write_durable",
            *(name for names in _LAZY.values() for name in names)]
 

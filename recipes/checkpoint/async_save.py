@@ -261,26 +261,44 @@ def failed_save_message(exc, root, iteration, exit_code=None, what: str = "the s
     failures = dict(mine)
     if torch.distributed.is_initialized():
         every = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(every, mine)
+        try:
+            torch.distributed.all_gather_object(every, mine)
+        except RuntimeError:  # a rank is gone (killed): what this rank knows
+            every = []
         for other in every:  # a writer's exit code over megatron's words for it
             for rank, text in other.items():
                 if rank not in failures or text.startswith("its writer exited"):
                     failures[rank] = text
-    parts = [f"rank {rank}: {text}" for rank, text in sorted(failures.items())] or [
-        f"megatron's {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"]
+    if not failures:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        failures = {global_rank(): f"megatron's {first}"}
+    return failure_message(root, iteration, failures, what)
+
+
+def failure_message(root, iteration: int, failures: dict, what: str = "the save",
+                    outcome: str = "Nothing was renamed into place (the files written stay in "
+                                   "the hidden staging dir)") -> str:
+    """The one form of every save failure (docs/failures.md): ``the save of iteration N into
+    DIR failed on rank(s) [R]: rank R: CAUSE. OUTCOME; latest_checkpointed_iteration.txt still
+    names iteration M``. ``failures``: rank -> its cause; ranks with the same cause are named
+    together."""
+    groups: dict = {}
+    for rank, text in sorted(failures.items()):
+        groups.setdefault(text, []).append(rank)
+    parts = [f"rank {ranks[0]}: {text}" if len(ranks) == 1 else f"ranks {ranks}: {text}"
+             for text, ranks in groups.items()]
     tracked = ""
     if root is not None:
         root = Path(root)
         what += f" of iteration {iteration} into {root}"
-        if not (root / TRACKER).exists():
-            tracked = f"; {root} has no {TRACKER} yet (no save into it has completed)"
-        else:
-            try:
+        try:
+            if not (root / TRACKER).exists():
+                tracked = f"; {root} has no {TRACKER} yet (no save into it has completed)"
+            else:
                 tracked = f"; {TRACKER} still names iteration {read_tracker(root)}"
-            except CheckpointError as error:
-                tracked = f"; the tracker cannot be read: {error}"
-    return (f"{what} failed on rank(s) {sorted(failures)}: {'; '.join(parts)}. Nothing "
-            f"was renamed into place (the files written stay in the hidden staging dir)"
+        except (CheckpointError, OSError) as error:
+            tracked = f"; the tracker cannot be read: {error}"
+    return (f"{what} failed on rank(s) {sorted(failures)}: {'; '.join(parts)}. {outcome}"
             f"{tracked}")
 
 

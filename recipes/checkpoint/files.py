@@ -5,6 +5,7 @@ Folder layout (Megatron-LM's)::
     <save>/iter_0000020/                      megatron dist_checkpointing (torch_dist) files
     <save>/.iter_0000020.staging/             a save being written (hidden; never loaded)
     <save>/latest_checkpointed_iteration.txt  written only after every rank finished the save
+    <save>/.lineage.json                      each save's lineage (recipes.checkpoint.lineage)
 """
 
 from __future__ import annotations
@@ -20,9 +21,18 @@ from recipes.checkpoint.errors import CheckpointError
 
 ITER_NAME = re.compile(r"iter_(\d{7,})")
 
-# Checkpoint files add metadata and alignment to the raw tensor bytes; ask for this much more.
+# Checkpoint files add metadata and alignment to the raw tensor bytes; ask for this much more
+# (a 2-rank tiny GPT save: 1.82 MiB of tensors, 1.97 MiB of files).
 SPACE_MARGIN = 1.10
-SPACE_SLACK_BYTES = 16 << 20
+SPACE_SLACK_BYTES = 256 << 10
+FILE_SLACK_BYTES = 16 << 10  # per file: a partly used last block
+
+
+def save_files(world_size: int) -> int:
+    """Files (inodes) one save creates: up to two data files per rank (megatron's writer
+    threads), ``.metadata``, ``metadata.json``, the staging dir and the temp files of the tracker
+    and the lineage record."""
+    return 2 * int(world_size) + 5
 
 
 def iter_dir(root: str | os.PathLike, iteration: int) -> Path:
@@ -131,29 +141,40 @@ def fsync_dir(path) -> None:
         os.close(fd)
 
 
-def ensure_disk_space(root, needed_bytes: int, free_bytes: int | None = None) -> None:
-    """Refuse to start a save that cannot fit, instead of leaving a half-written checkpoint.
+def ensure_disk_space(root, needed_bytes: int, free_bytes: int | None = None,
+                      files: int = 0) -> None:
+    """Refuse to start a save that cannot fit, instead of leaving a half-written checkpoint:
+    its bytes (tensor bytes, plus :data:`SPACE_MARGIN`, :data:`SPACE_SLACK_BYTES` and
+    :data:`FILE_SLACK_BYTES` per file) and its inodes (``files``), where the file system counts
+    them (``statvfs``; one that reports no inodes, ``f_files == 0``, is not asked).
 
     Args:
         root: the checkpoint dir (or the nearest existing parent is measured).
         needed_bytes: tensor bytes of the save
             (:func:`recipes.checkpoint.save.expected_checkpoint_bytes`).
-        free_bytes: free bytes to assume (tests); default: measured with ``shutil.disk_usage``.
+        free_bytes: free bytes to assume (tests); default: measured.
+        files: the files the save creates (:func:`save_files`).
 
     Raises:
-        CheckpointError: naming the dir, the free and the needed space.
+        CheckpointError: naming the dir, what is free and what is needed.
     """
     target = Path(root)
     while not target.exists() and target != target.parent:
         target = target.parent
-    free = shutil.disk_usage(target).free if free_bytes is None else free_bytes
-    needed = int(needed_bytes * SPACE_MARGIN) + SPACE_SLACK_BYTES
+    st = os.statvfs(target)
+    free = st.f_bavail * st.f_frsize if free_bytes is None else free_bytes
+    needed = int(needed_bytes * SPACE_MARGIN) + SPACE_SLACK_BYTES + files * FILE_SLACK_BYTES
     if free < needed:
         raise CheckpointError(
             f"not enough disk space to save a checkpoint in {root}: {free / 2**20:.1f} MiB free, "
             f"about {needed / 2**20:.1f} MiB needed; free space or set checkpoint.save elsewhere "
             f"(checkpoint.keep_last=K removes older saves)"
         )
+    if st.f_files and st.f_favail < files:
+        raise CheckpointError(
+            f"not enough inodes to save a checkpoint in {root}: {st.f_favail} free, {files} "
+            f"needed (one per file); remove files on that file system or set checkpoint.save "
+            f"elsewhere (checkpoint.keep_last=K removes older saves)")
 
 
 def recover_replaced(root) -> list[Path]:

@@ -9,15 +9,50 @@ before the iteration the next run of the chain forked from.
 
 ``checkpoint.load=auto`` follows the lineage of the save the tracker names, without a usable
 tracker the newest complete save's (:meth:`recipes.checkpoint.manager.ResumePlan.auto`): it
-never takes another lineage's save.
+never takes another lineage's save. Each save's chain is also recorded beside the tracker
+(:data:`RECORD`, written before the tracker names the save): a save whose own files are damaged
+cannot erase which history it continues.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
+from recipes.checkpoint.files import ITER_NAME, iter_dir, write_durable
+
 KEY = "lineage"
+# Beside the tracker: {iteration: chain} of the dir's saves (hidden: never an iter dir).
+RECORD = ".lineage.json"
+
+
+def recorded(root) -> dict[int, list]:
+    """The chains :func:`record` kept for the saves of ``root`` (``{iteration: chain}``); empty
+    where there is no record or it cannot be read (a dir from before the record, a torn file)."""
+    try:
+        raw = json.loads((Path(root) / RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    found = {}
+    for key, chain in raw.items():
+        if ITER_NAME.fullmatch(f"iter_{key}") and isinstance(chain, list) and chain and all(
+                isinstance(c, list) and len(c) == 2 for c in chain):
+            found[int(key)] = chain
+    return found
+
+
+def record(root, iteration: int, chain: list | None) -> None:
+    """Record ``chain`` as the lineage of the save of ``iteration`` in ``root`` (global rank 0,
+    before the tracker names it), dropping the entries of iter dirs no longer there."""
+    if not chain:
+        return
+    kept = {it: c for it, c in recorded(root).items() if iter_dir(root, it).is_dir()}
+    kept[int(iteration)] = [list(c) for c in chain]
+    write_durable(Path(root) / RECORD,
+                  json.dumps({f"{it:07d}": c for it, c in sorted(kept.items())}) + "\n")
 
 
 def of_run(train_state: dict | None, iteration: int, plan: dict) -> list:

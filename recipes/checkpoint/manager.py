@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass
@@ -30,14 +31,16 @@ from gtp.collectives import collective_device
 from gtp.records import IMPORTED_KEY
 from gtp.verify import verify_iteration
 from recipes.checkpoint import lineage
-from recipes.checkpoint.async_save import AsyncSaves
+from recipes.checkpoint.async_save import AsyncSaves, failure_message
 from recipes.checkpoint.errors import CheckpointError
-from recipes.checkpoint.files import (TRACKER, iter_dir, read_tracker, recover_replaced,
+from recipes.checkpoint.files import (TRACKER, ensure_disk_space, iter_dir, read_tracker,
+                                      recover_replaced, save_files,
                                       remove_old_checkpoints, saved_iterations, tracked,
                                       write_durable)
 from recipes.checkpoint.integrity import check_loadable
 from recipes.checkpoint.load import load_checkpoint, load_common
-from recipes.checkpoint.save import finalize_save, stage_save
+from recipes.checkpoint.save import expected_checkpoint_bytes, finalize_save, stage_save
+from recipes.checkpoint.state import sharded_state_dict
 from recipes.rank_env import job_id
 
 
@@ -113,8 +116,9 @@ class ResumePlan:
         usable tracker: of the newest complete save) that loads and, with ``verify``, verifies
         (:func:`gtp.verify.verify_iteration`). A newer save of the same lineage is taken (a
         crash between its rename and the tracker's write); another lineage's is never taken.
-        A save to follow that cannot be read is damaged: the newest readable save stands in
-        when every readable save is of its lineage.
+        A save to follow that cannot be read is damaged: its lineage recorded beside the tracker
+        (:func:`recipes.checkpoint.lineage.recorded`) is followed, back to the iteration it
+        forked at; without that record it is refused.
         With ``repair`` (global rank 0) a damaged save of the lineage is set aside as
         ``iter_N.damaged`` (never deleted, never written over) once the tracker names the save
         chosen; without it nothing is written.
@@ -126,8 +130,7 @@ class ResumePlan:
         Raises:
             CheckpointError: it cannot tell a save's lineage from the tracker's (a save from
                 before lineages beside it), naming both; the save to follow cannot be read and
-                the readable ones are not of one lineage, naming two; or no save of the lineage
-                loads.
+                its lineage is not recorded, naming it; or no save of the lineage loads.
         """
         saved = saved_iterations(root)
         if not saved:
@@ -154,24 +157,25 @@ class ResumePlan:
             notes.append(f"> checkpoint.load=auto: {why}; following the lineage of the newest "
                          f"complete save, {iter_dir(root, ref).name}")
         history = chain(ref)
-        readable = [it for it in reversed(saved) if not isinstance(chain(it), CheckpointError)]
-        if isinstance(history, CheckpointError) and readable:
-            # The save to follow cannot be read: damaged (skipped below). The newest readable
-            # one stands in, when every readable save lies on its lineage.
-            newest = readable[0]
-            other = next((it for it in readable[1:]
-                          if not lineage.on_path(chain(it), it, chain(newest))), None)
-            if other is not None:
+        if isinstance(history, CheckpointError):
+            # The save to follow cannot be read: damaged (skipped below). Its lineage as recorded
+            # beside the tracker when it was saved says which saves continue it; without that
+            # record nothing does (the readable saves may all be another lineage's).
+            history = lineage.recorded(root).get(ref, history)
+            others = [it for it in saved
+                      if it != ref and not isinstance(chain(it), CheckpointError)]
+            if isinstance(history, CheckpointError) and others:
+                which = "the tracker names" if mark == ref else "the newest"
                 raise CheckpointError(
-                    f"checkpoint.load=auto cannot tell which saves of {root} continue "
-                    f"{iter_dir(root, ref).name}: it cannot be read ({history}), and "
-                    f"{iter_dir(root, newest).name} and {iter_dir(root, other).name} are not "
-                    f"of one lineage (or one was saved before saves recorded it); load one "
-                    f"explicitly (checkpoint.load={root} checkpoint.load_iteration=N)")
-            notes.append(f"> checkpoint.load=auto: {iter_dir(root, ref).name} cannot be read; "
-                         f"the saves left are of one lineage: following "
-                         f"{iter_dir(root, newest).name}'s")
-            ref, history = newest, chain(newest)
+                    f"checkpoint.load=auto cannot tell which saves of {root} continue iteration "
+                    f"{ref} ({which}): {iter_dir(root, ref).name} cannot be read ({history}) and "
+                    f"{lineage.RECORD} records no lineage for it, so its readable saves "
+                    f"{others} may be another run's; load one explicitly (checkpoint.load={root} "
+                    f"checkpoint.load_iteration=N)")
+            if not isinstance(history, CheckpointError):
+                notes.append(f"> checkpoint.load=auto: {iter_dir(root, ref).name} cannot be "
+                             f"read; following its lineage as recorded in {lineage.RECORD} "
+                             f"(run {history[-1][0]}, from iteration {history[-1][1]})")
         for it in reversed(saved):
             mine = chain(it)
             if it != ref and not isinstance(mine, CheckpointError):
@@ -245,6 +249,7 @@ class CheckpointManager:
         # checkpoint.async_save: saves written in the background, finalized in poll()/wait().
         self.async_saves = AsyncSaves() if ck.get("async_save", False) else None
         self._started: int | None = None  # iteration of the last save started
+        self._space_checked = False  # the exact disk pre-check of step() done
 
     def load(self, model, optimizer, scheduler) -> dict | None:
         """Load the plan's checkpoint into ``model``, ``optimizer`` and ``scheduler``
@@ -277,12 +282,36 @@ class CheckpointManager:
         """After each iteration: finalize the background save in flight if every rank's writer
         has finished, then save ``state`` if :meth:`should_save`.
 
+        After the run's first iteration (unless it saves then) the disk pre-check of a save runs
+        once, so a save that cannot fit is refused before the iterations up to the first save
+        are spent.
+
         Raises:
             CheckpointError: as :meth:`wait`, or a save that cannot start (disk space).
         """
         self.poll()
+        checked, self._space_checked = self._space_checked, True  # once
         if self.should_save(state.iteration, train_iters):
             self.save(state, logger)
+        elif self.root and not checked:  # the state a save holds exists now
+            ensure_disk_space(self.root, expected_checkpoint_bytes(
+                sharded_state_dict(state.model, state.optimizer, is_loading=False)),
+                files=save_files(torch.distributed.get_world_size()))
+
+    def check_space(self) -> None:
+        """Before the first iteration of a resumed run with ``checkpoint.save``: its saves will
+        be about the size of the one it loaded; refuse one that cannot fit (or find no inodes)
+        now, not after the iterations before the first save are spent. A fresh run is checked
+        exactly after its first iteration (:meth:`step`: its optimizer state exists from
+        then), and every save checks again (:func:`recipes.checkpoint.save.prepare_staging`).
+
+        Raises:
+            CheckpointError: as :func:`recipes.checkpoint.files.ensure_disk_space`.
+        """
+        if not self.root or self.plan is None:
+            return
+        loaded = sum(f.stat().st_size for f in Path(self.plan.path).iterdir() if f.is_file())
+        ensure_disk_space(self.root, loaded, files=save_files(torch.distributed.get_world_size()))
 
     def stop(self, state, logger=None) -> None:
         """The run stops after ``state.iteration``: save it synchronously unless its save has
@@ -316,18 +345,40 @@ class CheckpointManager:
         """
         iteration = state.iteration
         if self.async_saves is not None:
-            self.async_saves.wait()  # the save still in flight moves the tracker first
+            with self._peer_lost_fails(self._started):
+                self.async_saves.wait()  # the save still in flight moves the tracker first
         previous = tracked(self.root) if torch.distributed.get_rank() == 0 else None
+        train_state = self._train_state(state, logger)
         complete = functools.partial(self._complete, iteration, previous, logger,
-                                     time.perf_counter())
+                                     time.perf_counter(), train_state.get(lineage.KEY))
         async_saves = None if sync else self.async_saves
         self._started = iteration
-        staged = stage_save(self.root, iteration, state.model, state.optimizer, state.scheduler,
-                            self._train_state(state, logger), self.layout_record,
-                            async_saves=async_saves, on_written=complete)
-        if async_saves is None:
-            complete(staged)
+        with self._peer_lost_fails(iteration):
+            staged = stage_save(self.root, iteration, state.model, state.optimizer,
+                                state.scheduler, train_state, self.layout_record,
+                                async_saves=async_saves, on_written=complete)
+            if async_saves is None:
+                complete(staged)
         return iter_dir(self.root, iteration)
+
+    @contextlib.contextmanager
+    def _peer_lost_fails(self, iteration: int | None):
+        """A collective of a save that fails because a peer left (a rank killed or failed while
+        the save was in flight: gloo's "closed/reset by peer", a ``DistError``) fails the save of
+        ``iteration`` in the one form of a failed save (the launcher names the lost rank)."""
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            dist_error = getattr(torch.distributed, "DistError", ())
+            if iteration is None or not (isinstance(exc, dist_error) or (
+                    isinstance(exc, RuntimeError) and "by peer" in str(exc))):
+                raise
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise CheckpointError(failure_message(
+                self.root, iteration, {torch.distributed.get_rank(): f"another rank stopped "
+                                       f"answering ({type(exc).__name__}: {first})"})) from exc
 
     def _train_state(self, state, logger) -> dict:
         """The checkpoint's ``train_state``: the counters of ``state``, its fixed entries, this
@@ -346,11 +397,12 @@ class CheckpointManager:
                 IMPORTED_KEY: fixed.get(IMPORTED_KEY)}  # checkpoint.pretrained's HF model
 
     def _complete(self, iteration: int, previous: int | None, logger, started: float,
-                  staged: Path) -> None:
+                  chain: list | None, staged: Path) -> None:
         """Every rank, once every rank's files of ``iteration`` are written: rename the staged
-        save into place, then (rank 0) note a tracker that moves back, prune and log the seconds
-        since the save started (``started``: ``time.perf_counter()``)."""
-        path = finalize_save(self.root, iteration, staged)
+        save into place (its lineage ``chain`` recorded beside the tracker), then (rank 0) note
+        a tracker that moves back, prune and log the seconds since the save started
+        (``started``: ``time.perf_counter()``)."""
+        path = finalize_save(self.root, iteration, staged, chain=chain)
         self.last_good = path
         if torch.distributed.get_rank() != 0:
             return
@@ -378,7 +430,8 @@ class CheckpointManager:
             CheckpointError: as :meth:`wait`.
         """
         if self.async_saves is not None:
-            self.async_saves.poll()
+            with self._peer_lost_fails(self._started):
+                self.async_saves.poll()
 
     def wait(self) -> None:
         """Wait for the background save in flight and finalize it (a collective; no-op without
@@ -389,4 +442,5 @@ class CheckpointManager:
                 the tracker still names the previous checkpoint.
         """
         if self.async_saves is not None:
-            self.async_saves.wait()
+            with self._peer_lost_fails(self._started):
+                self.async_saves.wait()

@@ -20,9 +20,11 @@ from gtp.logical_format import METADATA_KEY, layout_metadata
 from gtp.collectives import barrier, collective_device, rank as global_rank
 from gtp.records import TRACKER, stored_layout
 from recipes import faults, vocab
+from recipes.checkpoint import lineage
 from recipes.checkpoint.async_save import (
     AsyncSaves,
     failed_save_message,
+    failure_message,
     use_in_process_results_queue,
     write_in_background,
 )
@@ -31,11 +33,12 @@ from recipes.checkpoint.files import (
     ensure_disk_space,
     fsync_dir,
     iter_dir,
+    save_files,
     staging_dir,
     write_durable,
 )
 from recipes.checkpoint.state import rng_sharded_object, sharded_state_dict
-from recipes.lease import check_writer
+from recipes.lease import RUN_ID_ENV, LeaseHeld, check_writer
 
 
 def gc_paused(fn):
@@ -108,13 +111,7 @@ def stage_save(root, iteration: int, model, optimizer, scheduler, common: dict,
         async_saves.wait()  # the previous save completes (or fails) before this one starts
     use_in_process_results_queue(async_saves is not None)
     state = sharded_state_dict(model, optimizer, is_loading=False)
-    ensure_disk_space(root, expected_checkpoint_bytes(state))
-    if rank == 0:
-        # A leftover of an interrupted save: never a checkpoint (it was never renamed).
-        if staged.exists():
-            shutil.rmtree(staged)
-        staged.mkdir(parents=True)
-    barrier()
+    prepare_staging(root, iteration, expected_checkpoint_bytes(state))
     state.update(
         iteration=iteration,
         opt_param_scheduler=scheduler.state_dict(),
@@ -132,9 +129,13 @@ def stage_save(root, iteration: int, model, optimizer, scheduler, common: dict,
         try:
             with faults.while_writing(iteration, rank):
                 dist_checkpointing.save(state, str(staged))
+            faults.maybe_fail("save", iteration, rank)
         except CheckpointException as exc:  # a BaseException: torch's error file misses it
             raise CheckpointError(failed_save_message(exc, root, iteration)) from None
-        faults.maybe_fail("save", iteration, rank)
+        except OSError as exc:  # this rank's own, outside DCP's gathered errors (rank 0's
+            # .metadata): the others learn of it as a lost peer (CheckpointManager.save)
+            raise CheckpointError(failure_message(
+                root, iteration, {rank: f"writing its files failed: {exc}"})) from None
         return staged
     # megatron's own async path ("mcore"; the "nvrx" default needs nvidia-resiliency-ext).
     request = dist_checkpointing.save(state, str(staged), async_sharded_save=True,
@@ -155,7 +156,51 @@ def stage_save(root, iteration: int, model, optimizer, scheduler, common: dict,
     return staged
 
 
-def finalize_save(root, iteration: int, staged: Path) -> Path:
+def agree_failures(local: str | None) -> dict:
+    """Every rank's failure of one step (``local``: this rank's, None for none), on every rank
+    (a collective where there are several ranks): rank -> its cause."""
+    rank = global_rank()
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        return {rank: local} if local else {}
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, local)
+    return {r: text for r, text in enumerate(every) if text}
+
+
+def prepare_staging(root, iteration: int, needed_bytes: int) -> Path:
+    """Before a save writes anything (every rank calls this): each rank checks the space and
+    inodes it needs (:func:`recipes.checkpoint.files.ensure_disk_space`), then global rank 0
+    creates the staging dir (removing a leftover of an interrupted save: never a checkpoint).
+    A failure on any rank (a full disk, a read-only file system) fails the save on every rank
+    with the same message, in the one form of a failed save.
+
+    Raises:
+        CheckpointError: ``the save of iteration N into DIR failed on rank(s) ...``.
+    """
+    staged = staging_dir(root, iteration)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    problem = None
+    try:
+        ensure_disk_space(root, needed_bytes, files=save_files(world))
+    except CheckpointError as exc:
+        problem = f"refused before anything was written: {exc}"
+    except OSError as exc:
+        problem = f"measuring the free space failed: {exc}"
+    if problem is None and global_rank() == 0:
+        try:
+            if staged.exists():
+                shutil.rmtree(staged)
+            staged.mkdir(parents=True)
+        except OSError as exc:
+            problem = f"creating its staging dir failed: {exc}"
+    failures = agree_failures(problem)  # also every rank waits for the staging dir
+    if failures:
+        raise CheckpointError(failure_message(root, iteration, failures,
+                                              outcome="Nothing was written into place"))
+    return staged
+
+
+def finalize_save(root, iteration: int, staged: Path, chain: list | None = None) -> Path:
     """Make a staged save the checkpoint of ``iteration`` once every rank finished writing.
 
     A barrier first (a rank that died or failed while writing stops the others here, and the
@@ -163,45 +208,85 @@ def finalize_save(root, iteration: int, staged: Path) -> Path:
     iteration aside, renames the staged dir into place, writes the tracker, then removes the
     old one. Every step is a rename within ``root``: a crash at any point leaves either the old
     or the new complete checkpoint under its name (or the old one as ``.iter_*.replaced``,
-    which :func:`recipes.checkpoint.files.recover_replaced` puts back).
+    which :func:`recipes.checkpoint.files.recover_replaced` puts back). ``chain``: the save's
+    lineage, recorded beside the tracker before it names the save
+    (:func:`recipes.checkpoint.lineage.record`).
 
     Returns:
         The iter dir.
 
     Raises:
-        CheckpointError: on every rank, when rank 0 could not rename or write the tracker
-            (rank 0 raises its own ``CheckpointError``/``OSError``).
+        CheckpointError: on every rank, the same message in the one form of a failed save
+            (:func:`recipes.checkpoint.async_save.failure_message`), when rank 0 could not
+            rename, record or write the tracker, naming the step and its error; a
+            :class:`recipes.lease.LeaseHeld` on rank 0 when another run took the dir over (this
+            save kept aside, :func:`keep_unowned`).
     """
     barrier()
     path = iter_dir(root, iteration)
-    failure = [None]
+    failure, step, renamed = [None], "checking the writer lease", False
     if global_rank() == 0:
         try:
-            check_writer(root)  # still this run's dir: one live writer (recipes/lease.py)
+            try:
+                check_writer(root)  # still this run's dir: one live writer (recipes/lease.py)
+            except LeaseHeld as exc:
+                raise LeaseHeld(f"{exc}; {keep_unowned(root, iteration, staged)}") from None
             replaced = Path(root) / f".{path.name}.replaced"
+            step = "moving the previous save of this iteration aside"
             if path.exists():
                 if replaced.exists():
                     shutil.rmtree(replaced)
                 os.replace(path, replaced)
+            step = "renaming it into place"
             os.replace(staged, path)
+            renamed = True
             fsync_dir(root)
+            step = f"recording its lineage ({lineage.RECORD})"
+            lineage.record(root, iteration, chain)
             # The tracker first: a crash before it leaves the old save aside for
             # recover_replaced.
+            step = f"writing {TRACKER}"
             write_durable(Path(root) / TRACKER, f"{iteration}\n")
-            if replaced.exists():
-                shutil.rmtree(replaced)
         except (CheckpointError, OSError) as exc:
             failure[0] = exc
+        else:
+            try:
+                if replaced.exists():
+                    shutil.rmtree(replaced)
+            except OSError as exc:  # the save is complete and tracked: a leftover, said once
+                print(f"> warning: {path.name} is saved, but the copy it replaced could not be "
+                      f"removed ({exc}); {replaced} is never loaded: remove it", flush=True)
+    text = None
+    if failure[0] is not None:
+        outcome = (f"{path.name} is complete in place (checkpoint.load_iteration={iteration} "
+                   f"loads it)" if renamed else "Nothing was renamed into place")
+        text = failure_message(root, iteration, {0: f"{step} failed: {type(failure[0]).__name__}: "
+                                                    f"{failure[0]}"}, outcome=outcome)
     # Every rank raises rank 0's error (none waits alone in a later collective).
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        message = [None if failure[0] is None else f"{type(failure[0]).__name__}: {failure[0]}"]
+        message = [text]
         torch.distributed.broadcast_object_list(message, src=0)
-        if failure[0] is None and message[0] is not None:
-            raise CheckpointError(f"finalizing the save of iteration {iteration} into {root} "
-                                  f"failed on rank 0: {message[0]}")
-    if failure[0] is not None:
-        raise failure[0]
+        text = message[0]
+    if text is not None:
+        raise (LeaseHeld if isinstance(failure[0], LeaseHeld) else CheckpointError)(text)
     return path
+
+
+def keep_unowned(root, iteration: int, staged: Path) -> str:
+    """A complete save that may not be renamed into place (another run took ``root``'s writer
+    lease) is kept, not dropped: renamed to ``iter_NNNNNNN.lease-lost.RUN_ID`` beside the
+    others (never listed, loaded or pruned as a save; a hidden staging dir would be removed by
+    the other run's save of the same iteration). Returns the sentence saying where, and how to
+    resume from it."""
+    name = iter_dir(root, iteration).name
+    kept = Path(root) / f"{name}.lease-lost.{os.environ.get(RUN_ID_ENV) or os.getpid()}"
+    try:
+        os.replace(staged, kept)
+    except OSError:
+        kept = staged
+    return (f"its complete files are kept as {kept} (to resume from them: move it to "
+            f"NEW_DIR/{name} and run with checkpoint.load=NEW_DIR "
+            f"checkpoint.load_iteration={iteration})")
 
 
 def save_checkpoint(root, iteration: int, model, optimizer, scheduler, common: dict,
@@ -235,7 +320,7 @@ def save_checkpoint(root, iteration: int, model, optimizer, scheduler, common: d
         The iter dir. The tracker file names it only once every rank finished writing.
     """
     def written(staged: Path) -> None:
-        path = finalize_save(root, iteration, staged)
+        path = finalize_save(root, iteration, staged, chain=common.get(lineage.KEY))
         if on_done is not None:
             on_done(path)
 
