@@ -29,13 +29,13 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import math
 import re
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from gtp import safe_objects, zip_records
 from gtp.records import TRACKER
+from gtp.safe_metadata import tiling_problems
 from gtp.safe_objects import COMMON_STATE_FNAME, stray_common_state
 
 ITER_NAME = re.compile(r"iter_(\d{7,})")
@@ -161,12 +161,19 @@ def check_metadata(path, metadata) -> list[Problem]:
             problems.append(Problem(source, fqn, f"unknown item {type(item).__name__}"))
             continue
         size = tuple(item.size)
+        if len(item.chunks) > len(storage):  # each chunk needs a record of its own
+            problems.append(Problem(source, f"tensor {fqn!r}", (
+                f"has {len(item.chunks)} chunks, more than the {len(storage)} stored records "
+                f"of the whole checkpoint")))
+            wanted.update(key for key in storage if key[0] == fqn)  # named once, here
+            continue
         for chunk in item.chunks:
             key = (fqn, tuple(chunk.offsets))
             wanted.add(key)
             if key not in storage:
                 problems.append(Problem(source, _describe(*key), "has no stored record"))
-        problems += [Problem(source, f"tensor {fqn!r}", what) for what in _tiling(size, item.chunks)]
+        problems += [Problem(source, f"tensor {fqn!r}", what)
+                     for what in tiling_problems(size, item.chunks)]
     for key in sorted(set(storage) - wanted, key=str):
         problems.append(Problem(source, _describe(*key), "a stored record of no item"))
 
@@ -180,33 +187,6 @@ def check_metadata(path, metadata) -> list[Problem]:
             problems.append(Problem(str(path / name), "", "missing (.metadata places records "
                                                           "in it)"))
     return problems
-
-
-def _tiling(size: tuple, chunks) -> list[str]:
-    """What is wrong with ``chunks`` as a partition of a tensor of ``size`` (empty: nothing)."""
-    boxes = []
-    for chunk in chunks:
-        off, ext = tuple(chunk.offsets), tuple(chunk.sizes)
-        if len(off) != len(size) or len(ext) != len(size) or any(
-                o < 0 or n < 0 or o + n > d for o, n, d in zip(off, ext, size)):
-            return [f"the chunk at {off} of size {ext} lies outside the tensor's {size}"]
-        if math.prod(ext):
-            boxes.append((off, ext))
-    total = sum(math.prod(e) for _, e in boxes)
-    if total != math.prod(size):
-        return [f"its chunks hold {total} elements, the tensor {math.prod(size)} ({size})"]
-    # Equal volumes: any overlap leaves a gap too. Sweep along dim 0 for overlaps.
-    if not size:
-        return []
-    boxes.sort()
-    active: list = []
-    for off, ext in boxes:
-        active = [(o, e) for o, e in active if o[0] + e[0] > off[0]]
-        for o, e in active:
-            if all(a < c + m and c < a + n for a, n, c, m in zip(off, ext, o, e)):
-                return [f"the chunks at {o} and {off} overlap"]
-        active.append((off, ext))
-    return []
 
 
 def share(metadata, rank: int, world: int) -> list[str]:
