@@ -292,6 +292,10 @@ def _check_one(stream, offset, length, index, chunks, buffer, report) -> list[st
         report.entries += entries
     if index.offset is None:
         return []
+    try:  # what torch's reader would unpickle of a tensor record it reads whole
+        zip_records.check_globals(stream, offset, length)
+    except zip_records.ForbiddenGlobal as exc:
+        return [str(exc)]
     want = chunks.get((index.fqn, tuple(index.offset)))
     if want is None:
         return []  # check_metadata names it

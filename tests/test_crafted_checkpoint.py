@@ -211,3 +211,47 @@ def test_a_damaged_checkpoint_is_one_message_without_traceback(how, file, where,
     proc = train_run(tmp_path / "run", "train.train_iters=4", f"checkpoint.{how}={root}", rc=None)
     assert_one_refusal(proc, f"{path} is damaged", "CRC-32", fix)
     assert "failed on another rank" not in proc.stdout, proc.stdout[-3000:]
+
+
+class _Mesh:
+    """Unpickled, it builds ``DeviceMesh("cpu", [0])``, a class torch's weights-only list holds
+    once ``torch.distributed.tensor`` is imported (megatron-core imports it), whose constructor
+    joins a process group: with torchrun's variables set, ``init_process_group`` waits for the
+    world's other ranks forever."""
+
+    def __reduce__(self):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return (DeviceMesh, ("cpu", [0]))
+
+
+def _mesh_record() -> bytes:
+    blob = io.BytesIO()
+    torch.save({"iteration": ITER, "mesh": _Mesh()}, blob)
+    return blob.getvalue()
+
+
+def test_a_device_mesh_in_the_common_state_is_one_line_and_joins_no_process_group(
+        saved, tmp_path):
+    """``gtp inspect`` with torchrun's variables set (as in a job script): refused in one line
+    naming the record and the class, in seconds; ``gtp verify`` reports it as damage."""
+    import subprocess
+    import sys
+
+    root, path = _copy(saved, tmp_path)
+    replace_record(path, COMMON, _mesh_record())
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29581"}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "gtp", "inspect", str(root)], env=env,
+                              capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"gtp inspect hung: {exc}")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in out, out[-3000:]
+    assert out.count("\n") == 1 and COMMON in out, out
+    assert "torch.distributed.device_mesh.DeviceMesh" in out, out
+    rc, out = _cli("verify", root)
+    assert rc == 1, out
+    assert re.search(rf"DAMAGED {re.escape(str(path))}: object 'common_state': .*{COMMON}.*"
+                     rf"torch\.distributed\.device_mesh\.DeviceMesh", out), out
