@@ -11,7 +11,9 @@ What is checked, for one ``iter_XXXXXXX`` dir (``docs/integrity.md`` says what i
   last, nothing missing: a truncated file is named with the first item it cuts); every entry of
   every record matches the CRC-32 its zip directory holds (:func:`gtp.zip_records.check_record`;
   ``torch.save`` writes one per entry); each tensor record holds the dtype and shape
-  ``.metadata`` gives its chunk;
+  ``.metadata`` gives its chunk and its pickle names only the globals this project's records
+  hold (:func:`gtp.zip_records.check_globals`); each object record (the common state, every RNG
+  state and ``_extra_state``) loads as the load reads it (:func:`gtp.safe_objects.load_object`);
 * no ``common.pt`` lies in the dir (megatron would read it in place of the saved common state;
   :func:`gtp.safe_objects.stray_common_state`);
 * the common state loads (megatron's ``load_common_state_dict``, its record unpickled with
@@ -291,7 +293,7 @@ def _check_one(stream, offset, length, index, chunks, buffer, report) -> list[st
         report.records += 1
         report.entries += entries
     if index.offset is None:
-        return []
+        return _object_problems(stream, offset, length, index.fqn)
     try:  # what torch's reader would unpickle of a tensor record it reads whole
         zip_records.check_globals(stream, offset, length)
     except zip_records.ForbiddenGlobal as exc:
@@ -307,6 +309,19 @@ def _check_one(stream, offset, length, index, chunks, buffer, report) -> list[st
     if (dtype, shape) != want:
         return [f"the record holds a {dtype} tensor of shape {shape}, .metadata says "
                 f"{want[0]} {want[1]}"]
+    return []
+
+
+def _object_problems(stream, offset, length, fqn) -> list[str]:
+    """What the load's :func:`gtp.safe_objects.load_object` refuses in the object record
+    ``fqn`` (the common state, an RNG state, an ``_extra_state``): empty when it loads."""
+    stream.seek(offset)
+    try:
+        safe_objects.load_object(io.BytesIO(stream.read(length)), fqn)
+    except safe_objects.UnsafeObjectError as exc:
+        return [str(exc)]
+    except Exception as exc:  # noqa: BLE001 - a torn record, as the load would fail on it
+        return [f"cannot be loaded ({type(exc).__name__}: {str(exc)[:200]})"]
     return []
 
 

@@ -112,14 +112,17 @@ def _cli(*argv) -> tuple[int, str]:
 
 
 def test_the_crafted_copy_passes_every_check_but_the_unpickling(saved, tmp_path):
-    """The crafting itself: byte-consistent (so nothing but the unpickling can refuse it)."""
+    """The crafting itself: byte-consistent (so nothing but the unpickling can refuse it: the
+    data files' check names only the crafted object, which it reads as the load does)."""
     from gtp import verify
 
     root, path = _copy(saved, tmp_path)
     craft(path, COMMON, tmp_path / "marker")
     metadata, problems = verify.read_metadata(path)
     assert problems == [] and verify.check_metadata(path, metadata) == []
-    assert verify.check_data_files(path, metadata) == []
+    problems = verify.check_data_files(path, metadata)
+    assert [(p.item, "posix.system" in p.what) for p in problems] == [
+        (f"object {COMMON!r}", True)], problems
 
 
 def test_commands_refuse_a_crafted_common_state_and_run_nothing(saved, tmp_path):
@@ -255,3 +258,31 @@ def test_a_device_mesh_in_the_common_state_is_one_line_and_joins_no_process_grou
     assert rc == 1, out
     assert re.search(rf"DAMAGED {re.escape(str(path))}: object 'common_state': .*{COMMON}.*"
                      rf"torch\.distributed\.device_mesh\.DeviceMesh", out), out
+
+
+def _extra_state_item(path: Path) -> str:
+    from gtp.safe_metadata import read_metadata
+
+    items = sorted(index.fqn for index in read_metadata(path).storage_data
+                   if index.offset is None and "_extra_state" in index.fqn)
+    assert items, "the save holds no _extra_state record"
+    return items[0]
+
+
+@pytest.mark.parametrize("which", ["rng_state", "_extra_state", "mesh"])
+def test_verify_checks_every_object_record_as_the_load_does(which, saved, tmp_path):
+    """A code payload in an RNG state or an ``_extra_state`` record (the load refuses both),
+    and a ``DeviceMesh`` in an RNG state: ``gtp verify`` says DAMAGED, naming the record and
+    the global; nothing runs."""
+    root, path = _copy(saved, tmp_path)
+    marker = tmp_path / "marker"
+    item = _extra_state_item(path) if which == "_extra_state" else RNG
+    if which == "mesh":
+        replace_record(path, item, _mesh_record())
+    else:
+        craft(path, item, marker)
+    rc, out = _cli("verify", root)
+    assert rc == 1 and not marker.exists(), out
+    named = "torch.distributed.device_mesh.DeviceMesh" if which == "mesh" else "posix.system"
+    assert re.search(rf"DAMAGED {re.escape(str(path))}/__\d+_\d+\.distcp: object "
+                     rf"{re.escape(repr(item))}: .*{named}", out), out
