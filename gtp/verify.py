@@ -37,7 +37,6 @@ from typing import Any, Iterable, Optional
 
 from gtp import safe_objects, zip_records
 from gtp.records import TRACKER
-from gtp.safe_metadata import tiling_problems
 from gtp.safe_objects import COMMON_STATE_FNAME, stray_common_state
 
 ITER_NAME = re.compile(r"iter_(\d{7,})")
@@ -146,6 +145,8 @@ def check_metadata(path, metadata) -> list[Problem]:
         The problems, each naming ``.metadata`` or a data file and the item.
     """
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    from gtp.safe_metadata import tiling_problems
 
     path = Path(path)
     source = str(path / ".metadata")
