@@ -17,7 +17,8 @@ What is checked, for one ``iter_XXXXXXX`` dir (``docs/integrity.md`` says what i
 * no ``common.pt`` lies in the dir (megatron would read it in place of the saved common state;
   :func:`gtp.safe_objects.stray_common_state`);
 * the common state loads (megatron's ``load_common_state_dict``, its record unpickled with
-  ``weights_only=True``: :mod:`gtp.safe_objects`), and its ``iteration`` is the dir's;
+  ``weights_only=True``: :mod:`gtp.safe_objects`), its ``iteration`` is the dir's, and no size
+  of its saved run config exceeds every stored shape (:func:`gtp.records.unbounded_size`);
 * a checkpoint root's tracker (``latest_checkpointed_iteration.txt``) holds an iteration whose
   dir is complete.
 
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from gtp import safe_objects, zip_records
-from gtp.records import TRACKER
+from gtp.records import TRACKER, unbounded_size
 from gtp.safe_objects import COMMON_STATE_FNAME, stray_common_state
 
 ITER_NAME = re.compile(r"iter_(\d{7,})")
@@ -400,7 +401,16 @@ def verify_iteration(path) -> Report:
         common, problems = check_common(path)
         report.problems += problems
         report.iteration = None if common is None else common.get("iteration")
+        unbounded = None if common is None else unbounded_size(common, stored_shapes(metadata))
+        if unbounded:
+            report.problems.append(Problem(str(path), "object 'common_state'", unbounded))
     return report
+
+
+def stored_shapes(metadata) -> list[tuple]:
+    """The global shape of every tensor ``metadata`` (a DCP ``Metadata``) lists."""
+    return [tuple(item.size) for item in (metadata.state_dict_metadata or {}).values()
+            if hasattr(item, "chunks")]
 
 
 def check_share(path, rank: int = 0, world: int = 1) -> list[Problem]:
