@@ -48,11 +48,14 @@ class ForbiddenGlobal(RecordDamaged):
     it), or fetches one otherwise: refused before anything unpickles it."""
 
 
-# The globals (module.name, as python 3 spells them) an object record of this project names:
-# torch.save's tensor rebuild and typed storages (one per dtype: _STORAGE), dtypes (torch.<dtype>),
-# and the plain values a weights-only load builds (bytes are _codecs.encode in protocol 2).
+# The globals (module.name, as python 3 spells them) a record of this project names:
+# torch.save's tensor and parameter rebuilds (a stock-format save stores nn.Parameters) and typed
+# storages (one per dtype: _STORAGE), dtypes (torch.<dtype>), and the plain values a weights-only
+# load builds (bytes are _codecs.encode in protocol 2).
 PLAIN_GLOBALS = frozenset({
-    "collections.OrderedDict", "torch._utils._rebuild_tensor_v2", "torch.Size", "torch.device",
+    "collections.OrderedDict", "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_parameter",
+    "torch._utils._rebuild_parameter_with_state", "torch._tensor._rebuild_from_type_v2",
+    "torch.Tensor", "torch.nn.parameter.Parameter", "torch.Size", "torch.device",
     "_codecs.encode", "builtins.set", "builtins.complex", "builtins.bytearray"})
 _STORAGE = re.compile(r"torch\.[A-Za-z0-9]+Storage")
 # Opcodes that fetch a global other than by GLOBAL (torch's weights-only unpickler refuses them
