@@ -337,7 +337,6 @@ def check_saved_sizes(path, common: dict, now) -> list[tuple]:
 
     if not isinstance(now, dict):
         now = OmegaConf.to_container(now, resolve=True)
-
     try:
         shapes = stored_shapes(safe_metadata.read_metadata(path))
     except Exception as exc:  # noqa: BLE001 - a torn .metadata: the load names it
@@ -357,12 +356,12 @@ def check_model_shape(cfg, plan=None) -> None:
     ``recipes.validate`` checks): compared on the logical shapes of both configs, so a change of
     layout never counts. ``plan``: its resolved ``ResumePlan`` (None: opened here). Every size
     of both configs is first bounded by the stored shapes (:func:`check_saved_sizes`), and
-    neither config's parameters may hold more elements than the stored tensors.
+    equal shapes may hold no more elements than the stored tensors.
 
     Raises:
         CheckpointError: naming each changed field with the checkpoint's value and the override;
-            a size of either config larger than any stored dim (the field and value), or more
-            parameter elements than the checkpoint stores.
+            a size of either config larger than any stored dim (the field and value), or
+            (shapes equal) more parameter elements than the checkpoint stores.
     """
     from omegaconf import OmegaConf
 
@@ -384,15 +383,14 @@ def check_model_shape(cfg, plan=None) -> None:
         return {p.name: tuple(p.shape) for p in parameter_shapes(m, 64)}
 
     mine, theirs = shapes(OmegaConf.create(now)), shapes(merged)
-    elements = sum(math.prod(s) for s in stored)
-    for which, table in (("its saved run config's", theirs), ("this config's", mine)):
-        total = sum(math.prod(s) for s in table.values())
+    if mine == theirs:  # the model built next: no larger than what the checkpoint stores
+        total = sum(math.prod(s) for s in theirs.values())
+        elements = sum(math.prod(s) for s in stored)
         if total > elements:  # every parameter is stored (the vocabulary at 64 rows here)
             raise CheckpointError(
-                f"{path}: {which} model has {total} parameter elements, more than all "
-                f"{len(stored)} stored tensors hold ({elements}): damaged or crafted, or another "
-                f"model; load another checkpoint, or checkpoint.load=null to start from scratch")
-    if mine == theirs:
+                f"{path}: its saved run config's model has {total} parameter elements, more "
+                f"than all {len(stored)} stored tensors hold ({elements}): damaged or crafted; "
+                f"load another checkpoint, or checkpoint.load=null to start from scratch")
         return
     changed = changed_shape_fields(saved, now)
     if not changed:  # a field outside SHAPE_FIELDS: name the parameters instead
