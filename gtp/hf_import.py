@@ -1,7 +1,9 @@
 """Import a Hugging Face ``transformers`` model directory as a logical checkpoint (the mirror of
 :mod:`gtp.hf_export`).
 
-``import_hf(HF_DIR, OUT)`` reads ``config.json`` (``transformers.AutoConfig``, local files only)
+``import_hf(HF_DIR, OUT)`` reads ``config.json`` (as JSON first: its ``model_type`` must be
+importable and it, and ``tokenizer_config.json``, must have no ``auto_map``; then
+``transformers.AutoConfig``, local files only, ``trust_remote_code=False``)
 and the safetensors weights (``model.safetensors``, or the shards a
 ``model.safetensors.index.json`` names) and writes ``OUT/iter_0000000`` plus
 ``latest_checkpointed_iteration.txt``: a torch_dist checkpoint in the logical format
@@ -34,6 +36,7 @@ Every file read must lie inside ``HF_DIR`` (symlinks resolved) and every size of
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 from pathlib import Path
@@ -48,22 +51,98 @@ from gtp.records import (GTP_FORMAT_LOGICAL, IMPORTED_KEY, METADATA_KEY, TRACKER
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def read_config(hf_dir) -> tuple[str, object]:
-    """``(model_type, transformers config)`` of ``hf_dir`` (local files only).
+JSON_LIMIT = 16 << 20  # bytes of config.json / tokenizer_config.json read at most
+
+
+def _json(path: Path, what: str) -> dict:
+    """``path`` parsed as a JSON object (at most :data:`JSON_LIMIT` bytes).
 
     Raises:
-        HFImportError: no config.json, one transformers cannot read (no ``model_type``), or a
-            model type other than those importable.
+        HFImportError: too large, not JSON, or not an object (names the file).
     """
-    from transformers import AutoConfig
+    with open(path, "rb") as f:
+        text = f.read(JSON_LIMIT + 1)
+    if len(text) > JSON_LIMIT:
+        raise HFImportError(f"{path}: over {JSON_LIMIT} bytes, no {what}")
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise HFImportError(f"{path} is not a {what} (not JSON: {exc})") from None
+    if not isinstance(value, dict):
+        raise HFImportError(f"{path} is not a {what} (a JSON {type(value).__name__}, not an "
+                            f"object)")
+    return value
 
+
+def check_no_remote_code(path, what: str = "") -> None:
+    """Refuse a tokenizer dir (or a ``tokenizer.json``'s dir) whose ``tokenizer_config.json``
+    has an ``auto_map``: ``transformers`` would offer to run the dir's own Python code for it
+    (``trust_remote_code``), and no tokenizer this project reads needs any.
+
+    Raises:
+        HFImportError: naming the file and its ``auto_map``, after ``what`` (the setting the
+            path came from) when given.
+    """
+    path = Path(path)
+    directory = path if path.is_dir() else path.parent
+    file = directory / "tokenizer_config.json"
+    if not file.is_file():
+        return
+    auto_map = _json(file, "tokenizer config").get("auto_map")
+    if auto_map is not None:
+        raise HFImportError(
+            f"{what + ': ' if what else ''}{file}: auto_map={auto_map!r:.200} names a tokenizer "
+            f"class in the dir's own Python code, which is never run (trust_remote_code=False); "
+            f"use a tokenizer the tokenizers library reads from tokenizer.json alone")
+
+
+def check_config_json(hf_dir) -> str:
+    """``config.json``'s ``model_type``, read as JSON and checked before ``transformers`` reads
+    anything: one of :func:`gtp.families.importable`, and no ``auto_map`` (a model or config
+    class in the dir's own Python code, which ``transformers`` would offer to run); the dir's
+    ``tokenizer_config.json`` must have no ``auto_map`` either (:func:`check_no_remote_code`).
+
+    Raises:
+        HFImportError: no config.json, or a refusal naming the value and the importable types.
+    """
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
         raise HFImportError(f"{hf_dir} holds no config.json: not a Hugging Face model directory "
                             f"(only local directories work offline)")
-    confined(hf_dir, "config.json", "the config file")
+    config = _json(confined(hf_dir, "config.json", "the config file"),
+                   "Hugging Face model config")
+    kind = config.get("model_type")
+    supported = " or ".join(families.importable())
+    if kind not in families.importable():
+        what = ("is not a Hugging Face model config (no model_type)" if kind is None else
+                f"has model_type={kind!r:.100}, which is not importable")
+        raise HFImportError(
+            f"{hf_dir / 'config.json'} {what}; give a Hugging Face model dir (config.json with "
+            f"model_type {supported}, and its safetensors)")
+    if "auto_map" in config:
+        raise HFImportError(
+            f"{hf_dir / 'config.json'}: auto_map={config['auto_map']!r:.200} names classes in the "
+            f"dir's own Python code, which is never run (trust_remote_code=False); importable are "
+            f"the transformers models of model_type {supported}")
+    check_no_remote_code(hf_dir)
+    return kind
+
+
+def read_config(hf_dir) -> tuple[str, object]:
+    """``(model_type, transformers config)`` of ``hf_dir`` (local files only, no code of the
+    dir run: :func:`check_config_json` first, then ``trust_remote_code=False``).
+
+    Raises:
+        HFImportError: no config.json, one transformers cannot read, a model type other than
+            those importable, or an ``auto_map`` (:func:`check_config_json`).
+    """
+    from transformers import AutoConfig
+
+    hf_dir = Path(hf_dir)
+    check_config_json(hf_dir)
     try:
-        config = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
+        config = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True,
+                                            trust_remote_code=False)
     except (ValueError, OSError) as exc:  # transformers: "Unrecognized model in ...", bad JSON
         kind = "no model_type" if "model_type" in str(exc) else str(exc).split("\n")[0]
         raise HFImportError(

@@ -7,9 +7,16 @@ each rank's RNG state, the layers' ``_extra_state``; torch DCP's ``BYTE_IO`` ite
 ``MCoreLoadPlanner`` inherits it, and megatron-core 0.19.2's ``load_common_state_dict`` uses the
 default planner) unpickles each with ``torch.load(weights_only=False)``: a crafted record runs
 any callable it names. :func:`install` replaces ``load_bytes`` with :func:`load_object`, which
-unpickles with ``torch.load(weights_only=True)`` (tensors, plain python values and containers,
-numpy arrays: what a checkpoint's objects hold) and refuses anything else with
-:class:`UnsafeObjectError`, naming the item, before any of it runs. With
+first reads every global the record's pickle names (:func:`gtp.zip_records.check_globals`,
+without unpickling) and refuses any outside :func:`gtp.zip_records.allowed_global`'s list, then
+unpickles with
+``torch.load(weights_only=True)``. The list is exactly what this project's objects hold
+(tensors and their storages, dtypes, ``OrderedDict``, ``torch.Size``, ``torch.device``, plain
+python values): torch's own weights-only list grows with every module that registers a class
+(``torch.distributed.tensor`` adds ``DeviceMesh`` and ``DTensor``, whose constructors may join
+a process group; megatron-core adds exceptions, enums, ``argparse.Namespace``), none of which a
+checkpoint of this project holds. Anything else is refused with :class:`UnsafeObjectError`,
+naming the item and the global, before any of it runs. With
 :func:`gtp.safe_metadata.install` (which :func:`install` also calls) no byte of a checkpoint is
 unpickled except by a restricted unpickler.
 
@@ -28,7 +35,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from gtp.zip_records import check_stored
+from gtp import zip_records
 from mcore_compat.patches import megatron_patch
 
 COMMON_STATE_FNAME = "common.pt"  # megatron-core's COMMON_STATE_FNAME
@@ -36,7 +43,34 @@ COMMON_STATE_FNAME = "common.pt"  # megatron-core's COMMON_STATE_FNAME
 
 class UnsafeObjectError(ValueError):
     """A checkpoint's object item is not plain data (it names a callable or class outside
-    ``torch.load``'s weights-only allowed set, or is no pickle at all): refused, unrun."""
+    :func:`gtp.zip_records.allowed_global`'s list or ``torch.load``'s weights-only set, or is no
+    ``torch.save`` zip record at all): refused, unrun."""
+
+
+def check_globals(stream, offset: int, length: int, item: str) -> None:
+    """:func:`gtp.zip_records.check_globals` of the record ``item``, refused as
+    :class:`UnsafeObjectError` (naming it): every global its pickle names is one this project's
+    objects hold (:func:`gtp.zip_records.allowed_global`), read without unpickling.
+
+    Raises:
+        UnsafeObjectError: a global outside the list (named), an opcode that fetches one
+            otherwise, a malformed pickle, or no zip record (the legacy format, which no save of
+            this project writes).
+    """
+    try:
+        zip_records.check_globals(stream, offset, length)
+    except ValueError as exc:
+        raise UnsafeObjectError(f"object {item!r} {_what(exc)}: refused before anything in it "
+                                f"ran (a crafted, foreign or damaged checkpoint)") from None
+
+
+def _what(exc: ValueError) -> str:
+    if isinstance(exc, zip_records.ForbiddenGlobal):
+        return str(exc)
+    if isinstance(exc, zip_records.NotZipRecord):
+        return (f"is no torch.save zip record ({exc}; a legacy-format record, which no save of "
+                f"this project writes, or damage)")
+    return f"is damaged: {exc}"
 
 
 class StrayCommonStateError(ValueError):
@@ -45,7 +79,8 @@ class StrayCommonStateError(ValueError):
 
 
 def load_object(value: io.BytesIO, item: str) -> object:
-    """``value`` (one object record's bytes) unpickled by ``torch.load(weights_only=True)``.
+    """``value`` (one object record's bytes), its globals checked (:func:`check_globals`),
+    unpickled by ``torch.load(weights_only=True)``.
 
     Args:
         value: the record, a ``torch.save`` stream (torch DCP hands a ``BytesIO``).
@@ -56,7 +91,8 @@ def load_object(value: io.BytesIO, item: str) -> object:
         ``load_bytes`` does).
 
     Raises:
-        UnsafeObjectError: the record names a global ``weights_only`` does not allow (named),
+        UnsafeObjectError: the record names a global outside the project's list or
+            one ``weights_only`` does not allow (named), is no zip record (legacy format),
             or is refused by the weights-only unpickler otherwise, or is a zip archive with a
             compressed entry (``torch.load`` would inflate it; ``torch.save`` never writes
             one) or one larger than the record; nothing in it ran, nothing was inflated.
@@ -65,15 +101,12 @@ def load_object(value: io.BytesIO, item: str) -> object:
     import torch
 
     start = value.tell()
-    head = value.read(4)
     length = value.seek(0, io.SEEK_END) - start
-    if head == b"PK\x03\x04":  # what torch.load reads as a zip archive
-        try:
-            check_stored(value, start, length)
-        except ValueError as exc:
-            raise UnsafeObjectError(
-                f"object {item!r}: {exc}: refused before torch.load read it (a crafted, "
-                f"foreign or damaged checkpoint)") from None
+    try:
+        zip_records.check_stored(value, start, length)  # and its globals
+    except ValueError as exc:
+        raise UnsafeObjectError(f"object {item!r} {_what(exc)}: refused before torch.load read "
+                                f"it (a crafted, foreign or damaged checkpoint)") from None
     value.seek(start)
     try:
         return torch.load(value, weights_only=True)

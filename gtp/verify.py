@@ -11,11 +11,14 @@ What is checked, for one ``iter_XXXXXXX`` dir (``docs/integrity.md`` says what i
   last, nothing missing: a truncated file is named with the first item it cuts); every entry of
   every record matches the CRC-32 its zip directory holds (:func:`gtp.zip_records.check_record`;
   ``torch.save`` writes one per entry); each tensor record holds the dtype and shape
-  ``.metadata`` gives its chunk;
+  ``.metadata`` gives its chunk and its pickle names only the globals this project's records
+  hold (:func:`gtp.zip_records.check_globals`); each object record (the common state, every RNG
+  state and ``_extra_state``) loads as the load reads it (:func:`gtp.safe_objects.load_object`);
 * no ``common.pt`` lies in the dir (megatron would read it in place of the saved common state;
   :func:`gtp.safe_objects.stray_common_state`);
 * the common state loads (megatron's ``load_common_state_dict``, its record unpickled with
-  ``weights_only=True``: :mod:`gtp.safe_objects`), and its ``iteration`` is the dir's;
+  ``weights_only=True``: :mod:`gtp.safe_objects`), its ``iteration`` is the dir's, and no size
+  of its saved run config exceeds every stored shape (:func:`gtp.records.unbounded_size`);
 * a checkpoint root's tracker (``latest_checkpointed_iteration.txt``) holds an iteration whose
   dir is complete.
 
@@ -29,13 +32,12 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import math
 import re
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from gtp import safe_objects, zip_records
-from gtp.records import TRACKER
+from gtp.records import TRACKER, unbounded_size
 from gtp.safe_objects import COMMON_STATE_FNAME, stray_common_state
 
 ITER_NAME = re.compile(r"iter_(\d{7,})")
@@ -145,6 +147,8 @@ def check_metadata(path, metadata) -> list[Problem]:
     """
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+    from gtp.safe_metadata import tiling_problems
+
     path = Path(path)
     source = str(path / ".metadata")
     problems: list[Problem] = []
@@ -161,12 +165,19 @@ def check_metadata(path, metadata) -> list[Problem]:
             problems.append(Problem(source, fqn, f"unknown item {type(item).__name__}"))
             continue
         size = tuple(item.size)
+        if len(item.chunks) > len(storage):  # each chunk needs a record of its own
+            problems.append(Problem(source, f"tensor {fqn!r}", (
+                f"has {len(item.chunks)} chunks, more than the {len(storage)} stored records "
+                f"of the whole checkpoint")))
+            wanted.update(key for key in storage if key[0] == fqn)  # named once, here
+            continue
         for chunk in item.chunks:
             key = (fqn, tuple(chunk.offsets))
             wanted.add(key)
             if key not in storage:
                 problems.append(Problem(source, _describe(*key), "has no stored record"))
-        problems += [Problem(source, f"tensor {fqn!r}", what) for what in _tiling(size, item.chunks)]
+        problems += [Problem(source, f"tensor {fqn!r}", what)
+                     for what in tiling_problems(size, item.chunks)]
     for key in sorted(set(storage) - wanted, key=str):
         problems.append(Problem(source, _describe(*key), "a stored record of no item"))
 
@@ -180,33 +191,6 @@ def check_metadata(path, metadata) -> list[Problem]:
             problems.append(Problem(str(path / name), "", "missing (.metadata places records "
                                                           "in it)"))
     return problems
-
-
-def _tiling(size: tuple, chunks) -> list[str]:
-    """What is wrong with ``chunks`` as a partition of a tensor of ``size`` (empty: nothing)."""
-    boxes = []
-    for chunk in chunks:
-        off, ext = tuple(chunk.offsets), tuple(chunk.sizes)
-        if len(off) != len(size) or len(ext) != len(size) or any(
-                o < 0 or n < 0 or o + n > d for o, n, d in zip(off, ext, size)):
-            return [f"the chunk at {off} of size {ext} lies outside the tensor's {size}"]
-        if math.prod(ext):
-            boxes.append((off, ext))
-    total = sum(math.prod(e) for _, e in boxes)
-    if total != math.prod(size):
-        return [f"its chunks hold {total} elements, the tensor {math.prod(size)} ({size})"]
-    # Equal volumes: any overlap leaves a gap too. Sweep along dim 0 for overlaps.
-    if not size:
-        return []
-    boxes.sort()
-    active: list = []
-    for off, ext in boxes:
-        active = [(o, e) for o, e in active if o[0] + e[0] > off[0]]
-        for o, e in active:
-            if all(a < c + m and c < a + n for a, n, c, m in zip(off, ext, o, e)):
-                return [f"the chunks at {o} and {off} overlap"]
-        active.append((off, ext))
-    return []
 
 
 def share(metadata, rank: int, world: int) -> list[str]:
@@ -311,7 +295,11 @@ def _check_one(stream, offset, length, index, chunks, buffer, report) -> list[st
         report.records += 1
         report.entries += entries
     if index.offset is None:
-        return []
+        return _object_problems(stream, offset, length, index.fqn)
+    try:  # what torch's reader would unpickle of a tensor record it reads whole
+        zip_records.check_globals(stream, offset, length)
+    except zip_records.ForbiddenGlobal as exc:
+        return [str(exc)]
     want = chunks.get((index.fqn, tuple(index.offset)))
     if want is None:
         return []  # check_metadata names it
@@ -323,6 +311,19 @@ def _check_one(stream, offset, length, index, chunks, buffer, report) -> list[st
     if (dtype, shape) != want:
         return [f"the record holds a {dtype} tensor of shape {shape}, .metadata says "
                 f"{want[0]} {want[1]}"]
+    return []
+
+
+def _object_problems(stream, offset, length, fqn) -> list[str]:
+    """What the load's :func:`gtp.safe_objects.load_object` refuses in the object record
+    ``fqn`` (the common state, an RNG state, an ``_extra_state``): empty when it loads."""
+    stream.seek(offset)
+    try:
+        safe_objects.load_object(io.BytesIO(stream.read(length)), fqn)
+    except safe_objects.UnsafeObjectError as exc:
+        return [str(exc)]
+    except Exception as exc:  # noqa: BLE001 - a torn record, as the load would fail on it
+        return [f"cannot be loaded ({type(exc).__name__}: {str(exc)[:200]})"]
     return []
 
 
@@ -400,7 +401,16 @@ def verify_iteration(path) -> Report:
         common, problems = check_common(path)
         report.problems += problems
         report.iteration = None if common is None else common.get("iteration")
+        unbounded = None if common is None else unbounded_size(common, stored_shapes(metadata))
+        if unbounded:
+            report.problems.append(Problem(str(path), "object 'common_state'", unbounded))
     return report
+
+
+def stored_shapes(metadata) -> list[tuple]:
+    """The global shape of every tensor ``metadata`` (a DCP ``Metadata``) lists."""
+    return [tuple(item.size) for item in (metadata.state_dict_metadata or {}).values()
+            if hasattr(item, "chunks")]
 
 
 def check_share(path, rank: int = 0, world: int = 1) -> list[Problem]:

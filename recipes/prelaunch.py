@@ -11,13 +11,15 @@ and an override that works.
 from __future__ import annotations
 
 import difflib
+import math
 import netrc
 import os
 from dataclasses import fields, is_dataclass
 from typing import Optional
 from urllib.parse import urlparse
 
-from gtp.records import CHECKPOINT_FORMATS
+from gtp.records import CHECKPOINT_FORMATS, unbounded_size
+from gtp.verify import stored_shapes
 from recipes import te
 from recipes.checkpoint import CheckpointError
 from recipes.errors import ConfigError
@@ -46,6 +48,8 @@ def check(cfg, choices: Optional[dict] = None, plan=None) -> ParallelDims:
     check_keys(cfg)
     check_checkpoint_format(cfg)
     check_transformer_impl(cfg)
+    if plan is not None:  # before any check reads a size the resume took from the checkpoint
+        check_saved_sizes(plan.path, plan.common, cfg.model)
     clamp_warmup(cfg)
     layout = validate(cfg, world_size_from_env(cfg), plan)
     check_tokenizer(cfg)
@@ -317,13 +321,47 @@ def changed_shape_fields(saved: dict, now: dict) -> list[str]:
     return kinds + fields
 
 
+def check_saved_sizes(path, common: dict, now) -> list[tuple]:
+    """Every size of the checkpoint's saved run config and of this ``model`` config (``now``, a
+    dict or config node) within what its ``.metadata`` stores
+    (:func:`gtp.records.unbounded_size`), checked before any parameter shape is enumerated
+    from either (and, with ``plan``, before :func:`check` validates anything). Returns the
+    stored tensors' global shapes.
+
+    Raises:
+        CheckpointError: naming the field and its value (one line).
+    """
+    from omegaconf import OmegaConf
+
+    from gtp import safe_metadata
+
+    if not isinstance(now, dict):
+        now = OmegaConf.to_container(now, resolve=True)
+    try:
+        shapes = stored_shapes(safe_metadata.read_metadata(path))
+    except Exception as exc:  # noqa: BLE001 - a torn .metadata: the load names it
+        raise CheckpointError(f"{path}/.metadata cannot be read ({type(exc).__name__}: "
+                              f"{exc}); load another checkpoint") from None
+    for problem in (unbounded_size(common, shapes),
+                    unbounded_size({"train_state": {"config": {"model": now}}}, shapes,
+                                   "this config")):
+        if problem:
+            raise CheckpointError(f"{path}: {problem}; load another checkpoint, or "
+                                  f"checkpoint.load=null to start from scratch")
+    return shapes
+
+
 def check_model_shape(cfg, plan=None) -> None:
     """The checkpoint to load holds this model's parameter shapes (vocabulary aside, which
     ``recipes.validate`` checks): compared on the logical shapes of both configs, so a change of
-    layout never counts. ``plan``: its resolved ``ResumePlan`` (None: opened here).
+    layout never counts. ``plan``: its resolved ``ResumePlan`` (None: opened here). Every size
+    of both configs is first bounded by the stored shapes (:func:`check_saved_sizes`), and
+    equal shapes may hold no more elements than the stored tensors.
 
     Raises:
-        CheckpointError: naming each changed field with the checkpoint's value and the override.
+        CheckpointError: naming each changed field with the checkpoint's value and the override;
+            a size of either config larger than any stored dim (the field and value), or
+            (shapes equal) more parameter elements than the checkpoint stores.
     """
     from omegaconf import OmegaConf
 
@@ -338,13 +376,21 @@ def check_model_shape(cfg, plan=None) -> None:
     if not saved:
         return
     now = OmegaConf.to_container(cfg.model, resolve=True)
+    stored = check_saved_sizes(path, common, now)
     merged = OmegaConf.merge(now, saved)
 
     def shapes(m):
         return {p.name: tuple(p.shape) for p in parameter_shapes(m, 64)}
 
     mine, theirs = shapes(OmegaConf.create(now)), shapes(merged)
-    if mine == theirs:
+    if mine == theirs:  # the model built next: no larger than what the checkpoint stores
+        total = sum(math.prod(s) for s in theirs.values())
+        elements = sum(math.prod(s) for s in stored)
+        if total > elements:  # every parameter is stored (the vocabulary at 64 rows here)
+            raise CheckpointError(
+                f"{path}: its saved run config's model has {total} parameter elements, more "
+                f"than all {len(stored)} stored tensors hold ({elements}): damaged or crafted; "
+                f"load another checkpoint, or checkpoint.load=null to start from scratch")
         return
     changed = changed_shape_fields(saved, now)
     if not changed:  # a field outside SHAPE_FIELDS: name the parameters instead

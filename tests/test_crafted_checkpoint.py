@@ -112,14 +112,17 @@ def _cli(*argv) -> tuple[int, str]:
 
 
 def test_the_crafted_copy_passes_every_check_but_the_unpickling(saved, tmp_path):
-    """The crafting itself: byte-consistent (so nothing but the unpickling can refuse it)."""
+    """The crafting itself: byte-consistent (so nothing but the unpickling can refuse it: the
+    data files' check names only the crafted object, which it reads as the load does)."""
     from gtp import verify
 
     root, path = _copy(saved, tmp_path)
     craft(path, COMMON, tmp_path / "marker")
     metadata, problems = verify.read_metadata(path)
     assert problems == [] and verify.check_metadata(path, metadata) == []
-    assert verify.check_data_files(path, metadata) == []
+    problems = verify.check_data_files(path, metadata)
+    assert [(p.item, "posix.system" in p.what) for p in problems] == [
+        (f"object {COMMON!r}", True)], problems
 
 
 def test_commands_refuse_a_crafted_common_state_and_run_nothing(saved, tmp_path):
@@ -211,3 +214,75 @@ def test_a_damaged_checkpoint_is_one_message_without_traceback(how, file, where,
     proc = train_run(tmp_path / "run", "train.train_iters=4", f"checkpoint.{how}={root}", rc=None)
     assert_one_refusal(proc, f"{path} is damaged", "CRC-32", fix)
     assert "failed on another rank" not in proc.stdout, proc.stdout[-3000:]
+
+
+class _Mesh:
+    """Unpickled, it builds ``DeviceMesh("cpu", [0])``, a class torch's weights-only list holds
+    once ``torch.distributed.tensor`` is imported (megatron-core imports it), whose constructor
+    joins a process group: with torchrun's variables set, ``init_process_group`` waits for the
+    world's other ranks forever."""
+
+    def __reduce__(self):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return (DeviceMesh, ("cpu", [0]))
+
+
+def _mesh_record() -> bytes:
+    blob = io.BytesIO()
+    torch.save({"iteration": ITER, "mesh": _Mesh()}, blob)
+    return blob.getvalue()
+
+
+def test_a_device_mesh_in_the_common_state_is_one_line_and_joins_no_process_group(
+        saved, tmp_path):
+    """``gtp inspect`` with torchrun's variables set (as in a job script): refused in one line
+    naming the record and the class, in seconds; ``gtp verify`` reports it as damage."""
+    import subprocess
+    import sys
+
+    root, path = _copy(saved, tmp_path)
+    replace_record(path, COMMON, _mesh_record())
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29581"}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "gtp", "inspect", str(root)], env=env,
+                              capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"gtp inspect hung: {exc}")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in out, out[-3000:]
+    assert out.count("\n") == 1 and COMMON in out, out
+    assert "torch.distributed.device_mesh.DeviceMesh" in out, out
+    rc, out = _cli("verify", root)
+    assert rc == 1, out
+    assert re.search(rf"DAMAGED {re.escape(str(path))}: object 'common_state': .*{COMMON}.*"
+                     rf"torch\.distributed\.device_mesh\.DeviceMesh", out), out
+
+
+def _extra_state_item(path: Path) -> str:
+    from gtp.safe_metadata import read_metadata
+
+    items = sorted(index.fqn for index in read_metadata(path).storage_data
+                   if index.offset is None and "_extra_state" in index.fqn)
+    assert items, "the save holds no _extra_state record"
+    return items[0]
+
+
+@pytest.mark.parametrize("which", ["rng_state", "_extra_state", "mesh"])
+def test_verify_checks_every_object_record_as_the_load_does(which, saved, tmp_path):
+    """A code payload in an RNG state or an ``_extra_state`` record (the load refuses both),
+    and a ``DeviceMesh`` in an RNG state: ``gtp verify`` says DAMAGED, naming the record and
+    the global; nothing runs."""
+    root, path = _copy(saved, tmp_path)
+    marker = tmp_path / "marker"
+    item = _extra_state_item(path) if which == "_extra_state" else RNG
+    if which == "mesh":
+        replace_record(path, item, _mesh_record())
+    else:
+        craft(path, item, marker)
+    rc, out = _cli("verify", root)
+    assert rc == 1 and not marker.exists(), out
+    named = "torch.distributed.device_mesh.DeviceMesh" if which == "mesh" else "posix.system"
+    assert re.search(rf"DAMAGED {re.escape(str(path))}/__\d+_\d+\.distcp: object "
+                     rf"{re.escape(repr(item))}: .*{named}", out), out

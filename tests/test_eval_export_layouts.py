@@ -123,7 +123,7 @@ def test_hf_export_logits_equal_megatron(world, tmp_path, name):
     assert "GPT2LMHeadModel, vocab 257, iteration 1" in printed.getvalue()
     config = json.loads((out / "config.json").read_text())
     assert config["vocab_size"] == VOCAB and config["activation_function"] == "gelu"
-    model = AutoModelForCausalLM.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=False)
     assert isinstance(model, GPT2LMHeadModel)
     assert model.lm_head.weight.shape == (VOCAB, 72)
     with torch.no_grad():

@@ -111,7 +111,7 @@ def test_llama_export_logits_equal_megatron(tmp_path):
     assert (hf / "model-00002-of-00002.safetensors").read_bytes() == b"old"
     assert cli.main(["export", str(root), str(hf), "--force"]) == 0
     assert not (hf / "model-00002-of-00002.safetensors").exists()  # its stale shards are gone
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=False)
     assert isinstance(model, LlamaForCausalLM)
     assert model.config.num_key_value_heads == 2 and model.lm_head.weight.shape == (VOCAB, 64)
     with torch.no_grad():

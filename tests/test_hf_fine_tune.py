@@ -120,14 +120,16 @@ def test_the_export_of_the_resumed_fine_tune_is_the_source_architecture_and_toke
     assert cli.main(["export", str(resumed / "checkpoints"), str(out)]) == 0
     drop = ("transformers_version", "architectures", "_name_or_path", "dtype", "torch_dtype")
     got, want = (
-        {k: v for k, v in AutoConfig.from_pretrained(d).to_dict().items() if k not in drop}
+        {k: v for k, v in AutoConfig.from_pretrained(d, trust_remote_code=False).to_dict().items()
+         if k not in drop}
         for d in (out, src))
     assert got == want
     saved = [f for f in TOKENIZER_FILES if (src / f).is_file()]
     assert {"tokenizer.json", "tokenizer_config.json"} <= set(saved)
     for f in saved:
         assert (out / f).read_bytes() == (src / f).read_bytes(), f
-    back, source = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(src)
+    back, source = (AutoTokenizer.from_pretrained(out, trust_remote_code=False),
+                    AutoTokenizer.from_pretrained(src, trust_remote_code=False))
     assert back(TEXT).input_ids == source(TEXT).input_ids
     assert back.decode(back(TEXT).input_ids) == TEXT
     assert back.eos_token_id == source.eos_token_id == 0

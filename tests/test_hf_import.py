@@ -138,7 +138,7 @@ def _config_facts(config) -> dict:
     """What makes two transformers configs compute the same model."""
     from transformers import AutoConfig
 
-    c = AutoConfig.from_pretrained(config)
+    c = AutoConfig.from_pretrained(config, trust_remote_code=False)
     d = c.to_dict()
     if c.model_type == "gpt2":
         d["n_inner"] = d["n_inner"] or 4 * d["n_embd"]
@@ -164,7 +164,7 @@ def test_import_then_export_is_bit_equal(hf, tmp_path, name):
     if name == "gpt2_tied":  # the source's tokenizer.json came along, loadable by AutoTokenizer
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(out)
+        tok = AutoTokenizer.from_pretrained(out, trust_remote_code=False)
         assert tok.eos_token == "<|endoftext|>" and tok.eos_token_id == 0
         assert tok.decode(tok("hello wide world").input_ids) == "hello wide world"
 
@@ -343,7 +343,7 @@ def world(hf, tmp_path_factory, data_cache):
 def _hf_model(hf, name):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(hf / name).eval()
+    return AutoModelForCausalLM.from_pretrained(hf / name, trust_remote_code=False).eval()
 
 
 @pytest.mark.parametrize("name, lay", [(n, lay) for n in ("llama", "gpt2") for lay in LAYOUTS]

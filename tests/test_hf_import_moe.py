@@ -215,6 +215,7 @@ def test_imported_moe_logits_equal_transformers(hf, tmp_path, data_cache):
     for name in NAMES:
         tokens, got = results[0][name]
         with torch.no_grad():
-            expected = AutoModelForCausalLM.from_pretrained(hf / name).eval()(tokens).logits
+            expected = AutoModelForCausalLM.from_pretrained(
+                hf / name, trust_remote_code=False).eval()(tokens).logits
         diff = (got[..., :VOCAB] - expected).abs().max().item()
         assert diff <= 1e-4, (name, diff)

@@ -146,7 +146,7 @@ def test_nemotron_h_export_logits_equal_megatron(world, tmp_path, name):
     assert config["mlp_hidden_act"] == ("gelu_pytorch_tanh" if "tanh" in name else "gelu")
     notes = json.loads((out / "gtp_recipes_export.json").read_text())["notes"]
     assert config["use_cache"] == (notes is None) == (pattern[0] == "M")
-    model = AutoModelForCausalLM.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=False)
     assert isinstance(model, NemotronHForCausalLM)
     assert model.model.layers[pattern.index("M")].mixer.in_proj.weight.shape == (230, 48)
     with torch.no_grad():  # the model's own generation settings: use_cache as exported

@@ -212,7 +212,8 @@ def test_moe_export_logits_equal_megatron(exported, name, cls):
     assert config.get("num_local_experts", config.get("num_experts")) == 4
     if name == "qwen3_moe":
         assert config["norm_topk_prob"] is True and config["moe_intermediate_size"] == 100
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
+                                                              trust_remote_code=False)
     assert type(model).__name__ == cls
     with torch.no_grad():
         hf = model(tokens).logits

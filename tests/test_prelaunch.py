@@ -365,3 +365,84 @@ def test_single_jsonl_of_several_documents_passes_the_split_check(launch_tripwir
     lines = tmp_path / "many.jsonl"
     lines.write_text("".join(f'{{"text": "{TEXT[:200]} {i}"}}\n' for i in range(60)))
     run_in_process(tmp_path / "out", "data=text", f"data.paths=[{lines}]")
+
+
+def _with_saved_model(checkpoint_dir: Path, tmp_path: Path, **fields) -> Path:
+    """A copy of ``checkpoint_dir`` whose common state's saved run config has ``fields`` in its
+    ``model`` group (the data file's records and ``.metadata``'s offsets rewritten to match:
+    every CRC-32 and layout check holds)."""
+    import io
+    import pickle
+    import shutil
+
+    import torch
+
+    from gtp.safe_metadata import read_metadata
+    from gtp.safe_objects import load_object
+
+    root = tmp_path / "checkpoints"
+    shutil.copytree(checkpoint_dir, root)
+    path = root / "iter_0000002"
+    metadata = read_metadata(path)
+    fqn, target = next((index.fqn, info) for index, info in metadata.storage_data.items()
+                       if index.fqn.startswith("common_state/"))
+    infos = sorted((info for info in metadata.storage_data.values()
+                    if info.relative_path == target.relative_path), key=lambda i: i.offset)
+    old = (path / target.relative_path).read_bytes()
+    stored = load_object(io.BytesIO(old[target.offset:target.offset + target.length]), fqn)
+    common = stored[0]  # megatron stores the common state as the record's element 0
+    config = common["train_state"]["config"]
+    common["train_state"] = {**common["train_state"],
+                             "config": {**config, "model": {**config["model"], **fields}}}
+    blob = io.BytesIO()
+    torch.save(stored, blob)
+    out = bytearray()
+    for info in infos:
+        data = blob.getvalue() if info is target else old[info.offset:info.offset + info.length]
+        info.offset, info.length = len(out), len(data)
+        out += data
+    (path / target.relative_path).write_bytes(bytes(out))
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    return root
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("field, value", [("num_layers", 1_000_000_000),
+                                          ("num_moe_experts", 1_000_000_000),
+                                          ("hidden_size", 100_000)])
+def test_a_saved_size_beyond_the_stored_shapes_is_refused_before_shapes_are_enumerated(
+        field, value, checkpoint_dir, launch_tripwire, tmp_path):
+    """A common state whose saved run config says ``model.num_layers=1000000000``: a resume
+    takes the value (not given here) and is refused in one line naming it, before any
+    parameter shape is enumerated (each layer's would be: a MemoryError); ``gtp verify`` says
+    DAMAGED. A size within every stored dim but not the model's (hidden 100000 in a
+    checkpoint whose largest dim is smaller) is refused the same way."""
+    import contextlib
+    import io
+
+    from gtp import cli
+
+    root = _with_saved_model(checkpoint_dir, tmp_path, **{field: value})
+    with pytest.raises(CheckpointError) as info:
+        run_in_process(tmp_path / "out", f"checkpoint.load={root}")
+    message = str(info.value)
+    assert "\n" not in message, message
+    assert f"its saved run config has model.{field}={value}, larger than any stored" in message
+    out = io.StringIO()
+    with contextlib.redirect_stderr(out):
+        assert cli.main(["verify", str(root)], out=out) == 1, out.getvalue()
+    assert re.search(rf"DAMAGED {re.escape(str(root))}/iter_0000002: object 'common_state': its "
+                     rf"saved run config has model\.{field}={value}, larger", out.getvalue()), \
+        out.getvalue()
+
+
+@pytest.mark.e2e
+def test_more_parameters_than_the_checkpoint_stores_is_refused(checkpoint_dir, launch_tripwire,
+                                                                tmp_path):
+    """Every size within the stored dims, but layers of hidden 320 (the largest stored dim, the
+    padded vocabulary's) and ffn 320: more parameter elements than all stored tensors hold."""
+    root = _with_saved_model(checkpoint_dir, tmp_path, num_layers=64, hidden_size=320,
+                             ffn_hidden_size=320, num_attention_heads=4)
+    with pytest.raises(CheckpointError, match=r"its saved run config's model has \d+ parameter "
+                                              r"elements, more than all \d+ stored tensors hold"):
+        run_in_process(tmp_path / "out", f"checkpoint.load={root}")

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Optional, Union
 
 import numpy
 
+from gtp.hf_import import HFImportError, check_no_remote_code
 # End-of-document tokens looked up in a Hugging Face tokenizer when data.eod_id is null.
 from gtp.tokens import EOD_TOKENS
 from recipes.errors import ConfigError
@@ -128,8 +129,10 @@ class HFTokenizer(_TokenizerBase):
 
     Raises:
         FileNotFoundError: ``path`` is neither a ``tokenizer.json`` nor a directory holding one.
-        ValueError: the file cannot be read as a tokenizer, no end-of-document token is known
-            and ``eod_id`` is null, or ``eod_id`` lies outside the vocabulary.
+        ValueError: the file cannot be read as a tokenizer, its dir's
+            ``tokenizer_config.json`` has an ``auto_map`` (a tokenizer class in the dir's own
+            code), no end-of-document token is known and ``eod_id`` is null, or ``eod_id`` lies
+            outside the vocabulary.
     """
 
     name = "hf"
@@ -148,6 +151,10 @@ class HFTokenizer(_TokenizerBase):
                 f"data.tokenizer={path!r}: no such tokenizer.json file or directory holding one "
                 f"(valid: {TOKENIZERS} or a path to a Hugging Face tokenizer.json)")
         self.file = os.path.abspath(file)
+        try:  # a dir made for transformers' remote code: never handed on (exports copy it)
+            check_no_remote_code(self.file, f"data.tokenizer={path!r}")
+        except HFImportError as exc:
+            raise ValueError(str(exc)) from None
         try:
             self._tok = _HF.from_file(self.file)
         except Exception as exc:  # noqa: BLE001 - the library's parse errors
