@@ -43,7 +43,9 @@ from gtp.dcp_records import (  # noqa: F401 - DataFileError, read_record: part o
 )
 from gtp.zip_records import (  # noqa: F401 - RecordDamaged, check_record: part of this API
     CHECK_BLOCK as _CHECK_BLOCK,
+    NotZipRecord,
     RecordDamaged,
+    check_globals,
     check_record,
 )
 
@@ -179,14 +181,23 @@ def read_data(reader, plan, planner, stock):
 
 
 def _check_records(reader, relative_path: str, items, crc: bool = True) -> None:
-    """:func:`check_record` for each record of ``items`` in one data file (once per record);
-    a record that is no zip archive (an object stored raw) is left to torch's reader. With
-    ``crc`` False (:func:`crc_unchecked`) only the zip structure is checked: a compressed entry
-    is refused either way, before torch's reader would inflate it.
+    """:func:`check_record` for each record of ``items`` in one data file (once per record),
+    and for a tensor's record :func:`gtp.zip_records.check_globals` (the globals its pickle
+    names, read without unpickling): torch's reader unpickles it with
+    ``torch.load(weights_only=True)``, whose list holds classes no checkpoint of this project
+    stores (``DeviceMesh``, ``DTensor``). A tensor's record that is no zip archive (torch's
+    legacy format: no save writes one) and any record stored through a transform (a torch DCP
+    extension: none writes one) are refused; object records go to ``load_bytes``, which
+    :mod:`gtp.safe_objects` checks the same way. This holds with
+    ``checkpoint.verify_on_load=false`` too. With ``crc`` False (:func:`crc_unchecked`) only the zip structure is checked: a
+    compressed entry is refused either way, before torch's reader would inflate it.
 
     Raises:
-        DataFileError: a record is damaged (names the file, the item and the entry).
+        DataFileError: a record is damaged, names a global outside the list or is not a zip
+            record (names the file, the item and the entry or global).
     """
+    from torch.distributed.checkpoint.planner import LoadItemType
+
     path = reader.fs.concat_path(reader.path, relative_path)
     done: set[tuple[int, int]] = set()
     buffer = None
@@ -195,16 +206,25 @@ def _check_records(reader, relative_path: str, items, crc: bool = True) -> None:
         with reader.fs.create_stream(path, "rb") as stream:
             for item in items:
                 info = reader.storage_data[item.storage_index]
-                if info.transform_descriptors or (info.offset, info.length) in done:
+                if (info.offset, info.length) in done:
                     continue
+                if info.transform_descriptors:
+                    raise RecordDamaged(f"stored through the transforms "
+                                        f"{list(info.transform_descriptors)}, which no save "
+                                        f"writes: refused before torch's reader")
                 done.add((info.offset, info.length))
                 buffer = buffer or bytearray(min(_CHECK_BLOCK, max(info.length, 1 << 16)))
+                tensor = item.type != LoadItemType.BYTE_IO
                 try:
                     check_record(stream, info.offset, info.length, buffer, crc=crc)
-                except RecordDamaged:
-                    raise
-                except ValueError:
-                    continue
+                except NotZipRecord as exc:
+                    if not tensor:  # an object's bytes go to load_bytes (gtp.safe_objects)
+                        continue
+                    raise RecordDamaged(f"{exc} (torch.save writes every tensor as one: a torn, "
+                                        f"foreign or crafted record): refused before torch's "
+                                        f"reader unpickles it") from None
+                if tensor:
+                    check_globals(stream, info.offset, info.length)
     except (RecordDamaged, OSError) as exc:
         where = "" if item is None else (
             f" ({_describe(item)}, bytes {info.offset} to {info.offset + info.length} of the "

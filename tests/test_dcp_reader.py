@@ -3,6 +3,7 @@ bytes only, and every request reads the same values as torch's own reader."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
 import zipfile
@@ -321,8 +322,9 @@ def test_records_in_another_zip_order_are_read_through_the_directory():
 
 
 def test_a_damaged_data_file_is_named_with_the_item(tmp_path):
-    """Each error names the data file and the item: a corrupted object record and a file cut
-    inside a tensor (both read by torch's reader), and a file that ends inside a tensor once
+    """Each error names the data file and the item: a corrupted object record (read by torch's
+    reader), a tensor record overwritten and a file cut inside a tensor (refused before torch's
+    reader gets them), and a file that ends inside a tensor once
     its record's headers were read (ours: truncated while the load runs)."""
     import shutil
 
@@ -356,18 +358,18 @@ def test_a_damaged_data_file_is_named_with_the_item(tmp_path):
                        match=rf"^{data}: .*\(while reading object 'bytes' with torch's "
                              rf"reader\)"):
         _read(path, [_item("bytes", (), (), LoadItemType.BYTE_IO)], {}, runs=True)
-    # An intact object read by torch's reader before the damaged tensor: the tensor is named.
+    # An intact object before the damaged tensor: the tensor is named, refused before torch's
+    # reader would unpickle it (no zip archive).
     path, data = damaged("tensor", "transposed", cut=False)
     with pytest.raises(dcp_reader.DataFileError,
-                       match=rf"^{data}: .*\(while reading tensor 'transposed', the chunk at "
-                             rf"\(0, 0\) with torch's reader\)"):
+                       match=rf"^{data}: not a zip record: .*refused before torch's reader "
+                             rf"unpickles it \(tensor 'transposed', the chunk at \(0, 0\), "):
         _read(path, [_item("bytes", (), (), LoadItemType.BYTE_IO),
                      _item("transposed", (0, 0), (96, 40))],
               {"transposed": torch.full((96, 40), SENTINEL, dtype=torch.float32)}, runs=True)
     path, data = damaged("cut", fqn, cut=True)
     with pytest.raises(dcp_reader.DataFileError,
-                       match=rf"^{data}: .*\(while reading tensor '{fqn}', the chunk at "
-                             rf"\(0, 0\) with torch's reader\)"):
+                       match=rf"^{data}: .*\(tensor '{fqn}', the chunk at \(0, 0\), bytes "):
         _read(path, [item], target(), runs=True)
 
     # A record whose data.pkl bytes were overwritten: its zip header and CRC-32 no longer match,
@@ -379,13 +381,13 @@ def test_a_damaged_data_file_is_named_with_the_item(tmp_path):
     assert re.match(rf"{data}: entry archive/data.pkl: its local header does not match the zip "
                     rf"directory .*\(tensor 'transposed', the chunk at \(0, 0\), bytes ",
                     str(refused.value)), str(refused.value)
-    # Unchecked, torch's weights-only unpickler refuses it: no advice to load it with
-    # weights_only=False (it is damaged, not foreign).
+    # Unchecked CRC-32s, the pickle's opcodes are still read before torch's reader gets it:
+    # refused, naming the item, with no advice to load it with weights_only=False (it is
+    # damaged, not foreign).
     with dcp_reader.crc_unchecked(), pytest.raises(dcp_reader.DataFileError) as refused:
         _read(path, [_item("transposed", (0, 0), (96, 40))],
               {"transposed": torch.full((96, 40), SENTINEL, dtype=torch.float32)}, runs=True)
-    assert re.match(rf"{data}: UnpicklingError: a tensor record that does not unpickle as a "
-                    rf"tensor \(Unsupported operand 255\) \(while reading tensor 'transposed'",
+    assert re.match(rf"{data}: .*\(tensor 'transposed', the chunk at \(0, 0\), bytes ",
                     str(refused.value)), str(refused.value)
     assert "weights_only" not in str(refused.value)
     # Storage reads (over 4 KiB) find the end of the file: it was cut after the headers were read.
@@ -482,3 +484,30 @@ def test_check_record_names_the_entry_and_counts_entries(tmp_path):
         dcp_reader.check_record(io.BytesIO(bytes(blob)), 0, len(blob), bytearray(16))
     with pytest.raises(ValueError, match="not a zip record"):
         dcp_reader.check_record(io.BytesIO(b"x" * 100), 0, 100)
+
+
+def test_a_tensor_record_naming_another_class_is_refused_before_torchs_reader(tmp_path):
+    """A tensor's record crafted to reduce to ``DeviceMesh("cpu", [0])`` (torch's weights-only
+    list holds it once ``torch.distributed.tensor`` is imported; its constructor joins a
+    process group) is no plain tensor record, so it goes to torch's reader: its pickle's
+    globals are read first and it is refused, naming the class, CRC-32s checked or not
+    (``checkpoint.verify_on_load=false`` leaves only this check)."""
+    import shutil
+
+    import torch.distributed.tensor  # noqa: F401 - puts DeviceMesh on the weights-only list
+    from test_crafted_checkpoint import _Mesh, replace_record
+
+    src = tmp_path / "src"
+    dcp.save(_stored(), checkpoint_id=str(src), no_dist=True)
+    blob = io.BytesIO()
+    torch.save(_Mesh(), blob)
+    for crc in (True, False):
+        path = tmp_path / f"crc{crc}"
+        shutil.copytree(src, path)
+        replace_record(path, "fp32", blob.getvalue())
+        check = contextlib.nullcontext() if crc else dcp_reader.crc_unchecked()
+        with check, pytest.raises(dcp_reader.DataFileError,
+                                  match=r"torch\.distributed\.device_mesh\.DeviceMesh.*\(tensor "
+                                        r"'fp32', the chunk at \(0, 0\), bytes "):
+            _read(path, [_item("fp32", (0, 0), (96, 40))],
+                  {"fp32": torch.full((96, 40), SENTINEL, dtype=torch.float32)}, runs=True)
