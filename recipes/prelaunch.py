@@ -354,9 +354,10 @@ def check_saved_sizes(path, common: dict, now) -> list[tuple]:
 def check_model_shape(cfg, plan=None) -> None:
     """The checkpoint to load holds this model's parameter shapes (vocabulary aside, which
     ``recipes.validate`` checks): compared on the logical shapes of both configs, so a change of
-    layout never counts. ``plan``: its resolved ``ResumePlan`` (None: opened here). Every size
-    of both configs is first bounded by the stored shapes (:func:`check_saved_sizes`), and
-    equal shapes may hold no more elements than the stored tensors.
+    layout never counts. ``plan``: its resolved ``ResumePlan`` (None: opened here). A changed
+    shape field is named from the two configs alone; otherwise every size of both configs is
+    bounded by the stored shapes (:func:`check_saved_sizes`) before any shape is enumerated,
+    and equal shapes may hold no more elements than the stored tensors.
 
     Raises:
         CheckpointError: naming each changed field with the checkpoint's value and the override;
@@ -376,6 +377,14 @@ def check_model_shape(cfg, plan=None) -> None:
     if not saved:
         return
     now = OmegaConf.to_container(cfg.model, resolve=True)
+    changed = changed_shape_fields(saved, now)  # the fields alone: nothing enumerated
+    if changed:
+        fixes = " ".join(f"model.{f}={spelled(saved.get(f))}" for f in changed)
+        diffs = ", ".join(f"model.{f}={now.get(f)!r} (checkpoint: {saved.get(f)!r})"
+                          for f in changed)
+        raise CheckpointError(
+            f"{path} holds a differently shaped model: {diffs}; set {fixes} to resume it, or "
+            f"checkpoint.load=null to start from scratch")
     stored = check_saved_sizes(path, common, now)
     merged = OmegaConf.merge(now, saved)
 
@@ -392,16 +401,10 @@ def check_model_shape(cfg, plan=None) -> None:
                 f"than all {len(stored)} stored tensors hold ({elements}): damaged or crafted; "
                 f"load another checkpoint, or checkpoint.load=null to start from scratch")
         return
-    changed = changed_shape_fields(saved, now)
-    if not changed:  # a field outside SHAPE_FIELDS: name the parameters instead
-        differ = sorted(set(mine) ^ set(theirs) | {k for k in set(mine) & set(theirs)
-                                                   if mine[k] != theirs[k]})
-        raise CheckpointError(
-            f"{path} holds a differently shaped model: parameters {differ[:4]} differ from this "
-            f"config's; resume with the checkpoint's model fields (its resolved_config.yaml), "
-            f"or checkpoint.load=null to start from scratch")
-    fixes = " ".join(f"model.{f}={spelled(saved.get(f))}" for f in changed)
-    diffs = ", ".join(f"model.{f}={now.get(f)!r} (checkpoint: {saved.get(f)!r})" for f in changed)
+    # a field outside SHAPE_FIELDS: name the parameters instead
+    differ = sorted(set(mine) ^ set(theirs) | {k for k in set(mine) & set(theirs)
+                                               if mine[k] != theirs[k]})
     raise CheckpointError(
-        f"{path} holds a differently shaped model: {diffs}; set {fixes} to resume it, or "
-        f"checkpoint.load=null to start from scratch")
+        f"{path} holds a differently shaped model: parameters {differ[:4]} differ from this "
+        f"config's; resume with the checkpoint's model fields (its resolved_config.yaml), "
+        f"or checkpoint.load=null to start from scratch")
