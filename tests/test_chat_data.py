@@ -1,0 +1,163 @@
+"""data=chat (recipes/data/chat.py) without processes: the loss mask against transformers' own,
+packing's positions and attention mask, the cache, and the one-line refusals before launch."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from chat_data import FIXTURE, VOCAB, conversations, write_chat_tokenizer
+from compose import make_cfg
+
+from recipes.data import chat
+from recipes.errors import ConfigError
+from recipes.prelaunch import check_chat
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return write_chat_tokenizer(tmp_path_factory.mktemp("chat_tok"))
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir):
+    return chat.load_template_tokenizer(make_cfg("data=chat", f"data.tokenizer={tok_dir}").data)
+
+
+def chat_cfg(tok_dir, tmp_path, *overrides, paths=(FIXTURE,)):
+    return make_cfg("data=chat", f"data.tokenizer={tok_dir}", f"data.cache_dir={tmp_path}",
+                    f"data.paths=[{','.join(str(p) for p in paths)}]", *overrides)
+
+
+def test_mask_covers_exactly_the_assistant_tokens(tok):
+    """Against transformers' ``return_assistant_tokens_mask`` (the template's ``{% generation
+    %}`` spans): the same ids and the same mask on every conversation, multi-turn and with a
+    system turn included; the masked text is each assistant reply and its end-of-turn token."""
+    convs = conversations()
+    assert any(len(c) > 3 for c in convs) and any(c[0]["role"] == "system" for c in convs)
+    for messages in convs:
+        ids, mask = chat.render(tok, messages)
+        ref = tok.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True)
+        assert ids == list(ref["input_ids"]), messages
+        assert mask == list(ref["assistant_masks"]), messages
+        masked = tok.decode([i for i, m in zip(ids, mask) if m])
+        assert masked == "".join(m["content"] + "<|im_end|>\n" for m in messages
+                                 if m["role"] == "assistant")
+
+
+def test_prompt_completion_rows_are_a_user_and_an_assistant_turn(tmp_path):
+    path = tmp_path / "pc.jsonl"
+    path.write_text('{"prompt": "Hi?", "completion": "Hello."}\n')
+    assert list(chat.read_conversations(str(path))) == [
+        [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]]
+
+
+def test_packing_restarts_positions_and_masks_across_conversations():
+    examples = [([1, 2, 3, 4], [0, 0, 1, 1]), ([5, 6, 7], [0, 1, 1]), ([8, 9, 10, 11, 12], [0] * 4 + [1])]
+    packed = chat.pack(examples, 8, True, pad_id=0)
+    # 3 + 2 positions fit in 8; the third conversation's 4 do not: a second sample.
+    assert packed["segments"].tolist() == [[1, 1, 1, 2, 2, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0]]
+    assert packed["tokens"][0].tolist() == [1, 2, 3, 5, 6, 0, 0, 0]
+    assert packed["labels"][0].tolist() == [2, 3, 4, 6, 7, 0, 0, 0]
+    assert packed["loss_mask"][0].tolist() == [0, 1, 1, 1, 1, 0, 0, 0]
+    seg = torch.tensor(packed["segments"][0], dtype=torch.int64)
+    assert chat.position_ids(seg).tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
+    mask = chat.attention_mask(seg)[0]
+    for q in range(8):
+        for k in range(8):
+            sees = bool(seg[q] == seg[k]) and k <= q
+            assert bool(mask[q, k]) == (not sees), (q, k)
+    unpacked = chat.pack(examples, 8, False, pad_id=0)
+    assert unpacked["segments"].shape == (3, 8)
+
+
+def test_cache_once_keyed_and_the_samples_fixed_by_the_seed(tok_dir, tmp_path, capsys):
+    cfg = chat_cfg(tok_dir, tmp_path, "data.chat_packing=true", "data.split=90/10/0")
+    out = chat.prepare_chat(cfg.data, 128, pad_id=0)
+    assert "> tokenized chat data into" in capsys.readouterr().out
+    assert chat.prepare_chat(cfg.data, 128, pad_id=0) == out  # read back, not rebuilt
+    assert "> tokenized" not in capsys.readouterr().out
+    meta = json.loads(open(os.path.join(out, "meta.json")).read())
+    assert meta["conversations"] == len(conversations()) and meta["packing"]
+    assert meta["samples"]["train"] < meta["conversations"]  # packed several to a sample
+    other = chat.prepare_chat(chat_cfg(tok_dir, tmp_path, "data.split=90/10/0").data, 128, 0)
+    assert other != out  # chat_packing is part of the key
+    a, b = (chat.ChatDataset(out, "train", 20, seed=3) for _ in range(2))
+    assert [a.row(i) for i in range(20)] == [b.row(i) for i in range(20)]
+    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+
+
+def test_overlong_conversations_are_cut_or_dropped_and_counted(tok_dir, tmp_path):
+    for how, field in (("truncate", "truncated"), ("drop", "dropped")):
+        cfg = chat_cfg(tok_dir, tmp_path / how, f"data.chat_overlong={how}", "data.split=100/0/0")
+        meta = json.loads(open(os.path.join(chat.prepare_chat(cfg.data, 24, 0), "meta.json")).read())
+        assert meta[field] > 0, meta
+        assert meta["conversations"] + meta["dropped"] + meta["no_loss"] == len(conversations())
+
+
+BAD = {
+    "no_messages": ('{"text": "hi"}', r":2: no 'messages' list \(found \['text'\]\); write"),
+    "unknown_role": ('{"messages": [{"role": "bot", "content": "x"}]}',
+                     r":2: message 0 has role 'bot'; valid roles are \('system', 'user', "
+                     r"'assistant'\)"),
+    "no_assistant": ('{"messages": [{"role": "user", "content": "x"}]}',
+                     r":2: no assistant turn, so nothing to learn; add one or drop the line"),
+    "not_json": ('{"messages": [', r":2: not a JSON object"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_rows_get_one_line_naming_the_file_and_line(tok_dir, tmp_path, case):
+    line, message = BAD[case]
+    path = tmp_path / "bad.jsonl"
+    path.write_text(FIXTURE.read_text().splitlines()[0] + "\n" + line + "\n")
+    with pytest.raises(ConfigError, match=str(path).replace(".", r"\.") + message) as err:
+        check_chat(chat_cfg(tok_dir, tmp_path, paths=[path]))
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError):  # the build refuses it too, writing nothing
+        chat.prepare_chat(chat_cfg(tok_dir, tmp_path, paths=[path]).data, 128, 0)
+    assert [n for n in os.listdir(tmp_path) if n.startswith("chat_")] == []
+
+
+def test_an_empty_file_and_a_tokenizer_without_template_are_refused(tok_dir, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ConfigError, match=f"{empty}: empty, no conversation; give a .jsonl"):
+        check_chat(chat_cfg(tok_dir, tmp_path, paths=[empty]))
+    plain = write_chat_tokenizer(tmp_path / "plain", template=None)
+    with pytest.raises(ConfigError, match=r"has no chat template .* set data.chat_template="):
+        check_chat(chat_cfg(plain, tmp_path))
+    with pytest.raises(ConfigError, match="data.source='chat': conversations are rendered with a "):
+        check_chat(make_cfg("data=chat", f"data.paths=[{FIXTURE}]", "data.tokenizer=byte"))
+
+
+def test_text_data_given_a_chat_file_names_data_chat_before_launch():
+    with pytest.raises(ConfigError, match=r"chat.jsonl:1: a conversation \(\['messages'\]\), not "
+                                          r"text .* data=chat data.tokenizer="):
+        check_chat(make_cfg("data=text", f"data.paths=[{FIXTURE}]"))
+
+
+def test_packing_is_refused_where_the_mask_would_not_reach_attention(tok_dir, tmp_path):
+    cfg = chat_cfg(tok_dir, tmp_path, "data.chat_packing=true",
+                   "model.transformer_impl=transformer_engine")
+    with pytest.raises(ConfigError, match="THD packed_seq_params with cu_seqlens"):
+        check_chat(cfg)
+
+
+def test_a_resume_with_other_chat_fields_is_refused():
+    from recipes.checkpoint.policy import resume_changes
+
+    old = {"data": {"source": "text", "paths": ["a.jsonl"]}}  # written before data=chat
+    same = {"data": {"source": "text", "paths": ["a.jsonl"], "chat_template": None,
+                     "chat_overlong": "truncate", "chat_packing": False, "valid_paths": []}}
+    assert resume_changes(old, same, 0) == []
+    changed = {"data": {**same["data"], "chat_template": "other.jinja"}}
+    (change,) = resume_changes(same, changed, 0)
+    assert change.field == "data.chat_template" and change.effect.startswith("REFUSED")
+
+
+def test_vocab_of_the_test_tokenizer(tok):
+    assert len(tok) == VOCAB
