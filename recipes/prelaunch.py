@@ -223,8 +223,6 @@ def check_tokenizer(cfg) -> None:
     captions (``data.source=shapes``) ``model.seq_length`` holds the longest in its tokens."""
     from recipes.data import build_tokenizer, images
 
-    if cfg.data.source == "chat" and cfg.train.get("dry_run", False):
-        return  # a recipe's dry run names no tokenizer (checkpoint.pretrained gives it)
     try:
         tokenizer = build_tokenizer(cfg.data)
         if cfg.data.source == "shapes":

@@ -231,6 +231,10 @@ def build_tokenizer(data_cfg: Any) -> Tokenizer:
                              f"{tok.vocab_size} tokens of {tok.file}: set it to null")
         return tok
     if source == "chat":
+        if data_cfg.vocab_size is not None and data_cfg.eod_id is not None:
+            # A stand-in sizing the model (a recipe's dry run); reading chat data needs the
+            # directory (recipes.data.chat.chat_template refuses before launch).
+            return ExternalTokenizer(int(data_cfg.vocab_size), int(data_cfg.eod_id))
         raise ValueError(f"data.tokenizer={data_cfg.tokenizer!r} with data.source='chat': "
                          f"conversations are rendered with a Hugging Face tokenizer's chat "
                          f"template; set data.tokenizer=<its directory>")
