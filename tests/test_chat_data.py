@@ -13,7 +13,12 @@ from compose import make_cfg
 
 from recipes.data import chat
 from recipes.errors import ConfigError
-from recipes.prelaunch import check_chat
+from recipes.prelaunch import check
+
+
+def check_chat(cfg):
+    """What ``train.py`` runs before it starts a process (``recipes.prelaunch.check``)."""
+    return check(cfg, choices={})
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +93,21 @@ def test_cache_once_keyed_and_the_samples_fixed_by_the_seed(tok_dir, tmp_path, c
     a, b = (chat.ChatDataset(out, "train", 20, seed=3) for _ in range(2))
     assert [a.row(i) for i in range(20)] == [b.row(i) for i in range(20)]
     assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+
+
+def test_a_failed_build_leaves_nothing_in_the_cache(tok_dir, tmp_path, monkeypatch):
+    saved, savez = [], chat.numpy.savez
+
+    def savez_then_crash(path, **arrays):  # train.npz written, then validation.npz fails
+        if saved:
+            raise OSError("disk full")
+        saved.append(path)
+        savez(path, **arrays)
+
+    monkeypatch.setattr(chat.numpy, "savez", savez_then_crash)
+    with pytest.raises(OSError, match="disk full"):
+        chat.prepare_chat(chat_cfg(tok_dir, tmp_path, "data.split=90/10/0").data, 128, 0)
+    assert saved and os.listdir(tmp_path) == []  # the half-written build removed, none renamed
 
 
 def test_overlong_conversations_are_cut_or_dropped_and_counted(tok_dir, tmp_path):

@@ -36,10 +36,26 @@ def conversations() -> list[list[dict]]:
     return out
 
 
+_TRAINED: list[str] = []  # the tokenizer.json text, trained once per process
+
+
 def write_chat_tokenizer(out: Path, template: str | None = CHATML) -> Path:
     """A byte-level BPE of :data:`VOCAB` tokens (the ChatML specials first) trained on the pydoc
     topics and the fixture, saved with ``tokenizer_config.json`` holding ``template`` (None:
     no chat template). Returns ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    if not _TRAINED:
+        _TRAINED.append(_train())
+    (out / "tokenizer.json").write_text(_TRAINED[0])
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+              "pad_token": "<|endoftext|>", "model_max_length": 4096}
+    if template is not None:
+        config["chat_template"] = template
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
+def _train() -> str:
     from pydoc_data.topics import topics
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -50,11 +66,4 @@ def write_chat_tokenizer(out: Path, template: str | None = CHATML) -> Path:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     texts = [topics[k] for k in sorted(topics)] + [FIXTURE.read_text()]
     tok.train_from_iterator(texts, trainer)
-    out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
-              "pad_token": "<|endoftext|>", "model_max_length": 4096}
-    if template is not None:
-        config["chat_template"] = template
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
-    return out
+    return tok.to_str()
