@@ -181,3 +181,20 @@ def test_a_resume_with_other_chat_fields_is_refused():
 
 def test_vocab_of_the_test_tokenizer(tok):
     assert len(tok) == VOCAB
+
+
+def test_export_keeps_the_chat_template(tok_dir, tmp_path):
+    """``gtp export`` of a chat fine-tune writes the template it trained with, so
+    ``AutoTokenizer`` of the exported dir renders conversations as training did."""
+    from transformers import AutoTokenizer
+
+    from gtp.hf_export import _copy_tokenizer
+
+    template = tmp_path / "mine.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    out = tmp_path / "export"
+    out.mkdir()
+    names = _copy_tokenizer({"tokenizer": str(tok_dir), "chat_template": str(template)}, out, {})
+    assert "chat_template.jinja" in names
+    tok = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "user: hi\n"
