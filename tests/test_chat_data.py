@@ -198,3 +198,25 @@ def test_export_keeps_the_chat_template(tok_dir, tmp_path):
     assert "chat_template.jinja" in names
     tok = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "user: hi\n"
+
+
+def test_iterators_give_masked_packed_batches_and_the_validation_file(tok_dir, tmp_path):
+    """The train iterator and the validation set of a packed chat run (one process): batches
+    carry the block-diagonal ``attention_mask`` beside megatron's four keys; validation comes
+    from ``data.valid_paths`` when given."""
+    from recipes.data import build_iterators
+
+    valid = tmp_path / "valid.jsonl"
+    valid.write_text("\n".join(FIXTURE.read_text().splitlines()[:6]) + "\n")
+    cfg = chat_cfg(tok_dir, tmp_path, "data.chat_packing=true", f"data.valid_paths=[{valid}]",
+                   "data.micro_batch_size=2", "data.global_batch_size=4", "train.eval_iters=1",
+                   "train.train_iters=3", "model.seq_length=128")
+    train, validation = build_iterators(cfg, 4, 0, 1)
+    batch = next(train)
+    assert sorted(batch) == ["attention_mask", "labels", "loss_mask", "position_ids", "tokens"]
+    assert batch["attention_mask"].shape == (2, 1, 128, 128)
+    assert batch["tokens"].shape == (2, 128) and batch["loss_mask"].sum() > 0
+    assert len(train) == 2 * 2  # iterations 2 and 3 of 3, two micro-batches each
+    meta = json.loads(open(os.path.join(train.dataset.out_dir, "meta.json")).read())
+    assert meta["validation_inputs"] == [str(valid)] and meta["samples"]["validation"] >= 2
+    assert len(list(iter(validation))) == 2

@@ -368,6 +368,7 @@ class ChatDataset:
     masked out)."""
 
     def __init__(self, out_dir: str, split: str, size: Optional[int], seed: int) -> None:
+        self.out_dir = out_dir
         with numpy.load(os.path.join(out_dir, f"{split}.npz")) as z:
             self.arrays = {k: z[k] for k in z.files}
         with open(os.path.join(out_dir, "meta.json")) as f:
