@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from chat_data import FIXTURE, VOCAB, conversations, write_chat_tokenizer
+from chat_data import CHATML, FIXTURE, THINK_LAST, VOCAB, conversations, write_chat_tokenizer
 from compose import make_cfg
 
 from recipes.data import chat
@@ -37,20 +37,44 @@ def chat_cfg(tok_dir, tmp_path, *overrides, paths=(FIXTURE,)):
 
 
 def test_mask_covers_exactly_the_assistant_tokens(tok):
-    """Against transformers' ``return_assistant_tokens_mask`` (the template's ``{% generation
-    %}`` spans): the same ids and the same mask on every conversation, multi-turn and with a
-    system turn included; the masked text is each assistant reply and its end-of-turn token."""
+    """The mask derived by rendering prefixes of plain ChatML, against transformers'
+    ``return_assistant_tokens_mask`` of the same template with ``{% generation %}`` markers: the
+    same ids and the same mask on every conversation, multi-turn and with a system turn
+    included; the masked text is each assistant reply and its end-of-turn token."""
     convs = conversations()
     assert any(len(c) > 3 for c in convs) and any(c[0]["role"] == "system" for c in convs)
     for messages in convs:
         ids, mask = chat.render(tok, messages)
-        ref = tok.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                      return_assistant_tokens_mask=True)
+        ref = tok.apply_chat_template(messages, chat_template=CHATML, tokenize=True,
+                                      return_dict=True, return_assistant_tokens_mask=True)
         assert ids == list(ref["input_ids"]), messages
         assert mask == list(ref["assistant_masks"]), messages
         masked = tok.decode([i for i, m in zip(ids, mask) if m])
         assert masked == "".join(m["content"] + "<|im_end|>\n" for m in messages
                                  if m["role"] == "assistant")
+
+
+def test_a_template_with_generation_markers_places_turns_the_prefix_rule_cannot(tok):
+    """Qwen3-like: an empty think block in the last assistant turn only. Without markers a
+    multi-turn conversation is refused naming it; with them transformers' spans are the mask."""
+    import copy
+
+    messages = next(c for c in conversations() if sum(m["role"] == "assistant" for m in c) > 1)
+    marked = copy.copy(tok)
+    marked.chat_template = THINK_LAST
+    ids, mask = chat.render(marked, messages, "chat.jsonl: conversation 3")
+    ref = marked.apply_chat_template(messages, tokenize=True, return_dict=True)
+    assert ids == list(ref["input_ids"])
+    masked = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert masked == "".join(m["content"] + "<|im_end|>\n" for m in messages
+                             if m["role"] == "assistant")
+    plain = copy.copy(tok)
+    plain.chat_template = THINK_LAST.replace("{% generation %}", "").replace(
+        "{% endgeneration %}", "")
+    with pytest.raises(ValueError, match=r"chat.jsonl: conversation 3: the chat template renders "
+                                         r"the turns before assistant message 1 differently .* "
+                                         r"\{% generation %\}"):
+        chat.render(plain, messages, "chat.jsonl: conversation 3")
 
 
 def test_prompt_completion_rows_are_a_user_and_an_assistant_turn(tmp_path):
@@ -61,7 +85,8 @@ def test_prompt_completion_rows_are_a_user_and_an_assistant_turn(tmp_path):
 
 
 def test_packing_restarts_positions_and_masks_across_conversations():
-    examples = [([1, 2, 3, 4], [0, 0, 1, 1]), ([5, 6, 7], [0, 1, 1]), ([8, 9, 10, 11, 12], [0] * 4 + [1])]
+    examples = [([1, 2, 3, 4], [0, 0, 1, 1]), ([5, 6, 7], [0, 1, 1]),
+                ([8, 9, 10, 11, 12], [0, 0, 0, 0, 1])]
     packed = chat.pack(examples, 8, True, pad_id=0)
     # 3 + 2 positions fit in 8; the third conversation's 4 do not: a second sample.
     assert packed["segments"].tolist() == [[1, 1, 1, 2, 2, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0]]
@@ -113,7 +138,8 @@ def test_a_failed_build_leaves_nothing_in_the_cache(tok_dir, tmp_path, monkeypat
 def test_overlong_conversations_are_cut_or_dropped_and_counted(tok_dir, tmp_path):
     for how, field in (("truncate", "truncated"), ("drop", "dropped")):
         cfg = chat_cfg(tok_dir, tmp_path / how, f"data.chat_overlong={how}", "data.split=100/0/0")
-        meta = json.loads(open(os.path.join(chat.prepare_chat(cfg.data, 24, 0), "meta.json")).read())
+        out = chat.prepare_chat(cfg.data, 24, 0)
+        meta = json.loads(open(os.path.join(out, "meta.json")).read())
         assert meta[field] > 0, meta
         assert meta["conversations"] + meta["dropped"] + meta["no_loss"] == len(conversations())
 
@@ -197,7 +223,8 @@ def test_export_keeps_the_chat_template(tok_dir, tmp_path):
     names = _copy_tokenizer({"tokenizer": str(tok_dir), "chat_template": str(template)}, out, {})
     assert "chat_template.jinja" in names
     tok = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
-    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "user: hi\n"
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert rendered == "user: hi\n"
 
 
 def test_iterators_give_masked_packed_batches_and_the_validation_file(tok_dir, tmp_path):

@@ -10,7 +10,8 @@ the loss on the assistant turns only, optionally packed, tokenized once into the
   instead). The loss mask is derived by rendering prefixes: the text of assistant turn ``i`` is
   ``render(messages[:i+1])`` minus ``render(messages[:i], add_generation_prompt=True)`` (its
   content and the end-of-turn token); the full text is tokenized once and a token is in the loss
-  when its first character lies in such a span (its offset mapping).
+  when its first character lies in such a span (its offset mapping). A template that marks the
+  assistant turns with ``{% generation %}`` gets transformers' ``return_assistant_tokens_mask``.
 * Samples: a conversation of ``n`` ids gives ``n - 1`` positions (tokens ``ids[:-1]``, labels
   ``ids[1:]``, the loss mask of the labels). Longer than ``model.seq_length`` positions: cut
   (``data.chat_overlong=truncate``) or left out (``drop``), counted in the log. Unpacked, a sample
@@ -29,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -170,14 +172,24 @@ def _render(tok, messages: list[dict], generation_prompt: bool = False) -> str:
                                    add_generation_prompt=generation_prompt)
 
 
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
 def render(tok, messages: list[dict], where: str = "") -> tuple[list[int], list[int]]:
     """``(ids, mask)`` of one conversation: the ids of the whole rendered text and 1 where a
     token belongs to an assistant turn (its text and end-of-turn token), 0 elsewhere.
 
+    A template with ``{% generation %}`` markers: transformers' ``return_assistant_tokens_mask``
+    (the marked spans). Otherwise by rendering prefixes (the module's docstring).
+
     Raises:
-        ValueError: the template renders a conversation's beginning differently from the whole
-            (the prefix rule cannot place the assistant turns).
+        ValueError: a template without markers renders a conversation's beginning differently
+            from the whole (the prefix rule cannot place the assistant turns).
     """
+    if _GENERATION.search(tok.chat_template):
+        enc = tok.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True)
+        return list(enc["input_ids"]), [int(m) for m in enc["assistant_masks"]]
     text = _render(tok, messages)
     spans = []
     for i, m in enumerate(messages):
@@ -187,9 +199,11 @@ def render(tok, messages: list[dict], where: str = "") -> tuple[list[int], list[
         upto = _render(tok, messages[: i + 1])
         if not (upto.startswith(before) and text.startswith(upto)):
             raise ValueError(f"{where}: the chat template renders the turns before assistant "
-                             f"message {i} differently from the whole conversation, so its "
-                             f"tokens cannot be found; use a template that renders prefixes "
-                             f"unchanged (data.chat_template=<file.jinja>)")
+                             f"message {i} differently from the whole conversation (e.g. a "
+                             f"think block only in the last turn), so its tokens cannot be "
+                             f"found; give a template that marks each assistant turn with "
+                             f"{{% generation %}} ... {{% endgeneration %}} "
+                             f"(data.chat_template=<file.jinja>)")
         spans.append((len(before), len(upto)))
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [int(any(a <= start < b for a, b in spans)) for start, _ in enc["offset_mapping"]]

@@ -2,9 +2,10 @@
 multi-turn ones, a system turn in some, two in the prompt/completion form) and a Hugging Face
 tokenizer directory with a ChatML chat template, trained here as tests/test_hf_tokenizer.py's.
 
-The template marks each assistant turn with ``{% generation %}`` so that transformers'
-``return_assistant_tokens_mask`` gives an independent reference for the loss mask that
-``recipes.data.chat`` derives by rendering prefixes.
+The tokenizer's template is plain ChatML (:data:`CHATML_PLAIN`), so ``recipes.data.chat``
+derives the loss mask by rendering prefixes; :data:`CHATML`, the same with each assistant turn
+marked ``{% generation %}``, gives transformers' ``return_assistant_tokens_mask`` as an
+independent reference.
 """
 
 from __future__ import annotations
@@ -15,6 +16,25 @@ from pathlib import Path
 FIXTURE = Path(__file__).resolve().parents[1] / "data" / "chat.jsonl"
 VOCAB = 400
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML without markers: what tests/test_chat_data.py's derived mask is checked on.
+CHATML_PLAIN = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Qwen3's quirk: an empty think block in the last assistant turn only, so a prefix renders an
+# earlier turn differently from the whole; the markers place the turns anyway.
+THINK_LAST = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{%- if loop.last %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{% generation %}{{- message['content'] + '<|im_end|>\\n' }}{% endgeneration %}"
+    "{%- else %}{{- message['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 CHATML = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' }}"
@@ -39,7 +59,7 @@ def conversations() -> list[list[dict]]:
 _TRAINED: list[str] = []  # the tokenizer.json text, trained once per process
 
 
-def write_chat_tokenizer(out: Path, template: str | None = CHATML) -> Path:
+def write_chat_tokenizer(out: Path, template: str | None = CHATML_PLAIN) -> Path:
     """A byte-level BPE of :data:`VOCAB` tokens (the ChatML specials first) trained on the pydoc
     topics and the fixture, saved with ``tokenizer_config.json`` holding ``template`` (None:
     no chat template). Returns ``out``."""
