@@ -139,8 +139,10 @@ def build_datasets(
 ) -> tuple[Any, Optional[Any], Optional[Any]]:
     """Megatron's train/valid/test GPT datasets for ``cfg`` (collective under torch.distributed).
 
-    Prepares the corpus (:func:`prepare_data`) and builds ``GPTDataset`` splits (``MockGPTDataset``
-    for ``source=mock``) through ``BlendedMegatronDatasetBuilder`` with ``GPTDatasetConfig(
+    ``source=chat``: :class:`recipes.data.chat.ChatDataset` splits (train, validation, no test)
+    of the cache :func:`recipes.data.chat.prepare_chat` builds; ``source=shapes``:
+    :func:`recipes.data.images.build_datasets`. Otherwise prepares the corpus
+    (:func:`prepare_data`) and builds ``GPTDataset`` splits (``MockGPTDataset`` for ``source=mock``) through ``BlendedMegatronDatasetBuilder`` with ``GPTDatasetConfig(
     random_seed=cfg.train.seed, sequence_length=cfg.model.seq_length, split=cfg.data.split,
     path_to_cache=<cache_dir>/gpt_indices)``, no position-id/attention-mask reset, no eod loss
     masking, no attention mask. Sizes: ``[train_samples, valid_samples, None]`` (a size of None:
