@@ -61,15 +61,21 @@ def tokenizer_file(name) -> Path | None:
 
 def _copy_tokenizer(data: dict, out: Path, ids: dict) -> list[str]:
     """Copy the run's tokenizer files beside the model (``tokenizer.json`` and, from its dir,
-    ``tokenizer_config.json`` / ``special_tokens_map.json``); without a tokenizer_config.json
+    ``tokenizer_config.json`` / ``special_tokens_map.json`` / ``chat_template.jinja``; a chat
+    run's ``data.chat_template`` file as ``chat_template.jinja``, the template it trained
+    with); without a tokenizer_config.json
     one naming ``PreTrainedTokenizerFast`` and the bos/eos/pad tokens is written, so
     ``AutoTokenizer`` loads the dir. Returns the names written ([] for the byte tokenizer)."""
     src = tokenizer_file(data.get("tokenizer"))
     if src is None:
         return []
     written = []
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    template = data.get("chat_template")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "chat_template.jinja"):
         f = src if name == "tokenizer.json" else src.parent / name
+        if name == "chat_template.jinja" and template and Path(template).is_file():
+            f = Path(template)
         if f.is_file():
             shutil.copyfile(f, out / name)
             written.append(name)

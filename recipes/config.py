@@ -219,7 +219,9 @@ class DataConfig:
     cached), ``indexed`` (existing Megatron .bin/.idx prefixes in ``paths``, tokenized with
     ``tokenizer``), ``text`` (.txt / .jsonl files in ``paths``, converted on first use), ``mock``
     (megatron's MockGPTDataset, no files), ``shapes`` (images of coloured shapes with their
-    captions, drawn here: a vision-language model's data, ``recipes.data.images``).
+    captions, drawn here: a vision-language model's data, ``recipes.data.images``), ``chat``
+    (.jsonl conversations in ``paths`` rendered with the tokenizer's chat template, the loss on
+    the assistant turns, ``recipes.data.chat``).
     """
 
     name: str = "pydoc"
@@ -231,6 +233,14 @@ class DataConfig:
     vocab_size: Optional[int] = None
     eod_id: Optional[int] = None
     jsonl_key: str = "text"
+    # source=chat (recipes.data.chat): a .jinja chat template replacing the tokenizer's; a
+    # conversation longer than model.seq_length is cut (truncate) or left out (drop); pack
+    # conversations into each sample (each attending only within itself); validation files
+    # (empty: data.split's validation share of the conversations).
+    chat_template: Optional[str] = None
+    chat_overlong: str = "truncate"
+    chat_packing: bool = False
+    valid_paths: list[str] = field(default_factory=list)
     split: str = "98,2,0"
     cache_dir: str = "${oc.env:GTP_RECIPES_CACHE,${hydra:runtime.cwd}/.cache}"
     micro_batch_size: int = 4

@@ -75,7 +75,9 @@ def forward_step(data_iterator, model):
                                   labels=batch["labels"], loss_mask=batch["loss_mask"])
         return output, partial(loss_func, loss_mask, per_token=per_token)
     # loss_mask: megatron's MTP loss (multi_token_prediction.process_mtp_loss) masks with it.
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+    # attention_mask: packed chat samples' block-diagonal causal mask (None: causal).
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                   labels=batch["labels"],
                    loss_mask=batch["loss_mask"])
     return output, partial(loss_func, batch["loss_mask"], per_token=per_token)
 

@@ -11,6 +11,7 @@ and an override that works.
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import netrc
 import os
@@ -56,6 +57,7 @@ def check(cfg, choices: Optional[dict] = None, plan=None) -> ParallelDims:
     check_wandb(cfg)
     if not cfg.train.get("dry_run", False):
         check_split(cfg)
+        check_chat(cfg)
     if cfg.checkpoint.get("load") is not None:
         check_model_shape(cfg, plan)
     return layout
@@ -273,6 +275,61 @@ def document_counts(data_cfg) -> list[tuple[str, int]]:
     if data_cfg.source == "indexed":
         return [(p, int(sequence_lengths(p).size)) for p in check_indexed_paths(data_cfg)]
     return []
+
+
+def check_chat(cfg) -> None:
+    """``data=chat``: every conversation file's lines and the tokenizer's chat template
+    (:func:`recipes.data.chat.check_chat_data`), and packing only where each token can attend
+    within its own conversation: megatron's local attention (it takes the mask), no context
+    parallelism, no Mamba layers. ``data=text`` with a chat-shaped ``.jsonl``: names
+    ``data=chat``."""
+    data = cfg.data
+    if data.source == "text":
+        return _check_not_chat(data)
+    if data.source != "chat":
+        return
+    if data.chat_packing:
+        why = None
+        if cfg.model.get("transformer_impl") == "transformer_engine":
+            why = ("model.transformer_impl=transformer_engine (packed sequences there need THD "
+                   "packed_seq_params with cu_seqlens, not implemented): use "
+                   "model.transformer_impl=local")
+        elif int(cfg.parallelism.get("context_parallel_size", 1) or 1) > 1:
+            why = "parallelism.context_parallel_size > 1 (the mask is not split over cp ranks)"
+        elif cfg.model.get("hybrid_layer_pattern"):
+            why = "a hybrid model (Mamba layers take no attention mask)"
+        if why:
+            raise ConfigError(f"data.chat_packing=true is refused with {why}; or set "
+                              f"data.chat_packing=false")
+    from recipes.data.chat import check_chat_data
+
+    try:
+        check_chat_data(data)
+    except (ValueError, OSError) as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _check_not_chat(data) -> None:
+    """A ``.jsonl`` of ``data=text`` whose first record has no ``data.jsonl_key`` but
+    conversation fields is chat data: say so before launch."""
+    for path in data.paths:
+        if not str(path).endswith(".jsonl") or not os.path.isfile(str(path)):
+            continue
+        with open(str(path), "rb") as f:
+            for lineno, line in enumerate(f, start=1):
+                if line.strip():
+                    break
+            else:
+                continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if (isinstance(record, dict) and data.jsonl_key not in record
+                and ("messages" in record or "prompt" in record)):
+            raise ConfigError(f"{path}:{lineno}: a conversation ({sorted(record)}), not text "
+                              f"under data.jsonl_key={data.jsonl_key!r}: train on chat data with "
+                              f"data=chat data.tokenizer=<HF tokenizer dir>")
 
 
 def check_split(cfg) -> None:

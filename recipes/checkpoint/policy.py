@@ -129,7 +129,12 @@ def _check_writable(root: Path) -> None:
 # Changing any of these changes which samples the run sees (megatron's GPTDataset shuffle and
 # sample boundaries depend on them).
 DATA_FIELDS = ("train.seed", "model.seq_length", "data.source", "data.paths", "data.split",
-               "data.tokenizer", "data.vocab_size", "data.eod_id", "data.jsonl_key")
+               "data.tokenizer", "data.vocab_size", "data.eod_id", "data.jsonl_key",
+               "data.chat_template", "data.chat_overlong", "data.chat_packing",
+               "data.valid_paths")
+# Data fields newer than some checkpoints: absent from one's run config, they held these values.
+ADDED_DATA_DEFAULTS = {"data.chat_template": None, "data.chat_overlong": "truncate",
+                       "data.chat_packing": False, "data.valid_paths": []}
 # megatron's OptimizerParamScheduler (and the optimizer's param-group keys) hold these.
 SCHEDULE_FIELDS = ("optim.lr", "optim.min_lr", "optim.lr_warmup_iters", "optim.lr_decay_iters",
                    "optim.lr_decay_style", "optim.weight_decay")
@@ -205,6 +210,8 @@ def resume_changes(saved: dict, now: dict, consumed_samples: int) -> list[Change
     """
     override = bool(_get(now, "optim.override_opt_param_scheduler"))
     flat_saved, flat_now = _flatten(saved), _flatten(now)
+    for name, value in ADDED_DATA_DEFAULTS.items():
+        flat_saved.setdefault(name, value)
     flat_saved["optim.lr_decay_iters"] = _decay_iters(saved)
     flat_now["optim.lr_decay_iters"] = _decay_iters(now)
     changes = []

@@ -8,6 +8,9 @@
   cached under ``data.cache_dir``.
 * :mod:`recipes.data.datasets` - :func:`build_datasets`: megatron's ``GPTDataset`` (or
   ``MockGPTDataset``) train/valid/test splits through ``BlendedMegatronDatasetBuilder``.
+* :mod:`recipes.data.chat` - ``data=chat``: ``.jsonl`` conversations rendered with a Hugging Face
+  tokenizer's chat template, the loss mask on the assistant turns, optionally packed
+  (:func:`~recipes.data.chat.prepare_chat`, :class:`~recipes.data.chat.ChatDataset`).
 * :mod:`recipes.data.sampler` - :func:`build_iterators` / :func:`build_train_iterator`:
   micro-batches for one data-parallel rank (and :class:`ValidationBatches`, the validation set), sampled like Megatron-LM's ``MegatronPretrainingSampler`` (see
   :class:`PretrainingSampler`), resumable from ``consumed_samples`` under any data-parallel size.
@@ -17,6 +20,7 @@ Layout under ``cache_dir``::
     pydoc_<tokenizer>-<key>/text_document.{bin,idx}  + meta.json  (source=pydoc; byte or hf)
     text_<tokenizer>-<key>/text_document.{bin,idx}   + meta.json  (source=text)
     gpt_indices/<hash>-GPTDataset-train-*.npy                (megatron's sample/shuffle indices)
+    chat_<key>/{train,validation}.npz + meta.json            (source=chat)
 
 Distributed use: :func:`build_datasets` and :func:`build_train_iterator` are collective when
 ``torch.distributed`` is initialized: every rank of the default group must call them (global rank 0

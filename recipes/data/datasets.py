@@ -14,6 +14,7 @@ import torch
 
 from gtp.collectives import collective_device
 from recipes.data import images
+from recipes.data.chat import ChatDataset, prepare_chat
 from recipes.data.corpus import (check_indexed_paths, check_text_paths, prepare_data,
                                  resolved_cache_dir, sequence_lengths)
 from recipes.data.tokenizers import Tokenizer, build_tokenizer, check_source
@@ -138,8 +139,10 @@ def build_datasets(
 ) -> tuple[Any, Optional[Any], Optional[Any]]:
     """Megatron's train/valid/test GPT datasets for ``cfg`` (collective under torch.distributed).
 
-    Prepares the corpus (:func:`prepare_data`) and builds ``GPTDataset`` splits (``MockGPTDataset``
-    for ``source=mock``) through ``BlendedMegatronDatasetBuilder`` with ``GPTDatasetConfig(
+    ``source=chat``: :class:`recipes.data.chat.ChatDataset` splits (train, validation, no test)
+    of the cache :func:`recipes.data.chat.prepare_chat` builds; ``source=shapes``:
+    :func:`recipes.data.images.build_datasets`. Otherwise prepares the corpus
+    (:func:`prepare_data`) and builds ``GPTDataset`` splits (``MockGPTDataset`` for ``source=mock``) through ``BlendedMegatronDatasetBuilder`` with ``GPTDatasetConfig(
     random_seed=cfg.train.seed, sequence_length=cfg.model.seq_length, split=cfg.data.split,
     path_to_cache=<cache_dir>/gpt_indices)``, no position-id/attention-mask reset, no eod loss
     masking, no attention mask. Sizes: ``[train_samples, valid_samples, None]`` (a size of None:
@@ -180,6 +183,8 @@ def build_datasets(
     source = check_source(data_cfg)
     if source == "shapes":  # images with captions, drawn on the fly (no files, no index caches)
         return images.build_datasets(cfg, tokenizer, train_samples, valid_samples)
+    if source == "chat":  # conversations, rendered, masked and packed once into the cache
+        return _chat_datasets(cfg, tokenizer, train_samples, valid_samples)
     split = check_split(data_cfg.split)
     if int(train_samples) < 1:
         raise ValueError(f"train_samples={train_samples} must be >= 1")
@@ -226,3 +231,21 @@ def build_datasets(
             f"{len(prefixes)} prefixes): lower train.train_iters or add data"
         )
     return train, valid, test
+
+
+def _chat_datasets(cfg: Any, tokenizer: Tokenizer, train_samples: int,
+                   valid_samples: Optional[int]) -> tuple[Any, Optional[Any], None]:
+    """``data=chat``'s train and validation :class:`recipes.data.chat.ChatDataset` (rank 0
+    builds the cache first)."""
+    seq_length = int(cfg.model.seq_length)
+    out_dir = _rank0_first(lambda: prepare_chat(cfg.data, seq_length, tokenizer.eod))
+    seed = int(cfg.train.seed)
+    train = ChatDataset(out_dir, "train", int(train_samples), seed)
+    valid = ChatDataset(out_dir, "validation", valid_samples, seed)
+    if valid.num_rows == 0:
+        if valid_samples:
+            raise ValueError(f"train.eval_iters > 0 needs chat validation data: data.split="
+                             f"{cfg.data.split!r} left none; set data.valid_paths=[...], give "
+                             f"validation a share of data.split, or train.eval_iters=0")
+        valid = None
+    return train, valid, None

@@ -15,6 +15,9 @@ BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 # Also stacked when the samples have them: a vision-language model's images
 # (recipes.data.images, float32 [3, h, w] each).
 IMAGE_KEY = "images"
+# Also stacked when the samples have it: packed chat samples' block-diagonal causal mask
+# (recipes.data.chat, bool [1, s, s], True = masked out).
+MASK_KEY = "attention_mask"
 
 
 class PretrainingSampler:
@@ -97,8 +100,9 @@ class PretrainingSampler:
 def collate(samples: Sequence[dict]) -> dict[str, torch.Tensor]:
     """Stack per-sample dicts into a micro-batch: ``tokens``, ``labels``, ``position_ids`` int64
     ``[b, s]``, ``loss_mask`` float32 ``[b, s]`` and, when the samples have them, ``images``
-    float32 ``[b, 3, h, w]`` (other keys are dropped)."""
-    keys = BATCH_KEYS + ((IMAGE_KEY,) if IMAGE_KEY in samples[0] else ())
+    float32 ``[b, 3, h, w]`` and ``attention_mask`` bool ``[b, 1, s, s]`` (other keys are
+    dropped)."""
+    keys = BATCH_KEYS + tuple(k for k in (IMAGE_KEY, MASK_KEY) if k in samples[0])
     return {key: torch.stack([s[key] for s in samples]) for key in keys}
 
 

@@ -20,7 +20,7 @@ from gtp.hf_import import HFImportError, check_no_remote_code
 from gtp.tokens import EOD_TOKENS
 from recipes.errors import ConfigError
 
-SOURCES = ("pydoc", "text", "indexed", "mock", "shapes")
+SOURCES = ("pydoc", "text", "indexed", "mock", "shapes", "chat")
 # Named tokenizers; any other data.tokenizer value is a path to a Hugging Face tokenizer.json.
 TOKENIZERS = ("byte", "external")
 # Megatron's "no pad token" id (megatron.core.datasets.megatron_dataset._PAD_TOKEN_ID,
@@ -237,6 +237,14 @@ def build_tokenizer(data_cfg: Any) -> Tokenizer:
             raise ValueError(f"data.vocab_size={data_cfg.vocab_size} differs from the "
                              f"{tok.vocab_size} tokens of {tok.file}: set it to null")
         return tok
+    if source == "chat":
+        if data_cfg.vocab_size is not None and data_cfg.eod_id is not None:
+            # A stand-in sizing the model (a recipe's dry run); reading chat data needs the
+            # directory (recipes.data.chat.chat_template refuses before launch).
+            return ExternalTokenizer(int(data_cfg.vocab_size), int(data_cfg.eod_id))
+        raise ValueError(f"data.tokenizer={data_cfg.tokenizer!r} with data.source='chat': "
+                         f"conversations are rendered with a Hugging Face tokenizer's chat "
+                         f"template; set data.tokenizer=<its directory>")
     if source == "indexed":
         vocab_size, eod_id = data_cfg.vocab_size, data_cfg.eod_id
         for name, value in (("vocab_size", vocab_size), ("eod_id", eod_id)):
