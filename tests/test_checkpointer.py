@@ -519,14 +519,17 @@ def test_a_torn_metadata_file_is_named_with_what_to_do(tmp_path):
         checkpoint.check_loadable(tmp_path)
 
 
-def test_a_resume_takes_the_checkpoints_model_and_tokenizer_unless_given():
-    """``checkpoint.load=DIR`` alone: every model field and the tokenizer fields come from the
-    checkpoint's run (a fine-tune's came from its source); a given field keeps its value (the
-    shape check refuses it later); ``model=NAME`` keeps the whole group, ``experiment=NAME``
-    both groups, one given tokenizer field all three; other data fields are never taken."""
+def test_a_resume_takes_the_checkpoints_model_and_data_unless_given():
+    """``checkpoint.load=DIR`` alone: every model and data field comes from the checkpoint's
+    run (a fine-tune's model from its source, its ``data=text data.paths=[...]``; issue 58 item
+    6), but the cache dir; a given field keeps its value (the shape check or prepare_resume
+    refuses it later); ``model=NAME`` keeps the whole group, ``experiment=NAME`` both groups,
+    one given tokenizer field all three."""
     saved = {"model": {"name": "src", "num_layers": 4, "hidden_size": 72, "qk_layernorm": True,
                        "not_a_field": 1},
-             "data": {"tokenizer": "/src", "eod_id": 0, "global_batch_size": 99}}
+             "data": {"tokenizer": "/src", "eod_id": 0, "global_batch_size": 99,
+                      "name": "text", "source": "text", "paths": ["/d/a.txt"],
+                      "cache_dir": "/other/machine"}}
     plan = SimpleNamespace(path="/ck/iter_0000002",
                            common={"train_state": {"config": saved}})
 
@@ -537,15 +540,21 @@ def test_a_resume_takes_the_checkpoints_model_and_tokenizer_unless_given():
     cfg, note = take()
     assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.qk_layernorm) == (4, 72, True)
     assert (cfg.data.tokenizer, cfg.data.eod_id, cfg.model.name) == ("/src", 0, "src")
-    assert cfg.data.global_batch_size != 99 and "not_a_field" not in cfg.model
+    assert (cfg.data.global_batch_size, cfg.data.source, list(cfg.data.paths)) == (
+        99, "text", ["/d/a.txt"]) and "not_a_field" not in cfg.model
+    assert cfg.data.cache_dir == make_cfg().data.cache_dir
     assert note.startswith("> from /ck/iter_0000002 (not given here): model.num_layers=4")
     assert "model.qk_layernorm=true" in note and "model.name" not in note  # Hydra's spelling
-    cfg, _ = take("model.hidden_size=96", "data.tokenizer=byte")
+    assert "data.paths=[/d/a.txt]" in note and "data.global_batch_size=99" in note
+    cfg, _ = take("model.hidden_size=96", "data.tokenizer=byte", "data.paths=[/d/b.txt]")
     assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.data.tokenizer) == (96, 4, "byte")
     assert cfg.data.eod_id is None  # another tokenizer: not the checkpoint's end of document
+    assert (list(cfg.data.paths), cfg.data.source) == (["/d/b.txt"], "text")
     cfg, _ = take("model=llama_tiny")
     assert cfg.model.num_layers == make_cfg("model=llama_tiny").model.num_layers != 4
     assert cfg.data.tokenizer == "/src"
+    cfg, _ = take("data=pydoc")
+    assert cfg.data == make_cfg("data=pydoc").data
     experiment = "experiment=" + _an_experiment()
     cfg, note = take(experiment)
     assert note is None and cfg == make_cfg(experiment)

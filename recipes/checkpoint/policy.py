@@ -261,31 +261,29 @@ def format_changes(changes: list[Change]) -> str:
                      for r in rows)
 
 
-# What a resume takes from the checkpoint's run when the command line does not give it
-# (Megatron-LM's --use-checkpoint-args): the model (None: every field of the group) and the
-# tokenizer it was trained with, which checkpoint.pretrained may have chosen; the tokenizer's
-# fields go together (another tokenizer with the old end-of-document id would be wrong).
-TAKEN_FROM_CHECKPOINT = {"model": None, "data": ("tokenizer", "eod_id", "vocab_size")}
-_TOGETHER = ("data",)
+# What a resume takes from its run when the command line does not (Megatron-LM's
+# --use-checkpoint-args): every model and data field but the cache dir; one given tokenizer
+# field gives all three (another tokenizer with the old end-of-document id would be wrong).
+TAKEN_FROM_CHECKPOINT = {"model": None, "data": None}
+_NOT_TAKEN = {"data": ("cache_dir",)}
+_TOGETHER = {"data": ("tokenizer", "eod_id", "vocab_size")}
 
 
 def take_checkpoint_fields(cfg, plan, overrides: list[str] | None = None) -> str | None:
-    """Before validation, give a resume the checkpoint's model and tokenizer: each field of
+    """Before validation, give a resume the checkpoint's model and data: each field of
     :data:`TAKEN_FROM_CHECKPOINT` that the command line does not give takes the value the
     checkpoint's run had, so a fine-tune (``checkpoint.pretrained`` chose its model and
-    tokenizer) or a run of a given model resumes at another layout by ``checkpoint.load=DIR``
-    alone. A given field keeps its value, which the checks that follow compare with the
-    checkpoint's (:func:`recipes.prelaunch.check_model_shape`, :func:`prepare_resume`);
+    tokenizer, ``data=text data.paths=[...]`` its data) resumes at another layout by
+    ``checkpoint.load=DIR`` alone. A given field keeps its value, which the checks that follow
+    compare with the checkpoint's (:func:`recipes.prelaunch.check_model_shape`; a changed data
+    field is refused unless ``checkpoint.allow_data_change``, :func:`prepare_resume`);
     ``model=NAME`` (``data=NAME``) or ``experiment=NAME`` gives every field of the group, and
     giving one tokenizer field gives all three. A saved value is data: only a plain value
     (number, bool, string without ``${``, null, or a list of them) of the field's type is taken.
 
-    Args:
-        plan: the resolved :class:`~recipes.checkpoint.manager.ResumePlan` (None: no resume).
-        overrides: the command line's overrides (default: Hydra's).
-
-    Returns:
-        A note naming the fields taken that differed from this config's, or None.
+    ``plan``: the resolved :class:`~recipes.checkpoint.manager.ResumePlan` (None: no resume);
+    ``overrides``: the command line's (default: Hydra's). Returns a note naming the fields taken
+    that differed from this config's, or None.
 
     Raises:
         CheckpointError: ``plan`` is an import of a Hugging Face model (weights only: start
@@ -308,8 +306,8 @@ def take_checkpoint_fields(cfg, plan, overrides: list[str] | None = None) -> str
     with open_dict(cfg):
         for group, names in TAKEN_FROM_CHECKPOINT.items():
             given, chosen = given_fields(overrides, group)
-            if group in _TOGETHER and given & set(names):
-                continue
+            together = set(_TOGETHER.get(group, ()))
+            given |= (together if given & together else set()) | set(_NOT_TAKEN.get(group, ()))
             if chosen or not saved.get(group):
                 continue
             for key, value in _mapping(saved[group], plan.path, group).items():
@@ -365,6 +363,8 @@ def spelled(value) -> str:
         return "null"
     if isinstance(value, bool):
         return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(spelled(v) for v in value) + "]"
     return str(value)
 
 
