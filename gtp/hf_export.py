@@ -65,7 +65,10 @@ def _copy_tokenizer(data: dict, out: Path, ids: dict) -> list[str]:
     run's ``data.chat_template`` file as ``chat_template.jinja``, the template it trained
     with); without a tokenizer_config.json
     one naming ``PreTrainedTokenizerFast`` and the bos/eos/pad tokens is written, so
-    ``AutoTokenizer`` loads the dir. Returns the names written ([] for the byte tokenizer)."""
+    ``AutoTokenizer`` loads the dir. The byte tokenizer gets an equivalent one
+    (:func:`_write_byte_tokenizer`). Returns the names written."""
+    if (data.get("tokenizer") or "byte") == "byte":
+        return _write_byte_tokenizer(out, ids)
     src = tokenizer_file(data.get("tokenizer"))
     if src is None:
         return []
@@ -91,6 +94,38 @@ def _copy_tokenizer(data: dict, out: Path, ids: dict) -> list[str]:
         (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
         written.append("tokenizer_config.json")
     return written
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as a printable character (``tokenizers``'
+    ``ByteLevel`` pre-tokenizer maps text's UTF-8 bytes to these)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b], extra = chr(256 + extra), extra + 1
+    return chars
+
+
+def _write_byte_tokenizer(out: Path, ids: dict) -> list[str]:
+    """A ``tokenizer.json`` that is recipes' byte tokenizer (id = UTF-8 byte, ``<eod>`` = 256:
+    a byte-level BPE with no merges; the text ``<eod>`` stays bytes, ``split_special_tokens``)
+    and its ``tokenizer_config.json``, so ``AutoTokenizer`` encodes and decodes as training
+    did."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE(vocab={c: b for b, c in _byte_chars().items()}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<eod>", special=True, normalized=False)])
+    tok.save(str(out / "tokenizer.json"))
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "split_special_tokens": True}
+    for field in ("bos", "eos", "pad"):
+        if ids.get(f"{field}_token_id") == BYTE_EOD_ID:
+            cfg[f"{field}_token"] = "<eod>"
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
+    return ["tokenizer.json", "tokenizer_config.json"]
 
 
 def _token_ids(common: dict, eod) -> dict:

@@ -120,6 +120,28 @@ def test_llama_export_logits_equal_megatron(tmp_path):
     assert diff <= 1e-4, diff
 
 
+def test_a_byte_tokenizer_export_writes_the_byte_tokenizer(tmp_path):
+    """A run with ``data.tokenizer=byte`` exports a tokenizer that ``AutoTokenizer`` loads and
+    that encodes and decodes as recipes' ByteTokenizer (id = UTF-8 byte, ``<eod>`` = 256, the
+    text "<eod>" as its bytes), not nothing (AutoTokenizer then builds a useless one; issue 58
+    item 6)."""
+    from transformers import AutoTokenizer
+
+    from gtp.hf_export import _copy_tokenizer
+    from recipes.data.tokenizers import ByteTokenizer
+
+    ids = {"bos_token_id": 256, "eos_token_id": 256, "pad_token_id": 256}
+    assert _copy_tokenizer({"tokenizer": "byte"}, tmp_path, ids) == [
+        "tokenizer.json", "tokenizer_config.json"]
+    hf, byte = AutoTokenizer.from_pretrained(tmp_path), ByteTokenizer()
+    assert len(hf) == 257 and hf.eos_token_id == hf.pad_token_id == 256
+    for text in ["The Python ", " two  spaces\n\ttab", "héllo ✓ 日本語 🎉", "<eod>x", "\x00\x7f"]:
+        got = hf(text, add_special_tokens=False)["input_ids"]
+        assert got == [int(i) for i in byte.tokenize(text)], text
+        assert hf.decode(got) == text
+    assert hf.decode([104, 105, 0xFF, 256]) == byte.detokenize([104, 105, 0xFF]) + "<eod>"
+
+
 # --------------------------------------------------------------------------------------------
 # MoE: which transformers class, refusals, and megatron's routing against the exported router
 # (no processes; the logits through train.py checkpoints: tests/test_moe_checkpoint.py).
