@@ -412,6 +412,9 @@ def run_job(cfg, overrides: list[str] | None = None) -> None:
     # model fields from checkpoint.pretrained, before validation; a requeued fine-tune
     # (checkpoint.load=auto found its own save) resumes that save.
     pretrained.apply_source(cfg, overrides, requeued=auto)
+    lr_note = pretrained.lr_note(cfg, overrides)
+    if lr_note and is_rank0:
+        print(lr_note, flush=True)
     from recipes.data.tokenizers import check_before_launch
 
     check_before_launch(cfg.data)

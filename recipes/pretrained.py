@@ -16,7 +16,10 @@ Before launch (:func:`apply_source`, one process):
   from the source's is refused, naming it (the source's tensors have another shape or meaning,
   or its experts were trained with another routing);
 * the tokenizer: an HF dir holding a ``tokenizer.json`` becomes ``data.tokenizer`` unless given;
-  a run whose tokenizer has another vocabulary size than the source is refused.
+  a run whose tokenizer has another vocabulary size than the source is refused;
+* the lr: no fine-tuning default replaces ``optim.lr`` (as Megatron-LM, whose ``--finetune``
+  keeps the given ``--lr``); a fine-tune left at the preset's, meant for training a tiny model
+  from scratch, gets one line saying so and how to set it (:func:`lr_note`).
 """
 
 from __future__ import annotations
@@ -155,6 +158,23 @@ def apply_source(cfg, overrides: list[str] | None = None, requeued: bool = False
             if "eod_id" not in given_data and data.get("eod_id") is not None:
                 cfg.data.eod_id = int(data["eod_id"])
     _check_vocab(cfg, src, data.get("vocab_size"))
+
+
+def lr_note(cfg, overrides: list[str] | None = None) -> str | None:
+    """One line when a ``checkpoint.pretrained`` fine-tune runs at the default ``optim.lr``
+    (neither the command line nor an experiment set it), naming it and how to set it; else
+    None."""
+    from recipes.config import OptimConfig
+
+    if not cfg.checkpoint.get("pretrained"):
+        return None
+    given, _ = given_fields(given_overrides() if overrides is None else overrides, "optim")
+    if "lr" in given or float(cfg.optim.lr) != OptimConfig.lr:
+        return None
+    return (f"> note: this fine-tune of checkpoint.pretrained={cfg.checkpoint.pretrained} uses "
+            f"the default optim.lr={cfg.optim.lr} (min_lr {cfg.optim.min_lr}), set for training "
+            f"a tiny model from scratch; a fine-tune usually wants far less, e.g. "
+            f"optim.lr=1e-5 optim.min_lr=1e-6")
 
 
 def _same(key: str, mine, source, model: dict) -> bool:

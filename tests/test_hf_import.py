@@ -412,6 +412,24 @@ def test_pretrained_fine_tune_with_zero_lr_exports_the_source(hf, tmp_path, trai
     assert json.loads((exported / "config.json").read_text())["eos_token_id"] == 256
 
 
+def test_a_fine_tune_at_the_default_lr_is_told_so_in_one_line():
+    """``checkpoint.pretrained`` with ``optim.lr`` set neither on the command line nor by an
+    experiment: one line naming the lr in use and how to set it (issue 58 item 6: a fine-tune
+    silently took the tiny preset's 3e-3); none when set, or without pretrained."""
+    from recipes.pretrained import lr_note
+
+    src = "checkpoint.pretrained=/hf/qwen3"
+    assert lr_note(make_cfg(src), overrides=[src]) == (
+        "> note: this fine-tune of checkpoint.pretrained=/hf/qwen3 uses the default "
+        "optim.lr=0.003 (min_lr 0.0003), set for training a tiny model from scratch; a "
+        "fine-tune usually wants far less, e.g. optim.lr=1e-5 optim.min_lr=1e-6")
+    assert lr_note(make_cfg(src, "optim.lr=1e-5"), overrides=[src, "optim.lr=1e-5"]) is None
+    assert lr_note(make_cfg(src, "optim.lr=3e-3"), overrides=[src, "optim.lr=3e-3"]) is None
+    experiment = ["experiment=llama3_8b_tp4_gtp2_fp8", src]  # its optim.lr=3e-4
+    assert lr_note(make_cfg(*experiment), overrides=experiment) is None
+    assert lr_note(make_cfg(), overrides=[]) is None
+
+
 def test_pretrained_model_fields_and_refusals_before_launch(hf):
     """Fields come from the source unless given; a given field that contradicts the source's
     tensors, both load and pretrained, or another vocabulary are refused, each named."""
