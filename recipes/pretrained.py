@@ -32,7 +32,7 @@ from omegaconf import open_dict
 from gtp import hf_import
 from gtp.records import TRACKER, imported_from
 from recipes.checkpoint import CheckpointError
-from recipes.config import given_fields, given_overrides
+from recipes.config import OptimConfig, given_fields, given_overrides
 from recipes.errors import ConfigError
 
 # Model fields fixed by the source's tensors (their shapes, or which tensors exist).
@@ -164,8 +164,6 @@ def lr_note(cfg, overrides: list[str] | None = None) -> str | None:
     """One line when a ``checkpoint.pretrained`` fine-tune runs at the default ``optim.lr``
     (neither the command line nor an experiment set it), naming it and how to set it; else
     None."""
-    from recipes.config import OptimConfig
-
     if not cfg.checkpoint.get("pretrained"):
         return None
     given, _ = given_fields(given_overrides() if overrides is None else overrides, "optim")
