@@ -236,11 +236,14 @@ class DataConfig:
     # source=chat (recipes.data.chat): a .jinja chat template replacing the tokenizer's; a
     # conversation longer than model.seq_length is cut (truncate) or left out (drop); pack
     # conversations into each sample (each attending only within itself); validation files
-    # (empty: data.split's validation share of the conversations).
+    # (empty: data.split's validation share of the conversations); the split read from a
+    # DatasetDict saved with the datasets library (for data.paths, for data.valid_paths).
     chat_template: Optional[str] = None
     chat_overlong: str = "truncate"
     chat_packing: bool = False
     valid_paths: list[str] = field(default_factory=list)
+    chat_split: str = "train"
+    chat_valid_split: str = "validation"
     split: str = "98,2,0"
     cache_dir: str = "${oc.env:GTP_RECIPES_CACHE,${hydra:runtime.cwd}/.cache}"
     micro_batch_size: int = 4

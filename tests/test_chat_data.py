@@ -198,7 +198,8 @@ def test_a_resume_with_other_chat_fields_is_refused():
 
     old = {"data": {"source": "text", "paths": ["a.jsonl"]}}  # written before data=chat
     same = {"data": {"source": "text", "paths": ["a.jsonl"], "chat_template": None,
-                     "chat_overlong": "truncate", "chat_packing": False, "valid_paths": []}}
+                     "chat_overlong": "truncate", "chat_packing": False, "valid_paths": [],
+                     "chat_split": "train", "chat_valid_split": "validation"}}
     assert resume_changes(old, same, 0) == []
     changed = {"data": {**same["data"], "chat_template": "other.jinja"}}
     (change,) = resume_changes(same, changed, 0)

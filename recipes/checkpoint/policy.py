@@ -131,10 +131,11 @@ def _check_writable(root: Path) -> None:
 DATA_FIELDS = ("train.seed", "model.seq_length", "data.source", "data.paths", "data.split",
                "data.tokenizer", "data.vocab_size", "data.eod_id", "data.jsonl_key",
                "data.chat_template", "data.chat_overlong", "data.chat_packing",
-               "data.valid_paths")
+               "data.valid_paths", "data.chat_split", "data.chat_valid_split")
 # Data fields newer than some checkpoints: absent from one's run config, they held these values.
 ADDED_DATA_DEFAULTS = {"data.chat_template": None, "data.chat_overlong": "truncate",
-                       "data.chat_packing": False, "data.valid_paths": []}
+                       "data.chat_packing": False, "data.valid_paths": [], "data.chat_split":
+                       "train", "data.chat_valid_split": "validation"}
 # megatron's OptimizerParamScheduler (and the optimizer's param-group keys) hold these.
 SCHEDULE_FIELDS = ("optim.lr", "optim.min_lr", "optim.lr_warmup_iters", "optim.lr_decay_iters",
                    "optim.lr_decay_style", "optim.weight_decay")
@@ -265,8 +266,7 @@ def format_changes(changes: list[Change]) -> str:
 # --use-checkpoint-args): every model and data field but the cache dir; one given tokenizer
 # field gives all three (another tokenizer with the old end-of-document id would be wrong).
 TAKEN_FROM_CHECKPOINT = {"model": None, "data": None}
-_NOT_TAKEN = {"data": ("cache_dir",)}
-_TOGETHER = {"data": ("tokenizer", "eod_id", "vocab_size")}
+_NOT_TAKEN, _TOGETHER = {"data": ("cache_dir",)}, {"data": ("tokenizer", "eod_id", "vocab_size")}
 
 
 def take_checkpoint_fields(cfg, plan, overrides: list[str] | None = None) -> str | None:

@@ -10,7 +10,8 @@
   ``MockGPTDataset``) train/valid/test splits through ``BlendedMegatronDatasetBuilder``.
 * :mod:`recipes.data.chat` - ``data=chat``: ``.jsonl`` conversations rendered with a Hugging Face
   tokenizer's chat template, the loss mask on the assistant turns, optionally packed
-  (:func:`~recipes.data.chat.prepare_chat`, :class:`~recipes.data.chat.ChatDataset`).
+  (:func:`~recipes.data.chat.prepare_chat`, :class:`~recipes.data.chat.ChatDataset`); also from
+  a directory saved with the ``datasets`` library (:mod:`recipes.data.chat_saved`).
 * :mod:`recipes.data.sampler` - :func:`build_iterators` / :func:`build_train_iterator`:
   micro-batches for one data-parallel rank (and :class:`ValidationBatches`, the validation set), sampled like Megatron-LM's ``MegatronPretrainingSampler`` (see
   :class:`PretrainingSampler`), resumable from ``consumed_samples`` under any data-parallel size.

@@ -3,8 +3,9 @@ the loss on the assistant turns only, optionally packed, tokenized once into the
 
 * Input: ``.jsonl`` files, one conversation a line: ``{"messages": [{"role": ..., "content":
   ...}, ...]}`` (roles ``system``, ``user``, ``assistant``) or ``{"prompt": ..., "completion":
-  ...}`` (a user turn and an assistant turn). :func:`read_conversations` checks every line and
-  names the file, the line and the fix of the first bad one.
+  ...}`` (a user turn and an assistant turn), or directories saved with the ``datasets`` library
+  holding such rows (:mod:`recipes.data.chat_saved`). :func:`read_conversations` checks every
+  row and names the file, the line (or row index) and the fix of the first bad one.
 * Rendering: transformers' ``apply_chat_template`` of the Hugging Face tokenizer in
   ``data.tokenizer`` (its ``chat_template``; ``data.chat_template`` names a ``.jinja`` file
   instead). The loss mask is derived by rendering prefixes: the text of assistant turn ``i`` is
@@ -39,6 +40,7 @@ from typing import Any, Iterator, Optional
 import numpy
 
 from gtp.progress import progress
+from recipes.data.chat_saved import check_saved_dataset, input_stats, saved_rows
 from recipes.data.corpus import resolved_cache_dir
 from recipes.data.tokenizers import is_tokenizer_path
 
@@ -50,33 +52,45 @@ _FORM = ('{"messages": [{"role": "user", "content": "..."}, {"role": "assistant"
 
 
 def check_chat_paths(data_cfg: Any, key: str = "paths") -> list[str]:
-    """``data.<key>`` as absolute ``.jsonl`` files, after checking each exists (ValueError /
-    FileNotFoundError naming it)."""
+    """``data.<key>`` as absolute ``.jsonl`` files or saved dataset directories, after checking
+    each exists locally (ValueError / FileNotFoundError naming it: nothing is downloaded)."""
     paths = list(data_cfg.get(key) or [])
     if not paths and key == "paths":
         raise ValueError(f"data.paths is empty: data.source='chat' needs .jsonl files of {_FORM}")
     files = []
     for i, p in enumerate(paths):
         path = os.path.abspath(os.path.expanduser(str(p)))
-        if not path.endswith(".jsonl"):
+        if os.path.isdir(path):
+            check_saved_dataset(path, _split_of(data_cfg, key), f"data.{key}[{i}]={p!r}")
+        elif not os.path.exists(path):
+            raise FileNotFoundError(
+                f"data.{key}[{i}]={p!r}: no such local file or directory {path} (nothing is "
+                f"downloaded: for a Hugging Face Hub dataset, save it with "
+                f"load_dataset(...).save_to_disk(DIR) and give DIR)")
+        elif not path.endswith(".jsonl"):
             raise ValueError(f"data.{key}[{i}]={p!r}: data.source='chat' reads .jsonl files "
-                             f"(one conversation a line: {_FORM})")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"data.{key}[{i}]={p!r}: no such file {path}")
+                             f"(one conversation a line: {_FORM}) or datasets' save_to_disk "
+                             f"directories")
         files.append(path)
     return files
 
 
+def _split_of(data_cfg: Any, key: str) -> str:
+    """The ``DatasetDict`` split read for ``data.<key>``."""
+    return str(data_cfg.get("chat_split" if key == "paths" else "chat_valid_split") or "train")
+
+
 def _messages_of(record: Any, where: str) -> list[dict]:
     """The messages of one JSONL record, checked (ValueError naming ``where`` and the fix)."""
-    if isinstance(record, dict) and "messages" not in record and "prompt" in record:
+    if isinstance(record, dict) and record.get("messages") is None and "prompt" in record:
         prompt, completion = record.get("prompt"), record.get("completion")
         if not isinstance(prompt, str) or not isinstance(completion, str):
             raise ValueError(f"{where}: 'prompt' and 'completion' must both be strings; "
                              f"write {_FORM}")
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
     if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
-        found = sorted(record) if isinstance(record, dict) else type(record).__name__
+        found = (sorted(k for k, v in record.items() if v is not None)
+                 if isinstance(record, dict) else type(record).__name__)
         raise ValueError(f"{where}: no 'messages' list (found {found}); write {_FORM}")
     messages = record["messages"]
     for k, m in enumerate(messages):
@@ -91,14 +105,23 @@ def _messages_of(record: Any, where: str) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def read_conversations(path: str) -> Iterator[list[dict]]:
-    """The conversations of one ``.jsonl`` file (blank lines skipped), each checked.
+def read_conversations(path: str, split: str = "train") -> Iterator[list[dict]]:
+    """The conversations of one ``.jsonl`` file (blank lines skipped) or saved dataset directory
+    (its ``split`` for a ``DatasetDict``), each checked.
 
     Raises:
-        ValueError: ``<path>:<line>: <what is wrong>; <the fix>`` for the first bad line, or an
-            empty file.
+        ValueError: ``<path>:<line>: <what is wrong>; <the fix>`` for the first bad line
+            (``<path>: row <index>: ...`` for a saved dataset), or an empty file or dataset.
     """
     found = False
+    if os.path.isdir(path):
+        for index, row in saved_rows(path, split):
+            found = True
+            yield _messages_of(row, f"{path}: row {index}")
+        if not found:
+            raise ValueError(f"{path}: an empty dataset ({split!r}), no conversation; give rows "
+                             f"of {_FORM}")
+        return
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -210,11 +233,12 @@ def render(tok, messages: list[dict], where: str = "") -> tuple[list[int], list[
     return list(enc["input_ids"]), mask
 
 
-def _conversation_samples(tok, files, seq_length: int, overlong: str, counts: dict):
+def _conversation_samples(tok, files, seq_length: int, overlong: str, counts: dict,
+                          split: str = "train"):
     """``(ids, mask)`` of every conversation of ``files`` with at most ``seq_length + 1`` ids
     (longer ones cut or left out, counted in ``counts``)."""
     for path in files:
-        for n, messages in enumerate(read_conversations(path)):
+        for n, messages in enumerate(read_conversations(path, split)):
             ids, mask = render(tok, messages, f"{path}: conversation {n + 1}")
             if len(ids) > seq_length + 1:
                 if overlong == "drop":
@@ -271,7 +295,7 @@ def cache_key(data_cfg: Any, seq_length: int, pad_id: int, files: list[str],
               valid: list[str]) -> str:
     """What a cached chat dataset is built from: the files (path, mtime, size), the tokenizer's
     files, the template, the sequence length, the padding id and the packing fields."""
-    stats = [[p, os.stat(p).st_mtime_ns, os.stat(p).st_size] for p in files + valid]
+    stats = [entry for p in files + valid for entry in input_stats(p)]
     tokenizer_files = []
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         path = os.path.join(str(data_cfg.tokenizer), name)
@@ -281,6 +305,8 @@ def cache_key(data_cfg: Any, seq_length: int, pad_id: int, files: list[str],
     parts = [CHAT_FORMAT_VERSION, stats, tokenizer_files, chat_template(data_cfg),
              int(seq_length), int(pad_id), bool(data_cfg.chat_packing),
              str(data_cfg.chat_overlong), str(data_cfg.split), len(files)]
+    if any(os.path.isdir(p) for p in files + valid):  # keys of .jsonl-only data unchanged
+        parts += [_split_of(data_cfg, "paths"), _split_of(data_cfg, "valid_paths")]
     text = json.dumps(parts, sort_keys=True)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
@@ -307,9 +333,10 @@ def check_chat_data(data_cfg: Any) -> None:
     if str(data_cfg.chat_overlong) not in OVERLONG:
         raise ValueError(f"data.chat_overlong={data_cfg.chat_overlong!r}: valid are {OVERLONG}")
     chat_template(data_cfg)
-    for path in check_chat_paths(data_cfg) + check_chat_paths(data_cfg, "valid_paths"):
-        for _ in read_conversations(path):
-            pass
+    for key in ("paths", "valid_paths"):
+        for path in check_chat_paths(data_cfg, key):
+            for _ in read_conversations(path, _split_of(data_cfg, key)):
+                pass
 
 
 def prepare_chat(data_cfg: Any, seq_length: int, pad_id: int) -> str:
@@ -332,10 +359,12 @@ def prepare_chat(data_cfg: Any, seq_length: int, pad_id: int) -> str:
     started = time.perf_counter()
     counts = {"conversations": 0, "truncated": 0, "dropped": 0, "no_loss": 0}
     overlong = str(data_cfg.chat_overlong)
-    train = list(progress(_conversation_samples(tok, files, seq_length, overlong, counts),
+    train = list(progress(_conversation_samples(tok, files, seq_length, overlong, counts,
+                                                _split_of(data_cfg, "paths")),
                           "tokenizing chat data", unit="conversation"))
     if valid_files:
-        valid = list(_conversation_samples(tok, valid_files, seq_length, overlong, counts))
+        valid = list(_conversation_samples(tok, valid_files, seq_length, overlong, counts,
+                                           _split_of(data_cfg, "valid_paths")))
     else:
         train, valid = _split(train, str(data_cfg.split))
     if not train:
