@@ -373,6 +373,10 @@ def cmd_export(args, out=sys.stdout) -> int:
     left = meta.get("not_exported")
     if left:
         print(f"note: {len(left['weights'])} weights not exported, {left['why']}", file=out)
+    if not meta.get("tokenizer_files"):  # AutoTokenizer would fail, or build an unrelated one
+        print(f"note: no tokenizer written: the run's data.tokenizer names no tokenizer.json "
+              f"(external, or a path that is gone); copy the tokenizer its data was made with "
+              f"into {path} before AutoTokenizer.from_pretrained", file=out)
     return 0
 
 

@@ -8,6 +8,7 @@ reads. GPT models and the layouts are covered in tests/test_eval_export_layouts.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -140,6 +141,27 @@ def test_a_byte_tokenizer_export_writes_the_byte_tokenizer(tmp_path):
         assert got == [int(i) for i in byte.tokenize(text)], text
         assert hf.decode(got) == text
     assert hf.decode([104, 105, 0xFF, 256]) == byte.detokenize([104, 105, 0xFF]) + "<eod>"
+
+
+def test_an_export_without_a_tokenizer_says_so_in_one_line(tmp_path, monkeypatch):
+    """``data.tokenizer=external`` (or a tokenizer path that is gone): nothing to copy, and
+    ``gtp export`` says so in one line instead of leaving AutoTokenizer to guess."""
+    import argparse
+    import io
+
+    from gtp import cli, hf_export
+
+    assert hf_export._copy_tokenizer({"tokenizer": "external"}, tmp_path, {}) == []
+    (tmp_path / "gtp_recipes_export.json").write_text(json.dumps({
+        "architecture": "LlamaForCausalLM", "vocab_size": 300, "iteration": 2, "source": "/c",
+        "tokenizer_files": []}))
+    monkeypatch.setattr(hf_export, "export", lambda *a, **k: tmp_path)
+    out = io.StringIO()
+    cli.cmd_export(argparse.Namespace(ckpt="/c", out=str(tmp_path), layout=None, force=False), out)
+    notes = [line for line in out.getvalue().splitlines() if "tokenizer" in line]
+    assert notes == [f"note: no tokenizer written: the run's data.tokenizer names no "
+                     f"tokenizer.json (external, or a path that is gone); copy the tokenizer its "
+                     f"data was made with into {tmp_path} before AutoTokenizer.from_pretrained"]
 
 
 # --------------------------------------------------------------------------------------------
