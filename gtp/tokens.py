@@ -4,7 +4,7 @@ export both look the end of document up here)."""
 from __future__ import annotations
 
 # Looked up in a tokenizer.json, in this order, when data.eod_id is null.
-EOD_TOKENS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "[EOS]", "<|eot_id|>")
+EOD_TOKENS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "[EOS]", "<|eot_id|>", "<eod>")
 
 
 def eod_of_tokenizer(file) -> int | None:

@@ -129,6 +129,7 @@ def test_a_byte_tokenizer_export_writes_the_byte_tokenizer(tmp_path):
     from transformers import AutoTokenizer
 
     from gtp.hf_export import _copy_tokenizer
+    from gtp.tokens import eod_of_tokenizer
     from recipes.data.tokenizers import ByteTokenizer
 
     ids = {"bos_token_id": 256, "eos_token_id": 256, "pad_token_id": 256}
@@ -141,6 +142,8 @@ def test_a_byte_tokenizer_export_writes_the_byte_tokenizer(tmp_path):
         assert got == [int(i) for i in byte.tokenize(text)], text
         assert hf.decode(got) == text
     assert hf.decode([104, 105, 0xFF, 256]) == byte.detokenize([104, 105, 0xFF]) + "<eod>"
+    # the export as checkpoint.pretrained's tokenizer: its end of document is found
+    assert eod_of_tokenizer(tmp_path / "tokenizer.json") == 256
 
 
 def test_an_export_without_a_tokenizer_says_so_in_one_line(tmp_path, monkeypatch):
