@@ -23,8 +23,9 @@ from pathlib import Path
 from gtp import families, stock
 from gtp.families import ExportError  # noqa: F401 - raised here; callers catch it from here
 from gtp.progress import progress
-from gtp.records import imported_from, saved_layout
+from gtp.records import imported_from, saved_layout, unbounded_size
 from gtp.tokens import eod_of_tokenizer
+from gtp.verify import stored_shapes
 
 # The byte tokenizer of recipes (256 byte values + <eod>) when the run recorded no vocab size.
 BYTE_VOCAB_SIZE = 257
@@ -257,6 +258,8 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None,
     import transformers
     from megatron.core import dist_checkpointing
 
+    from gtp import safe_metadata
+
     check_out_dir(out_dir, force)  # before anything is read
     # The recorded model first: a model no family exports is refused with its reason before
     # its tensors are read (a vision model's tensors are not the text layouts the reader infers).
@@ -267,6 +270,11 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None,
     if not run_config or "model" not in run_config:
         raise ExportError(f"{path} records no run config (train_state['config']): it "
                           f"was not written by gtp-recipes")
+    # Every size it records within the stored shapes, before a size builds anything: a crafted
+    # vocab_size=10**9 made transformers allocate 288 GB (issue 59 item 3).
+    unbounded = unbounded_size(common, stored_shapes(safe_metadata.read_metadata(path)))
+    if unbounded:
+        raise ExportError(f"{path}: {unbounded}; export another checkpoint")
     model_cfg, data_cfg = run_config["model"], run_config.get("data") or {}
     arch = families.for_export(model_cfg)
     hf_cls = getattr(transformers, arch.hf_class, None)

@@ -432,6 +432,10 @@ def run_job(cfg, overrides: list[str] | None = None) -> None:
                 print(note, flush=True)
             check_before_launch(cfg.data)  # a tokenizer taken from the checkpoint, too
     layout = prelaunch.check(cfg, plan=plan)
+    if not dry_run:  # the dry run's sizes, against this machine's memory on CPU
+        from recipes.dry_run.sizes import check_host_memory
+
+        check_host_memory(cfg, layout)
     if dry_run:
         from recipes.dry_run import report
 

@@ -96,11 +96,31 @@ def read(path) -> dict | None:
         holder = json.loads(text)
     except ValueError:
         host, pid = (text.split() + ["", "0"])[:2]
-        holder = {"host": host, "pid": int(pid) if pid.isdigit() else 0}
+        holder = {"host": host, "pid": int(pid) if pid.isdigit() and len(pid) < 9 else 0}
     if not isinstance(holder, dict):
         holder = {}
+    holder = _plain(holder)
     holder["heartbeat"], holder["file"] = beat, str(path)
     return holder
+
+
+# Linux's largest pid (pid_max's ceiling): a recorded pid beyond it names no process.
+PID_MAX = 1 << 22
+
+
+def _plain(holder: dict) -> dict:
+    """``holder``'s fields of the expected types: text ids, a pid in ``1..PID_MAX``, a numeric
+    start time; anything else (a damaged or hand-edited file) reads as absent (pid 0: no
+    process, so a lease of this host is stale), never as an error."""
+    out = {k: v for k, v in holder.items() if k in ("run_id", "job_id", "host")
+           and isinstance(v, str)}
+    pid = holder.get("pid")
+    out["pid"] = pid if isinstance(pid, int) and not isinstance(pid, bool) and (
+        0 < pid <= PID_MAX) else 0
+    start = holder.get("start")
+    if isinstance(start, (int, float)) and not isinstance(start, bool):
+        out["start"] = start
+    return out
 
 
 def describe(holder: dict) -> str:

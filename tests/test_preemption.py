@@ -340,6 +340,13 @@ def test_stale_leases_are_taken_over_with_a_note(tmp_path, monkeypatch):
     here = socket.gethostname()
     cases = [  # (holder, age of its heartbeat, taken over?)
         ({"run_id": "x", "host": here, "pid": 999999999}, 0, "its process is gone"),
+        # A damaged or hand-edited file: a pid that names no process (was a traceback from
+        # int() or os.kill: ValueError, TypeError, OverflowError).
+        ({"run_id": "x", "host": here, "pid": "abc"}, 0, "its process is gone"),
+        ({"run_id": "x", "host": here, "pid": [1]}, 0, "its process is gone"),
+        ({"run_id": "x", "host": here, "pid": 10 ** 23, "start": "soon"}, 0,
+         "its process is gone"),
+        ({"run_id": ["x"], "host": here, "pid": True}, 0, "its process is gone"),
         ({"run_id": "x", "host": "node7", "pid": 1}, 0, "its heartbeat did not move"),
         # This job before a requeue: on this host its process is gone (at once); on another
         # host its heartbeat is watched like any other.

@@ -415,7 +415,7 @@ def test_a_saved_size_beyond_the_stored_shapes_is_refused_before_shapes_are_enum
     """A common state whose saved run config says ``model.num_layers=1000000000``: a resume
     takes the value (not given here) and is refused in one line naming it, before any
     parameter shape is enumerated (each layer's would be: a MemoryError); ``gtp verify`` says
-    DAMAGED. A size within every stored dim but not the model's (hidden 100000 in a
+    DAMAGED and ``gtp export`` refuses it. A size within every stored dim but not the model's (hidden 100000 in a
     checkpoint whose largest dim is smaller) is refused the same way."""
     import contextlib
     import io
@@ -434,6 +434,12 @@ def test_a_saved_size_beyond_the_stored_shapes_is_refused_before_shapes_are_enum
     assert re.search(rf"DAMAGED {re.escape(str(root))}/iter_0000002: object 'common_state': its "
                      rf"saved run config has model\.{field}={value}, larger", out.getvalue()), \
         out.getvalue()
+    # gtp export too, before a size builds anything (a vocabulary of 10**9: 288 GB asked).
+    out = io.StringIO()
+    with contextlib.redirect_stderr(out):
+        assert cli.main(["export", str(root), str(tmp_path / "hf")], out=out) == 2
+    assert re.search(rf"error: .*iter_0000002: its saved run config has model\.{field}={value}, "
+                     rf"larger .*; export another checkpoint", out.getvalue()), out.getvalue()
 
 
 @pytest.mark.e2e
@@ -446,3 +452,28 @@ def test_more_parameters_than_the_checkpoint_stores_is_refused(checkpoint_dir, l
     with pytest.raises(CheckpointError, match=r"its saved run config's model has \d+ parameter "
                                               r"elements, more than all \d+ stored tensors hold"):
         run_in_process(tmp_path / "out", f"checkpoint.load={root}")
+
+
+def test_a_run_that_cannot_fit_this_machines_memory_is_refused_before_launch(
+        monkeypatch, launch_tripwire, tmp_path):
+    """On CPU every rank holds its model, optimizer state and activations in host memory: a
+    ``model.seq_length`` a rotary model's checkpoint records (no stored tensor bounds it; a
+    crafted 200000 made both ranks try to allocate 2.5 TB) is refused in one line naming it,
+    before any process starts; the tiny model at its own length fits."""
+    from compose import make_cfg
+
+    from recipes.dry_run.sizes import check_host_memory
+    from recipes.validate import validate
+
+    monkeypatch.setattr(os, "sysconf", lambda name: {"SC_PAGE_SIZE": 4096,
+                                                     "SC_PHYS_PAGES": (24 << 30) // 4096}[name])
+    rope = ("model.position_embedding_type=rope", "checkpoint=none")
+    cfg = make_cfg(*rope)
+    check_host_memory(cfg, validate(cfg, 2))
+    cfg = make_cfg(*rope, "model.seq_length=200000")
+    with pytest.raises(ConfigError, match=r"the run needs about [\d,.]+ GiB per process .*"
+                                          r"model\.seq_length=200000, .*2 processes: more than "
+                                          r"this machine's 24\.0 GiB; train\.dry_run=true"):
+        check_host_memory(cfg, validate(cfg, 2))
+    with pytest.raises(ConfigError, match=r"model\.seq_length=200000, .*more than this machine"):
+        run_in_process(tmp_path / "out", *rope, "model.seq_length=200000")  # train.py's path

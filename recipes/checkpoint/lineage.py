@@ -38,8 +38,10 @@ def recorded(root) -> dict[int, list]:
         return {}
     found = {}
     for key, chain in raw.items():
+        # each link [run id, iteration it started from]; anything else (hand-edited): no record
         if ITER_NAME.fullmatch(f"iter_{key}") and isinstance(chain, list) and chain and all(
-                isinstance(c, list) and len(c) == 2 for c in chain):
+                isinstance(c, list) and len(c) == 2 and isinstance(c[0], str)
+                and isinstance(c[1], int) and not isinstance(c[1], bool) for c in chain):
             found[int(key)] = chain
     return found
 

@@ -20,9 +20,12 @@ buffers (all-gathers, the loss's logits copies) are not counted.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from recipes import te
+from recipes.data import build_tokenizer
+from recipes.errors import ConfigError
 from recipes.families import parameter_counts, parameter_shapes
 from recipes.mtp import mtp_num_layers
 from recipes.shapes import local_shape, padded_vocab_size
@@ -206,3 +209,41 @@ def activation_bytes(cfg, layout, padded_vocab: int, scores: bool | None = None)
     return int(math.ceil(act))
 
 
+
+
+def host_memory_problem(cfg, layout, vocab_size: int, processes: int,
+                        memory_bytes: int) -> str | None:
+    """Why ``processes`` ranks of ``cfg`` at ``layout`` cannot run on a machine of
+    ``memory_bytes`` (None: they may): on CPU each rank holds its parameters, gradients,
+    optimizer state and activations in host memory (:func:`rank_sizes`, the dry run's
+    figures), so a run whose ranks together need more than the machine has cannot run. A
+    ``model.seq_length`` taken from a checkpoint (a rotary model stores no tensor it would
+    bound) is caught here before any process allocates it."""
+    per_rank = rank_sizes(cfg, layout, vocab_size).total_bytes
+    if per_rank * processes <= memory_bytes:
+        return None
+    gib = 1 << 30
+    return (f"the run needs about {per_rank / gib:,.1f} GiB per process for parameters, "
+            f"gradients, optimizer state and activations (model.seq_length="
+            f"{cfg.model.seq_length}, data.micro_batch_size={cfg.data.micro_batch_size}), "
+            f"{processes} processes: more than this machine's {memory_bytes / gib:,.1f} GiB; "
+            f"train.dry_run=true shows the figures")
+
+
+def check_host_memory(cfg, layout) -> None:
+    """On CPU (no CUDA device), the ranks this machine starts fit its memory
+    (:func:`host_memory_problem`); ``recipes.launch`` calls it after ``recipes.prelaunch.check``.
+
+    Raises:
+        ConfigError: naming the sizes, the fields behind them and the machine's memory.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    processes = min(layout.world_size, cfg.parallelism.nproc_per_node)
+    problem = host_memory_problem(cfg, layout, build_tokenizer(cfg.data).vocab_size, processes,
+                                  memory)
+    if problem:
+        raise ConfigError(problem)
