@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -263,11 +264,14 @@ def launch_local(config_path: Path, nproc: int, exit_signals: list[int] = (),
         for i, (rank, failure) in enumerate(failures):
             head = "error" if i == 0 else "then"
             text = _failure_message(failure)
-            if text in said:
+            # the same message under another class name (rank 0's LeaseHeld, the others'
+            # CheckpointError for one refused save) is the same error
+            key = re.sub(r"^\w+: ", "", text)
+            if key in said:
                 print(f"\n{head}: worker rank {rank} failed (exit code {failure.exitcode}): "
-                      f"the same error as rank {said[text]}", file=sys.stderr)
+                      f"the same error as rank {said[key]}", file=sys.stderr)
                 continue
-            said[text] = rank
+            said[key] = rank
             print(f"\n{head}: worker rank {rank} failed (exit code {failure.exitcode}):",
                   file=sys.stderr)
             print(text, file=sys.stderr)

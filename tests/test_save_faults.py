@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -371,3 +372,41 @@ def test_a_torchrun_ranks_failed_save_is_one_line_and_exit_1(monkeypatch, capsys
     assert ended.value.code == 1
     assert capsys.readouterr().err == ("error: CheckpointError: the save of iteration 4 into D "
                                        "failed on rank(s) [1]\n")
+
+
+def test_one_failure_under_two_class_names_is_printed_once(monkeypatch, capsys):
+    """A save refused because its lease was taken: rank 0 raises ``LeaseHeld``, the others
+    ``CheckpointError`` with the same message. The launcher prints it once, as it does for one
+    class (it printed the whole message twice, a breaking helper's finding)."""
+    import torch.distributed.launcher.api as api
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from recipes import launch
+
+    text = "the save of iteration 11 failed on rank(s) [0, 1]: its lease was taken"
+
+    class Failure:  # what ChildFailedError and the launcher read of torch's ProcessFailure
+        def __init__(self, name, timestamp):
+            self.exitcode, self.error_file_data, self.timestamp = 1, {"message": "x"}, timestamp
+            self.message = {"message": f"{name}: {text}"}
+            self.local_rank, self.pid, self.error_file = 0, 1, "<N/A>"
+
+        def signal_name(self):
+            return "<N/A>"
+
+        def timestamp_isoformat(self):
+            return "<N/A>"
+
+    def failing(config, entrypoint):
+        def run(*args):
+            raise ChildFailedError("recipes.worker", {0: Failure("LeaseHeld", 1),
+                                                      1: Failure("CheckpointError", 2)})
+        return run
+
+    monkeypatch.setattr(api, "elastic_launch", failing)
+    with pytest.raises(SystemExit) as done:
+        launch.launch_local(Path("unused.yaml"), 2)
+    assert done.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count(text) == 1, err
+    assert "worker rank 1 failed (exit code 1): the same error as rank 0" in err, err
