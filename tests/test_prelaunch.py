@@ -471,9 +471,37 @@ def test_a_run_that_cannot_fit_this_machines_memory_is_refused_before_launch(
     cfg = make_cfg(*rope)
     check_host_memory(cfg, validate(cfg, 2))
     cfg = make_cfg(*rope, "model.seq_length=200000")
-    with pytest.raises(ConfigError, match=r"the run needs about [\d,.]+ GiB per process .*"
+    with pytest.raises(ConfigError, match=r"the run needs about [\d,.]+ TiB per process .*"
                                           r"model\.seq_length=200000, .*2 processes: more than "
-                                          r"this machine's 24\.0 GiB; train\.dry_run=true"):
+                                          r"this machine's 24\.00 GiB; train\.dry_run=true"):
         check_host_memory(cfg, validate(cfg, 2))
     with pytest.raises(ConfigError, match=r"model\.seq_length=200000, .*more than this machine"):
         run_in_process(tmp_path / "out", *rope, "model.seq_length=200000")  # train.py's path
+
+
+def test_the_launcher_parses_a_tokenizer_json_once(monkeypatch, launch_tripwire, tmp_path):
+    """The pre-launch checks, the host-memory check and the dry run each need the tokenizer's
+    vocabulary: a ``tokenizer.json`` (Qwen3's: 11 MB, a second or more to parse) is read once per
+    launcher, and again after it changes."""
+    from chat_data import write_chat_tokenizer
+    from compose import make_cfg
+    from tokenizers import Tokenizer
+
+    from recipes.data import build_tokenizer
+
+    tok = write_chat_tokenizer(tmp_path / "tok")
+    parsed = []
+    real = Tokenizer.from_file
+    monkeypatch.setattr(Tokenizer, "from_file", lambda f: parsed.append(f) or real(f))
+    data = ("data=text", f"data.paths=[{tmp_path / 'one.txt'}]", f"data.tokenizer={tok}",
+            "train.eval_iters=0")
+    (tmp_path / "one.txt").write_text(TEXT * 40)
+    with pytest.raises(AssertionError, match="a worker was started"):
+        run_in_process(tmp_path / "out", *data)
+    assert parsed == [str(tok / "tokenizer.json")]
+    cfg = make_cfg(*data)
+    build_tokenizer(cfg.data)
+    assert len(parsed) == 1
+    (tok / "tokenizer.json").write_text((tok / "tokenizer.json").read_text() + "\n")
+    build_tokenizer(cfg.data)
+    assert len(parsed) == 2

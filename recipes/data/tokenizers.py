@@ -232,7 +232,7 @@ def build_tokenizer(data_cfg: Any) -> Tokenizer:
     """
     source = check_source(data_cfg)
     if is_tokenizer_path(data_cfg.tokenizer):
-        tok = HFTokenizer(str(data_cfg.tokenizer), data_cfg.eod_id)
+        tok = _hf_tokenizer(str(data_cfg.tokenizer), data_cfg.eod_id)
         if data_cfg.vocab_size is not None and int(data_cfg.vocab_size) != tok.vocab_size:
             raise ValueError(f"data.vocab_size={data_cfg.vocab_size} differs from the "
                              f"{tok.vocab_size} tokens of {tok.file}: set it to null")
@@ -261,6 +261,25 @@ def build_tokenizer(data_cfg: Any) -> Tokenizer:
             f"tokenized with 'byte' or a Hugging Face tokenizer.json (data.tokenizer=<path>)"
         )
     return ByteTokenizer()
+
+
+_HF_BUILT: dict = {}
+
+
+def _hf_tokenizer(path: str, eod_id: Optional[int]) -> HFTokenizer:
+    """:class:`HFTokenizer` of ``path``, read once per process while its file is unchanged: the
+    launcher's checks, the host-memory check and the dry run each ask for it (a large
+    ``tokenizer.json`` takes a second or more to parse)."""
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    try:
+        st = os.stat(file)
+    except OSError:
+        return HFTokenizer(path, eod_id)  # its own message
+    key = (os.path.abspath(file), st.st_mtime_ns, st.st_size, st.st_ino, eod_id)
+    if key not in _HF_BUILT:
+        _HF_BUILT.clear()  # one tokenizer a run: keep only the latest
+        _HF_BUILT[key] = HFTokenizer(path, eod_id)
+    return _HF_BUILT[key]
 
 
 def check_source(data_cfg: Any) -> str:

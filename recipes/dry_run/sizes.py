@@ -222,11 +222,12 @@ def host_memory_problem(cfg, layout, vocab_size: int, processes: int,
     per_rank = rank_sizes(cfg, layout, vocab_size).total_bytes
     if per_rank * processes <= memory_bytes:
         return None
-    gib = 1 << 30
-    return (f"the run needs about {per_rank / gib:,.1f} GiB per process for parameters, "
+    from recipes.metrics import format_bytes
+
+    return (f"the run needs about {format_bytes(per_rank)} per process for parameters, "
             f"gradients, optimizer state and activations (model.seq_length="
             f"{cfg.model.seq_length}, data.micro_batch_size={cfg.data.micro_batch_size}), "
-            f"{processes} processes: more than this machine's {memory_bytes / gib:,.1f} GiB; "
+            f"{processes} processes: more than this machine's {format_bytes(memory_bytes)}; "
             f"train.dry_run=true shows the figures")
 
 
