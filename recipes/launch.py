@@ -28,7 +28,7 @@ from recipes.console import STARTED_ENV
 from recipes.errors import ConfigError
 from recipes.lease import RUN_ID_ENV, Lease, LeaseHeld
 from recipes.preemption import child_pids, forward_to_workers, interrupted_message, stop_forwarding
-from recipes.rank_env import LAUNCHER_PID_ENV, job_id
+from recipes.rank_env import LAUNCHER_PID_ENV, cpu_threads_per_rank, job_id
 
 # A worker that died takes the others down within this many seconds (elastic agent's monitor).
 MONITOR_INTERVAL_S = 0.5
@@ -248,6 +248,9 @@ def launch_local(config_path: Path, nproc: int, exit_signals: list[int] = (),
     # Each worker has the kernel kill it when this process ends (recipes.lifetime): the elastic
     # agent starts them in sessions of their own, where nothing else would reach them.
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    threads_given = "OMP_NUM_THREADS" in os.environ  # the user's choice stands
+    if not threads_given:
+        os.environ["OMP_NUM_THREADS"] = str(cpu_threads_per_rank(nproc))
     # The agent logs each failed or stopped worker; the summary below says it once.
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     agent_level = agent_log.level
@@ -283,6 +286,8 @@ def launch_local(config_path: Path, nproc: int, exit_signals: list[int] = (),
         agent_log.setLevel(agent_level)
         stop_forwarding()  # a multirun's next job has workers of its own
         os.environ.pop(LAUNCHER_PID_ENV, None)  # for the workers of this launch only
+        if not threads_given:
+            os.environ.pop("OMP_NUM_THREADS", None)
         for signum, handler in previous.items():  # a multirun's next job, or none
             signal.signal(signum, handler)
 

@@ -74,3 +74,12 @@ def job_id() -> str | None:
     if array and task:
         return f"{array}_{task}"
     return os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID") or None
+
+
+def cpu_threads_per_rank(nproc: int) -> int:
+    """The intra-op CPU threads (``OMP_NUM_THREADS``) each of ``nproc`` ranks started on this
+    machine gets: the cores this process may run on (its affinity mask) shared evenly, at least
+    one. torch's default gives every rank every core, so ``nproc`` ranks run ``nproc`` times as
+    many OpenMP threads as there are cores, spinning against each other (torchrun sets 1 for
+    the same reason)."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, int(nproc)))

@@ -136,8 +136,14 @@ def _worker(fn, rank, world_size, port, args, timeout, results, environ):
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
     )
     try:
+        import torch
         import torch.distributed as dist
 
+        from recipes.rank_env import cpu_threads_per_rank
+
+        # As train.py's launcher gives its workers (the forkserver's torch took every core).
+        threads = environ.get("OMP_NUM_THREADS") or cpu_threads_per_rank(world_size)
+        torch.set_num_threads(int(threads))
         dist.init_process_group(
             "gloo", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
