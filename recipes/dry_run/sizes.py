@@ -27,6 +27,7 @@ from recipes import te
 from recipes.data import build_tokenizer
 from recipes.errors import ConfigError
 from recipes.families import parameter_counts, parameter_shapes
+from recipes.metrics import format_bytes
 from recipes.mtp import mtp_num_layers
 from recipes.shapes import local_shape, padded_vocab_size
 
@@ -222,8 +223,6 @@ def host_memory_problem(cfg, layout, vocab_size: int, processes: int,
     per_rank = rank_sizes(cfg, layout, vocab_size).total_bytes
     if per_rank * processes <= memory_bytes:
         return None
-    from recipes.metrics import format_bytes
-
     return (f"the run needs about {format_bytes(per_rank)} per process for parameters, "
             f"gradients, optimizer state and activations (model.seq_length="
             f"{cfg.model.seq_length}, data.micro_batch_size={cfg.data.micro_batch_size}), "
