@@ -77,6 +77,21 @@ def test_a_template_with_generation_markers_places_turns_the_prefix_rule_cannot(
         chat.render(plain, messages, "chat.jsonl: conversation 3")
 
 
+def test_a_conversation_opening_with_the_assistant_keeps_its_header_out_of_the_loss(tok):
+    """An assistant greeting first: its role header is the template's, not the reply's (the
+    prefix before it is the empty conversation's generation prompt), as transformers' markers
+    say."""
+    messages = [{"role": "assistant", "content": "Hi, how can I help?"},
+                {"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4."}]
+    ids, mask = chat.render(tok, messages)
+    ref = tok.apply_chat_template(messages, chat_template=CHATML, tokenize=True,
+                                  return_dict=True, return_assistant_tokens_mask=True)
+    assert ids == list(ref["input_ids"])
+    assert mask == list(ref["assistant_masks"])
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == \
+        "Hi, how can I help?<|im_end|>\n4.<|im_end|>\n"
+
+
 def test_prompt_completion_rows_are_a_user_and_an_assistant_turn(tmp_path):
     path = tmp_path / "pc.jsonl"
     path.write_text('{"prompt": "Hi?", "completion": "Hello."}\n')

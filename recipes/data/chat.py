@@ -46,7 +46,7 @@ from recipes.data.tokenizers import is_tokenizer_path
 
 ROLES = ("system", "user", "assistant")
 OVERLONG = ("truncate", "drop")
-CHAT_FORMAT_VERSION = 1
+CHAT_FORMAT_VERSION = 2  # 2: an assistant-first conversation's header out of the mask
 _FORM = ('{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", '
          '"content": "..."}]} or {"prompt": "...", "completion": "..."}')
 
@@ -195,6 +195,20 @@ def _render(tok, messages: list[dict], generation_prompt: bool = False) -> str:
                                    add_generation_prompt=generation_prompt)
 
 
+_PROBE = "GTPCHATPROBE7f3a"  # a stand-in reply, found in the rendered text
+
+
+def _generation_prefix(tok, messages: list[dict]) -> str:
+    """The text before the next assistant turn's content: ``render(messages,
+    add_generation_prompt=True)``, its role header included. For a conversation that opens with
+    the assistant (transformers renders no empty conversation), what the template writes before
+    the content of a lone assistant message (``""`` when it is not found)."""
+    if messages:
+        return _render(tok, messages, generation_prompt=True)
+    text = _render(tok, [{"role": "assistant", "content": _PROBE}])
+    return text[:max(text.find(_PROBE), 0)]
+
+
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -218,7 +232,7 @@ def render(tok, messages: list[dict], where: str = "") -> tuple[list[int], list[
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = _render(tok, messages[:i], generation_prompt=True) if i else ""
+        before = _generation_prefix(tok, messages[:i])
         upto = _render(tok, messages[: i + 1])
         if not (upto.startswith(before) and text.startswith(upto)):
             raise ValueError(f"{where}: the chat template renders the turns before assistant "
