@@ -183,6 +183,50 @@ def test_bad_rows_get_one_line_naming_the_file_and_line(tok_dir, tmp_path, case)
     assert [n for n in os.listdir(tmp_path) if n.startswith("chat_")] == []
 
 
+ALTERNATING = ("{%- for m in messages %}{%- if loop.index0 > 0 and m['role'] == "
+               "messages[loop.index0 - 1]['role'] %}{{ raise_exception('Conversation roles must "
+               "alternate user/assistant/user/assistant/...') }}{%- endif %}"
+               "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+               "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+               "{%- endif %}")
+
+
+def test_a_conversation_the_template_refuses_is_one_line_naming_its_line(tmp_path):
+    """A Llama-2/Mistral-style template raising on two assistant turns in a row: a refusal
+    (one line in a worker too, no traceback) naming the file's line and the template's words."""
+    tok = write_chat_tokenizer(tmp_path / "tok", template=ALTERNATING)
+    path = tmp_path / "turns.jsonl"
+    path.write_text(FIXTURE.read_text().splitlines()[0] + "\n\n" + json.dumps({"messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+        {"role": "assistant", "content": "b"}]}) + "\n")
+    with pytest.raises(ConfigError, match=str(path).replace(".", r"\.") + r":3: the chat "
+                       r"template cannot render this conversation \(TemplateError: Conversation "
+                       r"roles must alternate .*data.chat_template=") as err:
+        chat.prepare_chat(chat_cfg(tok, tmp_path / "cache", paths=[path]).data, 128, 0)
+    assert "\n" not in str(err.value)
+
+
+def _rank0_refuses(_):
+    from recipes.data.datasets import _rank0_first
+
+    def prepare():
+        raise ConfigError("bad.jsonl:3: refused")
+    try:
+        _rank0_first(prepare)
+    except Exception as err:  # noqa: BLE001 - what each rank raised
+        return type(err).__name__, str(err)
+
+
+def test_when_rank_0_refuses_the_data_the_other_ranks_refuse_as_its_consequence():
+    """Each rank then exits without a traceback (a refusal), and the launcher, which leaves out
+    a rank whose error says "failed on another rank", prints rank 0's line alone."""
+    from multiproc import run_distributed
+
+    (kind0, text0), (kind1, text1) = run_distributed(_rank0_refuses, 2, None)
+    assert (kind0, text0) == ("ConfigError", "bad.jsonl:3: refused")
+    assert kind1 == "ConfigError" and "failed on another rank" in text1
+
+
 def test_an_empty_file_and_a_tokenizer_without_template_are_refused(tok_dir, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
