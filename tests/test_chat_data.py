@@ -307,3 +307,21 @@ def test_iterators_give_masked_packed_batches_and_the_validation_file(tok_dir, t
     meta = json.loads(open(os.path.join(train.dataset.out_dir, "meta.json")).read())
     assert meta["validation_inputs"] == [str(valid)] and meta["samples"]["validation"] >= 2
     assert len(list(iter(validation))) == 2
+
+
+def test_too_few_conversations_for_the_validation_split_are_refused_before_launch(tok_dir,
+                                                                                   tmp_path):
+    """data=chat's defaults (data.split=98,2,0, train.eval_iters > 0) on 5 conversations leave
+    validation none: refused before launch, with the ways out, not by the worker."""
+    path = tmp_path / "five.jsonl"
+    path.write_text("\n".join(FIXTURE.read_text().splitlines()[:5]) + "\n")
+    cfg = chat_cfg(tok_dir, tmp_path, paths=[path])
+    assert cfg.train.eval_iters > 0 and not cfg.data.valid_paths
+    with pytest.raises(ConfigError, match=r"data.split='98,2,0' gives the validation split none "
+                                          r"of the 5 document\(s\) of data.paths \(a conversation "
+                                          r"is a document\).*train.eval_iters=0.*data.split=90/10/0"
+                                          r".*data.valid_paths=") as err:
+        check_chat(cfg)
+    assert "\n" not in str(err.value)
+    check_chat(chat_cfg(tok_dir, tmp_path, "train.eval_iters=0", paths=[path]))
+    check_chat(chat_cfg(tok_dir, tmp_path, f"data.valid_paths=[{path}]", paths=[path]))

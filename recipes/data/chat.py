@@ -358,17 +358,21 @@ def _split(examples: list, split: str) -> tuple[list, list]:
     return parts[0], parts[1]
 
 
-def check_chat_data(data_cfg: Any) -> None:
+def check_chat_data(data_cfg: Any) -> dict[str, int]:
     """Everything about ``data=chat`` that can be checked before launch: the fields, the files
     (every line parsed and checked), the tokenizer's chat template (ValueError /
-    FileNotFoundError: one line naming the file, the line and the fix)."""
+    FileNotFoundError: one line naming the file, the line and the fix). Returns the number of
+    conversations of ``paths`` and of ``valid_paths``."""
     if str(data_cfg.chat_overlong) not in OVERLONG:
         raise ValueError(f"data.chat_overlong={data_cfg.chat_overlong!r}: valid are {OVERLONG}")
     chat_template(data_cfg)
+    counts = {}
     for key in ("paths", "valid_paths"):
+        counts[key] = 0
         for path in check_chat_paths(data_cfg, key):
             for _ in read_conversations(path, _split_of(data_cfg, key)):
-                pass
+                counts[key] += 1
+    return counts
 
 
 def prepare_chat(data_cfg: Any, seq_length: int, pad_id: int) -> str:
