@@ -325,3 +325,20 @@ def test_too_few_conversations_for_the_validation_split_are_refused_before_launc
     assert "\n" not in str(err.value)
     check_chat(chat_cfg(tok_dir, tmp_path, "train.eval_iters=0", paths=[path]))
     check_chat(chat_cfg(tok_dir, tmp_path, f"data.valid_paths=[{path}]", paths=[path]))
+
+
+def test_nothing_left_after_truncation_names_the_ways_that_can_help(tok_dir, tmp_path):
+    """Every conversation cut before its first assistant token (data.chat_overlong=truncate
+    already): the refusal does not tell the user to set truncate."""
+    path = tmp_path / "long_prompt.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "word " * 200},
+                                             {"role": "assistant", "content": "ok"}]}) + "\n")
+    cfg = chat_cfg(tok_dir, tmp_path, "data.split=100/0/0", paths=[path])
+    with pytest.raises(ConfigError, match=r"is left for training .* raise model.seq_length=24, "
+                                          r"or shorten the turns before the first assistant") as e:
+        chat.prepare_chat(cfg.data, 24, 0)
+    assert "data.chat_overlong=truncate" not in str(e.value)
+    drop = chat_cfg(tok_dir, tmp_path, "data.split=100/0/0", "data.chat_overlong=drop",
+                    paths=[path])
+    with pytest.raises(ConfigError, match=r"or set data.chat_overlong=truncate"):
+        chat.prepare_chat(drop.data, 24, 0)

@@ -415,9 +415,13 @@ def _prepare_chat(data_cfg: Any, seq_length: int, pad_id: int) -> str:
     else:
         train, valid = _split(train, str(data_cfg.split))
     if not train:
-        raise ValueError(f"no conversation of {files} is left for training ({counts}); add "
-                         f"conversations, raise model.seq_length or set data.chat_overlong="
-                         f"truncate")
+        ways = ["add conversations", f"raise model.seq_length={seq_length}"]
+        if overlong == "drop" and counts["dropped"]:
+            ways.append("set data.chat_overlong=truncate")
+        if counts["no_loss"]:  # cut before its first assistant token: truncating cannot help
+            ways.append("shorten the turns before the first assistant reply")
+        raise ValueError(f"no conversation of {files} is left for training ({counts}); "
+                         + ", or ".join(ways))
     packing = bool(data_cfg.chat_packing)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
