@@ -342,3 +342,29 @@ def test_nothing_left_after_truncation_names_the_ways_that_can_help(tok_dir, tmp
                     paths=[path])
     with pytest.raises(ConfigError, match=r"or set data.chat_overlong=truncate"):
         chat.prepare_chat(drop.data, 24, 0)
+
+
+def test_a_resume_by_checkpoint_load_alone_keeps_the_runs_seed_per_token_loss_and_eval():
+    """A packed chat fine-tune (train.seed=7, calculate_per_token_loss, data.split=100/0/0 with
+    train.eval_iters=0) resumed by checkpoint.load=DIR alone: the data fields come from the
+    checkpoint, and so must these, else the seed is refused as a data change, the loss silently
+    goes per micro-batch and the taken data.split is refused for the default eval_iters."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from recipes.checkpoint import policy as checkpointer
+
+    saved = make_cfg("data=chat", "data.tokenizer=/tok", f"data.paths=[{FIXTURE}]",
+                     "data.split=100/0/0", "train.eval_iters=0", "train.seed=7",
+                     "train.calculate_per_token_loss=true", "data.chat_packing=true")
+    plan = SimpleNamespace(path="/ck/iter_0000002", common={"train_state": {"config": {
+        group: OmegaConf.to_container(saved[group]) for group in ("model", "data", "train")}}})
+    cfg = make_cfg("train.train_iters=8")
+    note = checkpointer.take_checkpoint_fields(cfg, plan, overrides=["train.train_iters=8"])
+    assert (cfg.train.seed, cfg.train.calculate_per_token_loss, cfg.train.eval_iters) == (
+        7, True, 0), note
+    assert cfg.train.train_iters == 8 and cfg.data.source == "chat"
+    given = make_cfg("train.eval_iters=3")
+    checkpointer.take_checkpoint_fields(given, plan, overrides=["train.eval_iters=3"])
+    assert given.train.eval_iters == 3 and given.train.seed == 7  # a given field kept
