@@ -368,3 +368,37 @@ def test_a_resume_by_checkpoint_load_alone_keeps_the_runs_seed_per_token_loss_an
     given = make_cfg("train.eval_iters=3")
     checkpointer.take_checkpoint_fields(given, plan, overrides=["train.eval_iters=3"])
     assert given.train.eval_iters == 3 and given.train.seed == 7  # a given field kept
+
+
+def test_export_from_elsewhere_says_the_trained_template_is_missing(tok_dir, tmp_path,
+                                                                     monkeypatch):
+    """A run's relative data.chat_template (or one deleted since) that the export cannot find:
+    the tokenizer dir's own chat_template.jinja is not written in its place, and gtp export
+    says in one line that the trained template is missing."""
+    import argparse
+    import io
+    import shutil
+
+    from gtp import cli, hf_export
+
+    tok = tmp_path / "tok"
+    shutil.copytree(tok_dir, tok)
+    (tok / "chat_template.jinja").write_text("{{ 'the tokenizer dir own template' }}")
+    data = {"tokenizer": str(tok), "chat_template": "relative/trained.jinja"}
+    out = tmp_path / "export"
+    out.mkdir()
+    names = hf_export._copy_tokenizer(data, out, {})
+    assert "tokenizer.json" in names and "chat_template.jinja" not in names
+    assert hf_export.chat_template_not_found(data) == "relative/trained.jinja"
+    assert hf_export.chat_template_not_found({"chat_template": str(tok / "chat_template.jinja")}
+                                             ) is None
+    (out / "gtp_recipes_export.json").write_text(json.dumps({
+        "architecture": "GPT2LMHeadModel", "vocab_size": VOCAB, "iteration": 2, "source": "/ck",
+        "tokenizer_files": names, "chat_template_not_found": "relative/trained.jinja"}))
+    monkeypatch.setattr(hf_export, "export", lambda *a, **k: out)
+    printed = io.StringIO()
+    args = argparse.Namespace(ckpt="/ck", out=str(out), layout=None, force=False)
+    assert cli.cmd_export(args, out=printed) == 0
+    note = [line for line in printed.getvalue().splitlines() if line.startswith("note:")]
+    assert len(note) == 1 and "data.chat_template='relative/trained.jinja' is not a file" in \
+        note[0], printed.getvalue()
