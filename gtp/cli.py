@@ -377,6 +377,12 @@ def cmd_export(args, out=sys.stdout) -> int:
         print(f"note: no tokenizer written: the run's data.tokenizer names no tokenizer.json "
               f"(external, or a path that is gone); copy the tokenizer its data was made with "
               f"into {path} before AutoTokenizer.from_pretrained", file=out)
+    elif meta.get("chat_template_not_found"):  # else the tokenizer's own would pass for it
+        print(f"note: the chat template the run trained with is not written: its "
+              f"data.chat_template={meta['chat_template_not_found']!r} is not a file from here "
+              f"(a relative path is read from where gtp export runs), so AutoTokenizer gets the "
+              f"tokenizer's own template, if any; copy it to {path / 'chat_template.jinja'}, or "
+              f"export from the run's directory", file=out)
     return 0
 
 

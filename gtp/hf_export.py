@@ -78,7 +78,7 @@ def _copy_tokenizer(data: dict, out: Path, ids: dict) -> list[str]:
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                  "chat_template.jinja"):
         f = src if name == "tokenizer.json" else src.parent / name
-        if name == "chat_template.jinja" and template and Path(template).is_file():
+        if name == "chat_template.jinja" and template:  # the one trained with, or none
             f = Path(template)
         if f.is_file():
             shutil.copyfile(f, out / name)
@@ -95,6 +95,14 @@ def _copy_tokenizer(data: dict, out: Path, ids: dict) -> list[str]:
         (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
         written.append("tokenizer_config.json")
     return written
+
+
+def chat_template_not_found(data: dict) -> str | None:
+    """The run's ``data.chat_template`` when it names no file from here (a relative path is read
+    from the directory ``gtp export`` runs in; the file may be gone): the export then holds no
+    ``chat_template.jinja`` and :func:`gtp.cli.cmd_export` says so. None otherwise."""
+    template = data.get("chat_template")
+    return str(template) if template and not Path(template).is_file() else None
 
 
 def _byte_chars() -> dict[int, str]:
@@ -311,6 +319,7 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None,
         "source": str(path), "iteration": common.get("iteration"),
         "architecture": arch.hf_class, "vocab_size": vocab,
         "saved_layout": saved_layout(common), "tokenizer_files": tokenizer_files,
+        "chat_template_not_found": chat_template_not_found(data_cfg),
         "not_exported": {"weights": mtp, "why": MTP_NOT_EXPORTED} if mtp else None,
         "notes": (arch.notes(model_cfg) if arch.notes else None) or None,
     }, indent=1, default=str))

@@ -281,8 +281,9 @@ def check_chat(cfg) -> None:
     """``data=chat``: every conversation file's lines and the tokenizer's chat template
     (:func:`recipes.data.chat.check_chat_data`), and packing only where each token can attend
     within its own conversation: megatron's local attention (it takes the mask), no context
-    parallelism, no Mamba layers. ``data=text`` with a chat-shaped ``.jsonl``: names
-    ``data=chat``."""
+    parallelism, no Mamba layers; without ``data.valid_paths``, ``data.split`` gives the train
+    split (and, with ``train.eval_iters`` > 0, the validation split) a conversation. ``data=text``
+    with a chat-shaped ``.jsonl``: names ``data=chat``."""
     data = cfg.data
     if data.source == "text":
         return _check_not_chat(data)
@@ -302,11 +303,16 @@ def check_chat(cfg) -> None:
             raise ConfigError(f"data.chat_packing=true is refused with {why}; or set "
                               f"data.chat_packing=false")
     from recipes.data.chat import check_chat_data
+    from recipes.data.datasets import check_split_documents
 
     try:
-        check_chat_data(data)
+        counts = check_chat_data(data)
+        if not data.valid_paths:  # data.split's shares of the conversations, as of documents
+            check_split_documents(counts["paths"], data.split, cfg.train.get("eval_iters", 0) > 0,
+                                  "data.paths (a conversation is a document)")
     except (ValueError, OSError) as exc:
-        raise ConfigError(str(exc)) from None
+        more = ", or data.valid_paths=[<file.jsonl>]" if "validation split" in str(exc) else ""
+        raise ConfigError(f"{exc}{more}") from None
 
 
 def _check_not_chat(data) -> None:

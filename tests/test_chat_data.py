@@ -77,6 +77,21 @@ def test_a_template_with_generation_markers_places_turns_the_prefix_rule_cannot(
         chat.render(plain, messages, "chat.jsonl: conversation 3")
 
 
+def test_a_conversation_opening_with_the_assistant_keeps_its_header_out_of_the_loss(tok):
+    """An assistant greeting first: its role header is the template's, not the reply's (the
+    prefix before it is the empty conversation's generation prompt), as transformers' markers
+    say."""
+    messages = [{"role": "assistant", "content": "Hi, how can I help?"},
+                {"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4."}]
+    ids, mask = chat.render(tok, messages)
+    ref = tok.apply_chat_template(messages, chat_template=CHATML, tokenize=True,
+                                  return_dict=True, return_assistant_tokens_mask=True)
+    assert ids == list(ref["input_ids"])
+    assert mask == list(ref["assistant_masks"])
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == \
+        "Hi, how can I help?<|im_end|>\n4.<|im_end|>\n"
+
+
 def test_prompt_completion_rows_are_a_user_and_an_assistant_turn(tmp_path):
     path = tmp_path / "pc.jsonl"
     path.write_text('{"prompt": "Hi?", "completion": "Hello."}\n')
@@ -168,6 +183,50 @@ def test_bad_rows_get_one_line_naming_the_file_and_line(tok_dir, tmp_path, case)
     assert [n for n in os.listdir(tmp_path) if n.startswith("chat_")] == []
 
 
+ALTERNATING = ("{%- for m in messages %}{%- if loop.index0 > 0 and m['role'] == "
+               "messages[loop.index0 - 1]['role'] %}{{ raise_exception('Conversation roles must "
+               "alternate user/assistant/user/assistant/...') }}{%- endif %}"
+               "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+               "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+               "{%- endif %}")
+
+
+def test_a_conversation_the_template_refuses_is_one_line_naming_its_line(tmp_path):
+    """A Llama-2/Mistral-style template raising on two assistant turns in a row: a refusal
+    (one line in a worker too, no traceback) naming the file's line and the template's words."""
+    tok = write_chat_tokenizer(tmp_path / "tok", template=ALTERNATING)
+    path = tmp_path / "turns.jsonl"
+    path.write_text(FIXTURE.read_text().splitlines()[0] + "\n\n" + json.dumps({"messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+        {"role": "assistant", "content": "b"}]}) + "\n")
+    with pytest.raises(ConfigError, match=str(path).replace(".", r"\.") + r":3: the chat "
+                       r"template cannot render this conversation \(TemplateError: Conversation "
+                       r"roles must alternate .*data.chat_template=") as err:
+        chat.prepare_chat(chat_cfg(tok, tmp_path / "cache", paths=[path]).data, 128, 0)
+    assert "\n" not in str(err.value)
+
+
+def _rank0_refuses(_):
+    from recipes.data.datasets import _rank0_first
+
+    def prepare():
+        raise ConfigError("bad.jsonl:3: refused")
+    try:
+        _rank0_first(prepare)
+    except Exception as err:  # noqa: BLE001 - what each rank raised
+        return type(err).__name__, str(err)
+
+
+def test_when_rank_0_refuses_the_data_the_other_ranks_refuse_as_its_consequence():
+    """Each rank then exits without a traceback (a refusal), and the launcher, which leaves out
+    a rank whose error says "failed on another rank", prints rank 0's line alone."""
+    from multiproc import run_distributed
+
+    (kind0, text0), (kind1, text1) = run_distributed(_rank0_refuses, 2, None)
+    assert (kind0, text0) == ("ConfigError", "bad.jsonl:3: refused")
+    assert kind1 == "ConfigError" and "failed on another rank" in text1
+
+
 def test_an_empty_file_and_a_tokenizer_without_template_are_refused(tok_dir, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
@@ -248,3 +307,98 @@ def test_iterators_give_masked_packed_batches_and_the_validation_file(tok_dir, t
     meta = json.loads(open(os.path.join(train.dataset.out_dir, "meta.json")).read())
     assert meta["validation_inputs"] == [str(valid)] and meta["samples"]["validation"] >= 2
     assert len(list(iter(validation))) == 2
+
+
+def test_too_few_conversations_for_the_validation_split_are_refused_before_launch(tok_dir,
+                                                                                   tmp_path):
+    """data=chat's defaults (data.split=98,2,0, train.eval_iters > 0) on 5 conversations leave
+    validation none: refused before launch, with the ways out, not by the worker."""
+    path = tmp_path / "five.jsonl"
+    path.write_text("\n".join(FIXTURE.read_text().splitlines()[:5]) + "\n")
+    cfg = chat_cfg(tok_dir, tmp_path, paths=[path])
+    assert cfg.train.eval_iters > 0 and not cfg.data.valid_paths
+    with pytest.raises(ConfigError, match=r"data.split='98,2,0' gives the validation split none "
+                                          r"of the 5 document\(s\) of data.paths \(a conversation "
+                                          r"is a document\).*train.eval_iters=0.*data.split=90/10/0"
+                                          r".*data.valid_paths=") as err:
+        check_chat(cfg)
+    assert "\n" not in str(err.value)
+    check_chat(chat_cfg(tok_dir, tmp_path, "train.eval_iters=0", paths=[path]))
+    check_chat(chat_cfg(tok_dir, tmp_path, f"data.valid_paths=[{path}]", paths=[path]))
+
+
+def test_nothing_left_after_truncation_names_the_ways_that_can_help(tok_dir, tmp_path):
+    """Every conversation cut before its first assistant token (data.chat_overlong=truncate
+    already): the refusal does not tell the user to set truncate."""
+    path = tmp_path / "long_prompt.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "word " * 200},
+                                             {"role": "assistant", "content": "ok"}]}) + "\n")
+    cfg = chat_cfg(tok_dir, tmp_path, "data.split=100/0/0", paths=[path])
+    with pytest.raises(ConfigError, match=r"is left for training .* raise model.seq_length=24, "
+                                          r"or shorten the turns before the first assistant") as e:
+        chat.prepare_chat(cfg.data, 24, 0)
+    assert "data.chat_overlong=truncate" not in str(e.value)
+    drop = chat_cfg(tok_dir, tmp_path, "data.split=100/0/0", "data.chat_overlong=drop",
+                    paths=[path])
+    with pytest.raises(ConfigError, match=r"or set data.chat_overlong=truncate"):
+        chat.prepare_chat(drop.data, 24, 0)
+
+
+def test_a_resume_by_checkpoint_load_alone_keeps_the_runs_seed_per_token_loss_and_eval():
+    """A packed chat fine-tune (train.seed=7, calculate_per_token_loss, data.split=100/0/0 with
+    train.eval_iters=0) resumed by checkpoint.load=DIR alone: the data fields come from the
+    checkpoint, and so must these, else the seed is refused as a data change, the loss silently
+    goes per micro-batch and the taken data.split is refused for the default eval_iters."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from recipes.checkpoint import policy as checkpointer
+
+    saved = make_cfg("data=chat", "data.tokenizer=/tok", f"data.paths=[{FIXTURE}]",
+                     "data.split=100/0/0", "train.eval_iters=0", "train.seed=7",
+                     "train.calculate_per_token_loss=true", "data.chat_packing=true")
+    plan = SimpleNamespace(path="/ck/iter_0000002", common={"train_state": {"config": {
+        group: OmegaConf.to_container(saved[group]) for group in ("model", "data", "train")}}})
+    cfg = make_cfg("train.train_iters=8")
+    note = checkpointer.take_checkpoint_fields(cfg, plan, overrides=["train.train_iters=8"])
+    assert (cfg.train.seed, cfg.train.calculate_per_token_loss, cfg.train.eval_iters) == (
+        7, True, 0), note
+    assert cfg.train.train_iters == 8 and cfg.data.source == "chat"
+    given = make_cfg("train.eval_iters=3")
+    checkpointer.take_checkpoint_fields(given, plan, overrides=["train.eval_iters=3"])
+    assert given.train.eval_iters == 3 and given.train.seed == 7  # a given field kept
+
+
+def test_export_from_elsewhere_says_the_trained_template_is_missing(tok_dir, tmp_path,
+                                                                     monkeypatch):
+    """A run's relative data.chat_template (or one deleted since) that the export cannot find:
+    the tokenizer dir's own chat_template.jinja is not written in its place, and gtp export
+    says in one line that the trained template is missing."""
+    import argparse
+    import io
+    import shutil
+
+    from gtp import cli, hf_export
+
+    tok = tmp_path / "tok"
+    shutil.copytree(tok_dir, tok)
+    (tok / "chat_template.jinja").write_text("{{ 'the tokenizer dir own template' }}")
+    data = {"tokenizer": str(tok), "chat_template": "relative/trained.jinja"}
+    out = tmp_path / "export"
+    out.mkdir()
+    names = hf_export._copy_tokenizer(data, out, {})
+    assert "tokenizer.json" in names and "chat_template.jinja" not in names
+    assert hf_export.chat_template_not_found(data) == "relative/trained.jinja"
+    assert hf_export.chat_template_not_found({"chat_template": str(tok / "chat_template.jinja")}
+                                             ) is None
+    (out / "gtp_recipes_export.json").write_text(json.dumps({
+        "architecture": "GPT2LMHeadModel", "vocab_size": VOCAB, "iteration": 2, "source": "/ck",
+        "tokenizer_files": names, "chat_template_not_found": "relative/trained.jinja"}))
+    monkeypatch.setattr(hf_export, "export", lambda *a, **k: out)
+    printed = io.StringIO()
+    args = argparse.Namespace(ckpt="/ck", out=str(out), layout=None, force=False)
+    assert cli.cmd_export(args, out=printed) == 0
+    note = [line for line in printed.getvalue().splitlines() if line.startswith("note:")]
+    assert len(note) == 1 and "data.chat_template='relative/trained.jinja' is not a file" in \
+        note[0], printed.getvalue()

@@ -262,10 +262,10 @@ def format_changes(changes: list[Change]) -> str:
                      for r in rows)
 
 
-# What a resume takes from its run when the command line does not (Megatron-LM's
-# --use-checkpoint-args): every model and data field but the cache dir; one given tokenizer
-# field gives all three (another tokenizer with the old end-of-document id would be wrong).
-TAKEN_FROM_CHECKPOINT = {"model": None, "data": None}
+# What a resume takes from its run unless given (Megatron-LM's --use-checkpoint-args): of train,
+# the data order, loss and eval a taken data.split needs; one tokenizer field given gives all 3.
+TAKEN_FROM_CHECKPOINT = {"model": None, "data": None,
+                         "train": ("seed", "calculate_per_token_loss", "eval_iters")}
 _NOT_TAKEN, _TOGETHER = {"data": ("cache_dir",)}, {"data": ("tokenizer", "eod_id", "vocab_size")}
 
 

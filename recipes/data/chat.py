@@ -35,18 +35,20 @@ import re
 import shutil
 import tempfile
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import numpy
 
 from gtp.progress import progress
+from recipes.data.chat_dataset import ChatDataset, attention_mask, position_ids  # noqa: F401
 from recipes.data.chat_saved import check_saved_dataset, input_stats, saved_rows
 from recipes.data.corpus import resolved_cache_dir
 from recipes.data.tokenizers import is_tokenizer_path
+from recipes.errors import ConfigError
 
 ROLES = ("system", "user", "assistant")
 OVERLONG = ("truncate", "drop")
-CHAT_FORMAT_VERSION = 1
+CHAT_FORMAT_VERSION = 2  # 2: an assistant-first conversation's header out of the mask
 _FORM = ('{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", '
          '"content": "..."}]} or {"prompt": "...", "completion": "..."}')
 
@@ -113,11 +115,19 @@ def read_conversations(path: str, split: str = "train") -> Iterator[list[dict]]:
         ValueError: ``<path>:<line>: <what is wrong>; <the fix>`` for the first bad line
             (``<path>: row <index>: ...`` for a saved dataset), or an empty file or dataset.
     """
+    for _, messages in _located_conversations(path, split):
+        yield messages
+
+
+def _located_conversations(path: str, split: str) -> Iterator[tuple[str, list[dict]]]:
+    """``(where, messages)`` of :func:`read_conversations`: ``<path>:<line>`` or ``<path>: row
+    <index>``, what a later refusal of the conversation names."""
     found = False
     if os.path.isdir(path):
         for index, row in saved_rows(path, split):
             found = True
-            yield _messages_of(row, f"{path}: row {index}")
+            where = f"{path}: row {index}"
+            yield where, _messages_of(row, where)
         if not found:
             raise ValueError(f"{path}: an empty dataset ({split!r}), no conversation; give rows "
                              f"of {_FORM}")
@@ -132,7 +142,7 @@ def read_conversations(path: str, split: str = "train") -> Iterator[list[dict]]:
             except (UnicodeDecodeError, json.JSONDecodeError) as err:
                 raise ValueError(f"{where}: not a JSON object ({err}); write {_FORM}") from None
             found = True
-            yield _messages_of(record, where)
+            yield where, _messages_of(record, where)
     if not found:
         raise ValueError(f"{path}: empty, no conversation; give a .jsonl file of {_FORM}")
 
@@ -195,6 +205,20 @@ def _render(tok, messages: list[dict], generation_prompt: bool = False) -> str:
                                    add_generation_prompt=generation_prompt)
 
 
+_PROBE = "GTPCHATPROBE7f3a"  # a stand-in reply, found in the rendered text
+
+
+def _generation_prefix(tok, messages: list[dict]) -> str:
+    """The text before the next assistant turn's content: ``render(messages,
+    add_generation_prompt=True)``, its role header included. For a conversation that opens with
+    the assistant (transformers renders no empty conversation), what the template writes before
+    the content of a lone assistant message (``""`` when it is not found)."""
+    if messages:
+        return _render(tok, messages, generation_prompt=True)
+    text = _render(tok, [{"role": "assistant", "content": _PROBE}])
+    return text[:max(text.find(_PROBE), 0)]
+
+
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -218,7 +242,7 @@ def render(tok, messages: list[dict], where: str = "") -> tuple[list[int], list[
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = _render(tok, messages[:i], generation_prompt=True) if i else ""
+        before = _generation_prefix(tok, messages[:i])
         upto = _render(tok, messages[: i + 1])
         if not (upto.startswith(before) and text.startswith(upto)):
             raise ValueError(f"{where}: the chat template renders the turns before assistant "
@@ -238,8 +262,16 @@ def _conversation_samples(tok, files, seq_length: int, overlong: str, counts: di
     """``(ids, mask)`` of every conversation of ``files`` with at most ``seq_length + 1`` ids
     (longer ones cut or left out, counted in ``counts``)."""
     for path in files:
-        for n, messages in enumerate(read_conversations(path, split)):
-            ids, mask = render(tok, messages, f"{path}: conversation {n + 1}")
+        for where, messages in _located_conversations(path, split):
+            try:
+                ids, mask = render(tok, messages, where)
+            except Exception as err:  # noqa: BLE001 - the template's error, named in one line
+                if str(err).startswith(where):
+                    raise
+                raise ValueError(f"{where}: the chat template cannot render this conversation "
+                                 f"({type(err).__name__}: {err}); fix the line, or give a "
+                                 f"template that accepts it (data.chat_template=<file.jinja>)"
+                                 ) from None
             if len(ids) > seq_length + 1:
                 if overlong == "drop":
                     counts["dropped"] += 1
@@ -326,17 +358,21 @@ def _split(examples: list, split: str) -> tuple[list, list]:
     return parts[0], parts[1]
 
 
-def check_chat_data(data_cfg: Any) -> None:
+def check_chat_data(data_cfg: Any) -> dict[str, int]:
     """Everything about ``data=chat`` that can be checked before launch: the fields, the files
     (every line parsed and checked), the tokenizer's chat template (ValueError /
-    FileNotFoundError: one line naming the file, the line and the fix)."""
+    FileNotFoundError: one line naming the file, the line and the fix). Returns the number of
+    conversations of ``paths`` and of ``valid_paths``."""
     if str(data_cfg.chat_overlong) not in OVERLONG:
         raise ValueError(f"data.chat_overlong={data_cfg.chat_overlong!r}: valid are {OVERLONG}")
     chat_template(data_cfg)
+    counts = {}
     for key in ("paths", "valid_paths"):
+        counts[key] = 0
         for path in check_chat_paths(data_cfg, key):
             for _ in read_conversations(path, _split_of(data_cfg, key)):
-                pass
+                counts[key] += 1
+    return counts
 
 
 def prepare_chat(data_cfg: Any, seq_length: int, pad_id: int) -> str:
@@ -346,8 +382,19 @@ def prepare_chat(data_cfg: Any, seq_length: int, pad_id: int) -> str:
     validation share (megatron's whole-document split, in file order).
 
     Raises:
-        ValueError, FileNotFoundError: as :func:`check_chat_data`; no conversation left.
+        ConfigError: as :func:`check_chat_data`; a conversation the template cannot render; no
+            conversation left (a refusal: one line, no traceback, in a worker too).
     """
+    try:
+        return _prepare_chat(data_cfg, seq_length, pad_id)
+    except ConfigError:
+        raise
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(str(err)) from None
+
+
+def _prepare_chat(data_cfg: Any, seq_length: int, pad_id: int) -> str:
+    """:func:`prepare_chat`, raising ValueError / FileNotFoundError."""
     files = check_chat_paths(data_cfg)
     valid_files = check_chat_paths(data_cfg, "valid_paths")
     out_dir = os.path.join(resolved_cache_dir(data_cfg),
@@ -368,9 +415,13 @@ def prepare_chat(data_cfg: Any, seq_length: int, pad_id: int) -> str:
     else:
         train, valid = _split(train, str(data_cfg.split))
     if not train:
-        raise ValueError(f"no conversation of {files} is left for training ({counts}); add "
-                         f"conversations, raise model.seq_length or set data.chat_overlong="
-                         f"truncate")
+        ways = ["add conversations", f"raise model.seq_length={seq_length}"]
+        if overlong == "drop" and counts["dropped"]:
+            ways.append("set data.chat_overlong=truncate")
+        if counts["no_loss"]:  # cut before its first assistant token: truncating cannot help
+            ways.append("shorten the turns before the first assistant reply")
+        raise ValueError(f"no conversation of {files} is left for training ({counts}); "
+                         + ", or ".join(ways))
     packing = bool(data_cfg.chat_packing)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
@@ -401,69 +452,3 @@ def prepare_chat(data_cfg: Any, seq_length: int, pad_id: int) -> str:
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return out_dir
-
-
-class ChatDataset:
-    """``size`` samples of one split of a cached chat dataset, shuffled per epoch with
-    ``numpy.random.RandomState(seed + epoch)`` (the order depends on the seed only, never on the
-    layout). ``dataset[i]``: ``tokens``, ``labels``, ``position_ids`` int64 ``[s]``,
-    ``loss_mask`` float32 ``[s]`` and, packed, ``attention_mask`` bool ``[1, s, s]`` (True:
-    masked out)."""
-
-    def __init__(self, out_dir: str, split: str, size: Optional[int], seed: int) -> None:
-        self.out_dir = out_dir
-        with numpy.load(os.path.join(out_dir, f"{split}.npz")) as z:
-            self.arrays = {k: z[k] for k in z.files}
-        with open(os.path.join(out_dir, "meta.json")) as f:
-            self.packed = bool(json.load(f)["packing"])
-        self.num_rows = int(self.arrays["tokens"].shape[0])
-        self.size = self.num_rows if size is None else int(size)
-        self.seed = int(seed)
-        self._orders: dict[int, numpy.ndarray] = {}
-
-    def __len__(self) -> int:
-        return self.size
-
-    def row(self, i: int) -> int:
-        """The cached row of sample ``i``."""
-        epoch, k = divmod(int(i), self.num_rows)
-        if epoch not in self._orders:
-            self._orders[epoch] = numpy.random.RandomState(self.seed + epoch).permutation(
-                self.num_rows)
-        return int(self._orders[epoch][k])
-
-    def __getitem__(self, i: int) -> dict:
-        import torch
-
-        r = self.row(i)
-        seg = torch.from_numpy(self.arrays["segments"][r].astype(numpy.int64))
-        out = {key: torch.from_numpy(self.arrays[key][r].astype(numpy.int64))
-               for key in ("tokens", "labels")}
-        out["loss_mask"] = torch.from_numpy(self.arrays["loss_mask"][r].astype(numpy.float32))
-        out["position_ids"] = position_ids(seg)
-        if self.packed:
-            out["attention_mask"] = attention_mask(seg)
-        return out
-
-
-def position_ids(segments):
-    """Positions restarting at 0 at each new segment (int64 ``[s]``)."""
-    import torch
-
-    s = segments.numel()
-    idx = torch.arange(s)
-    starts = torch.ones(s, dtype=torch.bool)
-    starts[1:] = segments[1:] != segments[:-1]
-    first = torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), 0).values
-    return idx - first
-
-
-def attention_mask(segments):
-    """Block-diagonal causal mask ``[1, s, s]`` (True = masked out): position ``q`` sees ``k``
-    when both lie in the same segment and ``k <= q``."""
-    import torch
-
-    s = segments.numel()
-    same = segments[:, None] == segments[None, :]
-    causal = torch.ones(s, s, dtype=torch.bool).tril()
-    return (~(same & causal)).unsqueeze(0)

@@ -18,6 +18,7 @@ from recipes.data.chat import ChatDataset, prepare_chat
 from recipes.data.corpus import (check_indexed_paths, check_text_paths, prepare_data,
                                  resolved_cache_dir, sequence_lengths)
 from recipes.data.tokenizers import Tokenizer, build_tokenizer, check_source
+from recipes.errors import ConfigError
 
 
 def _dist_initialized() -> bool:
@@ -27,7 +28,8 @@ def _dist_initialized() -> bool:
 def _rank0_first(fn: Callable[[], Any]) -> Any:
     """Run ``fn`` on global rank 0, then (after it succeeded) on the other ranks.
 
-    A failure on rank 0 is broadcast, so the other ranks raise instead of waiting forever.
+    A failure on rank 0 is broadcast, so the other ranks raise instead of waiting forever (a
+    ConfigError for rank 0's refusal of its input: each rank then exits without a traceback).
     """
     if not _dist_initialized():
         return fn()
@@ -40,14 +42,20 @@ def _rank0_first(fn: Callable[[], Any]) -> Any:
         except Exception as err:  # re-raised below, after telling the other ranks
             error = err
 
-    failed = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=collective_device())
+    # 0: done; 1: failed; 2: refused its input (a ConfigError: the other ranks refuse too, so
+    # none prints a traceback for what rank 0 says in one line)
+    code = 0 if error is None else 2 if isinstance(error, ConfigError) else 1
+    failed = torch.tensor([code], dtype=torch.int32, device=collective_device())
     dist.broadcast(failed, src=0)
     if rank == 0:
         if error is not None:
             raise error
         return result
     if int(failed.item()):
-        raise RuntimeError("global rank 0 failed to prepare the data; its error is in its log")
+        # "failed on another rank": the launcher reports rank 0's error, not this consequence
+        kind = ConfigError if int(failed.item()) == 2 else RuntimeError
+        raise kind("the data preparation failed on another rank (global rank 0); its error is "
+                   "in its log")
     return fn()
 
 
@@ -244,8 +252,8 @@ def _chat_datasets(cfg: Any, tokenizer: Tokenizer, train_samples: int,
     valid = ChatDataset(out_dir, "validation", valid_samples, seed)
     if valid.num_rows == 0:
         if valid_samples:
-            raise ValueError(f"train.eval_iters > 0 needs chat validation data: data.split="
-                             f"{cfg.data.split!r} left none; set data.valid_paths=[...], give "
-                             f"validation a share of data.split, or train.eval_iters=0")
+            raise ConfigError(f"train.eval_iters > 0 needs chat validation data: data.split="
+                              f"{cfg.data.split!r} left none; set data.valid_paths=[...], give "
+                              f"validation a share of data.split, or train.eval_iters=0")
         valid = None
     return train, valid, None
