@@ -302,6 +302,11 @@ def check_chat(cfg) -> None:
         if why:
             raise ConfigError(f"data.chat_packing=true is refused with {why}; or set "
                               f"data.chat_packing=false")
+    if data.chat_packing and not cfg.train.get("calculate_per_token_loss", False):
+        print("> note: data.chat_packing=true with train.calculate_per_token_loss=false: each "
+              "micro-batch's loss is its mean over its own answer tokens, so a token weighs more "
+              "in a micro-batch with fewer; train.calculate_per_token_loss=true weighs every "
+              "answer token alike", flush=True)
     from recipes.data.chat import check_chat_data
     from recipes.data.datasets import check_split_documents
 

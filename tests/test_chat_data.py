@@ -167,6 +167,10 @@ BAD = {
     "no_assistant": ('{"messages": [{"role": "user", "content": "x"}]}',
                      r":2: no assistant turn, so nothing to learn; add one or drop the line"),
     "not_json": ('{"messages": [', r":2: not a JSON object"),
+    "tool_calls": ('{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", '
+                   '"content": null, "tool_calls": [{"function": {"name": "f"}}]}]}',
+                   r":2: message 1 \(assistant\) holds 'tool_calls': tool calls are not "
+                   r"supported; write the call as the 'content' string or drop the line"),
 }
 
 
@@ -402,3 +406,36 @@ def test_export_from_elsewhere_says_the_trained_template_is_missing(tok_dir, tmp
     note = [line for line in printed.getvalue().splitlines() if line.startswith("note:")]
     assert len(note) == 1 and "data.chat_template='relative/trained.jinja' is not a file" in \
         note[0], printed.getvalue()
+
+
+REASONING = ("{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' }}"
+             "{%- if m.reasoning_content is defined %}{{- '<think>' + m.reasoning_content + "
+             "'</think>' }}{%- endif %}{{- m['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+             "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_a_messages_other_keys_reach_the_template(tmp_path):
+    """Qwen3's template renders an assistant turn's ``reasoning_content`` in a think block: the
+    key is handed to the template (it was dropped, so reasoning traces silently left training),
+    and the trace is in the loss with its answer."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps({"messages": [
+        {"role": "user", "content": "2 + 2?"},
+        {"role": "assistant", "content": "4.", "reasoning_content": "two and two"}]}) + "\n")
+    [messages] = chat.read_conversations(str(path))
+    assert messages[1]["reasoning_content"] == "two and two"
+    tok = AutoTokenizer.from_pretrained(write_chat_tokenizer(tmp_path / "tok", REASONING))
+    ids, mask = chat.render(tok, messages)
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == \
+        "<think>two and two</think>4.<|im_end|>\n"
+
+
+def test_packing_without_per_token_loss_says_how_tokens_are_weighed(tok_dir, tmp_path, capsys):
+    check_chat(chat_cfg(tok_dir, tmp_path, "data.chat_packing=true"))
+    assert "> note: data.chat_packing=true with train.calculate_per_token_loss=false" in \
+        capsys.readouterr().out
+    check_chat(chat_cfg(tok_dir, tmp_path, "data.chat_packing=true",
+                        "train.calculate_per_token_loss=true"))
+    assert "note" not in capsys.readouterr().out

@@ -48,7 +48,8 @@ from recipes.errors import ConfigError
 
 ROLES = ("system", "user", "assistant")
 OVERLONG = ("truncate", "drop")
-CHAT_FORMAT_VERSION = 2  # 2: an assistant-first conversation's header out of the mask
+# 2: an assistant-first conversation's header out of the mask; 3: a message's other keys rendered
+CHAT_FORMAT_VERSION = 3
 _FORM = ('{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", '
          '"content": "..."}]} or {"prompt": "...", "completion": "..."}')
 
@@ -99,12 +100,17 @@ def _messages_of(record: Any, where: str) -> list[dict]:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             role = m.get("role") if isinstance(m, dict) else m
             raise ValueError(f"{where}: message {k} has role {role!r}; valid roles are {ROLES}")
+        if m.get("tool_calls") is not None:
+            raise ValueError(f"{where}: message {k} ({m['role']}) holds 'tool_calls': tool calls "
+                             f"are not supported; write the call as the 'content' string or "
+                             f"drop the line")
         if not isinstance(m.get("content"), str):
             raise ValueError(f"{where}: message {k} ({m['role']}) has no string 'content'")
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError(f"{where}: no assistant turn, so nothing to learn; add one or drop "
                          f"the line")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    # Other keys reach the template (Qwen3's renders an assistant turn's 'reasoning_content').
+    return [dict(m) for m in messages]
 
 
 def read_conversations(path: str, split: str = "train") -> Iterator[list[dict]]:
