@@ -10,7 +10,7 @@ DDP, Adam and scheduler with ``recipes.worker.setup`` and runs one training step
 checkpoint holds the Adam moments:
 
 1. **Save** at the source layout ``tp2 x g2/a16`` (world 4), in one process group, ``--repeats``
-   times: save in the logical layout (``gtp.logical_format.configure("logical")``) and in the stock
+   times: save in the logical layout (``ckpt.format.logical_format.configure("logical")``) and in the stock
    layout (``"stock"``: megatron 0.19.2 as shipped), in turn (A B, B A, ...), raw write with every
    rank writing the bytes it wrote in the save to one file, raw write with rank 0 writing all
    the bytes to one file (plain ``open``/``write`` of 8 MiB blocks, then ``os.fsync`` as
@@ -25,8 +25,8 @@ checkpoint holds the Adam moments:
    layout: the baseline with the same world size and bytes per rank). With ``--control``
    (default) the tp1 launch also loads a checkpoint saved at ``tp2, gtp off`` (world 2):
    megatron's own cross-TP resharding, no GTP anywhere. Every target also loads the source's
-   logical file with torch's own ``FileSystemReader.read_data`` (``gtp.dcp_reader.disabled``),
-   which reads each stored chunk whole, beside ``gtp.dcp_reader``, which reads the requested
+   logical file with torch's own ``FileSystemReader.read_data`` (``ckpt.format.dcp_reader.disabled``),
+   which reads each stored chunk whole, beside ``ckpt.format.dcp_reader``, which reads the requested
    rows only. The stock source file is not loaded
    cross-layout: stock megatron-core 0.19.2 cannot (its padded GTP layout is the bug ``gtp/``
    fixes; ``gtp/stock`` converts such a file once instead).
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
                   {"phase": "save_only", "tag": f"control_{name}"})
         if "error" not in res:
             controls["control"] = res["source"]
-        # Without padding rows the stock file holds the logical rows (gtp.stock: not stock),
+        # Without padding rows the stock file holds the logical rows (ckpt.stock: not stock),
         # so stock megatron can read it into a non-GTP model: a control for the file format.
         if not any(main_res["gtp_padding_rows"].values()):
             controls["stock_file"] = str(Path(main_res["source"]).parent / "save_stock")

@@ -14,9 +14,9 @@ repeat, in turn (A B C D, D C B A, ...), each timed barrier to barrier on every 
   each rank reads its share of the data files whole and checks every CRC-32 first);
 * **load, not verified**: ``verify=False`` (the reader still checks the CRC-32 of each entry a
   read covers whole);
-* **load, no CRC at all**: ``verify=False`` inside ``gtp.dcp_reader.crc_unchecked`` (what a load
+* **load, no CRC at all**: ``verify=False`` inside ``ckpt.format.dcp_reader.crc_unchecked`` (what a load
   cost before integrity checks);
-* **verify, one process**: ``gtp.verify.verify_iteration`` on rank 0 alone, as
+* **verify, one process**: ``ckpt.verify.verify_iteration`` on rank 0 alone, as
   ``python -m gtp verify`` runs (every byte, the common state, in one process).
 
 Saves write nothing more for integrity (the CRC-32s are ``torch.save``'s own, written
@@ -47,7 +47,8 @@ def _worker(cfg_path: str, out_path: str) -> None:
     from omegaconf import OmegaConf
 
     from benchmarks.measure import in_turn, measure
-    from gtp import dcp_reader, verify
+    from ckpt.format import dcp_reader
+    from ckpt import verify
     from recipes import checkpoint
     from recipes.data import build_train_iterator
     from recipes.loop import train_step

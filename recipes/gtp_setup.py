@@ -21,8 +21,8 @@ def before_model(cfg, layout) -> None:
     would keep 16).
 
     First, at every layout (GTP off included): ``checkpoint.format`` picks how GTP weights
-    are checkpointed ("logical": ``gtp.logical_format`` patch installed; "stock": megatron 0.19.2)."""
-    from gtp import logical_format
+    are checkpointed ("logical": ``ckpt.format.logical_format`` patch installed; "stock": megatron 0.19.2)."""
+    from ckpt.format import logical_format
 
     logical_format.configure(cfg.checkpoint.get("format", "logical"))
     if not layout.uses_gtp:

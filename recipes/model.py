@@ -16,24 +16,6 @@ from recipes.shapes import padded_vocab_size
 PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def padded_vocab_of_config(cfg, tp: int) -> int:
-    """Padded vocab rows of a saved run config (a plain mapping with ``data`` and ``model``) at
-    tensor-parallel size ``tp``: the tokenizer's vocab padded by :func:`padded_vocab_size`.
-
-    Registered as gtp-recipes' reader of the entry-point group ``gtp.run_config_vocab``, through
-    which ``gtp.stock`` learns the vocab of a checkpoint that records only its run config.
-
-    Raises:
-        KeyError, ValueError: ``cfg`` is not a gtp-recipes run config.
-    """
-    from omegaconf import OmegaConf
-
-    from recipes.data import build_tokenizer
-
-    vocab = build_tokenizer(OmegaConf.create(dict(cfg["data"]))).vocab_size
-    return padded_vocab_size(vocab, int(cfg["model"]["make_vocab_size_divisible_by"]), tp)
-
-
 def transformer_config(cfg, layout, use_te: bool | None = None):
     """megatron ``TransformerConfig`` for ``cfg.model`` at ``layout`` (a ``recipes.parallel_dims.ParallelDims``).
 

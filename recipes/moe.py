@@ -151,7 +151,7 @@ def check(cfg, layout) -> None:
 def _check_checkpoints(cfg, layout) -> None:
     """What MoE checkpoints support (docs/moe.md, Checkpoints): the logical format (fp32 or
     bf16 parameters, megatron's plain or distributed optimizer) and the stock one with fp32
-    parameters and the plain optimizer (read at other layouts through gtp.stock); pretrained
+    parameters and the plain optimizer (read at other layouts through ckpt.stock); pretrained
     starts (a Mixtral / Qwen3-MoE import, or a checkpoint) load logical-format weights at any
     expert layout. Anything else is refused, naming why."""
     ck, m = cfg.checkpoint, cfg.model

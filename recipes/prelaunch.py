@@ -19,8 +19,8 @@ from dataclasses import fields, is_dataclass
 from typing import Optional
 from urllib.parse import urlparse
 
-from gtp.records import CHECKPOINT_FORMATS, unbounded_size
-from gtp.verify import stored_shapes
+from ckpt.format.records import CHECKPOINT_FORMATS, unbounded_size
+from ckpt.verify import stored_shapes
 from recipes import te
 from recipes.checkpoint import CheckpointError
 from recipes.errors import ConfigError
@@ -179,7 +179,7 @@ def _unknown_keys(node, schema, prefix: str) -> list[str]:
 
 
 def check_checkpoint_format(cfg) -> None:
-    """Refuse a ``checkpoint.format`` that is not one of :data:`gtp.records.CHECKPOINT_FORMATS`,
+    """Refuse a ``checkpoint.format`` that is not one of :data:`ckpt.format.records.CHECKPOINT_FORMATS`,
     and one that disagrees with its old name ``gtp.checkpoint_layout`` (both typed, with
     different values: the config holds either one's value in both, ``recipes.config``).
 
@@ -381,7 +381,7 @@ def changed_shape_fields(saved: dict, now: dict) -> list[str]:
 def check_saved_sizes(path, common: dict, now) -> list[tuple]:
     """Every size of the checkpoint's saved run config and of this ``model`` config (``now``, a
     dict or config node) within what its ``.metadata`` stores
-    (:func:`gtp.records.unbounded_size`), checked before any parameter shape is enumerated
+    (:func:`ckpt.format.records.unbounded_size`), checked before any parameter shape is enumerated
     from either (and, with ``plan``, before :func:`check` validates anything). Returns the
     stored tensors' global shapes.
 
@@ -390,7 +390,7 @@ def check_saved_sizes(path, common: dict, now) -> list[tuple]:
     """
     from omegaconf import OmegaConf
 
-    from gtp import safe_metadata
+    from ckpt.format import safe_metadata
 
     if not isinstance(now, dict):
         now = OmegaConf.to_container(now, resolve=True)

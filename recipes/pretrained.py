@@ -1,7 +1,7 @@
 """Start a run from pretrained weights: ``checkpoint.pretrained=PATH``.
 
 PATH is a Hugging Face model directory (``config.json`` + safetensors; imported once, before
-launch, into ``<output_dir>/pretrained`` with :func:`gtp.hf_import.import_hf`) or a checkpoint
+launch, into ``<output_dir>/pretrained`` with :func:`ckpt.hf.hf_import.import_hf`) or a checkpoint
 of gtp-recipes (root or ``iter_*`` dir, any layout). Only the model weights are loaded, at this
 run's layout; the optimizer, the lr schedule, the iteration and the data position start fresh
 (Megatron-LM's ``--pretrained-checkpoint`` / ``--no-load-optim --no-load-rng --finetune``), and
@@ -11,7 +11,7 @@ Before launch (:func:`apply_source`, one process):
 
 * ``checkpoint.load`` (resume) and ``checkpoint.pretrained`` together are refused;
 * the ``model`` fields come from the source (the HF ``config.json`` through
-  :func:`gtp.hf_import.implied_model`, or the checkpoint's run config) unless given on the
+  :func:`ckpt.hf.hf_import.implied_model`, or the checkpoint's run config) unless given on the
   command line; a given field among :data:`TENSOR_FIELDS` or :data:`ROUTING_FIELDS` that differs
   from the source's is refused, naming it (the source's tensors have another shape or meaning,
   or its experts were trained with another routing);
@@ -29,8 +29,8 @@ from pathlib import Path
 
 from omegaconf import open_dict
 
-from gtp import hf_import
-from gtp.records import TRACKER, imported_from
+from ckpt.hf import hf_import
+from ckpt.format.records import TRACKER, imported_from
 from recipes.checkpoint import CheckpointError
 from recipes.config import OptimConfig, given_fields, given_overrides
 from recipes.errors import ConfigError
@@ -233,7 +233,7 @@ def load_weights(cfg, model, optimizer) -> dict | None:
     scheduler and RNG are left as built (iteration 0).
 
     Returns:
-        The Hugging Face model the source came from (``gtp.records.IMPORTED_KEY``: its dir,
+        The Hugging Face model the source came from (``ckpt.format.records.IMPORTED_KEY``: its dir,
         model_type and bos/eos/pad ids), which every save of the run keeps so that its export
         has the source's token ids; None for a source trained from scratch.
 

@@ -2,7 +2,7 @@
 
 A refusal is a :class:`recipes.validate.ConfigError`, a
 :class:`recipes.checkpoint.errors.CheckpointError` (a :class:`recipes.lease.LeaseHeld` too), or
-:mod:`gtp.safe_objects`' refusal of a crafted checkpoint (itself, a cause, or one rank's error of
+:mod:`ckpt.format.safe_objects`' refusal of a crafted checkpoint (itself, a cause, or one rank's error of
 torch DCP's ``CheckpointException``). Before launch ``train.py`` prints it as ``error: ...``; in a
 worker started by ``train.py`` it goes to torch elastic's error file (:func:`record`) and the
 launcher prints it once (``recipes.launch.launch_local``).
@@ -27,8 +27,8 @@ def message(exc: BaseException) -> str | None:
     """The message of the refusal behind ``exc``, or None when ``exc`` is another error."""
     if isinstance(exc, (ConfigError, CheckpointError)):
         return str(exc)
-    if "gtp.safe_objects" in sys.modules:  # loaded by whatever read a checkpoint
-        refused = sys.modules["gtp.safe_objects"].refusal(exc)
+    if "ckpt.format.safe_objects" in sys.modules:  # loaded by whatever read a checkpoint
+        refused = sys.modules["ckpt.format.safe_objects"].refusal(exc)
         if refused is not None:
             return f"{type(refused).__name__}: {refused}"
     return None

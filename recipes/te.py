@@ -20,7 +20,7 @@ and gathered in FP8, as Megatron-LM's ``--fp8-param-gather``: ``TransformerConfi
 (megatron builds the layers under TransformerEngine's FP8 model init), and
 ``DistributedDataParallelConfig.fp8_param_gather`` follows that field (:func:`ddp_fields`).
 Under GTP, megatron's weight all-gather then moves FP8 shards (``generalized_tensor_parallelism``,
-native-FP8 GTP params) and checkpoints hold the dequantized values (``gtp.logical_format``).
+native-FP8 GTP params) and checkpoints hold the dequantized values (``ckpt.format.logical_format``).
 
 ``model.transformer_impl=local`` builds megatron's local layers even where TransformerEngine
 imports (:func:`uses_transformer_engine`). Without it, megatron's local spec (``get_gpt_layer_local_spec``), no quantization field, and the

@@ -10,7 +10,7 @@ import os
 import sys
 
 from gtp.alignment import validate_gtp_dims
-from gtp.records import CHECKPOINT_FORMATS
+from ckpt.format.records import CHECKPOINT_FORMATS
 from recipes import context_parallel, mtp, te
 from recipes.checkpoint import CheckpointError
 from recipes.errors import ConfigError

@@ -86,7 +86,7 @@ def _trimming_factory(entry, stored_rows: int, real: int):
     of the model's rows zero.
 
     ``entry`` is megatron's ShardedTensor (no GTP: wrapped in a ShardedTensorFactory) or
-    ``gtp.logical_format``'s logical GTP factory (:func:`gtp.logical_format.with_stored_rows`, which
+    ``ckpt.format.logical_format``'s logical GTP factory (:func:`ckpt.format.logical_format.with_stored_rows`, which
     merges into the live tensor in place). Megatron applies the factory to every optimizer
     tensor of the param too (``dist_checkpointing.optimizer.make_sharded_optimizer_tensor``).
 
@@ -95,7 +95,7 @@ def _trimming_factory(entry, stored_rows: int, real: int):
     """
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    from gtp.logical_format import LogicalGTPFactory, with_stored_rows
+    from ckpt.format.logical_format import LogicalGTPFactory, with_stored_rows
 
     if isinstance(entry, LogicalGTPFactory):
         return with_stored_rows(entry, stored_rows, real)

@@ -33,8 +33,8 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from gtp import safe_objects
-from gtp.records import IMPORTED_KEY, saved_layout
+from ckpt.format import safe_objects
+from ckpt.format.records import IMPORTED_KEY, saved_layout
 from mcore_compat import distrib_optimizer
 from recipes import checkpoint, gtp_setup, mtp, preemption, pretrained, refusal, te
 from recipes.checkpoint import lineage

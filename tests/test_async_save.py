@@ -90,7 +90,7 @@ def _state(rank: int, world: int, value: float, split: bool = False, extra: bool
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
     def build(key, data, replica_id, flattened_range):
-        # Irregular pieces (explicit global offsets) on every rank, as gtp/logical_format.py's.
+        # Irregular pieces (explicit global offsets) on every rank, as ckpt/format/logical_format.py's.
         rows = ((0, 2), (2, 4)) if split else ((0, 4),)
         return [ShardedTensor(key, data[lo:hi].clone(), data.dtype, (hi - lo, 3), (4 * world, 3),
                               (4 * rank + lo, 0), None, replica_id=replica_id)

@@ -215,7 +215,7 @@ def test_export_keeps_the_chat_template(tok_dir, tmp_path):
     ``AutoTokenizer`` of the exported dir renders conversations as training did."""
     from transformers import AutoTokenizer
 
-    from gtp.hf_export import _copy_tokenizer
+    from ckpt.hf.hf_export import _copy_tokenizer
 
     template = tmp_path / "mine.jinja"
     template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")

@@ -10,7 +10,7 @@ import pytest
 from compose import CONF, make_cfg
 from hydra import compose, initialize_config_dir
 
-from gtp import logical_format
+from ckpt.format import logical_format
 from recipes import gtp_setup
 from recipes.prelaunch import check_checkpoint_format
 from recipes.validate import ConfigError

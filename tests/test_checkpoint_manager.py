@@ -17,7 +17,7 @@ def _run_counting(out: str, data_cache: str, *overrides: str) -> dict:
     from megatron.core import dist_checkpointing
 
     from compose import make_cfg
-    from gtp import verify
+    from ckpt import verify
     from recipes import launch
     from recipes.checkpoint import integrity
 

@@ -376,7 +376,7 @@ def test_collectives_use_the_device_their_backend_needs(distributed):
 
 
 def test_gtp_inspect_refuses_crafted_metadata_without_running_it(tmp_path, capsys):
-    from gtp.cli import main
+    from ckpt.cli import main
 
     marker = tmp_path / "payload_ran"
     fake_save(tmp_path, 1, pickle.dumps(_Payload(marker)))

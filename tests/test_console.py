@@ -140,7 +140,7 @@ def test_the_summary_without_validation_checkpoint_or_wandb():
 
 
 def test_the_hf_import_prints_its_layers_and_seconds(tmp_path, monkeypatch, capsys):
-    from gtp import hf_import
+    from ckpt.hf import hf_import
     from recipes import pretrained
 
     src = tmp_path / "hf"

@@ -24,7 +24,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from compose import CONF
-from gtp import cli
+from ckpt import cli
 from multiproc import run_distributed
 from tolerance import assert_fp32_close
 

@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 
 from compose import make_cfg
 from hf_checks import assert_import_refused, byte_bpe, megatron_logits, pretrained_run
-from gtp import cli
+from ckpt import cli
 from multiproc import run_distributed
 from tolerance import LLAMA_TINY, assert_fp32_close
 
@@ -172,7 +172,7 @@ def test_import_then_export_is_bit_equal(hf, tmp_path, name):
 def test_refusals_name_the_field_or_tensor(hf, tmp_path):
     import shutil
 
-    from gtp import hf_import
+    from ckpt.hf import hf_import
 
     def refused(src: str, change: dict, match: str, out: str) -> None:
         assert_import_refused(hf, src, change, match, tmp_path, out)
@@ -223,7 +223,7 @@ def test_sizes_and_paths_are_checked_before_anything_is_read(hf, tmp_path):
     import os
     import shutil
 
-    from gtp import hf_import
+    from ckpt.hf import hf_import
 
     bad = tmp_path / "billion"
     shutil.copytree(hf / "llama", bad)
@@ -471,7 +471,7 @@ def test_pretrained_model_fields_and_refusals_before_launch(hf):
 def test_export_token_ids_of_a_byte_tokenizer_run():
     """The byte tokenizer's end of text (256) is the exported bos/eos/pad, also when the
     checkpoint records its vocabulary size (every checkpoint of gtp-recipes does)."""
-    from gtp import hf_export
+    from ckpt.hf import hf_export
 
     data = {"tokenizer": "byte", "eod_id": None}
     assert hf_export._vocab({"vocab_size": 257}, data) == (257, 256)

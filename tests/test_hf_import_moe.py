@@ -21,7 +21,7 @@ import shutil
 import pytest
 import torch
 
-from gtp import cli
+from ckpt import cli
 from hf_checks import assert_import_refused
 
 VOCAB = 257  # the byte tokenizer's, so the recipes' data pipeline feeds the fine-tune
@@ -86,7 +86,7 @@ def hf(tmp_path_factory):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_moe_import_then_export_is_bit_equal(hf, tmp_path, name):
-    from gtp import hf_import
+    from ckpt.hf import hf_import
 
     ckpt, out = tmp_path / "ckpt", tmp_path / "exported"
     assert cli.main(["import", str(hf / name), str(ckpt)]) == 0
@@ -167,7 +167,7 @@ def test_a_preset_that_contradicts_the_source_is_refused_naming_each_field(hf):
 
 def test_an_expert_count_the_weights_contradict_is_named_as_the_file_names_it(hf, tmp_path):
     """transformers >= 5 writes a Qwen3-MoE's expert count as ``num_local_experts``."""
-    from gtp import hf_import
+    from ckpt.hf import hf_import
 
     bad = tmp_path / "qwen3_moe"
     shutil.copytree(hf / "qwen3_moe", bad)

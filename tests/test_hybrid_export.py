@@ -26,7 +26,7 @@ import zlib
 import pytest
 import torch
 
-from gtp import cli
+from ckpt import cli
 from hf_checks import megatron_logits
 from layout_goldens import build, full_shape, global_names, local, make_cfg
 from multiproc import run_distributed
@@ -64,8 +64,8 @@ def _save_stock_model(root: str, model, common: dict, record: dict) -> None:
 
     from megatron.core import dist_checkpointing
 
-    from gtp import logical_format
-    from gtp.records import stored_layout
+    from ckpt.format import logical_format
+    from ckpt.format.records import stored_layout
     from recipes.checkpoint.state import model_sharded_state_dict
 
     logical_format.configure("stock")
@@ -117,7 +117,7 @@ def world(tmp_path_factory):
 
 
 def test_the_stock_format_reads_as_the_logical_one_every_tensor_exactly(world):
-    from gtp import stock
+    from ckpt import stock
 
     root, _ = world
     analysis, got = stock.read_logical(root / f"{STOCK_OF}_stock")

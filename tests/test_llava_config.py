@@ -16,7 +16,7 @@ import pytest
 import torch
 from compose import make_cfg
 
-from gtp.families import ExportError, for_export
+from ckpt.families import ExportError, for_export
 from gtp.layout import gtp_padding
 from recipes.families import family_of, gtp_weight_dims, parameter_counts, parameter_shapes
 from recipes.shapes import local_shape
@@ -202,12 +202,12 @@ def test_an_image_shows_the_shape_its_caption_names():
 
 
 def test_the_stock_reader_gets_each_sub_models_dims_from_the_run_config():
-    """``gtp.stock``'s dims per key prefix (the LLaVA family's ``sub_model_dims``), by hand from
+    """``ckpt.stock``'s dims per key prefix (the LLaVA family's ``sub_model_dims``), by hand from
     conf/model/llava_tiny.yaml: the Llama-style language model, the CLIP ViT (every head its
     own key/value, GeLU), the projector 72 -> 128 -> 64 (GeLU)."""
     from omegaconf import OmegaConf
 
-    from gtp.families import sub_model_dims
+    from ckpt.families import sub_model_dims
 
     m = OmegaConf.to_container(make_cfg(*LLAVA).model)
     keys = ["language_model.output_layer.weight", "vision_model.conv1.weight",

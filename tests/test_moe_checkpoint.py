@@ -7,7 +7,7 @@ import pytest
 import torch
 from compose import make_cfg
 
-from gtp.records import LAYOUT_KEY, saved_layout, stored_layout
+from ckpt.format.records import LAYOUT_KEY, saved_layout, stored_layout
 from recipes.validate import validate
 
 # The keys part 1 of the MoE work added to every layout record.
@@ -180,7 +180,7 @@ def exported(moe_runs, tmp_path_factory):
     """``{name: (hf dir, megatron logits)}`` for ``mixtral`` (A's iteration 9) and ``qwen3_moe``."""
     from multiproc import run_distributed
 
-    from gtp import cli
+    from ckpt import cli
 
     root = tmp_path_factory.mktemp("moe_export")
     tokens = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(TOKENS_SEED))

@@ -125,7 +125,7 @@ def make_cfg(*overrides: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Worker-side helpers (independent of gtp/logical_format.py and recipes/checkpoint/).
+# Worker-side helpers (independent of ckpt/format/logical_format.py and recipes/checkpoint/).
 # --------------------------------------------------------------------------------------------
 def _is_expert(name: str) -> bool:
     return ".local_experts." in name

@@ -158,7 +158,7 @@ def test_moe_checkpoints_with_bf16_or_the_distributed_optimizer_are_accepted(ove
 
 
 def test_moe_checkpoints_in_the_stock_format_are_accepted():
-    # gtp.stock reads stock expert-GTP checkpoints at other layouts
+    # ckpt.stock reads stock expert-GTP checkpoints at other layouts
     # (tests/test_moe_stock_format.py).
     layout = validate(make_cfg("model=moe_tiny", "checkpoint.save=/tmp/somewhere",
                                "checkpoint.format=stock", "parallelism.expert_model_parallel_size=2",

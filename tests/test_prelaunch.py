@@ -377,8 +377,8 @@ def _with_saved_model(checkpoint_dir: Path, tmp_path: Path, **fields) -> Path:
 
     import torch
 
-    from gtp.safe_metadata import read_metadata
-    from gtp.safe_objects import load_object
+    from ckpt.format.safe_metadata import read_metadata
+    from ckpt.format.safe_objects import load_object
 
     root = tmp_path / "checkpoints"
     shutil.copytree(checkpoint_dir, root)
@@ -420,7 +420,7 @@ def test_a_saved_size_beyond_the_stored_shapes_is_refused_before_shapes_are_enum
     import contextlib
     import io
 
-    from gtp import cli
+    from ckpt import cli
 
     root = _with_saved_model(checkpoint_dir, tmp_path, **{field: value})
     with pytest.raises(CheckpointError) as info:

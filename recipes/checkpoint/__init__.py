@@ -24,7 +24,7 @@ use of one of their names (start-up time: ``train.py`` imports this package befo
 
 from __future__ import annotations
 
-from gtp.records import TRACKER
+from ckpt.format.records import TRACKER
 from recipes.checkpoint.errors import CheckpointError
 from recipes.checkpoint.files import (
     ITER_NAME,

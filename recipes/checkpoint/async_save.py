@@ -25,7 +25,7 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from torch.distributed.checkpoint.api import CheckpointException
 
 from gtp.collectives import all_ranks, any_rank, rank as global_rank
-from gtp.records import TRACKER
+from ckpt.format.records import TRACKER
 from mcore_compat.dist_checkpointing import keep_write_errors, set_write_results_queue
 from recipes import faults
 from recipes.checkpoint.errors import CheckpointError, rank_errors

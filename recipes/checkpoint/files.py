@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from gtp.records import TRACKER
+from ckpt.format.records import TRACKER
 from recipes.checkpoint.errors import CheckpointError
 
 ITER_NAME = re.compile(r"iter_(\d{7,})")

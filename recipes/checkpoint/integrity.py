@@ -1,5 +1,5 @@
 """Is a checkpoint loadable, before any tensor is read: its tracker and files complete, its
-data files as long as its metadata says, every byte as written (``gtp.verify``), every requested
+data files as long as its metadata says, every byte as written (``ckpt.verify``), every requested
 tensor present with its shape."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-from gtp import safe_metadata, safe_objects, verify
+from ckpt.format import safe_metadata, safe_objects
+from ckpt import verify
 from gtp.collectives import any_rank_failed
 from recipes.checkpoint.errors import CheckpointError, unreadable
 from recipes.checkpoint.files import check_root, iter_dir, read_tracker, saved_iterations
@@ -95,7 +96,7 @@ LOAD_FIX = "load another iteration (checkpoint.load_iteration=N) or another chec
 
 
 def verify_before_load(path: Path, fix: str = LOAD_FIX) -> None:
-    """:func:`gtp.verify.check_share` on every rank; a problem any rank finds fails the load on
+    """:func:`ckpt.verify.check_share` on every rank; a problem any rank finds fails the load on
     every rank, each naming the same files and items and ``fix`` (a collective)."""
     problems = verify.check_share(path, torch.distributed.get_rank(),
                                   torch.distributed.get_world_size())

@@ -4,7 +4,7 @@ weights alone (``checkpoint.pretrained``), through one reading path.
 Both open the checkpoint the same way (:func:`_open`: the common state, the byte
 verification, the vocabulary refusal, the stock GTP conversion, the stored shapes), adapt the
 vocabulary rows alike and read with megatron's strict ``dist_checkpointing.load`` through
-``gtp.dcp_reader``, every rank agreeing on a failure before any raises (:func:`_read`).
+``ckpt.format.dcp_reader``, every rank agreeing on a failure before any raises (:func:`_read`).
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from megatron.core.dist_checkpointing.validation import StrictHandling
 # torch DCP's CheckpointException derives from BaseException, not Exception.
 from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
 
-from gtp import dcp_reader, stock, logical_format, safe_objects
+from ckpt.format import dcp_reader, logical_format, safe_objects
+from ckpt import stock
 from gtp.collectives import any_rank_failed
-from gtp.records import saved_layout
-from gtp.safe_metadata import reused as metadata_reused
+from ckpt.format.records import saved_layout
+from ckpt.format.safe_metadata import reused as metadata_reused
 from recipes import optim_checkpoint, optim_kinds, precision_change, vocab
 from recipes.checkpoint.errors import CheckpointError, describe, rank_errors, unreadable
 from recipes.checkpoint.integrity import (
@@ -50,10 +51,10 @@ def load_common(root, iteration: int | None = None) -> tuple[Path, dict]:
 
     Raises:
         CheckpointError: as :func:`recipes.checkpoint.integrity.check_loadable`, the common
-            state cannot be read or is refused unrun (a crafted object: :mod:`gtp.safe_objects`,
+            state cannot be read or is refused unrun (a crafted object: :mod:`ckpt.format.safe_objects`,
             named), or it lacks one of :data:`COMMON_KEYS` (not written here).
     """
-    path = check_loadable(root, iteration)  # also installs gtp.safe_objects
+    path = check_loadable(root, iteration)  # also installs ckpt.format.safe_objects
     dcp_reader.install()  # a damaged data file is named (DataFileError)
     try:
         common = dist_checkpointing.load_common_state_dict(str(path))
@@ -165,7 +166,7 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
     Args:
         layout_dict: this run's :func:`recipes.checkpoint.state.layout_record`.
         verify: check every byte of the checkpoint first (``checkpoint.verify_on_load``;
-            :func:`gtp.verify.check_share`, each rank a share of the data files).
+            :func:`ckpt.verify.check_share`, each rank a share of the data files).
         opened: what :func:`load_common` returned for this checkpoint, when the caller already
             read it (it is then not read again).
 

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from gtp.collectives import collective_device
-from gtp.records import IMPORTED_KEY
-from gtp.verify import verify_iteration
+from ckpt.format.records import IMPORTED_KEY
+from ckpt.verify import verify_iteration
 from recipes.checkpoint import lineage
 from recipes.checkpoint.async_save import AsyncSaves, failure_message
 from recipes.checkpoint.errors import CheckpointError
@@ -114,7 +114,7 @@ class ResumePlan:
         """``checkpoint.load=auto``'s choice in the save dir ``root``: the newest save of the
         lineage (:mod:`recipes.checkpoint.lineage`) of the save the tracker names (without a
         usable tracker: of the newest complete save) that loads and, with ``verify``, verifies
-        (:func:`gtp.verify.verify_iteration`). A newer save of the same lineage is taken (a
+        (:func:`ckpt.verify.verify_iteration`). A newer save of the same lineage is taken (a
         crash between its rename and the tracker's write); another lineage's is never taken.
         A save to follow that cannot be read is damaged: its lineage recorded beside the tracker
         (:func:`recipes.checkpoint.lineage.recorded`) is followed, back to the iteration it

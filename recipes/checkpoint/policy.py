@@ -18,7 +18,7 @@ from pathlib import Path
 
 from omegaconf import open_dict
 
-from gtp.records import IMPORTED_KEY, saved_layout
+from ckpt.format.records import IMPORTED_KEY, saved_layout
 from recipes import checkpoint
 from recipes.checkpoint import CheckpointError
 from recipes.config import given_fields, given_overrides, to_dict

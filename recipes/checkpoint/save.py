@@ -16,9 +16,9 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import is_main_replica
 from torch.distributed.checkpoint.api import CheckpointException
 
-from gtp.logical_format import METADATA_KEY, layout_metadata
+from ckpt.format.logical_format import METADATA_KEY, layout_metadata
 from gtp.collectives import barrier, collective_device, rank as global_rank
-from gtp.records import TRACKER, stored_layout
+from ckpt.format.records import TRACKER, stored_layout
 from recipes import faults, vocab
 from recipes.checkpoint import lineage
 from recipes.checkpoint.async_save import (

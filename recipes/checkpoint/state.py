@@ -4,7 +4,7 @@ virtual pipeline chunk), the optimizer, each rank's RNG state and the layout rec
 The common (non-sharded) entries a save adds beside them: ``iteration``,
 ``opt_param_scheduler``, ``train_state`` (consumed samples, wandb run id, resolved config...),
 ``layout`` (:func:`layout_record` without ``pad_for_alignment``), the real vocabulary size
-(``recipes.vocab``) and the ``gtp_layout`` record (``gtp.logical_format``).
+(``recipes.vocab``) and the ``gtp_layout`` record (``ckpt.format.logical_format``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.utils import unwrap_model
 
-from gtp.records import megatron_core_version
+from ckpt.format.records import megatron_core_version
 from recipes.model import model_chunks
 
 
@@ -115,8 +115,8 @@ def sharded_state_dict(model, optimizer, is_loading: bool, adapt=None) -> dict:
 def layout_record(layout) -> dict:
     """The run's layout as a dict: the ``ParallelDims`` fields plus the megatron-core version.
 
-    A checkpoint stores it without ``pad_for_alignment`` (:func:`gtp.records.stored_layout`;
-    the ``gtp_layout`` record owns that fact) and :func:`gtp.records.saved_layout` reads it
+    A checkpoint stores it without ``pad_for_alignment`` (:func:`ckpt.format.records.stored_layout`;
+    the ``gtp_layout`` record owns that fact) and :func:`ckpt.format.records.saved_layout` reads it
     back in this form.
     """
     return {**dataclasses.asdict(layout), "megatron_core": megatron_core_version()}

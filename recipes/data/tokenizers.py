@@ -15,9 +15,9 @@ from typing import Any, Iterable, Optional, Union
 
 import numpy
 
-from gtp.hf_import import HFImportError, check_no_remote_code
+from ckpt.hf.hf_import import HFImportError, check_no_remote_code
 # End-of-document tokens looked up in a Hugging Face tokenizer when data.eod_id is null.
-from gtp.tokens import EOD_TOKENS
+from ckpt.hf.tokens import EOD_TOKENS
 from recipes.errors import ConfigError
 
 SOURCES = ("pydoc", "text", "indexed", "mock", "shapes", "chat")

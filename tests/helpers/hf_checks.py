@@ -14,10 +14,10 @@ import torch
 
 
 def assert_import_refused(hf_root, src: str, change: dict, match: str, out_root, out: str):
-    """``gtp.hf_import.import_hf`` of a copy of ``hf_root/src`` whose ``config.json`` has
+    """``ckpt.hf.hf_import.import_hf`` of a copy of ``hf_root/src`` whose ``config.json`` has
     ``change`` raises ``HFImportError`` matching ``match`` and writes no checkpoint under
     ``out_root/out``."""
-    from gtp import hf_import
+    from ckpt.hf import hf_import
 
     bad = out_root / f"{src}_{out}"
     shutil.copytree(hf_root / src, bad)

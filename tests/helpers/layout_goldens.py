@@ -46,7 +46,7 @@ def make_cfg(model: str, tp: int, g: int, pad, nproc: int, checkpoint_layout: st
 
 
 # --------------------------------------------------------------------------------------------
-# Helpers that run inside the worker processes (independent of gtp/logical_format.py).
+# Helpers that run inside the worker processes (independent of ckpt/format/logical_format.py).
 # --------------------------------------------------------------------------------------------
 def build(cfg_yaml: str):
     """(model, optimizer, scheduler, layout record) at the config's layout, fresh groups."""

@@ -43,7 +43,8 @@ def setup(builder: str, tp: int, g: int, pad, fmt: str = "logical"):
     from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp_impl
 
-    from gtp import alignment, backend, grad_stats, logical_format
+    from gtp import alignment, backend, grad_stats
+    from ckpt.format import logical_format
     from mcore_compat import cpu, distrib_optimizer
 
     cpu.install()
@@ -146,7 +147,7 @@ def save_and_load_all(builder: str, root: str, layouts: dict, fmt: str = "logica
     check()}``."""
     from megatron.core import dist_checkpointing
 
-    from gtp.gtp_layout_record import gtp_layout_record
+    from ckpt.format.gtp_layout_record import gtp_layout_record
 
     records = {}
     for name, (tp, g, pad, do) in layouts.items():

@@ -49,7 +49,7 @@ PRELOAD = [
     "hydra", "omegaconf",
     "recipes.launch", "recipes.worker", "recipes.loop", "recipes.model", "recipes.optim",
     "recipes.checkpoint", "recipes.metrics", "recipes.data",
-    "gtp.logical_format", "gtp.logical_factory",
+    "ckpt.format.logical_format", "ckpt.format.logical_factory",
     "frozen_preload",  # last: freezes what the imports above built
 ]
 _CONTEXT = None

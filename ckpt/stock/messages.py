@@ -6,15 +6,15 @@ from __future__ import annotations
 import itertools
 from typing import Mapping
 
-from gtp.stock.rowmaps import candidate_Ls, expected_stored_rows
-from gtp.stock.specs import GRID_A, GRID_G, GRID_TP, SavedLayout, TensorSpec, spec_for
+from ckpt.stock.rowmaps import candidate_Ls, expected_stored_rows
+from ckpt.stock.specs import GRID_A, GRID_G, GRID_TP, SavedLayout, TensorSpec, spec_for
 
 LAYOUT_HELP = (
     "to read it, pass the layout that wrote it: `python -m gtp <inspect|compare|convert> CKPT "
     "--layout tp=T,gtp=G,pad=A[,hidden_size=..,ffn_hidden_size=..,swiglu=true|false,"
     "padded_vocab_size=..][,etp=..,egtp=..,moe_ffn_hidden_size=.. for routed experts]` "
     "(compare: --layout-a/--layout-b), or in Python "
-    "gtp.stock.convert(src, dst, layout={'tensor_model_parallel_size': T, 'gtp_remat_size': G, "
+    "ckpt.stock.convert(src, dst, layout={'tensor_model_parallel_size': T, 'gtp_remat_size': G, "
     "'pad_for_alignment': A, ...}) and load dst"
 )
 

@@ -7,8 +7,8 @@ each rank's RNG state, the layers' ``_extra_state``; torch DCP's ``BYTE_IO`` ite
 ``MCoreLoadPlanner`` inherits it, and megatron-core 0.19.2's ``load_common_state_dict`` uses the
 default planner) unpickles each with ``torch.load(weights_only=False)``: a crafted record runs
 any callable it names. :func:`install` replaces ``load_bytes`` with :func:`load_object`, which
-first reads every global the record's pickle names (:func:`gtp.zip_records.check_globals`,
-without unpickling) and refuses any outside :func:`gtp.zip_records.allowed_global`'s list, then
+first reads every global the record's pickle names (:func:`ckpt.format.zip_records.check_globals`,
+without unpickling) and refuses any outside :func:`ckpt.format.zip_records.allowed_global`'s list, then
 unpickles with
 ``torch.load(weights_only=True)``. The list is exactly what this project's objects hold
 (tensors and their storages, dtypes, ``OrderedDict``, ``torch.Size``, ``torch.device``, plain
@@ -17,7 +17,7 @@ python values): torch's own weights-only list grows with every module that regis
 a process group; megatron-core adds exceptions, enums, ``argparse.Namespace``), none of which a
 checkpoint of this project holds. Anything else is refused with :class:`UnsafeObjectError`,
 naming the item and the global, before any of it runs. With
-:func:`gtp.safe_metadata.install` (which :func:`install` also calls) no byte of a checkpoint is
+:func:`ckpt.format.safe_metadata.install` (which :func:`install` also calls) no byte of a checkpoint is
 unpickled except by a restricted unpickler.
 
 megatron-core 0.19.2's ``load_common_state_dict`` reads a ``common.pt`` in the iter dir, when
@@ -35,7 +35,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from gtp import zip_records
+from ckpt.format import zip_records
 from mcore_compat.patches import megatron_patch
 
 COMMON_STATE_FNAME = "common.pt"  # megatron-core's COMMON_STATE_FNAME
@@ -43,14 +43,14 @@ COMMON_STATE_FNAME = "common.pt"  # megatron-core's COMMON_STATE_FNAME
 
 class UnsafeObjectError(ValueError):
     """A checkpoint's object item is not plain data (it names a callable or class outside
-    :func:`gtp.zip_records.allowed_global`'s list or ``torch.load``'s weights-only set, or is no
+    :func:`ckpt.format.zip_records.allowed_global`'s list or ``torch.load``'s weights-only set, or is no
     ``torch.save`` zip record at all): refused, unrun."""
 
 
 def check_globals(stream, offset: int, length: int, item: str) -> None:
-    """:func:`gtp.zip_records.check_globals` of the record ``item``, refused as
+    """:func:`ckpt.format.zip_records.check_globals` of the record ``item``, refused as
     :class:`UnsafeObjectError` (naming it): every global its pickle names is one this project's
-    objects hold (:func:`gtp.zip_records.allowed_global`), read without unpickling.
+    objects hold (:func:`ckpt.format.zip_records.allowed_global`), read without unpickling.
 
     Raises:
         UnsafeObjectError: a global outside the list (named), an opcode that fetches one
@@ -178,11 +178,11 @@ def install() -> None:
     """Route every torch DCP object read (``DefaultLoadPlanner.load_bytes``, which megatron's
     ``load_common_state_dict`` and ``dist_checkpointing.load`` reach) through
     :func:`load_object`, make megatron's ``load_common_state_dict`` refuse a ``common.pt``
-    (:class:`StrayCommonStateError`), and :func:`gtp.safe_metadata.install`. Idempotent."""
+    (:class:`StrayCommonStateError`), and :func:`ckpt.format.safe_metadata.install`. Idempotent."""
     from megatron.core.dist_checkpointing import serialization
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    from gtp import safe_metadata
+    from ckpt.format import safe_metadata
 
     safe_metadata.install()
     if not getattr(DefaultLoadPlanner.load_bytes, "_restricted", False):

@@ -1,14 +1,14 @@
 """The logical checkpoint format for GTP weights (megatron-core 0.19.2): the patch that writes it.
 
 A GTP weight is written exactly as the non-GTP model at the same TP writes it (the factory:
-:mod:`gtp.logical_factory`), so a checkpoint saved at any (TP, GTP degree, alignment) loads at
+:mod:`ckpt.format.logical_factory`), so a checkpoint saved at any (TP, GTP degree, alignment) loads at
 any other, and stock megatron-core without ``gtp/`` can load it into a non-GTP model.
 ``docs/checkpoint-format.md`` describes the bug this replaces, the format and the ``gtp_layout``
-record (:func:`layout_metadata`, built by :mod:`gtp.gtp_layout_record`).
+record (:func:`layout_metadata`, built by :mod:`ckpt.format.gtp_layout_record`).
 
 Usage::
 
-    from gtp import logical_format
+    from ckpt.format import logical_format
     logical_format.configure(cfg.checkpoint.format)   # "logical" -> install(); "stock" -> uninstall()
     ...
     state["gtp_layout"] = logical_format.layout_metadata(model, state["model"])
@@ -54,8 +54,8 @@ import logging
 import sys
 from typing import Any
 
-from gtp.gtp_layout_record import gtp_layout_record
-from gtp.logical_factory import (  # noqa: F401 - the factory names, also read as gtp.logical_format.*
+from ckpt.format.gtp_layout_record import gtp_layout_record
+from ckpt.format.logical_factory import (  # noqa: F401 - the factory names, also read as ckpt.format.logical_format.*
     GTPCheckpointError,
     LogicalGTPFactory,
     LogicalSpec,
@@ -64,7 +64,7 @@ from gtp.logical_factory import (  # noqa: F401 - the factory names, also read a
     tensor_layout_of,
     with_stored_rows,
 )
-from gtp.records import (  # noqa: F401 - the record names, also read as gtp.logical_format.*
+from ckpt.format.records import (  # noqa: F401 - the record names, also read as ckpt.format.logical_format.*
     CHECKPOINT_FORMATS,
     CHECKPOINT_LAYOUTS,
     GTP_FORMAT_LOGICAL,
@@ -118,7 +118,7 @@ def make_tp_sharded_tensor_for_checkpoint(tensor, key, tp_axis=0, replica_id=Non
     if kwargs:
         raise GTPCheckpointError(f"{key}: unsupported arguments for a GTP weight: {sorted(kwargs)}")
     if getattr(tensor, "is_routed_expert", False) or getattr(tensor, "is_grouped", False):
-        raise GTPCheckpointError(f"{key}: GTP expert weights are not supported by gtp.logical_format")
+        raise GTPCheckpointError(f"{key}: GTP expert weights are not supported by ckpt.format.logical_format")
     if tp_group is None:
         tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_size, tp_rank = tp_group.size(), tp_group.rank()
@@ -226,11 +226,11 @@ def install() -> None:
     for name, (home, new) in _TARGETS.items():
         old = getattr(sys.modules[home], name)
         if getattr(old, "__module__", None) != home:
-            raise RuntimeError(f"gtp.logical_format: {home}.{name} is not megatron's own ({old!r})")
+            raise RuntimeError(f"ckpt.format.logical_format: {home}.{name} is not megatron's own ({old!r})")
         _ORIGINALS[name] = old
     for name, (_, new) in _TARGETS.items():
         where = _swap_everywhere(name, _ORIGINALS[name], new)
-        logger.debug("gtp.logical_format: %s replaced in %s", name, where)
+        logger.debug("ckpt.format.logical_format: %s replaced in %s", name, where)
     _INSTALLED = True
 
 
@@ -273,5 +273,5 @@ def configure(checkpoint_format: str) -> None:
 def layout_metadata(model, model_sharded_state_dict=None) -> dict:
     """The ``gtp_layout`` record of a checkpoint this process writes from ``model``: in the
     logical format when :func:`install` is active, else tagged ``stock-0.19.2`` (arguments and
-    result: :func:`gtp.gtp_layout_record.gtp_layout_record`)."""
+    result: :func:`ckpt.format.gtp_layout_record.gtp_layout_record`)."""
     return gtp_layout_record(model, model_sharded_state_dict, logical=_INSTALLED)

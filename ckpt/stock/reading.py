@@ -1,8 +1,8 @@
 """The logical tensors of any checkpoint (:func:`read_logical`; stock ones reconstructed).
 
 Memory: :func:`read_logical` holds the whole checkpoint (stored and logical copies of the GTP
-tensors) in the memory of one process; :func:`gtp.stock.convert` and
-:func:`gtp.stock.prepare_load` do that on rank 0 only.
+tensors) in the memory of one process; :func:`ckpt.stock.convert` and
+:func:`ckpt.stock.prepare_load` do that on rank 0 only.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 from gtp.progress import progress
-from gtp.stock.analysis import analyze
-from gtp.stock.format import StockCheckpointError
-from gtp.stock.specs import Analysis, TensorInfo, split_key, strip_suffix
+from ckpt.stock.analysis import analyze
+from ckpt.stock.format import StockCheckpointError
+from ckpt.stock.specs import Analysis, TensorInfo, split_key, strip_suffix
 
 
 def ensure_dist():

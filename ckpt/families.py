@@ -1,11 +1,11 @@
-"""The model families gtp reads and writes, as their packages register them.
+"""The model families ckpt/ reads and writes, as the package above it gives them.
 
-``gtp/`` knows no family by name: what a family's Hugging Face formats look like (both ways) and
+``ckpt/`` knows no family by name: what a family's Hugging Face formats look like (both ways) and
 which of its stock-format checkpoint keys are GTP weights is a :class:`FamilyFormats` that the
-package defining the family registers under the entry-point group :data:`GROUP` (gtp-recipes
-does in ``pyproject.toml``: ``recipes/families/<name>/formats.py``). :mod:`gtp.hf_import`,
-:mod:`gtp.hf_export` and :mod:`gtp.stock` look them up here, so ``gtp/`` never imports the
-package above it.
+package defining the family passes to :func:`install` (gtp-recipes does when
+``recipes.families`` is imported: ``recipes/families/formats.py``), with the reader of a saved
+run config's padded vocab. :mod:`ckpt.hf.hf_import`, :mod:`ckpt.hf.hf_export` and
+:mod:`ckpt.stock` look them up here, so ``ckpt/`` never imports the package above it.
 """
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from typing import Any, Callable, Mapping, Optional
 
-from gtp.hf_weights import HFImportError
+from ckpt.hf.hf_weights import HFImportError
 
-# The entry-point group: each entry a FamilyFormats.
-GROUP = "gtp.model_families"
+# What install() was given: the families by name, and the run-config vocab reader (or None).
+_GIVEN: dict = {"families": (), "run_config_vocab": None}
 
 
 class ExportError(ValueError):
@@ -28,7 +27,7 @@ class ExportError(ValueError):
 
 @dataclass(frozen=True)
 class HFImport:
-    """How :mod:`gtp.hf_import` reads one Hugging Face architecture.
+    """How :mod:`ckpt.hf.hf_import` reads one Hugging Face architecture.
 
     Attributes:
         fields: transformers config -> the ``model`` config dict (megatron field names); raises
@@ -96,7 +95,7 @@ class FamilyFormats:
             setting no architecture of the family computes.
         gtp_patterns: ``(regex, kind)`` per GTP-sharded weight of its stock-format checkpoints
             (kinds ``vocab``, ``qkv``, ``proj``, ``fc1``, ``fc2``:
-            :func:`gtp.stock.specs.spec_for`).
+            :func:`ckpt.stock.specs.spec_for`).
         stored_logical: regexes of the keys its stock-format checkpoints store at their logical
             shape although they are not norms or biases (which the reader knows): weights
             megatron gathers over GTP before it saves them (Mamba's ``in_proj`` components),
@@ -120,25 +119,40 @@ class FamilyFormats:
     sub_model_dims: Optional[Callable[[Mapping], Optional[dict]]] = None
 
 
-@functools.cache
-def families() -> tuple[FamilyFormats, ...]:
-    """The registered families, by name (loaded once).
+def install(formats, run_config_vocab: Optional[Callable[[Mapping, int], Optional[int]]] = None
+            ) -> None:
+    """Give ckpt/ the model families it reads and writes: ``formats``, FamilyFormats (kept by
+    name), and ``run_config_vocab``, ``(saved run config mapping, tp) -> padded vocab rows or
+    None``, through which :mod:`ckpt.stock` learns the vocab of a checkpoint that records only
+    its run config (None: such a vocab stays unknown). Replaces what was given before.
 
     Raises:
         TypeError: an entry that is not a FamilyFormats (names it).
     """
     found = []
-    for entry in sorted(entry_points(group=GROUP), key=lambda e: e.name):
-        formats = entry.load()
-        if not isinstance(formats, FamilyFormats):
-            raise TypeError(f"entry point {entry.name} = {entry.value} of {GROUP} is a "
-                            f"{type(formats).__name__}, not a gtp.families.FamilyFormats")
-        found.append(formats)
-    return tuple(found)
+    for formats_ in formats:
+        if not isinstance(formats_, FamilyFormats):
+            raise TypeError(f"{formats_!r} is a {type(formats_).__name__}, not a "
+                            f"ckpt.families.FamilyFormats")
+        found.append(formats_)
+    _GIVEN.update(families=tuple(sorted(found, key=lambda f: f.name)),
+                  run_config_vocab=run_config_vocab)
+    gtp_patterns.cache_clear()
+    stored_logical_patterns.cache_clear()
+
+
+def families() -> tuple[FamilyFormats, ...]:
+    """The families given to :func:`install`, by name (none before it is called)."""
+    return _GIVEN["families"]
+
+
+def run_config_vocab() -> Optional[Callable[[Mapping, int], Optional[int]]]:
+    """The reader of a saved run config's padded vocab given to :func:`install`, or None."""
+    return _GIVEN["run_config_vocab"]
 
 
 def importable() -> list[str]:
-    """The model_types :mod:`gtp.hf_import` reads, sorted."""
+    """The model_types :mod:`ckpt.hf.hf_import` reads, sorted."""
     return sorted(a.model_type for f in families() for a in f.architectures if a.imports)
 
 

@@ -2,8 +2,8 @@
 
 Where the saving layout comes from, first match wins per item:
 
-1. a layout the caller passes (``layout=``: a mapping, see :data:`gtp.stock.LAYOUT_KEYS`);
-2. the checkpoint's ``gtp_layout`` record (:mod:`gtp.logical_format`'s per-tensor metadata);
+1. a layout the caller passes (``layout=``: a mapping, see :data:`ckpt.stock.LAYOUT_KEYS`);
+2. the checkpoint's ``gtp_layout`` record (:mod:`ckpt.format.logical_format`'s per-tensor metadata);
 3. the checkpoint's ``layout`` record and its saved run config (``train_state.config``:
    ``model.*`` dims, the vocabulary from ``data.*``), as every gtp-recipes checkpoint has;
 4. dims implied by tensors GTP never pads (biases, norms, ``in_features``), and, when ``tp`` /
@@ -15,9 +15,9 @@ Where the saving layout comes from, first match wins per item:
 A layout that does not explain a stored shape is refused the same way: nothing is ever read
 under a guessed layout.
 
-A model of sub-models (LLaVA: :attr:`gtp.families.FamilyFormats.sub_models`) has its model
+A model of sub-models (LLaVA: :attr:`ckpt.families.FamilyFormats.sub_models`) has its model
 dims per key prefix, from 3. (through the family's ``sub_model_dims``) and 4. (that prefix's
-tensors), and one layout (:attr:`gtp.stock.specs.StoredCheckpoint.sub_dims`).
+tensors), and one layout (:attr:`ckpt.stock.specs.StoredCheckpoint.sub_dims`).
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping, Optional
 
-from gtp.families import sub_model_dims
-from gtp.safe_objects import install
-from gtp.stock.format import METADATA_KEY, TRACKER, StockCheckpointError, checkpoint_format
-from gtp.stock.messages import layout_help
-from gtp.stock.specs import (MODEL_DIMS, Analysis, SavedLayout, StoredCheckpoint, TensorInfo,
+from ckpt.families import sub_model_dims
+from ckpt.format.safe_objects import install
+from ckpt.stock.format import METADATA_KEY, TRACKER, StockCheckpointError, checkpoint_format
+from ckpt.stock.messages import layout_help
+from ckpt.stock.specs import (MODEL_DIMS, Analysis, SavedLayout, StoredCheckpoint, TensorInfo,
                              TensorSpec, config_layout, dims_problems, get_path, gtp_kind,
                              infer_dims, is_plain, parse_layout, split_key, strip_suffix)
-from gtp.stock.stock_layout import analyze_stock
+from ckpt.stock.stock_layout import analyze_stock
 
 
 def resolve_iter_dir(path) -> Path:

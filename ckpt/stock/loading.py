@@ -9,11 +9,11 @@ import tempfile
 from pathlib import Path
 from typing import Mapping, Optional
 
-from gtp.records import saved_layout
-from gtp.stock.analysis import analyze
-from gtp.stock.conversion import CONVERTED_BY, CONVERTED_KEY, broadcast_object, convert, fingerprint
-from gtp.stock.format import METADATA_KEY, TRACKER, StockCheckpointError, checkpoint_format
-from gtp.stock.specs import get_path
+from ckpt.format.records import saved_layout
+from ckpt.stock.analysis import analyze
+from ckpt.stock.conversion import CONVERTED_BY, CONVERTED_KEY, broadcast_object, convert, fingerprint
+from ckpt.stock.format import METADATA_KEY, TRACKER, StockCheckpointError, checkpoint_format
+from ckpt.stock.specs import get_path
 
 # Cache folder (under the checkpoint root) that prepare_load converts stock checkpoints into.
 CONVERTED_DIR = "gtp_converted"

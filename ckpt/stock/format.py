@@ -1,14 +1,14 @@
 """What a checkpoint records about its GTP format, and the error the stock reader raises.
 
 :func:`checkpoint_format` is the one place that knows the format tag written by
-:mod:`gtp.logical_format`.
+:mod:`ckpt.format.logical_format`.
 """
 
 from __future__ import annotations
 
 from typing import Mapping
 
-from gtp.records import (GTP_FORMAT_LOGICAL as FORMAT_LOGICAL, GTP_FORMAT_STOCK as FORMAT_STOCK,
+from ckpt.format.records import (GTP_FORMAT_LOGICAL as FORMAT_LOGICAL, GTP_FORMAT_STOCK as FORMAT_STOCK,
                          METADATA_KEY, TRACKER)
 
 
@@ -20,10 +20,10 @@ class StockCheckpointError(ValueError):
 def checkpoint_format(common: Mapping) -> str:
     """``"logical"`` or ``"stock"``: how the checkpoint's GTP weights are laid out on disk.
 
-    Reads the ``gtp_layout`` record that :mod:`gtp.logical_format` adds to the common state
+    Reads the ``gtp_layout`` record that :mod:`ckpt.format.logical_format` adds to the common state
     (``gtp_format``: ``"logical-v1"`` or ``"stock-0.19.2"``). A checkpoint without it predates that
     record (or was written by megatron itself): "stock". Whether a stock checkpoint is actually
-    padded depends on its GTP degree (:func:`gtp.stock.is_stock`).
+    padded depends on its GTP degree (:func:`ckpt.stock.is_stock`).
 
     Raises:
         StockCheckpointError: an unknown ``gtp_format`` tag.

@@ -3,22 +3,22 @@
 What is checked, for one ``iter_XXXXXXX`` dir (``docs/integrity.md`` says what is not):
 
 * ``metadata.json`` is megatron's JSON naming the ``torch_dist`` backend;
-* ``.metadata`` unpickles through :mod:`gtp.safe_metadata`, and is consistent: every chunk of
+* ``.metadata`` unpickles through :mod:`ckpt.format.safe_metadata`, and is consistent: every chunk of
   every tensor and every object has a stored record, every record belongs to an item, a
   tensor's chunks lie inside it and cover it exactly once, and record names are plain file
   names of the dir;
 * the data files: their records cover each file exactly (no gap, no overlap, nothing after the
   last, nothing missing: a truncated file is named with the first item it cuts); every entry of
-  every record matches the CRC-32 its zip directory holds (:func:`gtp.zip_records.check_record`;
+  every record matches the CRC-32 its zip directory holds (:func:`ckpt.format.zip_records.check_record`;
   ``torch.save`` writes one per entry); each tensor record holds the dtype and shape
   ``.metadata`` gives its chunk and its pickle names only the globals this project's records
-  hold (:func:`gtp.zip_records.check_globals`); each object record (the common state, every RNG
-  state and ``_extra_state``) loads as the load reads it (:func:`gtp.safe_objects.load_object`);
+  hold (:func:`ckpt.format.zip_records.check_globals`); each object record (the common state, every RNG
+  state and ``_extra_state``) loads as the load reads it (:func:`ckpt.format.safe_objects.load_object`);
 * no ``common.pt`` lies in the dir (megatron would read it in place of the saved common state;
-  :func:`gtp.safe_objects.stray_common_state`);
+  :func:`ckpt.format.safe_objects.stray_common_state`);
 * the common state loads (megatron's ``load_common_state_dict``, its record unpickled with
-  ``weights_only=True``: :mod:`gtp.safe_objects`), its ``iteration`` is the dir's, and no size
-  of its saved run config exceeds every stored shape (:func:`gtp.records.unbounded_size`);
+  ``weights_only=True``: :mod:`ckpt.format.safe_objects`), its ``iteration`` is the dir's, and no size
+  of its saved run config exceeds every stored shape (:func:`ckpt.format.records.unbounded_size`);
 * a checkpoint root's tracker (``latest_checkpointed_iteration.txt``) holds an iteration whose
   dir is complete.
 
@@ -36,9 +36,9 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from gtp import safe_objects, zip_records
-from gtp.records import TRACKER, unbounded_size
-from gtp.safe_objects import COMMON_STATE_FNAME, stray_common_state
+from ckpt.format import safe_objects, zip_records
+from ckpt.format.records import TRACKER, unbounded_size
+from ckpt.format.safe_objects import COMMON_STATE_FNAME, stray_common_state
 
 ITER_NAME = re.compile(r"iter_(\d{7,})")
 
@@ -104,7 +104,7 @@ METADATA_JSON_LIMIT = 1 << 20  # bytes of metadata.json read at most
 
 def read_metadata(path) -> tuple[Any, list[Problem]]:
     """``(metadata, problems)`` of ``<path>/.metadata`` (metadata None when it cannot be read)."""
-    from gtp.safe_metadata import read_metadata as read
+    from ckpt.format.safe_metadata import read_metadata as read
 
     path = Path(path)
     problems = []
@@ -147,7 +147,7 @@ def check_metadata(path, metadata) -> list[Problem]:
     """
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    from gtp.safe_metadata import tiling_problems
+    from ckpt.format.safe_metadata import tiling_problems
 
     path = Path(path)
     source = str(path / ".metadata")
@@ -282,7 +282,7 @@ def _chunk_metadata(metadata) -> dict:
 
 def _check_one(stream, offset, length, index, chunks, buffer, report) -> list[str]:
     """Problems of one record: its zip entries' CRC-32s, and a tensor's dtype and shape."""
-    from gtp import dcp_reader
+    from ckpt.format import dcp_reader
 
     try:
         entries = zip_records.check_record(stream, offset, length, buffer)
@@ -315,7 +315,7 @@ def _check_one(stream, offset, length, index, chunks, buffer, report) -> list[st
 
 
 def _object_problems(stream, offset, length, fqn) -> list[str]:
-    """What the load's :func:`gtp.safe_objects.load_object` refuses in the object record
+    """What the load's :func:`ckpt.format.safe_objects.load_object` refuses in the object record
     ``fqn`` (the common state, an RNG state, an ``_extra_state``): empty when it loads."""
     stream.seek(offset)
     try:
@@ -342,11 +342,11 @@ def _torch_loaded(stream, offset, length):
 
 def check_common(path) -> tuple[Optional[dict], list[Problem]]:
     """``(common state, problems)``: megatron's ``load_common_state_dict`` of ``path`` (read
-    through :mod:`gtp.dcp_reader`, CRC-checked) and whether its ``iteration`` is the dir's."""
+    through :mod:`ckpt.format.dcp_reader`, CRC-checked) and whether its ``iteration`` is the dir's."""
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from gtp import dcp_reader
+    from ckpt.format import dcp_reader
 
     path = Path(path)
     if safe_objects.stray_common_state(path):
@@ -417,7 +417,7 @@ def check_share(path, rank: int = 0, world: int = 1) -> list[Problem]:
     """What rank ``rank`` of ``world`` checks before a load: ``metadata.json`` and ``.metadata``
     (every rank: no data read) and its :func:`share` of the data files (every byte of them).
     Over the ranks, every data file is read once. The common state is not loaded here: a load
-    reads it anyway (CRC-checked by :mod:`gtp.dcp_reader`)."""
+    reads it anyway (CRC-checked by :mod:`ckpt.format.dcp_reader`)."""
     metadata, problems = read_metadata(path)
     if metadata is None:
         return problems

@@ -35,8 +35,8 @@ from megatron.core.transformer.utils import (
     sharded_state_dict_default,
 )
 
-from gtp import logical_format
-from gtp.logical_factory import GTPCheckpointError, LogicalGTPFactory, make_factory
+from ckpt.format import logical_format
+from ckpt.format.logical_factory import GTPCheckpointError, LogicalGTPFactory, make_factory
 from mcore_compat.patches import megatron_patch
 
 IN_PROJ_COMPONENTS = ("z", "x", "B", "C", "dt")
@@ -103,7 +103,7 @@ def mixer_sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None)
 def _components_factory(entry, rows: tuple[int, ...]) -> LogicalGTPFactory:
     if not isinstance(entry, LogicalGTPFactory):
         raise GTPCheckpointError(f"{getattr(entry, 'key', entry)}: a GTP in_proj without the "
-                                 f"logical factory (gtp.logical_format not installed first?)")
+                                 f"logical factory (ckpt.format.logical_format not installed first?)")
     spec = entry.spec
     if sum(rows) != spec.layout.L:
         raise GTPCheckpointError(f"{entry.key}: TP-local dim 0 is {spec.layout.L}, but the "

@@ -1,7 +1,7 @@
 """Names of what a checkpoint records, in one light module (no torch, no megatron import).
 
 * :data:`TRACKER` - megatron's tracker file in a checkpoint root: the latest complete iteration.
-* :data:`METADATA_KEY` - the common-state key of :mod:`gtp.logical_format`'s ``gtp_layout`` record,
+* :data:`METADATA_KEY` - the common-state key of :mod:`ckpt.format.logical_format`'s ``gtp_layout`` record,
   and its format tags :data:`GTP_FORMAT_LOGICAL` / :data:`GTP_FORMAT_STOCK`.
 * :data:`CHECKPOINT_FORMATS` - the values of ``checkpoint.format`` (old name
   ``gtp.checkpoint_layout``; :data:`CHECKPOINT_LAYOUTS` is the old name of this tuple).

@@ -11,12 +11,12 @@ import dataclasses
 import itertools
 from typing import Mapping, Optional
 
-from gtp.families import families
-from gtp.stock.format import StockCheckpointError
-from gtp.stock.messages import (layout_help, explaining_layouts, fmt_dims, fmt_stored, layout_text,
+from ckpt.families import families
+from ckpt.stock.format import StockCheckpointError
+from ckpt.stock.messages import (layout_help, explaining_layouts, fmt_dims, fmt_stored, layout_text,
                                 missing_dims, safe_expected)
-from gtp.stock.rowmaps import candidate_Ls, expected_stored_rows, is_identity, row_map
-from gtp.stock.specs import (EXPERT_ITEMS, GRID_A, GRID_G, GRID_TP, Analysis, SavedLayout,
+from ckpt.stock.rowmaps import candidate_Ls, expected_stored_rows, is_identity, row_map
+from ckpt.stock.specs import (EXPERT_ITEMS, GRID_A, GRID_G, GRID_TP, Analysis, SavedLayout,
                              StoredCheckpoint, TensorInfo, TensorSpec, gtp_kind, is_routed_expert,
                              logical_rows_global, spec_for, split_key, strip_suffix)
 
@@ -84,7 +84,7 @@ def _resolve(ck: StoredCheckpoint) -> tuple:
                                           "pad_for_alignment"))
     if g is not None and g > 1 and ck.unknown:
         raise StockCheckpointError(
-            f"{ck.path}: saved with GTP (gtp_remat_size={g}) and holds tensors gtp.stock does not "
+            f"{ck.path}: saved with GTP (gtp_remat_size={g}) and holds tensors ckpt.stock does not "
             f"know to be GTP-sharded or not: {ck.unknown[:5]}; read are the weights of the "
             f"registered model families ({', '.join(f.name for f in families())}: megatron's "
             f"local specs)")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 from gtp.layout import TensorLayout, logical_pieces, stock_0192_offsets
-from gtp.stock.specs import SavedLayout, TensorSpec
+from ckpt.stock.specs import SavedLayout, TensorSpec
 
 
 def row_map(spec: TensorSpec, lay: SavedLayout, L: Optional[int] = None):

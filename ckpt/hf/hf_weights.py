@@ -1,4 +1,4 @@
-"""The safetensors weights of a Hugging Face model directory, as :mod:`gtp.hf_import` reads them:
+"""The safetensors weights of a Hugging Face model directory, as :mod:`ckpt.hf.hf_import` reads them:
 every file inside the directory, every size of ``config.json`` checked against the tensors.
 
 * Paths: ``config.json``, ``model.safetensors``, ``model.safetensors.index.json`` and every file
@@ -116,11 +116,11 @@ def torch_dtype(name: str):
 
 
 def check_sizes(arch, model: dict, vocab_size, weights: Weights, prefix: str) -> None:
-    """Compare every size :mod:`gtp.hf_import` takes from ``config.json`` with the weights'
+    """Compare every size :mod:`ckpt.hf.hf_import` takes from ``config.json`` with the weights'
     tensor shapes (headers only), before anything is planned or allocated.
 
     Args:
-        arch: the architecture's :class:`gtp.families.HFImport` (its ``size_fields``,
+        arch: the architecture's :class:`ckpt.families.HFImport` (its ``size_fields``,
             ``sizes`` and ``layer``); model: the implied ``model`` fields
             (``num_layers``, ``hidden_size``, ``num_attention_heads``, ``num_query_groups``,
             ``ffn_hidden_size``, ``seq_length``, ``share_embeddings_and_output_weights``, and

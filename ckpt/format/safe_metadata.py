@@ -15,7 +15,7 @@ The metadata read is also confined: every ``storage_data`` entry's ``relative_pa
 plain file name in the checkpoint dir (no ``/``, no ``..``, not absolute), and a data file that
 is a symlink must resolve inside the dir. :func:`install` routes every DCP metadata read
 through it. The data files' object items are unpickled with ``torch.load(weights_only=True)``
-once :func:`gtp.safe_objects.install` ran (which also runs this module's :func:`install`).
+once :func:`ckpt.format.safe_objects.install` ran (which also runs this module's :func:`install`).
 
 :func:`tiling_problems` checks that a tensor's chunks, as ``.metadata`` lists them, cover it
 exactly once, in O(n log n) of the chunks (``gtp verify`` and every verified load run it).

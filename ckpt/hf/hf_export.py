@@ -1,11 +1,11 @@
 """Export a checkpoint to a Hugging Face ``transformers`` model directory (config.json + safetensors).
 
-Reads only the checkpoint: its logical tensors (:func:`gtp.stock.read_logical`, so any saving
+Reads only the checkpoint: its logical tensors (:func:`ckpt.stock.read_logical`, so any saving
 layout, GTP's stock padded one included, gives the same full tensors) and the run config that
 gtp-recipes records in its common state (``train_state["config"]``). No model is built and no
 process group is needed beyond the 1-process one the read starts.
 
-The mappings are the model families' (:mod:`gtp.families`): the family that claims the recorded
+The mappings are the model families' (:mod:`ckpt.families`): the family that claims the recorded
 ``model`` config picks the transformers class and builds its config and tensors (gtp-recipes:
 ``recipes/families/gpt/hf_export.py`` for ``GPT2LMHeadModel`` and ``LlamaForCausalLM``,
 ``recipes/families/moe/formats.py`` for ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM``,
@@ -20,12 +20,12 @@ import os
 import shutil
 from pathlib import Path
 
-from gtp import families, stock
-from gtp.families import ExportError  # noqa: F401 - raised here; callers catch it from here
+from ckpt import families, stock
+from ckpt.families import ExportError  # noqa: F401 - raised here; callers catch it from here
 from gtp.progress import progress
-from gtp.records import imported_from, saved_layout, unbounded_size
-from gtp.tokens import eod_of_tokenizer
-from gtp.verify import stored_shapes
+from ckpt.format.records import imported_from, saved_layout, unbounded_size
+from ckpt.hf.tokens import eod_of_tokenizer
+from ckpt.verify import stored_shapes
 
 # The byte tokenizer of recipes (256 byte values + <eod>) when the run recorded no vocab size.
 BYTE_VOCAB_SIZE = 257
@@ -35,7 +35,7 @@ BYTE_EOD_ID = 256
 def _vocab(common: dict, data: dict) -> tuple[int, int | None]:
     """(unpadded vocab size, eod id) of the run's tokenizer: ``data.eod_id`` when set, else 256
     for the byte tokenizer, else the end-of-document token of a ``tokenizer.json``
-    (:func:`gtp.tokens.eod_of_tokenizer`)."""
+    (:func:`ckpt.hf.tokens.eod_of_tokenizer`)."""
     vocab = common.get("vocab_size") or data.get("vocab_size")
     eod = data.get("eod_id")
     tokenizer = data.get("tokenizer") or "byte"
@@ -131,7 +131,7 @@ def _write_byte_tokenizer(out: Path, ids: dict) -> list[str]:
 
 def _token_ids(common: dict, eod) -> dict:
     """bos/eos/pad ids: those of the HF model a checkpoint was imported from
-    (:mod:`gtp.hf_import`) or its run was started from (``checkpoint.pretrained``), else the
+    (:mod:`ckpt.hf.hf_import`) or its run was started from (``checkpoint.pretrained``), else the
     run's end of document for all three."""
     imported = imported_from(common) or {}
     if imported:
@@ -206,7 +206,7 @@ MTP_NOT_EXPORTED = ("multi-token prediction layers (model.mtp_num_layers): trans
 
 
 def build_state(arch, tensors: dict, model_cfg: dict, vocab: int, ids: dict, where) -> tuple:
-    """(transformers config, state dict) of ``arch`` (a :class:`gtp.families.HFArchitecture`)
+    """(transformers config, state dict) of ``arch`` (a :class:`ckpt.families.HFArchitecture`)
     from a checkpoint's full logical model tensors, checking that its build read every one.
 
     Args:
@@ -240,7 +240,7 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None,
     ``generation_config.json``, and ``gtp_recipes_export.json`` naming the source checkpoint,
     iteration and class), in the checkpoint's dtype (fp32 for fp32 runs). Multi-token
     prediction layers are left out and named under ``not_exported`` there; the architecture's
-    notes (:attr:`gtp.families.HFArchitecture.notes`) are recorded under ``notes``.
+    notes (:attr:`ckpt.families.HFArchitecture.notes`) are recorded under ``notes``.
 
     Returns:
         ``out_dir`` as a Path.
@@ -252,13 +252,13 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None,
             architecture with no exact transformers equivalent (or not in the installed
             transformers), a tensor missing, or a model tensor the recorded config has no place
             for (named).
-        gtp.stock.StockCheckpointError: as :func:`gtp.stock.read_logical`.
+        ckpt.stock.StockCheckpointError: as :func:`ckpt.stock.read_logical`.
     """
     import torch
     import transformers
     from megatron.core import dist_checkpointing
 
-    from gtp import safe_metadata
+    from ckpt.format import safe_metadata
 
     check_out_dir(out_dir, force)  # before anything is read
     # The recorded model first: a model no family exports is refused with its reason before

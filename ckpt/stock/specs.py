@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from gtp.alignment import resolve_pad_for_alignment
-from gtp.families import gtp_patterns, stored_logical_patterns
-from gtp.stock.format import StockCheckpointError
+from ckpt.families import gtp_patterns, run_config_vocab, stored_logical_patterns
+from ckpt.stock.format import StockCheckpointError
 
 # What a user may pass as ``layout`` (aliases in parentheses):
 #   tensor_model_parallel_size (tp), gtp_remat_size (gtp, g), pad_for_alignment (pad, a),
@@ -63,7 +62,7 @@ _ROUTED_EXPERT = re.compile(r"(^|\.)experts\.")
 def is_plain(key: str) -> bool:
     """Whether a stock-format model key is stored at its logical shape and read as stored: a
     norm, bias, position embedding or router (:data:`PLAIN`), or a key a model family registers
-    as stored at its logical shape (:attr:`gtp.families.FamilyFormats.stored_logical`)."""
+    as stored at its logical shape (:attr:`ckpt.families.FamilyFormats.stored_logical`)."""
     return bool(PLAIN.search(key)) or any(p.search(key) for p in stored_logical_patterns())
 
 
@@ -148,7 +147,7 @@ class Analysis:
 
 @dataclass
 class StoredCheckpoint:
-    """What :func:`gtp.stock.analyze` knows of a checkpoint before resolving its saving layout."""
+    """What :func:`ckpt.stock.analyze` knows of a checkpoint before resolving its saving layout."""
 
     path: Path
     common: dict
@@ -160,7 +159,7 @@ class StoredCheckpoint:
     dims: dict  # model dims: inferred from the stored shapes, overridden by the items
     gtp_bases: dict  # base key of a GTP weight -> {suffix: stored shape}
     unknown: list  # model keys neither known GTP weights nor known plain tensors
-    # {key prefix: model dims} of a model of sub-models (LLaVA: gtp.families.sub_model_dims)
+    # {key prefix: model dims} of a model of sub-models (LLaVA: ckpt.families.sub_model_dims)
     sub_dims: dict = field(default_factory=dict)
 
     def dims_for(self, key: str) -> dict:
@@ -231,23 +230,18 @@ def get_path(d, *path):
     return d
 
 
-# Packages that save their run config under ``train_state.config`` register, under this
-# entry-point group, a function ``(run config mapping, tp) -> padded vocab rows or None``
-# (gtp-recipes does in pyproject.toml): gtp/ reads their records without importing them.
-RUN_CONFIG_VOCAB_GROUP = "gtp.run_config_vocab"
-
-
 def _vocab_from_config(cfg: Mapping, tp: int) -> Optional[int]:
-    """Padded vocab rows of a saved run config, from the first registered reader that knows it
-    (None: no reader knows this config, the vocab stays unknown)."""
-    for entry in entry_points(group=RUN_CONFIG_VOCAB_GROUP):
-        try:
-            vocab = entry.load()(cfg, tp)
-        except Exception:  # noqa: BLE001 - a reader that cannot read this config
-            continue
-        if vocab is not None:
-            return int(vocab)
-    return None
+    """Padded vocab rows of a saved run config, from the reader the package that saves it gave
+    (:func:`ckpt.families.install`; None: no reader, or it does not know this config, the vocab
+    stays unknown)."""
+    reader = run_config_vocab()
+    if reader is None:
+        return None
+    try:
+        vocab = reader(cfg, tp)
+    except Exception:  # noqa: BLE001 - a reader that cannot read this config
+        return None
+    return None if vocab is None else int(vocab)
 
 
 def config_layout(common: Mapping) -> tuple[dict, str]:
@@ -299,7 +293,7 @@ def config_layout(common: Mapping) -> tuple[dict, str]:
 def gtp_kind(key: str) -> Optional[str]:
     """The GTP weight kind of a stock-format key (``vocab``, ``qkv``, ``proj``, ``fc1``,
     ``fc2``: :func:`spec_for`), from the registered model families' patterns
-    (:func:`gtp.families.gtp_patterns`); None for a tensor GTP does not shard."""
+    (:func:`ckpt.families.gtp_patterns`); None for a tensor GTP does not shard."""
     for pattern, kind in gtp_patterns():
         if pattern.search(key):
             return kind

@@ -1,6 +1,6 @@
 """The ``gtp_layout`` record: how a checkpoint stores its GTP weights (per key: logical rows,
 padding, shard rows, TP axis, gating), merged over all ranks. ``docs/checkpoint-format.md`` ("The
-layout record") gives the format; :func:`gtp.logical_format.layout_metadata` builds it for the
+layout record") gives the format; :func:`ckpt.format.logical_format.layout_metadata` builds it for the
 format this process writes."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from gtp.alignment import applied_pad_for_alignment
-from gtp.logical_factory import GTPCheckpointError, tensor_layout_of
-from gtp.records import GTP_FORMAT_LOGICAL, GTP_FORMAT_STOCK, megatron_core_version
+from ckpt.format.logical_factory import GTPCheckpointError, tensor_layout_of
+from ckpt.format.records import GTP_FORMAT_LOGICAL, GTP_FORMAT_STOCK, megatron_core_version
 
 
 def gtp_layout_record(model, model_sharded_state_dict=None, *, logical: bool) -> dict:
@@ -22,7 +22,7 @@ def gtp_layout_record(model, model_sharded_state_dict=None, *, logical: bool) ->
         model_sharded_state_dict: its ``sharded_state_dict()`` (any nesting) when already built
             (before ``dist_checkpointing.save``, which applies factories in place); built here
             otherwise.
-        logical: whether GTP weights are written in the logical format (``gtp.logical_format``'s
+        logical: whether GTP weights are written in the logical format (``ckpt.format.logical_format``'s
             patch installed); False tags a GTP checkpoint ``stock-0.19.2``.
 
     Returns:

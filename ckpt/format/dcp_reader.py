@@ -18,9 +18,9 @@ zip directory holds (``torch.save`` writes one per entry): ``data.pkl`` and ``by
 always, the storage when the request covers all of it, and every entry of a record handed to
 torch's reader (which reads it whole and checks none; a record that is no zip archive, an
 object stored raw, has none). A run that covers part of a storage cannot be checked:
-:mod:`gtp.verify` checks every byte of a checkpoint before a load (``docs/integrity.md``).
+:mod:`ckpt.verify` checks every byte of a checkpoint before a load (``docs/integrity.md``).
 
-Each record is parsed by :mod:`gtp.dcp_records` (a restricted unpickler; nothing in the file
+Each record is parsed by :mod:`ckpt.format.dcp_records` (a restricted unpickler; nothing in the file
 runs code).
 """
 
@@ -35,13 +35,13 @@ from typing import Any, Optional
 
 import torch
 
-from gtp.dcp_records import (  # noqa: F401 - DataFileError, read_record: part of this API
+from ckpt.format.dcp_records import (  # noqa: F401 - DataFileError, read_record: part of this API
     DataFileError,
     TensorRecord,
     contiguous_run,
     read_record,
 )
-from gtp.zip_records import (  # noqa: F401 - RecordDamaged, check_record: part of this API
+from ckpt.format.zip_records import (  # noqa: F401 - RecordDamaged, check_record: part of this API
     CHECK_BLOCK as _CHECK_BLOCK,
     NotZipRecord,
     RecordDamaged,
@@ -182,13 +182,13 @@ def read_data(reader, plan, planner, stock):
 
 def _check_records(reader, relative_path: str, items, crc: bool = True) -> None:
     """:func:`check_record` for each record of ``items`` in one data file (once per record),
-    and for a tensor's record :func:`gtp.zip_records.check_globals` (the globals its pickle
+    and for a tensor's record :func:`ckpt.format.zip_records.check_globals` (the globals its pickle
     names, read without unpickling): torch's reader unpickles it with
     ``torch.load(weights_only=True)``, whose list holds classes no checkpoint of this project
     stores (``DeviceMesh``, ``DTensor``). A tensor's record that is no zip archive (torch's
     legacy format: no save writes one) and any record stored through a transform (a torch DCP
     extension: none writes one) are refused; object records go to ``load_bytes``, which
-    :mod:`gtp.safe_objects` checks the same way. This holds with
+    :mod:`ckpt.format.safe_objects` checks the same way. This holds with
     ``checkpoint.verify_on_load=false`` too. With ``crc`` False (:func:`crc_unchecked`) only the zip structure is checked: a
     compressed entry is refused either way, before torch's reader would inflate it.
 
@@ -218,7 +218,7 @@ def _check_records(reader, relative_path: str, items, crc: bool = True) -> None:
                 try:
                     check_record(stream, info.offset, info.length, buffer, crc=crc)
                 except NotZipRecord as exc:
-                    if not tensor:  # an object's bytes go to load_bytes (gtp.safe_objects)
+                    if not tensor:  # an object's bytes go to load_bytes (ckpt.format.safe_objects)
                         continue
                     raise RecordDamaged(f"{exc} (torch.save writes every tensor as one: a torn, "
                                         f"foreign or crafted record): refused before torch's "

@@ -1,5 +1,5 @@
 """Import a Hugging Face ``transformers`` model directory as a logical checkpoint (the mirror of
-:mod:`gtp.hf_export`).
+:mod:`ckpt.hf.hf_export`).
 
 ``import_hf(HF_DIR, OUT)`` reads ``config.json`` (as JSON first: its ``model_type`` must be
 importable and it, and ``tokenizer_config.json``, must have no ``auto_map``; then
@@ -10,7 +10,7 @@ and the safetensors weights (``model.safetensors``, or the shards a
 (``docs/checkpoint-format.md``) that loads at any layout, with the common state of a
 gtp-recipes checkpoint (iteration 0, a tp1 ``layout`` record, a ``logical-v1`` ``gtp_layout``
 record, the real ``vocab_size``, no optimizer state) and, in ``train_state["config"]``, the run
-config the model implies: a ``model`` group in the field names :mod:`gtp.hf_export` reads
+config the model implies: a ``model`` group in the field names :mod:`ckpt.hf.hf_export` reads
 (megatron ``TransformerConfig`` / ``GPTModel`` names) and a ``data`` group with ``vocab_size``,
 ``eod_id`` and ``tokenizer`` (the HF dir when it holds a ``tokenizer.json``).
 
@@ -21,15 +21,15 @@ written, so the peak is about the vocabulary tensors plus one layer's tensors pe
 the number of layers. Per-layer tensors are stored as megatron stores them, stacked along a
 leading layer axis (``[num_layers, ...]``), one chunk per layer.
 
-The mappings (inverse of :mod:`gtp.hf_export`, same megatron names) are the model families'
-(:mod:`gtp.families`): an importable ``model_type``'s family gives the ``model`` fields, the
+The mappings (inverse of :mod:`ckpt.hf.hf_export`, same megatron names) are the model families'
+(:mod:`ckpt.families`): an importable ``model_type``'s family gives the ``model`` fields, the
 weight plan and the sizes to check (gtp-recipes: ``recipes/families/gpt/hf_import.py`` for
 ``GPT2LMHeadModel`` and ``LlamaForCausalLM``, ``recipes/families/moe/hf_import.py`` for
 ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM``).
 
 Every file read must lie inside ``HF_DIR`` (symlinks resolved) and every size of
 ``config.json`` is checked against the safetensors headers before anything is planned
-(:mod:`gtp.hf_weights`). Everything that cannot be mapped exactly is refused with
+(:mod:`ckpt.hf.hf_weights`). Everything that cannot be mapped exactly is refused with
 :class:`HFImportError` naming the config field, the tensor or the index entry.
 """
 
@@ -42,10 +42,10 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from gtp import families
-from gtp.hf_weights import HFImportError, Weights, check_sizes, confined
+from ckpt import families
+from ckpt.hf.hf_weights import HFImportError, Weights, check_sizes, confined
 from gtp.progress import progress
-from gtp.records import (GTP_FORMAT_LOGICAL, IMPORTED_KEY, METADATA_KEY, TRACKER,
+from ckpt.format.records import (GTP_FORMAT_LOGICAL, IMPORTED_KEY, METADATA_KEY, TRACKER,
                          megatron_core_version)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -98,7 +98,7 @@ def check_no_remote_code(path, what: str = "") -> None:
 
 def check_config_json(hf_dir) -> str:
     """``config.json``'s ``model_type``, read as JSON and checked before ``transformers`` reads
-    anything: one of :func:`gtp.families.importable`, and no ``auto_map`` (a model or config
+    anything: one of :func:`ckpt.families.importable`, and no ``auto_map`` (a model or config
     class in the dir's own Python code, which ``transformers`` would offer to run); the dir's
     ``tokenizer_config.json`` must have no ``auto_map`` either (:func:`check_no_remote_code`).
 
@@ -155,7 +155,7 @@ def read_config(hf_dir) -> tuple[str, object]:
 
 def implied_model(hf_dir) -> dict:
     """The ``model`` config fields of ``hf_dir``'s model (names of ``recipes``' model group and
-    :mod:`gtp.hf_export`), without reading weights.
+    :mod:`ckpt.hf.hf_export`), without reading weights.
 
     Raises:
         HFImportError: naming the config field that cannot be mapped.

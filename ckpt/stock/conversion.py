@@ -8,16 +8,16 @@ import shutil
 from pathlib import Path
 from typing import Mapping, Optional
 
-from gtp.records import megatron_core_version
-from gtp.stock.format import FORMAT_LOGICAL, METADATA_KEY, TRACKER, StockCheckpointError
-from gtp.stock.reading import ensure_dist, read_logical
-from gtp.stock.specs import Analysis, SavedLayout, get_path
+from ckpt.format.records import megatron_core_version
+from ckpt.stock.format import FORMAT_LOGICAL, METADATA_KEY, TRACKER, StockCheckpointError
+from ckpt.stock.reading import ensure_dist, read_logical
+from ckpt.stock.specs import Analysis, SavedLayout, get_path
 
 # Common-state key of a converted checkpoint: where it came from.
 CONVERTED_KEY = "gtp_converted_from"
 CONVERTER_VERSION = 1
-# The record's "converted_by": the package's name before it was gtp.stock, kept so that the
-# conversions cached before the rename stay valid (gtp.stock.loading compares it).
+# The record's "converted_by": the package's name before it was ckpt.stock, kept so that the
+# conversions cached before the rename stay valid (ckpt.stock.loading compares it).
 CONVERTED_BY = f"gtp.legacy v{CONVERTER_VERSION}"
 
 

@@ -5,7 +5,7 @@ one ``data/<key>`` entry per storage. ``data.pkl`` is unpickled by a restricted 
 knows only ``torch._utils._rebuild_tensor_v2``, ``collections.OrderedDict`` and the typed
 storage classes, and returns the tensor's storage key, dtype, offset, size and stride
 (:class:`TensorRecord`, :func:`read_record`); :func:`contiguous_run` says which run of the
-stored elements a request covers. :mod:`gtp.dcp_reader` reads the bytes.
+stored elements a request covers. :mod:`ckpt.format.dcp_reader` reads the bytes.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from gtp.zip_records import (
+from ckpt.format.zip_records import (
     CENTRAL as _CENTRAL,
     CENTRAL_SIGNATURE as _CENTRAL_SIGNATURE,
     END as _END,

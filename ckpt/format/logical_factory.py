@@ -3,7 +3,7 @@
 A GTP weight is described to megatron's dist-checkpointing exactly as the non-GTP model at the
 same TP describes it: each rank's padding rows are trimmed, pieces sit at their logical offsets,
 and an all-padding shard contributes one empty piece (``docs/checkpoint-format.md``, "The
-logical format"). :mod:`gtp.logical_format` installs the megatron replacements that return these
+logical format"). :mod:`ckpt.format.logical_format` installs the megatron replacements that return these
 factories.
 
 What a :class:`LogicalGTPFactory` does:
@@ -122,7 +122,7 @@ def _prepended(spec: LogicalSpec) -> tuple[list[int], list[int]]:
     for axis, rank_offset, fragments in spec.prepend_offsets:
         if not 0 <= axis < n:
             raise GTPCheckpointError(
-                f"gtp.logical_format: sharded offset {(axis, rank_offset, fragments)} is not on a "
+                f"ckpt.format.logical_format: sharded offset {(axis, rank_offset, fragments)} is not on a "
                 f"prepended axis (prepend_offsets={spec.prepend_offsets}); not supported"
             )
         shape[axis], offset[axis] = fragments, rank_offset

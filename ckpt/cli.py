@@ -12,7 +12,7 @@ Commands (CKPT: a checkpoint root holding ``latest_checkpointed_iteration.txt``,
 
     python -m gtp verify CKPT [--all]
         Read every byte of the checkpoint (the tracker's iteration of a root, every complete
-        iteration with ``--all``) and check it (:mod:`gtp.verify`): sizes, the CRC-32 of every
+        iteration with ``--all``) and check it (:mod:`ckpt.verify`): sizes, the CRC-32 of every
         record's zip entries, ``.metadata`` consistency, the common state, the tracker. Exit 0
         intact, 1 damaged (one line per problem, naming the file and the item), 2 error.
 
@@ -30,17 +30,17 @@ Commands (CKPT: a checkpoint root holding ``latest_checkpointed_iteration.txt``,
         --force (which removes the weight files there first) (config.json +
         model.safetensors): GPT models as GPT2LMHeadModel, Llama-family ones as
         LlamaForCausalLM, MoE ones as MixtralForCausalLM or (with qk_layernorm)
-        Qwen3MoeForCausalLM, hybrid Mamba ones as NemotronHForCausalLM (:mod:`gtp.hf_export`;
-        the classes: :mod:`gtp.families`). Needs the ``hf`` extra. Exit 0, or 2 on error.
+        Qwen3MoeForCausalLM, hybrid Mamba ones as NemotronHForCausalLM (:mod:`ckpt.hf.hf_export`;
+        the classes: :mod:`ckpt.families`). Needs the ``hf`` extra. Exit 0, or 2 on error.
 
     python -m gtp import HF_DIR OUT
         Write a Hugging Face model directory (GPT-2 or Llama family, safetensors) as a logical
-        checkpoint under the root OUT, with the run config it implies (:mod:`gtp.hf_import`);
+        checkpoint under the root OUT, with the run config it implies (:mod:`ckpt.hf.hf_import`);
         train from it with ``train.py checkpoint.pretrained=OUT``. Exit 0, or 2 on error.
 
 SPEC gives the saving layout of a checkpoint that does not record it, e.g.
 ``tp=2,gtp=2,pad=16,hidden_size=72,ffn_hidden_size=200,swiglu=false,padded_vocab_size=320``
-(keys: :data:`gtp.stock.LAYOUT_KEYS`).
+(keys: :data:`ckpt.stock.LAYOUT_KEYS`).
 
 Runs in one process without torchrun: reading tensor data needs ``torch.distributed``, so the
 commands start (and end) a 1-process gloo group when none exists.
@@ -56,8 +56,10 @@ import sys
 import warnings
 from pathlib import Path
 
-from gtp import hf_export, hf_import, safe_objects, stock, verify
-from gtp.records import TRACKER, saved_layout
+from ckpt.hf import hf_export, hf_import
+from ckpt.format import safe_objects
+from ckpt import stock, verify
+from ckpt.format.records import TRACKER, saved_layout
 from mcore_compat import lazy_compile
 
 EQUAL, DIFFERENT, ERROR = 0, 1, 2
@@ -438,9 +440,9 @@ def _refuse_crafted_metadata(path) -> None:
     rather than inside torch's loader, which logs each failed read with its traceback.
 
     Raises:
-        gtp.safe_metadata.UnsafeMetadataError: as :func:`gtp.safe_metadata.read_metadata`.
+        ckpt.format.safe_metadata.UnsafeMetadataError: as :func:`ckpt.format.safe_metadata.read_metadata`.
     """
-    from gtp import safe_metadata
+    from ckpt.format import safe_metadata
 
     if path is None:
         return

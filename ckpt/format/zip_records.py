@@ -3,11 +3,11 @@
 A ``torch.save`` record is a zip archive of stored (never compressed) entries, each with the
 CRC-32 of its bytes in the zip directory at the record's end. :class:`Window` makes one record
 of a data file a file of its own (for ``zipfile``); :func:`check_record` checks every entry of
-a record against its CRC-32 (:mod:`gtp.dcp_reader` for the reads that cover whole records,
-:mod:`gtp.verify` for every record of a checkpoint); :func:`check_globals` that its pickle names
+a record against its CRC-32 (:mod:`ckpt.format.dcp_reader` for the reads that cover whole records,
+:mod:`ckpt.verify` for every record of a checkpoint); :func:`check_globals` that its pickle names
 only the globals this project's records hold (no ``DeviceMesh``, ``DTensor`` or anything else
 torch's weights-only list admits once some module registers it): :func:`check_stored` (every
-object load, :mod:`gtp.safe_objects`) runs both, :mod:`gtp.verify` every record.
+object load, :mod:`ckpt.format.safe_objects`) runs both, :mod:`ckpt.verify` every record.
 """
 
 from __future__ import annotations
