@@ -33,7 +33,7 @@ checkpoint holds the Adam moments:
 3. **Write throughput**: checkpoint bytes / save seconds next to the raw writes of step 1 (same
    directory, same bytes, same run).
 4. **Asynchronous save** (``checkpoint.async_save``): in each repeat of step 1, after the
-   synchronous saves, a logical save through ``recipes.checkpoint.AsyncSaves``. What it costs
+   synchronous saves, a logical save through ``ckpt.io.AsyncSaves``. What it costs
    training, the figure the target is judged on: ``TRAIN_STEPS`` training steps right after
    the save (an async save's write goes on during them; the time includes waiting for it to be
    finalized) minus the same steps without a save, over the same figure of a synchronous
@@ -48,7 +48,7 @@ checkpoint holds the Adam moments:
    (``--targets`` with no name skips step 2).
 
 Every figure is one collective operation timed barrier-to-barrier on every rank
-(``save_checkpoint`` / ``load_checkpoint`` of ``recipes.checkpoint`` as the training loop calls
+(``save_checkpoint`` / ``load_checkpoint`` of ``ckpt.io`` as the training loop calls
 them: tracker file, disk-space and shape checks included); a repeat counts its slowest rank, the
 tables show medians over repeats (and the minimum), ratios of medians and, in parentheses, the
 median of the per-repeat ratios (each pair measured back to back). Memory: each rank's resident

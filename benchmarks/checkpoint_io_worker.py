@@ -71,7 +71,7 @@ def worker(cfg_path: str, out_path: str) -> None:
     from omegaconf import OmegaConf
 
     from ckpt.format import dcp_reader, logical_format
-    from recipes import checkpoint
+    from ckpt import io as checkpoint
     from recipes.data import build_train_iterator
     from recipes.loop import train_step
     from recipes.validate import validate

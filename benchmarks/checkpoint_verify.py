@@ -10,7 +10,7 @@ and scheduler (``recipes.worker.setup``), runs one training step and saves once;
 repeat, in turn (A B C D, D C B A, ...), each timed barrier to barrier on every rank
 (``benchmarks.measure.measure``; a repeat counts its slowest rank):
 
-* **load, verified**: ``recipes.checkpoint.load_checkpoint(..., verify=True)`` (the default:
+* **load, verified**: ``ckpt.io.load_checkpoint(..., verify=True)`` (the default:
   each rank reads its share of the data files whole and checks every CRC-32 first);
 * **load, not verified**: ``verify=False`` (the reader still checks the CRC-32 of each entry a
   read covers whole);
@@ -49,7 +49,7 @@ def _worker(cfg_path: str, out_path: str) -> None:
     from benchmarks.measure import in_turn, measure
     from ckpt.format import dcp_reader
     from ckpt import verify
-    from recipes import checkpoint
+    from ckpt import io as checkpoint
     from recipes.data import build_train_iterator
     from recipes.loop import train_step
     from recipes.validate import validate

@@ -9,7 +9,7 @@ One launch of 4 worker processes (``benchmarks.train_speed.launch``) at ep2 x ex
 ``pad_for_alignment`` 16 (every expert fc1 and fc2 padded), fp32, Adam (moments initialised, as
 after a step), built by ``recipes.worker.setup``. Each repeat, in turn (A B, B A, ...):
 
-* save through ``recipes.checkpoint.save_checkpoint`` in the logical format
+* save through ``ckpt.io.save_checkpoint`` in the logical format
   (``ckpt.format.logical_format.configure("logical")``) and in the stock one (``"stock"``);
 * load the file just saved at the same layout with the format that wrote it (a stock file at its
   own layout is read as is, as megatron does).
@@ -73,7 +73,7 @@ def _worker(cfg_path: str, out_path: str) -> None:
     from omegaconf import OmegaConf
 
     from ckpt.format import logical_format
-    from recipes import checkpoint
+    from ckpt import io as checkpoint
     from recipes.validate import validate
     from recipes.worker import init_distributed, setup
 

@@ -19,14 +19,15 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from recipes import lease, preemption, prelaunch, pretrained, rank_env, refusal
-from recipes.checkpoint import write_durable
+from ckpt.io import lease
+from recipes import preemption, prelaunch, pretrained, rank_env, refusal
+from ckpt.io import write_durable
 from recipes.checkpoint.auto import AUTO, resolve_auto_load
 from recipes.checkpoint.policy import NothingToTrain, prepare_resume, take_checkpoint_fields
 from recipes.config import RESOLVED_CONFIG
 from recipes.console import STARTED_ENV
 from recipes.errors import ConfigError
-from recipes.lease import RUN_ID_ENV, Lease, LeaseHeld
+from ckpt.io.lease import RUN_ID_ENV, Lease, LeaseHeld
 from recipes.preemption import child_pids, forward_to_workers, interrupted_message, stop_forwarding
 from recipes.rank_env import LAUNCHER_PID_ENV, job_id
 
@@ -51,10 +52,10 @@ _HELD: list = []
 
 def claim_job_dir(output_dir, wait: bool = True) -> str | None:
     """Claim ``output_dir`` for this run: ``<output_dir>/.job_claim``, a lease
-    (:class:`recipes.lease.Lease`: run id, job id, host, pid, heartbeat) taken exclusively. A
+    (:class:`ckpt.io.lease.Lease`: run id, job id, host, pid, heartbeat) taken exclusively. A
     live holder is refused (:func:`settle_job_dir` moves a run of the default
     ``outputs/<date>/<time>`` to a free ``-1``, ``-2``, ... dir instead); a stale one
-    (:func:`recipes.lease.stale_reason`: its process gone, its heartbeat stopped; this same
+    (:func:`ckpt.io.lease.stale_reason`: its process gone, its heartbeat stopped; this same
     Slurm/submitit job before a requeue once its process is gone or, on another host, its
     heartbeat stopped: waited for unless ``wait`` is False) is taken over. Removed when the job
     ends (:func:`run`) or this process exits.
@@ -181,7 +182,7 @@ def _write_hydra_record(cfg, out: str) -> None:
 
 
 def take_save_dir(cfg, is_rank0: bool) -> str | None:
-    """One live writer per ``checkpoint.save`` (:mod:`recipes.lease`): global rank 0 takes its
+    """One live writer per ``checkpoint.save`` (:mod:`ckpt.io.lease`): global rank 0 takes its
     writer lease; the other ranks of a torchrun/Slurm job refuse a live lease of another job.
 
     Returns:
@@ -206,7 +207,7 @@ def take_save_dir(cfg, is_rank0: bool) -> str | None:
         return note
     holder = lease.read(Path(root) / lease.WRITER_LEASE)
     mine = job_id()
-    # Another host's holder is watched as rank 0 watches it (recipes.lease.stale_reason).
+    # Another host's holder is watched as rank 0 watches it (ckpt.io.lease.stale_reason).
     if holder is not None and holder.get("job_id") != mine and lease.stale_reason(
             holder, mine, lease.STALE_AFTER_S) is None:
         raise lease.LeaseHeld(f"checkpoint.save {root} is in use by {lease.describe(holder)}; "
@@ -245,7 +246,7 @@ def launch_local(config_path: Path, nproc: int, exit_signals: list[int] = (),
         monitor_interval=MONITOR_INTERVAL_S,
         start_method="spawn",
     )
-    # Each worker has the kernel kill it when this process ends (recipes.lifetime): the elastic
+    # Each worker has the kernel kill it when this process ends (ckpt.io.lifetime): the elastic
     # agent starts them in sessions of their own, where nothing else would reach them.
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     # The agent logs each failed or stopped worker; the summary below says it once.
@@ -426,9 +427,9 @@ def run_job(cfg, overrides: list[str] | None = None) -> None:
     plan = None
     if cfg.checkpoint.get("load") is not None:
         # Lazy (start-up time): megatron is imported before launch only by a run that loads.
-        from recipes.checkpoint.manager import ResumePlan
+        from ckpt.io.manager import ResumePlan
 
-        # The one resolution of what this process loads (recipes/checkpoint/manager.py).
+        # The one resolution of what this process loads (ckpt/io/manager.py).
         plan = ResumePlan.resolve(cfg.checkpoint, repair=is_rank0 and not dry_run)
         note = take_checkpoint_fields(cfg, plan, overrides)
         if note:

@@ -13,7 +13,8 @@ from megatron.core.utils import get_model_config, unwrap_model
 
 from gtp.collectives import collective_device
 from gtp.grad_stats import grad_norms_by_part
-from recipes import context_parallel, faults, preemption, throughput
+from recipes import context_parallel, preemption, throughput
+from ckpt.io import faults
 from recipes.data import build_tokenizer
 from recipes.model import model_chunks
 from recipes.moe import is_moe
@@ -268,7 +269,7 @@ def train(state, cfg, logger, checkpoints) -> str | None:
         state: the worker's ``RunState`` (model, optimizer, scheduler, data iterator, counters).
         cfg: the run config.
         logger: a ``MetricLogger`` on rank 0, else None.
-        checkpoints: the run's :class:`recipes.checkpoint.manager.CheckpointManager`; its
+        checkpoints: the run's :class:`ckpt.io.manager.CheckpointManager`; its
             ``step`` runs on every rank after every iteration (finalizes a finished background
             save, saves when due), its ``stop`` when the run stops early.
 

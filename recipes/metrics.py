@@ -15,7 +15,7 @@ import string
 import time
 from pathlib import Path
 
-from recipes.checkpoint import tracked, write_durable
+from ckpt.io import tracked, write_durable
 
 METRICS_FILE = "metrics.jsonl"
 # wandb run modes ``logger.mode`` may take.

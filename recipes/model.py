@@ -8,6 +8,7 @@ import dataclasses
 
 import torch
 
+from ckpt.io.chunks import model_chunks
 from recipes import te
 from recipes.families import family_of
 from recipes.shapes import padded_vocab_size
@@ -171,17 +172,12 @@ def build_model(cfg, layout, vocab_size: int, reseed=lambda: None):
                            cfg.model.share_embeddings_and_output_weights, use_te)
         if family.init_weights:
             family.init_weights(chunk, config, seed)
-        # Checkpoints record the real vocabulary (recipes.checkpoint refuses another one).
+        # Checkpoints record the real vocabulary (ckpt.io refuses another one).
         chunk.real_vocab_size = vocab_size
         if post:
             mask_padded_vocab(chunk, vocab_size, vocab)
         chunks.append(chunk)
     return chunks, config
-
-
-def model_chunks(model) -> list:
-    """The list of model chunks of ``model`` (one DDP-wrapped model or a list of them)."""
-    return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
 def count_parameters(model) -> int:

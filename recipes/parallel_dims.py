@@ -20,7 +20,7 @@ from recipes.optim import distributed_optimizer
 @dataclass(frozen=True)
 class ParallelDims:
     """The process grid of a run, validated once (:meth:`from_config`); every other size is a
-    property derived from it. A checkpoint's layout record (``recipes.checkpoint.layout_record``)
+    property derived from it. A checkpoint's layout record (``ckpt.io.layout_record``)
     is what it stores of it.
 
     world_size = tensor_model_parallel_size * pipeline_model_parallel_size *

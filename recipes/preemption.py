@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from recipes.checkpoint import iter_dir, saved_iterations
+from ckpt.io import iter_dir, saved_iterations
 
 # What train.py's launch puts here: the command that continues the run (printed at the exit).
 CONTINUE_ENV = "GTP_RECIPES_CONTINUE"

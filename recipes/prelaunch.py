@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 from ckpt.format.records import CHECKPOINT_FORMATS, unbounded_size
 from ckpt.verify import stored_shapes
 from recipes import te
-from recipes.checkpoint import CheckpointError
+from ckpt.io import CheckpointError
 from recipes.errors import ConfigError
 from recipes.parallel_dims import ParallelDims, world_size_from_env
 from recipes.validate import validate
@@ -35,7 +35,7 @@ def check(cfg, choices: Optional[dict] = None, plan=None) -> ParallelDims:
         cfg: the composed config (without the ``hydra`` node).
         choices: Hydra's ``runtime.choices`` (group -> option); None: taken from the running
             Hydra app when there is one.
-        plan: the resolved :class:`recipes.checkpoint.manager.ResumePlan` of ``checkpoint.load``
+        plan: the resolved :class:`ckpt.io.manager.ResumePlan` of ``checkpoint.load``
             (None: each check opens the checkpoint itself).
 
     Returns:
@@ -423,7 +423,7 @@ def check_model_shape(cfg, plan=None) -> None:
     """
     from omegaconf import OmegaConf
 
-    from recipes.checkpoint.manager import ResumePlan
+    from ckpt.io.manager import ResumePlan
     from recipes.checkpoint.policy import is_rank0, spelled
     from recipes.families import parameter_shapes
 

@@ -31,7 +31,7 @@ from omegaconf import open_dict
 
 from ckpt.hf import hf_import
 from ckpt.format.records import TRACKER, imported_from
-from recipes.checkpoint import CheckpointError
+from ckpt.io import CheckpointError
 from recipes.config import OptimConfig, given_fields, given_overrides
 from recipes.errors import ConfigError
 
@@ -82,7 +82,7 @@ def source_config(path) -> tuple[dict, dict]:
         if (Path(path) / "tokenizer.json").is_file():
             data["tokenizer"] = str(Path(path).resolve())
         return model, data
-    from recipes.checkpoint import load_common
+    from ckpt.io import load_common
 
     root = Path(path)
     iteration = int(root.name[5:]) if root.name.startswith("iter_") else None
@@ -238,14 +238,14 @@ def load_weights(cfg, model, optimizer) -> dict | None:
         has the source's token ids; None for a source trained from scratch.
 
     Raises:
-        CheckpointError: as :func:`recipes.checkpoint.load.load_model_weights`.
+        CheckpointError: as :func:`ckpt.io.load.load_model_weights`.
     """
     import torch
 
-    from recipes.checkpoint.load import load_model_weights
+    from ckpt.io.load import load_model_weights
 
     torch.distributed.barrier()  # the import (global rank 0, before its launch) is complete
-    from recipes.checkpoint.load import load_common
+    from ckpt.io.load import load_common
 
     path = load_model_weights(checkpoint_root(cfg), model,
                               verify=cfg.checkpoint.get("verify_on_load", True))

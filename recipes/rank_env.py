@@ -1,5 +1,6 @@
 """The launchers' variables in ``train.py``'s environment: torchrun's, checked before launch, and
-the scheduler's job id (:func:`job_id`) that makes a requeued job the same run.
+the scheduler's job id (:func:`job_id`, :mod:`ckpt.io.job`'s) that makes a requeued job the same
+run.
 
 torchrun (and a submitit task, :func:`recipes.launch.rank_env_from_submitit`) sets ``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` together; this process then runs as that rank.
@@ -14,6 +15,7 @@ import os
 
 from omegaconf import open_dict
 
+from ckpt.io.job import job_id  # noqa: F401 - the launcher's and the tests' name for it
 from recipes.errors import ConfigError
 
 # Set by train.py's local launch (recipes.launch.launch_local) to its pid: its workers die with it.
@@ -63,14 +65,3 @@ def check(cfg) -> str | None:
     return (f"> world size {world} from WORLD_SIZE={world} in the environment (not "
             f"parallelism.nproc_per_node={nproc}): {world} processes on this machine; unset "
             f"WORLD_SIZE to run parallelism.nproc_per_node")
-
-
-def job_id() -> str | None:
-    """The scheduler's id of this job, the same for every task and after a requeue: Slurm's
-    (``<array job>_<task>`` for an array task), else submitit's local executor's; None when
-    neither runs this process. Never torchrun's rendezvous id: it is the literal ``none`` for
-    every static-rendezvous job, so two unrelated jobs would look like one requeued job."""
-    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-    if array and task:
-        return f"{array}_{task}"
-    return os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID") or None

@@ -1,7 +1,7 @@
 """Refusals: bad input a process stops on with one message, no traceback, exit code 2.
 
 A refusal is a :class:`recipes.validate.ConfigError`, a
-:class:`recipes.checkpoint.errors.CheckpointError` (a :class:`recipes.lease.LeaseHeld` too), or
+:class:`ckpt.io.errors.CheckpointError` (a :class:`ckpt.io.lease.LeaseHeld` too), or
 :mod:`ckpt.format.safe_objects`' refusal of a crafted checkpoint (itself, a cause, or one rank's error of
 torch DCP's ``CheckpointException``). Before launch ``train.py`` prints it as ``error: ...``; in a
 worker started by ``train.py`` it goes to torch elastic's error file (:func:`record`) and the
@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from recipes.checkpoint.errors import CheckpointError
+from ckpt.io.errors import CheckpointError
 from recipes.errors import ConfigError
 
 EXIT_CODE = 2

@@ -12,7 +12,7 @@ import sys
 from gtp.alignment import validate_gtp_dims
 from ckpt.format.records import CHECKPOINT_FORMATS
 from recipes import context_parallel, mtp, te
-from recipes.checkpoint import CheckpointError
+from ckpt.io import CheckpointError
 from recipes.errors import ConfigError
 from recipes.gtp_setup import overlap_settings, weight_reuse
 from recipes.metrics import CONSOLE_LINES, LOGGER_MODES
@@ -35,7 +35,7 @@ def validate(cfg, world_size: int, plan=None) -> ParallelDims:
     """Validate the whole composed config for ``world_size`` processes, one config group after
     another (the process grid first: ``ParallelDims.from_config``).
 
-    ``plan``: the :class:`recipes.checkpoint.manager.ResumePlan` of ``checkpoint.load`` when this
+    ``plan``: the :class:`ckpt.io.manager.ResumePlan` of ``checkpoint.load`` when this
     process has resolved it (its checkpoint is then not opened again).
 
     Returns:
@@ -266,8 +266,8 @@ def _check_model_options(m, tp: int) -> None:
 def _check_checkpoint_vocab(cfg, plan=None) -> None:
     """The checkpoint to load is loadable and was trained with this run's real vocabulary
     size (``plan``: its resolved ``ResumePlan``, else it is opened here)."""
-    from recipes import vocab
-    from recipes.checkpoint import load_common
+    from ckpt.adapt import vocab
+    from ckpt.io import load_common
 
     if plan is None:
         path, common = load_common(cfg.checkpoint.load, cfg.checkpoint.load_iteration)

@@ -36,14 +36,15 @@ from omegaconf import OmegaConf
 from ckpt.format import safe_objects
 from ckpt.format.records import IMPORTED_KEY, saved_layout
 from mcore_compat import distrib_optimizer
-from recipes import checkpoint, gtp_setup, mtp, preemption, pretrained, refusal, te
-from recipes.checkpoint import lineage
+from ckpt import io as checkpoint
+from recipes import gtp_setup, mtp, preemption, pretrained, refusal, te
+from ckpt.io import lineage
 from recipes.checkpoint.policy import agree_load_iteration, planned_samples
 from recipes.config import RESOLVED_CONFIG, to_dict
 from recipes.console import STARTED_ENV, format_summary, quiet_megatron
 from recipes.data import build_iterators, build_tokenizer, build_train_iterator
 from recipes.errors import ConfigError
-from recipes.lifetime import die_with_parent
+from ckpt.io.lifetime import die_with_parent
 from recipes.metrics import MetricLogger, plan_wandb_run
 from recipes.moe_metrics import attach_metrics
 from recipes.optim import (apply_schedule_override, build_optimizer, build_scheduler,
@@ -214,12 +215,12 @@ def check_same_run(cfg) -> None:
 def run(cfg, resume=None) -> None:
     """Train as configured, on the process group this process belongs to.
 
-    ``resume``: the :class:`recipes.checkpoint.manager.ResumePlan` this process resolved before
+    ``resume``: the :class:`ckpt.io.manager.ResumePlan` this process resolved before
     launch (a rank that ran its own pre-launch checks), reused when every rank agrees on it.
     """
     from megatron.core import parallel_state
 
-    from recipes.checkpoint.manager import CheckpointManager, ResumePlan
+    from ckpt.io.manager import CheckpointManager, ResumePlan
 
     started = float(os.environ.get(STARTED_ENV) or time.time())
     preemption.install(cfg.train)  # a signal from here on: save at the next iteration boundary
@@ -418,7 +419,7 @@ def _run_or_interrupt(cfg, launched_by_train_py: bool) -> None:
 
 def failure_text(exc: BaseException) -> str | None:
     """The one line a failure during training is reported with, no traceback: a failed save
-    (a :class:`~recipes.checkpoint.CheckpointError`, whose message says which ranks failed, why
+    (a :class:`~ckpt.io.CheckpointError`, whose message says which ranks failed, why
     and what the tracker still names) or a collective that failed because a peer left (a rank
     killed or failed: the launcher names that rank first). None for any other error (a bug: its
     traceback is kept)."""

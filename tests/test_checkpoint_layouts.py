@@ -4,7 +4,7 @@ One 4-process gloo world hosts every layout in turn (megatron's process groups a
 each; the data-parallel size fills the rest: tp1 alone runs as dp4, tp2 x g2 as dp1). Each layout
 of {gtp off, tp2, g2/a16, g4/a32, tp2 x g2/a16, g2/a1} builds the tiny SwiGLU GPT through
 ``recipes.worker.setup`` (the recipe's own model, DDP, megatron optimizer and scheduler), sets
-every weight and Adam moment to a golden, and saves through ``recipes.checkpoint``; then each
+every weight and Adam moment to a golden, and saves through ``ckpt.io``; then each
 layout loads every checkpoint into a model pre-filled with a sentinel and compares.
 
 The goldens are built independently of the code under test: each parameter's *full logical*
@@ -225,7 +225,7 @@ def _shape_problems(model, cfg, record) -> list[str]:
 
 def _save_and_load_all(root: Path, cfgs: dict, prefix: str, out: dict) -> None:
     """Save every layout of ``cfgs`` (goldens), then load each checkpoint at every layout."""
-    from recipes import checkpoint
+    from ckpt import io as checkpoint
 
     for name, cfg_yaml in cfgs.items():
         model, opt, sched, record, cfg = _build(cfg_yaml)
@@ -249,7 +249,7 @@ def _matrix_worker(root: str, cfgs: dict, plain: dict, llama: dict,
     from megatron.core import dist_checkpointing, parallel_state
 
     from ckpt.format import logical_format
-    from recipes import checkpoint
+    from ckpt import io as checkpoint
 
     assert torch.distributed.get_world_size() == WORLD
     root = Path(root)
@@ -338,7 +338,7 @@ def _pp_phase(root: Path, cfgs: dict) -> dict:
 
 def _pp_pairs(root: Path, cfgs: dict, out: dict) -> dict:
     """Save each layout of ``cfgs`` filled with the goldens; load each at each (sentinel first)."""
-    from recipes import checkpoint
+    from ckpt import io as checkpoint
 
     for name, cfg_yaml in cfgs.items():
         model, opt, sched, record, cfg = _build(cfg_yaml)
@@ -361,8 +361,8 @@ def _pp_negative_controls(root: Path, cfgs: dict) -> dict:
     and (2) a distributed-optimizer bucket whose state a save lost."""
     from megatron.core import parallel_state as ps
 
-    from recipes import checkpoint
-    from recipes.checkpoint import CheckpointError
+    from ckpt import io as checkpoint
+    from ckpt.io import CheckpointError
 
     out = {}
     # (1) tp1 checkpoint -> pp2 model whose last stage numbers its layers from 0.
@@ -605,7 +605,7 @@ def _stock_reader_worker(root: str, cfgs: dict, sources: list) -> dict:
 
     from gtp import backend
     from ckpt.format import logical_format
-    from recipes import checkpoint
+    from ckpt import io as checkpoint
 
     assert torch.distributed.get_world_size() == STOCK_WORLD
     out = {}
@@ -653,8 +653,8 @@ def _bad_input_worker(root: str, good: str, cfgs: dict) -> dict:
 
     from megatron.core import parallel_state
 
-    from recipes import checkpoint
-    from recipes.checkpoint import CheckpointError
+    from ckpt import io as checkpoint
+    from ckpt.io import CheckpointError
 
     assert torch.distributed.get_world_size() == STOCK_WORLD
     root, rank = Path(root), torch.distributed.get_rank()
@@ -796,7 +796,7 @@ def test_truncated_tensor_file_is_refused_naming_it(bad_inputs):
 
 
 def test_truncated_file_is_caught_before_launch(bad_inputs):
-    from recipes.checkpoint import CheckpointError, check_loadable
+    from ckpt.io import CheckpointError, check_loadable
 
     root, _ = bad_inputs
     with pytest.raises(CheckpointError, match=r"__1_0\.distcp has \d+ bytes.*tensor '"):

@@ -19,7 +19,7 @@ def _run_counting(out: str, data_cache: str, *overrides: str) -> dict:
     from compose import make_cfg
     from ckpt import verify
     from recipes import launch
-    from recipes.checkpoint import integrity
+    from ckpt.io import integrity
 
     counts = {"check_loadable": 0, "verify": 0, "load_common": 0}
 

@@ -13,10 +13,10 @@ import torch
 from compose import make_cfg
 from multiproc import run_distributed
 
-from recipes import checkpoint
+from ckpt import io as checkpoint
 from recipes.checkpoint import policy as checkpointer
-from recipes.checkpoint import manager
-from recipes.checkpoint import CheckpointError
+from ckpt.io import manager
+from ckpt.io import CheckpointError
 
 
 def fake_save(root: Path, iteration: int, payload: bytes = b"x") -> Path:
@@ -106,7 +106,7 @@ def test_load_iteration_newer_than_the_tracker_loads_when_complete(tmp_path, mon
 def _agree_while_tracker_moves(root):
     from compose import make_cfg
 
-    from recipes import checkpoint as ckpt
+    from ckpt import io as ckpt
     from recipes.checkpoint import policy
 
     rank = torch.distributed.get_rank()
@@ -275,7 +275,7 @@ def test_crafted_metadata_is_refused_without_running_it(tmp_path):
 def test_our_own_checkpoint_objects_load_with_weights_only(train_checkpoint):
     from megatron.core import dist_checkpointing
 
-    from recipes.checkpoint.state import rng_state
+    from ckpt.io.state import rng_state
 
     common = dist_checkpointing.load_common_state_dict(str(Path(train_checkpoint) / "iter_0000002"))
     ours = {k: common[k] for k in ("iteration", "train_state", "layout", "opt_param_scheduler")}
@@ -334,7 +334,7 @@ def _collectives_under_nccl_rule():
     is 'meta': a tensor created without ``collective_device`` reaches the collective on 'meta'."""
     import torch.distributed as dist
 
-    from recipes import checkpoint as ckpt
+    from ckpt import io as ckpt
     from recipes.data.datasets import _rank0_first
     from gtp.collectives import any_rank_failed, collective_device
 
@@ -441,7 +441,7 @@ def test_a_job_dir_is_claimed_by_one_live_run(tmp_path, monkeypatch):
 
     from test_cluster_races import _beating
 
-    from recipes import lease
+    from ckpt.io import lease
 
     monkeypatch.setattr(lease, "STALE_AFTER_S", 0.5)
     (tmp_path / CLAIM).write_text(json.dumps({"run_id": "r", "job_id": "77", "host": "n9", "pid": 1}))

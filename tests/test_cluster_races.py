@@ -15,7 +15,9 @@ import pytest
 from compose import make_cfg
 from multiproc import run_distributed
 
-from recipes import checkpoint, lease, preemption
+from ckpt import io as checkpoint
+from ckpt.io import lease
+from recipes import preemption
 from recipes.rank_env import job_id
 
 
@@ -99,7 +101,7 @@ def test_ranks_that_resolved_auto_differently_load_rank_0s_checkpoint(tmp_path):
 def _finalize_with_rank0_refused(root):
     import torch
 
-    from recipes.checkpoint import CheckpointError
+    from ckpt.io import CheckpointError
 
     rank = torch.distributed.get_rank()
     os.environ[lease.RUN_ID_ENV] = "me" if rank == 0 else "other"

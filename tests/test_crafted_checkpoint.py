@@ -139,7 +139,7 @@ def test_commands_refuse_a_crafted_common_state_and_run_nothing(saved, tmp_path)
         assert COMMON in out and "posix.system" in out, (command, out)
     # The common-state read of every load (checkpoint.load=DIR / auto, checkpoint.pretrained).
     from recipes import pretrained
-    from recipes.checkpoint import CheckpointError, load_common
+    from ckpt.io import CheckpointError, load_common
     from recipes.validate import ConfigError
 
     with pytest.raises(CheckpointError, match=rf"{COMMON}.*posix\.system"):
@@ -184,7 +184,7 @@ def test_a_stray_common_pt_is_damage_to_verify_and_every_load(saved, tmp_path, t
     for command in (["inspect", root], ["export", root, tmp_path / "hf"]):
         rc, out = _cli(*command)
         assert rc == 2 and str(stray) in out, (command, out)
-    from recipes.checkpoint import CheckpointError, load_common
+    from ckpt.io import CheckpointError, load_common
 
     with pytest.raises(CheckpointError, match=re.escape(str(stray))):
         load_common(root)

@@ -53,7 +53,8 @@ def _world(root: str, cfgs: dict) -> dict:
     """On every rank: each layout in turn; rank 0's results are the ones returned."""
     from megatron.core import parallel_state
 
-    from recipes import checkpoint, worker
+    from ckpt import io as checkpoint
+    from recipes import worker
     from recipes.data import build_iterators
     from recipes.loop import evaluate, train_step
     from recipes.validate import validate

@@ -22,7 +22,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict, read_write
 
-from recipes import launch, lease
+from recipes import launch
+from ckpt.io import lease
 from recipes.config import register_configs
 from recipes.validate import ConfigError
 

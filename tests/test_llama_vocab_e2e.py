@@ -101,7 +101,7 @@ def test_another_tokenizer_is_refused_before_launch(vocab_runs):
     pre-launch validation (what train.py runs before starting workers) refuses it."""
     from compose import make_cfg
 
-    from recipes.checkpoint import CheckpointError
+    from ckpt.io import CheckpointError
     from recipes.validate import validate
 
     cfg = make_cfg("data=indexed", "data.paths=[unused]", "data.vocab_size=300",

@@ -255,7 +255,7 @@ def test_a_resume_into_another_model_kind_or_vision_shape_names_the_field(saved_
 
     from omegaconf import OmegaConf
 
-    from recipes.checkpoint import CheckpointError
+    from ckpt.io import CheckpointError
     from recipes.prelaunch import check_model_shape
 
     saved = OmegaConf.to_container(make_cfg(*saved_model).model, resolve=True)
@@ -273,7 +273,7 @@ def test_a_text_checkpoint_recorded_before_the_vision_fields_is_a_text_model():
 
     from omegaconf import OmegaConf
 
-    from recipes.checkpoint import CheckpointError
+    from ckpt.io import CheckpointError
     from recipes.prelaunch import check_model_shape
 
     saved = OmegaConf.to_container(make_cfg("model=llama_tiny").model, resolve=True)

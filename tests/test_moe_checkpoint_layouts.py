@@ -22,7 +22,7 @@ each): moe_tiny (4 SwiGLU experts of width 100, hidden 72, 2 layers, Adam) at
   pp2 x ep2 with the distributed optimizer in bf16, and ep2 x expert GTP 2.
 
 Each layout builds the model through ``recipes.worker.setup``, sets every weight, fp32 main
-param and Adam moment to a golden and saves through ``recipes.checkpoint``; then each layout
+param and Adam moment to a golden and saves through ``ckpt.io``; then each layout
 loads the saves of three others (:data:`PAIRS`) into a model and optimizer pre-filled with a
 sentinel and compares with ``torch.equal``.
 
@@ -125,7 +125,7 @@ def make_cfg(*overrides: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Worker-side helpers (independent of ckpt/format/logical_format.py and recipes/checkpoint/).
+# Worker-side helpers (independent of ckpt/format/logical_format.py and ckpt/io/).
 # --------------------------------------------------------------------------------------------
 def _is_expert(name: str) -> bool:
     return ".local_experts." in name
@@ -333,7 +333,7 @@ def _check(model, optimizer, cfg) -> tuple:
 def _matrix_worker(root: str, cfgs: dict, pairs: list) -> dict:
     from pathlib import Path
 
-    from recipes import checkpoint
+    from ckpt import io as checkpoint
 
     out = {"loads": {}, "padded": {}, "kinds": {}, "shared_steps": {}}
     for name, cfg_yaml in cfgs.items():

@@ -201,7 +201,7 @@ def test_a_resume_into_another_moe_shape_names_the_field(field, value):
 
     from omegaconf import OmegaConf
 
-    from recipes.checkpoint import CheckpointError
+    from ckpt.io import CheckpointError
     from recipes.prelaunch import check_model_shape
 
     saved = OmegaConf.to_container(make_cfg("model=moe_tiny").model, resolve=True)

@@ -14,7 +14,7 @@ and both Adam moments set to garbage before saving:
    garbage padding rows too) into sentinel-filled tensors: exact. In B's model, megatron's own loader reads A's expert fc1 (the
    naive read at another layout: the global shapes agree, nothing complains) and most rows come
    out wrong; then, the logical format switched on in the same model,
-   ``recipes.checkpoint.load_checkpoint`` reads A (converted once by ``ckpt.stock``) into
+   ``ckpt.io.load_checkpoint`` reads A (converted once by ``ckpt.stock``) into
    sentinel-filled tensors: every weight and moment exact. (At B's alignment 16, megatron
    refuses A's fc1 instead: global shape mismatch, 256 stored rows against 224.)
 3. ``C``: ep2 x etp2 without expert GTP, logical format: A and B each loaded into sentinel-filled
@@ -120,7 +120,7 @@ def _naive_stock_read(model, path, cfg) -> tuple:
 
 
 def _world(root: str, cfgs: dict) -> dict:
-    from recipes import checkpoint
+    from ckpt import io as checkpoint
     from ckpt.format import logical_format
 
     root = Path(root)

@@ -120,7 +120,7 @@ def _worker(root: str, cfgs: dict) -> dict:
     from megatron.core import parallel_state as ps
 
     from ckpt.format import logical_format
-    from recipes import checkpoint
+    from ckpt import io as checkpoint
 
     root = Path(root)
     out = {"loads": {}, "filled": {}, "table": {}, "padding": {}, "last_stage": {}, "experts": {}}

@@ -219,7 +219,7 @@ def _layout(tp):
 
 def test_resume_across_optimizers_or_precisions_is_refused(tmp_path):
     from compose import make_cfg
-    from recipes.checkpoint import CheckpointError
+    from ckpt.io import CheckpointError
     from recipes.checkpoint.policy import _check_optimizer
     from recipes.config import to_dict
 

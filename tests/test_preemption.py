@@ -1,5 +1,5 @@
 """Cluster life: exit with a save on a signal, ``checkpoint.load=auto``, one live writer per
-save dir (recipes/preemption.py, recipes/checkpoint/auto.py, recipes/lease.py)."""
+save dir (recipes/preemption.py, recipes/checkpoint/auto.py, ckpt/io/lease.py)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ import pytest
 from compose import make_cfg
 from resume_checks import assert_bit_for_bit
 
-from recipes import checkpoint, lease, preemption
-from recipes.checkpoint import CheckpointError
+from ckpt import io as checkpoint
+from ckpt.io import lease
+from recipes import preemption
+from ckpt.io import CheckpointError
 from recipes.metrics import read_metrics
 from recipes.checkpoint.auto import resolve_auto_load
 from recipes.validate import ConfigError
@@ -246,7 +248,7 @@ def test_load_auto_takes_the_newest_complete_save_and_rewrites_a_tracker_left_be
                                                                                     monkeypatch):
     from omegaconf import open_dict
 
-    from recipes.checkpoint import manager
+    from ckpt.io import manager
     from recipes.checkpoint.policy import check_save_dir
 
     # Stand-in saves of one lineage (tests/test_requeue_lineage.py loads real ones).

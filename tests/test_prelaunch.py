@@ -18,7 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf, open_dict
 
-from recipes.checkpoint import CheckpointError
+from ckpt.io import CheckpointError
 from recipes.validate import ConfigError
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from recipes import checkpoint
-from recipes.checkpoint import CheckpointError
+from ckpt import io as checkpoint
+from ckpt.io import CheckpointError
 from recipes.metrics import read_metrics
 
 COMMON = ["train.train_iters=6", "optim.lr_warmup_iters=1", "checkpoint.save_interval=2"]

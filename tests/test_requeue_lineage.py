@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from recipes import checkpoint
+from ckpt import io as checkpoint
 from recipes.metrics import read_metrics
 
 KEYS = ("lm loss", "grad-norm", "learning-rate", "consumed-samples")

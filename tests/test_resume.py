@@ -173,7 +173,8 @@ def _reload_and_resave(cfg_path, src_root, iteration, dst_root):
     from megatron.core import parallel_state
     from omegaconf import OmegaConf
 
-    from recipes import checkpoint, worker
+    from ckpt import io as checkpoint
+    from recipes import worker
     from recipes.validate import validate
 
     cfg = OmegaConf.load(cfg_path)

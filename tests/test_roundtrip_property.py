@@ -24,7 +24,7 @@ GRIDS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (1, 4)]
 def _roundtrip(root: str, save_yaml: str, load_yaml: str):
     from megatron.core import parallel_state
 
-    from recipes import checkpoint
+    from ckpt import io as checkpoint
 
     model, opt, sched, record, cfg = _build(save_yaml)
     _set_golden(model, opt, cfg)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes import checkpoint
+from ckpt import io as checkpoint
 from resume_checks import EXACT_KEYS, assert_bit_for_bit, by_iteration
 
 COMMON = ["train.train_iters=6", "optim.lr_warmup_iters=1", "checkpoint.save_interval=2"]
@@ -162,8 +162,8 @@ def one_rank(tmp_path, monkeypatch):
 
 
 def _stage(root, monkeypatch, tensor_bytes: int = 1 << 20):
-    """:func:`recipes.checkpoint.save.stage_save` of iteration 4 up to its first write."""
-    from recipes.checkpoint import save
+    """:func:`ckpt.io.save.stage_save` of iteration 4 up to its first write."""
+    from ckpt.io import save
 
     monkeypatch.setattr(save, "sharded_state_dict", lambda *a, **k: {})
     monkeypatch.setattr(save, "expected_checkpoint_bytes", lambda state: tensor_bytes)
@@ -205,7 +205,7 @@ def test_the_disk_pre_check_counts_inodes_and_asks_what_a_save_needs(one_rank, m
 def test_a_tracker_that_cannot_be_written_fails_the_save_in_its_one_form(one_rank, monkeypatch):
     import errno
 
-    from recipes.checkpoint import save
+    from ckpt.io import save
 
     def full(path, text):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
@@ -230,7 +230,7 @@ def test_a_resumed_runs_disk_pre_check_runs_before_the_first_iteration(one_rank,
 
     from compose import make_cfg
 
-    from recipes.checkpoint import manager
+    from ckpt.io import manager
 
     loaded = checkpoint.iter_dir(one_rank, 2)
     with open(loaded / "__0_0.distcp", "wb") as f:
@@ -250,7 +250,7 @@ def test_a_peer_lost_during_a_save_fails_it_in_its_one_form(one_rank, monkeypatc
 
     from compose import make_cfg
 
-    from recipes.checkpoint import manager
+    from ckpt.io import manager
 
     def lost(*args, **kwargs):
         raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection "
@@ -316,7 +316,7 @@ def test_a_fresh_runs_disk_pre_check_runs_after_its_first_iteration(one_rank, mo
 
     from compose import make_cfg
 
-    from recipes.checkpoint import manager
+    from ckpt.io import manager
 
     monkeypatch.setattr(manager, "sharded_state_dict", lambda *a, **k: {})
     monkeypatch.setattr(manager, "expected_checkpoint_bytes", lambda state: 8 << 20)
@@ -337,7 +337,7 @@ def test_a_ranks_own_write_error_fails_the_save_in_its_one_form(one_rank, monkey
     import errno
     from types import SimpleNamespace
 
-    from recipes.checkpoint import save
+    from ckpt.io import save
 
     def full(state, path, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"{path}/.metadata")

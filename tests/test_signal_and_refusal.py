@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes import checkpoint
+from ckpt import io as checkpoint
 from recipes.preemption import child_pids
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ its SwiGLU twin (hidden 72, ffn 200):
    gate/up halves, tail padding, GTP split), independently of ``gtp.layout``;
 2. with the logical writer (``ckpt.format.logical_format``) save the same model again: its logical twin;
 3. load the stock checkpoint into a non-GTP model at tp2 (dp2) and at tp1 (dp4), every
-   parameter pre-filled with -999, through ``recipes.checkpoint.load_checkpoint`` (which
+   parameter pre-filled with -999, through ``ckpt.io.load_checkpoint`` (which
    converts it once into ``<root>/gtp_converted``), and check every parameter, both Adam
    moments and the step against the golden, bit for bit;
 4. at tp2 save it again (a non-GTP twin) and save a copy with one row changed (for the CLI tests).
@@ -198,7 +198,8 @@ def _write_and_reload(root: str, cfgs: dict):
     from omegaconf import OmegaConf
 
     from ckpt.format import logical_format
-    from recipes import checkpoint, worker
+    from ckpt import io as checkpoint
+    from recipes import worker
     from recipes.config import to_dict
     from recipes.validate import validate
 

@@ -142,7 +142,8 @@ def _load_into_sentinel(cfg_path, root):
     from megatron.core import parallel_state
     from omegaconf import OmegaConf
 
-    from recipes import checkpoint, worker
+    from ckpt import io as checkpoint
+    from recipes import worker
     from recipes.validate import validate
 
     cfg = OmegaConf.load(cfg_path)

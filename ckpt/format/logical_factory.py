@@ -271,7 +271,7 @@ def with_stored_rows(factory: LogicalGTPFactory, stored_rows: int,
                      kept_rows: int) -> LogicalGTPFactory:
     """The same GTP weight, loaded from (or saved to) a tensor of ``stored_rows`` global dim-0
     rows of which only the first ``kept_rows`` are read (written); the model's rows from
-    ``kept_rows`` on load as zeros. Used for vocabulary rows (``recipes.vocab``): a checkpoint
+    ``kept_rows`` on load as zeros. Used for vocabulary rows (``ckpt.adapt.vocab``): a checkpoint
     of another padded vocabulary size. Megatron applies the returned factory to every optimizer
     tensor of the param too, each merging into its own tensor in place.
 

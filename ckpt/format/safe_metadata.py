@@ -218,7 +218,7 @@ def reused():
     once: a later read of the same unchanged file (same device, inode, size and modification
     time) gets a copy of the first read's ``Metadata``.
 
-    One checkpoint load (``recipes.checkpoint.load_checkpoint``) reads a file's metadata six
+    One checkpoint load (``ckpt.io.load_checkpoint``) reads a file's metadata six
     times (the storage check, the shape check and four reads inside megatron and torch DCP),
     and the unpickling cost grows with the stored chunks (``benchmarks/README.md``). Each copy has its own top-level
     dicts and ``storage_meta`` (DCP sets ``storage_meta.load_id`` per reader); the per-tensor

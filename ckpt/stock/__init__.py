@@ -14,7 +14,7 @@ Entry points:
   where the layout comes from).
 * :func:`read_logical` - the logical tensors of any checkpoint (stock ones reconstructed).
 * :func:`convert` - write a stock checkpoint as a normal logical one (non-GTP layout record).
-* :func:`prepare_load` - the hook of ``recipes.checkpoint.load_checkpoint``: converts a stock
+* :func:`prepare_load` - the hook of ``ckpt.io.load_checkpoint``: converts a stock
   checkpoint once into ``<root>/gtp_converted/`` and returns the directory to load.
 
 Import from ``ckpt.stock`` only: the names above (and the record names ``CONVERTED_KEY``,

@@ -14,7 +14,7 @@ from recipes.families import gpt, hybrid, llava, moe
 from recipes.families.family import ModelFamily
 from recipes.families.formats import FORMATS, padded_vocab_of_config
 from recipes.shapes import ParamShape, count, getter, padded_vocab_size, tp_local_shape
-from recipes.vocab import VOCAB_KEYS
+from ckpt.adapt.vocab import VOCAB_KEYS
 
 # First match wins: the dense GPT family matches every decoder, so it comes last; LLaVA first,
 # as its language model may carry other families' fields (which it refuses).

@@ -64,7 +64,7 @@ def finite(x) -> bool:
 
 
 def describe_layout(layout: dict | None) -> str:
-    """``tp2 x gtp2(pad 16) x dp1`` from a layout record (``recipes.checkpoint.layout_record``)."""
+    """``tp2 x gtp2(pad 16) x dp1`` from a layout record (``ckpt.io.layout_record``)."""
     if not layout:
         return "?"
     tp = layout.get("tensor_model_parallel_size", "?")

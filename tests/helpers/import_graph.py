@@ -3,7 +3,7 @@
 Every import statement of mcore_compat/, gtp/, ckpt/ and recipes/ is resolved to what it loads: a
 project module (relative imports resolved; ``from pkg import name`` is ``pkg.name`` when that is
 a module, the submodule that a package's ``_LAZY`` table loads ``name`` from
-(``recipes.lazy.lazy_names``), else ``pkg``) or an outside name (``torch.nn``, ``os``)."""
+(``mcore_compat.lazy.lazy_names``), else ``pkg``) or an outside name (``torch.nn``, ``os``)."""
 
 from __future__ import annotations
 

@@ -50,7 +50,8 @@ def make_cfg(model: str, tp: int, g: int, pad, nproc: int, checkpoint_layout: st
 # --------------------------------------------------------------------------------------------
 def build(cfg_yaml: str):
     """(model, optimizer, scheduler, layout record) at the config's layout, fresh groups."""
-    from recipes import checkpoint, worker
+    from ckpt import io as checkpoint
+    from recipes import worker
     from recipes.validate import validate
 
     reset_model_parallel()
@@ -232,12 +233,12 @@ def check(model, optimizer, cfg) -> tuple[int, list[str]]:
 def save_and_load_pairs(root: str, cfgs: dict) -> dict:
     """In a worker of a gloo world: build each layout of ``cfgs`` (name -> :func:`make_cfg`
     YAML), fill it with the goldens and save it under ``root/name`` through
-    ``recipes.checkpoint``; then load every save into every layout pre-filled with a sentinel.
+    ``ckpt.io``; then load every save into every layout pre-filled with a sentinel.
 
     Returns:
         ``{"filled": {name: tensors filled}, "loads": {(source, target): check()}}``.
     """
-    from recipes import checkpoint
+    from ckpt import io as checkpoint
 
     out = {"filled": {}, "loads": {}}
     for name, cfg_yaml in cfgs.items():

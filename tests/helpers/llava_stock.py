@@ -35,7 +35,7 @@ def common(tp: int, g: int, pad) -> dict:
 def save_stock_and_load(builder: str, root: str, saves: dict, loads: list):
     """Each layout of ``saves`` (``name: (tp, g, pad, distributed optimizer)``) writes its goldens
     in the stock format to ``root/<name>/iter_0000001``; then each ``(source, target)`` of
-    ``loads`` is loaded as ``recipes.checkpoint`` does (:func:`ckpt.stock.prepare_load`, which
+    ``loads`` is loaded as ``ckpt.io`` does (:func:`ckpt.stock.prepare_load`, which
     converts a padded one, then megatron's load with the logical format installed) into a
     sentinel-filled module and optimizer at the target layout. Returns
     ``{(source, target): layout_goldens.check()}``."""

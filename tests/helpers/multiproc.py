@@ -48,7 +48,7 @@ PRELOAD = [
     "megatron.core.transformer.moe.moe_layer",
     "hydra", "omegaconf",
     "recipes.launch", "recipes.worker", "recipes.loop", "recipes.model", "recipes.optim",
-    "recipes.checkpoint", "recipes.metrics", "recipes.data",
+    "ckpt.io", "recipes.metrics", "recipes.data",
     "ckpt.format.logical_format", "ckpt.format.logical_factory",
     "frozen_preload",  # last: freezes what the imports above built
 ]

@@ -1,7 +1,7 @@
 """A resume that changes ``precision.params_dtype``: every weight and fp32 main param comes from
 the checkpoint's fp32 copy, never from a bf16-rounded one.
 
-What a checkpoint holds (``recipes.optim_checkpoint`` describes the keys):
+What a checkpoint holds (``ckpt.adapt.optim_checkpoint`` describes the keys):
 
 * bf16 runs: bf16 model weights ``K`` and fp32 main params (``optimizer.state.fp32_param.K``
   from the plain optimizer, ``optimizer.state.param.K`` from the distributed one);
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from recipes.optim_kinds import DISTRIBUTED, PLAIN
+from ckpt.adapt.optim_kinds import DISTRIBUTED, PLAIN
 
 _MAIN_PREFIXES = ("optimizer.state.fp32_param.", "optimizer.state.param.")
 

@@ -10,7 +10,7 @@
    whose writers have all finished, then save when ``checkpoint.save_interval`` (or
    ``save_at_end``) says so.
 4. **Save**: staged, renamed into place and named by the tracker once every rank finished
-   (:mod:`recipes.checkpoint.save`); then retention (``checkpoint.keep_last``) and the run's
+   (:mod:`ckpt.io.save`); then retention (``checkpoint.keep_last``) and the run's
    ``save`` event. With ``checkpoint.async_save`` the tensors are written in the background and
    that completion runs in a later step.
 5. **Stop** (:meth:`CheckpointManager.stop`): a run that stops early saves the iteration it
@@ -30,18 +30,18 @@ import torch
 from gtp.collectives import collective_device
 from ckpt.format.records import IMPORTED_KEY
 from ckpt.verify import verify_iteration
-from recipes.checkpoint import lineage
-from recipes.checkpoint.async_save import AsyncSaves, failure_message
-from recipes.checkpoint.errors import CheckpointError
-from recipes.checkpoint.files import (TRACKER, ensure_disk_space, iter_dir, read_tracker,
+from ckpt.io import lineage
+from ckpt.io.async_save import AsyncSaves, failure_message
+from ckpt.io.errors import CheckpointError
+from ckpt.io.files import (TRACKER, ensure_disk_space, iter_dir, read_tracker,
                                       recover_replaced, save_files,
                                       remove_old_checkpoints, saved_iterations, tracked,
                                       write_durable)
-from recipes.checkpoint.integrity import check_loadable
-from recipes.checkpoint.load import load_checkpoint, load_common
-from recipes.checkpoint.save import expected_checkpoint_bytes, finalize_save, stage_save
-from recipes.checkpoint.state import sharded_state_dict
-from recipes.rank_env import job_id
+from ckpt.io.integrity import check_loadable
+from ckpt.io.load import load_checkpoint, load_common
+from ckpt.io.save import expected_checkpoint_bytes, finalize_save, stage_save
+from ckpt.io.state import sharded_state_dict
+from ckpt.io.job import job_id
 
 
 def _repaired(ck, repair: bool) -> bool:
@@ -62,7 +62,7 @@ class ResumePlan:
         load: the checkpoint dir (``checkpoint.load``).
         iteration: the iteration loaded.
         path: its iter dir.
-        common: its common state (:func:`recipes.checkpoint.load.load_common`).
+        common: its common state (:func:`ckpt.io.load.load_common`).
     """
 
     load: str
@@ -75,10 +75,10 @@ class ResumePlan:
         """``ck.load`` at ``ck.load_iteration`` (None: the tracker's), checked and its common
         state read; None without ``ck.load``. ``repair`` (global rank 0 before launch): first
         put back a complete save that a crash left aside
-        (:func:`recipes.checkpoint.files.recover_replaced`).
+        (:func:`ckpt.io.files.recover_replaced`).
 
         Raises:
-            CheckpointError: as :func:`recipes.checkpoint.load.load_common`.
+            CheckpointError: as :func:`ckpt.io.load.load_common`.
         """
         if not _repaired(ck, repair):
             return None
@@ -88,11 +88,11 @@ class ResumePlan:
     def resolve_iteration(cls, ck, repair: bool = False) -> int | None:
         """The iteration :meth:`resolve` would load, without reading the common state:
         ``ck.load_iteration`` or the tracker's, checked loadable
-        (:func:`recipes.checkpoint.integrity.check_loadable`); None without ``ck.load``.
+        (:func:`ckpt.io.integrity.check_loadable`); None without ``ck.load``.
         ``repair`` as for :meth:`resolve`.
 
         Raises:
-            CheckpointError: as :func:`recipes.checkpoint.integrity.check_loadable`.
+            CheckpointError: as :func:`ckpt.io.integrity.check_loadable`.
         """
         if not _repaired(ck, repair):
             return None
@@ -104,7 +104,7 @@ class ResumePlan:
         and one read of the common state.
 
         Raises:
-            CheckpointError: as :func:`recipes.checkpoint.load.load_common`.
+            CheckpointError: as :func:`ckpt.io.load.load_common`.
         """
         path, common = load_common(load, iteration)
         return cls(str(load), int(path.name[5:]), path, common)
@@ -112,12 +112,12 @@ class ResumePlan:
     @classmethod
     def auto(cls, root, verify: bool = True, repair: bool = False) -> tuple[int | None, list[str]]:
         """``checkpoint.load=auto``'s choice in the save dir ``root``: the newest save of the
-        lineage (:mod:`recipes.checkpoint.lineage`) of the save the tracker names (without a
+        lineage (:mod:`ckpt.io.lineage`) of the save the tracker names (without a
         usable tracker: of the newest complete save) that loads and, with ``verify``, verifies
         (:func:`ckpt.verify.verify_iteration`). A newer save of the same lineage is taken (a
         crash between its rename and the tracker's write); another lineage's is never taken.
         A save to follow that cannot be read is damaged: its lineage recorded beside the tracker
-        (:func:`recipes.checkpoint.lineage.recorded`) is followed, back to the iteration it
+        (:func:`ckpt.io.lineage.recorded`) is followed, back to the iteration it
         forked at; without that record it is refused.
         With ``repair`` (global rank 0) a damaged save of the lineage is set aside as
         ``iter_N.damaged`` (never deleted, never written over) once the tracker names the save
@@ -209,7 +209,7 @@ class ResumePlan:
     @staticmethod
     def _set_aside(root, damaged: list, repair: bool) -> list[str]:
         """Notes on the damaged saves ``auto`` skipped (``(iteration, problem)``), each set
-        aside (:func:`recipes.checkpoint.lineage.set_aside`) with ``repair``."""
+        aside (:func:`ckpt.io.lineage.set_aside`) with ``repair``."""
         notes = []
         for it, problem in damaged:
             kept = lineage.set_aside(iter_dir(root, it)) if repair else iter_dir(root, it)
@@ -231,7 +231,7 @@ class CheckpointManager:
         ck: the ``checkpoint`` config group (``save``, ``save_interval``, ``save_at_end``,
             ``keep_last``, ``async_save``, ``verify_on_load``).
         plan: what this run loads (:class:`ResumePlan`), or None.
-        layout_record: this run's :func:`recipes.checkpoint.state.layout_record`.
+        layout_record: this run's :func:`ckpt.io.state.layout_record`.
     """
 
     def __init__(self, ck, plan: ResumePlan | None = None, layout_record: dict | None = None):
@@ -253,13 +253,13 @@ class CheckpointManager:
 
     def load(self, model, optimizer, scheduler) -> dict | None:
         """Load the plan's checkpoint into ``model``, ``optimizer`` and ``scheduler``
-        (:func:`recipes.checkpoint.load.load_checkpoint`, from the plan's common state).
+        (:func:`ckpt.io.load.load_checkpoint`, from the plan's common state).
 
         Returns:
             The checkpoint's common state; None without a plan (nothing loaded).
 
         Raises:
-            CheckpointError: as :func:`recipes.checkpoint.load.load_checkpoint`.
+            CheckpointError: as :func:`ckpt.io.load.load_checkpoint`.
         """
         if self.plan is None:
             return None
@@ -303,10 +303,10 @@ class CheckpointManager:
         be about the size of the one it loaded; refuse one that cannot fit (or find no inodes)
         now, not after the iterations before the first save are spent. A fresh run is checked
         exactly after its first iteration (:meth:`step`: its optimizer state exists from
-        then), and every save checks again (:func:`recipes.checkpoint.save.prepare_staging`).
+        then), and every save checks again (:func:`ckpt.io.save.prepare_staging`).
 
         Raises:
-            CheckpointError: as :func:`recipes.checkpoint.files.ensure_disk_space`.
+            CheckpointError: as :func:`ckpt.io.files.ensure_disk_space`.
         """
         if not self.root or self.plan is None:
             return
@@ -329,7 +329,7 @@ class CheckpointManager:
         """Write the checkpoint of ``state.iteration`` (every rank calls this).
 
         Staged into a hidden dir, renamed into place and named by the tracker once every rank
-        finished (:func:`recipes.checkpoint.save.finalize_save`), then older complete saves
+        finished (:func:`ckpt.io.save.finalize_save`), then older complete saves
         beyond ``keep_last`` are removed and rank 0 logs the ``save`` event. With
         ``checkpoint.async_save`` the files are written in the background and all of that
         happens in a later :meth:`poll` / :meth:`wait`, unless ``sync`` (the save of an exit:
@@ -391,7 +391,7 @@ class CheckpointManager:
         return {"consumed_samples": state.consumed_samples,
                 "wandb_run_id": fixed.get("wandb_run_id"),
                 "job_id": job_id(),  # Slurm/submitit's: a requeue of it is the same run
-                "lineage": fixed.get("lineage"),  # recipes.checkpoint.lineage
+                "lineage": fixed.get("lineage"),  # ckpt.io.lineage
                 "wandb_step": int(step.item()), "config": fixed.get("config"),
                 "data_plan": fixed.get("data_plan"), "skipped_iterations": state.skipped,
                 IMPORTED_KEY: fixed.get(IMPORTED_KEY)}  # checkpoint.pretrained's HF model

@@ -5,7 +5,7 @@ Two uses: the job dir's claim (``<output_dir>/.job_claim``, :func:`recipes.launc
 and the save dir's writer lease (``<checkpoint.save>/.writer_lease``, :func:`take_save_dir`),
 re-checked before every save is renamed into place (:func:`check_writer`).
 
-A lease holds the run id, the scheduler's job id (:func:`recipes.rank_env.job_id`), the host, the
+A lease holds the run id, the scheduler's job id (:func:`ckpt.io.job.job_id`), the host, the
 pid, the pid's process start time and, as the file's modification time, the heartbeat. On this
 host the process decides: a holder whose pid is alive with the start time recorded holds the
 lease whatever its heartbeat; one whose process is gone, is this process (a lease it no longer
@@ -31,8 +31,8 @@ import time
 import uuid
 from pathlib import Path
 
-from recipes.checkpoint.errors import CheckpointError
-from recipes.rank_env import job_id as scheduler_job_id
+from ckpt.io.errors import CheckpointError
+from ckpt.io.job import job_id as scheduler_job_id
 
 WRITER_LEASE = ".writer_lease"
 # Set for the workers (and by rank 0 under torchrun/Slurm): the run id holding the writer lease.

@@ -1,5 +1,5 @@
 """One save: staged into a hidden dir on every rank (synchronously or by the background
-writers of :mod:`recipes.checkpoint.async_save`), then renamed into place and named by the
+writers of :mod:`ckpt.io.async_save`), then renamed into place and named by the
 tracker once every rank finished (:func:`finalize_save`)."""
 
 from __future__ import annotations
@@ -19,17 +19,18 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ckpt.format.logical_format import METADATA_KEY, layout_metadata
 from gtp.collectives import barrier, collective_device, rank as global_rank
 from ckpt.format.records import TRACKER, stored_layout
-from recipes import faults, vocab
-from recipes.checkpoint import lineage
-from recipes.checkpoint.async_save import (
+from ckpt.io import faults
+from ckpt.adapt import vocab
+from ckpt.io import lineage
+from ckpt.io.async_save import (
     AsyncSaves,
     failed_save_message,
     failure_message,
     use_in_process_results_queue,
     write_in_background,
 )
-from recipes.checkpoint.errors import CheckpointError
-from recipes.checkpoint.files import (
+from ckpt.io.errors import CheckpointError
+from ckpt.io.files import (
     ensure_disk_space,
     fsync_dir,
     iter_dir,
@@ -37,8 +38,8 @@ from recipes.checkpoint.files import (
     staging_dir,
     write_durable,
 )
-from recipes.checkpoint.state import rng_sharded_object, sharded_state_dict
-from recipes.lease import RUN_ID_ENV, LeaseHeld, check_writer
+from ckpt.io.state import rng_sharded_object, sharded_state_dict
+from ckpt.io.lease import RUN_ID_ENV, LeaseHeld, check_writer
 
 
 def gc_paused(fn):
@@ -169,7 +170,7 @@ def agree_failures(local: str | None) -> dict:
 
 def prepare_staging(root, iteration: int, needed_bytes: int) -> Path:
     """Before a save writes anything (every rank calls this): each rank checks the space and
-    inodes it needs (:func:`recipes.checkpoint.files.ensure_disk_space`), then global rank 0
+    inodes it needs (:func:`ckpt.io.files.ensure_disk_space`), then global rank 0
     creates the staging dir (removing a leftover of an interrupted save: never a checkpoint).
     A failure on any rank (a full disk, a read-only file system) fails the save on every rank
     with the same message, in the one form of a failed save.
@@ -208,18 +209,18 @@ def finalize_save(root, iteration: int, staged: Path, chain: list | None = None)
     iteration aside, renames the staged dir into place, writes the tracker, then removes the
     old one. Every step is a rename within ``root``: a crash at any point leaves either the old
     or the new complete checkpoint under its name (or the old one as ``.iter_*.replaced``,
-    which :func:`recipes.checkpoint.files.recover_replaced` puts back). ``chain``: the save's
+    which :func:`ckpt.io.files.recover_replaced` puts back). ``chain``: the save's
     lineage, recorded beside the tracker before it names the save
-    (:func:`recipes.checkpoint.lineage.record`).
+    (:func:`ckpt.io.lineage.record`).
 
     Returns:
         The iter dir.
 
     Raises:
         CheckpointError: on every rank, the same message in the one form of a failed save
-            (:func:`recipes.checkpoint.async_save.failure_message`), when rank 0 could not
+            (:func:`ckpt.io.async_save.failure_message`), when rank 0 could not
             rename, record or write the tracker, naming the step and its error; a
-            :class:`recipes.lease.LeaseHeld` on rank 0 when another run took the dir over (this
+            :class:`ckpt.io.lease.LeaseHeld` on rank 0 when another run took the dir over (this
             save kept aside, :func:`keep_unowned`).
     """
     barrier()
@@ -228,7 +229,7 @@ def finalize_save(root, iteration: int, staged: Path, chain: list | None = None)
     if global_rank() == 0:
         try:
             try:
-                check_writer(root)  # still this run's dir: one live writer (recipes/lease.py)
+                check_writer(root)  # still this run's dir: one live writer (ckpt/io/lease.py)
             except LeaseHeld as exc:
                 raise LeaseHeld(f"{exc}; {keep_unowned(root, iteration, staged)}") from None
             replaced = Path(root) / f".{path.name}.replaced"
@@ -295,7 +296,7 @@ def save_checkpoint(root, iteration: int, model, optimizer, scheduler, common: d
 
     Staged (:func:`stage_save`) then renamed into place (:func:`finalize_save`): an existing
     complete checkpoint of the same iteration stays loadable until the new one is complete on
-    every rank. A run saves through :class:`recipes.checkpoint.manager.CheckpointManager`,
+    every rank. A run saves through :class:`ckpt.io.manager.CheckpointManager`,
     which adds retention and the run's messages.
 
     Args:
@@ -306,7 +307,7 @@ def save_checkpoint(root, iteration: int, model, optimizer, scheduler, common: d
         scheduler: megatron's ``OptimizerParamScheduler``.
         common: small state identical on every rank (consumed samples, wandb run id, resolved
             config...): plain python values only, so it loads with ``weights_only=True``.
-        layout_dict: the ``ParallelDims`` the run uses (:func:`recipes.checkpoint.state.layout_record`),
+        layout_dict: the ``ParallelDims`` the run uses (:func:`ckpt.io.state.layout_record`),
             recorded so a loader knows what wrote it.
         async_saves: None: write now and return when the checkpoint is complete. Else the
             tensors are written in the background (megatron's async torch_dist save) into the

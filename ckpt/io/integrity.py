@@ -15,9 +15,9 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from ckpt.format import safe_metadata, safe_objects
 from ckpt import verify
 from gtp.collectives import any_rank_failed
-from recipes.checkpoint.errors import CheckpointError, unreadable
-from recipes.checkpoint.files import check_root, iter_dir, read_tracker, saved_iterations
-from recipes.optim_kinds import without_chain_prefix
+from ckpt.io.errors import CheckpointError, unreadable
+from ckpt.io.files import check_root, iter_dir, read_tracker, saved_iterations
+from ckpt.adapt.optim_kinds import without_chain_prefix
 
 
 def check_loadable(root: str | os.PathLike, iteration: int | None = None) -> Path:
@@ -31,8 +31,8 @@ def check_loadable(root: str | os.PathLike, iteration: int | None = None) -> Pat
             tracker is read only when ``iteration`` is None).
 
     Raises:
-        CheckpointError: as :func:`recipes.checkpoint.files.read_tracker` (``iteration`` None;
-            else as :func:`recipes.checkpoint.files.check_root`), the iteration is
+        CheckpointError: as :func:`ckpt.io.files.read_tracker` (``iteration`` None;
+            else as :func:`ckpt.io.files.check_root`), the iteration is
             missing or incomplete, it holds a ``common.pt`` (damage: named), its data files are
             truncated, or its metadata is not what a checkpoint holds.
     """
@@ -130,7 +130,7 @@ def check_shapes(sharded_state: dict, path, stored: dict | None = None,
     Tensors megatron marks ``allow_shape_mismatch`` (vocab rows padded per TP) are skipped, and
     absent keys starting with one of ``skip_prefixes``, after a chained optimizer's
     ``chained_<i>.`` (main params, which
-    ``recipes.optim_checkpoint`` maps between optimizer kinds) are not reported.
+    ``ckpt.adapt.optim_checkpoint`` maps between optimizer kinds) are not reported.
     Every rank reads the same metadata and so raises the same error.
 
     Args:

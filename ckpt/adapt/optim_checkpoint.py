@@ -20,7 +20,7 @@ dense and an expert optimizer (megatron's ``ChainedOptimizer``; keys without its
 ``chained_<i>.`` prefix) resumes a chain of another length, kind or precision entry by running
 entry (:func:`_rechain`); so does Muon's chain (Muon, expert Muon, Adam where the experts are
 split; Muon and Adam with ``chained_<i>.`` keys where not: :func:`match_chain_prefixes`).
-Which optimizer runs and which wrote the file: :mod:`recipes.optim_kinds`.
+Which optimizer runs and which wrote the file: :mod:`ckpt.adapt.optim_kinds`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
-from recipes.optim_kinds import (
+from ckpt.adapt.optim_kinds import (
     DISTRIBUTED, PLAIN, OptimizerCheckpointError, chain_of, entry_kind, is_chain, is_muon,
     is_muon_group, kind_of, leaves, without_chain_prefix)
 
@@ -130,7 +130,7 @@ def match_chain_prefixes(opt_request: dict, stored_keys) -> None:
     """Point each request the file holds only under another chain prefix at the file's key.
 
     megatron's ``ChainedOptimizer`` prefixes each entry's keys with ``chained_<i>.`` unless told
-    not to (``recipes.checkpoint.state.optimizer_metadata`` does so where experts are split):
+    not to (``ckpt.io.state.optimizer_metadata`` does so where experts are split):
     a Muon chain (Muon for the 2-D weights, Adam for the rest) writes ``chained_0.`` /
     ``chained_1.`` keys where the experts are not split and bare keys where they are. Each
     param's tensors have one name either way (the part after the prefix), so the request is

@@ -24,24 +24,24 @@ from ckpt import stock
 from gtp.collectives import any_rank_failed
 from ckpt.format.records import saved_layout
 from ckpt.format.safe_metadata import reused as metadata_reused
-from recipes import optim_checkpoint, optim_kinds, precision_change, vocab
-from recipes.checkpoint.errors import CheckpointError, describe, rank_errors, unreadable
-from recipes.checkpoint.integrity import (
+from ckpt.adapt import optim_checkpoint, optim_kinds, precision_change, vocab
+from ckpt.io.errors import CheckpointError, describe, rank_errors, unreadable
+from ckpt.io.integrity import (
     LOAD_FIX,
     check_loadable,
     check_shapes,
     stored_shapes,
     verify_before_load,
 )
-from recipes.checkpoint.save import gc_paused
-from recipes.checkpoint.state import (
+from ckpt.io.save import gc_paused
+from ckpt.io.state import (
     load_model_state,
     model_sharded_state_dict,
     rng_sharded_object,
     set_rng_state,
     sharded_state_dict,
 )
-from recipes.model import model_chunks
+from ckpt.io.chunks import model_chunks
 
 COMMON_KEYS = ("iteration", "layout", "train_state", "opt_param_scheduler")
 
@@ -50,7 +50,7 @@ def load_common(root, iteration: int | None = None) -> tuple[Path, dict]:
     """The iter dir and the common (non-sharded) state of a checkpoint (default: the tracker's).
 
     Raises:
-        CheckpointError: as :func:`recipes.checkpoint.integrity.check_loadable`, the common
+        CheckpointError: as :func:`ckpt.io.integrity.check_loadable`, the common
             state cannot be read or is refused unrun (a crafted object: :mod:`ckpt.format.safe_objects`,
             named), or it lacks one of :data:`COMMON_KEYS` (not written here).
     """
@@ -103,7 +103,7 @@ def _open(path: Path, common: dict, model, layout_dict, verify: bool,
 
 
 def _adapt_vocab_rows(opened: _Opened, model_sd: dict) -> None:
-    """Request the stored vocabulary rows (``recipes.vocab.adapt_to_stored_rows``) in each
+    """Request the stored vocabulary rows (``ckpt.adapt.vocab.adapt_to_stored_rows``) in each
     chunk's entries of ``model_sd``."""
     if opened.real_vocab is None:
         return
@@ -160,11 +160,11 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
 
     The checkpoint may have been saved at any layout: dist_checkpointing reshards every tensor.
     At another padded vocabulary size the real vocabulary rows load exactly and the padding rows
-    are zero (``recipes.vocab``). Each rank's RNG state is restored only when the layout is
+    are zero (``ckpt.adapt.vocab``). Each rank's RNG state is restored only when the layout is
     identical (the state is per rank).
 
     Args:
-        layout_dict: this run's :func:`recipes.checkpoint.state.layout_record`.
+        layout_dict: this run's :func:`ckpt.io.state.layout_record`.
         verify: check every byte of the checkpoint first (``checkpoint.verify_on_load``;
             :func:`ckpt.verify.check_share`, each rank a share of the data files).
         opened: what :func:`load_common` returned for this checkpoint, when the caller already
@@ -232,8 +232,8 @@ def load_model_weights(path, model, verify: bool = True) -> Path:
 
     Collective: every rank calls it. Tensors are resharded to this run's TP/PP/GTP layout by
     dist_checkpointing; at another padded vocabulary size the real rows load exactly and the
-    padding rows are zero (:mod:`recipes.vocab`). With ``verify`` every byte it reads is
-    checked first (:func:`recipes.checkpoint.integrity.verify_before_load`).
+    padding rows are zero (:mod:`ckpt.adapt.vocab`). With ``verify`` every byte it reads is
+    checked first (:func:`ckpt.io.integrity.verify_before_load`).
 
     Returns:
         The iter dir read.

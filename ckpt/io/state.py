@@ -4,7 +4,7 @@ virtual pipeline chunk), the optimizer, each rank's RNG state and the layout rec
 The common (non-sharded) entries a save adds beside them: ``iteration``,
 ``opt_param_scheduler``, ``train_state`` (consumed samples, wandb run id, resolved config...),
 ``layout`` (:func:`layout_record` without ``pad_for_alignment``), the real vocabulary size
-(``recipes.vocab``) and the ``gtp_layout`` record (``ckpt.format.logical_format``).
+(``ckpt.adapt.vocab``) and the ``gtp_layout`` record (``ckpt.format.logical_format``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.utils import unwrap_model
 
 from ckpt.format.records import megatron_core_version
-from recipes.model import model_chunks
+from ckpt.io.chunks import model_chunks
 
 
 def rng_state() -> dict:

@@ -27,10 +27,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from gtp.collectives import all_ranks, any_rank, rank as global_rank
 from ckpt.format.records import TRACKER
 from mcore_compat.dist_checkpointing import keep_write_errors, set_write_results_queue
-from recipes import faults
-from recipes.checkpoint.errors import CheckpointError, rank_errors
-from recipes.checkpoint.files import read_tracker
-from recipes.lifetime import leave_parent_autogroup
+from ckpt.io import faults
+from ckpt.io.errors import CheckpointError, rank_errors
+from ckpt.io.files import read_tracker
+from ckpt.io.lifetime import leave_parent_autogroup
 
 class _ForkedWriterResults:
     """The writers' results queue of asynchronous saves.
@@ -345,7 +345,7 @@ _FORK_HOOK_REGISTERED = False
 
 def _writer_fork_hook() -> None:
     """``os.register_at_fork`` child hook: in the writer forked by :meth:`AsyncSaves.schedule`,
-    leave the rank's scheduling group at once (:func:`recipes.lifetime.leave_parent_autogroup`),
+    leave the rank's scheduling group at once (:func:`ckpt.io.lifetime.leave_parent_autogroup`),
     before Python's process start-up, which would otherwise run at the rank's weight while the
     rank returns to training. Forks by other threads, by other code and by the writer itself are
     left alone."""

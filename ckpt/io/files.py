@@ -5,7 +5,7 @@ Folder layout (Megatron-LM's)::
     <save>/iter_0000020/                      megatron dist_checkpointing (torch_dist) files
     <save>/.iter_0000020.staging/             a save being written (hidden; never loaded)
     <save>/latest_checkpointed_iteration.txt  written only after every rank finished the save
-    <save>/.lineage.json                      each save's lineage (recipes.checkpoint.lineage)
+    <save>/.lineage.json                      each save's lineage (ckpt.io.lineage)
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from ckpt.format.records import TRACKER
-from recipes.checkpoint.errors import CheckpointError
+from ckpt.io.errors import CheckpointError
 
 ITER_NAME = re.compile(r"iter_(\d{7,})")
 
@@ -151,7 +151,7 @@ def ensure_disk_space(root, needed_bytes: int, free_bytes: int | None = None,
     Args:
         root: the checkpoint dir (or the nearest existing parent is measured).
         needed_bytes: tensor bytes of the save
-            (:func:`recipes.checkpoint.save.expected_checkpoint_bytes`).
+            (:func:`ckpt.io.save.expected_checkpoint_bytes`).
         free_bytes: free bytes to assume (tests); default: measured.
         files: the files the save creates (:func:`save_files`).
 

@@ -8,7 +8,7 @@ lies on a run's history when its last run is in the run's chain and, for an ance
 before the iteration the next run of the chain forked from.
 
 ``checkpoint.load=auto`` follows the lineage of the save the tracker names, without a usable
-tracker the newest complete save's (:meth:`recipes.checkpoint.manager.ResumePlan.auto`): it
+tracker the newest complete save's (:meth:`ckpt.io.manager.ResumePlan.auto`): it
 never takes another lineage's save. Each save's chain is also recorded beside the tracker
 (:data:`RECORD`, written before the tracker names the save): a save whose own files are damaged
 cannot erase which history it continues.
@@ -20,7 +20,7 @@ import json
 import os
 from pathlib import Path
 
-from recipes.checkpoint.files import ITER_NAME, iter_dir, write_durable
+from ckpt.io.files import ITER_NAME, iter_dir, write_durable
 
 KEY = "lineage"
 # Beside the tracker: {iteration: chain} of the dir's saves (hidden: never an iter dir).
