@@ -6,7 +6,7 @@
     python -m benchmarks checkpoint                    # the same, through the suite
 
 Launches of worker processes (torch's elastic launcher, as ``train.py``); each builds its model,
-DDP, Adam and scheduler with ``recipes.worker.setup`` and runs one training step, so every
+DDP, Adam and scheduler with ``recipes.run.worker.setup`` and runs one training step, so every
 checkpoint holds the Adam moments:
 
 1. **Save** at the source layout ``tp2 x g2/a16`` (world 4), in one process group, ``--repeats``

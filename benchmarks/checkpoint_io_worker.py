@@ -73,9 +73,9 @@ def worker(cfg_path: str, out_path: str) -> None:
     from ckpt.format import dcp_reader, logical_format
     from ckpt import io as checkpoint
     from recipes.data import build_train_iterator
-    from recipes.loop import train_step
-    from recipes.validate import validate
-    from recipes.worker import init_distributed, setup
+    from recipes.run.loop import train_step
+    from recipes.config.validate import validate
+    from recipes.run.worker import init_distributed, setup
 
     threads = int(os.environ.get("BENCH_THREADS", "0"))
     if threads > 0:

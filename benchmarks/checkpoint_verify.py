@@ -6,7 +6,7 @@
     python -m benchmarks verify                       # the same, through the suite
 
 One launch of worker processes (``benchmarks.train_speed.launch``) builds the model, DDP, Adam
-and scheduler (``recipes.worker.setup``), runs one training step and saves once; then, in each
+and scheduler (``recipes.run.worker.setup``), runs one training step and saves once; then, in each
 repeat, in turn (A B C D, D C B A, ...), each timed barrier to barrier on every rank
 (``benchmarks.measure.measure``; a repeat counts its slowest rank):
 
@@ -51,9 +51,9 @@ def _worker(cfg_path: str, out_path: str) -> None:
     from ckpt import verify
     from ckpt import io as checkpoint
     from recipes.data import build_train_iterator
-    from recipes.loop import train_step
-    from recipes.validate import validate
-    from recipes.worker import init_distributed, setup
+    from recipes.run.loop import train_step
+    from recipes.config.validate import validate
+    from recipes.run.worker import init_distributed, setup
 
     cfg = OmegaConf.load(cfg_path)
     init_distributed()

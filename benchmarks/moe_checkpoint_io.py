@@ -7,7 +7,7 @@ side by side in one run.
 
 One launch of 4 worker processes (``benchmarks.train_speed.launch``) at ep2 x expert GTP 2 with
 ``pad_for_alignment`` 16 (every expert fc1 and fc2 padded), fp32, Adam (moments initialised, as
-after a step), built by ``recipes.worker.setup``. Each repeat, in turn (A B, B A, ...):
+after a step), built by ``recipes.run.worker.setup``. Each repeat, in turn (A B, B A, ...):
 
 * save through ``ckpt.io.save_checkpoint`` in the logical format
   (``ckpt.format.logical_format.configure("logical")``) and in the stock one (``"stock"``);
@@ -74,8 +74,8 @@ def _worker(cfg_path: str, out_path: str) -> None:
 
     from ckpt.format import logical_format
     from ckpt import io as checkpoint
-    from recipes.validate import validate
-    from recipes.worker import init_distributed, setup
+    from recipes.config.validate import validate
+    from recipes.run.worker import init_distributed, setup
 
     threads = int(os.environ.get("BENCH_THREADS", "0"))
     if threads > 0:

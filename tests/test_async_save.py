@@ -13,7 +13,7 @@ from multiproc import run_distributed
 
 from ckpt import io as checkpoint
 from ckpt.io import lifetime
-from recipes.metrics import read_metrics
+from recipes.metrics.logger import read_metrics
 
 COMMON = ["train.train_iters=4", "optim.lr_warmup_iters=1", "checkpoint.save_interval=2"]
 # Three saves: the third reuses the plan cached by the first two (AsyncSaves.save_options).

@@ -12,12 +12,12 @@ from chat_data import CHATML, FIXTURE, THINK_LAST, VOCAB, conversations, write_c
 from compose import make_cfg
 
 from recipes.data import chat
-from recipes.errors import ConfigError
-from recipes.prelaunch import check
+from recipes.config.errors import ConfigError
+from recipes.config.prelaunch import check
 
 
 def check_chat(cfg):
-    """What ``train.py`` runs before it starts a process (``recipes.prelaunch.check``)."""
+    """What ``train.py`` runs before it starts a process (``recipes.config.prelaunch.check``)."""
     return check(cfg, choices={})
 
 

@@ -3,7 +3,7 @@
 One 4-process gloo world hosts every layout in turn (megatron's process groups are rebuilt for
 each; the data-parallel size fills the rest: tp1 alone runs as dp4, tp2 x g2 as dp1). Each layout
 of {gtp off, tp2, g2/a16, g4/a32, tp2 x g2/a16, g2/a1} builds the tiny SwiGLU GPT through
-``recipes.worker.setup`` (the recipe's own model, DDP, megatron optimizer and scheduler), sets
+``recipes.run.worker.setup`` (the recipe's own model, DDP, megatron optimizer and scheduler), sets
 every weight and Adam moment to a golden, and saves through ``ckpt.io``; then each
 layout loads every checkpoint into a model pre-filled with a sentinel and compares.
 
@@ -209,10 +209,10 @@ def _fc1_rows(model, cfg) -> dict:
 
 
 def _shape_problems(model, cfg, record) -> list[str]:
-    """Differences between the built model's parameters on this rank and ``recipes.shapes``."""
-    from recipes.shapes import padded_vocab_size
+    """Differences between the built model's parameters on this rank and ``recipes.model.shapes``."""
+    from recipes.model.shapes import padded_vocab_size
     from recipes.families import parameter_shapes
-    from recipes.shapes import local_shape
+    from recipes.model.shapes import local_shape
 
     tp, g = record["tensor_model_parallel_size"], record["gtp_remat_size"]
     padded = padded_vocab_size(257, cfg.model.make_vocab_size_divisible_by, tp)
@@ -477,7 +477,7 @@ def test_every_save_verifies(matrix):
 
 
 def test_built_models_have_the_shapes_of_the_table(matrix):
-    """recipes.shapes (used by the dry run and the pre-launch GTP checks) equals what megatron
+    """recipes.model.shapes (used by the dry run and the pre-launch GTP checks) equals what megatron
     builds, per rank, for both models at every layout."""
     _, results = matrix
     for rank, res in enumerate(results):

@@ -17,8 +17,8 @@ from multiproc import run_distributed
 
 from ckpt import io as checkpoint
 from ckpt.io import lease
-from recipes import preemption
-from recipes.rank_env import job_id
+from recipes.run import preemption
+from recipes.run.rank_env import job_id
 
 
 def test_a_lease_another_taker_just_took_is_put_back(tmp_path, monkeypatch):

@@ -138,9 +138,9 @@ def test_commands_refuse_a_crafted_common_state_and_run_nothing(saved, tmp_path)
         assert rc == 2 and not marker.exists(), (command, out)
         assert COMMON in out and "posix.system" in out, (command, out)
     # The common-state read of every load (checkpoint.load=DIR / auto, checkpoint.pretrained).
-    from recipes import pretrained
+    from recipes.run import pretrained
     from ckpt.io import CheckpointError, load_common
-    from recipes.validate import ConfigError
+    from recipes.config.validate import ConfigError
 
     with pytest.raises(CheckpointError, match=rf"{COMMON}.*posix\.system"):
         load_common(root)

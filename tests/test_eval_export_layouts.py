@@ -54,10 +54,10 @@ def _world(root: str, cfgs: dict) -> dict:
     from megatron.core import parallel_state
 
     from ckpt import io as checkpoint
-    from recipes import worker
+    from recipes.run import worker
     from recipes.data import build_iterators
-    from recipes.loop import evaluate, train_step
-    from recipes.validate import validate
+    from recipes.run.loop import evaluate, train_step
+    from recipes.config.validate import validate
 
     out = {}
     tokens = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(7))

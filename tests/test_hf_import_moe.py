@@ -142,8 +142,8 @@ def test_a_preset_that_contradicts_the_source_is_refused_naming_each_field(hf):
     some: refused before launch, each field named with both values."""
     from compose import make_cfg
 
-    from recipes import pretrained
-    from recipes.errors import ConfigError
+    from recipes.run import pretrained
+    from recipes.config.errors import ConfigError
 
     overrides = ["model=moe_tiny", "model.hidden_size=32", "model.ffn_hidden_size=64",
                  "model.moe_ffn_hidden_size=24", "model.num_attention_heads=4",
@@ -200,7 +200,7 @@ def test_imported_moe_logits_equal_transformers(hf, tmp_path, data_cache):
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM
 
-    from recipes import pretrained
+    from recipes.run import pretrained
 
     cfgs = {}
     for name in NAMES:

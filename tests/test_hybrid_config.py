@@ -10,8 +10,8 @@ from compose import make_cfg
 
 from ckpt.families import ExportError, for_export
 from recipes.families import family_of, parameter_counts
-from recipes.parallel_dims import ParallelDims
-from recipes.validate import ConfigError, validate
+from recipes.config.parallel_dims import ParallelDims
+from recipes.config.validate import ConfigError, validate
 
 # Mamba layer: norm 48; conv1d (96 + 2 * 2 * 8 = 128 channels) weight 128 x 1 x 4 and bias 128;
 # dt_bias, A_log, D 6 each; in_proj (2 * 96 + 2 * 16 + 6 = 230) x 48; gated norm 96; out_proj

@@ -3,7 +3,7 @@ across layouts, through the recipe's own model, optimizer and checkpoint code: e
 Adam moment exact, padding rows included.
 
 One 4-process gloo world hosts every layout in turn. Each builds the model through
-``recipes.worker.setup``, sets every weight, fp32 main param and Adam moment to a golden built
+``recipes.run.worker.setup``, sets every weight, fp32 main param and Adam moment to a golden built
 by hand (tests/helpers/layout_goldens.py: each parameter's full tensor holds
 ``k*1024 + row + (index in row)/256``, cut to a rank by slicing, Mamba's packed ``in_proj`` and
 ``conv1d`` component by component), saves through ``ckpt.io``, then loads every

@@ -91,7 +91,7 @@ def test_no_entry_point_runs_from_a_package_into_one_above_it():
 
 def test_the_entry_point_rule_finds_an_upward_registration(tmp_path):
     (tmp_path / "pyproject.toml").write_text(
-        '[project]\nname = "x"\n[project.scripts]\nrun = "recipes.launch:main"\n'
+        '[project]\nname = "x"\n[project.scripts]\nrun = "recipes.run.launch:main"\n'
         '[project.entry-points."gtp.model_families"]\ngpt = "recipes.families.gpt.formats:F"\n'
         '[project.entry-points."ckpt.readers"]\nok = "gtp.layout:f"\n')
     assert upward_entry_points(tmp_path / "pyproject.toml") == [
@@ -176,7 +176,7 @@ def test_the_circle_check_finds_a_circle_made_by_a_function_local_import(tmp_pat
 
 
 # Packages beside a run, and the only modules outside them that may import them.
-BESIDE_THE_RUN = {"recipes.report": set(), "recipes.dry_run": {"recipes.launch"}}
+BESIDE_THE_RUN = {"recipes.report": set(), "recipes.dry_run": {"recipes.run.launch"}}
 
 
 def test_the_sweep_report_and_the_dry_run_stay_out_of_the_run():
@@ -234,9 +234,9 @@ def test_no_module_is_over_500_lines():
 def test_the_launchers_modules_import_neither_torch_nor_megatron():
     """What ``train.py`` imports before its pre-launch checks loads neither torch nor
     megatron-core (about 5 s of a refused run's 7): a config refusal answers in about 2 s."""
-    launcher = ["recipes.launch", "recipes.checkpoint.policy", "recipes.checkpoint.auto",
-                "recipes.prelaunch", "recipes.pretrained", "recipes.data.tokenizers",
-                "recipes.console", "recipes.rank_env", "recipes.refusal"]
+    launcher = ["recipes.run.launch", "recipes.checkpoint.policy", "recipes.checkpoint.auto",
+                "recipes.config.prelaunch", "recipes.run.pretrained", "recipes.data.tokenizers",
+                "recipes.metrics.console", "recipes.run.rank_env", "recipes.config.refusal"]
     code = (
         "import importlib, json, sys\n"
         f"for m in {launcher!r}: importlib.import_module(m)\n"

@@ -102,7 +102,7 @@ def test_another_tokenizer_is_refused_before_launch(vocab_runs):
     from compose import make_cfg
 
     from ckpt.io import CheckpointError
-    from recipes.validate import validate
+    from recipes.config.validate import validate
 
     cfg = make_cfg("data=indexed", "data.paths=[unused]", "data.vocab_size=300",
                    "data.eod_id=299", f"checkpoint.load={vocab_runs['a_checkpoints']}")

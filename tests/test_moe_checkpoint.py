@@ -8,7 +8,7 @@ import torch
 from compose import make_cfg
 
 from ckpt.format.records import LAYOUT_KEY, saved_layout, stored_layout
-from recipes.validate import validate
+from recipes.config.validate import validate
 
 # The keys part 1 of the MoE work added to every layout record.
 NEW_KEYS = ("sequence_parallel", "expert_model_parallel_size", "expert_tensor_parallel_size",
@@ -149,7 +149,7 @@ def _megatron_logits(jobs: list, tokens):
     from omegaconf import OmegaConf
 
     from ckpt import io as checkpoint
-    from recipes import worker
+    from recipes.run import worker
     from ckpt.io.load import load_model_weights
 
     out = []

@@ -7,7 +7,7 @@ expert layouts: tests/test_moe_checkpoint_layouts.py). A checkpoint megatron-cor
 (padded) writer saved at tp2 x g2/a16 loads exactly at every layout through ``ckpt.stock``; and
 megatron's own reader, reading a tp2 save into tp2 x g2/a16, misplaces the MTP layer's rows.
 
-One 4-process gloo world builds each layout through ``recipes.worker.setup`` (bf16 weights,
+One 4-process gloo world builds each layout through ``recipes.run.worker.setup`` (bf16 weights,
 fp32 main params), fills every parameter, main param and moment with goldens built
 independently of the code under test (tests/helpers/layout_goldens.py: each full logical
 tensor ``k*1024 + row + col/256``, cut by plain TP slicing and GTP tail padding), saves, then
@@ -88,7 +88,7 @@ def _all_padding(model) -> list[str]:
 def _table_problems(model, cfg, record) -> list[str]:
     """Differences between this rank's parameters and the family's table (pp1 layouts)."""
     from recipes.families import parameter_shapes
-    from recipes.shapes import local_shape, padded_vocab_size
+    from recipes.model.shapes import local_shape, padded_vocab_size
 
     tp, g = record["tensor_model_parallel_size"], record["gtp_remat_size"]
     padded = padded_vocab_size(257, cfg.model.make_vocab_size_divisible_by, tp)

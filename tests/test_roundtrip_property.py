@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from multiproc import run_distributed
-from recipes.validate import ConfigError, validate
+from recipes.config.validate import ConfigError, validate
 from layout_goldens import build as _build, make_cfg
 from test_checkpoint_layouts import WORLD, _check, _fill_sentinel, _set_golden
 

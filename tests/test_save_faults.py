@@ -277,7 +277,7 @@ def test_a_failure_during_training_is_one_line_without_a_traceback(tmp_path, mon
     its traceback."""
     import json
 
-    from recipes import preemption, worker
+    from recipes.run import preemption, worker
 
     monkeypatch.setattr(preemption, "PEER_INTERRUPT_GRACE_S", 0.05)
     monkeypatch.setattr(worker, "_TRAINING", [True])
@@ -359,7 +359,7 @@ def test_a_ranks_own_write_error_fails_the_save_in_its_one_form(one_rank, monkey
 def test_a_torchrun_ranks_failed_save_is_one_line_and_exit_1(monkeypatch, capsys):
     """``train.py`` run as each rank (torchrun/Slurm): a failed save during training is one
     ``error:`` line and exit 1 (not a refusal's exit 2, not a traceback)."""
-    from recipes import launch, worker
+    from recipes.run import launch, worker
 
     def run(resolved, plan):
         worker._TRAINING.append(True)
@@ -381,7 +381,7 @@ def test_one_failure_under_two_class_names_is_printed_once(monkeypatch, capsys):
     import torch.distributed.launcher.api as api
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from recipes import launch
+    from recipes.run import launch
 
     text = "the save of iteration 11 failed on rank(s) [0, 1]: its lease was taken"
 
@@ -399,7 +399,7 @@ def test_one_failure_under_two_class_names_is_printed_once(monkeypatch, capsys):
 
     def failing(config, entrypoint):
         def run(*args):
-            raise ChildFailedError("recipes.worker", {0: Failure("LeaseHeld", 1),
+            raise ChildFailedError("recipes.run.worker", {0: Failure("LeaseHeld", 1),
                                                       1: Failure("CheckpointError", 2)})
         return run
 

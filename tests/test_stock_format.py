@@ -199,9 +199,9 @@ def _write_and_reload(root: str, cfgs: dict):
 
     from ckpt.format import logical_format
     from ckpt import io as checkpoint
-    from recipes import worker
-    from recipes.config import to_dict
-    from recipes.validate import validate
+    from recipes.run import worker
+    from recipes.config.schema import to_dict
+    from recipes.config.validate import validate
 
     assert torch.distributed.get_world_size() == 4
     out = {}
@@ -267,7 +267,7 @@ def _cfg_file(path: Path, *overrides: str) -> str:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from recipes.config import register_configs
+    from recipes.config.schema import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):

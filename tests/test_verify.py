@@ -143,8 +143,8 @@ def _load_into_sentinel(cfg_path, root):
     from omegaconf import OmegaConf
 
     from ckpt import io as checkpoint
-    from recipes import worker
-    from recipes.validate import validate
+    from recipes.run import worker
+    from recipes.config.validate import validate
 
     cfg = OmegaConf.load(cfg_path)
     layout = validate(cfg, 1)

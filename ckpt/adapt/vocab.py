@@ -1,9 +1,9 @@
 """Real and padded vocabulary rows in checkpoints.
 
-The embedding and output layer hold the *padded* vocabulary (``recipes.shapes.padded_vocab_size``:
+The embedding and output layer hold the *padded* vocabulary (``recipes.model.shapes.padded_vocab_size``:
 a multiple of ``lcm(make_vocab_size_divisible_by, tp)``), always real rows first and padding rows
 after them, at every TP and GTP layout. Padding rows never reach the loss
-(``recipes.model.mask_padded_vocab``), so they carry no information:
+(``recipes.model.build.mask_padded_vocab``), so they carry no information:
 
 * a checkpoint records the real vocabulary size (common-state key :data:`RECORD_KEY`); loading
   it with another real vocabulary (another tokenizer, another ``data.vocab_size``) is refused,
@@ -26,7 +26,7 @@ VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 def real_vocab_size(model) -> Optional[int]:
-    """The tokenizer's vocabulary size recorded on the model by ``recipes.model.build_model``
+    """The tokenizer's vocabulary size recorded on the model by ``recipes.model.build.build_model``
     (looked up through DDP / Float16Module wrappers and lists of pipeline chunks); None when
     absent."""
     if isinstance(model, (list, tuple)):

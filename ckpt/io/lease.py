@@ -1,7 +1,7 @@
 """One live run per dir: a lease file naming its holder, taken atomically, kept alive by a
 heartbeat, given back at exit.
 
-Two uses: the job dir's claim (``<output_dir>/.job_claim``, :func:`recipes.launch.claim_job_dir`)
+Two uses: the job dir's claim (``<output_dir>/.job_claim``, :func:`recipes.run.launch.claim_job_dir`)
 and the save dir's writer lease (``<checkpoint.save>/.writer_lease``, :func:`take_save_dir`),
 re-checked before every save is renamed into place (:func:`check_writer`).
 

@@ -1,7 +1,7 @@
 """Processes that never outlive the process that started them (Linux's parent-death signal).
 
 A training worker outliving its launcher (``kill -9`` of ``train.py``) would go on training and
-saving into a job dir whose claim (``recipes.launch.claim_job_dir``) names a dead process, so a
+saving into a job dir whose claim (``recipes.run.launch.claim_job_dir``) names a dead process, so a
 second run could start there beside it; an async-save writer outliving its rank would finish a
 save nobody finalizes.
 

@@ -59,7 +59,7 @@ def record(root, iteration: int, chain: list | None) -> None:
 
 def of_run(train_state: dict | None, iteration: int, plan: dict) -> list:
     """The chain this run's saves record: the loaded checkpoint's ``train_state`` chain kept
-    when the run continues it (``plan["resume"]``, :func:`recipes.metrics.plan_wandb_run`),
+    when the run continues it (``plan["resume"]``, :func:`recipes.metrics.logger.plan_wandb_run`),
     else extended by ``[plan["run_id"], iteration]`` (a fresh run: the chain is that alone)."""
     chain = [list(c) for c in (train_state or {}).get(KEY) or []]
     if plan.get("resume") and chain and chain[-1][0] == plan["run_id"]:

@@ -73,7 +73,7 @@ def optimizer_metadata(optimizer) -> dict:
         out["chained_optim_avoid_prefix"] = True
     for opt in chain:
         if isinstance(opt, DistributedOptimizer):
-            # The one layout-changing format (recipes.validate refuses the others).
+            # The one layout-changing format (recipes.config.validate refuses the others).
             out["distrib_optim_sharding_type"] = "fully_reshardable"
     return out
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ckpt import io as checkpoint
 from ckpt.io import TRACKER, CheckpointError
-from recipes.errors import ConfigError
+from recipes.config.errors import ConfigError
 
 AUTO = "auto"
 

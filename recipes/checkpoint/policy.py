@@ -21,7 +21,7 @@ from omegaconf import open_dict
 from ckpt.format.records import IMPORTED_KEY, saved_layout
 from ckpt import io as checkpoint
 from ckpt.io import CheckpointError
-from recipes.config import given_fields, given_overrides, to_dict
+from recipes.config.schema import given_fields, given_overrides, to_dict
 from ckpt.adapt.optim_kinds import optimizer_mismatch
 
 
@@ -275,7 +275,7 @@ def take_checkpoint_fields(cfg, plan, overrides: list[str] | None = None) -> str
     checkpoint's run had, so a fine-tune (``checkpoint.pretrained`` chose its model and
     tokenizer, ``data=text data.paths=[...]`` its data) resumes at another layout by
     ``checkpoint.load=DIR`` alone. A given field keeps its value, which the checks that follow
-    compare with the checkpoint's (:func:`recipes.prelaunch.check_model_shape`; a changed data
+    compare with the checkpoint's (:func:`recipes.config.prelaunch.check_model_shape`; a changed data
     field is refused unless ``checkpoint.allow_data_change``, :func:`prepare_resume`);
     ``model=NAME`` (``data=NAME``) or ``experiment=NAME`` gives every field of the group, and
     giving one tokenizer field gives all three. A saved value is data: only a plain value

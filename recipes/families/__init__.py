@@ -13,7 +13,7 @@ from ckpt import families as checkpoint_formats
 from recipes.families import gpt, hybrid, llava, moe
 from recipes.families.family import ModelFamily
 from recipes.families.formats import FORMATS, padded_vocab_of_config
-from recipes.shapes import ParamShape, count, getter, padded_vocab_size, tp_local_shape
+from recipes.model.shapes import ParamShape, count, getter, padded_vocab_size, tp_local_shape
 from ckpt.adapt.vocab import VOCAB_KEYS
 
 # First match wins: the dense GPT family matches every decoder, so it comes last; LLaVA first,
@@ -71,7 +71,7 @@ def gtp_weight_dims(cfg, tensor_model_parallel_size: int) -> dict[str, int]:
       (``gtp.expert_gtp_remat_size > 1``; megatron shards them over the expert GTP group), as one
       expert-parallel rank holds them, with expert tensor parallelism instead of TP.
 
-    Names are those of ``named_parameters()`` (``recipes.gtp_setup.after_model`` checks the built
+    Names are those of ``named_parameters()`` (``recipes.model.gtp_setup.after_model`` checks the built
     model against this table). The vocab rows are left out when the tokenizer cannot be built
     from the config (other checks report that).
     """

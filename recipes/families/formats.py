@@ -12,7 +12,7 @@ from recipes.families.gpt.formats import FORMATS as GPT
 from recipes.families.hybrid.formats import FORMATS as HYBRID
 from recipes.families.llava.formats import FORMATS as LLAVA
 from recipes.families.moe.formats import FORMATS as MOE
-from recipes.shapes import padded_vocab_size
+from recipes.model.shapes import padded_vocab_size
 
 FORMATS = (GPT, HYBRID, LLAVA, MOE)
 

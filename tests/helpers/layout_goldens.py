@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from multiproc import reset_model_parallel
 from optimizer_entries import main_param_entries
-from recipes.config import register_configs
+from recipes.config.schema import register_configs
 
 REPO = Path(__file__).resolve().parents[2]
 CONF = str(REPO / "conf")
@@ -51,8 +51,8 @@ def make_cfg(model: str, tp: int, g: int, pad, nproc: int, checkpoint_layout: st
 def build(cfg_yaml: str):
     """(model, optimizer, scheduler, layout record) at the config's layout, fresh groups."""
     from ckpt import io as checkpoint
-    from recipes import worker
-    from recipes.validate import validate
+    from recipes.run import worker
+    from recipes.config.validate import validate
 
     reset_model_parallel()
     cfg = OmegaConf.create(cfg_yaml)
@@ -155,7 +155,7 @@ def global_names(model) -> dict:
     taken from megatron: chunk v of stage p holds layers from (v * pp + p) * num_layers / (pp * vpp)."""
     from megatron.core import parallel_state as ps
 
-    from recipes.model import model_chunks
+    from recipes.model.build import model_chunks
 
     out = {}
     chunks = model_chunks(model)

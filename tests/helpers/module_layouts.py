@@ -48,7 +48,7 @@ def setup(builder: str, tp: int, g: int, pad, fmt: str = "logical"):
     from mcore_compat import cpu, distrib_optimizer
 
     cpu.install()
-    distrib_optimizer.install()  # as recipes.worker
+    distrib_optimizer.install()  # as recipes.run.worker
     module = importlib.import_module(builder)
     module.install()
     logical_format.configure(fmt)

@@ -20,16 +20,17 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from ckpt.io import lease
-from recipes import preemption, prelaunch, pretrained, rank_env, refusal
+from recipes.run import preemption, pretrained, rank_env
+from recipes.config import prelaunch, refusal
 from ckpt.io import write_durable
 from recipes.checkpoint.auto import AUTO, resolve_auto_load
 from recipes.checkpoint.policy import NothingToTrain, prepare_resume, take_checkpoint_fields
-from recipes.config import RESOLVED_CONFIG
-from recipes.console import STARTED_ENV
-from recipes.errors import ConfigError
+from recipes.config.schema import RESOLVED_CONFIG
+from recipes.metrics.console import STARTED_ENV
+from recipes.config.errors import ConfigError
 from ckpt.io.lease import RUN_ID_ENV, Lease, LeaseHeld
-from recipes.preemption import child_pids, forward_to_workers, interrupted_message, stop_forwarding
-from recipes.rank_env import LAUNCHER_PID_ENV, job_id
+from recipes.run.preemption import child_pids, forward_to_workers, interrupted_message, stop_forwarding
+from recipes.run.rank_env import LAUNCHER_PID_ENV, job_id
 
 # A worker that died takes the others down within this many seconds (elastic agent's monitor).
 MONITOR_INTERVAL_S = 0.5
@@ -220,11 +221,11 @@ def launch_local(config_path: Path, nproc: int, exit_signals: list[int] = (),
                  save_root=None) -> None:
     """Start ``nproc`` workers on this machine and wait for them. ``exit_signals`` received
     here are passed on to the workers, which save and exit 0
-    (:func:`recipes.preemption.forward_to_workers`).
+    (:func:`recipes.run.preemption.forward_to_workers`).
 
     Raises:
         SystemExit(1): a worker failed; its error (the first failure) is printed first.
-        SystemExit(2): a worker refused its input (:mod:`recipes.refusal`): its message, once.
+        SystemExit(2): a worker refused its input (:mod:`recipes.config.refusal`): its message, once.
         SystemExit(128 + signal): Ctrl-C (or SIGHUP/SIGQUIT): torch's agent stopped the
             workers; the last complete checkpoint of ``save_root`` is named.
     """
@@ -235,7 +236,7 @@ def launch_local(config_path: Path, nproc: int, exit_signals: list[int] = (),
     previous = {signum: signal.getsignal(signum) for signum in exit_signals}
     config = LaunchConfig(
         signals_to_handle=forward_to_workers(list(exit_signals),
-                                             lambda: child_pids("recipes.worker")),
+                                             lambda: child_pids("recipes.run.worker")),
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
@@ -254,7 +255,7 @@ def launch_local(config_path: Path, nproc: int, exit_signals: list[int] = (),
     agent_level = agent_log.level
     agent_log.setLevel(logging.CRITICAL)
     try:
-        elastic_launch(config, sys.executable)("-m", "recipes.worker", str(config_path))
+        elastic_launch(config, sys.executable)("-m", "recipes.run.worker", str(config_path))
     except ChildFailedError as exc:
         failures = sorted(exc.failures.items(), key=lambda item: _failure_order(*item))
         if refusal.is_refusal(failures[0][1]):  # bad input: its one message, printed once
@@ -325,15 +326,15 @@ def _failure_order(rank: int, failure) -> tuple:
 
 
 def run_as_rank(resolved, plan) -> None:
-    """Run this process as its torchrun/Slurm rank (:func:`recipes.worker.run`). A failed save or
+    """Run this process as its torchrun/Slurm rank (:func:`recipes.run.worker.run`). A failed save or
     a lost peer during training ends it with one ``error:`` line and exit 1, no traceback
-    (:func:`recipes.worker.failure_text`; ``train.py`` would take a ``CheckpointError`` for a
+    (:func:`recipes.run.worker.failure_text`; ``train.py`` would take a ``CheckpointError`` for a
     refusal of its input, exit 2); any other error raises.
 
     Raises:
         SystemExit(1): such a failure, said.
     """
-    from recipes.worker import failure_text, run as run_worker
+    from recipes.run.worker import failure_text, run as run_worker
 
     try:
         run_worker(resolved, plan)
@@ -389,7 +390,7 @@ def run_job(cfg, overrides: list[str] | None = None) -> None:
     (what runs), and run the job (local launch or as one rank); with ``train.dry_run`` only
     validate and print the dry-run report.
 
-    ``overrides`` are the command line's (default: Hydra's, :func:`recipes.config.given_overrides`):
+    ``overrides`` are the command line's (default: Hydra's, :func:`recipes.config.schema.given_overrides`):
     the model and tokenizer fields they give are kept where a resume or ``checkpoint.pretrained``
     would take the checkpoint's. A caller composing configs outside a Hydra app passes its own.
 

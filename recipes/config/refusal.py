@@ -1,11 +1,11 @@
 """Refusals: bad input a process stops on with one message, no traceback, exit code 2.
 
-A refusal is a :class:`recipes.validate.ConfigError`, a
+A refusal is a :class:`recipes.config.validate.ConfigError`, a
 :class:`ckpt.io.errors.CheckpointError` (a :class:`ckpt.io.lease.LeaseHeld` too), or
 :mod:`ckpt.format.safe_objects`' refusal of a crafted checkpoint (itself, a cause, or one rank's error of
 torch DCP's ``CheckpointException``). Before launch ``train.py`` prints it as ``error: ...``; in a
 worker started by ``train.py`` it goes to torch elastic's error file (:func:`record`) and the
-launcher prints it once (``recipes.launch.launch_local``).
+launcher prints it once (``recipes.run.launch.launch_local``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 import time
 
 from ckpt.io.errors import CheckpointError
-from recipes.errors import ConfigError
+from recipes.config.errors import ConfigError
 
 EXIT_CODE = 2
 # The key of a refusal in torch elastic's error file (extraInfo): the launcher prints it as is.

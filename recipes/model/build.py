@@ -9,19 +9,19 @@ import dataclasses
 import torch
 
 from ckpt.io.chunks import model_chunks
-from recipes import te
+from recipes.model import te
 from recipes.families import family_of
-from recipes.shapes import padded_vocab_size
+from recipes.model.shapes import padded_vocab_size
 
 # ``precision.params_dtype`` values and their torch dtypes.
 PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def transformer_config(cfg, layout, use_te: bool | None = None):
-    """megatron ``TransformerConfig`` for ``cfg.model`` at ``layout`` (a ``recipes.parallel_dims.ParallelDims``).
+    """megatron ``TransformerConfig`` for ``cfg.model`` at ``layout`` (a ``recipes.config.parallel_dims.ParallelDims``).
 
     ``use_te``: TransformerEngine layers and the quantization recipe's FP8/FP4 fields
-    (``recipes.te``); None: when TransformerEngine is importable.
+    (``recipes.model.te``); None: when TransformerEngine is importable.
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -134,7 +134,7 @@ def build_model(cfg, layout, vocab_size: int, reseed=lambda: None):
 
     Args:
         cfg: the run config; ``cfg.model`` gives the shape.
-        layout: the resolved ``recipes.parallel_dims.ParallelDims``.
+        layout: the resolved ``recipes.config.parallel_dims.ParallelDims``.
         vocab_size: the tokenizer's vocabulary size (padded here for TP).
         reseed: re-seeds every RNG with the run's seed (called before each chunk under pipeline
             parallelism).

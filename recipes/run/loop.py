@@ -13,19 +13,21 @@ from megatron.core.utils import get_model_config, unwrap_model
 
 from gtp.collectives import collective_device
 from gtp.grad_stats import grad_norms_by_part
-from recipes import context_parallel, preemption, throughput
+from recipes.model import context_parallel
+from recipes.run import preemption
+from recipes.metrics import throughput
 from ckpt.io import faults
 from recipes.data import build_tokenizer
-from recipes.model import model_chunks
-from recipes.moe import is_moe
-from recipes.shapes import padded_vocab_size
+from recipes.model.build import model_chunks
+from recipes.model.moe import is_moe
+from recipes.model.shapes import padded_vocab_size
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, per_token: bool = False):
     """One micro-batch's loss, as Megatron-LM's ``pretrain_gpt.loss_func``.
 
     Without ``per_token``: the mean over its loss tokens; with context parallelism, over the
-    whole sequence (:func:`recipes.context_parallel.loss_over_cp`). megatron's schedule divides
+    whole sequence (:func:`recipes.model.context_parallel.loss_over_cp`). megatron's schedule divides
     it by the number of micro-batches and DDP averages over the data-parallel group, so the
     step's loss is the mean of the micro-batches' means.
 
@@ -243,7 +245,7 @@ def eval_due(iteration: int, cfg) -> bool:
 
 
 def _flops_per_iteration(cfg) -> float:
-    """Megatron-LM's model FLOPs of one iteration (``recipes.throughput``)."""
+    """Megatron-LM's model FLOPs of one iteration (``recipes.metrics.throughput``)."""
     padded = padded_vocab_size(build_tokenizer(cfg.data).vocab_size,
                                cfg.model.make_vocab_size_divisible_by,
                                cfg.parallelism.tensor_model_parallel_size)
@@ -251,7 +253,7 @@ def _flops_per_iteration(cfg) -> float:
 
 
 def _peak_memory_over_ranks() -> int:
-    """The largest peak memory of any rank, bytes (``recipes.throughput.peak_memory_bytes``)."""
+    """The largest peak memory of any rank, bytes (``recipes.metrics.throughput.peak_memory_bytes``)."""
     peak = torch.tensor([throughput.peak_memory_bytes()], dtype=torch.int64,
                         device=collective_device())
     torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
@@ -261,7 +263,7 @@ def _peak_memory_over_ranks() -> int:
 def train(state, cfg, logger, checkpoints) -> str | None:
     """Run iterations ``state.iteration + 1 .. train.train_iters``, with validation where
     :func:`eval_due` (its metrics join that iteration's row), or until
-    :func:`recipes.preemption.exit_reason` stops the run after an iteration: then that
+    :func:`recipes.run.preemption.exit_reason` stops the run after an iteration: then that
     iteration is saved synchronously (unless its regular save is already in flight, which is
     waited for) and the reason returned.
 

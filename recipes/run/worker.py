@@ -1,17 +1,17 @@
-"""One training process: ``python -m recipes.worker RESOLVED_CONFIG.yaml``.
+"""One training process: ``python -m recipes.run.worker RESOLVED_CONFIG.yaml``.
 
 Started by ``train.py`` through torch's elastic launcher (or run directly under torchrun/Slurm,
 with RANK/WORLD_SIZE/MASTER_ADDR set). Reads the resolved config that ``train.py`` wrote; never
 runs Hydra.
 
 megatron and the modules that import it are imported inside the functions (start-up time:
-``recipes.launch`` imports this module before launch, for its constants).
+``recipes.run.launch`` imports this module before launch, for its constants).
 """
 
 from __future__ import annotations
 
 if __name__ == "__main__":  # a worker: keep a signal that comes while torch is imported
-    from recipes import preemption as _preemption
+    from recipes.run import preemption as _preemption
 
     _preemption.note_early()
     # Before megatron is imported: its import-time torch.compile costs seconds on every rank.
@@ -37,22 +37,24 @@ from ckpt.format import safe_objects
 from ckpt.format.records import IMPORTED_KEY, saved_layout
 from mcore_compat import distrib_optimizer
 from ckpt import io as checkpoint
-from recipes import gtp_setup, mtp, preemption, pretrained, refusal, te
+from recipes.model import gtp_setup, mtp, te
+from recipes.run import preemption, pretrained
+from recipes.config import refusal
 from ckpt.io import lineage
 from recipes.checkpoint.policy import agree_load_iteration, planned_samples
-from recipes.config import RESOLVED_CONFIG, to_dict
-from recipes.console import STARTED_ENV, format_summary, quiet_megatron
+from recipes.config.schema import RESOLVED_CONFIG, to_dict
+from recipes.metrics.console import STARTED_ENV, format_summary, quiet_megatron
 from recipes.data import build_iterators, build_tokenizer, build_train_iterator
-from recipes.errors import ConfigError
+from recipes.config.errors import ConfigError
 from ckpt.io.lifetime import die_with_parent
-from recipes.metrics import MetricLogger, plan_wandb_run
-from recipes.moe_metrics import attach_metrics
-from recipes.optim import (apply_schedule_override, build_optimizer, build_scheduler,
+from recipes.metrics.logger import MetricLogger, plan_wandb_run
+from recipes.metrics.experts import attach_metrics
+from recipes.run.optim import (apply_schedule_override, build_optimizer, build_scheduler,
                            layer_wise_param_layouts)
-from recipes.preemption import part_of_interrupt
-from recipes.pretrained import describe
-from recipes.rank_env import LAUNCHER_PID_ENV
-from recipes.validate import validate
+from recipes.run.preemption import part_of_interrupt
+from recipes.run.pretrained import describe
+from recipes.run.rank_env import LAUNCHER_PID_ENV
+from recipes.config.validate import validate
 
 # megatron and torch.distributed.checkpoint warn at import and on every save about optional
 # GPU packages (apex, TE) and deprecations that do not apply on this path; keep the log readable.
@@ -64,7 +66,7 @@ if int(os.environ.get("RANK", "0")) != 0:
 
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
-# Non-empty once this process trains (recipes.loop.train): no refusal after that.
+# Non-empty once this process trains (recipes.run.loop.train): no refusal after that.
 _TRAINING: list = []
 
 
@@ -149,8 +151,8 @@ def setup(cfg, layout, optimizer_cfg=None):
                                            finalize_model_grads)
 
     from mcore_compat import cpu as cpu_compat, moe_cpu
-    from recipes import moe
-    from recipes.model import build_model
+    from recipes.model import moe
+    from recipes.model.build import build_model
 
     freeze_imported_objects()
     cpu_compat.install()
@@ -285,7 +287,7 @@ def run(cfg, resume=None) -> None:
 
     logger = _start_logger(cfg, state, plan, layout, layout_rec, resumed_from) if rank == 0 else None
 
-    from recipes.loop import train
+    from recipes.run.loop import train
 
     attach_metrics(cfg, state, logger)  # the load-balancing loss of MoE models (else nothing)
     mtp.attach_metrics(cfg, state, logger)  # mtp_N loss with MTP layers (else nothing)
@@ -318,7 +320,7 @@ def _iterators(cfg, layout, train_state: dict, tokenizer):
     from megatron.core import parallel_state
 
     # Without CP: the context-parallel ranks of a replica read the same micro-batches and split
-    # each one's sequence (recipes.context_parallel), as Megatron-LM's data loader.
+    # each one's sequence (recipes.model.context_parallel), as Megatron-LM's data loader.
     dp_group = parallel_state.get_data_parallel_group(with_context_parallel=False)
     dp_rank, dp_size = torch.distributed.get_rank(dp_group), torch.distributed.get_world_size(dp_group)
     # Every pipeline stage (and virtual stage) reads the same micro-batches: the first uses the
@@ -338,7 +340,7 @@ def _iterators(cfg, layout, train_state: dict, tokenizer):
 def _start_logger(cfg, state, plan: dict, layout, layout_rec: dict, resumed_from):
     """Rank 0's ``MetricLogger``; prints the layout line and records the start or the resume
     event (``resumed_from``: the saved layout, None for a new run)."""
-    from recipes.model import count_parameters
+    from recipes.model.build import count_parameters
 
     ck, model, iteration, run_id = cfg.checkpoint, state.model, state.iteration, plan["run_id"]
     config_dict = state.train_state["config"]
@@ -361,7 +363,7 @@ def _start_logger(cfg, state, plan: dict, layout, layout_rec: dict, resumed_from
 
 
 def _run_or_refuse(cfg, launched_by_train_py: bool) -> None:
-    """:func:`run`; a refusal (:mod:`recipes.refusal`) before training starts (a checkpoint or
+    """:func:`run`; a refusal (:mod:`recipes.config.refusal`) before training starts (a checkpoint or
     config this process cannot load) exits 2 with its one message, no traceback (the launcher
     prints it once). A later error is a failure (:func:`_run_or_interrupt`)."""
     try:
@@ -388,7 +390,7 @@ def main(argv=None) -> None:
         die_with_parent(int(launcher))
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        raise SystemExit(f"usage: python -m recipes.worker {RESOLVED_CONFIG}")
+        raise SystemExit(f"usage: python -m recipes.run.worker {RESOLVED_CONFIG}")
     cfg = OmegaConf.load(argv[0])
     # Inside record(): torch's error file is written for a failure, not for an interrupt.
     record(_run_or_interrupt)(cfg, launcher is not None)
@@ -397,7 +399,7 @@ def main(argv=None) -> None:
 def _run_or_interrupt(cfg, launched_by_train_py: bool) -> None:
     """:func:`_run_or_refuse`; Ctrl-C exits 130 with one line per rank (the launcher names the
     checkpoint), also on a rank still in a collective (a save's) that sees the first rank leave
-    before its own SIGINT comes (:func:`recipes.preemption.part_of_interrupt`). A failed save or
+    before its own SIGINT comes (:func:`recipes.run.preemption.part_of_interrupt`). A failed save or
     a lost peer during training exits 1 with one line, no traceback (:func:`failure_text`);
     any other error keeps its traceback."""
     try:
@@ -441,7 +443,7 @@ def failure_text(exc: BaseException) -> str | None:
 
 def _report_failure(text: str, launched_by_train_py: bool) -> None:
     """Report a failure once: into torch elastic's error file, which ``train.py``'s launcher
-    prints in its closing summary (:func:`recipes.launch.launch_local`); printed here as
+    prints in its closing summary (:func:`recipes.run.launch.launch_local`); printed here as
     ``error: ...`` when no such launcher will."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:

@@ -11,14 +11,14 @@ import sys
 
 from gtp.alignment import validate_gtp_dims
 from ckpt.format.records import CHECKPOINT_FORMATS
-from recipes import context_parallel, mtp, te
+from recipes.model import context_parallel, mtp, te
 from ckpt.io import CheckpointError
-from recipes.errors import ConfigError
-from recipes.gtp_setup import overlap_settings, weight_reuse
-from recipes.metrics import CONSOLE_LINES, LOGGER_MODES
-from recipes.optim import LR_DECAY_STYLES, optim_refusal
-from recipes.parallel_dims import ParallelDims, check_positive
-from recipes.preemption import EXIT_SIGNALS
+from recipes.config.errors import ConfigError
+from recipes.model.gtp_setup import overlap_settings, weight_reuse
+from recipes.metrics.logger import CONSOLE_LINES, LOGGER_MODES
+from recipes.run.optim import LR_DECAY_STYLES, optim_refusal
+from recipes.config.parallel_dims import ParallelDims, check_positive
+from recipes.run.preemption import EXIT_SIGNALS
 
 
 def _has_validation_share(split) -> bool:
@@ -44,7 +44,7 @@ def validate(cfg, world_size: int, plan=None) -> ParallelDims:
     Raises:
         ConfigError: the first problem found, naming the key, its value and what is valid.
     """
-    from recipes import moe
+    from recipes.model import moe
     from recipes.families import family_of
 
     layout = ParallelDims.from_config(cfg, world_size)
@@ -68,7 +68,7 @@ def validate(cfg, world_size: int, plan=None) -> ParallelDims:
 def _check_model(cfg, layout: ParallelDims) -> None:
     """``model`` and ``precision``: positive sizes, the pipeline split, the options, the sizes
     tensor parallelism divides."""
-    from recipes.model import PARAMS_DTYPES
+    from recipes.model.build import PARAMS_DTYPES
 
     m, tp = cfg.model, layout.tensor_model_parallel_size
     for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length"):
@@ -156,7 +156,7 @@ def _check_optim(cfg, layout: ParallelDims) -> None:
         raise ConfigError(f"optim.min_lr={o.min_lr} must lie in [0, optim.lr={o.lr}]")
     check_positive("train.train_iters", t.train_iters)
     decay = o.lr_decay_iters or t.train_iters
-    # megatron's OptimizerParamScheduler asserts warmup < decay steps (recipes.prelaunch clamps
+    # megatron's OptimizerParamScheduler asserts warmup < decay steps (recipes.config.prelaunch clamps
     # warmup first); a resume taking its schedule from the checkpoint is not judged on this one.
     from_checkpoint = cfg.checkpoint.get("load") is not None and \
         not o.get("override_opt_param_scheduler", False)
@@ -311,7 +311,7 @@ def _short(name: str) -> str:
 
 def _announce_quantization(cfg, layout: ParallelDims) -> None:
     """One line, once per launch (not again in each worker), when a quantized recipe is chosen:
-    what it quantizes with TransformerEngine (``recipes.te``), or, without it, that it only
+    what it quantizes with TransformerEngine (``recipes.model.te``), or, without it, that it only
     picks the GTP alignment."""
     quant = cfg.gtp.quantization
     if quant == "none":

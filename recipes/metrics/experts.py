@@ -17,8 +17,8 @@ from functools import partial
 import torch
 
 from gtp.collectives import collective_device
-from recipes.metrics import add_to_each_step
-from recipes.mtp import mtp_num_layers
+from recipes.metrics.logger import add_to_each_step
+from recipes.model.mtp import mtp_num_layers
 
 
 def metric_names(layer: int) -> tuple[str, str]:
@@ -94,18 +94,18 @@ class TokensPerExpert:
 
 def attach_metrics(cfg, state, logger) -> None:
     """Add MoE figures to every logged iteration of an MoE run: the load-balancing loss
-    (:func:`recipes.moe.reduce_aux_loss`, with an aux loss) and the per-layer tokens-per-expert
+    (:func:`recipes.model.moe.reduce_aux_loss`, with an aux loss) and the per-layer tokens-per-expert
     ratios (:class:`TokensPerExpert`). Megatron's tracker and the token counts are
     cleared when a step starts (``optimizer.zero_grad``), reduced on every rank after the
     optimizer step, and merged into the metrics rank 0's ``logger`` writes (metrics.jsonl and
     wandb). Nothing happens for a dense model."""
-    from recipes.moe import aux_loss_name, is_moe, reduce_aux_loss
+    from recipes.model.moe import aux_loss_name, is_moe, reduce_aux_loss
 
     if not is_moe(cfg.model):
         return
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-    from recipes.model import model_chunks
+    from recipes.model.build import model_chunks
 
     tokens = TokensPerExpert(model_chunks(state.model), int(cfg.model.num_layers),
                              int(cfg.model.num_moe_experts), mtp_num_layers(cfg.model))

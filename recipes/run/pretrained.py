@@ -32,8 +32,8 @@ from omegaconf import open_dict
 from ckpt.hf import hf_import
 from ckpt.format.records import TRACKER, imported_from
 from ckpt.io import CheckpointError
-from recipes.config import OptimConfig, given_fields, given_overrides
-from recipes.errors import ConfigError
+from recipes.config.schema import OptimConfig, given_fields, given_overrides
+from recipes.config.errors import ConfigError
 
 # Model fields fixed by the source's tensors (their shapes, or which tensors exist).
 TENSOR_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",

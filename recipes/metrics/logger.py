@@ -116,7 +116,7 @@ class MetricLogger:
         self._start = time.perf_counter()
         self._first_iteration = resumed_from
         self.full_line = cfg.logger.get("console_line", "compact") == "full"
-        # For the closing summary (recipes.console.format_summary).
+        # For the closing summary (recipes.metrics.console.format_summary).
         self.last: dict = {}
         self.best_validation: tuple[float, int] | None = None
         self.last_validation: tuple[float, int] | None = None
@@ -283,7 +283,7 @@ def format_duration(seconds: float) -> str:
 CONSOLE_WIDTH = 160
 # ``logger.console_line``: the compact line, or every figure Megatron-LM prints.
 CONSOLE_LINES = ("compact", "full")
-# The load-balancing losses an MoE run logs (recipes.moe.AUX_LOSS_NAMES' values).
+# The load-balancing losses an MoE run logs (recipes.model.moe.AUX_LOSS_NAMES' values).
 _AUX_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss")
 
 
@@ -310,7 +310,7 @@ def format_progress(iteration: int, total: int, m: dict, elapsed_s: float | None
     """
     head = f" {timestamp(now)} iteration {iteration:6d}/{total}"
     resumed = f" (resumed from {resumed_from})" if resumed_from is not None else ""
-    # The MoE load-balancing loss, then the MTP losses (recipes.mtp: "mtp_1 loss", ...) by layer.
+    # The MoE load-balancing loss, then the MTP losses (recipes.model.mtp: "mtp_1 loss", ...) by layer.
     mtp = sorted((int(hit[1]), k) for k in m if (hit := re.fullmatch(r"mtp_(\d+) loss", k)))
     aux = [(k, m[k]) for k in _AUX_LOSSES if k in m] + [(k, m[k]) for _, k in mtp]
     skipped = int(m.get("skipped-iterations", 0) or 0)
@@ -347,7 +347,7 @@ def _full_rest(m: dict, elapsed_s, remaining_s, aux: list, skipped: int) -> str:
         if remaining_s is not None:
             timing += f"remaining: {format_duration(remaining_s)} | "
     perf = ""
-    if "throughput" in m:  # Megatron-LM's model TFLOP/s per GPU (recipes.throughput)
+    if "throughput" in m:  # Megatron-LM's model TFLOP/s per GPU (recipes.metrics.throughput)
         perf += f"throughput per GPU (TFLOP/s/GPU): {m['throughput']:.3g} | "
     if "peak-memory-bytes" in m:
         perf += f"peak memory per rank: {format_bytes(m['peak-memory-bytes'])} | "

@@ -2,7 +2,7 @@
 the scheduler's job id (:func:`job_id`, :mod:`ckpt.io.job`'s) that makes a requeued job the same
 run.
 
-torchrun (and a submitit task, :func:`recipes.launch.rank_env_from_submitit`) sets ``RANK``,
+torchrun (and a submitit task, :func:`recipes.run.launch.rank_env_from_submitit`) sets ``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` together; this process then runs as that rank.
 Without ``RANK`` it is a local run of ``parallelism.nproc_per_node`` processes, or of
 ``WORLD_SIZE`` when that is set (said, naming where it came from). Anything else is a stray
@@ -16,9 +16,9 @@ import os
 from omegaconf import open_dict
 
 from ckpt.io.job import job_id  # noqa: F401 - the launcher's and the tests' name for it
-from recipes.errors import ConfigError
+from recipes.config.errors import ConfigError
 
-# Set by train.py's local launch (recipes.launch.launch_local) to its pid: its workers die with it.
+# Set by train.py's local launch (recipes.run.launch.launch_local) to its pid: its workers die with it.
 LAUNCHER_PID_ENV = "GTP_RECIPES_LAUNCHER_PID"
 _LOCAL = "for a local run of parallelism.nproc_per_node processes"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from recipes.errors import ConfigError
+from recipes.config.errors import ConfigError
 
 # lr decay styles of megatron's OptimizerParamScheduler that ``optim.lr_decay_style`` may take.
 LR_DECAY_STYLES = ("cosine", "linear", "constant")

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from gtp.alignment import RECIPE_DEFAULT_PAD, resolve_pad_for_alignment
-from recipes.errors import ConfigError
-from recipes.optim import distributed_optimizer
+from recipes.config.errors import ConfigError
+from recipes.run.optim import distributed_optimizer
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class ParallelDims:
         size derived (world / (tp x pp x cp x gtp_remat_size)), the expert grid checked
         (:func:`_expert_grid`), ``pad_for_alignment`` resolved (0 without GTP: nothing is
         padded) and the distributed optimizer's checkpoint format
-        (``recipes.optim.distributed_optimizer``).
+        (``recipes.run.optim.distributed_optimizer``).
 
         Raises:
             ConfigError: a size < 1, a virtual pipeline size without pipeline parallelism,

@@ -15,11 +15,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, OmegaConf
 
 from recipes.checkpoint.auto import default_load
-from recipes.parallel_dims import default_world_size
+from recipes.config.parallel_dims import default_world_size
 
-# The run's resolved config in its output dir: what the workers run (recipes.launch writes it).
+# The run's resolved config in its output dir: what the workers run (recipes.run.launch writes it).
 RESOLVED_CONFIG = "resolved_config.yaml"
-# ``parallelism.nproc_per_node``'s default (recipes.parallel_dims.default_world_size).
+# ``parallelism.nproc_per_node``'s default (recipes.config.parallel_dims.default_world_size).
 WORLD_RESOLVER = "gtp_recipes_world"
 
 
@@ -89,7 +89,7 @@ class ModelConfig:
     # no a x s x s scores stored) or "local" (megatron's DotProductAttention stores them). The
     # dry run estimates activations for it; null: whatever this machine has (TransformerEngine
     # if it imports). A run builds TransformerEngine layers where it imports unless "local"
-    # (recipes.te.uses_transformer_engine); without it, local layers.
+    # (recipes.model.te.uses_transformer_engine); without it, local layers.
     transformer_impl: Optional[str] = None
     # Attention head width (megatron's kv_channels); null: hidden_size / num_attention_heads.
     kv_channels: Optional[int] = None
@@ -160,14 +160,14 @@ class ParallelismConfig:
     # null: derived as world_size / (tp * pp * cp * gtp_remat_size).
     data_parallel_size: Optional[int] = None
     # Megatron's sequence parallelism: norms, dropout and the MoE dispatch see 1/tp of the
-    # sequence (required by megatron for MoE with tp > 1; recipes.validate says so).
+    # sequence (required by megatron for MoE with tp > 1; recipes.config.validate says so).
     sequence_parallel: bool = False
     # MoE layouts (megatron names): experts split over expert_model_parallel_size ranks, each
     # expert's linears over expert_tensor_parallel_size ranks (null: tensor_model_parallel_size);
     # the expert data-parallel size is derived: world / (etp x ep x pp x gtp.expert_gtp_remat_size).
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None
-    # Context parallelism: each sequence split over this many ranks (recipes.context_parallel);
+    # Context parallelism: each sequence split over this many ranks (recipes.model.context_parallel);
     # needs TransformerEngine's attention (refused before launch without it).
     context_parallel_size: int = 1
     # Processes started on this machine by train.py (ignored when RANK/WORLD_SIZE are set).
@@ -196,7 +196,7 @@ class GTPConfig:
     # megatron's GTP overlap (GTP_CONFIG fields): all-gather the next weight while this layer
     # computes, and reduce-scatter weight gradients while the backward goes on. null: megatron's
     # default (on) with TransformerEngine; on the gloo backend async_reduction on outside
-    # pipeline parallelism and weight_prefetch off (recipes.gtp_setup.overlap_settings).
+    # pipeline parallelism and weight_prefetch off (recipes.model.gtp_setup.overlap_settings).
     weight_prefetch: Optional[bool] = None
     async_reduction: Optional[bool] = None
     # The old name of checkpoint.format (an alias: either may be typed; both hold the value).
@@ -303,7 +303,7 @@ class CheckpointConfig:
     # (recipes/checkpoint/auto.py; the default under hydra/launcher=slurm and submitit_local).
     load: Optional[str] = None
     # Start from these weights only (a Hugging Face model dir or a checkpoint; any layout): fresh
-    # optimizer, schedule and iteration, model fields from the source (recipes/pretrained.py).
+    # optimizer, schedule and iteration, model fields from the source (recipes/run/pretrained.py).
     pretrained: Optional[str] = None
     # Load this iteration instead of the tracker's latest (Megatron-LM's --ckpt-step).
     load_iteration: Optional[int] = None
@@ -372,7 +372,7 @@ class TrainConfig:
     # Validate the config for its world size and print the layout and per-rank sizes
     # (recipes/dry_run/); builds nothing heavy and starts no process.
     dry_run: bool = False
-    # Exit with a save (recipes/preemption.py, Megatron-LM's --exit-signal-handler): on SIGTERM
+    # Exit with a save (recipes/run/preemption.py, Megatron-LM's --exit-signal-handler): on SIGTERM
     # and this signal (e.g. SIGUSR2, submitit's), every rank saves at the next iteration
     # boundary and the run exits 0.
     exit_signal: str = "SIGTERM"

@@ -8,8 +8,8 @@ more.
 
 from __future__ import annotations
 
-from recipes.errors import ConfigError
-from recipes.metrics import add_to_each_step
+from recipes.config.errors import ConfigError
+from recipes.metrics.logger import add_to_each_step
 
 
 def mtp_num_layers(model_cfg) -> int:

@@ -24,7 +24,7 @@ native-FP8 GTP params) and checkpoints hold the dequantized values (``ckpt.forma
 
 ``model.transformer_impl=local`` builds megatron's local layers even where TransformerEngine
 imports (:func:`uses_transformer_engine`). Without it, megatron's local spec (``get_gpt_layer_local_spec``), no quantization field, and the
-recipe only sets the GTP alignment (``recipes.validate`` prints a one-line notice).
+recipe only sets the GTP alignment (``recipes.config.validate`` prints a one-line notice).
 """
 
 from __future__ import annotations

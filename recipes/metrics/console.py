@@ -16,10 +16,10 @@ import sys
 import threading
 from pathlib import Path
 
-from recipes.metrics import format_duration
+from recipes.metrics.logger import format_duration
 
 JOB_LOG = "train.log"
-# The epoch seconds the job started at (set by recipes.launch.run_job): the summary's wall time.
+# The epoch seconds the job started at (set by recipes.run.launch.run_job): the summary's wall time.
 STARTED_ENV = "GTP_RECIPES_STARTED"
 
 
@@ -120,13 +120,13 @@ def format_summary(logger, wall_s: float, train_iters: int, checkpoint, how: str
     """The closing lines of a run that reached ``train.train_iters`` (rank 0 prints them).
 
     Args:
-        logger: the run's ``recipes.metrics.MetricLogger`` (last row, validation losses, the
+        logger: the run's ``recipes.metrics.logger.MetricLogger`` (last row, validation losses, the
             offline wandb dir).
         wall_s: seconds the job took (since :data:`STARTED_ENV`).
         train_iters: ``train.train_iters``.
         checkpoint: the iter dir to resume from (the last complete save, or the one loaded),
             None when there is none.
-        how: the command that continues the run (``recipes.preemption.CONTINUE_ENV``), if any.
+        how: the command that continues the run (``recipes.run.preemption.CONTINUE_ENV``), if any.
         save_root: ``checkpoint.save`` (None: saving is off).
     """
     last = logger.last

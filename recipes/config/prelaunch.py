@@ -1,10 +1,10 @@
 """Checks of a composed config that run once, in ``train.py``'s process, before any worker starts.
 
-:func:`check` adds to :func:`recipes.validate.validate` what needs the command line or the files
+:func:`check` adds to :func:`recipes.config.validate.validate` what needs the command line or the files
 a run reads: keys added with ``+key`` that no schema has, unknown experiment names, the default
 ``parallelism.nproc_per_node``, warmup against the run length, the tokenizer, wandb credentials,
 the documents each ``data.split`` share gets, and the model shape against the checkpoint to load.
-Every refusal is a :class:`~recipes.validate.ConfigError` (``train.py`` exits 2) naming the value
+Every refusal is a :class:`~recipes.config.validate.ConfigError` (``train.py`` exits 2) naming the value
 and an override that works.
 """
 
@@ -21,11 +21,11 @@ from urllib.parse import urlparse
 
 from ckpt.format.records import CHECKPOINT_FORMATS, unbounded_size
 from ckpt.verify import stored_shapes
-from recipes import te
+from recipes.model import te
 from ckpt.io import CheckpointError
-from recipes.errors import ConfigError
-from recipes.parallel_dims import ParallelDims, world_size_from_env
-from recipes.validate import validate
+from recipes.config.errors import ConfigError
+from recipes.config.parallel_dims import ParallelDims, world_size_from_env
+from recipes.config.validate import validate
 
 
 def check(cfg, choices: Optional[dict] = None, plan=None) -> ParallelDims:
@@ -39,11 +39,11 @@ def check(cfg, choices: Optional[dict] = None, plan=None) -> ParallelDims:
             (None: each check opens the checkpoint itself).
 
     Returns:
-        The resolved :class:`ParallelDims` (:func:`recipes.validate.validate`).
+        The resolved :class:`ParallelDims` (:func:`recipes.config.validate.validate`).
 
     Raises:
         ConfigError: the first problem found.
-        CheckpointError: as :func:`recipes.validate.validate`.
+        CheckpointError: as :func:`recipes.config.validate.validate`.
     """
     check_choices(_hydra_choices() if choices is None else choices)
     check_keys(cfg)
@@ -81,7 +81,7 @@ def _group_options(group: str) -> Optional[list[str]]:
 
 def check_transformer_impl(cfg) -> None:
     """``model.transformer_impl`` is null, "transformer_engine" or "local"
-    (:data:`recipes.te.TRANSFORMER_IMPLS`)."""
+    (:data:`recipes.model.te.TRANSFORMER_IMPLS`)."""
     impl = cfg.model.get("transformer_impl")
     if impl is not None and impl not in te.TRANSFORMER_IMPLS:
         raise ConfigError(f"model.transformer_impl={impl!r}: valid are null, "
@@ -114,7 +114,7 @@ def check_keys(cfg) -> None:
     Raises:
         ConfigError: naming the key and the nearest field.
     """
-    from recipes.config import Config
+    from recipes.config.schema import Config
 
     unknown = _unknown_keys(cfg, Config, "")
     if not unknown:
@@ -135,7 +135,7 @@ def check_keys(cfg) -> None:
 
 
 def _all_fields():
-    from recipes.config import GROUPS, TrainConfig
+    from recipes.config.schema import GROUPS, TrainConfig
 
     for group, schema in {**GROUPS, "train": TrainConfig}.items():
         for name in _schema_fields(schema):
@@ -152,7 +152,7 @@ def _schema_at(schema, dotted: str):
 
 
 def _field_schema(f):
-    from recipes.config import GROUPS
+    from recipes.config.schema import GROUPS
 
     if f.name in GROUPS:
         return GROUPS[f.name]
@@ -181,7 +181,7 @@ def _unknown_keys(node, schema, prefix: str) -> list[str]:
 def check_checkpoint_format(cfg) -> None:
     """Refuse a ``checkpoint.format`` that is not one of :data:`ckpt.format.records.CHECKPOINT_FORMATS`,
     and one that disagrees with its old name ``gtp.checkpoint_layout`` (both typed, with
-    different values: the config holds either one's value in both, ``recipes.config``).
+    different values: the config holds either one's value in both, ``recipes.config.schema``).
 
     Raises:
         ConfigError: naming both keys and the valid values.
@@ -410,7 +410,7 @@ def check_saved_sizes(path, common: dict, now) -> list[tuple]:
 
 def check_model_shape(cfg, plan=None) -> None:
     """The checkpoint to load holds this model's parameter shapes (vocabulary aside, which
-    ``recipes.validate`` checks): compared on the logical shapes of both configs, so a change of
+    ``recipes.config.validate`` checks): compared on the logical shapes of both configs, so a change of
     layout never counts. ``plan``: its resolved ``ResumePlan`` (None: opened here). A changed
     shape field is named from the two configs alone; otherwise every size of both configs is
     bounded by the stored shapes (:func:`check_saved_sizes`) before any shape is enumerated,

@@ -15,8 +15,8 @@ split over the CP ranks of a data-parallel replica, as Megatron-LM's ``pretrain_
 
 from __future__ import annotations
 
-from recipes import te
-from recipes.errors import ConfigError
+from recipes.model import te
+from recipes.config.errors import ConfigError
 
 
 def check(cfg, layout) -> None:
@@ -90,7 +90,7 @@ def loss_over_cp(loss_mask, output_tensor, cp_group):
         so the gradient is the whole sequence's mean loss's); ``reported`` = the whole
         sequence's mean token loss (detached, the same on every CP rank).
     """
-    import torch  # not at the top: recipes.validate imports this module before launch
+    import torch  # not at the top: recipes.config.validate imports this module before launch
 
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()

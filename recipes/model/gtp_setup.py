@@ -3,14 +3,14 @@
 With ``gtp.gtp_remat_size == 1`` every hook does nothing.
 
 megatron and the modules that import it are imported inside the hooks (start-up time:
-``recipes.validate`` imports :func:`overlap_settings` before launch).
+``recipes.config.validate`` imports :func:`overlap_settings` before launch).
 """
 
 from __future__ import annotations
 
 from gtp import alignment, tied_output
-from recipes import te
-from recipes.mtp import mtp_num_layers
+from recipes.model import te
+from recipes.model.mtp import mtp_num_layers
 
 
 def before_model(cfg, layout) -> None:

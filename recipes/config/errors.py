@@ -1,5 +1,5 @@
 """The error a bad config value raises, below every module that checks one (so a check anywhere
-imports it without importing :mod:`recipes.validate`, which imports the checks)."""
+imports it without importing :mod:`recipes.config.validate`, which imports the checks)."""
 
 from __future__ import annotations
 

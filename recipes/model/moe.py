@@ -10,11 +10,11 @@ import torch
 
 from gtp import alignment, expert_grads
 from gtp.alignment import validate_gtp_dims
-from recipes.errors import ConfigError
+from recipes.config.errors import ConfigError
 from recipes.families import gtp_weight_dims
 from recipes.families.moe.model import is_moe
 from recipes.families.moe.params import is_moe_layer
-from recipes.mtp import mtp_num_layers
+from recipes.model.mtp import mtp_num_layers
 
 DISPATCHERS = ("allgather", "alltoall")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
@@ -78,7 +78,7 @@ def reduce_aux_loss(model_cfg, num_microbatches: int) -> dict:
 
 def check(cfg, layout) -> None:
     """MoE and sequence-parallel rules, before any process starts (context parallelism:
-    ``recipes.context_parallel.check``).
+    ``recipes.model.context_parallel.check``).
 
     Raises:
         ConfigError: the first problem, naming the value and what is valid.
@@ -187,7 +187,7 @@ def _check_expert_gtp(cfg, layout) -> None:
 
 def after_model(chunk, layout) -> None:
     """Before DDP: expert GTP's first gradient fix (``gtp.expert_grads.tag_expert_params``) and,
-    without dense GTP (``recipes.gtp_setup.after_model`` checks it otherwise), the expert shards'
+    without dense GTP (``recipes.model.gtp_setup.after_model`` checks it otherwise), the expert shards'
     alignment (``gtp.alignment.check_pad_applied``)."""
     if layout.expert_gtp_remat_size <= 1:
         return
