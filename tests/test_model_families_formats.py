@@ -29,6 +29,8 @@ ALLOWED = {
     "gtp/grad_stats.py",
     # A tensor name in a docstring's example of a verify failure.
     "ckpt/verify.py",
+    # The keys of megatron's vocab-row tensors, whose padded rows a checkpoint adapts.
+    "ckpt/adapt/vocab.py",
     # The stock reader's dims, read off megatron's unsharded tensors (qkv / fc1 biases, the
     # final norm) and the layout key qkv_rows described by linear_qkv.
     "ckpt/stock/specs.py",
