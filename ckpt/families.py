@@ -142,7 +142,15 @@ def install(formats, run_config_vocab: Optional[Callable[[Mapping, int], Optiona
 
 
 def families() -> tuple[FamilyFormats, ...]:
-    """The families given to :func:`install`, by name (none before it is called)."""
+    """The families given to :func:`install`, by name.
+
+    Raises:
+        RuntimeError: :func:`install` was not called (a reader without the families would
+            misread every family's keys and names).
+    """
+    if not _GIVEN["families"]:
+        raise RuntimeError("no model families were given to ckpt/ (ckpt.families.install; "
+                           "gtp-recipes gives them when recipes.families is imported)")
     return _GIVEN["families"]
 
 

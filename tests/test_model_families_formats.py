@@ -51,6 +51,9 @@ def test_install_refuses_what_is_not_a_familys_formats_and_replaces_what_was_giv
     with pytest.raises(TypeError, match="'gpt' is a str, not a ckpt.families.FamilyFormats"):
         registry.install(["gpt"])
     try:
+        registry.install(())
+        with pytest.raises(RuntimeError, match="no model families were given to ckpt/"):
+            registry.importable()
         registry.install(FORMATS[:1])
         assert [f.name for f in registry.families()] == ["gpt"]
         assert registry.run_config_vocab() is None

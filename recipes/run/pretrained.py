@@ -71,6 +71,8 @@ def source_config(path) -> tuple[dict, dict]:
         raise ConfigError(f"checkpoint.pretrained={path}: no such file or directory (an HF model "
                           f"dir with config.json, or a checkpoint of gtp-recipes)")
     if is_hf_dir(path):
+        import recipes.families  # noqa: F401 - gives ckpt/ the importable families (loads torch)
+
         try:
             _, config = hf_import.read_config(path)
             model = hf_import.implied_model(path)
@@ -217,6 +219,8 @@ def prepare(cfg, is_rank0: bool) -> None:
     root = Path(checkpoint_root(cfg))
     if (root / TRACKER).exists():
         return
+    import recipes.families  # noqa: F401 - gives ckpt/ the importable families (loads torch)
+
     started = time.perf_counter()
     try:
         path = hf_import.import_hf(src, root)
