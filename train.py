@@ -13,7 +13,7 @@ import warnings
 import hydra
 
 from mcore_compat import lazy_compile
-from recipes.config import register_configs
+from recipes.config.schema import register_configs
 
 # Before megatron is imported (a run that loads imports it in this process).
 lazy_compile.install_if_supported()
@@ -24,8 +24,8 @@ warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigSto
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg) -> None:
-    from recipes.console import job_log
-    from recipes.launch import run, settle_job_dir
+    from recipes.metrics.console import job_log
+    from recipes.run.launch import run, settle_job_dir
 
     with _refusal():
         # First: the claim may give this run another dir than Hydra's (two in the same second).
@@ -40,7 +40,7 @@ def main(cfg) -> None:
 @contextlib.contextmanager
 def _refusal():
     """Bad input: say what and stop (before launch, or as a torchrun rank); other errors raise."""
-    from recipes import refusal
+    from recipes.config import refusal
 
     try:
         yield

@@ -6,11 +6,11 @@
     python -m benchmarks checkpoint                    # the same, through the suite
 
 Launches of worker processes (torch's elastic launcher, as ``train.py``); each builds its model,
-DDP, Adam and scheduler with ``recipes.worker.setup`` and runs one training step, so every
+DDP, Adam and scheduler with ``recipes.run.worker.setup`` and runs one training step, so every
 checkpoint holds the Adam moments:
 
 1. **Save** at the source layout ``tp2 x g2/a16`` (world 4), in one process group, ``--repeats``
-   times: save in the logical layout (``gtp.logical_format.configure("logical")``) and in the stock
+   times: save in the logical layout (``ckpt.format.logical_format.configure("logical")``) and in the stock
    layout (``"stock"``: megatron 0.19.2 as shipped), in turn (A B, B A, ...), raw write with every
    rank writing the bytes it wrote in the save to one file, raw write with rank 0 writing all
    the bytes to one file (plain ``open``/``write`` of 8 MiB blocks, then ``os.fsync`` as
@@ -25,15 +25,15 @@ checkpoint holds the Adam moments:
    layout: the baseline with the same world size and bytes per rank). With ``--control``
    (default) the tp1 launch also loads a checkpoint saved at ``tp2, gtp off`` (world 2):
    megatron's own cross-TP resharding, no GTP anywhere. Every target also loads the source's
-   logical file with torch's own ``FileSystemReader.read_data`` (``gtp.dcp_reader.disabled``),
-   which reads each stored chunk whole, beside ``gtp.dcp_reader``, which reads the requested
+   logical file with torch's own ``FileSystemReader.read_data`` (``ckpt.format.dcp_reader.disabled``),
+   which reads each stored chunk whole, beside ``ckpt.format.dcp_reader``, which reads the requested
    rows only. The stock source file is not loaded
    cross-layout: stock megatron-core 0.19.2 cannot (its padded GTP layout is the bug ``gtp/``
    fixes; ``gtp/stock`` converts such a file once instead).
 3. **Write throughput**: checkpoint bytes / save seconds next to the raw writes of step 1 (same
    directory, same bytes, same run).
 4. **Asynchronous save** (``checkpoint.async_save``): in each repeat of step 1, after the
-   synchronous saves, a logical save through ``recipes.checkpoint.AsyncSaves``. What it costs
+   synchronous saves, a logical save through ``ckpt.io.AsyncSaves``. What it costs
    training, the figure the target is judged on: ``TRAIN_STEPS`` training steps right after
    the save (an async save's write goes on during them; the time includes waiting for it to be
    finalized) minus the same steps without a save, over the same figure of a synchronous
@@ -48,7 +48,7 @@ checkpoint holds the Adam moments:
    (``--targets`` with no name skips step 2).
 
 Every figure is one collective operation timed barrier-to-barrier on every rank
-(``save_checkpoint`` / ``load_checkpoint`` of ``recipes.checkpoint`` as the training loop calls
+(``save_checkpoint`` / ``load_checkpoint`` of ``ckpt.io`` as the training loop calls
 them: tracker file, disk-space and shape checks included); a repeat counts its slowest rank, the
 tables show medians over repeats (and the minimum), ratios of medians and, in parentheses, the
 median of the per-repeat ratios (each pair measured back to back). Memory: each rank's resident
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
                   {"phase": "save_only", "tag": f"control_{name}"})
         if "error" not in res:
             controls["control"] = res["source"]
-        # Without padding rows the stock file holds the logical rows (gtp.stock: not stock),
+        # Without padding rows the stock file holds the logical rows (ckpt.stock: not stock),
         # so stock megatron can read it into a non-GTP model: a control for the file format.
         if not any(main_res["gtp_padding_rows"].values()):
             controls["stock_file"] = str(Path(main_res["source"]).parent / "save_stock")

@@ -56,7 +56,7 @@ def compose_config(model: str, tp: int, g: int, pad, world: int, run_dir: Path, 
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from recipes.config import register_configs
+    from recipes.config.schema import register_configs
 
     register_configs()
     dp = world // tp  # the data-loading group is dp x gtp: every GTP peer reads its own batch

@@ -42,7 +42,7 @@ def _raw_write(path: Path, nbytes: int, block: bytes) -> None:
 def _gtp_layout(iter_path: Path) -> dict:
     from megatron.core import dist_checkpointing
 
-    from gtp.logical_format import METADATA_KEY
+    from ckpt.format.logical_format import METADATA_KEY
 
     return dist_checkpointing.load_common_state_dict(str(iter_path)).get(METADATA_KEY) or {}
 
@@ -70,12 +70,12 @@ def worker(cfg_path: str, out_path: str) -> None:
     from megatron.core import parallel_state
     from omegaconf import OmegaConf
 
-    from gtp import dcp_reader, logical_format
-    from recipes import checkpoint
+    from ckpt.format import dcp_reader, logical_format
+    from ckpt import io as checkpoint
     from recipes.data import build_train_iterator
-    from recipes.loop import train_step
-    from recipes.validate import validate
-    from recipes.worker import init_distributed, setup
+    from recipes.run.loop import train_step
+    from recipes.config.validate import validate
+    from recipes.run.worker import init_distributed, setup
 
     threads = int(os.environ.get("BENCH_THREADS", "0"))
     if threads > 0:
@@ -219,7 +219,7 @@ def worker(cfg_path: str, out_path: str) -> None:
                 rank_bytes=every, checkpoint_bytes=total_bytes,
                 bytes_by_layout={k: _dir_bytes(p) for k, p in last.items()},
                 gtp_format={k: _gtp_format(p) for k, p in last.items()},
-                # padding rows per TP-local GTP weight (gtp/logical_format.py's metadata)
+                # padding rows per TP-local GTP weight (ckpt/format/logical_format.py's metadata)
                 gtp_padding_rows={key: rec["pad"] for key, rec in
                                   _gtp_layout(last["logical"]).get("tensors", {}).items()},
                 **_param_count(last["logical"]),

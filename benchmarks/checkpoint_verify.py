@@ -6,17 +6,17 @@
     python -m benchmarks verify                       # the same, through the suite
 
 One launch of worker processes (``benchmarks.train_speed.launch``) builds the model, DDP, Adam
-and scheduler (``recipes.worker.setup``), runs one training step and saves once; then, in each
+and scheduler (``recipes.run.worker.setup``), runs one training step and saves once; then, in each
 repeat, in turn (A B C D, D C B A, ...), each timed barrier to barrier on every rank
 (``benchmarks.measure.measure``; a repeat counts its slowest rank):
 
-* **load, verified**: ``recipes.checkpoint.load_checkpoint(..., verify=True)`` (the default:
+* **load, verified**: ``ckpt.io.load_checkpoint(..., verify=True)`` (the default:
   each rank reads its share of the data files whole and checks every CRC-32 first);
 * **load, not verified**: ``verify=False`` (the reader still checks the CRC-32 of each entry a
   read covers whole);
-* **load, no CRC at all**: ``verify=False`` inside ``gtp.dcp_reader.crc_unchecked`` (what a load
+* **load, no CRC at all**: ``verify=False`` inside ``ckpt.format.dcp_reader.crc_unchecked`` (what a load
   cost before integrity checks);
-* **verify, one process**: ``gtp.verify.verify_iteration`` on rank 0 alone, as
+* **verify, one process**: ``ckpt.verify.verify_iteration`` on rank 0 alone, as
   ``python -m gtp verify`` runs (every byte, the common state, in one process).
 
 Saves write nothing more for integrity (the CRC-32s are ``torch.save``'s own, written
@@ -47,12 +47,13 @@ def _worker(cfg_path: str, out_path: str) -> None:
     from omegaconf import OmegaConf
 
     from benchmarks.measure import in_turn, measure
-    from gtp import dcp_reader, verify
-    from recipes import checkpoint
+    from ckpt.format import dcp_reader
+    from ckpt import verify
+    from ckpt import io as checkpoint
     from recipes.data import build_train_iterator
-    from recipes.loop import train_step
-    from recipes.validate import validate
-    from recipes.worker import init_distributed, setup
+    from recipes.run.loop import train_step
+    from recipes.config.validate import validate
+    from recipes.run.worker import init_distributed, setup
 
     cfg = OmegaConf.load(cfg_path)
     init_distributed()

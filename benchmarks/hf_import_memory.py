@@ -69,8 +69,9 @@ def _save(root: Path, family: str, hidden: int, ffn: int, layers: int, experts: 
 
 def _child(hf_dir: str, out: str) -> None:
     """In the measuring process: import with the peak RSS sampled."""
+    import recipes.families  # noqa: F401 - gives ckpt/ the model families it imports
     from benchmarks.memory import PeakRSS
-    from gtp import hf_import
+    from ckpt.hf import hf_import
 
     # Modules imported before the measurement starts: their code is no part of the import's
     # memory (benchmarks/README.md).

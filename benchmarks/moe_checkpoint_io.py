@@ -7,15 +7,15 @@ side by side in one run.
 
 One launch of 4 worker processes (``benchmarks.train_speed.launch``) at ep2 x expert GTP 2 with
 ``pad_for_alignment`` 16 (every expert fc1 and fc2 padded), fp32, Adam (moments initialised, as
-after a step), built by ``recipes.worker.setup``. Each repeat, in turn (A B, B A, ...):
+after a step), built by ``recipes.run.worker.setup``. Each repeat, in turn (A B, B A, ...):
 
-* save through ``recipes.checkpoint.save_checkpoint`` in the logical format
-  (``gtp.logical_format.configure("logical")``) and in the stock one (``"stock"``);
+* save through ``ckpt.io.save_checkpoint`` in the logical format
+  (``ckpt.format.logical_format.configure("logical")``) and in the stock one (``"stock"``);
 * load the file just saved at the same layout with the format that wrote it (a stock file at its
   own layout is read as is, as megatron does).
 
 Then once: the stock file loaded by the logical format at the same layout, which converts it
-through ``gtp.stock`` into ``<root>/gtp_converted`` (first load), and again (the conversion
+through ``ckpt.stock`` into ``<root>/gtp_converted`` (first load), and again (the conversion
 reused). Every figure is one collective operation timed barrier to barrier on rank 0 (all ranks
 have finished). Rows: medians over repeats and their ratio logical / stock (in parentheses the
 median of the per-repeat ratios), the bytes on disk of each format. Figures depend on the machine
@@ -72,10 +72,10 @@ def _worker(cfg_path: str, out_path: str) -> None:
     import torch
     from omegaconf import OmegaConf
 
-    from gtp import logical_format
-    from recipes import checkpoint
-    from recipes.validate import validate
-    from recipes.worker import init_distributed, setup
+    from ckpt.format import logical_format
+    from ckpt import io as checkpoint
+    from recipes.config.validate import validate
+    from recipes.run.worker import init_distributed, setup
 
     threads = int(os.environ.get("BENCH_THREADS", "0"))
     if threads > 0:
@@ -145,7 +145,7 @@ def format_table(res: dict, model: str) -> str:
                      f"{statistics.median(st):.3f}", _ratio(lo, st)])
     first, again = res["stock_converted"]
     lo = statistics.median(t["load logical"])
-    rows.append(["stock file -> logical load (gtp.stock converts once)", f"{first:.3f}", "-",
+    rows.append(["stock file -> logical load (ckpt.stock converts once)", f"{first:.3f}", "-",
                  f"{first / lo:.2f}x of a logical load"])
     rows.append(["  again (conversion reused)", f"{again:.3f}", "-",
                  f"{again / lo:.2f}x of a logical load"])

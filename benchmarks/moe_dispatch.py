@@ -6,8 +6,8 @@ side on CPU.
 
 Six cases on the same 4 processes and the same global batch (moe_tiny: 4 SwiGLU experts, top-2),
 launched interleaved (ep1/allgather, ep1/alltoall, ep2/allgather, ... then again), each one
-worker group of ``benchmarks.train_speed``'s worker (``recipes.worker.setup`` +
-``recipes.loop.train_step``): tp1 x dp4, experts split over ``expert_model_parallel_size`` ranks,
+worker group of ``benchmarks.train_speed``'s worker (``recipes.run.worker.setup`` +
+``recipes.run.loop.train_step``): tp1 x dp4, experts split over ``expert_model_parallel_size`` ranks,
 tokens exchanged by megatron's ``allgather`` or ``alltoall`` dispatcher.
 
 Rows: tokens/s, the ratio to ep1 with the same dispatcher and to allgather at the same EP, and

@@ -5,8 +5,8 @@
 
 Each (model, g) runs ``optim=adam`` and ``optim=muon`` (conf/optim/muon.yaml: duplicated TP mode,
 "highest" Newton-Schulz precision) at the same world size and global batch, one launch of a worker
-group each (``benchmarks.train_speed``'s worker: ``recipes.worker.setup`` and
-``recipes.loop.train_step``, timed steps after untimed warmup). Launches are interleaved (adam g1,
+group each (``benchmarks.train_speed``'s worker: ``recipes.run.worker.setup`` and
+``recipes.run.loop.train_step``, timed steps after untimed warmup). Launches are interleaved (adam g1,
 muon g1, adam g2, muon g2, ...) so that drifting machine load hits every case alike; the table
 shows medians over repeats of each launch's median step time and Muon's step time as a ratio of
 Adam's at the same g. At g=2 Muon all-gathers each GTP weight's momentum to orthogonalize the

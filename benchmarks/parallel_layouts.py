@@ -5,7 +5,7 @@
 
 Three cases on the same 2 processes and the same global batch, launched interleaved
 (dp2 pp2 dp2+distopt dp2 ...), each one worker group of ``benchmarks.train_speed``'s worker
-(``recipes.worker.setup`` + ``recipes.loop.train_step``):
+(``recipes.run.worker.setup`` + ``recipes.run.loop.train_step``):
 
 * ``pp1``: tp1 x dp2, megatron's non-distributed Adam;
 * ``pp2``: tp1 x pp2 (1F1B), same Adam;

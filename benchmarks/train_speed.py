@@ -9,8 +9,8 @@ Every g runs at the same world size (``--world``, default the largest g) and the
 batch, so g=1 is tp1 x dp<world> and g=2 is tp1 x gtp2 x dp<world/2>: the same math, GTP trading
 parameter memory for an all-gather per weight in forward and backward and a reduce-scatter per
 weight gradient. Each measurement is one launch of a worker group (torch's elastic launcher, as
-``train.py``) that builds the model, optimizer and data through ``recipes.worker.setup``, runs
-``--warmup`` untimed and ``--iters`` timed ``recipes.loop.train_step`` calls (barrier before and
+``train.py``) that builds the model, optimizer and data through ``recipes.run.worker.setup``, runs
+``--warmup`` untimed and ``--iters`` timed ``recipes.run.loop.train_step`` calls (barrier before and
 after each), and reports every rank's parameter bytes (GTP shards include their padding rows),
 Adam-state bytes and resident memory: ``ru_maxrss`` (the process's lifetime peak, imports
 included: a fresh process per launch) and the RSS peak and increase during the timed steps
@@ -69,9 +69,9 @@ def _worker(cfg_path: str, out_path: str) -> None:
     from omegaconf import OmegaConf
 
     from recipes.data import build_train_iterator
-    from recipes.loop import train_step
-    from recipes.validate import validate
-    from recipes.worker import init_distributed, setup
+    from recipes.run.loop import train_step
+    from recipes.config.validate import validate
+    from recipes.run.worker import init_distributed, setup
 
     from benchmarks.memory import PeakRSS, max_rss
 
@@ -166,7 +166,7 @@ def bench_config(overrides: list[str], run_dir: Path, cache: Path, iters: int, w
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from recipes.config import register_configs
+    from recipes.config.schema import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
@@ -217,7 +217,7 @@ def launch(cfg, run_dir: Path, world: int, module: str = "benchmarks.train_speed
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from recipes.validate import validate
+    from recipes.config.validate import validate
 
     validate(cfg, world)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ over the ``gtp_remat`` group.
 Only unquantized (fp32/bf16) weights are supported: there is no FP8 without TE. :func:`install`
 leaves megatron's overlap off (``GTP_CONFIG.weight_prefetch = False``,
 ``GTP_CONFIG.async_reduction = False``: every collective completes where it is issued); a caller
-may turn it on (``recipes.gtp_setup`` does, outside pipeline parallelism): the collectives then
+may turn it on (``recipes.model.gtp_setup`` does, outside pipeline parallelism): the collectives then
 return async handles (on gloo, of the exchange's sends and receives), which megatron waits on
 where it consumes the gathered weight or the reduced gradient (its prefetch chain), with the
 same math.

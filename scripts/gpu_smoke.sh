@@ -17,8 +17,8 @@ COMMON=(parallelism=tp1 precision=bf16 logger=none train.train_iters=20 optim.lr
   checkpoint.load="$OUT/run/checkpoints" checkpoint.load_iteration=10
 "$PY" - "$OUT" <<'PYEOF'
 import math, sys
-from recipes.metrics import read_metrics
-from recipes.checkpoint import read_tracker
+from recipes.metrics.logger import read_metrics
+from ckpt.io import read_tracker
 out = sys.argv[1]
 run = {r["iteration"]: r for r in read_metrics(f"{out}/run")[0]}
 res = {r["iteration"]: r for r in read_metrics(f"{out}/resume")[0]}

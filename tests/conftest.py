@@ -20,6 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 from mcore_compat import lazy_compile  # noqa: E402
 
 lazy_compile.install_if_supported()
+# Gives ckpt/ the model families (ckpt.families.install), as a run does: tests call ckpt directly.
+import recipes.families  # noqa: E402,F401
 # Small and fast: the tiny model, few iterations, one warmup step (tests/helpers/inworld.py's).
 from inworld import FAST  # noqa: E402
 # `make test-times`: the per-file time table in docs/testing.md (tests/helpers/time_table.py).

@@ -11,8 +11,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from multiproc import run_distributed
 
-from recipes import checkpoint, lifetime
-from recipes.metrics import read_metrics
+from ckpt import io as checkpoint
+from ckpt.io import lifetime
+from recipes.metrics.logger import read_metrics
 
 COMMON = ["train.train_iters=4", "optim.lr_warmup_iters=1", "checkpoint.save_interval=2"]
 # Three saves: the third reuses the plan cached by the first two (AsyncSaves.save_options).
@@ -90,7 +91,7 @@ def _state(rank: int, world: int, value: float, split: bool = False, extra: bool
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
     def build(key, data, replica_id, flattened_range):
-        # Irregular pieces (explicit global offsets) on every rank, as gtp/logical_format.py's.
+        # Irregular pieces (explicit global offsets) on every rank, as ckpt/format/logical_format.py's.
         rows = ((0, 2), (2, 4)) if split else ((0, 4),)
         return [ShardedTensor(key, data[lo:hi].clone(), data.dtype, (hi - lo, 3), (4 * world, 3),
                               (4 * rank + lo, 0), None, replica_id=replica_id)
@@ -126,7 +127,7 @@ def _saves_with_cached_plans(root: str) -> list:
 
     cpu_compat.install()  # as a training process: megatron's writer syncs "CUDA" before forking
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    from recipes.checkpoint import async_save
+    from ckpt.io import async_save
 
     async_save.use_in_process_results_queue(True)
     saves = checkpoint.AsyncSaves()
@@ -173,7 +174,7 @@ def test_async_saves_reuse_their_plan_only_while_the_structure_is_the_same(tmp_p
 # code of its own runs, then both sleep until killed.
 _RANK_AND_WRITER = r"""
 import json, os, sys, time
-from recipes.checkpoint import AsyncSaves
+from ckpt.io import AsyncSaves
 
 report = sys.argv[1]
 rank_pid = os.getpid()
@@ -269,7 +270,7 @@ import os, signal, sys, time
 import torch
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from mcore_compat import cpu as cpu_compat
-from recipes.checkpoint import AsyncSaves
+from ckpt.io import AsyncSaves
 
 def slow_write(report):
     with open(report, "w") as f:

@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 
-from recipes import checkpoint
-from recipes.checkpoint import CheckpointError, lineage
-from recipes.checkpoint.manager import ResumePlan
+from ckpt import io as checkpoint
+from ckpt.io import CheckpointError, lineage
+from ckpt.io.manager import ResumePlan
 from test_preemption import fake_save
 from test_requeue_lineage import flip_a_byte
 
@@ -129,7 +129,7 @@ def test_a_forks_damaged_save_sends_auto_back_to_its_branch_point(tmp_path, monk
     tracker moves back to 5); 5's ``.metadata`` is torn. ``auto`` follows the fork's lineage as
     recorded beside the tracker (back to its branch point, A's 4), never A's 8, and keeps 5 as
     ``.damaged``; without that record it refuses, naming iteration 5 and the way on."""
-    from recipes.checkpoint import lineage, manager
+    from ckpt.io import lineage, manager
 
     chains = {2: [["a", 0]], 4: [["a", 0]], 6: [["a", 0]], 8: [["a", 0]],
               5: [["a", 0], ["f", 4]]}

@@ -12,12 +12,12 @@ from chat_data import CHATML, FIXTURE, THINK_LAST, VOCAB, conversations, write_c
 from compose import make_cfg
 
 from recipes.data import chat
-from recipes.errors import ConfigError
-from recipes.prelaunch import check
+from recipes.config.errors import ConfigError
+from recipes.config.prelaunch import check
 
 
 def check_chat(cfg):
-    """What ``train.py`` runs before it starts a process (``recipes.prelaunch.check``)."""
+    """What ``train.py`` runs before it starts a process (``recipes.config.prelaunch.check``)."""
     return check(cfg, choices={})
 
 
@@ -278,7 +278,7 @@ def test_export_keeps_the_chat_template(tok_dir, tmp_path):
     ``AutoTokenizer`` of the exported dir renders conversations as training did."""
     from transformers import AutoTokenizer
 
-    from gtp.hf_export import _copy_tokenizer
+    from ckpt.hf.hf_export import _copy_tokenizer
 
     template = tmp_path / "mine.jinja"
     template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
@@ -383,7 +383,8 @@ def test_export_from_elsewhere_says_the_trained_template_is_missing(tok_dir, tmp
     import io
     import shutil
 
-    from gtp import cli, hf_export
+    from ckpt import cli
+    from ckpt.hf import hf_export
 
     tok = tmp_path / "tok"
     shutil.copytree(tok_dir, tok)

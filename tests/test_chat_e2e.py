@@ -21,7 +21,7 @@ from tolerance import assert_fp32_close
 
 from recipes.data import build_tokenizer, chat
 from recipes.families import parameter_shapes
-from recipes.shapes import count, padded_vocab_size
+from recipes.model.shapes import count, padded_vocab_size
 
 pytestmark = pytest.mark.e2e
 

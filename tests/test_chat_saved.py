@@ -16,8 +16,8 @@ from chat_data import FIXTURE, write_chat_tokenizer
 from compose import make_cfg
 
 from recipes.data import chat
-from recipes.errors import ConfigError
-from recipes.prelaunch import check
+from recipes.config.errors import ConfigError
+from recipes.config.prelaunch import check
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ def _load_worker(root: str, pairs: list) -> dict:
     from megatron.core import parallel_state
 
     from layout_goldens import build, check, fill
-    from recipes import checkpoint
+    from ckpt import io as checkpoint
 
     out = {}
     for src, target, cfg_yaml in pairs:

@@ -1,6 +1,6 @@
 """``checkpoint.format`` picks how GTP weights lie on disk; its old name ``gtp.checkpoint_layout``
 is an alias that keeps working: either key typed sets both, and the format applied before the
-model is built (``recipes.gtp_setup.before_model``) is the one typed."""
+model is built (``recipes.model.gtp_setup.before_model``) is the one typed."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 from compose import CONF, make_cfg
 from hydra import compose, initialize_config_dir
 
-from gtp import logical_format
-from recipes import gtp_setup
-from recipes.prelaunch import check_checkpoint_format
-from recipes.validate import ConfigError
+from ckpt.format import logical_format
+from recipes.model import gtp_setup
+from recipes.config.prelaunch import check_checkpoint_format
+from recipes.config.validate import ConfigError
 
 
 @pytest.mark.parametrize("overrides, want", [

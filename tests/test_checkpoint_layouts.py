@@ -1,10 +1,10 @@
-"""gtp/logical_format.py: the logical checkpoint layout, across every layout pair, on CPU.
+"""ckpt/format/logical_format.py: the logical checkpoint layout, across every layout pair, on CPU.
 
 One 4-process gloo world hosts every layout in turn (megatron's process groups are rebuilt for
 each; the data-parallel size fills the rest: tp1 alone runs as dp4, tp2 x g2 as dp1). Each layout
 of {gtp off, tp2, g2/a16, g4/a32, tp2 x g2/a16, g2/a1} builds the tiny SwiGLU GPT through
-``recipes.worker.setup`` (the recipe's own model, DDP, megatron optimizer and scheduler), sets
-every weight and Adam moment to a golden, and saves through ``recipes.checkpoint``; then each
+``recipes.run.worker.setup`` (the recipe's own model, DDP, megatron optimizer and scheduler), sets
+every weight and Adam moment to a golden, and saves through ``ckpt.io``; then each
 layout loads every checkpoint into a model pre-filled with a sentinel and compares.
 
 The goldens are built independently of the code under test: each parameter's *full logical*
@@ -209,10 +209,10 @@ def _fc1_rows(model, cfg) -> dict:
 
 
 def _shape_problems(model, cfg, record) -> list[str]:
-    """Differences between the built model's parameters on this rank and ``recipes.shapes``."""
-    from recipes.shapes import padded_vocab_size
+    """Differences between the built model's parameters on this rank and ``recipes.model.shapes``."""
+    from recipes.model.shapes import padded_vocab_size
     from recipes.families import parameter_shapes
-    from recipes.shapes import local_shape
+    from recipes.model.shapes import local_shape
 
     tp, g = record["tensor_model_parallel_size"], record["gtp_remat_size"]
     padded = padded_vocab_size(257, cfg.model.make_vocab_size_divisible_by, tp)
@@ -225,7 +225,7 @@ def _shape_problems(model, cfg, record) -> list[str]:
 
 def _save_and_load_all(root: Path, cfgs: dict, prefix: str, out: dict) -> None:
     """Save every layout of ``cfgs`` (goldens), then load each checkpoint at every layout."""
-    from recipes import checkpoint
+    from ckpt import io as checkpoint
 
     for name, cfg_yaml in cfgs.items():
         model, opt, sched, record, cfg = _build(cfg_yaml)
@@ -248,8 +248,8 @@ def _matrix_worker(root: str, cfgs: dict, plain: dict, llama: dict,
     (:func:`_pp_phase`) and the virtual-pipeline pairs in the same world."""
     from megatron.core import dist_checkpointing, parallel_state
 
-    from gtp import logical_format
-    from recipes import checkpoint
+    from ckpt.format import logical_format
+    from ckpt import io as checkpoint
 
     assert torch.distributed.get_world_size() == WORLD
     root = Path(root)
@@ -338,7 +338,7 @@ def _pp_phase(root: Path, cfgs: dict) -> dict:
 
 def _pp_pairs(root: Path, cfgs: dict, out: dict) -> dict:
     """Save each layout of ``cfgs`` filled with the goldens; load each at each (sentinel first)."""
-    from recipes import checkpoint
+    from ckpt import io as checkpoint
 
     for name, cfg_yaml in cfgs.items():
         model, opt, sched, record, cfg = _build(cfg_yaml)
@@ -361,8 +361,8 @@ def _pp_negative_controls(root: Path, cfgs: dict) -> dict:
     and (2) a distributed-optimizer bucket whose state a save lost."""
     from megatron.core import parallel_state as ps
 
-    from recipes import checkpoint
-    from recipes.checkpoint import CheckpointError
+    from ckpt import io as checkpoint
+    from ckpt.io import CheckpointError
 
     out = {}
     # (1) tp1 checkpoint -> pp2 model whose last stage numbers its layers from 0.
@@ -466,7 +466,7 @@ def test_every_save_verifies(matrix):
     """``gtp verify`` reads every byte of every checkpoint the matrix saved: each byte belongs to
     a record of .metadata (an all-padding shard's empty piece, at one offset on several ranks,
     is written by one of them) and every CRC holds."""
-    from gtp import verify
+    from ckpt import verify
 
     root, _ = matrix
     iters = sorted(p for p in root.rglob("iter_*") if p.is_dir())
@@ -477,7 +477,7 @@ def test_every_save_verifies(matrix):
 
 
 def test_built_models_have_the_shapes_of_the_table(matrix):
-    """recipes.shapes (used by the dry run and the pre-launch GTP checks) equals what megatron
+    """recipes.model.shapes (used by the dry run and the pre-launch GTP checks) equals what megatron
     builds, per rank, for both models at every layout."""
     _, results = matrix
     for rank, res in enumerate(results):
@@ -604,8 +604,8 @@ def _stock_reader_worker(root: str, cfgs: dict, sources: list) -> dict:
     from megatron.core.tensor_parallel import gtp_api
 
     from gtp import backend
-    from gtp import logical_format
-    from recipes import checkpoint
+    from ckpt.format import logical_format
+    from ckpt import io as checkpoint
 
     assert torch.distributed.get_world_size() == STOCK_WORLD
     out = {}
@@ -653,8 +653,8 @@ def _bad_input_worker(root: str, good: str, cfgs: dict) -> dict:
 
     from megatron.core import parallel_state
 
-    from recipes import checkpoint
-    from recipes.checkpoint import CheckpointError
+    from ckpt import io as checkpoint
+    from ckpt.io import CheckpointError
 
     assert torch.distributed.get_world_size() == STOCK_WORLD
     root, rank = Path(root), torch.distributed.get_rank()
@@ -692,8 +692,8 @@ def _bad_input_worker(root: str, good: str, cfgs: dict) -> dict:
             error = str(exc)
         out[case] = {"error": error, "changed": _untouched(model, opt)}
     # And the good one still loads (the failures left nothing behind), unpickling its
-    # .metadata once for the whole load (gtp.safe_metadata.reused).
-    from gtp import safe_metadata
+    # .metadata once for the whole load (ckpt.format.safe_metadata.reused).
+    from ckpt.format import safe_metadata
 
     _fill_sentinel(model, opt)
     unpickle, count = safe_metadata._RestrictedUnpickler.load, [0]
@@ -796,7 +796,7 @@ def test_truncated_tensor_file_is_refused_naming_it(bad_inputs):
 
 
 def test_truncated_file_is_caught_before_launch(bad_inputs):
-    from recipes.checkpoint import CheckpointError, check_loadable
+    from ckpt.io import CheckpointError, check_loadable
 
     root, _ = bad_inputs
     with pytest.raises(CheckpointError, match=r"__1_0\.distcp has \d+ bytes.*tensor '"):
@@ -830,12 +830,12 @@ def test_a_load_unpickles_the_metadata_once(bad_inputs):
 
 
 # --------------------------------------------------------------------------------------------
-# Single-process unit tests of gtp/logical_format.py's pieces.
+# Single-process unit tests of ckpt/format/logical_format.py's pieces.
 # --------------------------------------------------------------------------------------------
 @pytest.fixture
 def patched():
-    """gtp.logical_format installed for the test, uninstalled after (the pytest process is shared)."""
-    from gtp import logical_format
+    """ckpt.format.logical_format installed for the test, uninstalled after (the pytest process is shared)."""
+    from ckpt.format import logical_format
 
     was = logical_format.is_installed()
     logical_format.install()
@@ -853,7 +853,7 @@ def test_install_replaces_megatron_functions_everywhere_and_uninstall_restores()
     import megatron.core.transformer.mlp as mlp
     import megatron.core.utils as mutils
 
-    from gtp import logical_format
+    from ckpt.format import logical_format
 
     logical_format.uninstall()
     originals = (mutils.make_tp_sharded_tensor_for_checkpoint, mlp.apply_swiglu_sharded_factory,
@@ -882,7 +882,7 @@ def test_install_replaces_megatron_functions_everywhere_and_uninstall_restores()
 
 
 def _spec(L, tp, tp_rank, g, gtp_rank, a, tp_axis=0, gated=False, cols=3, prepend=((0, 1, 2),)):
-    from gtp.logical_factory import LogicalSpec
+    from ckpt.format.logical_factory import LogicalSpec
     from gtp.layout import TensorLayout
 
     layout = TensorLayout(L=L, tp=tp, tp_rank=tp_rank, g=g, gtp_rank=gtp_rank,
@@ -893,7 +893,7 @@ def _spec(L, tp, tp_rank, g, gtp_rank, a, tp_axis=0, gated=False, cols=3, prepen
 def test_factory_pieces_of_the_spec_worked_case():
     """Spec section 3: tp=2, g=2, L=10, a=3 (pad 2, shard 6). Hand-computed: TP rank k, GTP
     rank r holds logical rows [6r, min(6r+6, 10)) of TP shard k, i.e. full rows 10k + those."""
-    from gtp.logical_factory import make_factory
+    from ckpt.format.logical_factory import make_factory
 
     want = {(0, 0): (0, 6), (0, 1): (6, 4), (1, 0): (10, 6), (1, 1): (16, 4)}
     for (k, r), (offset, rows) in want.items():
@@ -911,7 +911,7 @@ def test_factory_pieces_of_the_spec_worked_case():
 
 
 def test_factory_all_padding_shard_and_row_parallel():
-    from gtp.logical_factory import make_factory
+    from ckpt.format.logical_factory import make_factory
 
     # L=72, g=4, a=32: rank 3 holds only padding -> one empty piece at the end of the tensor.
     spec = _spec(72, 1, 0, 4, 3, 32, tp_axis=1, cols=5)
@@ -929,7 +929,7 @@ def test_factory_gated_fc1_straddling_gate_and_up():
     """tp2 x g2/a16, L=200 (gate 100 + up 100 rows per TP rank), pad 24, shard 112: GTP rank 0
     of TP rank 1 holds gate rows 0-99 and up rows 0-11 of TP rank 1; the file is
     [W_0; W_1; V_0; V_1] (400 rows): gate at 100, up at 300."""
-    from gtp.logical_factory import make_factory
+    from ckpt.format.logical_factory import make_factory
 
     spec = _spec(200, 2, 1, 2, 0, 16, gated=True, cols=2)
     shard = torch.arange(112 * 2, dtype=torch.float32).reshape(112, 2)
@@ -967,7 +967,7 @@ def test_factory_save_pieces_alias_the_shard_without_a_storage_to_clone(tmp_path
     tensor (``torch.save`` writes whole storages). A trimmed piece of a padded shard shares the
     shard's memory yet owns a storage of exactly its rows: the writer neither clones it nor writes
     the padding rows."""
-    from gtp.logical_factory import make_factory
+    from ckpt.format.logical_factory import make_factory
 
     # tp2 x g2/a16, L=200, TP rank 1: GTP rank 0 holds gate rows 0-99 and up rows 0-11 (two
     # pieces of the 112-row shard); GTP rank 1 holds up rows 12-99 and 24 padding rows.
@@ -1000,7 +1000,7 @@ def test_factory_merge_fills_the_live_shard_in_place():
     returns a new zero-padded shard."""
     import dataclasses
 
-    from gtp.logical_factory import _merge_pieces, make_factory
+    from ckpt.format.logical_factory import _merge_pieces, make_factory
 
     spec = _spec(200, 2, 1, 2, 1, 16, gated=True, cols=2)  # up rows 12-99 (88 rows), pad 24
     want = torch.zeros(112, 2)
@@ -1034,7 +1034,7 @@ def test_stored_rows_limit_reads_only_the_kept_rows():
     from a file of 258 rows of which 257 are real: one piece of rows 160-256 at offset 160 of
     258; merge fills them in place and zeroes the rest. With every row of the rank past the
     kept ones, one empty piece at the end of the stored tensor (as an all-padding shard)."""
-    from gtp.logical_factory import GTPCheckpointError, make_factory, with_stored_rows
+    from ckpt.format.logical_factory import GTPCheckpointError, make_factory, with_stored_rows
 
     spec = _spec(320, 1, 0, 2, 1, 16, cols=2, prepend=())
     live = torch.nn.Parameter(torch.full((160, 2), SENTINEL))
@@ -1073,8 +1073,8 @@ def test_native_fp8_weight_goes_through_a_dequantized_copy(monkeypatch):
     import megatron.core.fp8_utils as fp8_utils
     from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp_mod
 
-    from gtp.logical_format import get_param_id_to_sharded_param_map
-    from gtp.logical_factory import high_precision_data, make_factory
+    from ckpt.format.logical_format import get_param_id_to_sharded_param_map
+    from ckpt.format.logical_factory import high_precision_data, make_factory
 
     live = torch.nn.Parameter(torch.full((112, 2), 3.0))
     copies = []
@@ -1167,7 +1167,7 @@ def test_checkpoint_records_pipeline_and_optimizer(matrix):
 def _cli(*argv):
     import io
 
-    from gtp.cli import main
+    from ckpt.cli import main
 
     out = io.StringIO()
     return main([str(a) for a in argv], out=out), out.getvalue()

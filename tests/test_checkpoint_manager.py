@@ -11,15 +11,15 @@ from conftest import FAST
 
 
 def _run_counting(out: str, data_cache: str, *overrides: str) -> dict:
-    """One rank of a world-2 job (``recipes.launch.run``, as under torchrun) with counters on
+    """One rank of a world-2 job (``recipes.run.launch.run``, as under torchrun) with counters on
     the leaf of each loadability check: the storage check of ``check_loadable``, the byte
     verification and megatron's read of the common state."""
     from megatron.core import dist_checkpointing
 
     from compose import make_cfg
-    from gtp import verify
-    from recipes import launch
-    from recipes.checkpoint import integrity
+    from ckpt import verify
+    from recipes.run import launch
+    from ckpt.io import integrity
 
     counts = {"check_loadable": 0, "verify": 0, "load_common": 0}
 

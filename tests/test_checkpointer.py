@@ -13,10 +13,10 @@ import torch
 from compose import make_cfg
 from multiproc import run_distributed
 
-from recipes import checkpoint
+from ckpt import io as checkpoint
 from recipes.checkpoint import policy as checkpointer
-from recipes.checkpoint import manager
-from recipes.checkpoint import CheckpointError
+from ckpt.io import manager
+from ckpt.io import CheckpointError
 
 
 def fake_save(root: Path, iteration: int, payload: bytes = b"x") -> Path:
@@ -106,7 +106,7 @@ def test_load_iteration_newer_than_the_tracker_loads_when_complete(tmp_path, mon
 def _agree_while_tracker_moves(root):
     from compose import make_cfg
 
-    from recipes import checkpoint as ckpt
+    from ckpt import io as ckpt
     from recipes.checkpoint import policy
 
     rank = torch.distributed.get_rank()
@@ -139,7 +139,7 @@ def test_every_rank_loads_the_same_iteration_while_the_tracker_moves(distributed
 # --- 4. the resume diff ---------------------------------------------------------------------
 
 def test_resume_diff_names_every_change_and_refuses_data_changes():
-    from recipes.config import to_dict
+    from recipes.config.schema import to_dict
 
     saved = to_dict(make_cfg())
     now = to_dict(make_cfg("optim.lr=5e-4", "train.train_iters=1000", "train.seed=7",
@@ -165,7 +165,7 @@ def test_resume_diff_names_every_change_and_refuses_data_changes():
 def test_a_data_field_the_checkpoint_does_not_record_is_named_as_unrecorded():
     """A run config without the model section (an edited checkpoint): model.seq_length is
     refused as not recorded, not as a change from None."""
-    from recipes.config import to_dict
+    from recipes.config.schema import to_dict
 
     saved = {k: v for k, v in to_dict(make_cfg()).items() if k != "model"}
     changes = {c.field: c for c in checkpointer.resume_changes(saved, to_dict(make_cfg()), 0)}
@@ -185,7 +185,7 @@ def test_a_data_field_the_checkpoint_does_not_record_is_named_as_unrecorded():
 ])
 def test_resume_diff_lists_every_parallelism_field_with_its_effect(overrides, effect):
     """The layout fields are in the table too (docs/resume.md: every field that differs)."""
-    from recipes.config import to_dict
+    from recipes.config.schema import to_dict
 
     base = [o for o in overrides if o.startswith("model=")]
     saved, now = to_dict(make_cfg(*base)), to_dict(make_cfg(*overrides))
@@ -229,7 +229,7 @@ def test_nothing_to_train_when_the_checkpoint_is_at_the_end(train_checkpoint):
 
 
 def test_stock_layout_refuses_a_checkpoint_of_another_layout(train_checkpoint):
-    from recipes.validate import validate
+    from recipes.config.validate import validate
 
     cfg = make_cfg("parallelism=tp2dp2", "gtp=tp2_align16", "gtp.checkpoint_layout=stock",
                    "train.train_iters=4", "optim.lr_warmup_iters=1",
@@ -240,7 +240,7 @@ def test_stock_layout_refuses_a_checkpoint_of_another_layout(train_checkpoint):
 
 
 def test_resume_pins_the_iteration_and_records_the_schedule_that_runs(train_checkpoint):
-    from recipes.validate import validate
+    from recipes.config.validate import validate
 
     cfg = make_cfg("train.train_iters=4", "optim.lr=5e-4", "optim.lr_warmup_iters=1",
                    f"checkpoint.load={train_checkpoint}")
@@ -275,7 +275,7 @@ def test_crafted_metadata_is_refused_without_running_it(tmp_path):
 def test_our_own_checkpoint_objects_load_with_weights_only(train_checkpoint):
     from megatron.core import dist_checkpointing
 
-    from recipes.checkpoint.state import rng_state
+    from ckpt.io.state import rng_state
 
     common = dist_checkpointing.load_common_state_dict(str(Path(train_checkpoint) / "iter_0000002"))
     ours = {k: common[k] for k in ("iteration", "train_state", "layout", "opt_param_scheduler")}
@@ -334,7 +334,7 @@ def _collectives_under_nccl_rule():
     is 'meta': a tensor created without ``collective_device`` reaches the collective on 'meta'."""
     import torch.distributed as dist
 
-    from recipes import checkpoint as ckpt
+    from ckpt import io as ckpt
     from recipes.data.datasets import _rank0_first
     from gtp.collectives import any_rank_failed, collective_device
 
@@ -376,7 +376,7 @@ def test_collectives_use_the_device_their_backend_needs(distributed):
 
 
 def test_gtp_inspect_refuses_crafted_metadata_without_running_it(tmp_path, capsys):
-    from gtp.cli import main
+    from ckpt.cli import main
 
     marker = tmp_path / "payload_ran"
     fake_save(tmp_path, 1, pickle.dumps(_Payload(marker)))
@@ -391,7 +391,7 @@ def test_gtp_inspect_refuses_crafted_metadata_without_running_it(tmp_path, capsy
 def test_many_writers_of_the_resolved_config_never_collide(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
-    from recipes.launch import write_resolved_config
+    from recipes.run.launch import write_resolved_config
 
     cfg = make_cfg()
     with ThreadPoolExecutor(8) as pool:
@@ -402,11 +402,11 @@ def test_many_writers_of_the_resolved_config_never_collide(tmp_path):
 def _check_same_run():
     from compose import make_cfg
 
-    from recipes.worker import check_same_run
+    from recipes.run.worker import check_same_run
 
     rank = torch.distributed.get_rank()
     cfg = make_cfg(f"output_dir=/runs/12-00-0{rank}")  # ${now:...} resolved a second apart
-    from recipes.validate import ConfigError
+    from recipes.config.validate import ConfigError
 
     try:
         check_same_run(cfg)
@@ -424,8 +424,8 @@ def test_a_job_dir_is_claimed_by_one_live_run(tmp_path, monkeypatch):
     import json
     import os
 
-    from recipes.launch import CLAIM, claim_job_dir
-    from recipes.validate import ConfigError
+    from recipes.run.launch import CLAIM, claim_job_dir
+    from recipes.config.validate import ConfigError
 
     claim_job_dir(tmp_path)
     assert json.loads((tmp_path / CLAIM).read_text())["pid"] == os.getpid()
@@ -441,7 +441,7 @@ def test_a_job_dir_is_claimed_by_one_live_run(tmp_path, monkeypatch):
 
     from test_cluster_races import _beating
 
-    from recipes import lease
+    from ckpt.io import lease
 
     monkeypatch.setattr(lease, "STALE_AFTER_S", 0.5)
     (tmp_path / CLAIM).write_text(json.dumps({"run_id": "r", "job_id": "77", "host": "n9", "pid": 1}))
@@ -576,7 +576,7 @@ def test_a_saved_config_that_is_not_plain_data_is_refused_naming_the_field(confi
     naming the field, never a traceback or a resolved lookup."""
     from omegaconf import OmegaConf
 
-    from recipes.config import Config
+    from recipes.config.schema import Config
 
     typed = OmegaConf.merge(OmegaConf.structured(Config), make_cfg())  # as train.py's is
     plan = SimpleNamespace(path="/ck/iter_0000002", common={"train_state": {"config": config}})

@@ -15,8 +15,10 @@ import pytest
 from compose import make_cfg
 from multiproc import run_distributed
 
-from recipes import checkpoint, lease, preemption
-from recipes.rank_env import job_id
+from ckpt import io as checkpoint
+from ckpt.io import lease
+from recipes.run import preemption
+from recipes.run.rank_env import job_id
 
 
 def test_a_lease_another_taker_just_took_is_put_back(tmp_path, monkeypatch):
@@ -99,7 +101,7 @@ def test_ranks_that_resolved_auto_differently_load_rank_0s_checkpoint(tmp_path):
 def _finalize_with_rank0_refused(root):
     import torch
 
-    from recipes.checkpoint import CheckpointError
+    from ckpt.io import CheckpointError
 
     rank = torch.distributed.get_rank()
     os.environ[lease.RUN_ID_ENV] = "me" if rank == 0 else "other"

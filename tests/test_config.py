@@ -8,7 +8,7 @@ import pytest
 from compose import CONF, make_cfg
 from hydra.errors import ConfigCompositionException
 
-from recipes.validate import ConfigError, validate
+from recipes.config.validate import ConfigError, validate
 
 
 def options(group: str) -> list[str]:

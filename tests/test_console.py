@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
-from recipes.console import format_summary
-from recipes.metrics import CONSOLE_WIDTH, format_progress
+from recipes.metrics.console import format_summary
+from recipes.metrics.logger import CONSOLE_WIDTH, format_progress
 
 # Megatron-LM's training_log: ' [YYYY-MM-DD hh:mm:ss] iteration ...'.
 STAMPED = re.compile(r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +\d+/\d+")
@@ -140,8 +140,8 @@ def test_the_summary_without_validation_checkpoint_or_wandb():
 
 
 def test_the_hf_import_prints_its_layers_and_seconds(tmp_path, monkeypatch, capsys):
-    from gtp import hf_import
-    from recipes import pretrained
+    from ckpt.hf import hf_import
+    from recipes.run import pretrained
 
     src = tmp_path / "hf"
     src.mkdir()

@@ -1,4 +1,4 @@
-"""Context parallelism (recipes/context_parallel.py): refused before launch without
+"""Context parallelism (recipes/model/context_parallel.py): refused before launch without
 TransformerEngine; with it (a stand-in module), passed to megatron's parallel_state and
 TransformerConfig, each micro-batch split as megatron's 2 x CP zigzag and the loss averaged over
 the whole sequence. Goldens are computed here by plain indexing and sums, not by the code under
@@ -15,10 +15,10 @@ import pytest
 import torch
 from compose import make_cfg
 
-from recipes import context_parallel
+from recipes.model import context_parallel
 from recipes.dry_run import activation_bytes, report
-from recipes.model import transformer_config
-from recipes.validate import ConfigError, validate
+from recipes.model.build import transformer_config
+from recipes.config.validate import ConfigError, validate
 
 
 @pytest.fixture

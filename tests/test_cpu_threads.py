@@ -20,7 +20,7 @@ CORES = len(os.sched_getaffinity(0))
 def _captured_env(monkeypatch, nproc: int) -> dict:
     import torch.distributed.launcher.api as api
 
-    from recipes import launch
+    from recipes.run import launch
 
     seen = {}
 

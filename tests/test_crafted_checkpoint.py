@@ -63,7 +63,7 @@ def replace_record(iter_path: Path, fqn: str, record: bytes) -> None:
     """Put ``record`` in place of the stored record of object ``fqn``: its data file rebuilt
     record by record, and ``.metadata``'s offsets and lengths rewritten to match (a crafted
     checkpoint with consistent offsets: every CRC-32 and layout check holds)."""
-    from gtp.safe_metadata import read_metadata
+    from ckpt.format.safe_metadata import read_metadata
 
     metadata = read_metadata(iter_path)
     target = next(info for index, info in metadata.storage_data.items() if index.fqn == fqn)
@@ -103,7 +103,7 @@ def assert_one_refusal(proc, *parts: str) -> None:
 def _cli(*argv) -> tuple[int, str]:
     from contextlib import redirect_stderr
 
-    from gtp.cli import main
+    from ckpt.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with redirect_stderr(err):
@@ -114,7 +114,7 @@ def _cli(*argv) -> tuple[int, str]:
 def test_the_crafted_copy_passes_every_check_but_the_unpickling(saved, tmp_path):
     """The crafting itself: byte-consistent (so nothing but the unpickling can refuse it: the
     data files' check names only the crafted object, which it reads as the load does)."""
-    from gtp import verify
+    from ckpt import verify
 
     root, path = _copy(saved, tmp_path)
     craft(path, COMMON, tmp_path / "marker")
@@ -138,9 +138,9 @@ def test_commands_refuse_a_crafted_common_state_and_run_nothing(saved, tmp_path)
         assert rc == 2 and not marker.exists(), (command, out)
         assert COMMON in out and "posix.system" in out, (command, out)
     # The common-state read of every load (checkpoint.load=DIR / auto, checkpoint.pretrained).
-    from recipes import pretrained
-    from recipes.checkpoint import CheckpointError, load_common
-    from recipes.validate import ConfigError
+    from recipes.run import pretrained
+    from ckpt.io import CheckpointError, load_common
+    from recipes.config.validate import ConfigError
 
     with pytest.raises(CheckpointError, match=rf"{COMMON}.*posix\.system"):
         load_common(root)
@@ -184,7 +184,7 @@ def test_a_stray_common_pt_is_damage_to_verify_and_every_load(saved, tmp_path, t
     for command in (["inspect", root], ["export", root, tmp_path / "hf"]):
         rc, out = _cli(*command)
         assert rc == 2 and str(stray) in out, (command, out)
-    from recipes.checkpoint import CheckpointError, load_common
+    from ckpt.io import CheckpointError, load_common
 
     with pytest.raises(CheckpointError, match=re.escape(str(stray))):
         load_common(root)
@@ -261,7 +261,7 @@ def test_a_device_mesh_in_the_common_state_is_one_line_and_joins_no_process_grou
 
 
 def _extra_state_item(path: Path) -> str:
-    from gtp.safe_metadata import read_metadata
+    from ckpt.format.safe_metadata import read_metadata
 
     items = sorted(index.fqn for index in read_metadata(path).storage_data
                    if index.offset is None and "_extra_state" in index.fqn)

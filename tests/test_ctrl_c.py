@@ -1,6 +1,6 @@
 """Ctrl-C ends each worker with one line and no traceback, also the rank that was still in a
 collective (a save's gather) when the first rank left: its failed collective is its share of
-the interrupt when its own SIGINT follows (``recipes.preemption.part_of_interrupt``)."""
+the interrupt when its own SIGINT follows (``recipes.run.preemption.part_of_interrupt``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from recipes import preemption, worker
+from recipes.run import preemption, worker
 
 
 def peer_left() -> RuntimeError:
@@ -82,7 +82,7 @@ def test_other_errors_are_errors_at_once_and_a_chained_interrupt_is_the_interrup
 
 @pytest.fixture
 def worker_raising(tmp_path, monkeypatch):
-    """``recipes.worker.main`` on a config file, its run raising :func:`peer_left`."""
+    """``recipes.run.worker.main`` on a config file, its run raising :func:`peer_left`."""
     (tmp_path / "resolved_config.yaml").write_text("{}\n")
     monkeypatch.delenv(worker.LAUNCHER_PID_ENV, raising=False)
     monkeypatch.setenv("RANK", "0")

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from pydoc_data.topics import topics
 
 from recipes import data as D
-from recipes.config import (
+from recipes.config.schema import (
     CheckpointConfig,
     Config,
     DataConfig,

@@ -1,4 +1,4 @@
-"""gtp.dcp_reader: a DCP read request that covers a run of a stored tensor's rows reads those
+"""ckpt.format.dcp_reader: a DCP read request that covers a run of a stored tensor's rows reads those
 bytes only, and every request reads the same values as torch's own reader."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from gtp import dcp_reader, dcp_records
+from ckpt.format import dcp_reader, dcp_records
 
 SENTINEL = -7
 

@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 README_LIMIT = 12_000  # bytes: the README is one screen; the rest lives in docs/
 # Paths inside the repository that docs name in backticks (`recipes/x.py`, `docs/x.md`).
-REPO_DIRS = ("benchmarks", "conf", "docs", "gtp", "mcore_compat", "recipes", "scripts", "tests")
+REPO_DIRS = ("benchmarks", "ckpt", "conf", "docs", "gtp", "mcore_compat", "recipes", "scripts",
+             "tests")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 PATH = re.compile(r"`((?:%s)/[\w./-]*\w)`" % "|".join(REPO_DIRS))
 PLACEHOLDER = re.compile(r"\b[A-Z]{3,}\b")  # conf/experiment/NAME.yaml

@@ -1,6 +1,6 @@
 """Dry-run figures against Megatron-LM's formulas (theoretical_memory_usage.py) and the paper's.
 
-Goldens are written here from the formulas, not from ``recipes.shapes``:
+Goldens are written here from the formulas, not from ``recipes.model.shapes``:
 * weights and optimizer: Megatron-LM ``compute_weight_and_optimizer_memory`` (most loaded
   shard at pp 1, untied embeddings; 18 bytes per parameter, 6 + 12 / dp with the distributed
   optimizer), with Llama's RMSNorm (weight only) and the norms held whole on every TP rank;
@@ -17,8 +17,8 @@ import pytest
 from compose import make_cfg
 
 from recipes.dry_run import activation_bytes, fit_line, rank_sizes, report
-from recipes.metrics import format_bytes
-from recipes.validate import validate
+from recipes.metrics.logger import format_bytes
+from recipes.config.validate import validate
 
 LLAMA3_VOCAB = 128256
 
@@ -199,7 +199,7 @@ def test_flagship_activations_follow_the_paper_for_the_target_attention(experime
                                                                         monkeypatch):
     """The recipe's ``model.transformer_impl``, not whether TransformerEngine imports here,
     decides whether the scores are stored; the figure is the paper's formula at seq 8192."""
-    from recipes import te
+    from recipes.model import te
 
     monkeypatch.setattr(te, "transformer_engine_usable", lambda: False)
     world, L, h, a, f, t, sp, recompute = FLAGSHIP[experiment]
@@ -236,7 +236,7 @@ RECIPES = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf/ex
 def test_every_named_recipe_fits_its_own_target(experiment, monkeypatch):
     """As shipped, on a machine without TransformerEngine: each recipe's dry run fits
     train.gpu_memory_gib and says what it assumed."""
-    from recipes import te
+    from recipes.model import te
 
     monkeypatch.setattr(te, "transformer_engine_usable", lambda: False)
     path = Path(__file__).resolve().parents[1] / "conf/experiment" / f"{experiment}.yaml"
@@ -249,8 +249,8 @@ def test_every_named_recipe_fits_its_own_target(experiment, monkeypatch):
 
 
 def test_an_unknown_transformer_impl_is_refused_before_launch():
-    from recipes import prelaunch
-    from recipes.validate import ConfigError
+    from recipes.config import prelaunch
+    from recipes.config.validate import ConfigError
 
     cfg = make_cfg("experiment=llama3_8b_tp4_gtp2_fp8", "train.dry_run=true",
                    "model.transformer_impl=bogus")

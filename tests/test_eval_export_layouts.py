@@ -24,7 +24,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from compose import CONF
-from gtp import cli
+from ckpt import cli
 from multiproc import run_distributed
 from tolerance import assert_fp32_close
 
@@ -53,10 +53,11 @@ def _world(root: str, cfgs: dict) -> dict:
     """On every rank: each layout in turn; rank 0's results are the ones returned."""
     from megatron.core import parallel_state
 
-    from recipes import checkpoint, worker
+    from ckpt import io as checkpoint
+    from recipes.run import worker
     from recipes.data import build_iterators
-    from recipes.loop import evaluate, train_step
-    from recipes.validate import validate
+    from recipes.run.loop import evaluate, train_step
+    from recipes.config.validate import validate
 
     out = {}
     tokens = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(7))

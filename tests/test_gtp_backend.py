@@ -221,7 +221,7 @@ def _invariance_worker():
         model, ddp, _ = _build(tp, g, pad)
         counts = {"ag": 0, "rs": 0}
         if overlap:
-            # megatron's deferred weight-gradient reduce-scatters, as recipes.gtp_setup turns
+            # megatron's deferred weight-gradient reduce-scatters, as recipes.model.gtp_setup turns
             # them on; counted through the backend (async_op=True calls only).
             gtp.update_gtp_config(async_reduction=True)
             gtp.classify_gtp_remat_chains(model)  # a fresh chain for the rebuilt model
@@ -676,7 +676,7 @@ TIED, MTP = "model.share_embeddings_and_output_weights=true", "model.mtp_num_lay
     ({}, 1, True, MTP, (False, False)),
 ])
 def test_overlap_settings(fields, pp, te_usable, reused, want):
-    from recipes.gtp_setup import overlap_settings
+    from recipes.model.gtp_setup import overlap_settings
 
     got = overlap_settings({"weight_prefetch": None, "async_reduction": None, **fields}, pp,
                            te_usable, reused=reused)
@@ -696,8 +696,8 @@ def test_overlap_the_gloo_backend_cannot_run_is_refused_before_launch(monkeypatc
                                                                       message):
     from compose import make_cfg
 
-    from recipes import te
-    from recipes.validate import ConfigError, validate
+    from recipes.model import te
+    from recipes.config.validate import ConfigError, validate
 
     monkeypatch.setattr(te, "transformer_engine_usable", lambda: False)
     cfg = make_cfg("gtp=tp2_align16", "parallelism.nproc_per_node=4", *overrides)

@@ -2,7 +2,7 @@
 
 The checkpoints (built once per session by ``test_stock_format.stock_checkpoints``, 4 gloo ranks):
 ``stock`` (stock 0.19.2 writer, tp2 x gtp2, pad_for_alignment 16), ``logical_twin`` (same
-model, gtp.logical_format's logical writer), ``tp2`` (loaded from ``stock`` into a non-GTP tp2 model
+model, ckpt.format.logical_format's logical writer), ``tp2`` (loaded from ``stock`` into a non-GTP tp2 model
 and saved by megatron), ``perturbed`` (``tp2`` with logical fc1 row 110 of layer 1 changed), and
 ``stock/gtp_converted`` (written by the load path). The CLI runs in this process (it starts and
 ends its own 1-process gloo group), and once as ``python -m gtp`` for the entry point and exit code.
@@ -32,7 +32,7 @@ def ckpts(tmp_path_factory):
 
 def cli(*argv):
     """(exit code, stdout) of the CLI run in this process."""
-    from gtp.cli import main
+    from ckpt.cli import main
 
     out = io.StringIO()
     rc = main([str(a) for a in argv], out=out)
@@ -158,7 +158,7 @@ def test_verify_passes_checkpoints_of_every_writer(ckpts):
 
 
 def test_inspect_names_the_expert_layout_and_sequence_parallelism():
-    from gtp.cli import describe_parallelism
+    from ckpt.cli import describe_parallelism
 
     dense = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1,
              "gtp_remat_size": 1, "data_parallel_size": 2, "world_size": 4}

@@ -11,7 +11,7 @@ import pytest
 from compose import CONF, make_cfg
 
 from recipes.families import gtp_weight_dims
-from recipes.validate import ConfigError, validate
+from recipes.config.validate import ConfigError, validate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -106,7 +106,7 @@ def test_pad_zero_is_fine_when_every_dim_divides():
 def test_gtp_weight_dims_follow_megatrons_wrapped_weights():
     # Tiny at tp2: qkv 3*72/2, fc1 200/2 (x2 with SwiGLU), proj/fc2 keep 72 rows (row-parallel),
     # vocab 257 -> 320 padded rows / 2. The built model is checked against this table in every
-    # GTP run (recipes.gtp_setup.after_model; see test_gtp_e2e).
+    # GTP run (recipes.model.gtp_setup.after_model; see test_gtp_e2e).
     dims = gtp_weight_dims(make_cfg("model=tiny_swiglu"), 2)
     assert dims == {
         "embedding.word_embeddings.weight": 160,

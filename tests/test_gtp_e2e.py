@@ -17,7 +17,7 @@ import math
 
 import pytest
 
-from recipes.metrics import read_metrics
+from recipes.metrics.logger import read_metrics
 from recipes.report import find_job_dirs, report
 from tolerance import assert_fp32_close, assert_zeros_close
 

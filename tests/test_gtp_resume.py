@@ -1,5 +1,5 @@
 """End to end (the jobs run as train.py's workers run them, tests/helpers/inworld.py; the
-refusal through train.py): save under GTP, resume under other layouts (gtp/logical_format.py).
+refusal through train.py): save under GTP, resume under other layouts (ckpt/format/logical_format.py).
 
 A trains the tiny GPT at ``gtp=tp2_align16`` (tp1 x gtp2 x dp1, 2 processes) for 6 iterations and
 saves at 3 and 6 (the uninterrupted run). From A's iteration 3:
@@ -102,10 +102,10 @@ def test_stock_layout_refuses_a_checkpoint_of_another_layout(runs):
 
 def test_pad_for_alignment_is_stored_once(runs):
     """The GTP record owns pad_for_alignment; the layout record does not repeat it, and
-    gtp.records.saved_layout gives it back with the rest of the layout."""
+    ckpt.format.records.saved_layout gives it back with the rest of the layout."""
     from megatron.core import dist_checkpointing
 
-    from gtp.records import METADATA_KEY, saved_layout
+    from ckpt.format.records import METADATA_KEY, saved_layout
 
     common = dist_checkpointing.load_common_state_dict(
         str(runs["a"] / "checkpoints" / "iter_0000003"))

@@ -85,7 +85,7 @@ def _another_model(out: Path) -> Path:
 
 def test_export_refuses_a_dir_holding_another_model(tmp_path, capsys):
     """Before the checkpoint is read, naming what is there and --force; nothing written."""
-    from gtp import cli
+    from ckpt import cli
 
     hf = _another_model(tmp_path / "hf")
     before = sorted((p.name, p.read_bytes()) for p in hf.iterdir())
@@ -103,7 +103,7 @@ def test_export_refuses_a_dir_holding_another_model(tmp_path, capsys):
 def test_llama_export_logits_equal_megatron(tmp_path):
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    from gtp import cli
+    from ckpt import cli
 
     root = tmp_path / "ckpt"
     tokens, logits = run_distributed(_build_and_save, 1, str(root), timeout=300)[0]
@@ -128,8 +128,8 @@ def test_a_byte_tokenizer_export_writes_the_byte_tokenizer(tmp_path):
     item 6)."""
     from transformers import AutoTokenizer
 
-    from gtp.hf_export import _copy_tokenizer
-    from gtp.tokens import eod_of_tokenizer
+    from ckpt.hf.hf_export import _copy_tokenizer
+    from ckpt.hf.tokens import eod_of_tokenizer
     from recipes.data.tokenizers import ByteTokenizer
 
     ids = {"bos_token_id": 256, "eos_token_id": 256, "pad_token_id": 256}
@@ -152,7 +152,8 @@ def test_an_export_without_a_tokenizer_says_so_in_one_line(tmp_path, monkeypatch
     import argparse
     import io
 
-    from gtp import cli, hf_export
+    from ckpt import cli
+    from ckpt.hf import hf_export
 
     assert hf_export._copy_tokenizer({"tokenizer": "external"}, tmp_path, {}) == []
     (tmp_path / "gtp_recipes_export.json").write_text(json.dumps({
@@ -202,7 +203,7 @@ def _moe_tensors(m: dict) -> dict:
                                           ({"qk_layernorm": True, "moe_router_pre_softmax": True},
                                            "qwen3_moe")])
 def test_moe_class_follows_qk_layernorm(changes, arch):
-    from gtp.families import for_export
+    from ckpt.families import for_export
 
     assert for_export({**MOE, **changes}).model_type == arch
 
@@ -219,16 +220,16 @@ def test_moe_class_follows_qk_layernorm(changes, arch):
     ({"add_bias_linear": True}, "add_bias_linear=True"),
 ])
 def test_moe_settings_no_transformers_class_computes_are_refused(changes, named):
-    from gtp.families import for_export
-    from gtp.hf_export import ExportError
+    from ckpt.families import for_export
+    from ckpt.hf.hf_export import ExportError
 
     with pytest.raises(ExportError, match=re.escape(named)):
         for_export({**MOE, **changes})
 
 
 def test_dense_qk_layernorm_is_qwen3_and_with_qkv_bias_refused():
-    from gtp.families import for_export
-    from gtp.hf_export import ExportError
+    from ckpt.families import for_export
+    from ckpt.hf.hf_export import ExportError
 
     dense = {k: v for k, v in MODEL.items()}
     assert for_export(dense).model_type == "llama"
@@ -252,7 +253,7 @@ def test_exported_router_weights_equal_megatrons(changes):
     import transformers
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
-    from gtp.families import for_export
+    from ckpt.families import for_export
 
     m = {**MOE, **changes}
     arch = for_export(m)
@@ -275,7 +276,7 @@ def test_expert_widths_are_not_taken_for_ffn_hidden_size():
     """The checkpoint reader the export goes through infers ffn_hidden_size from a dense fc2
     only, and moe_ffn_hidden_size from a routed expert's: moe_tiny's experts are 100 wide, its
     recorded ffn_hidden_size is 200."""
-    from gtp.stock.specs import infer_dims
+    from ckpt.stock.specs import infer_dims
 
     shapes = {k: tuple(v.shape) for k, v in _moe_tensors(MOE).items()}
     assert infer_dims(shapes) == {"hidden_size": 72, "moe_ffn_hidden_size": 100}

@@ -25,7 +25,7 @@ import re
 import pytest
 import torch
 
-from gtp import cli
+from ckpt import cli
 from hf_checks import byte_bpe
 from resume_checks import assert_same_step, by_iteration
 

@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 
 from compose import make_cfg
 from hf_checks import assert_import_refused, byte_bpe, megatron_logits, pretrained_run
-from gtp import cli
+from ckpt import cli
 from multiproc import run_distributed
 from tolerance import LLAMA_TINY, assert_fp32_close
 
@@ -172,7 +172,7 @@ def test_import_then_export_is_bit_equal(hf, tmp_path, name):
 def test_refusals_name_the_field_or_tensor(hf, tmp_path):
     import shutil
 
-    from gtp import hf_import
+    from ckpt.hf import hf_import
 
     def refused(src: str, change: dict, match: str, out: str) -> None:
         assert_import_refused(hf, src, change, match, tmp_path, out)
@@ -223,7 +223,7 @@ def test_sizes_and_paths_are_checked_before_anything_is_read(hf, tmp_path):
     import os
     import shutil
 
-    from gtp import hf_import
+    from ckpt.hf import hf_import
 
     bad = tmp_path / "billion"
     shutil.copytree(hf / "llama", bad)
@@ -267,7 +267,7 @@ def test_sizes_and_paths_are_checked_before_anything_is_read(hf, tmp_path):
 
 
 def _cfg(hf_root: str, name: str, layout: list, out: str, cache: str) -> str:
-    from recipes import pretrained
+    from recipes.run import pretrained
 
     cfg = make_cfg(f"checkpoint.pretrained={hf_root}/{name}", f"parallelism.nproc_per_node={WORLD}",
                    "logger=none", "train.eval_iters=0", "optim.lr_warmup_iters=0", *layout)
@@ -297,7 +297,7 @@ def _world(cfgs: dict) -> dict:
 
     from multiproc import reset_model_parallel
     from recipes.data import build_iterators
-    from recipes.loop import train_step
+    from recipes.run.loop import train_step
 
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
     out = {}
@@ -386,7 +386,7 @@ def test_pretrained_fine_tune_with_zero_lr_exports_the_source(hf, tmp_path, trai
     tensors bit for bit (the fp32 main params were refreshed from the loaded weights, not left
     at the random init); the run starts at iteration 0 with the source's model fields, and the
     export of this byte-tokenizer run has eos_token_id 256."""
-    from recipes.metrics import read_metrics
+    from recipes.metrics.logger import read_metrics
 
     out = tmp_path / "job"
     proc = train_run(out, f"checkpoint.pretrained={hf / 'llama_bf16'}", "parallelism=tp2",
@@ -416,7 +416,7 @@ def test_a_fine_tune_at_the_default_lr_is_told_so_in_one_line():
     """``checkpoint.pretrained`` with ``optim.lr`` set neither on the command line nor by an
     experiment: one line naming the lr in use and how to set it (issue 58 item 6: a fine-tune
     silently took the tiny preset's 3e-3); none when set, or without pretrained."""
-    from recipes.pretrained import lr_note
+    from recipes.run.pretrained import lr_note
 
     src = "checkpoint.pretrained=/hf/qwen3"
     assert lr_note(make_cfg(src), overrides=[src]) == (
@@ -433,9 +433,9 @@ def test_a_fine_tune_at_the_default_lr_is_told_so_in_one_line():
 def test_pretrained_model_fields_and_refusals_before_launch(hf):
     """Fields come from the source unless given; a given field that contradicts the source's
     tensors, both load and pretrained, or another vocabulary are refused, each named."""
-    from recipes import pretrained
+    from recipes.run import pretrained
     from recipes.data.tokenizers import check_before_launch
-    from recipes.validate import ConfigError
+    from recipes.config.validate import ConfigError
 
     src = f"checkpoint.pretrained={hf / 'llama'}"
     cfg = make_cfg(src, "model.rotary_base=10000")
@@ -471,7 +471,7 @@ def test_pretrained_model_fields_and_refusals_before_launch(hf):
 def test_export_token_ids_of_a_byte_tokenizer_run():
     """The byte tokenizer's end of text (256) is the exported bos/eos/pad, also when the
     checkpoint records its vocabulary size (every checkpoint of gtp-recipes does)."""
-    from gtp import hf_export
+    from ckpt.hf import hf_export
 
     data = {"tokenizer": "byte", "eod_id": None}
     assert hf_export._vocab({"vocab_size": 257}, data) == (257, 256)

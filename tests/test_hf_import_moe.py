@@ -21,7 +21,7 @@ import shutil
 import pytest
 import torch
 
-from gtp import cli
+from ckpt import cli
 from hf_checks import assert_import_refused
 
 VOCAB = 257  # the byte tokenizer's, so the recipes' data pipeline feeds the fine-tune
@@ -86,7 +86,7 @@ def hf(tmp_path_factory):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_moe_import_then_export_is_bit_equal(hf, tmp_path, name):
-    from gtp import hf_import
+    from ckpt.hf import hf_import
 
     ckpt, out = tmp_path / "ckpt", tmp_path / "exported"
     assert cli.main(["import", str(hf / name), str(ckpt)]) == 0
@@ -142,8 +142,8 @@ def test_a_preset_that_contradicts_the_source_is_refused_naming_each_field(hf):
     some: refused before launch, each field named with both values."""
     from compose import make_cfg
 
-    from recipes import pretrained
-    from recipes.errors import ConfigError
+    from recipes.run import pretrained
+    from recipes.config.errors import ConfigError
 
     overrides = ["model=moe_tiny", "model.hidden_size=32", "model.ffn_hidden_size=64",
                  "model.moe_ffn_hidden_size=24", "model.num_attention_heads=4",
@@ -167,7 +167,7 @@ def test_a_preset_that_contradicts_the_source_is_refused_naming_each_field(hf):
 
 def test_an_expert_count_the_weights_contradict_is_named_as_the_file_names_it(hf, tmp_path):
     """transformers >= 5 writes a Qwen3-MoE's expert count as ``num_local_experts``."""
-    from gtp import hf_import
+    from ckpt.hf import hf_import
 
     bad = tmp_path / "qwen3_moe"
     shutil.copytree(hf / "qwen3_moe", bad)
@@ -200,7 +200,7 @@ def test_imported_moe_logits_equal_transformers(hf, tmp_path, data_cache):
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM
 
-    from recipes import pretrained
+    from recipes.run import pretrained
 
     cfgs = {}
     for name in NAMES:

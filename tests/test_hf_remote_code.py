@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from gtp import families, hf_import
+from ckpt import families
+from ckpt.hf import hf_import
 
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
          "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,

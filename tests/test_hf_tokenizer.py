@@ -13,7 +13,7 @@ from compose import make_cfg
 from resume_checks import assert_bit_for_bit
 
 from recipes.data import HFTokenizer, build_tokenizer, prepare_data
-from recipes.metrics import read_metrics
+from recipes.metrics.logger import read_metrics
 
 VOCAB = 400
 EOD = "<|endoftext|>"

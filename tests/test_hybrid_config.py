@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 from compose import make_cfg
 
-from gtp.families import ExportError, for_export
+from ckpt.families import ExportError, for_export
 from recipes.families import family_of, parameter_counts
-from recipes.parallel_dims import ParallelDims
-from recipes.validate import ConfigError, validate
+from recipes.config.parallel_dims import ParallelDims
+from recipes.config.validate import ConfigError, validate
 
 # Mamba layer: norm 48; conv1d (96 + 2 * 2 * 8 = 128 channels) weight 128 x 1 x 4 and bias 128;
 # dt_bias, A_log, D 6 each; in_proj (2 * 96 + 2 * 16 + 6 = 230) x 48; gated norm 96; out_proj
@@ -173,7 +173,7 @@ def test_a_pattern_without_mamba_layers_counts_and_exports_with_mamba_sizes_unse
     and the model's own layernorm_epsilon is NemotronH's (only the mixer fixes it at 1e-5)."""
     from transformers import NemotronHForCausalLM
 
-    from gtp.hf_export import build_state
+    from ckpt.hf.hf_export import build_state
 
     cfg = make_cfg("model=hybrid_tiny", "model.hybrid_layer_pattern=*-*-*-",
                    "model.mamba_head_dim=0", "model.layernorm_epsilon=1e-6")
@@ -189,7 +189,7 @@ def test_a_pattern_without_mamba_layers_counts_and_exports_with_mamba_sizes_unse
 def test_a_tensor_the_recorded_config_does_not_describe_is_refused_by_name():
     """A checkpoint of six layers whose recorded pattern has four: the export would silently
     drop layers 4 and 5; it refuses, naming them."""
-    from gtp.hf_export import build_state
+    from ckpt.hf.hf_export import build_state
 
     saved = make_cfg("model=hybrid_tiny", "model.hybrid_layer_pattern=*-*-*-").model
     m = {**dict(saved), "hybrid_layer_pattern": "*-*-", "num_layers": 4}

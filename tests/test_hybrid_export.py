@@ -8,7 +8,7 @@ transformers 5.25's cache fails on it). Every weight is set from a full random t
 its global name (cut to the rank as megatron shards it: tests/helpers/layout_goldens.py), so
 each norm, ``A_log``, ``D`` and ``dt_bias`` differs from every other and a weight mapped to the
 wrong place changes the logits. The model computes the logits of a fixed batch (gathered over
-TP) and saves through ``recipes.checkpoint``; the test exports each checkpoint and runs the
+TP) and saves through ``ckpt.io``; the test exports each checkpoint and runs the
 batch through transformers. Both sides are fp32; the bound is the GPT export's (1e-4).
 
 The tp2 x g2/a16 model is also saved in megatron-core 0.19.2's stock format, model only, by
@@ -26,7 +26,7 @@ import zlib
 import pytest
 import torch
 
-from gtp import cli
+from ckpt import cli
 from hf_checks import megatron_logits
 from layout_goldens import build, full_shape, global_names, local, make_cfg
 from multiproc import run_distributed
@@ -64,9 +64,9 @@ def _save_stock_model(root: str, model, common: dict, record: dict) -> None:
 
     from megatron.core import dist_checkpointing
 
-    from gtp import logical_format
-    from gtp.records import stored_layout
-    from recipes.checkpoint.state import model_sharded_state_dict
+    from ckpt.format import logical_format
+    from ckpt.format.records import stored_layout
+    from ckpt.io.state import model_sharded_state_dict
 
     logical_format.configure("stock")
     try:
@@ -90,7 +90,7 @@ def _world(root: str, cfgs: dict) -> dict:
     from megatron.core import parallel_state
     from omegaconf import OmegaConf
 
-    from recipes import checkpoint
+    from ckpt import io as checkpoint
 
     tokens = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(7))
     out = {}
@@ -117,7 +117,7 @@ def world(tmp_path_factory):
 
 
 def test_the_stock_format_reads_as_the_logical_one_every_tensor_exactly(world):
-    from gtp import stock
+    from ckpt import stock
 
     root, _ = world
     analysis, got = stock.read_logical(root / f"{STOCK_OF}_stock")

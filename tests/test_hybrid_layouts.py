@@ -3,10 +3,10 @@ across layouts, through the recipe's own model, optimizer and checkpoint code: e
 Adam moment exact, padding rows included.
 
 One 4-process gloo world hosts every layout in turn. Each builds the model through
-``recipes.worker.setup``, sets every weight, fp32 main param and Adam moment to a golden built
+``recipes.run.worker.setup``, sets every weight, fp32 main param and Adam moment to a golden built
 by hand (tests/helpers/layout_goldens.py: each parameter's full tensor holds
 ``k*1024 + row + (index in row)/256``, cut to a rank by slicing, Mamba's packed ``in_proj`` and
-``conv1d`` component by component), saves through ``recipes.checkpoint``, then loads every
+``conv1d`` component by component), saves through ``ckpt.io``, then loads every
 checkpoint into each layout pre-filled with a sentinel and compares exactly.
 
 Where the GTP shards fall (``in_proj`` 230 rows, ``z96 | x96 | B16 | C16 | dt6``, 115 a TP rank):
@@ -18,7 +18,7 @@ numbers in the checkpoint).
 
 In bf16 (bf16 weights, fp32 main params): the plain and the distributed optimizer read each
 other's files, ``conv1d``'s and ``in_proj``'s main params stored as their components
-(``recipes.optim_checkpoint.prepare_one``).
+(``ckpt.adapt.optim_checkpoint.prepare_one``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
-"""The import graph: ``mcore_compat/`` at the bottom, ``gtp/`` above it, ``recipes/`` on top.
+"""The import graph: ``mcore_compat/`` at the bottom, then ``gtp/`` (the GTP runtime), then
+``ckpt/`` (the checkpoint), ``recipes/`` on top.
 
-No arrow runs back up: ``mcore_compat`` imports neither ``gtp`` nor ``recipes``, and ``gtp``
-never imports ``recipes`` (read from the source of every module, and checked by importing
-each package in a fresh interpreter)."""
+No arrow runs back up: ``mcore_compat`` imports none of the others, ``gtp`` neither ``ckpt`` nor
+``recipes``, and ``ckpt`` never ``recipes`` (read from the source of every module, and checked
+by importing each package in a fresh interpreter); nor does a plug-in registration
+(``pyproject.toml``'s entry points), which the imports would not show. The one exception is an
+entry point's module, ``python -m gtp``'s ``gtp/__main__.py``, which no module imports."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import ast
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -17,17 +21,25 @@ import pytest
 from import_graph import ImportGraph
 
 ROOT = Path(__file__).resolve().parents[1]
-FORBIDDEN = {"mcore_compat": ("gtp", "recipes"), "gtp": ("recipes",)}
+FORBIDDEN = {"mcore_compat": ("gtp", "ckpt", "recipes"), "gtp": ("ckpt", "recipes"),
+             "ckpt": ("recipes",)}
+# ``python -m gtp`` (the checkpoint command line, ckpt/cli.py, with recipes' model families): an
+# entry point that no module imports, so it may import above its package.
+ENTRY_SHIMS = {"gtp.__main__"}
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_no_module_imports_a_package_above_it(package):
     imports = {mod: imps for mod, imps in ImportGraph(ROOT).imports.items()
-               if mod.split(".")[0] == package}
+               if mod.split(".")[0] == package and mod not in ENTRY_SHIMS}
     assert imports, package
     bad = {mod: sorted({i.target.split(".")[0] for i in imps} & set(FORBIDDEN[package]))
            for mod, imps in imports.items()}
     assert {k: v for k, v in bad.items() if v} == {}
+
+
+# Below recipes/, nothing needs the run's config library: ckpt/ and gtp/ are usable without it.
+WITHOUT_HYDRA = ("hydra", "omegaconf")
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
@@ -38,18 +50,59 @@ def test_importing_a_package_loads_nothing_above_it(package):
         "import importlib, json, sys\n"
         f"for m in {modules!r}: importlib.import_module(m)\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
-        f"{list(FORBIDDEN[package])!r})))\n"
+        f"{[*FORBIDDEN[package], *WITHOUT_HYDRA]!r})))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
+def test_no_module_imports_an_entry_shim():
+    graph = project_import_graph()
+    assert {mod for mod, targets in graph.items() if targets & ENTRY_SHIMS} == set()
+    assert all(mod in graph for mod in ENTRY_SHIMS)
+
+
+def upward_entry_points(pyproject: Path) -> list[str]:
+    """The entry points of ``pyproject`` that point from a package into one above it: a group
+    named after a project package (``gtp.model_families``: what ``gtp`` looks up) whose entry
+    names a module of a package that may not be imported from there (:data:`FORBIDDEN`)."""
+    project = tomllib.loads(pyproject.read_text()).get("project", {})
+    groups = dict(project.get("entry-points", {}))
+    bad = []
+    for group, entries in sorted(groups.items()):
+        owner = group.split(".")[0]
+        for name, value in sorted(entries.items()):
+            if value.split(":")[0].split(".")[0] in FORBIDDEN.get(owner, ()):
+                bad.append(f"{group}: {name} = {value}")
+    return bad
+
+
+def test_no_entry_point_runs_from_a_package_into_one_above_it():
+    """A plug-in registration is an import the source does not show: none may run upward (the
+    model families and the run-config vocab are passed down as values, ckpt.families.install),
+    and no module of a lower package looks entry points up at all."""
+    assert upward_entry_points(ROOT / "pyproject.toml") == []
+    lookups = [f"{path.relative_to(ROOT)}" for package in FORBIDDEN if package != "recipes"
+               for path in sorted((ROOT / package).rglob("*.py"))
+               if "entry_points(" in path.read_text()]
+    assert lookups == []
+
+
+def test_the_entry_point_rule_finds_an_upward_registration(tmp_path):
+    (tmp_path / "pyproject.toml").write_text(
+        '[project]\nname = "x"\n[project.scripts]\nrun = "recipes.run.launch:main"\n'
+        '[project.entry-points."gtp.model_families"]\ngpt = "recipes.families.gpt.formats:F"\n'
+        '[project.entry-points."ckpt.readers"]\nok = "gtp.layout:f"\n')
+    assert upward_entry_points(tmp_path / "pyproject.toml") == [
+        "gtp.model_families: gpt = recipes.families.gpt.formats:F"]
+
+
 def test_no_module_imports_another_modules_private_name():
     """A leading underscore means private to the defining module: no ``from x import _name``
-    between the modules of gtp/, recipes/ and mcore_compat/."""
+    between the modules of gtp/, ckpt/, recipes/ and mcore_compat/."""
     found = []
-    for package in ("mcore_compat", "gtp", "recipes"):
+    for package in ("mcore_compat", "gtp", "ckpt", "recipes"):
         for path in sorted((ROOT / package).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
                 if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
@@ -98,11 +151,11 @@ def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_circle_between_project_modules():
-    """No two modules of mcore_compat/, gtp/ or recipes/ import each other, directly or through
+    """No two modules of mcore_compat/, gtp/, ckpt/ or recipes/ import each other, directly or through
     others, counting imports inside functions (Python resolves those late, so it never reports
     the circle, but the modules still cannot be understood or moved one without the other)."""
     graph = project_import_graph()
-    assert len(graph) > 80 and graph["gtp.hf_export"], len(graph)
+    assert len(graph) > 80 and graph["ckpt.hf.hf_export"], len(graph)
     circles = import_circles(graph)
     where = {tuple(c): {m: sorted(graph[m] & set(c)) for m in c} for c in circles}
     assert circles == [], where
@@ -123,7 +176,7 @@ def test_the_circle_check_finds_a_circle_made_by_a_function_local_import(tmp_pat
 
 
 # Packages beside a run, and the only modules outside them that may import them.
-BESIDE_THE_RUN = {"recipes.report": set(), "recipes.dry_run": {"recipes.launch"}}
+BESIDE_THE_RUN = {"recipes.report": set(), "recipes.dry_run": {"recipes.run.launch"}}
 
 
 def test_the_sweep_report_and_the_dry_run_stay_out_of_the_run():
@@ -170,9 +223,9 @@ def test_the_start_up_rule_finds_needless_local_imports(tmp_path):
 
 
 def test_no_module_is_over_500_lines():
-    """No module of mcore_compat/, gtp/ or recipes/ is over 500 lines: a longer one is split by
-    what its parts do."""
-    long = {str(p.relative_to(ROOT)): n for package in ("mcore_compat", "gtp", "recipes")
+    """No module of mcore_compat/, gtp/, ckpt/ or recipes/ is over 500 lines: a longer one is
+    split by what its parts do."""
+    long = {str(p.relative_to(ROOT)): n for package in ("mcore_compat", "gtp", "ckpt", "recipes")
             for p in sorted((ROOT / package).rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > 500}
     assert long == {}
@@ -181,9 +234,9 @@ def test_no_module_is_over_500_lines():
 def test_the_launchers_modules_import_neither_torch_nor_megatron():
     """What ``train.py`` imports before its pre-launch checks loads neither torch nor
     megatron-core (about 5 s of a refused run's 7): a config refusal answers in about 2 s."""
-    launcher = ["recipes.launch", "recipes.checkpoint.policy", "recipes.checkpoint.auto",
-                "recipes.prelaunch", "recipes.pretrained", "recipes.data.tokenizers",
-                "recipes.console", "recipes.rank_env", "recipes.refusal"]
+    launcher = ["recipes.run.launch", "recipes.checkpoint.policy", "recipes.checkpoint.auto",
+                "recipes.config.prelaunch", "recipes.run.pretrained", "recipes.data.tokenizers",
+                "recipes.metrics.console", "recipes.run.rank_env", "recipes.config.refusal"]
     code = (
         "import importlib, json, sys\n"
         f"for m in {launcher!r}: importlib.import_module(m)\n"

@@ -1,4 +1,4 @@
-"""The job dir a run claims (``recipes.launch.settle_job_dir``): runs started in the same second
+"""The job dir a run claims (``recipes.run.launch.settle_job_dir``): runs started in the same second
 on the default ``outputs/<date>/<time>`` each get a dir of their own (``-1``, ``-2``, ...); an
 explicit dir held by a live run is refused."""
 
@@ -22,9 +22,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict, read_write
 
-from recipes import launch, lease
-from recipes.config import register_configs
-from recipes.validate import ConfigError
+from recipes.run import launch
+from ckpt.io import lease
+from recipes.config.schema import register_configs
+from recipes.config.validate import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -101,8 +101,8 @@ def test_another_tokenizer_is_refused_before_launch(vocab_runs):
     pre-launch validation (what train.py runs before starting workers) refuses it."""
     from compose import make_cfg
 
-    from recipes.checkpoint import CheckpointError
-    from recipes.validate import validate
+    from ckpt.io import CheckpointError
+    from recipes.config.validate import validate
 
     cfg = make_cfg("data=indexed", "data.paths=[unused]", "data.vocab_size=300",
                    "data.eod_id=299", f"checkpoint.load={vocab_runs['a_checkpoints']}")

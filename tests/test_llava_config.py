@@ -16,11 +16,11 @@ import pytest
 import torch
 from compose import make_cfg
 
-from gtp.families import ExportError, for_export
+from ckpt.families import ExportError, for_export
 from gtp.layout import gtp_padding
 from recipes.families import family_of, gtp_weight_dims, parameter_counts, parameter_shapes
-from recipes.shapes import local_shape
-from recipes.validate import ConfigError, validate
+from recipes.model.shapes import local_shape
+from recipes.config.validate import ConfigError, validate
 
 LLAVA = ("model=llava_tiny", "data=shapes")
 VOCAB = 320
@@ -202,12 +202,12 @@ def test_an_image_shows_the_shape_its_caption_names():
 
 
 def test_the_stock_reader_gets_each_sub_models_dims_from_the_run_config():
-    """``gtp.stock``'s dims per key prefix (the LLaVA family's ``sub_model_dims``), by hand from
+    """``ckpt.stock``'s dims per key prefix (the LLaVA family's ``sub_model_dims``), by hand from
     conf/model/llava_tiny.yaml: the Llama-style language model, the CLIP ViT (every head its
     own key/value, GeLU), the projector 72 -> 128 -> 64 (GeLU)."""
     from omegaconf import OmegaConf
 
-    from gtp.families import sub_model_dims
+    from ckpt.families import sub_model_dims
 
     m = OmegaConf.to_container(make_cfg(*LLAVA).model)
     keys = ["language_model.output_layer.weight", "vision_model.conv1.weight",
@@ -226,7 +226,7 @@ def test_the_stock_reader_gets_each_sub_models_dims_from_the_run_config():
 def test_a_text_length_too_short_for_a_caption_is_refused_before_launch():
     """The longest caption, "small magenta triangle", is 22 byte tokens: with the image token,
     the prompt and eod a sample needs 25 text positions (the workers raised it, once a rank)."""
-    from recipes.prelaunch import check_tokenizer
+    from recipes.config.prelaunch import check_tokenizer
 
     with pytest.raises(ConfigError, match=r"^model.seq_length=24 holds no whole caption: .* up "
                                           r"to 22 caption tokens and eod need "
@@ -255,8 +255,8 @@ def test_a_resume_into_another_model_kind_or_vision_shape_names_the_field(saved_
 
     from omegaconf import OmegaConf
 
-    from recipes.checkpoint import CheckpointError
-    from recipes.prelaunch import check_model_shape
+    from ckpt.io import CheckpointError
+    from recipes.config.prelaunch import check_model_shape
 
     saved = OmegaConf.to_container(make_cfg(*saved_model).model, resolve=True)
     cfg = make_cfg(*resumed, "checkpoint.load=/tmp/unused")
@@ -273,8 +273,8 @@ def test_a_text_checkpoint_recorded_before_the_vision_fields_is_a_text_model():
 
     from omegaconf import OmegaConf
 
-    from recipes.checkpoint import CheckpointError
-    from recipes.prelaunch import check_model_shape
+    from ckpt.io import CheckpointError
+    from recipes.config.prelaunch import check_model_shape
 
     saved = OmegaConf.to_container(make_cfg("model=llama_tiny").model, resolve=True)
     saved = {k: v for k, v in saved.items() if not k.startswith(("vision_", "img_", "patch_"))}

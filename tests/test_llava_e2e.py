@@ -87,7 +87,7 @@ def test_tp2_gtp2_run_resumes_at_tp1_dp2_without_gtp(runs):
 
 
 def test_gtp_export_refuses_the_llava_checkpoint_naming_why(runs, tmp_path):
-    from gtp.cli import main
+    from ckpt.cli import main
 
     root, _ = runs
     err = io.StringIO()

@@ -1,6 +1,6 @@
 """A LLaVA model (tests/helpers/llava.py) saved in megatron-core 0.19.2's own stock format
 (padded GTP weights, with the common state a run records but no ``gtp_layout`` record) reads
-exactly through ``gtp.stock``: at g2/a16 (the ViT's fc1 pads 24 rows), g4/a32 (the last GTP
+exactly through ``ckpt.stock``: at g2/a16 (the ViT's fc1 pads 24 rows), g4/a32 (the last GTP
 shard of the ViT's linear_proj / linear_fc2 and the projector's linear_fc2 is all padding) and
 tp1 without GTP, every weight and Adam moment equals its logical golden; written without GTP it
 loads exactly into the padded g4/a32 layout, and written at g2/a16 it loads (converted) at
@@ -61,7 +61,7 @@ def goldens(logical_shapes: dict) -> dict:
     """``{stored key: golden}`` for every model key and its Adam moments."""
     import torch
 
-    from gtp.stock import split_key
+    from ckpt.stock import split_key
 
     model = {k: s for k, s in logical_shapes.items() if not split_key(k)[0]}
     names = {k: param_names(k, s[0]) for k, s in model.items()}
@@ -79,7 +79,7 @@ def goldens(logical_shapes: dict) -> dict:
 
 
 def test_every_stock_layout_reads_the_logical_weights_and_moments(saved):
-    from gtp import stock
+    from ckpt import stock
 
     root, _ = saved
     tp1 = stock.analyze(root / "tp1")
@@ -109,7 +109,7 @@ def test_stock_checkpoints_load_exactly_into_padded_gtp_layouts(saved):
 
 
 def test_inspect_describes_the_stock_llava_checkpoint(saved):
-    from gtp.cli import main
+    from ckpt.cli import main
 
     root, _ = saved
     out = io.StringIO()
@@ -126,7 +126,7 @@ def test_dims_the_record_lacks_come_from_each_sub_models_tensors(saved):
     recorded model config are read from each sub-model's own tensors (biases, in_features; the
     projector's width from its linear_fc2 bias), not from another's; the rows read are the
     same. Model dims given by the caller are refused: they name no sub-model."""
-    from gtp import stock
+    from ckpt import stock
 
     root, _ = saved
     path = stock.resolve_iter_dir(root / "g4a32")
@@ -149,7 +149,7 @@ def test_without_a_recorded_model_config_the_refusal_does_not_ask_for_dims(saved
     """No recorded run config at all: the language model's ffn width and SwiGLU are implied by
     no tensor, so the read is refused; the message says a model of sub-models takes no dims
     from the caller (the generic hint asked for ffn_hidden_size=.., which is then refused)."""
-    from gtp import stock
+    from ckpt import stock
 
     root, _ = saved
     path = stock.resolve_iter_dir(root / "g4a32")

@@ -1,7 +1,7 @@
 """End to end (tests/helpers/inworld.py): ``model=llava_tiny`` trained at tp2 x g2/a16 with
 ``checkpoint.format=stock`` (megatron-core 0.19.2's padded writer, the project's ``gtp_layout``
 record tagged ``stock-0.19.2``), resumed from iteration 2 in the logical format at tp2 x g2/a32,
-another padding: the load converts the stock checkpoint (``gtp.stock.prepare_load``, each
+another padding: the load converts the stock checkpoint (``ckpt.stock.prepare_load``, each
 sub-model read with its own dims) and iterations 3..5 give the original run's ``lm loss`` and
 ``grad-norm`` up to the order of fp32 reductions. ``gtp inspect`` describes the stock file.
 megatron's own stock LLaVA checkpoints, every weight and moment: tests/test_llava_stock.py.
@@ -44,7 +44,7 @@ def test_a_stock_llava_checkpoint_resumes_at_another_padding(runs):
 
 
 def test_inspect_describes_the_runs_stock_checkpoint(runs):
-    from gtp.cli import main
+    from ckpt.cli import main
 
     out = io.StringIO()
     assert main(["inspect", str(runs / "stock" / "checkpoints" / "iter_0000002")], out=out) == 0

@@ -1,6 +1,6 @@
 """megatron-core's ``MambaMixer`` on CPU under TP x GTP: the torch kernels
 (``mcore_compat.mamba_cpu``) and the logical checkpoint of the packed ``in_proj``
-(``gtp.mamba_format``), every weight and Adam moment across layouts.
+(``ckpt.format.mamba_format``), every weight and Adam moment across layouts.
 
 One 4-process gloo world hosts every layout in turn (tests/helpers/module_layouts.py; the
 mixer, its dims and where the GTP shards fall: tests/helpers/mamba_mixer.py). Goldens are
@@ -55,7 +55,7 @@ def test_every_weight_and_moment_loads_exactly_at_every_layout():
 
 def _stock_model_file(root: str):
     """The stock format at g2/a16 (megatron's own gather of in_proj, run without grad by
-    gtp.mamba_format): the model file saves, and a tp1 mixer without GTP loads it exactly."""
+    ckpt.format.mamba_format): the model file saves, and a tp1 mixer without GTP loads it exactly."""
     from megatron.core import dist_checkpointing
 
     module_layouts.setup(BUILDER, 1, 2, 16, "stock")

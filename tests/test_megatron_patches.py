@@ -16,18 +16,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("mcore_compat", "gtp", "recipes")
+PACKAGES = ("mcore_compat", "gtp", "ckpt", "recipes")
 # The patches installed today, "module.function" (a new one is added here when it is written).
 EXPECTED = {
     "gtp.backend.install",
-    "gtp.logical_format.install",
+    "ckpt.format.logical_format.install",
     "gtp.grad_stats.install",
     "mcore_compat.cpu.install",
     "mcore_compat.cpu.redirect_torch",
     "mcore_compat.dist_checkpointing.set_write_results_queue",
     "mcore_compat.dist_checkpointing.keep_write_errors",
     "mcore_compat.distrib_optimizer.install",
-    "recipes.faults.while_writing",
+    "ckpt.io.faults.while_writing",
     "mcore_compat.moe_cpu.install",
     "gtp.expert_grads.tag_expert_params",
     "gtp.expert_grads.scale_expert_gradients",
@@ -35,12 +35,12 @@ EXPECTED = {
     "gtp.muon.uninstall",
     "recipes.families.moe.model.experts_leave_rng_alone",
     "recipes.families.gpt.model.mtp_embedding_copy_draws_nothing",
-    "gtp.safe_objects.install",
+    "ckpt.format.safe_objects.install",
     "gtp.tied_output.install",
     "mcore_compat.lazy_compile.install",
     "mcore_compat.mamba_cpu.install",
     "mcore_compat.mamba_cpu.hybrid_stack_without_te",
-    "gtp.mamba_format.install",
+    "ckpt.format.mamba_format.install",
     "mcore_compat.vision_cpu.install",
 }
 

@@ -53,8 +53,8 @@ def test_every_family_folder_is_registered_once():
 
 # Files outside the family folders that name megatron's linear layers, and why.
 LINEAR_NAMES_ALLOWED = {
-    "recipes/shapes.py": "ParamShape's docstring example and qkv_rows, the attention width math",
-    "recipes/validate.py": "a docstring example of the short name of a GTP weight",
+    "recipes/model/shapes.py": "ParamShape's docstring example and qkv_rows, the attention width math",
+    "recipes/config/validate.py": "a docstring example of the short name of a GTP weight",
 }
 
 
@@ -69,7 +69,7 @@ def test_the_moe_family_extends_the_gpt_family_config_fields():
     """The MoE family's TransformerConfig fields are the GPT family's plus the MoE ones."""
     from recipes.families.gpt.model import transformer_config_fields as dense
     from recipes.families.moe.model import transformer_config_fields as moe
-    from recipes.validate import validate
+    from recipes.config.validate import validate
 
     cfg = make_cfg("model=moe_tiny")
     dims = validate(cfg, 2)
@@ -84,11 +84,11 @@ TINY_PRESETS = [p for p in PRESETS if p.endswith("tiny") and p not in MOE_PRESET
 
 def _build_each(cfg_yamls: dict) -> dict:
     """On every rank of the world: ``{preset: differences between the built model's
-    parameters on this rank and the family's table}`` (recipes.shapes.local_shape)."""
+    parameters on this rank and the family's table}`` (recipes.model.shapes.local_shape)."""
     from layout_goldens import build
 
     from recipes.families import parameter_shapes
-    from recipes.shapes import local_shape, padded_vocab_size
+    from recipes.model.shapes import local_shape, padded_vocab_size
 
     out = {}
     for name, cfg_yaml in cfg_yamls.items():

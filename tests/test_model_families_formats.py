@@ -1,6 +1,6 @@
-"""The model families' formats as ``gtp/`` finds them: through the entry-point group
-``gtp.model_families`` (``gtp/families.py``), each family's Hugging Face mappings and
-stock-format names in its own folder (``recipes/families/<name>/formats.py``), none in ``gtp/``."""
+"""The model families' formats as ``ckpt/`` finds them: given to it by ``recipes.families``
+(``ckpt/families.py``'s ``install``), each family's Hugging Face mappings and stock-format names in
+its own folder (``recipes/families/<name>/formats.py``), none in ``gtp/`` or ``ckpt/``."""
 
 from __future__ import annotations
 
@@ -18,32 +18,52 @@ FAMILY_NAMES = re.compile(
     r"\b(linear_qkv|linear_proj|linear_fc1|linear_fc2|word_embeddings|output_layer|"
     r"final_layernorm|q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|c_attn|c_fc|"
     r"embed_tokens|wte|wpe)\b")
-# The gtp/ modules that still name megatron parameters, each for a reason of its own, not a
+# The gtp/ and ckpt/ modules that still name megatron parameters, each for a reason of its own, not a
 # family's mapping.
 ALLOWED = {
     # Muon's q/k/v split of megatron's fused linear_qkv (the same layout in every family).
     "gtp/muon.py",
     # The gated fc1 of megatron's MLP module, recorded for the logical format.
-    "gtp/gtp_layout_record.py",
+    "ckpt/format/gtp_layout_record.py",
     # The output_layer gradient group of the per-layer grad stats.
     "gtp/grad_stats.py",
     # A tensor name in a docstring's example of a verify failure.
-    "gtp/verify.py",
+    "ckpt/verify.py",
+    # The keys of megatron's vocab-row tensors, whose padded rows a checkpoint adapts.
+    "ckpt/adapt/vocab.py",
     # The stock reader's dims, read off megatron's unsharded tensors (qkv / fc1 biases, the
     # final norm) and the layout key qkv_rows described by linear_qkv.
-    "gtp/stock/specs.py",
+    "ckpt/stock/specs.py",
 }
 
 
 def test_the_registry_lists_the_gpt_hybrid_llava_and_moe_families():
-    from gtp.families import FamilyFormats, families
+    from ckpt.families import FamilyFormats, families
 
     assert [f.name for f in families()] == ["gpt", "hybrid", "llava", "moe"]
     assert all(isinstance(f, FamilyFormats) for f in families())
 
 
+def test_install_refuses_what_is_not_a_familys_formats_and_replaces_what_was_given():
+    from ckpt import families as registry
+    from recipes.families.formats import FORMATS, padded_vocab_of_config
+
+    with pytest.raises(TypeError, match="'gpt' is a str, not a ckpt.families.FamilyFormats"):
+        registry.install(["gpt"])
+    try:
+        registry.install(())
+        with pytest.raises(RuntimeError, match="no model families were given to ckpt/"):
+            registry.importable()
+        registry.install(FORMATS[:1])
+        assert [f.name for f in registry.families()] == ["gpt"]
+        assert registry.run_config_vocab() is None
+    finally:
+        registry.install(FORMATS, run_config_vocab=padded_vocab_of_config)
+    assert [f.name for f in registry.families()] == ["gpt", "hybrid", "llava", "moe"]
+
+
 def test_each_importable_model_type_is_one_familys():
-    from gtp.families import families, for_model_type, importable
+    from ckpt.families import families, for_model_type, importable
 
     owners: dict[str, list[str]] = {}
     for f in families():
@@ -59,8 +79,8 @@ def test_each_importable_model_type_is_one_familys():
 
 @pytest.mark.parametrize("model_type", ["phi3", "qwen2_moe"])  # qwen2_moe: shared experts
 def test_a_refused_model_type_names_the_registrys_importable_types(model_type):
-    from gtp.families import for_model_type, importable
-    from gtp.hf_weights import HFImportError
+    from ckpt.families import for_model_type, importable
+    from ckpt.hf.hf_weights import HFImportError
 
     with pytest.raises(HFImportError) as err:
         for_model_type(model_type)
@@ -69,7 +89,7 @@ def test_a_refused_model_type_names_the_registrys_importable_types(model_type):
 
 
 def test_each_model_is_exported_by_its_family():
-    from gtp.families import for_export
+    from ckpt.families import for_export
 
     llama = {"normalization": "RMSNorm", "add_bias_linear": False,
              "position_embedding_type": "rope", "swiglu": True, "num_attention_heads": 4}
@@ -81,8 +101,8 @@ def test_each_model_is_exported_by_its_family():
 
 
 def test_the_stock_reader_classifies_keys_by_the_families_patterns():
-    from gtp.families import gtp_patterns
-    from gtp.stock.specs import gtp_kind, is_plain
+    from ckpt.families import gtp_patterns
+    from ckpt.stock.specs import gtp_kind, is_plain
     from recipes.families.gpt.formats import GTP_PATTERNS
     from recipes.families.hybrid import formats as hybrid
 
@@ -100,7 +120,7 @@ def test_the_stock_reader_classifies_keys_by_the_families_patterns():
 def test_a_mamba_only_model_file_tells_the_stock_reader_its_hidden_size():
     """Without a layout record the reader needs hidden_size for out_proj's logical rows; in a
     model of Mamba layers only no attention or MLP weight gives it, the final norm does."""
-    from gtp.stock.specs import infer_dims
+    from ckpt.stock.specs import infer_dims
 
     layer = "decoder.layers.0.mixer."
     shapes = {"embedding.word_embeddings.weight": (320, 48), layer + "out_proj.weight": (64, 96),
@@ -110,6 +130,7 @@ def test_a_mamba_only_model_file_tells_the_stock_reader_its_hidden_size():
 
 
 def test_gtp_names_no_familys_tensors_outside_the_allowed_modules():
-    mentioning = {str(p.relative_to(ROOT)) for p in sorted((ROOT / "gtp").rglob("*.py"))
+    mentioning = {str(p.relative_to(ROOT)) for package in ("gtp", "ckpt")
+                  for p in sorted((ROOT / package).rglob("*.py"))
                   if FAMILY_NAMES.search(p.read_text())}
     assert mentioning == ALLOWED

@@ -7,8 +7,8 @@ import pytest
 import torch
 from compose import make_cfg
 
-from gtp.records import LAYOUT_KEY, saved_layout, stored_layout
-from recipes.validate import validate
+from ckpt.format.records import LAYOUT_KEY, saved_layout, stored_layout
+from recipes.config.validate import validate
 
 # The keys part 1 of the MoE work added to every layout record.
 NEW_KEYS = ("sequence_parallel", "expert_model_parallel_size", "expert_tensor_parallel_size",
@@ -17,7 +17,7 @@ NEW_KEYS = ("sequence_parallel", "expert_model_parallel_size", "expert_tensor_pa
 
 @pytest.mark.parametrize("overrides", [("parallelism=tp2",), ("parallelism=tp1",)])
 def test_a_record_from_before_the_expert_keys_is_the_same_layout(overrides):
-    from recipes.checkpoint import layout_record
+    from ckpt.io import layout_record
 
     now = layout_record(validate(make_cfg(*overrides), 2))
     old = {k: v for k, v in stored_layout(now).items() if k not in NEW_KEYS}
@@ -29,7 +29,7 @@ def test_a_record_from_before_the_expert_keys_is_the_same_layout(overrides):
 
 
 def test_a_record_with_the_expert_keys_keeps_them():
-    from recipes.checkpoint import layout_record
+    from ckpt.io import layout_record
 
     now = layout_record(validate(make_cfg("model=moe_tiny", "parallelism=tp2",
                                           "parallelism.sequence_parallel=true",
@@ -126,7 +126,7 @@ def test_expert_weights_and_moments_are_stored_in_the_logical_layout(moe_runs):
 # Hugging Face export (recipes/families/moe/formats.py). A's iteration-9 checkpoint (ep2 x
 # egtp2/a16, 4 processes, through train.py) -> MixtralForCausalLM; a moe_tiny with qk_layernorm
 # saved at tp1 -> Qwen3MoeForCausalLM. megatron's logits come from one process at tp1/ep1 without GTP that
-# loads the checkpoint (recipes.checkpoint.load_model_weights), not from the exported files.
+# loads the checkpoint (ckpt.io.load_model_weights), not from the exported files.
 # --------------------------------------------------------------------------------------------
 VOCAB = 257  # the byte tokenizer; moe_tiny pads it to 320 rows
 EXPORT_ATOL = 1e-4  # fp32; the issue's bound
@@ -148,8 +148,9 @@ def _megatron_logits(jobs: list, tokens):
     from multiproc import reset_model_parallel
     from omegaconf import OmegaConf
 
-    from recipes import checkpoint, worker
-    from recipes.checkpoint.load import load_model_weights
+    from ckpt import io as checkpoint
+    from recipes.run import worker
+    from ckpt.io.load import load_model_weights
 
     out = []
     positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
@@ -180,7 +181,7 @@ def exported(moe_runs, tmp_path_factory):
     """``{name: (hf dir, megatron logits)}`` for ``mixtral`` (A's iteration 9) and ``qwen3_moe``."""
     from multiproc import run_distributed
 
-    from gtp import cli
+    from ckpt import cli
 
     root = tmp_path_factory.mktemp("moe_export")
     tokens = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(TOKENS_SEED))

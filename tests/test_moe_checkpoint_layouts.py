@@ -21,8 +21,8 @@ each): moe_tiny (4 SwiGLU experts of width 100, hidden 72, 2 layers, Adam) at
 * with one multi-token prediction layer (``model.mtp_num_layers=1``, an MoE layer): ep1,
   pp2 x ep2 with the distributed optimizer in bf16, and ep2 x expert GTP 2.
 
-Each layout builds the model through ``recipes.worker.setup``, sets every weight, fp32 main
-param and Adam moment to a golden and saves through ``recipes.checkpoint``; then each layout
+Each layout builds the model through ``recipes.run.worker.setup``, sets every weight, fp32 main
+param and Adam moment to a golden and saves through ``ckpt.io``; then each layout
 loads the saves of three others (:data:`PAIRS`) into a model and optimizer pre-filled with a
 sentinel and compares with ``torch.equal``.
 
@@ -50,7 +50,7 @@ from multiproc import reset_model_parallel, run_distributed
 from optimizer_entries import main_param_entries as _entries
 from omegaconf import OmegaConf
 
-from recipes.config import register_configs
+from recipes.config.schema import register_configs
 
 pytestmark = pytest.mark.multiprocess
 
@@ -125,7 +125,7 @@ def make_cfg(*overrides: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Worker-side helpers (independent of gtp/logical_format.py and recipes/checkpoint/).
+# Worker-side helpers (independent of ckpt/format/logical_format.py and ckpt/io/).
 # --------------------------------------------------------------------------------------------
 def _is_expert(name: str) -> bool:
     return ".local_experts." in name
@@ -138,7 +138,7 @@ def _params(model, cfg) -> list:
     from megatron.core import parallel_state as ps
     from megatron.core.utils import unwrap_model
 
-    from recipes.model import model_chunks
+    from recipes.model.build import model_chunks
 
     chunks = model_chunks(model)
     assert len(chunks) == 1, len(chunks)
@@ -333,7 +333,7 @@ def _check(model, optimizer, cfg) -> tuple:
 def _matrix_worker(root: str, cfgs: dict, pairs: list) -> dict:
     from pathlib import Path
 
-    from recipes import checkpoint
+    from ckpt import io as checkpoint
 
     out = {"loads": {}, "padded": {}, "kinds": {}, "shared_steps": {}}
     for name, cfg_yaml in cfgs.items():
@@ -343,7 +343,7 @@ def _matrix_worker(root: str, cfgs: dict, pairs: list) -> dict:
         out["kinds"][name] = sorted(type(o).__name__ for o in
                                     getattr(opt, "chained_optimizers", [opt]))
         _fill(model, opt, cfg, sentinel=False)
-        # The run config, as recipes.worker saves it: its precision tells a bf16 save.
+        # The run config, as recipes.run.worker saves it: its precision tells a bf16 save.
         checkpoint.save_checkpoint(Path(root) / name, 1, model, opt, sched,
                                    {"consumed_samples": 0,
                                     "config": OmegaConf.to_container(cfg, resolve=True)}, record)

@@ -9,7 +9,7 @@ import torch
 from compose import make_cfg
 
 from recipes.families import parameter_counts, parameter_shapes
-from recipes.validate import ConfigError, validate
+from recipes.config.validate import ConfigError, validate
 
 
 def _hf_counts(config) -> tuple[int, int]:
@@ -71,7 +71,7 @@ def test_moe_tiny_shapes():
 
 
 def test_dry_run_prints_active_parameters_and_expert_bytes(capsys):
-    from recipes.launch import run
+    from recipes.run.launch import run
 
     run(make_cfg("model=moe_tiny", "checkpoint=none", "parallelism.expert_model_parallel_size=2",
                  "train.dry_run=true"))
@@ -84,7 +84,7 @@ def test_dry_run_prints_active_parameters_and_expert_bytes(capsys):
 
 
 def test_mixtral_recipe_layout_dry_run(capsys):
-    from recipes.launch import run
+    from recipes.run.launch import run
 
     run(make_cfg("model=mixtral_8x7b", "checkpoint=none", "data=indexed",
                  "data.vocab_size=32000", "data.eod_id=2", "parallelism=tp4", "parallelism.sequence_parallel=true",
@@ -158,7 +158,7 @@ def test_moe_checkpoints_with_bf16_or_the_distributed_optimizer_are_accepted(ove
 
 
 def test_moe_checkpoints_in_the_stock_format_are_accepted():
-    # gtp.stock reads stock expert-GTP checkpoints at other layouts
+    # ckpt.stock reads stock expert-GTP checkpoints at other layouts
     # (tests/test_moe_stock_format.py).
     layout = validate(make_cfg("model=moe_tiny", "checkpoint.save=/tmp/somewhere",
                                "checkpoint.format=stock", "parallelism.expert_model_parallel_size=2",
@@ -201,8 +201,8 @@ def test_a_resume_into_another_moe_shape_names_the_field(field, value):
 
     from omegaconf import OmegaConf
 
-    from recipes.checkpoint import CheckpointError
-    from recipes.prelaunch import check_model_shape
+    from ckpt.io import CheckpointError
+    from recipes.config.prelaunch import check_model_shape
 
     saved = OmegaConf.to_container(make_cfg("model=moe_tiny").model, resolve=True)
     cfg = make_cfg("model=moe_tiny", f"model.{field}={value}", "checkpoint.load=/tmp/unused")

@@ -26,7 +26,7 @@ import re
 
 import pytest
 
-from recipes.metrics import read_metrics
+from recipes.metrics.logger import read_metrics
 from tolerance import MOE_TINY, assert_fp32_close, assert_zeros_close
 
 pytestmark = pytest.mark.e2e
@@ -98,7 +98,7 @@ def test_grad_norm_detail_has_an_experts_group_counted_once(runs):
 
 
 def test_tokens_per_expert_ratios_are_the_same_at_every_layout(runs):
-    from recipes.moe_metrics import metric_names
+    from recipes.metrics.experts import metric_names
 
     keys = [k for layer in range(2) for k in metric_names(layer)]
     ref = runs["ep1"][0]

@@ -1,6 +1,6 @@
 """Layouts in a 2-process and a 4-process gloo world, through the worker's own setup
-(``recipes.worker.setup``: process groups, CPU shims, model, DDP, optimizer) and train step
-(``recipes.loop.train_step``), 3 steps each:
+(``recipes.run.worker.setup``: process groups, CPU shims, model, DDP, optimizer) and train step
+(``recipes.run.loop.train_step``), 3 steps each:
 
 * expert GTP computes what ep1 without GTP does (``lm loss`` and ``grad-norm``), with the dense
   and expert GTP degrees equal (egtp2) or not (g2 x egtp1; ep2 x egtp2 with dense GTP off:
@@ -53,9 +53,9 @@ def _run(cfg_dict, broken):
 
     from gtp import expert_grads
     from multiproc import reset_model_parallel
-    from recipes.loop import train_step
-    from recipes.validate import validate
-    from recipes.worker import setup
+    from recipes.run.loop import train_step
+    from recipes.config.validate import validate
+    from recipes.run.worker import setup
 
     cfg = OmegaConf.create(cfg_dict)
     layout = validate(cfg, torch.distributed.get_world_size())

@@ -1,5 +1,5 @@
 """Stock megatron-core 0.19.2 MoE checkpoints (expert GTP padding written into the expert
-weights) read exactly at other expert layouts through ``gtp.stock``.
+weights) read exactly at other expert layouts through ``ckpt.stock``.
 
 One 4-process gloo world, moe_tiny (4 SwiGLU experts, fc1 200 rows, hidden 72, 2 layers, fp32,
 Adam), the goldens of ``tests/test_moe_checkpoint_layouts.py`` (plain-sliced from a full logical
@@ -14,13 +14,13 @@ and both Adam moments set to garbage before saving:
    garbage padding rows too) into sentinel-filled tensors: exact. In B's model, megatron's own loader reads A's expert fc1 (the
    naive read at another layout: the global shapes agree, nothing complains) and most rows come
    out wrong; then, the logical format switched on in the same model,
-   ``recipes.checkpoint.load_checkpoint`` reads A (converted once by ``gtp.stock``) into
+   ``ckpt.io.load_checkpoint`` reads A (converted once by ``ckpt.stock``) into
    sentinel-filled tensors: every weight and moment exact. (At B's alignment 16, megatron
    refuses A's fc1 instead: global shape mismatch, 256 stored rows against 224.)
 3. ``C``: ep2 x etp2 without expert GTP, logical format: A and B each loaded into sentinel-filled
    tensors, every weight and moment exact.
 
-In this process: ``gtp.stock`` analyses A, and its reconstructed expert tensors equal the full
+In this process: ``ckpt.stock`` analyses A, and its reconstructed expert tensors equal the full
 golden, while the stored rows read as they lie do not.
 """
 
@@ -120,8 +120,8 @@ def _naive_stock_read(model, path, cfg) -> tuple:
 
 
 def _world(root: str, cfgs: dict) -> dict:
-    from recipes import checkpoint
-    from gtp import logical_format
+    from ckpt import io as checkpoint
+    from ckpt.format import logical_format
 
     root = Path(root)
     out = {"loads": {}, "garbage_rows": {}}
@@ -132,13 +132,13 @@ def _world(root: str, cfgs: dict) -> dict:
         out["garbage_rows"][name] = _garbage_padding(model, opt)
         checkpoint.save_checkpoint(root / name, 1, model, opt, sched, {"consumed_samples": 0},
                                    record)
-    # still at B (stock): its own file, read as is (gtp.stock.prepare_load: same layout)
+    # still at B (stock): its own file, read as is (ckpt.stock.prepare_load: same layout)
     _fill_sentinel(model, opt)
     checkpoint.load_checkpoint(root / "B", model, opt, sched, record)
     out["B_as_is"] = (not (root / "B" / "gtp_converted").exists(),
                       _padding_was_garbage_then_zero(model, opt))
     out["loads"][("B", "B")] = _check(model, opt, cfg)
-    # megatron's own read of A; then gtp.stock's, into the same model in
+    # megatron's own read of A; then ckpt.stock's, into the same model in
     # the logical format (a stock run loads only its own layout: recipes.checkpoint.policy refuses)
     out["naive"] = _naive_stock_read(model, root / "A" / "iter_0000001", cfg)
     logical_format.configure("logical")
@@ -204,7 +204,7 @@ def test_megatrons_own_read_at_another_layout_gets_expert_rows_wrong(world):
 
 
 def test_reader_reconstructs_every_expert_row_against_the_plain_sliced_golden(world):
-    from gtp import stock
+    from ckpt import stock
 
     root, results = world
     index = results[0]["index"]
@@ -232,7 +232,7 @@ def test_reader_reconstructs_every_expert_row_against_the_plain_sliced_golden(wo
             assert torch.equal(tensors[k], want), k
             checked += 1
     assert checked == 6
-    # the copy the loads read (gtp.stock.prepare_load): logical, expert saving layout recorded
+    # the copy the loads read (ckpt.stock.prepare_load): logical, expert saving layout recorded
     conv = stock.analyze(root / "A" / stock.CONVERTED_DIR)
     assert conv.format == "logical" and not conv.stock
     assert conv.tensors[FC1].stored_shape == (2, 4, 200, 72)
@@ -247,8 +247,8 @@ def test_stored_rows_read_as_they_lie_are_not_the_logical_rows(world):
     rows: the golden is not a prefix of the stored rows, and padding garbage sits inside."""
     from megatron.core import dist_checkpointing
 
-    from gtp import stock
-    from gtp.stock.reading import ensure_dist
+    from ckpt import stock
+    from ckpt.stock.reading import ensure_dist
 
     root, results = world
     index = results[0]["index"]
@@ -267,7 +267,7 @@ def test_stored_rows_read_as_they_lie_are_not_the_logical_rows(world):
 
 
 def test_a_given_expert_layout_that_cannot_explain_the_stored_shapes_is_refused(world):
-    from gtp import stock
+    from ckpt import stock
 
     root, _ = world
     with pytest.raises(stock.StockCheckpointError) as err:

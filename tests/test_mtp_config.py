@@ -10,9 +10,9 @@ from compose import make_cfg
 
 from recipes.dry_run.sizes import rank_sizes
 from recipes.families import family_of, parameter_counts
-from recipes.gtp_setup import weight_reuse
-from recipes.parallel_dims import ParallelDims
-from recipes.validate import ConfigError, validate
+from recipes.model.gtp_setup import weight_reuse
+from recipes.config.parallel_dims import ParallelDims
+from recipes.config.validate import ConfigError, validate
 
 # One decoder layer: norms 2 x 72, QKV (6 + 2 * 2) * 12 = 120 rows x 72, proj 72 x 72, SwiGLU
 # fc1 400 x 72, fc2 72 x 200.

@@ -73,7 +73,7 @@ def test_export_leaves_the_mtp_layer_out_and_says_so(runs, capsys):
     from safetensors.torch import load_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from gtp import cli
+    from ckpt import cli
 
     assert cli.main(["export", str(runs / "pp2" / "checkpoints"), str(runs / "hf")]) == 0
     assert "note: 10 weights not exported, multi-token prediction layers" in capsys.readouterr().out

@@ -4,10 +4,10 @@ Llama with one MTP layer (``model.mtp_num_layers=1``) restored exactly at every 
 tied Llama between tp1 and pp2 x dp2 with the distributed optimizer. An MoE model's MTP layer
 (whose MLP is MoE) starts from the same expert weights at ep1 and ep2 (its checkpoints across
 expert layouts: tests/test_moe_checkpoint_layouts.py). A checkpoint megatron-core 0.19.2's own
-(padded) writer saved at tp2 x g2/a16 loads exactly at every layout through ``gtp.stock``; and
+(padded) writer saved at tp2 x g2/a16 loads exactly at every layout through ``ckpt.stock``; and
 megatron's own reader, reading a tp2 save into tp2 x g2/a16, misplaces the MTP layer's rows.
 
-One 4-process gloo world builds each layout through ``recipes.worker.setup`` (bf16 weights,
+One 4-process gloo world builds each layout through ``recipes.run.worker.setup`` (bf16 weights,
 fp32 main params), fills every parameter, main param and moment with goldens built
 independently of the code under test (tests/helpers/layout_goldens.py: each full logical
 tensor ``k*1024 + row + col/256``, cut by plain TP slicing and GTP tail padding), saves, then
@@ -46,7 +46,7 @@ LAYOUTS = {
     "pp2g2a16": (1, 2, 16, _PP2),
 }
 PP1 = ("tp1", "tp2g2a16", "g4a32")
-# megatron-core 0.19.2's own (stock, padded) writer at tp2 x g2/a16: read through gtp.stock at
+# megatron-core 0.19.2's own (stock, padded) writer at tp2 x g2/a16: read through ckpt.stock at
 # every layout above.
 STOCK = {"stock_tp2g2a16": (2, 2, 16, ())}
 # The discriminating read: the plain-MLP tiny model with an MTP layer saved at tp2 (no GTP),
@@ -88,7 +88,7 @@ def _all_padding(model) -> list[str]:
 def _table_problems(model, cfg, record) -> list[str]:
     """Differences between this rank's parameters and the family's table (pp1 layouts)."""
     from recipes.families import parameter_shapes
-    from recipes.shapes import local_shape, padded_vocab_size
+    from recipes.model.shapes import local_shape, padded_vocab_size
 
     tp, g = record["tensor_model_parallel_size"], record["gtp_remat_size"]
     padded = padded_vocab_size(257, cfg.model.make_vocab_size_divisible_by, tp)
@@ -119,8 +119,8 @@ def _mtp_experts(model) -> dict:
 def _worker(root: str, cfgs: dict) -> dict:
     from megatron.core import parallel_state as ps
 
-    from gtp import logical_format
-    from recipes import checkpoint
+    from ckpt.format import logical_format
+    from ckpt import io as checkpoint
 
     root = Path(root)
     out = {"loads": {}, "filled": {}, "table": {}, "padding": {}, "last_stage": {}, "experts": {}}
@@ -244,11 +244,11 @@ def test_megatrons_reader_misplaces_the_mtp_rows_that_the_logical_reader_restore
 
 def test_a_stock_mtp_checkpoint_with_nothing_recorded_reads_the_same_rows(matrix, root):
     """The stock save without any record of its layout or model (as Megatron-LM's own writer
-    leaves it): given the layout, gtp.stock finds every GTP weight by its name, the MTP
+    leaves it): given the layout, ckpt.stock finds every GTP weight by its name, the MTP
     layer's ``eh_proj`` among them, and reads the rows the recorded checkpoint reads."""
     from megatron.core import dist_checkpointing
 
-    from gtp import stock
+    from ckpt import stock
 
     path = stock.resolve_iter_dir(root / "stock_tp2g2a16")
     common = dist_checkpointing.load_common_state_dict(str(path))

@@ -13,7 +13,7 @@ def _dirty() -> bool:
     """Leave process-global state behind: megatron patched for CPU, a module global set."""
     from mcore_compat import cpu
 
-    from recipes import worker
+    from recipes.run import worker
 
     cpu.install()
     worker._TRAINING.append(True)
@@ -25,7 +25,7 @@ def _state() -> tuple:
 
     from mcore_compat import cpu
 
-    from recipes import worker
+    from recipes.run import worker
 
     return (cpu.is_installed(), list(worker._TRAINING), "megatron.core" in sys.modules,
             os.environ.get("GTP_TEST_MARK"), os.getcwd())

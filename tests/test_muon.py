@@ -180,8 +180,8 @@ def test_install_refuses_other_megatron_versions(monkeypatch):
 
 def test_optim_muon_composes_with_megatrons_field_names():
     from compose import make_cfg
-    from recipes.optim import MUON_FIELDS, muon_fields
-    from recipes.validate import validate
+    from recipes.run.optim import MUON_FIELDS, muon_fields
+    from recipes.config.validate import validate
 
     cfg = make_cfg("optim=muon")
     layout = validate(cfg, 2)
@@ -207,7 +207,7 @@ def test_optim_muon_composes_with_megatrons_field_names():
 ])
 def test_bad_muon_settings_are_refused_before_launch(override, message):
     from compose import make_cfg
-    from recipes.validate import ConfigError, validate
+    from recipes.config.validate import ConfigError, validate
 
     with pytest.raises(ConfigError, match=message):
         validate(make_cfg("optim=muon", override), 2)
@@ -219,9 +219,9 @@ def _layout(tp):
 
 def test_resume_across_optimizers_or_precisions_is_refused(tmp_path):
     from compose import make_cfg
-    from recipes.checkpoint import CheckpointError
+    from ckpt.io import CheckpointError
     from recipes.checkpoint.policy import _check_optimizer
-    from recipes.config import to_dict
+    from recipes.config.schema import to_dict
 
     adam_saved, muon_saved = to_dict(make_cfg()), to_dict(make_cfg("optim=muon"))
     with pytest.raises(CheckpointError, match=r"written by optim.optimizer=adam and this run is "
@@ -244,7 +244,7 @@ def test_resume_across_optimizers_or_precisions_is_refused(tmp_path):
 def test_blockwise_resume_at_another_tp_is_warned(tmp_path, capsys):
     from compose import make_cfg
     from recipes.checkpoint.policy import _check_optimizer
-    from recipes.config import to_dict
+    from recipes.config.schema import to_dict
 
     saved = to_dict(make_cfg("optim=muon", "optim.muon_tp_mode=blockwise"))
     _check_optimizer(make_cfg("optim=muon", "optim.muon_tp_mode=blockwise"), _layout(2), saved,
@@ -262,7 +262,7 @@ def test_muon_fields_are_no_change_for_adam():
     them; a Muon resume lists a changed one."""
     from compose import make_cfg
     from recipes.checkpoint.policy import resume_changes
-    from recipes.config import to_dict
+    from recipes.config.schema import to_dict
 
     old = to_dict(make_cfg())
     for key in [k for k in old["optim"] if k.startswith("muon_")]:
@@ -276,7 +276,7 @@ def test_muon_fields_are_no_change_for_adam():
 
 def test_distributed_muon_with_gtp_is_accepted_and_with_moe_refused_before_launch():
     from compose import make_cfg
-    from recipes.validate import ConfigError, validate
+    from recipes.config.validate import ConfigError, validate
 
     # tests/test_muon_distopt_e2e.py trains and resumes it.
     assert validate(make_cfg("optim=muon", "precision=bf16", "optim.use_distributed_optimizer=true",
@@ -295,8 +295,8 @@ def test_muon_moe_resume_that_splits_or_joins_the_experts_goes_on(tmp_path):
     (tests/test_muon_moe_e2e.py and tests/test_moe_checkpoint_layouts.py load it)."""
     from compose import make_cfg
     from recipes.checkpoint.policy import _check_optimizer
-    from recipes.config import to_dict
-    from recipes.validate import validate
+    from recipes.config.schema import to_dict
+    from recipes.config.validate import validate
 
     cfg = make_cfg("optim=muon", "model=moe_tiny")
     saved = to_dict(cfg)

@@ -13,7 +13,7 @@ One 4-process gloo world hosts every layout in turn. ``optim=muon`` gives megatr
   ``g2a16do`` (GTP 2, sharded over the data-parallel group without the GTP axis) and
   ``tp2do`` (tp2 x dp2).
 
-Each layout saves its goldens through ``recipes.checkpoint``, then loads the saves of the other
+Each layout saves its goldens through ``ckpt.io``, then loads the saves of the other
 three of its precision into a model and optimizer pre-filled with a sentinel; comparisons are
 ``torch.equal``. Goldens (tests/helpers/layout_goldens.py, independent of the code under test):
 the full logical tensor of each parameter holds ``k*1024 + row + col/256``; the fp32 main param
@@ -107,7 +107,7 @@ def _check(model, optimizer, cfg) -> list:
 def _worker(root: str, cfgs: dict, pairs: list) -> dict:
     from omegaconf import OmegaConf
 
-    from recipes import checkpoint
+    from ckpt import io as checkpoint
 
     out = {"filled": {}, "loads": {}}
     for name, cfg_yaml in cfgs.items():

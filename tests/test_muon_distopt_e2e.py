@@ -93,7 +93,7 @@ def test_the_checkpoint_is_the_plain_muon_checkpoints_logical_layout(runs):
     assert {k: distopt.get(k) for k in moments} == moments
     assert sum(".momentum_buffer." in k for k in distopt) == 5
     # The Adam entry's fp32 main params: the distributed optimizer's "param" key, plain's
-    # "fp32_param" (recipes.optim_checkpoint maps one onto the other).
+    # "fp32_param" (ckpt.adapt.optim_checkpoint maps one onto the other).
     assert {k.replace(".param.", ".fp32_param.") for k in distopt if ".state.param." in k} == {
         k for k in plain if k.startswith("chained_1.") and ".fp32_param." in k}
 

@@ -113,7 +113,8 @@ def test_resume_into_adam_is_refused_before_launch(runs):
 
 
 def test_optimizer_names_of_checkpoints_and_optimizers(runs):
-    from recipes import checkpoint, optim_kinds
+    from ckpt import io as checkpoint
+    from ckpt.adapt import optim_kinds
 
     _, common = checkpoint.load_common(runs[0]["tp2_g2a16"] / "checkpoints", 3)
     assert optim_kinds.saved_optimizer_name(common["optimizer"]) == "muon"

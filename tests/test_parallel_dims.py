@@ -1,4 +1,4 @@
-"""recipes/parallel_dims.py: the one owner of the process grid.
+"""recipes/config/parallel_dims.py: the one owner of the process grid.
 
 Expected sizes are computed here by hand from megatron's definitions (dense: world = tp x pp x
 cp x gtp_remat_size x dp; experts: world = etp x ep x pp x expert_gtp_remat_size x edp), not by
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from compose import make_cfg
 
-from recipes.errors import ConfigError
-from recipes.parallel_dims import ParallelDims
+from recipes.config.errors import ConfigError
+from recipes.config.parallel_dims import ParallelDims
 
 ROOT = Path(__file__).resolve().parents[1]
 MOE = ("model=moe_tiny",)
@@ -101,7 +101,7 @@ def _divides_the_world(path: Path) -> list[str]:
 
 
 def test_only_the_grid_derives_sizes_from_the_world():
-    """One owner: no module of recipes/ but recipes/parallel_dims.py divides the world size."""
+    """One owner: no module of recipes/ but recipes/config/parallel_dims.py divides the world size."""
     found = [line for path in sorted((ROOT / "recipes").rglob("*.py"))
              for line in _divides_the_world(path)]
-    assert found and all(line.startswith("recipes/parallel_dims.py:") for line in found), found
+    assert found and all(line.startswith("recipes/config/parallel_dims.py:") for line in found), found

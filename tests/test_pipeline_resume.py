@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import pytest
 
-from recipes.metrics import read_metrics
+from recipes.metrics.logger import read_metrics
 from tolerance import TINY_SWIGLU, TINY_TIED_4_LAYERS, assert_fp32_close, assert_zeros_close
 
 pytestmark = pytest.mark.e2e

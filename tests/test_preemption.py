@@ -1,5 +1,5 @@
 """Cluster life: exit with a save on a signal, ``checkpoint.load=auto``, one live writer per
-save dir (recipes/preemption.py, recipes/checkpoint/auto.py, recipes/lease.py)."""
+save dir (recipes/run/preemption.py, recipes/checkpoint/auto.py, ckpt/io/lease.py)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,13 @@ import pytest
 from compose import make_cfg
 from resume_checks import assert_bit_for_bit
 
-from recipes import checkpoint, lease, preemption
-from recipes.checkpoint import CheckpointError
-from recipes.metrics import read_metrics
+from ckpt import io as checkpoint
+from ckpt.io import lease
+from recipes.run import preemption
+from ckpt.io import CheckpointError
+from recipes.metrics.logger import read_metrics
 from recipes.checkpoint.auto import resolve_auto_load
-from recipes.validate import ConfigError
+from recipes.config.validate import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 # 12 iterations, a background save every 3: the signal lands while one may be in flight.
@@ -223,7 +225,7 @@ def test_under_submitit_its_signal_is_handled_and_its_handler_runs_after_the_sav
 
 
 def test_bad_exit_fields_fail_before_launch():
-    from recipes.validate import validate
+    from recipes.config.validate import validate
 
     with pytest.raises(ConfigError, match=r"train.exit_signal='SIGKILL': valid are"):
         validate(make_cfg("train.exit_signal=SIGKILL"), 2)
@@ -246,7 +248,7 @@ def test_load_auto_takes_the_newest_complete_save_and_rewrites_a_tracker_left_be
                                                                                     monkeypatch):
     from omegaconf import open_dict
 
-    from recipes.checkpoint import manager
+    from ckpt.io import manager
     from recipes.checkpoint.policy import check_save_dir
 
     # Stand-in saves of one lineage (tests/test_requeue_lineage.py loads real ones).
@@ -501,7 +503,7 @@ def test_the_other_ranks_of_a_job_refuse_a_save_dir_another_live_job_holds(tmp_p
     others refuse one of another job (and accept their own job's)."""
     from omegaconf import open_dict
 
-    from recipes.launch import take_save_dir
+    from recipes.run.launch import take_save_dir
 
     cfg = make_cfg()
     with open_dict(cfg):

@@ -1,6 +1,6 @@
 """Every bad input a newcomer tries is refused before any worker starts, naming the value and a fix.
 
-Most cases run ``recipes.launch.run`` in this process, as ``train.py`` calls it (Hydra's compose
+Most cases run ``recipes.run.launch.run`` in this process, as ``train.py`` calls it (Hydra's compose
 API, Hydra's runtime config installed so experiment names and choices are seen), with the local
 launcher replaced by a tripwire; a few run ``train.py`` itself to see exit code 2 and no traceback.
 """
@@ -18,8 +18,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf, open_dict
 
-from recipes.checkpoint import CheckpointError
-from recipes.validate import ConfigError
+from ckpt.io import CheckpointError
+from recipes.config.validate import ConfigError
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40
 
@@ -27,22 +27,22 @@ TEXT = "The quick brown fox jumps over the lazy dog. " * 40
 @pytest.fixture
 def launch_tripwire(monkeypatch):
     """Fail the test if a worker would start."""
-    import recipes.launch
-    import recipes.worker
+    import recipes.run.launch
+    import recipes.run.worker
 
     def started(*args, **kwargs):
         raise AssertionError("a worker was started")
 
-    monkeypatch.setattr(recipes.launch, "launch_local", started)
-    monkeypatch.setattr(recipes.worker, "run", started)
+    monkeypatch.setattr(recipes.run.launch, "launch_local", started)
+    monkeypatch.setattr(recipes.run.worker, "run", started)
     for key in ("RANK", "WORLD_SIZE", "WANDB_API_KEY"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("NETRC", "/nonexistent/netrc")
 
 
 def run_in_process(out: Path, *overrides: str):
-    """``recipes.launch.run`` on the config ``train.py`` would compose from ``overrides``."""
-    from recipes.launch import run
+    """``recipes.run.launch.run`` on the config ``train.py`` would compose from ``overrides``."""
+    from recipes.run.launch import run
 
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose("config", overrides=[
@@ -257,13 +257,13 @@ def test_stray_rank_environment_is_refused_before_launch(environ, expected, laun
 def test_world_size_from_the_environment_is_said_and_launched(launch_tripwire, monkeypatch,
                                                               tmp_path, capsys):
     """A local run (no RANK) with WORLD_SIZE set runs that world, and says where it came from."""
-    import recipes.launch
+    import recipes.run.launch
 
     for key in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("WORLD_SIZE", "4")
     launched = []
-    monkeypatch.setattr(recipes.launch, "launch_local",
+    monkeypatch.setattr(recipes.run.launch, "launch_local",
                         lambda path, nproc, *a, **k: launched.append(nproc))
     run_in_process(tmp_path / "out")
     out = capsys.readouterr().out
@@ -285,7 +285,7 @@ def test_schema_is_not_a_group_option():
 
 
 def test_group_options_are_still_typed():
-    from recipes.config import ModelConfig
+    from recipes.config.schema import ModelConfig
 
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         assert OmegaConf.get_type(compose("config", overrides=["model=llama_tiny"]).model) \
@@ -305,7 +305,7 @@ def test_group_options_are_still_typed():
 def test_nproc_per_node_defaults_to_the_product_of_the_degrees(overrides, world, layout):
     from compose import make_cfg
 
-    from recipes.validate import validate
+    from recipes.config.validate import validate
 
     cfg = make_cfg(*overrides)
     assert cfg.parallelism.nproc_per_node == world
@@ -314,10 +314,10 @@ def test_nproc_per_node_defaults_to_the_product_of_the_degrees(overrides, world,
 
 
 def test_warmup_past_the_run_is_clamped_with_a_note(launch_tripwire, monkeypatch, tmp_path, capsys):
-    import recipes.launch
+    import recipes.run.launch
 
     started = {}
-    monkeypatch.setattr(recipes.launch, "launch_local", lambda path, n, *rest: started.update(path=path))
+    monkeypatch.setattr(recipes.run.launch, "launch_local", lambda path, n, *rest: started.update(path=path))
     run_in_process(tmp_path, "train.train_iters=5", "optim.lr_warmup_iters=10")
     out = capsys.readouterr().out
     assert "optim.lr_warmup_iters=10 is not below train.train_iters=5" in out, out
@@ -327,10 +327,10 @@ def test_warmup_past_the_run_is_clamped_with_a_note(launch_tripwire, monkeypatch
 
 def test_resume_with_the_checkpoint_schedule_is_not_refused_for_warmup(
         launch_tripwire, monkeypatch, tmp_path, checkpoint_dir, capsys):
-    import recipes.launch
+    import recipes.run.launch
 
     started = {}
-    monkeypatch.setattr(recipes.launch, "launch_local", lambda path, n, *rest: started.update(path=path))
+    monkeypatch.setattr(recipes.run.launch, "launch_local", lambda path, n, *rest: started.update(path=path))
     run_in_process(tmp_path, "parallelism=tp1", "train.train_iters=3", "optim.lr_warmup_iters=10",
                    f"checkpoint.load={checkpoint_dir}")
     ran = OmegaConf.load(started["path"])
@@ -359,9 +359,9 @@ def test_split_without_a_validation_document_never_hangs_the_dataset_builder(tex
 
 def test_single_jsonl_of_several_documents_passes_the_split_check(launch_tripwire, text_files,
                                                                   tmp_path, monkeypatch):
-    import recipes.launch
+    import recipes.run.launch
 
-    monkeypatch.setattr(recipes.launch, "launch_local", lambda path, n, *rest: None)
+    monkeypatch.setattr(recipes.run.launch, "launch_local", lambda path, n, *rest: None)
     lines = tmp_path / "many.jsonl"
     lines.write_text("".join(f'{{"text": "{TEXT[:200]} {i}"}}\n' for i in range(60)))
     run_in_process(tmp_path / "out", "data=text", f"data.paths=[{lines}]")
@@ -377,8 +377,8 @@ def _with_saved_model(checkpoint_dir: Path, tmp_path: Path, **fields) -> Path:
 
     import torch
 
-    from gtp.safe_metadata import read_metadata
-    from gtp.safe_objects import load_object
+    from ckpt.format.safe_metadata import read_metadata
+    from ckpt.format.safe_objects import load_object
 
     root = tmp_path / "checkpoints"
     shutil.copytree(checkpoint_dir, root)
@@ -420,7 +420,7 @@ def test_a_saved_size_beyond_the_stored_shapes_is_refused_before_shapes_are_enum
     import contextlib
     import io
 
-    from gtp import cli
+    from ckpt import cli
 
     root = _with_saved_model(checkpoint_dir, tmp_path, **{field: value})
     with pytest.raises(CheckpointError) as info:
@@ -463,7 +463,7 @@ def test_a_run_that_cannot_fit_this_machines_memory_is_refused_before_launch(
     from compose import make_cfg
 
     from recipes.dry_run.sizes import check_host_memory
-    from recipes.validate import validate
+    from recipes.config.validate import validate
 
     monkeypatch.setattr(os, "sysconf", lambda name: {"SC_PAGE_SIZE": 4096,
                                                      "SC_PHYS_PAGES": (24 << 30) // 4096}[name])

@@ -8,8 +8,8 @@ import pytest
 from compose import CONF, make_cfg
 
 from recipes.families import parameter_shapes
-from recipes.shapes import count
-from recipes.validate import ConfigError, validate
+from recipes.model.shapes import count
+from recipes.config.validate import ConfigError, validate
 
 EXPERIMENTS = sorted(p.stem for p in (Path(CONF) / "experiment").glob("*.yaml"))
 
@@ -59,7 +59,7 @@ def test_there_are_named_recipes():
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_every_recipe_passes_its_dry_run(name, capsys, tmp_path):
-    from recipes.launch import run
+    from recipes.run.launch import run
 
     cfg = make_cfg(f"experiment={name}", "train.dry_run=true", f"output_dir={tmp_path}")
     run(cfg)
@@ -73,7 +73,7 @@ def test_dry_run_of_llama3_8b_at_tp4_gtp2(capsys):
     """Per-rank figures checked against a hand count: tp4 splits the vocabulary, QKV and fc1
     rows and the proj/fc2 columns; GTP (g2, rows padded to a multiple of 16 * 2) halves the
     TP-local rows of every weight; norms are whole on every rank."""
-    from recipes.launch import run
+    from recipes.run.launch import run
 
     run(make_cfg("experiment=llama3_8b_tp4_gtp2_fp8", "train.dry_run=true"))
     out = capsys.readouterr().out
@@ -93,7 +93,7 @@ def test_dry_run_of_llama3_8b_at_tp4_gtp2(capsys):
 
 
 def test_dry_run_counts_gtp_padding_rows(capsys):
-    from recipes.launch import run
+    from recipes.run.launch import run
 
     # llama_tiny at tp1 x g2/a16: TP-local rows 320 (vocab), 120 (QKV), 72 (proj), 400 (fc1),
     # 72 (fc2), padded to multiples of 32: 0 + 8 + 24 + 16 + 24 per layer, two layers.

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from recipes import checkpoint
-from recipes.checkpoint import CheckpointError
-from recipes.metrics import read_metrics
+from ckpt import io as checkpoint
+from ckpt.io import CheckpointError
+from recipes.metrics.logger import read_metrics
 
 COMMON = ["train.train_iters=6", "optim.lr_warmup_iters=1", "checkpoint.save_interval=2"]
 
@@ -168,7 +168,7 @@ def test_root_cause_is_reported_first_whatever_the_timing():
     is older; a raising rank comes before ranks the launcher stopped or that lost their peer."""
     from types import SimpleNamespace as F
 
-    from recipes.launch import _failure_order
+    from recipes.run.launch import _failure_order
 
     killed = F(exitcode=-9, error_file_data=None, message="Signal 9", timestamp=20)
     peer = F(exitcode=1, error_file_data={"m": 1}, timestamp=10,

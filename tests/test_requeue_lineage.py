@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from recipes import checkpoint
-from recipes.metrics import read_metrics
+from ckpt import io as checkpoint
+from recipes.metrics.logger import read_metrics
 
 KEYS = ("lm loss", "grad-norm", "learning-rate", "consumed-samples")
 # The fork: lr changed (and taken: override), so its figures differ from the original's.

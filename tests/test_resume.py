@@ -24,7 +24,7 @@ import re
 
 import pytest
 
-from recipes.metrics import read_metrics
+from recipes.metrics.logger import read_metrics
 from resume_checks import assert_same_step, by_iteration
 from tolerance import assert_fp32_close
 from wandb_offline import config, history, run_files
@@ -173,8 +173,9 @@ def _reload_and_resave(cfg_path, src_root, iteration, dst_root):
     from megatron.core import parallel_state
     from omegaconf import OmegaConf
 
-    from recipes import checkpoint, worker
-    from recipes.validate import validate
+    from ckpt import io as checkpoint
+    from recipes.run import worker
+    from recipes.config.validate import validate
 
     cfg = OmegaConf.load(cfg_path)
     layout = validate(cfg, torch.distributed.get_world_size())

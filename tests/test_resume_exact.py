@@ -209,7 +209,7 @@ def test_golden_loss_curve(runs):
     was written on some other CPU: ``learning-rate`` exactly (Python floats, no kernel), ``lm
     loss`` and ``grad-norm`` within ``fp32_rtol(iteration)`` (other kernels round differently:
     an AMD EPYC's iteration-5 grad-norm is one fp32 ulp off), num-zeros within ZEROS_RTOL."""
-    from recipes.metrics import read_metrics
+    from recipes.metrics.logger import read_metrics
 
     dirs, _ = runs
     rows, _ = read_metrics(dirs["plain"])

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from multiproc import run_distributed
-from recipes.validate import ConfigError, validate
+from recipes.config.validate import ConfigError, validate
 from layout_goldens import build as _build, make_cfg
 from test_checkpoint_layouts import WORLD, _check, _fill_sentinel, _set_golden
 
@@ -24,7 +24,7 @@ GRIDS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (1, 4)]
 def _roundtrip(root: str, save_yaml: str, load_yaml: str):
     from megatron.core import parallel_state
 
-    from recipes import checkpoint
+    from ckpt import io as checkpoint
 
     model, opt, sched, record, cfg = _build(save_yaml)
     _set_golden(model, opt, cfg)

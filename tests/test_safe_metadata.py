@@ -1,4 +1,4 @@
-"""gtp.safe_metadata: ``.metadata`` is read without running code from it, and within
+"""ckpt.format.safe_metadata: ``.metadata`` is read without running code from it, and within
 ``reused()`` each unchanged file is unpickled once, each reader getting its own copy."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from gtp import safe_metadata
+from ckpt.format import safe_metadata
 
 
 def _save(path, rows: int):
@@ -149,7 +149,7 @@ def test_a_dotted_name_reaching_another_module_is_refused(tmp_path):
         safe_metadata.read_metadata(tmp_path)
     with pytest.raises(safe_metadata.UnsafeMetadataError):
         FileSystemReader(str(tmp_path)).read_metadata()
-    from gtp import verify
+    from ckpt import verify
 
     metadata, problems = verify.read_metadata(tmp_path)
     assert metadata is None and any("os.system" in p.what for p in problems)
@@ -158,7 +158,7 @@ def test_a_dotted_name_reaching_another_module_is_refused(tmp_path):
 
 @pytest.mark.parametrize("command", ["inspect", "export", "convert"])
 def test_commands_refuse_a_crafted_metadata_once_without_traceback(tmp_path, capsys, command):
-    from gtp import cli
+    from ckpt import cli
 
     _save(tmp_path / "ckpt", rows=2)
     marker = tmp_path / "ran"
@@ -265,7 +265,8 @@ def _bomb(inflated: int) -> bytes:
 
 
 def test_a_compressed_record_is_refused_uninflated(tmp_path, monkeypatch):
-    from gtp import safe_objects, verify, zip_records
+    from ckpt.format import safe_objects, zip_records
+    from ckpt import verify
 
     record = _bomb(50 << 20)
     assert len(record) < 1 << 20
@@ -293,14 +294,14 @@ def test_a_compressed_record_is_refused_uninflated(tmp_path, monkeypatch):
     safe_objects.install()
     with pytest.raises(BaseException) as caught:  # torch DCP's CheckpointException
         dcp.load({"obj": 0}, checkpoint_id=str(tmp_path), no_dist=True)
-    # refused by load_object, or, where gtp.dcp_reader is installed, by its record check
+    # refused by load_object, or, where ckpt.format.dcp_reader is installed, by its record check
     errors = [f[0] if isinstance(f, tuple) else f
               for f in getattr(caught.value, "failures", {}).values()] or [caught.value]
     assert any("archive/data.pkl is compressed" in str(e) for e in errors), errors
 
 
 def test_verify_reads_no_fifo_as_metadata_json(tmp_path):
-    from gtp import verify
+    from ckpt import verify
 
     _save(tmp_path, rows=2)
     os.mkfifo(tmp_path / "metadata.json")
@@ -324,7 +325,7 @@ def test_verify_reads_no_fifo_as_metadata_json(tmp_path):
 def test_a_malformed_hf_index_is_named(tmp_path, index, match):
     import json
 
-    from gtp.hf_weights import HFImportError, Weights
+    from ckpt.hf.hf_weights import HFImportError, Weights
 
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(HFImportError, match=match):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes import checkpoint
+from ckpt import io as checkpoint
 from resume_checks import EXACT_KEYS, assert_bit_for_bit, by_iteration
 
 COMMON = ["train.train_iters=6", "optim.lr_warmup_iters=1", "checkpoint.save_interval=2"]
@@ -162,8 +162,8 @@ def one_rank(tmp_path, monkeypatch):
 
 
 def _stage(root, monkeypatch, tensor_bytes: int = 1 << 20):
-    """:func:`recipes.checkpoint.save.stage_save` of iteration 4 up to its first write."""
-    from recipes.checkpoint import save
+    """:func:`ckpt.io.save.stage_save` of iteration 4 up to its first write."""
+    from ckpt.io import save
 
     monkeypatch.setattr(save, "sharded_state_dict", lambda *a, **k: {})
     monkeypatch.setattr(save, "expected_checkpoint_bytes", lambda state: tensor_bytes)
@@ -205,7 +205,7 @@ def test_the_disk_pre_check_counts_inodes_and_asks_what_a_save_needs(one_rank, m
 def test_a_tracker_that_cannot_be_written_fails_the_save_in_its_one_form(one_rank, monkeypatch):
     import errno
 
-    from recipes.checkpoint import save
+    from ckpt.io import save
 
     def full(path, text):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
@@ -230,7 +230,7 @@ def test_a_resumed_runs_disk_pre_check_runs_before_the_first_iteration(one_rank,
 
     from compose import make_cfg
 
-    from recipes.checkpoint import manager
+    from ckpt.io import manager
 
     loaded = checkpoint.iter_dir(one_rank, 2)
     with open(loaded / "__0_0.distcp", "wb") as f:
@@ -250,7 +250,7 @@ def test_a_peer_lost_during_a_save_fails_it_in_its_one_form(one_rank, monkeypatc
 
     from compose import make_cfg
 
-    from recipes.checkpoint import manager
+    from ckpt.io import manager
 
     def lost(*args, **kwargs):
         raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection "
@@ -277,7 +277,7 @@ def test_a_failure_during_training_is_one_line_without_a_traceback(tmp_path, mon
     its traceback."""
     import json
 
-    from recipes import preemption, worker
+    from recipes.run import preemption, worker
 
     monkeypatch.setattr(preemption, "PEER_INTERRUPT_GRACE_S", 0.05)
     monkeypatch.setattr(worker, "_TRAINING", [True])
@@ -316,7 +316,7 @@ def test_a_fresh_runs_disk_pre_check_runs_after_its_first_iteration(one_rank, mo
 
     from compose import make_cfg
 
-    from recipes.checkpoint import manager
+    from ckpt.io import manager
 
     monkeypatch.setattr(manager, "sharded_state_dict", lambda *a, **k: {})
     monkeypatch.setattr(manager, "expected_checkpoint_bytes", lambda state: 8 << 20)
@@ -337,7 +337,7 @@ def test_a_ranks_own_write_error_fails_the_save_in_its_one_form(one_rank, monkey
     import errno
     from types import SimpleNamespace
 
-    from recipes.checkpoint import save
+    from ckpt.io import save
 
     def full(state, path, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"{path}/.metadata")
@@ -359,7 +359,7 @@ def test_a_ranks_own_write_error_fails_the_save_in_its_one_form(one_rank, monkey
 def test_a_torchrun_ranks_failed_save_is_one_line_and_exit_1(monkeypatch, capsys):
     """``train.py`` run as each rank (torchrun/Slurm): a failed save during training is one
     ``error:`` line and exit 1 (not a refusal's exit 2, not a traceback)."""
-    from recipes import launch, worker
+    from recipes.run import launch, worker
 
     def run(resolved, plan):
         worker._TRAINING.append(True)
@@ -381,7 +381,7 @@ def test_one_failure_under_two_class_names_is_printed_once(monkeypatch, capsys):
     import torch.distributed.launcher.api as api
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from recipes import launch
+    from recipes.run import launch
 
     text = "the save of iteration 11 failed on rank(s) [0, 1]: its lease was taken"
 
@@ -399,7 +399,7 @@ def test_one_failure_under_two_class_names_is_printed_once(monkeypatch, capsys):
 
     def failing(config, entrypoint):
         def run(*args):
-            raise ChildFailedError("recipes.worker", {0: Failure("LeaseHeld", 1),
+            raise ChildFailedError("recipes.run.worker", {0: Failure("LeaseHeld", 1),
                                                       1: Failure("CheckpointError", 2)})
         return run
 

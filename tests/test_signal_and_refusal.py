@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from recipes import checkpoint
-from recipes.preemption import child_pids
+from ckpt import io as checkpoint
+from recipes.run.preemption import child_pids
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,9 +30,9 @@ def test_sigterm_while_the_workers_import_torch_exits_0_and_says_nothing_was_tra
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 120
-        while not child_pids("recipes.worker", proc.pid) and time.time() < deadline:
+        while not child_pids("recipes.run.worker", proc.pid) and time.time() < deadline:
             time.sleep(0.005)
-        assert child_pids("recipes.worker", proc.pid), "no worker started"
+        assert child_pids("recipes.run.worker", proc.pid), "no worker started"
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
     finally:

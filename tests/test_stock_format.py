@@ -9,9 +9,9 @@ its SwiGLU twin (hidden 72, ffn 200):
    every padding row to garbage and the Adam step to 7, and save: the stock checkpoint. The
    golden of each rank is computed here by plain slicing of a full logical tensor (TP split,
    gate/up halves, tail padding, GTP split), independently of ``gtp.layout``;
-2. with the logical writer (``gtp.logical_format``) save the same model again: its logical twin;
+2. with the logical writer (``ckpt.format.logical_format``) save the same model again: its logical twin;
 3. load the stock checkpoint into a non-GTP model at tp2 (dp2) and at tp1 (dp4), every
-   parameter pre-filled with -999, through ``recipes.checkpoint.load_checkpoint`` (which
+   parameter pre-filled with -999, through ``ckpt.io.load_checkpoint`` (which
    converts it once into ``<root>/gtp_converted``), and check every parameter, both Adam
    moments and the step against the golden, bit for bit;
 4. at tp2 save it again (a non-GTP twin) and save a copy with one row changed (for the CLI tests).
@@ -197,10 +197,11 @@ def _write_and_reload(root: str, cfgs: dict):
     from megatron.core import parallel_state
     from omegaconf import OmegaConf
 
-    from gtp import logical_format
-    from recipes import checkpoint, worker
-    from recipes.config import to_dict
-    from recipes.validate import validate
+    from ckpt.format import logical_format
+    from ckpt import io as checkpoint
+    from recipes.run import worker
+    from recipes.config.schema import to_dict
+    from recipes.config.validate import validate
 
     assert torch.distributed.get_world_size() == 4
     out = {}
@@ -266,7 +267,7 @@ def _cfg_file(path: Path, *overrides: str) -> str:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from recipes.config import register_configs
+    from recipes.config.schema import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
@@ -313,7 +314,7 @@ def built(tmp_path_factory):
 # ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("model", MODELS)
 def test_stock_writer_wrote_a_padded_checkpoint(built, model):
-    from gtp import stock
+    from ckpt import stock
 
     a = stock.analyze(built["root"] / model / "stock")
     assert a.format == "stock" and a.stock
@@ -355,7 +356,7 @@ def test_prepare_load_decisions(built):
     """Single process: what the load hook does with each kind of checkpoint."""
     from megatron.core import dist_checkpointing
 
-    from gtp import stock
+    from ckpt import stock
 
     root = built["root"] / "tiny"
     path = stock.resolve_iter_dir(root / "stock")
@@ -365,7 +366,7 @@ def test_prepare_load_decisions(built):
                                                      True)
     # the loader writes the stock layout at the very same layout (its record, pad included):
     # megatron reads it as is; at another pad_for_alignment it is converted
-    from gtp.records import saved_layout
+    from ckpt.format.records import saved_layout
 
     same = saved_layout(common)
     assert same["pad_for_alignment"] == 16 and "pad_for_alignment" not in common["layout"]
@@ -388,7 +389,7 @@ def test_prepare_load_of_a_renamed_iter_dir(built, tmp_path):
     import torch
     from megatron.core import dist_checkpointing
 
-    from gtp import stock
+    from ckpt import stock
 
     src = stock.resolve_iter_dir(built["root"] / "tiny" / "stock")
     renamed = tmp_path / "copy" / "iter_0000099"
@@ -409,8 +410,8 @@ def test_no_viable_layout_names_the_weight_that_rules_them_out(built):
     refusal names it, not the first weight in sorted order (linear_fc1, which layouts explain)."""
     import dataclasses
 
-    from gtp import stock
-    from gtp.stock import analysis, stock_layout
+    from ckpt import stock
+    from ckpt.stock import analysis, stock_layout
 
     path = stock.resolve_iter_dir(built["root"] / "tiny" / "stock")
     ck = analysis._read_checkpoint(path, None, None)
@@ -430,7 +431,7 @@ def test_read_logical_equals_the_golden(built, model):
     """Single process: every reconstructed model tensor and moment equals the full golden."""
     import torch
 
-    from gtp import stock
+    from ckpt import stock
 
     swiglu = model.endswith("swiglu")
     analysis, tensors = stock.read_logical(built["root"] / model / "stock")
@@ -459,7 +460,7 @@ def test_read_logical_equals_the_golden(built, model):
 
 @pytest.mark.parametrize("model", MODELS)
 def test_conversion_is_cached_and_logical(built, model):
-    from gtp import stock
+    from ckpt import stock
 
     root = built["root"] / model / "stock"
     conv = root / stock.CONVERTED_DIR / f"iter_{ITER:07d}"
@@ -469,7 +470,7 @@ def test_conversion_is_cached_and_logical(built, model):
     assert rec["saved_layout"] == {"tensor_model_parallel_size": 2, "gtp_remat_size": 2,
                                    "pad_for_alignment": 16}
     assert a.common["layout"]["gtp_remat_size"] == 1 and "pad_for_alignment" not in a.common["layout"]
-    from gtp.records import saved_layout
+    from ckpt.format.records import saved_layout
     assert saved_layout(a.common)["pad_for_alignment"] == 0
     assert "decoder.layers.mlp.linear_fc1.weight" in rec["legacy_keys"]
     # shapes are those of the non-GTP tp2 twin written by megatron itself
@@ -480,11 +481,11 @@ def test_conversion_is_cached_and_logical(built, model):
 
 @pytest.mark.parametrize("model", MODELS)
 def test_layout_from_metadata_and_from_run_config_agree(built, model):
-    """The stock file carries gtp.logical_format's stock-0.19.2 record; without it the layout
+    """The stock file carries ckpt.format.logical_format's stock-0.19.2 record; without it the layout
     record and the run config give the same reading."""
     from megatron.core import dist_checkpointing
 
-    from gtp import stock
+    from ckpt import stock
 
     path = stock.resolve_iter_dir(built["root"] / model / "stock")
     common = dist_checkpointing.load_common_state_dict(str(path))
@@ -506,7 +507,7 @@ def _stripped(built, model):
     layout or the model (no ``layout``, no run config, no ``gtp_layout``)."""
     from megatron.core import dist_checkpointing
 
-    from gtp import stock
+    from ckpt import stock
 
     path = stock.resolve_iter_dir(built["root"] / model / "stock")
     common = dist_checkpointing.load_common_state_dict(str(path))
@@ -520,7 +521,7 @@ def test_refused_when_the_layout_is_unknown(built):
     explain it and how to pass one. Given what is missing, it reads exactly."""
     import torch
 
-    from gtp import stock
+    from ckpt import stock
 
     # tiny: only tp2 layouts of alignment 32 explain every shape, and they read the same rows
     # (without gated weights the GTP split does not move rows) - but the vocab size is open.
@@ -555,7 +556,7 @@ def test_refused_when_the_layout_is_unknown(built):
 
 
 def test_refused_when_the_given_layout_cannot_explain_a_shape(built):
-    from gtp import stock
+    from ckpt import stock
 
     with pytest.raises(stock.StockCheckpointError) as err:
         stock.analyze(built["root"] / "tiny" / "stock", "tp=2,gtp=2,pad=32")

@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from compose import CONF
-from recipes.metrics import read_metrics
+from recipes.metrics.logger import read_metrics
 from recipes.report import find_job_dirs
 
 

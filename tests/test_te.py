@@ -1,4 +1,4 @@
-"""The TransformerEngine switch (recipes/te.py): config -> TransformerConfig fields and layer spec,
+"""The TransformerEngine switch (recipes/model/te.py): config -> TransformerConfig fields and layer spec,
 with TransformerEngine absent (as in CI) and present (a stand-in module)."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import sys
 import pytest
 from compose import make_cfg
 
-from recipes import te
+from recipes.model import te
 from recipes.families.gpt import model as gpt_model
-from recipes.model import transformer_config
-from recipes.validate import validate
+from recipes.model.build import transformer_config
+from recipes.config.validate import validate
 
 
 def test_usable_with_the_stand_in(stand_in_te):
@@ -71,7 +71,7 @@ def test_fp8_param_gather_keeps_weights_in_fp8_only_with_te():
     (["gtp=tp2_mxfp8"], r"needs optim.use_distributed_optimizer=true"),
 ])
 def test_fp8_param_gather_is_refused_before_launch(overrides, message):
-    from recipes.validate import ConfigError
+    from recipes.config.validate import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         validate(make_cfg(*overrides, "gtp.fp8_param_gather=true"), 2)
@@ -121,7 +121,7 @@ def test_model_transformer_impl_local_builds_local_layers_even_with_te(impl, usa
     wherever TransformerEngine imports; without it every run builds local layers."""
     from compose import make_cfg
 
-    from recipes import te
+    from recipes.model import te
 
     monkeypatch.setattr(te, "transformer_engine_usable", lambda: usable)
     cfg = make_cfg()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from compose import make_cfg
 
-from recipes.metrics import format_progress
-from recipes.throughput import model_flops_per_iteration, tflops_per_gpu
+from recipes.metrics.logger import format_progress
+from recipes.metrics.throughput import model_flops_per_iteration, tflops_per_gpu
 
 
 def gemm_count(B, s, L, h, a, g, f, V, swiglu) -> int:

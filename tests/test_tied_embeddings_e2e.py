@@ -79,7 +79,7 @@ def test_tied_weights_load_into_a_pipeline_parallel_model(tied, layout):
 def test_tied_export_after_tp2pp2_is_the_source(tied):
     from safetensors.torch import load_file
 
-    from gtp import cli
+    from ckpt import cli
 
     assert cli.main(["export", str(tied / "tp2pp2" / "ckpt"), str(tied / "exported")]) == 0
     src = load_file(tied / "hf" / "model.safetensors")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes.metrics import read_metrics
+from recipes.metrics.logger import read_metrics
 
 
 def test_multirun_gives_each_job_its_own_workers_and_dir(train_run, tmp_path):

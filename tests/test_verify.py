@@ -34,7 +34,7 @@ def saved(train_jobs, tmp_path_factory):
 def _records(iter_path: Path) -> dict:
     """(fqn, chunk offsets) -> (data file, offset, length) of every stored record (the
     unpickled .metadata)."""
-    from gtp.safe_metadata import read_metadata
+    from ckpt.format.safe_metadata import read_metadata
 
     return {(index.fqn, tuple(index.offset or ())): (iter_path / info.relative_path,
                                                       info.offset, info.length)
@@ -62,7 +62,7 @@ def flip_payload_byte(iter_path: Path, chunk: tuple) -> Path:
 
 
 def verify(*argv) -> tuple[int, str]:
-    from gtp.cli import main
+    from ckpt.cli import main
 
     out = io.StringIO()
     return main(["verify", *map(str, argv)], out=out), out.getvalue()
@@ -142,8 +142,9 @@ def _load_into_sentinel(cfg_path, root):
     from megatron.core import parallel_state
     from omegaconf import OmegaConf
 
-    from recipes import checkpoint, worker
-    from recipes.validate import validate
+    from ckpt import io as checkpoint
+    from recipes.run import worker
+    from recipes.config.validate import validate
 
     cfg = OmegaConf.load(cfg_path)
     layout = validate(cfg, 1)
@@ -189,7 +190,7 @@ def test_the_refused_load_leaves_every_weight_as_it_was(saved, tmp_path):
 
 
 def test_inspect_shows_the_optimizer_step(saved):
-    from gtp.cli import main
+    from ckpt.cli import main
 
     out = io.StringIO()
     assert main(["inspect", str(saved / "checkpoints")], out=out) == 0
@@ -203,7 +204,7 @@ def test_the_step_warning_for_each_optimizer_kind():
     bf16's nested state), the distributed optimizer's param groups, a chained optimizer."""
     import torch
 
-    from gtp.cli import describe_step
+    from ckpt.cli import describe_step
 
     def common(optimizer, iteration=12, skipped=None):
         train_state = {} if skipped is None else {"skipped_iterations": skipped}

@@ -14,8 +14,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
                                                    TensorProperties, TensorStorageMetadata)
 
-from gtp import verify
-from gtp.safe_metadata import tiling_problems
+from ckpt import verify
+from ckpt.format.safe_metadata import tiling_problems
 
 
 
@@ -40,14 +40,14 @@ def _check(tmp_path, size, boxes, records=None):
 
 
 def _lines_run(tmp_path, size, boxes) -> int:
-    """How many lines of ``gtp/`` the check of one tensor of ``boxes`` executes (Python's line
+    """How many lines of ``ckpt/`` the check of one tensor of ``boxes`` executes (Python's line
     trace events): a count of the work done, the same on every machine, unlike a time."""
     import sys
     from pathlib import Path
 
-    import gtp
+    import ckpt
 
-    root = str(Path(gtp.__file__).parent)
+    root = str(Path(ckpt.__file__).parent)
     count = 0
 
     def trace(frame, event, arg):

@@ -1,4 +1,4 @@
-"""Padded vocabulary rows never reach the loss (recipes.model.mask_padded_vocab).
+"""Padded vocabulary rows never reach the loss (recipes.model.build.mask_padded_vocab).
 
 Two gloo ranks as one TP group run megatron's ``vocab_parallel_cross_entropy`` on logits whose
 padded columns hold large values, masked by the hook, at padded widths 258 (tp1 view), 264 and
@@ -43,7 +43,7 @@ def _worker() -> dict:
     from megatron.core import parallel_state, tensor_parallel
 
     from mcore_compat import cpu as cpu_compat
-    from recipes.model import mask_padded_vocab
+    from recipes.model.build import mask_padded_vocab
 
     cpu_compat.install()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
@@ -82,7 +82,7 @@ def test_padded_rows_are_out_of_the_softmax_at_tp2_in_fp32_and_bf16():
 
 
 def test_tp1_hook_masks_the_tail_columns():
-    from recipes.model import mask_padded_vocab
+    from recipes.model.build import mask_padded_vocab
 
     model = _Model()
     mask_padded_vocab(model, REAL, 258)

@@ -1,10 +1,10 @@
-"""recipes/vocab.py without processes: the refusal message and the trimmed vocabulary pieces."""
+"""ckpt/adapt/vocab.py without processes: the refusal message and the trimmed vocabulary pieces."""
 
 from __future__ import annotations
 
 import torch
 
-from recipes import vocab
+from ckpt.adapt import vocab
 
 
 def test_refusal_names_both_sizes_and_only_when_they_differ():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from recipes.metrics import MetricLogger, plan_wandb_run
+from recipes.metrics.logger import MetricLogger, plan_wandb_run
 from wandb_offline import config, history, run_files
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from recipes import checkpoint
-from recipes.checkpoint import TRACKER, CheckpointError
-from recipes.errors import ConfigError
+from ckpt import io as checkpoint
+from ckpt.io import TRACKER, CheckpointError
+from recipes.config.errors import ConfigError
 
 AUTO = "auto"
 
@@ -33,7 +33,7 @@ def default_load():
 def resolve_auto_load(cfg, is_rank0: bool = True) -> str | None:
     """With ``checkpoint.load=auto``: set ``checkpoint.load`` (in place) to ``checkpoint.save``
     and ``checkpoint.load_iteration`` to the save that
-    :meth:`recipes.checkpoint.manager.ResumePlan.auto` chooses (the newest of the tracker's
+    :meth:`ckpt.io.manager.ResumePlan.auto` chooses (the newest of the tracker's
     lineage that loads and verifies), or ``checkpoint.load`` to null when it holds no complete
     save. A tracker that names another iteration (a crash between the rename and the tracker's
     write, a damaged save skipped) is rewritten to name it, by global rank 0.
@@ -43,7 +43,7 @@ def resolve_auto_load(cfg, is_rank0: bool = True) -> str | None:
 
     Raises:
         ConfigError: ``auto`` without ``checkpoint.save``, or with ``checkpoint.load_iteration``.
-        CheckpointError: as :meth:`~recipes.checkpoint.manager.ResumePlan.auto`.
+        CheckpointError: as :meth:`~ckpt.io.manager.ResumePlan.auto`.
     """
     from omegaconf import open_dict
 
@@ -66,7 +66,7 @@ def resolve_auto_load(cfg, is_rank0: bool = True) -> str | None:
     except CheckpointError:
         tracked = None
     if root.is_dir() and checkpoint.saved_iterations(root):
-        from recipes.checkpoint.manager import ResumePlan  # megatron: only where there is a save
+        from ckpt.io.manager import ResumePlan  # megatron: only where there is a save
 
         # Global rank 0 puts the tracker in step with the save chosen.
         newest, notes = ResumePlan.auto(root, verify=ck.get("verify_on_load", True),

@@ -1,9 +1,9 @@
 """Checkpoint policy of a resume: which iteration to load, which save dir may be written, what
 a resume may change.
 
-The file format, the staged write and the run's lifecycle live in :mod:`recipes.checkpoint`
-(:class:`recipes.checkpoint.manager.CheckpointManager`); this module decides. Before launch
-:func:`prepare_resume` takes the resolved :class:`~recipes.checkpoint.manager.ResumePlan`,
+The file format, the staged write and the run's lifecycle live in :mod:`ckpt.io`
+(:class:`ckpt.io.manager.CheckpointManager`); this module decides. Before launch
+:func:`prepare_resume` takes the resolved :class:`~ckpt.io.manager.ResumePlan`,
 refuses a save dir that holds another run's checkpoints, compares the config with the
 checkpoint's, prints the changes and pins the iteration; in the workers
 :func:`agree_load_iteration` makes every rank load the iteration global rank 0 resolved.
@@ -18,11 +18,11 @@ from pathlib import Path
 
 from omegaconf import open_dict
 
-from gtp.records import IMPORTED_KEY, saved_layout
-from recipes import checkpoint
-from recipes.checkpoint import CheckpointError
-from recipes.config import given_fields, given_overrides, to_dict
-from recipes.optim_kinds import optimizer_mismatch
+from ckpt.format.records import IMPORTED_KEY, saved_layout
+from ckpt import io as checkpoint
+from ckpt.io import CheckpointError
+from recipes.config.schema import given_fields, given_overrides, to_dict
+from ckpt.adapt.optim_kinds import optimizer_mismatch
 
 
 class NothingToTrain(Exception):
@@ -45,10 +45,10 @@ def agree_load_iteration(ck) -> int | None:
     rank 0 repaired the dir, cannot give ranks different checkpoints. Sets ``ck.load`` to rank
     0's (every rank calls this: a collective). A pinned iteration (the launcher's
     :func:`prepare_resume` pins it) is taken as is: each rank's
-    :meth:`~recipes.checkpoint.manager.ResumePlan.open` checks it."""
+    :meth:`~ckpt.io.manager.ResumePlan.open` checks it."""
     import torch
 
-    from recipes.checkpoint.manager import ResumePlan
+    from ckpt.io.manager import ResumePlan
 
     box = [None, None]
     if torch.distributed.get_rank() == 0:
@@ -236,7 +236,7 @@ def resume_changes(saved: dict, now: dict, consumed_samples: int) -> list[Change
             effect = ("new value used (optim.override_opt_param_scheduler=true)" if override else
                       f"checkpoint's {old} kept (optim.override_opt_param_scheduler=true takes the new)")
         elif name == "precision.params_dtype":
-            from recipes import precision_change  # imports torch (start-up time)
+            from ckpt.adapt import precision_change  # imports torch (start-up time)
 
             effect = precision_change.describe(old, new)
         elif name in LAYOUT_EFFECTS:
@@ -275,13 +275,13 @@ def take_checkpoint_fields(cfg, plan, overrides: list[str] | None = None) -> str
     checkpoint's run had, so a fine-tune (``checkpoint.pretrained`` chose its model and
     tokenizer, ``data=text data.paths=[...]`` its data) resumes at another layout by
     ``checkpoint.load=DIR`` alone. A given field keeps its value, which the checks that follow
-    compare with the checkpoint's (:func:`recipes.prelaunch.check_model_shape`; a changed data
+    compare with the checkpoint's (:func:`recipes.config.prelaunch.check_model_shape`; a changed data
     field is refused unless ``checkpoint.allow_data_change``, :func:`prepare_resume`);
     ``model=NAME`` (``data=NAME``) or ``experiment=NAME`` gives every field of the group, and
     giving one tokenizer field gives all three. A saved value is data: only a plain value
     (number, bool, string without ``${``, null, or a list of them) of the field's type is taken.
 
-    ``plan``: the resolved :class:`~recipes.checkpoint.manager.ResumePlan` (None: no resume);
+    ``plan``: the resolved :class:`~ckpt.io.manager.ResumePlan` (None: no resume);
     ``overrides``: the command line's (default: Hydra's). Returns a note naming the fields taken
     that differed from this config's, or None.
 
@@ -370,7 +370,7 @@ def spelled(value) -> str:
 
 def prepare_resume(cfg, layout, plan=None, auto: bool = False) -> None:
     """Pre-launch checks and decisions of a run that loads a checkpoint (and of every run's save
-    dir). ``plan``: the :class:`~recipes.checkpoint.manager.ResumePlan` of ``checkpoint.load``
+    dir). ``plan``: the :class:`~ckpt.io.manager.ResumePlan` of ``checkpoint.load``
     already resolved in this process (None: resolved here); ``auto``: ``checkpoint.load=auto``
     chose it (:func:`check_save_dir`). Updates ``cfg`` in place so the
     recorded config is what runs:
@@ -386,7 +386,7 @@ def prepare_resume(cfg, layout, plan=None, auto: bool = False) -> None:
     ck = cfg.checkpoint
     if plan is None and ck.load is not None:
         # Lazy (start-up time): megatron is imported before launch only by a run that loads.
-        from recipes.checkpoint.manager import ResumePlan
+        from ckpt.io.manager import ResumePlan
 
         plan = ResumePlan.resolve(ck, repair=is_rank0())
     iteration = None if plan is None else plan.iteration

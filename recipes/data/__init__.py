@@ -41,7 +41,7 @@ from recipes.data.tokenizers import (
     Tokenizer,
     build_tokenizer,
 )
-from recipes.lazy import lazy_names
+from mcore_compat.lazy import lazy_names
 
 # The modules that import torch are loaded on first use of one of their names (start-up time:
 # train.py checks the tokenizer before launch).

@@ -44,7 +44,7 @@ from recipes.data.chat_dataset import ChatDataset, attention_mask, position_ids 
 from recipes.data.chat_saved import check_saved_dataset, input_stats, saved_rows
 from recipes.data.corpus import resolved_cache_dir
 from recipes.data.tokenizers import is_tokenizer_path
-from recipes.errors import ConfigError
+from recipes.config.errors import ConfigError
 
 ROLES = ("system", "user", "assistant")
 OVERLONG = ("truncate", "drop")

@@ -18,7 +18,7 @@ from recipes.data.chat import ChatDataset, prepare_chat
 from recipes.data.corpus import (check_indexed_paths, check_text_paths, prepare_data,
                                  resolved_cache_dir, sequence_lengths)
 from recipes.data.tokenizers import Tokenizer, build_tokenizer, check_source
-from recipes.errors import ConfigError
+from recipes.config.errors import ConfigError
 
 
 def _dist_initialized() -> bool:

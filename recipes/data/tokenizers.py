@@ -15,10 +15,10 @@ from typing import Any, Iterable, Optional, Union
 
 import numpy
 
-from gtp.hf_import import HFImportError, check_no_remote_code
+from ckpt.hf.hf_import import HFImportError, check_no_remote_code
 # End-of-document tokens looked up in a Hugging Face tokenizer when data.eod_id is null.
-from gtp.tokens import EOD_TOKENS
-from recipes.errors import ConfigError
+from ckpt.hf.tokens import EOD_TOKENS
+from recipes.config.errors import ConfigError
 
 SOURCES = ("pydoc", "text", "indexed", "mock", "shapes", "chat")
 # Named tokenizers; any other data.tokenizer value is a path to a Hugging Face tokenizer.json.
@@ -206,7 +206,7 @@ def check_before_launch(data_cfg: Any) -> None:
     (a hub name, a missing file) is one error line rather than a traceback per rank.
 
     Raises:
-        recipes.validate.ConfigError: with :func:`build_tokenizer`'s message.
+        recipes.config.validate.ConfigError: with :func:`build_tokenizer`'s message.
     """
     try:
         build_tokenizer(data_cfg)

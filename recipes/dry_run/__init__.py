@@ -1,10 +1,10 @@
 """``train.dry_run=true``: check a whole config for its world size and say what each rank holds.
 
-Nothing heavy is built and no process starts: the config is validated (``recipes.prelaunch``),
+Nothing heavy is built and no process starts: the config is validated (``recipes.config.prelaunch``),
 megatron's ``TransformerConfig`` is constructed (its own checks run), and the sizes come from
-``recipes.shapes``. What a rank holds is counted in :mod:`recipes.dry_run.sizes`; the printed
+``recipes.model.shapes``. What a rank holds is counted in :mod:`recipes.dry_run.sizes`; the printed
 report, and what would make a config fit, is :mod:`recipes.dry_run.text`. Only
-``recipes.launch`` (for ``train.dry_run=true``) imports this package: the run itself does not.
+``recipes.run.launch`` (for ``train.dry_run=true``) imports this package: the run itself does not.
 """
 
 from recipes.dry_run.text import assumed_line, fit_line, report

@@ -1,4 +1,4 @@
-"""What one rank holds at a layout, counted from ``recipes.shapes`` without building anything.
+"""What one rank holds at a layout, counted from ``recipes.model.shapes`` without building anything.
 
 Per rank of the most loaded pipeline stage, with megatron's DDP (fp32 gradient buffer,
 ``grad_reduce_in_fp32``) and Adam, as Megatron-LM's
@@ -23,13 +23,13 @@ import math
 import os
 from dataclasses import dataclass
 
-from recipes import te
+from recipes.model import te
 from recipes.data import build_tokenizer
-from recipes.errors import ConfigError
+from recipes.config.errors import ConfigError
 from recipes.families import parameter_counts, parameter_shapes
-from recipes.metrics import format_bytes
-from recipes.mtp import mtp_num_layers
-from recipes.shapes import local_shape, padded_vocab_size
+from recipes.metrics.logger import format_bytes
+from recipes.model.mtp import mtp_num_layers
+from recipes.model.shapes import local_shape, padded_vocab_size
 
 # Bytes per parameter of each precision.params_dtype.
 PARAM_BYTES = {"fp32": 4, "bf16": 2}
@@ -69,7 +69,7 @@ def _stage(name: str, num_layers: int, pp: int) -> tuple[int, ...]:
 
 def rank_sizes(cfg, layout, vocab_size: int) -> RankSizes:
     """Per-rank parameter count and bytes of ``cfg`` at ``layout`` for a ``vocab_size``-token
-    tokenizer (padded as ``recipes.shapes.padded_vocab_size``), on the pipeline stage holding the
+    tokenizer (padded as ``recipes.model.shapes.padded_vocab_size``), on the pipeline stage holding the
     most parameters, activations included (:func:`activation_bytes`).
 
     Optimizer bytes with the distributed optimizer: ``ceil(dense parameters * (8 + main copy) /
@@ -232,7 +232,7 @@ def host_memory_problem(cfg, layout, vocab_size: int, processes: int,
 
 def check_host_memory(cfg, layout) -> None:
     """On CPU (no CUDA device), the ranks this machine starts fit its memory
-    (:func:`host_memory_problem`); ``recipes.launch`` calls it after ``recipes.prelaunch.check``.
+    (:func:`host_memory_problem`); ``recipes.run.launch`` calls it after ``recipes.config.prelaunch.check``.
 
     Raises:
         ConfigError: naming the sizes, the fields behind them and the machine's memory.

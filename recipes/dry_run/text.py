@@ -9,10 +9,10 @@ from omegaconf import OmegaConf, open_dict
 
 from recipes.data import build_tokenizer, check_data_paths
 from recipes.dry_run.sizes import PARAM_BYTES, RankSizes, rank_sizes, target_attention
-from recipes.metrics import format_bytes
-from recipes.model import transformer_config
-from recipes.mtp import mtp_num_layers
-from recipes.shapes import padded_vocab_size
+from recipes.metrics.logger import format_bytes
+from recipes.model.build import transformer_config
+from recipes.model.mtp import mtp_num_layers
+from recipes.model.shapes import padded_vocab_size
 
 
 def _variant(cfg, layout, **changes):

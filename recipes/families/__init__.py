@@ -3,20 +3,26 @@
 A family folder holds everything that makes the family: its config fields -> megatron's
 ``TransformerConfig``, its layer specs, the megatron module it builds, its parameter table (hence
 its GTP weights and their TP-local dims), its Hugging Face mapping both ways and its stock-format
-name patterns (``formats.py``, registered with ``gtp/`` under the entry-point group
-``gtp.model_families``). ``docs/model-families.md`` says how to add one.
+name patterns (``formats.py``, given to ``ckpt/`` below: :mod:`recipes.families.formats`).
+``docs/model-families.md`` says how to add one.
 """
 
 from __future__ import annotations
 
+from ckpt import families as checkpoint_formats
 from recipes.families import gpt, hybrid, llava, moe
 from recipes.families.family import ModelFamily
-from recipes.shapes import ParamShape, count, getter, padded_vocab_size, tp_local_shape
-from recipes.vocab import VOCAB_KEYS
+from recipes.families.formats import FORMATS, padded_vocab_of_config
+from recipes.model.shapes import ParamShape, count, getter, padded_vocab_size, tp_local_shape
+from ckpt.adapt.vocab import VOCAB_KEYS
 
 # First match wins: the dense GPT family matches every decoder, so it comes last; LLaVA first,
 # as its language model may carry other families' fields (which it refuses).
 FAMILIES: tuple[ModelFamily, ...] = (llava.FAMILY, hybrid.FAMILY, moe.FAMILY, gpt.FAMILY)
+
+# ckpt/ reads and writes these families' checkpoints (stock reader, Hugging Face import and
+# export): given to it here, as values, so that it never imports this package.
+checkpoint_formats.install(FORMATS, run_config_vocab=padded_vocab_of_config)
 
 
 def family_of(m) -> ModelFamily:
@@ -65,7 +71,7 @@ def gtp_weight_dims(cfg, tensor_model_parallel_size: int) -> dict[str, int]:
       (``gtp.expert_gtp_remat_size > 1``; megatron shards them over the expert GTP group), as one
       expert-parallel rank holds them, with expert tensor parallelism instead of TP.
 
-    Names are those of ``named_parameters()`` (``recipes.gtp_setup.after_model`` checks the built
+    Names are those of ``named_parameters()`` (``recipes.model.gtp_setup.after_model`` checks the built
     model against this table). The vocab rows are left out when the tokenizer cannot be built
     from the config (other checks report that).
     """

@@ -17,18 +17,18 @@ class ModelFamily:
             (the first family in ``FAMILIES`` that matches owns it).
         transformer_config_fields: ``(model config, ParallelDims) -> dict`` of megatron
             ``TransformerConfig`` keyword arguments for the family's model fields (the run-wide
-            ones, parallel sizes, precision and fusions, come from ``recipes.model``).
+            ones, parallel sizes, precision and fusions, come from ``recipes.model.build``).
         layer_spec: ``(model config, TransformerConfig, use_te, vp_stage) -> ModuleSpec``:
             megatron's layer (or decoder block) spec, local or TransformerEngine.
         build: ``(model config, TransformerConfig, spec, padded vocab, pre_process,
             post_process, vp_stage, tied) -> module``: one model chunk, a megatron module.
-        parameter_shapes: ``(model config, padded vocab) -> list[recipes.shapes.ParamShape]``:
+        parameter_shapes: ``(model config, padded vocab) -> list[recipes.model.shapes.ParamShape]``:
             every parameter the built module holds, without building it.
         building: a context manager active while chunks are built (default: none).
         init_weights: ``(chunk, TransformerConfig, seed) -> None`` after a chunk is built, for
             weights whose CPU draw would differ between layouts (default: none).
         check: ``(run config, ParallelDims) -> None``, the family's own rules before launch
-            (``recipes.validate``; raises ``ConfigError``; default: none).
+            (``recipes.config.validate``; raises ``ConfigError``; default: none).
     """
 
     name: str

@@ -8,7 +8,7 @@ in :mod:`.table`, the figure in :mod:`.figure`, the command line in ``__main__.p
 
 A DIR is a job dir (it holds ``metrics.jsonl``) or any folder above job dirs (every
 ``metrics.jsonl`` below it is a job). Everything is read from the local metric logs
-(``recipes.metrics.read_metrics``); nothing touches the network.
+(``recipes.metrics.logger.read_metrics``); nothing touches the network.
 
 The figure has two panels (grad-norm, lm loss vs iteration), one line per job, labelled with the
 overrides that tell the jobs apart (Hydra's ``.hydra/overrides.yaml``; the dir name otherwise)

@@ -1,5 +1,5 @@
 """The sweep report's jobs: found below the given dirs, read from their metric logs
-(``recipes.metrics.read_metrics``; nothing touches the network), labelled by the overrides that
+(``recipes.metrics.logger.read_metrics``; nothing touches the network), labelled by the overrides that
 tell them apart, and summarised into final figures."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from recipes.metrics import METRICS_FILE, read_metrics
+from recipes.metrics.logger import METRICS_FILE, read_metrics
 
 
 GRAD_NORM, LM_LOSS, TOKENS = "grad-norm", "lm loss", "tokens-per-sec"
@@ -64,7 +64,7 @@ def finite(x) -> bool:
 
 
 def describe_layout(layout: dict | None) -> str:
-    """``tp2 x gtp2(pad 16) x dp1`` from a layout record (``recipes.checkpoint.layout_record``)."""
+    """``tp2 x gtp2(pad 16) x dp1`` from a layout record (``ckpt.io.layout_record``)."""
     if not layout:
         return "?"
     tp = layout.get("tensor_model_parallel_size", "?")

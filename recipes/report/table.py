@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from recipes.metrics import format_bytes
+from recipes.metrics.logger import format_bytes
 
 # (summary key, column head), in table order.
 COLUMNS = [("job", "job"), ("layout", "layout"), ("final_iteration", "iter"),

@@ -55,7 +55,7 @@ def _save_worker(root: str, cfgs: dict) -> dict:
     from megatron.core import parallel_state
 
     from layout_goldens import build, fill
-    from recipes import checkpoint
+    from ckpt import io as checkpoint
 
     filled = {}
     for name, cfg_yaml in cfgs.items():

@@ -7,7 +7,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from recipes.config import register_configs
+from recipes.config.schema import register_configs
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
 register_configs()

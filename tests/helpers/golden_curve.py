@@ -32,7 +32,7 @@ def curve(rows: list[dict]) -> dict:
 def main() -> None:
     """Run the golden config through train.py and write :data:`GOLDEN`."""
     sys.path.insert(0, str(REPO))
-    from recipes.metrics import read_metrics
+    from recipes.metrics.logger import read_metrics
 
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, str(REPO / "train.py"), f"hydra.run.dir={tmp}", *OVERRIDES],

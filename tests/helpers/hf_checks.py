@@ -14,10 +14,10 @@ import torch
 
 
 def assert_import_refused(hf_root, src: str, change: dict, match: str, out_root, out: str):
-    """``gtp.hf_import.import_hf`` of a copy of ``hf_root/src`` whose ``config.json`` has
+    """``ckpt.hf.hf_import.import_hf`` of a copy of ``hf_root/src`` whose ``config.json`` has
     ``change`` raises ``HFImportError`` matching ``match`` and writes no checkpoint under
     ``out_root/out``."""
-    from gtp import hf_import
+    from ckpt.hf import hf_import
 
     bad = out_root / f"{src}_{out}"
     shutil.copytree(hf_root / src, bad)
@@ -56,13 +56,13 @@ def megatron_logits(model, tokens):
 
 def pretrained_run(cfg_yaml: str) -> tuple:
     """``(cfg, tokenizer, model, optimizer, scheduler)`` of a resolved config whose
-    ``checkpoint.pretrained`` is prepared (``recipes.pretrained.prepare``): megatron's groups
-    rebuilt, the model built by ``recipes.worker.setup`` and the source's weights loaded."""
+    ``checkpoint.pretrained`` is prepared (``recipes.run.pretrained.prepare``): megatron's groups
+    rebuilt, the model built by ``recipes.run.worker.setup`` and the source's weights loaded."""
     from omegaconf import OmegaConf
 
     from multiproc import reset_model_parallel
-    from recipes import pretrained, worker
-    from recipes.validate import validate
+    from recipes.run import pretrained, worker
+    from recipes.config.validate import validate
 
     reset_model_parallel()
     cfg = OmegaConf.create(cfg_yaml)

@@ -1,9 +1,9 @@
 """The project's imports read from the source (ast), for the import-graph tests.
 
-Every import statement of mcore_compat/, gtp/ and recipes/ is resolved to what it loads: a
+Every import statement of mcore_compat/, gtp/, ckpt/ and recipes/ is resolved to what it loads: a
 project module (relative imports resolved; ``from pkg import name`` is ``pkg.name`` when that is
 a module, the submodule that a package's ``_LAZY`` table loads ``name`` from
-(``recipes.lazy.lazy_names``), else ``pkg``) or an outside name (``torch.nn``, ``os``)."""
+(``mcore_compat.lazy.lazy_names``), else ``pkg``) or an outside name (``torch.nn``, ``os``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-PACKAGES = ("mcore_compat", "gtp", "recipes")
+PACKAGES = ("mcore_compat", "gtp", "ckpt", "recipes")
 STDLIB = frozenset(sys.stdlib_module_names)
 
 

@@ -4,8 +4,8 @@ A ``train.py`` job on CPU spends most of its time starting processes (the launch
 worker importing torch and megatron-core) rather than training a tiny model for a few
 iterations. Tests that need many short jobs of the same world size run them here instead: each
 rank of one :func:`multiproc.run_distributed` world runs every job through
-``recipes.launch.run`` as a torchrun/Slurm rank does (``RANK``/``WORLD_SIZE`` set: the same
-validation, resume plan, resolved config and ``recipes.worker.run`` as ``train.py`` under
+``recipes.run.launch.run`` as a torchrun/Slurm rank does (``RANK``/``WORLD_SIZE`` set: the same
+validation, resume plan, resolved config and ``recipes.run.worker.run`` as ``train.py`` under
 torchrun, with the job's overrides as its command line), then drops the job's process groups and megatron's globals before the next one.
 
     from inworld import train_jobs
@@ -62,7 +62,7 @@ def compose_job(out_dir, cache_dir, overrides) -> object:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from recipes.config import register_configs
+    from recipes.config.schema import register_configs
 
     register_configs()
     GlobalHydra.instance().clear()
@@ -76,11 +76,11 @@ def forget_job_globals() -> None:
     beyond megatron's parallel state and GTP globals (``multiproc.reset_model_parallel``):
     megatron's MoE metrics tracker (sized by the job's layers, holding its groups) and the
     worker's "this process trains" mark (an error before the next job trains is a refusal
-    again). The console filters of ``recipes.console.quiet_megatron`` are replaced by the next
+    again). The console filters of ``recipes.metrics.console.quiet_megatron`` are replaced by the next
     job's own."""
     from megatron.core.transformer.moe import moe_logging
 
-    from recipes import worker
+    from recipes.run import worker
 
     moe_logging.set_moe_metrics_tracker(moe_logging.MoEMetricsTracker())
     worker._TRAINING.clear()
@@ -94,8 +94,8 @@ def world_size_of(cfg) -> int:
 def _jobs(jobs):
     import torch.distributed as dist
 
-    from recipes import launch
-    from recipes.config import register_configs
+    from recipes.run import launch
+    from recipes.config.schema import register_configs
 
     register_configs()  # the resolvers a composed config may still name
     rank = dist.get_rank()

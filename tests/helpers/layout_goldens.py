@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from multiproc import reset_model_parallel
 from optimizer_entries import main_param_entries
-from recipes.config import register_configs
+from recipes.config.schema import register_configs
 
 REPO = Path(__file__).resolve().parents[2]
 CONF = str(REPO / "conf")
@@ -46,12 +46,13 @@ def make_cfg(model: str, tp: int, g: int, pad, nproc: int, checkpoint_layout: st
 
 
 # --------------------------------------------------------------------------------------------
-# Helpers that run inside the worker processes (independent of gtp/logical_format.py).
+# Helpers that run inside the worker processes (independent of ckpt/format/logical_format.py).
 # --------------------------------------------------------------------------------------------
 def build(cfg_yaml: str):
     """(model, optimizer, scheduler, layout record) at the config's layout, fresh groups."""
-    from recipes import checkpoint, worker
-    from recipes.validate import validate
+    from ckpt import io as checkpoint
+    from recipes.run import worker
+    from recipes.config.validate import validate
 
     reset_model_parallel()
     cfg = OmegaConf.create(cfg_yaml)
@@ -154,7 +155,7 @@ def global_names(model) -> dict:
     taken from megatron: chunk v of stage p holds layers from (v * pp + p) * num_layers / (pp * vpp)."""
     from megatron.core import parallel_state as ps
 
-    from recipes.model import model_chunks
+    from recipes.model.build import model_chunks
 
     out = {}
     chunks = model_chunks(model)
@@ -232,12 +233,12 @@ def check(model, optimizer, cfg) -> tuple[int, list[str]]:
 def save_and_load_pairs(root: str, cfgs: dict) -> dict:
     """In a worker of a gloo world: build each layout of ``cfgs`` (name -> :func:`make_cfg`
     YAML), fill it with the goldens and save it under ``root/name`` through
-    ``recipes.checkpoint``; then load every save into every layout pre-filled with a sentinel.
+    ``ckpt.io``; then load every save into every layout pre-filled with a sentinel.
 
     Returns:
         ``{"filled": {name: tensors filled}, "loads": {(source, target): check()}}``.
     """
-    from recipes import checkpoint
+    from ckpt import io as checkpoint
 
     out = {"filled": {}, "loads": {}}
     for name, cfg_yaml in cfgs.items():

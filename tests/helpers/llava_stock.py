@@ -2,7 +2,7 @@
 tests/test_llava_stock.py: saved with ``tests/helpers/module_layouts.py``'s goldens and the
 common state a gtp-recipes run records (``layout``, ``train_state.config``; no ``gtp_layout``
 record, as megatron's own writer leaves it), then loaded through the project's load path
-(``gtp.stock.prepare_load``, then the logical format) into sentinel-filled targets.
+(``ckpt.stock.prepare_load``, then the logical format) into sentinel-filled targets.
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ def common(tp: int, g: int, pad) -> dict:
 def save_stock_and_load(builder: str, root: str, saves: dict, loads: list):
     """Each layout of ``saves`` (``name: (tp, g, pad, distributed optimizer)``) writes its goldens
     in the stock format to ``root/<name>/iter_0000001``; then each ``(source, target)`` of
-    ``loads`` is loaded as ``recipes.checkpoint`` does (:func:`gtp.stock.prepare_load`, which
+    ``loads`` is loaded as ``ckpt.io`` does (:func:`ckpt.stock.prepare_load`, which
     converts a padded one, then megatron's load with the logical format installed) into a
     sentinel-filled module and optimizer at the target layout. Returns
     ``{(source, target): layout_goldens.check()}``."""
     from megatron.core import dist_checkpointing
 
-    from gtp import stock
+    from ckpt import stock
 
     for name, (tp, g, pad, do) in saves.items():
         module_layouts.setup(builder, tp, g, pad, "stock")

@@ -1,7 +1,7 @@
 """A megatron-core ``MambaMixer`` builder for ``tests/helpers/module_layouts.py``: the mixer
 (``ColumnParallelLinear`` in_proj, ``RowParallelLinear`` out_proj) on the torch kernels
 (``mcore_compat.mamba_cpu``) with the logical format of its packed ``in_proj``
-(``gtp.mamba_format``).
+(``ckpt.format.mamba_format``).
 
 Dims (hidden 32, ``d_inner`` 64, 4 heads of 16, 2 groups of state 8): ``in_proj`` packs
 ``z64 | x64 | B16 | C16 | dt4`` = 164 rows (82 per TP rank at tp2). At g2/a16 (tp1) the GTP
@@ -20,7 +20,7 @@ IN_PROJ = ("z", "x", "B", "C", "dt")
 
 
 def install() -> None:
-    from gtp import mamba_format
+    from ckpt.format import mamba_format
     from mcore_compat import mamba_cpu
 
     mamba_cpu.install()

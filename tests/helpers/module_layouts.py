@@ -43,11 +43,12 @@ def setup(builder: str, tp: int, g: int, pad, fmt: str = "logical"):
     from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp_impl
 
-    from gtp import alignment, backend, grad_stats, logical_format
+    from gtp import alignment, backend, grad_stats
+    from ckpt.format import logical_format
     from mcore_compat import cpu, distrib_optimizer
 
     cpu.install()
-    distrib_optimizer.install()  # as recipes.worker
+    distrib_optimizer.install()  # as recipes.run.worker
     module = importlib.import_module(builder)
     module.install()
     logical_format.configure(fmt)
@@ -130,8 +131,8 @@ def _loss_and_grads(mod, ddp, module):
 
 
 def sharded_state(ddp, opt, loading: bool) -> dict:
-    """``{"model", "optimizer"}`` sharded state dicts, as ``recipes.checkpoint`` builds them."""
-    from recipes.checkpoint.state import optimizer_metadata
+    """``{"model", "optimizer"}`` sharded state dicts, as ``ckpt.io`` builds them."""
+    from ckpt.io.state import optimizer_metadata
 
     model_sd = ddp.module.sharded_state_dict()
     return {"model": model_sd, "optimizer": opt.sharded_state_dict(
@@ -141,12 +142,12 @@ def sharded_state(ddp, opt, loading: bool) -> dict:
 def save_and_load_all(builder: str, root: str, layouts: dict, fmt: str = "logical"):
     """Each layout ``name: (tp, g, pad, distributed optimizer)`` saves its goldens to
     ``root/<name>``; then each loads every checkpoint of the same optimizer kind (a change of
-    kind goes through ``recipes.optim_checkpoint``, tested with GPT) into a sentinel-filled
+    kind goes through ``ckpt.adapt.optim_checkpoint``, tested with GPT) into a sentinel-filled
     module and optimizer. Returns ``{"records": {name: gtp_layout tensors}, (source, target):
     check()}``."""
     from megatron.core import dist_checkpointing
 
-    from gtp.gtp_layout_record import gtp_layout_record
+    from ckpt.format.gtp_layout_record import gtp_layout_record
 
     records = {}
     for name, (tp, g, pad, do) in layouts.items():

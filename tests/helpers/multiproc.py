@@ -47,9 +47,9 @@ PRELOAD = [
     "megatron.core.dist_checkpointing", "megatron.core.pipeline_parallel",
     "megatron.core.transformer.moe.moe_layer",
     "hydra", "omegaconf",
-    "recipes.launch", "recipes.worker", "recipes.loop", "recipes.model", "recipes.optim",
-    "recipes.checkpoint", "recipes.metrics", "recipes.data",
-    "gtp.logical_format", "gtp.logical_factory",
+    "recipes.run.launch", "recipes.run.worker", "recipes.run.loop", "recipes.model.build", "recipes.run.optim",
+    "ckpt.io", "recipes.metrics.logger", "recipes.data",
+    "ckpt.format.logical_format", "ckpt.format.logical_factory",
     "frozen_preload",  # last: freezes what the imports above built
 ]
 _CONTEXT = None
@@ -139,7 +139,7 @@ def _worker(fn, rank, world_size, port, args, timeout, results, environ):
         import torch
         import torch.distributed as dist
 
-        from recipes.rank_env import cpu_threads_per_rank
+        from recipes.run.rank_env import cpu_threads_per_rank
 
         # As train.py's launcher gives its workers (the forkserver's torch took every core).
         threads = environ.get("OMP_NUM_THREADS") or cpu_threads_per_rank(world_size)

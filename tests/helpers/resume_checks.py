@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from recipes.metrics import read_metrics
+from recipes.metrics.logger import read_metrics
 from tolerance import TINY, assert_fp32_close
 
 # What a same-computation pair compares bit for bit (Python arithmetic besides the step's own).
@@ -52,7 +52,7 @@ def computation_fields(run_dir) -> dict:
     the option names (``*.name``)."""
     import yaml
 
-    from recipes.config import RESOLVED_CONFIG
+    from recipes.config.schema import RESOLVED_CONFIG
 
     cfg = yaml.safe_load((Path(run_dir) / RESOLVED_CONFIG).read_text())
     flat = {}

@@ -1,5 +1,5 @@
-"""The GPT family's formats as ``gtp/`` reads and writes them (registered in ``pyproject.toml``
-under the entry-point group ``gtp.model_families``): GPT-2 and Llama (also Mistral, Qwen2 and
+"""The GPT family's formats as ``ckpt/`` reads and writes them (given to it by
+:mod:`recipes.families.formats`): GPT-2 and Llama (also Mistral, Qwen2 and
 Qwen3: Llama architectures of other names) to and from Hugging Face
 (:mod:`recipes.families.gpt.hf_import`, :mod:`recipes.families.gpt.hf_export`) and the names of
 the weights GTP shards in a stock-format checkpoint.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from gtp.families import FamilyFormats, HFArchitecture, HFImport
+from ckpt.families import FamilyFormats, HFArchitecture, HFImport
 from recipes.families.gpt import hf_export, hf_import
 
 # GTP-sharded weights of megatron's GPT model (local spec): kind per key pattern. The MoE

@@ -1,4 +1,4 @@
-"""The GPT family written as Hugging Face models (:mod:`gtp.hf_export` drives it), from
+"""The GPT family written as Hugging Face models (:mod:`ckpt.hf.hf_export` drives it), from
 megatron-core's GPTModel tensors (local layer spec; per-layer tensors stacked along dim 0,
 ``[num_layers, ...]``):
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gtp.families import ExportError
+from ckpt.families import ExportError
 from recipes.families.gpt.hf_import import MEGATRON_LLAMA3_ROPE
 
 

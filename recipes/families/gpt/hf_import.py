@@ -1,5 +1,5 @@
-"""The GPT family read from Hugging Face (:mod:`gtp.hf_import` drives it): config.json -> the
-``model`` config fields, the weight plan, and the sizes :mod:`gtp.hf_weights` checks.
+"""The GPT family read from Hugging Face (:mod:`ckpt.hf.hf_import` drives it): config.json -> the
+``model`` config fields, the weight plan, and the sizes :mod:`ckpt.hf.hf_weights` checks.
 
 * ``GPT2LMHeadModel`` -> GPT (LayerNorm, linear biases, GeLU, learned absolute positions).
   GPT-2's ``Conv1D`` weights are ``[in, out]``: transposed. ``c_attn``'s ``[q | k | v]`` columns
@@ -21,7 +21,7 @@
 
 from __future__ import annotations
 
-from gtp.hf_weights import HFImportError
+from ckpt.hf.hf_weights import HFImportError
 
 # megatron-core 0.19.2 RotaryEmbedding._apply_scaling's fixed Llama-3 parameters.
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -231,7 +231,7 @@ def llama_plan(m: dict, prefix: str) -> list:
 
 
 # ------------------------------------------------------------------------------------------
-# sizes checked against config.json (gtp.hf_weights.check_sizes)
+# sizes checked against config.json (ckpt.hf.hf_weights.check_sizes)
 # ------------------------------------------------------------------------------------------
 # config.json field names (as the transformers config class names them) of each model size.
 GPT2_SIZE_FIELDS = {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "ffn": "n_inner",

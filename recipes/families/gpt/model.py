@@ -15,8 +15,8 @@ def transformer_config_fields(m, dims) -> dict:
     """megatron ``TransformerConfig`` keyword arguments of a dense GPT/Llama ``model`` config.
 
     Args:
-        m: the ``model`` config (``recipes.config.ModelConfig`` fields).
-        dims: the run's ``recipes.parallel_dims.ParallelDims`` (unused by the dense fields;
+        m: the ``model`` config (``recipes.config.schema.ModelConfig`` fields).
+        dims: the run's ``recipes.config.parallel_dims.ParallelDims`` (unused by the dense fields;
             families with experts read their expert sizes from it).
     """
     out = dict(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from recipes.shapes import ParamShape, getter, kv_channels, qkv_rows
+from recipes.model.shapes import ParamShape, getter, kv_channels, qkv_rows
 
 # ``(model config, layer index, "decoder.layers.<i>", add) -> handled``: a family's MLP of one
 # layer, or False to leave that layer's MLP dense.

@@ -1,11 +1,11 @@
-"""The hybrid family's rules, before any process starts (``recipes.validate``)."""
+"""The hybrid family's rules, before any process starts (``recipes.config.validate``)."""
 
 from __future__ import annotations
 
-from recipes.errors import ConfigError
+from recipes.config.errors import ConfigError
 from recipes.families.hybrid.model import MAMBA, PIPE, SUPPORTED, UNSUPPORTED
 from recipes.families.hybrid.params import mamba_dims
-from recipes.parallel_dims import check_positive
+from recipes.config.parallel_dims import check_positive
 
 
 def check(cfg, layout) -> None:

@@ -1,5 +1,5 @@
-"""The hybrid family's formats as ``gtp/`` reads and writes them (registered in
-``pyproject.toml`` under the entry-point group ``gtp.model_families``): the export to
+"""The hybrid family's formats as ``ckpt/`` reads and writes them (given to it
+by :mod:`recipes.families.formats`): the export to
 transformers' ``NemotronHForCausalLM``.
 
 megatron's ``HybridModel`` (the family's local stack spec) and NemotronH compute the same
@@ -23,7 +23,7 @@ A stock-format (0.19.2) checkpoint holds the same keys: megatron gathers ``in_pr
 shards and drops their padding before it splits it (:data:`STORED_LOGICAL`), and pads
 ``out_proj`` like the GPT family's ``linear_proj`` (:data:`GTP_PATTERNS`); the attention and MLP
 layers' weights are the GPT family's names, which its patterns cover. So the stock reader
-(:mod:`gtp.stock`) reads its model weights, and it exports the same way.
+(:mod:`ckpt.stock`) reads its model weights, and it exports the same way.
 
 No megatron or Hydra at import (the ``gtp`` command line loads it); the parameter sizes come
 from the family's table (``params.mamba_dims``).
@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from gtp.families import ExportError, FamilyFormats, HFArchitecture
+from ckpt.families import ExportError, FamilyFormats, HFArchitecture
 from recipes.families.gpt.hf_export import split_qkv
 from recipes.families.hybrid.model import ATTENTION, MAMBA, MLP
 from recipes.families.hybrid.params import mamba_dims

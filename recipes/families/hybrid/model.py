@@ -106,8 +106,8 @@ def building():
     """While chunks are built: megatron's ``MambaMixer`` on the torch kernels where
     ``mamba_ssm`` cannot run and ``HybridStack``'s final norm without TransformerEngine
     (``mcore_compat.mamba_cpu``), and its packed ``in_proj`` in the logical checkpoint format
-    (``gtp.mamba_format``)."""
-    from gtp import mamba_format
+    (``ckpt.format.mamba_format``)."""
+    from ckpt.format import mamba_format
     from mcore_compat import mamba_cpu
 
     mamba_cpu.install()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from recipes.families.gpt.params import attention_shapes, embedding_shapes, mlp_shapes
 from recipes.families.hybrid.model import ATTENTION, MAMBA, MLP, layer_symbols
-from recipes.shapes import ParamShape, getter
+from recipes.model.shapes import ParamShape, getter
 
 
 def mamba_dims(m) -> dict:

@@ -1,10 +1,10 @@
-"""The LLaVA family's rules, before any process starts (``recipes.validate``)."""
+"""The LLaVA family's rules, before any process starts (``recipes.config.validate``)."""
 
 from __future__ import annotations
 
-from recipes.errors import ConfigError
+from recipes.config.errors import ConfigError
 from recipes.families.llava.model import PROJECTION_TYPES, VISION_MODEL_TYPES
-from recipes.parallel_dims import check_positive
+from recipes.config.parallel_dims import check_positive
 
 # The data source that gives images with captions (recipes.data.images).
 IMAGE_SOURCE = "shapes"

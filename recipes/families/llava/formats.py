@@ -1,5 +1,5 @@
-"""The LLaVA family's formats as ``gtp/`` reads and writes them (registered in ``pyproject.toml``
-under the entry-point group ``gtp.model_families``). An export to Hugging Face is refused with
+"""The LLaVA family's formats as ``ckpt/`` reads and writes them (given to it by
+:mod:`recipes.families.formats`). An export to Hugging Face is refused with
 the reason. Stock-format checkpoints are read: the GTP weights' names are the GPT family's
 patterns (``linear_qkv``, ``linear_fc1``, ... under ``language_model.``, ``vision_model.`` and
 ``vision_projection.``), each of the three sub-models with its own dims (:func:`sub_model_dims`),
@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
-from gtp.families import ExportError, FamilyFormats
+from ckpt.families import ExportError, FamilyFormats
 
 # megatron's LLaVAModel: the language model, the CLIP ViT, the MLP projector.
 SUB_MODELS = ("language_model.", "vision_model.", "vision_projection.")

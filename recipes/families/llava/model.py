@@ -11,7 +11,7 @@ from recipes.families.gpt import model as gpt_model
 VISION_MODEL_TYPES = ("clip",)
 PROJECTION_TYPES = ("mlp",)
 # Fields of the language model's TransformerConfig the ViT's and the projector's share: the
-# run-wide ones recipes.model sets (parallel sizes, dtype, CPU init, fusions off, GTP).
+# run-wide ones recipes.model.build sets (parallel sizes, dtype, CPU init, fusions off, GTP).
 RUN_WIDE = ("tensor_model_parallel_size", "use_cpu_initialization", "params_dtype", "bf16",
             "pipeline_dtype", "bias_activation_fusion", "masked_softmax_fusion",
             "bias_dropout_fusion", "apply_rope_fusion", "gradient_accumulation_fusion",

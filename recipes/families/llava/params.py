@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from recipes.families.gpt import params as gpt_params
 from recipes.families.llava.model import language_sequence_length, vision_sequence_length
-from recipes.shapes import ParamShape
+from recipes.model.shapes import ParamShape
 
 
 def vision_shapes(m) -> list[ParamShape]:

@@ -1,7 +1,7 @@
-"""The MoE family's formats as ``gtp/`` reads and writes them (registered in ``pyproject.toml``
-under the entry-point group ``gtp.model_families``): Mixture-of-Experts checkpoints ->
-``MixtralForCausalLM`` or ``Qwen3MoeForCausalLM`` (:func:`gtp.hf_export.export` drives it),
-and back (:mod:`recipes.families.moe.hf_import`, driven by :func:`gtp.hf_import.import_hf`).
+"""The MoE family's formats as ``ckpt/`` reads and writes them (given to it by
+:mod:`recipes.families.formats`): Mixture-of-Experts checkpoints ->
+``MixtralForCausalLM`` or ``Qwen3MoeForCausalLM`` (:func:`ckpt.hf.hf_export.export` drives it),
+and back (:mod:`recipes.families.moe.hf_import`, driven by :func:`ckpt.hf.hf_import.import_hf`).
 Its stock-format GTP weights carry the GPT family's names
 (``recipes.families.gpt.formats.GTP_PATTERNS``), so it adds no patterns.
 
@@ -48,7 +48,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from gtp.families import ExportError, FamilyFormats, HFArchitecture, HFImport
+from ckpt.families import ExportError, FamilyFormats, HFArchitecture, HFImport
 from recipes.families.gpt.hf_export import llama_attention, llama_ends
 from recipes.families.moe import hf_import
 

@@ -1,6 +1,6 @@
-"""The MoE family read from Hugging Face (:mod:`gtp.hf_import` drives it): ``MixtralForCausalLM``
+"""The MoE family read from Hugging Face (:mod:`ckpt.hf.hf_import` drives it): ``MixtralForCausalLM``
 and ``Qwen3MoeForCausalLM`` config.json -> the ``model`` config fields, the weight plan and the
-sizes :mod:`gtp.hf_weights` checks; the inverse of :func:`recipes.families.moe.formats.build`.
+sizes :mod:`ckpt.hf.hf_weights` checks; the inverse of :func:`recipes.families.moe.formats.build`.
 
 Attention, norms, embeddings and RoPE are read as for Llama
 (:func:`recipes.families.gpt.hf_import.llama_fields` / ``llama_plan``); the MLP of every layer is
@@ -33,7 +33,7 @@ and RoPE scaling (the MoE export refuses it too).
 
 from __future__ import annotations
 
-from gtp.hf_weights import HFImportError
+from ckpt.hf.hf_weights import HFImportError
 from recipes.families.gpt.hf_import import LLAMA_SIZE_FIELDS, llama_fields, llama_plan, llama_sizes
 
 # model_type: (the MLP module's name, expert tensor names gate, up, down)

@@ -24,7 +24,7 @@ def is_moe(m) -> bool:
 def transformer_config_fields(m, dims) -> dict:
     """megatron ``TransformerConfig`` keyword arguments of an MoE ``model`` config: the GPT
     family's fields, the MoE fields and the expert parallel sizes of ``dims`` (a
-    ``recipes.parallel_dims.ParallelDims``)."""
+    ``recipes.config.parallel_dims.ParallelDims``)."""
     out = gpt_model.transformer_config_fields(m, dims)
     out.update(
         num_moe_experts=int(m.num_moe_experts),

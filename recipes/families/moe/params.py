@@ -4,7 +4,7 @@ of every ``moe_layer_freq``-th layer."""
 from __future__ import annotations
 
 from recipes.families.gpt.params import mlp_shapes, parameter_shapes as gpt_parameter_shapes
-from recipes.shapes import ParamShape, getter
+from recipes.model.shapes import ParamShape, getter
 
 
 def is_moe_layer(m, layer: int) -> bool:

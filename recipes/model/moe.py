@@ -1,0 +1,202 @@
+"""Mixture of Experts in a run: the checks before launch, the load-balancing loss metric and
+the expert-GTP hooks around the model (the model itself is the MoE family's,
+``recipes/families/moe/``). The token dispatchers are megatron's ``allgather`` and ``alltoall``.
+``docs/moe.md`` lists the layouts and what is not done yet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gtp import alignment, expert_grads
+from gtp.alignment import validate_gtp_dims
+from recipes.config.errors import ConfigError
+from recipes.families import gtp_weight_dims
+from recipes.families.moe.model import is_moe
+from recipes.families.moe.params import is_moe_layer
+from recipes.model.mtp import mtp_num_layers
+
+DISPATCHERS = ("allgather", "alltoall")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+# megatron's name of the aux loss in its MoE metrics tracker, and ours in metrics.jsonl/wandb.
+AUX_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+                  "global_aux_loss": "global_load_balancing_loss"}
+
+
+def aux_loss_name(model_cfg) -> str | None:
+    """The metric name of the load-balancing loss the router records (None: none)."""
+    if not is_moe(model_cfg) or not model_cfg.get("moe_aux_loss_coeff"):
+        return None
+    return AUX_LOSS_NAMES.get(model_cfg.get("moe_router_load_balancing_type"))
+
+
+def reduce_aux_loss(model_cfg, num_microbatches: int) -> dict:
+    """The iteration's load-balancing loss from megatron's MoE metrics tracker
+    (``moe_logging.get_moe_metrics_tracker``), then the tracker cleared. Collective: every rank
+    calls it after each step.
+
+    As megatron's ``MoEMetricsTracker.report``: per layer summed over the pipeline group and
+    the entry's reduce group, averaged over its average group and the data group (gloo has no
+    ``AVG`` reduction: a sum divided by the group size), times ``1 / num_microbatches``, then
+    the mean over MoE layers (and the MTP layers, which megatron's ``report`` always counts).
+    Megatron records the loss without ``moe_aux_loss_coeff``.
+
+    Returns:
+        ``{"load_balancing_loss": float}`` (megatron's name for ``aux_loss``), empty without one.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    name = aux_loss_name(model_cfg)
+    if name is None:
+        return {}
+    tracker = get_moe_metrics_tracker()
+    # megatron's router records MTP layers after the decoder's (num_layers + mtp_num_layers).
+    mtp = mtp_num_layers(model_cfg)
+    tracker.ensure_initialized(name, int(model_cfg.num_layers) + mtp, device="cpu")
+    entry = tracker.metrics[name]
+    v = entry.values
+    dist = torch.distributed
+
+    def avg(group):
+        dist.all_reduce(v, group=group)
+        v.div_(dist.get_world_size(group))
+
+    dist.all_reduce(v, group=ps.get_pipeline_model_parallel_group())
+    if entry.reduce_group is not None:
+        dist.all_reduce(v, group=entry.reduce_group)
+    if entry.avg_group is not None:
+        avg(entry.avg_group)
+    if entry.needs_dp_avg:
+        avg(ps.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False))
+    # megatron's MoEMetricsTracker.report counts every MTP layer as an MoE layer.
+    moe_layers = sum(is_moe_layer(model_cfg, i) for i in range(int(model_cfg.num_layers))) + mtp
+    value = float(v.sum()) / num_microbatches / max(moe_layers, 1)
+    tracker.clear()
+    return {name: value}
+
+
+def check(cfg, layout) -> None:
+    """MoE and sequence-parallel rules, before any process starts (context parallelism:
+    ``recipes.model.context_parallel.check``).
+
+    Raises:
+        ConfigError: the first problem, naming the value and what is valid.
+    """
+    m = cfg.model
+    tp, ep = layout.tensor_model_parallel_size, layout.expert_model_parallel_size
+    etp, egtp = layout.expert_tensor_parallel_size, layout.expert_gtp_remat_size
+    if not is_moe(m):
+        for name, value, default in (("parallelism.expert_model_parallel_size", ep, 1),
+                                     ("gtp.expert_gtp_remat_size", egtp, 1)):
+            if value != default:
+                raise ConfigError(f"{name}={value} needs routed experts: model.{m.name} is dense "
+                                  f"(model.num_moe_experts is null); set {name}={default} or "
+                                  f"choose an MoE model (e.g. model=moe_tiny)")
+        return
+    experts = int(m.num_moe_experts)
+    if experts < 1:
+        raise ConfigError(f"model.num_moe_experts={experts} must be >= 1 (or null: dense)")
+    if experts % ep:
+        valid = [d for d in range(1, experts + 1) if experts % d == 0]
+        raise ConfigError(f"model.num_moe_experts={experts} is not divisible by "
+                          f"parallelism.expert_model_parallel_size={ep}: each EP rank holds "
+                          f"num_moe_experts / ep whole experts; valid ep: {valid}")
+    if not 1 <= m.moe_router_topk <= experts:
+        raise ConfigError(f"model.moe_router_topk={m.moe_router_topk} must lie in [1, "
+                          f"model.num_moe_experts={experts}]")
+    if m.moe_router_topk == 1 and not m.get("moe_router_pre_softmax", False):
+        # megatron's TopKRouter: a softmax over the one chosen logit is always 1.
+        raise ConfigError("model.moe_router_topk=1 needs model.moe_router_pre_softmax=true "
+                          "(softmax over all experts before the top-1; megatron refuses top-1 "
+                          "without it), or model.moe_router_topk >= 2")
+    if m.moe_aux_loss_coeff < 0:
+        raise ConfigError(f"model.moe_aux_loss_coeff={m.moe_aux_loss_coeff} must be >= 0 "
+                          f"(0: no load-balancing loss)")
+    if m.moe_token_dispatcher_type not in DISPATCHERS:
+        raise ConfigError(f"model.moe_token_dispatcher_type={m.moe_token_dispatcher_type!r}: valid "
+                          f"are {DISPATCHERS} (megatron's 'flex' needs DeepEP or HybridEP)")
+    if m.moe_router_load_balancing_type not in LOAD_BALANCING_TYPES:
+        raise ConfigError(f"model.moe_router_load_balancing_type="
+                          f"{m.moe_router_load_balancing_type!r}: valid are {LOAD_BALANCING_TYPES}")
+    if int(m.get("moe_layer_freq", 1)) < 1:
+        raise ConfigError(f"model.moe_layer_freq={m.moe_layer_freq} must be >= 1")
+    width = m.get("moe_ffn_hidden_size") or m.ffn_hidden_size
+    if width % etp:
+        raise ConfigError(f"model.moe_ffn_hidden_size={width} must be divisible by "
+                          f"parallelism.expert_tensor_parallel_size={etp}")
+    shared = m.get("moe_shared_expert_intermediate_size")
+    if shared and shared % tp:
+        raise ConfigError(f"model.moe_shared_expert_intermediate_size={shared} must be divisible "
+                          f"by parallelism.tensor_model_parallel_size={tp}")
+    if tp > 1 and not layout.sequence_parallel:
+        # MoELayer.forward raises in training: "performance may degrade if MoE and tensor
+        # parallelism are enabled without also enabling sequence parallelism".
+        raise ConfigError(f"an MoE model at parallelism.tensor_model_parallel_size={tp} needs "
+                          f"sequence parallelism (megatron's MoELayer refuses to train "
+                          f"without it): set parallelism.sequence_parallel=true")
+    if m.get("add_bias_linear", True):
+        # megatron-core 0.19.2's MLP.forward adds an expert's fc2 bias in place to the output
+        # of the reduce Function, which autograd refuses in the first backward (every layout:
+        # the local experts are SequentialMLP's MLPs; at expert TP > 1 megatron refuses too).
+        raise ConfigError("model.add_bias_linear=true with an MoE model: megatron-core 0.19.2's "
+                          "experts (MLP.forward) add their fc2 bias in place to a tensor "
+                          "autograd may not modify, so the first backward fails; set "
+                          "model.add_bias_linear=false")
+    if egtp > 1:
+        _check_expert_gtp(cfg, layout)
+    _check_checkpoints(cfg, layout)
+
+
+def _check_checkpoints(cfg, layout) -> None:
+    """What MoE checkpoints support (docs/moe.md, Checkpoints): the logical format (fp32 or
+    bf16 parameters, megatron's plain or distributed optimizer) and the stock one with fp32
+    parameters and the plain optimizer (read at other layouts through ckpt.stock); pretrained
+    starts (a Mixtral / Qwen3-MoE import, or a checkpoint) load logical-format weights at any
+    expert layout. Anything else is refused, naming why."""
+    ck, m = cfg.checkpoint, cfg.model
+    used = [key for key in ("save", "load") if ck.get(key) is not None]
+    if not used or ck.get("format", "logical") == "logical":
+        return
+    why = None
+    if layout.use_distributed_optimizer:
+        why = ("optim.use_distributed_optimizer=true (untested with stock MoE checkpoints); "
+               "set optim.use_distributed_optimizer=false or checkpoint.format=logical")
+    elif cfg.precision.params_dtype != "fp32":
+        why = (f"precision.params_dtype={cfg.precision.params_dtype} (untested with stock MoE "
+               f"checkpoints); use precision=fp32 or checkpoint.format=logical")
+    if why:
+        raise ConfigError(f"checkpoint.{used[0]}={ck[used[0]]!r} with an MoE model "
+                          f"(model.{m.name}), checkpoint.format={ck.format!r} and {why}, or "
+                          f"train without checkpoints: checkpoint=none")
+
+
+def _check_expert_gtp(cfg, layout) -> None:
+    egtp = layout.expert_gtp_remat_size
+    if layout.gtp_remat_size > 1 and layout.gtp_remat_size != egtp:
+        raise ConfigError(f"gtp.expert_gtp_remat_size={egtp} with gtp.gtp_remat_size="
+                          f"{layout.gtp_remat_size}: set them equal, or gtp.gtp_remat_size=1")
+    dims = {n: d for n, d in gtp_weight_dims(cfg, layout.tensor_model_parallel_size).items()
+            if ".local_experts." in n}
+    try:
+        validate_gtp_dims(dims.values(), egtp, layout.pad_for_alignment)
+    except ValueError as exc:
+        raise ConfigError(f"gtp.expert_gtp_remat_size={egtp} with gtp.pad_for_alignment="
+                          f"{layout.pad_for_alignment}: {exc}") from None
+
+
+def after_model(chunk, layout) -> None:
+    """Before DDP: expert GTP's first gradient fix (``gtp.expert_grads.tag_expert_params``) and,
+    without dense GTP (``recipes.model.gtp_setup.after_model`` checks it otherwise), the expert shards'
+    alignment (``gtp.alignment.check_pad_applied``)."""
+    if layout.expert_gtp_remat_size <= 1:
+        return
+    expert_grads.tag_expert_params(chunk, layout.expert_gtp_remat_size)
+    if layout.gtp_remat_size == 1:
+        alignment.check_pad_applied(chunk, layout.pad_for_alignment)
+
+
+def after_ddp(ddp_chunk, layout) -> None:
+    """After DDP: expert GTP's second gradient fix (``gtp.expert_grads.scale_expert_gradients``)."""
+    expert_grads.scale_expert_gradients(ddp_chunk, layout.expert_gtp_remat_size,
+                                        layout.gtp_remat_size)
