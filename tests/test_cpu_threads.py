@@ -57,3 +57,30 @@ def _threads() -> int:
 def test_test_world_ranks_share_the_cores(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert run_distributed(_threads, 2) == [max(1, CORES // 2)] * 2
+
+
+class _Task:  # what rank_env_from_submitit reads of submitit.JobEnvironment()
+    job_id, global_rank, local_rank, num_tasks, num_nodes, hostnames = "77", 1, 1, 4, 2, ["h"]
+
+
+def test_submitit_tasks_free_to_use_every_core_share_them(monkeypatch):
+    """submitit's local executor starts each task as a process free to run on every core (two
+    tasks on two cores ran four threads, and a requeued job resumed off its uninterrupted
+    trajectory's rounding); a Slurm task bound to its own cores keeps them; a set value
+    stands."""
+    import submitit
+
+    from recipes.run.launch import rank_env_from_submitit
+
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(submitit, "JobEnvironment", _Task)
+    assert rank_env_from_submitit()["OMP_NUM_THREADS"] == str(max(1, CORES // 2))  # 2 a node
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert "OMP_NUM_THREADS" not in rank_env_from_submitit()
+    monkeypatch.undo()
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")
+    monkeypatch.setattr(submitit, "JobEnvironment", _Task)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert "OMP_NUM_THREADS" not in rank_env_from_submitit()

@@ -358,7 +358,8 @@ def rank_env_from_submitit() -> dict | None:
     From ``submitit.JobEnvironment()``: ``RANK`` = global_rank, ``LOCAL_RANK`` = local_rank,
     ``WORLD_SIZE`` = num_tasks (nodes x tasks_per_node), ``MASTER_ADDR`` = the job's first host
     and ``MASTER_PORT`` = a port derived from the job id (the same on every task, different for
-    jobs sharing a node).
+    jobs sharing a node); ``OMP_NUM_THREADS`` (unless set) = the machine's cores / tasks per node
+    when a task may run on every core.
     """
     if not any(k.startswith("SUBMITIT_") for k in os.environ):
         return None
@@ -370,13 +371,18 @@ def rank_env_from_submitit() -> dict | None:
         return None
     job_id = str(env.job_id)
     digits = "".join(c for c in job_id if c.isdigit()) or "0"
-    return {
+    ranks = {
         "RANK": str(env.global_rank),
         "LOCAL_RANK": str(env.local_rank),
         "WORLD_SIZE": str(env.num_tasks),
         "MASTER_ADDR": env.hostnames[0],
         "MASTER_PORT": str(20000 + int(digits[-6:]) % 20000),
     }
+    # Tasks free to run on every core (submitit's local executor; Slurm binds its tasks) share
+    # them as train.py's own workers do.
+    if "OMP_NUM_THREADS" not in os.environ and len(os.sched_getaffinity(0)) == os.cpu_count():
+        ranks["OMP_NUM_THREADS"] = str(cpu_threads_per_rank(env.num_tasks // env.num_nodes))
+    return ranks
 
 
 def run(cfg, overrides: list[str] | None = None) -> None:

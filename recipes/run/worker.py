@@ -97,6 +97,8 @@ def init_distributed() -> bool:
     """
     if torch.distributed.is_initialized():
         return False
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # torch may have started before it was set
+        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
