@@ -1,5 +1,8 @@
 """mcore_compat.mamba_ops: the plain-torch Mamba-2 kernels against the recurrence they compute,
-step by step, in fp64; their gradients by finite differences (torch.autograd.gradcheck)."""
+step by step, in fp64; their gradients by finite differences (torch.autograd.gradcheck in its
+fast mode: a random projection v^T J u of the Jacobian, numerical against analytical, instead of
+every column: 1 s instead of 72 s, and a state carried across chunks without its gradient still
+fails both checks)."""
 
 from __future__ import annotations
 
@@ -89,7 +92,7 @@ def test_the_scan_gradients_match_finite_differences():
     def scan(x, dt, A, B, C, h0):
         return mamba_ops.ssd_scan(x, F.softplus(dt), A, B, C, 4, h0)
 
-    assert torch.autograd.gradcheck(scan, args)
+    assert torch.autograd.gradcheck(scan, args, fast_mode=True)
 
 
 def test_the_split_conv1d_scan_is_the_conv_then_the_scan():
@@ -152,7 +155,7 @@ def test_the_split_scan_gradients_match_finite_differences():
         return mamba_ops.mamba_split_conv1d_scan_combined(zxbcdt, weight, None, dt_bias, A, D, 4,
                                                           ngroups=GROUPS)
 
-    assert torch.autograd.gradcheck(split_scan, (zxbcdt, weight, A, dt_bias, D))
+    assert torch.autograd.gradcheck(split_scan, (zxbcdt, weight, A, dt_bias, D), fast_mode=True)
 
 
 def test_a_negative_dt_is_clamped_to_zero_by_default():
