@@ -22,6 +22,7 @@ Two rules, checked on the test sources without running them:
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,11 @@ def test_two_runs_of_different_computations_are_refused_as_bit_for_bit(tmp_path)
         with pytest.raises(AssertionError, match="not the same computation") as err:
             assert_bit_for_bit(rows, rows, (3,), got_dir=dirs[name], want_dir=dirs["want"])
         assert field in str(err.value)
+    # The same config run with another CPU thread count per rank (a submitit task against a
+    # train.py worker): the start and resume events say so.
+    for name, threads in (("want", 1), ("resume", 2)):
+        event = {"event": "start" if name == "want" else "resume", "iteration": 0,
+                 "num_threads": threads}
+        (dirs[name] / "metrics.jsonl").write_text(json.dumps(event) + "\n")
+    with pytest.raises(AssertionError, match=r"num_threads \[1\] -> \[2\]"):
+        assert_same_computation(dirs["resume"], dirs["want"])

@@ -358,9 +358,11 @@ def _start_logger(cfg, state, plan: dict, layout, layout_rec: dict, resumed_from
         parent = plan["parent"]
         logger.event("resume", iteration=iteration, from_layout=resumed_from, layout=layout_rec,
                      load=str(ck.load), wandb_run_id=run_id,
-                     wandb_parent_run_id=parent and parent["run_id"])
-    else:
-        logger.event("start", iteration=0, layout=layout_rec, **describe(cfg))
+                     wandb_parent_run_id=parent and parent["run_id"],
+                     num_threads=torch.get_num_threads())
+    else:  # num_threads: CPU threads per rank (recipes.run.rank_env.cpu_threads_per_rank)
+        logger.event("start", iteration=0, layout=layout_rec, num_threads=torch.get_num_threads(),
+                     **describe(cfg))
     return logger
 
 
