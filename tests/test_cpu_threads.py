@@ -17,6 +17,15 @@ from multiproc import run_distributed
 CORES = len(os.sched_getaffinity(0))
 
 
+def test_without_an_affinity_mask_every_core_is_available(monkeypatch):
+    """macOS has no ``os.sched_getaffinity``: the launcher counts every core there."""
+    from recipes.run.rank_env import cpu_threads_per_rank
+
+    monkeypatch.delattr(os, "sched_getaffinity")
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert cpu_threads_per_rank(2) == 4
+
+
 def _captured_env(monkeypatch, nproc: int) -> dict:
     import torch.distributed.launcher.api as api
 

@@ -30,7 +30,7 @@ from recipes.metrics.console import STARTED_ENV
 from recipes.config.errors import ConfigError
 from ckpt.io.lease import RUN_ID_ENV, Lease, LeaseHeld
 from recipes.run.preemption import child_pids, forward_to_workers, interrupted_message, stop_forwarding
-from recipes.run.rank_env import LAUNCHER_PID_ENV, cpu_threads_per_rank, job_id
+from recipes.run.rank_env import LAUNCHER_PID_ENV, available_cores, cpu_threads_per_rank, job_id
 
 # A worker that died takes the others down within this many seconds (elastic agent's monitor).
 MONITOR_INTERVAL_S = 0.5
@@ -380,7 +380,7 @@ def rank_env_from_submitit() -> dict | None:
     }
     # Tasks free to run on every core (submitit's local executor; Slurm binds its tasks) share
     # them as train.py's own workers do.
-    if "OMP_NUM_THREADS" not in os.environ and len(os.sched_getaffinity(0)) == os.cpu_count():
+    if "OMP_NUM_THREADS" not in os.environ and available_cores() == os.cpu_count():
         ranks["OMP_NUM_THREADS"] = str(cpu_threads_per_rank(env.num_tasks // env.num_nodes))
     return ranks
 

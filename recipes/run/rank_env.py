@@ -73,4 +73,12 @@ def cpu_threads_per_rank(nproc: int) -> int:
     one. torch's default gives every rank every core, so ``nproc`` ranks run ``nproc`` times as
     many OpenMP threads as there are cores, spinning against each other (torchrun sets 1 for
     the same reason)."""
-    return max(1, len(os.sched_getaffinity(0)) // max(1, int(nproc)))
+    return max(1, available_cores() // max(1, int(nproc)))
+
+
+def available_cores() -> int:
+    """The cores this process may run on: its affinity mask where the OS has one (Linux), else
+    every core (macOS)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
