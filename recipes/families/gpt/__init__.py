@@ -3,13 +3,16 @@
 names (``formats.py``)."""
 
 from recipes.families.family import ModelFamily
-from recipes.families.gpt import model, params
+from recipes.families.gpt import formats, model, params, schema
 
 FAMILY = ModelFamily(
     name="gpt",
-    matches=lambda m: True,  # every decoder no other family claims
     transformer_config_fields=model.transformer_config_fields,
     layer_spec=model.layer_spec,
     build=model.build,
     parameter_shapes=params.parameter_shapes,
+    fields=schema.GPTFields,
+    requires=schema.REQUIRES,
+    shape_fields=schema.SHAPE_FIELDS,
+    formats=formats.FORMATS,
 )

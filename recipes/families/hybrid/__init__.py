@@ -3,15 +3,18 @@
 table (``params.py``)."""
 
 from recipes.families.family import ModelFamily
-from recipes.families.hybrid import checks, model, params
+from recipes.families.hybrid import checks, formats, model, params, schema
 
 FAMILY = ModelFamily(
     name="hybrid",
-    matches=model.is_hybrid,
     transformer_config_fields=model.transformer_config_fields,
     layer_spec=model.layer_spec,
     build=model.build,
     parameter_shapes=params.parameter_shapes,
     building=model.building,
     check=checks.check,
+    fields=schema.HybridFields,
+    requires=schema.REQUIRES,
+    shape_fields=schema.SHAPE_FIELDS,
+    formats=formats.FORMATS,
 )

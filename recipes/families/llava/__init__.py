@@ -3,15 +3,18 @@ projector and a GPT/Llama language model; ``model.py``), with its parameter tabl
 (``params.py``), its rules (``checks.py``) and its formats (``formats.py``: export refused)."""
 
 from recipes.families.family import ModelFamily
-from recipes.families.llava import checks, model, params
+from recipes.families.llava import checks, formats, model, params, schema
 
 FAMILY = ModelFamily(
     name="llava",
-    matches=model.is_llava,
     transformer_config_fields=model.transformer_config_fields,
     layer_spec=model.layer_spec,
     build=model.build,
     parameter_shapes=params.parameter_shapes,
     building=model.building,
     check=checks.check,
+    fields=schema.LLaVAFields,
+    requires=schema.REQUIRES,
+    shape_fields=schema.SHAPE_FIELDS,
+    formats=formats.FORMATS,
 )
