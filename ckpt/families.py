@@ -109,6 +109,10 @@ class FamilyFormats:
             dim names (``hidden_size``, ``ffn_hidden_size``, ``swiglu``,
             ``num_attention_heads``, ``num_query_groups``, ``kv_channels``: those that shape
             the GTP weights under that prefix); None for a model that is not this family's.
+        sizes: ``recorded model config dict -> [(setting, value)]``: the family's fields that
+            size a stored tensor or count stored tensors, where the config uses them (each
+            bounded by the stored shapes before anything is enumerated from the config:
+            :func:`ckpt.format.records.unbounded_size`); None: none beyond the shared ones.
     """
 
     name: str
@@ -118,6 +122,7 @@ class FamilyFormats:
     stored_logical: tuple[re.Pattern, ...] = ()
     sub_models: tuple[str, ...] = ()
     sub_model_dims: Optional[Callable[[Mapping], Optional[dict]]] = None
+    sizes: Optional[Callable[[Mapping], list]] = None
 
 
 def install(formats, run_config_vocab: Optional[Callable[[Mapping, int], Optional[int]]] = None,
@@ -154,6 +159,11 @@ def families() -> tuple[FamilyFormats, ...]:
     if not _GIVEN["families"]:
         raise RuntimeError("no model families were given to ckpt/ (ckpt.families.install; "
                            "gtp-recipes gives them when recipes.families is imported)")
+    return _GIVEN["families"]
+
+
+def given_families() -> tuple[FamilyFormats, ...]:
+    """The families given to :func:`install`, by name; () before it was called."""
     return _GIVEN["families"]
 
 
