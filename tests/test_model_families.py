@@ -233,3 +233,21 @@ def test_every_tiny_preset_builds_the_parameters_of_its_table():
             *problems, act = problems
             assert not problems, (rank, preset, problems[:5])
             assert act == activation.get(preset.split("+")[0], "silu"), (preset, act)
+
+
+def test_a_resume_of_a_run_saved_without_a_family_takes_the_family_its_fields_imply():
+    """``checkpoint.load=DIR`` alone (the default preset, model=tiny) takes the checkpoint's
+    model fields; from a run saved before ``model.family`` (here an MoE model's), the family
+    its fields imply comes with them, so the composed config is that family's and passes."""
+    from types import SimpleNamespace
+
+    from recipes.checkpoint.policy import take_checkpoint_fields
+    from recipes.config.schema import to_dict
+    from recipes.config.validate import validate
+
+    saved = {k: v for k, v in to_dict(make_cfg("model=moe_tiny").model).items() if k != "family"}
+    plan = SimpleNamespace(path="ckpt", common={"train_state": {"config": {"model": saved}}})
+    cfg = make_cfg()
+    note = take_checkpoint_fields(cfg, plan, overrides=[])
+    assert cfg.model.family == "moe" and "model.family=moe" in note
+    validate(cfg, cfg.parallelism.nproc_per_node)

@@ -46,6 +46,16 @@ def family_name(m) -> str:
     return "gpt"
 
 
+def with_family(config: dict) -> dict:
+    """A saved run config (a checkpoint's ``train_state.config``) with its model's family named:
+    a run saved before ``model.family`` existed gets the family its model fields imply
+    (:func:`family_name`), which a resume takes with those fields."""
+    model = config.get("model")
+    if not isinstance(model, dict) or "family" in model:
+        return config
+    return {**config, "model": {**model, "family": family_name(model)}}
+
+
 def family_of(m) -> ModelFamily:
     """The family a ``model`` config names (:func:`family_name`).
 
