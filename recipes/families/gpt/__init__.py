@@ -1,6 +1,6 @@
 """The GPT family: dense GPT-2 and Llama-style decoders built as megatron's ``GPTModel``
 (``model.py``), their parameter table (``params.py``) and their Hugging Face and stock-format
-names (``formats.py``)."""
+names (``formats.py``); ``model.family: gpt``, no fields of its own (``schema.py``)."""
 
 from recipes.families.family import ModelFamily
 from recipes.families.gpt import formats, model, params, schema

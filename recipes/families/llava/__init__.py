@@ -1,6 +1,7 @@
 """The LLaVA family: a vision-language model, megatron's ``LLaVAModel`` (CLIP ViT, MLP
 projector and a GPT/Llama language model; ``model.py``), with its parameter table
-(``params.py``), its rules (``checks.py``) and its formats (``formats.py``: export refused)."""
+(``params.py``), its rules (``checks.py``) and its formats (``formats.py``: export refused);
+``model.family: llava``, its ViT, projector and image fields in ``schema.py``."""
 
 from recipes.families.family import ModelFamily
 from recipes.families.llava import checks, formats, model, params, schema

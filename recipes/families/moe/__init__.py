@@ -1,6 +1,6 @@
 """The MoE family: Mixtral / Qwen3-MoE-style decoders, megatron's ``GPTModel`` with MoE layers
 (``model.py``), their parameter table (``params.py``) and their Hugging Face names
-(``formats.py``)."""
+(``formats.py``); ``model.family: moe``, its expert fields in ``schema.py``."""
 
 from recipes.families.family import ModelFamily
 from recipes.families.gpt import model as gpt_model
