@@ -3,8 +3,8 @@
 ``ckpt/`` knows no family by name: what a family's Hugging Face formats look like (both ways) and
 which of its stock-format checkpoint keys are GTP weights is a :class:`FamilyFormats` that the
 package defining the family passes to :func:`install` (gtp-recipes does when
-``recipes.families`` is imported: ``recipes/families/formats.py``), with the reader of a saved
-run config's padded vocab. :mod:`ckpt.hf.hf_import`, :mod:`ckpt.hf.hf_export` and
+``recipes.families`` is imported), with the reader of a saved run config's padded vocab and the
+reader of the family a recorded ``model`` config names. :mod:`ckpt.hf.hf_import`, :mod:`ckpt.hf.hf_export` and
 :mod:`ckpt.stock` look them up here, so ``ckpt/`` never imports the package above it.
 """
 
@@ -17,8 +17,9 @@ from typing import Any, Callable, Mapping, Optional
 
 from ckpt.hf.hf_weights import HFImportError
 
-# What install() was given: the families by name, and the run-config vocab reader (or None).
-_GIVEN: dict = {"families": (), "run_config_vocab": None}
+# What install() was given: the families by name, the run-config vocab reader (or None) and the
+# reader of a model config's family name (or None).
+_GIVEN: dict = {"families": (), "run_config_vocab": None, "family_name": None}
 
 
 class ExportError(ValueError):
@@ -90,9 +91,9 @@ class FamilyFormats:
     Attributes:
         name: the family (``"gpt"``).
         architectures: its Hugging Face architectures.
-        architecture: ``model dict -> model_type`` of the architecture that computes the model
-            exactly, None when the model is not this family's; raises ExportError naming the
-            setting no architecture of the family computes.
+        architecture: ``model dict -> model_type`` of the architecture that computes a model of
+            this family exactly (None: the model is not this family's); raises ExportError
+            naming the setting no architecture of the family computes.
         gtp_patterns: ``(regex, kind)`` per GTP-sharded weight of its stock-format checkpoints
             (kinds ``vocab``, ``qkv``, ``proj``, ``fc1``, ``fc2``:
             :func:`ckpt.stock.specs.spec_for`).
@@ -108,6 +109,10 @@ class FamilyFormats:
             dim names (``hidden_size``, ``ffn_hidden_size``, ``swiglu``,
             ``num_attention_heads``, ``num_query_groups``, ``kv_channels``: those that shape
             the GTP weights under that prefix); None for a model that is not this family's.
+        sizes: ``recorded model config dict -> [(setting, value)]``: the family's fields that
+            size a stored tensor or count stored tensors, where the config uses them (each
+            bounded by the stored shapes before anything is enumerated from the config:
+            :func:`ckpt.format.records.unbounded_size`); None: none beyond the shared ones.
     """
 
     name: str
@@ -117,14 +122,17 @@ class FamilyFormats:
     stored_logical: tuple[re.Pattern, ...] = ()
     sub_models: tuple[str, ...] = ()
     sub_model_dims: Optional[Callable[[Mapping], Optional[dict]]] = None
+    sizes: Optional[Callable[[Mapping], list]] = None
 
 
-def install(formats, run_config_vocab: Optional[Callable[[Mapping, int], Optional[int]]] = None
-            ) -> None:
+def install(formats, run_config_vocab: Optional[Callable[[Mapping, int], Optional[int]]] = None,
+            family_name: Optional[Callable[[Mapping], str]] = None) -> None:
     """Give ckpt/ the model families it reads and writes: ``formats``, FamilyFormats (kept by
-    name), and ``run_config_vocab``, ``(saved run config mapping, tp) -> padded vocab rows or
+    name), ``run_config_vocab``, ``(saved run config mapping, tp) -> padded vocab rows or
     None``, through which :mod:`ckpt.stock` learns the vocab of a checkpoint that records only
-    its run config (None: such a vocab stays unknown). Replaces what was given before.
+    its run config (None: such a vocab stays unknown), and ``family_name``, ``recorded model
+    config -> the name of its family``, which picks the family that exports a model (None:
+    :func:`for_export` refuses). Replaces what was given before.
 
     Raises:
         TypeError: an entry that is not a FamilyFormats (names it).
@@ -136,7 +144,7 @@ def install(formats, run_config_vocab: Optional[Callable[[Mapping, int], Optiona
                             f"ckpt.families.FamilyFormats")
         found.append(formats_)
     _GIVEN.update(families=tuple(sorted(found, key=lambda f: f.name)),
-                  run_config_vocab=run_config_vocab)
+                  run_config_vocab=run_config_vocab, family_name=family_name)
     gtp_patterns.cache_clear()
     stored_logical_patterns.cache_clear()
 
@@ -151,6 +159,11 @@ def families() -> tuple[FamilyFormats, ...]:
     if not _GIVEN["families"]:
         raise RuntimeError("no model families were given to ckpt/ (ckpt.families.install; "
                            "gtp-recipes gives them when recipes.families is imported)")
+    return _GIVEN["families"]
+
+
+def given_families() -> tuple[FamilyFormats, ...]:
+    """The families given to :func:`install`, by name; () before it was called."""
     return _GIVEN["families"]
 
 
@@ -181,15 +194,23 @@ def for_export(model: dict) -> HFArchitecture:
     """The architecture that computes the recorded ``model`` config exactly.
 
     Raises:
-        ExportError: the family of the model refuses a setting (its message), or no family
-            claims the model.
+        ExportError: the family the model names refuses a setting (its message), or is not
+            registered, or no family-name reader was given.
     """
-    for f in families():
-        name = f.architecture(model)
-        if name is not None:
-            return next(a for a in f.architectures if a.model_type == name)
-    raise ExportError(f"no registered model family ({[f.name for f in families()]}) exports "
-                      f"this model")
+    if _GIVEN["family_name"] is None:
+        raise ExportError("no reader of a model config's family was given to ckpt/ "
+                          "(ckpt.families.install's family_name; gtp-recipes gives it when "
+                          "recipes.families is imported)")
+    name = _GIVEN["family_name"](model)  # the family the model names exports it
+    family = next((f for f in families() if f.name == name), None)
+    if family is None:
+        raise ExportError(f"model.family={name!r} is not a registered model family: valid are "
+                          f"{[f.name for f in families()]}")
+    arch = family.architecture(model)
+    if arch is None:
+        raise ExportError(f"model.family={name!r}: the family exports no model of these fields "
+                          f"(its own fields are unset)")
+    return next(a for a in family.architectures if a.model_type == arch)
 
 
 @functools.cache

@@ -160,6 +160,8 @@ def test_a_preset_that_contradicts_the_source_is_refused_naming_each_field(hf):
     cfg = make_cfg(f"checkpoint.pretrained={hf / 'mixtral'}", "model.kv_channels=8")
     pretrained.apply_source(cfg, overrides=["model.kv_channels=8"])
     assert cfg.model.kv_channels == 8 and not cfg.model.qk_layernorm
+    # The default preset (model=tiny, not given) becomes the source's family with its fields.
+    assert cfg.model.family == "moe" and cfg.model.num_moe_experts
     cfg = make_cfg(f"checkpoint.pretrained={hf / 'mixtral'}", "model.kv_channels=16")
     with pytest.raises(ConfigError, match=r"model.kv_channels=16 \(the source has None\)"):
         pretrained.apply_source(cfg, overrides=["model.kv_channels=16"])

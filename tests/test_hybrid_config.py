@@ -72,7 +72,7 @@ def test_megatron_gets_the_mamba_fields():
     (["model.transformer_impl=transformer_engine"], "builds megatron's local layers"),
     (["parallelism.sequence_parallel=true", "parallelism=tp2dp2"], "sequence_parallel"),
     (["model.hybrid_layer_pattern=''"], r"model.hybrid_layer_pattern='' is empty: .* or "
-                                        r"model.hybrid_layer_pattern=null"),
+                                        r"model.family=gpt model.hybrid_layer_pattern=null"),
     (["model.mamba_head_dim=0"], r"model.mamba_head_dim=0 is invalid: it must be an integer"),
     (["model.mamba_num_groups=0"], r"model.mamba_num_groups=0 is invalid"),
     (["model.mamba_num_heads=0"], r"model.mamba_num_heads=0 is invalid"),
@@ -107,7 +107,8 @@ def test_a_hybrid_model_exports_to_nemotron_h_and_what_it_cannot_compute_is_refu
         with pytest.raises(ExportError, match=f"model.{field}={value!r}: NemotronHForCausalLM "
                                               f"does not compute .*{why}"):
             for_export({**m, field: value})
-    m.pop("hybrid_layer_pattern")  # the same dims without the pattern: the GPT family's answer
+    # The same dims as a GPT model (no pattern): the GPT family's answer.
+    m.update(family="gpt", hybrid_layer_pattern=None)
     with pytest.raises(ExportError, match="no transformers class computes this model exactly"):
         for_export(m)
 

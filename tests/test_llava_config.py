@@ -114,7 +114,8 @@ def test_the_two_vision_cases_of_the_seed():
     (["parallelism=tp2", "parallelism.context_parallel_size=2"],
      r"context_parallel_size=2: .*TransformerEngine's attention"),
     (["parallelism=tp2", "parallelism.sequence_parallel=true"], "sequence_parallel=true"),
-    (["model.num_moe_experts=4"], "num_moe_experts=4: an MoE language model"),
+    (["model.num_moe_experts=4"], "model.num_moe_experts=4 is a field of the 'moe' family, not "
+                                  "of model.family='llava'"),
     (["model.mtp_num_layers=1"], "mtp_num_layers=1: LLaVAModel's language model"),
     (["model.transformer_impl=transformer_engine"], "builds megatron's local layers"),
     (["optim=muon"], "optim.optimizer='muon': only Adam"),
@@ -158,7 +159,7 @@ def test_a_llava_checkpoint_is_not_exported_and_the_reason_is_named():
     with pytest.raises(ExportError, match=r"model.vision_model_type='clip': a vision-language "
                                           r"\(LLaVA\) checkpoint is not exported"):
         for_export(m)
-    m["vision_model_type"] = None  # its language model alone is a Llama
+    m.update(family="gpt", vision_model_type=None)  # its language model alone is a Llama
     assert for_export(m).hf_class == "LlamaForCausalLM"
 
 

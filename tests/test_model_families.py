@@ -1,9 +1,11 @@
-"""A model family is one folder under ``recipes/families/``, registered once.
+"""A model family is one folder under ``recipes/families/``, registered once, chosen by name.
 
-Every preset belongs to the family named here (written down, not derived from ``matches``);
-everything a family gives the run is defined in its own folder (the MoE family may reuse the
-GPT family it extends); every family folder is registered; megatron's linear-layer names appear
-in ``recipes/`` only inside family folders."""
+Every preset names the family written down here (``model.family``); a name that is no family's,
+or fields of another family, are refused in one line; a model config saved before
+``model.family`` existed still gets the family its fields imply. Everything a family gives the
+run is defined in its own folder (the MoE family may reuse the GPT family it extends), its own
+fields included, which no other family names; every family folder is registered; megatron's
+linear-layer names appear in ``recipes/`` only inside family folders."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 from compose import make_cfg
 
+from recipes.config.errors import ConfigError
 from recipes.families import FAMILIES, family_of
 from recipes.families.family import ModelFamily
 
@@ -25,11 +28,111 @@ LLAVA_PRESETS = {"llava_tiny"}
 BUILDS_ON = {"moe": {"gpt"}}
 
 
+def _family(preset: str) -> str:
+    return ("moe" if preset in MOE_PRESETS else "hybrid" if preset in HYBRID_PRESETS
+            else "llava" if preset in LLAVA_PRESETS else "gpt")
+
+
 @pytest.mark.parametrize("preset", PRESETS)
-def test_every_preset_belongs_to_its_family(preset):
-    expected = ("moe" if preset in MOE_PRESETS else "hybrid" if preset in HYBRID_PRESETS
-                else "llava" if preset in LLAVA_PRESETS else "gpt")
-    assert family_of(make_cfg(f"model={preset}").model).name == expected
+def test_every_preset_names_its_family(preset):
+    text = (ROOT / "conf" / "model" / f"{preset}.yaml").read_text()
+    assert f"\nfamily: {_family(preset)}\n" in text
+    assert family_of(make_cfg(f"model={preset}").model).name == _family(preset)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model=tiny", "model.num_moe_experts=4"],
+     "model.num_moe_experts=4 is a field of the 'moe' family, not of model.family='gpt': set "
+     "model.family=moe or model.num_moe_experts=null"),
+    (["model=moe_tiny", "model.num_moe_experts=null"],
+     "model.family='moe' needs model.num_moe_experts (it is None): set it, or choose another "
+     "family (valid are ['gpt', 'moe', 'hybrid', 'llava'])"),
+    (["model=tiny", "model.family=hybrid"],
+     "model.family='hybrid' needs model.hybrid_layer_pattern (it is None): set it, or choose "
+     "another family (valid are ['gpt', 'moe', 'hybrid', 'llava'])"),
+    (["model=hybrid_tiny", "model.vision_model_type=clip"],
+     "model.vision_model_type='clip' is a field of the 'llava' family, not of "
+     "model.family='hybrid': set model.family=llava or model.vision_model_type=null"),
+])
+def test_a_family_named_but_contradicted_is_refused_in_one_line(overrides, message):
+    from recipes.config.validate import validate
+
+    cfg = make_cfg(*overrides)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, cfg.parallelism.nproc_per_node)
+    assert str(info.value) == message
+
+
+def test_an_unknown_family_name_is_refused_naming_the_valid_ones():
+    from recipes.config.validate import validate
+
+    cfg = make_cfg("model=tiny", "model.family=mamba")
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, cfg.parallelism.nproc_per_node)
+    assert str(info.value) == ("model.family='mamba' is not a model family: valid are "
+                               "['gpt', 'moe', 'hybrid', 'llava']")
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_model_config_saved_without_a_family_gets_the_one_its_fields_imply(preset):
+    """A checkpoint's saved run config, resolved config or export written before
+    ``model.family`` existed holds the same fields without ``family``: it resumes (no shape
+    field differs from the preset's) and exports as the preset does."""
+    from ckpt.families import ExportError, for_export
+    from recipes.config.prelaunch import changed_shape_fields
+    from recipes.config.schema import to_dict
+
+    now = to_dict(make_cfg(f"model={preset}").model)
+    saved = {k: v for k, v in now.items() if k != "family"}
+    assert family_of(saved).name == _family(preset)
+    assert changed_shape_fields(saved, now) == []
+    try:
+        expected = for_export(now).hf_class
+    except ExportError as exc:
+        expected = str(exc)
+    try:
+        assert for_export(saved).hf_class == expected
+    except ExportError as exc:
+        assert str(exc) == expected
+
+
+def test_a_resume_into_another_family_names_the_family_first():
+    from recipes.config.prelaunch import changed_shape_fields
+    from recipes.config.schema import to_dict
+
+    saved = {k: v for k, v in to_dict(make_cfg("model=llama_tiny").model).items()
+             if k != "family"}  # a checkpoint written before model.family
+    now = to_dict(make_cfg("model=moe_tiny").model)
+    assert changed_shape_fields(saved, now)[:2] == ["family", "num_moe_experts"]
+
+
+def test_each_familys_own_fields_are_in_the_model_schema_once():
+    from dataclasses import fields
+
+    from recipes.config.schema import ModelConfig, SharedModelFields
+
+    shared = [f.name for f in fields(SharedModelFields)]
+    own = [f.name for family in FAMILIES for f in fields(family.fields)]
+    assert len(set(shared + own)) == len(shared + own)
+    assert [f.name for f in fields(ModelConfig)] == shared + own
+    for family in FAMILIES:
+        names = {f.name for f in fields(family.fields)}
+        assert set(family.requires) <= names and set(family.shape_fields) <= names, family.name
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_no_family_folder_names_another_familys_fields(family):
+    """A family's rules, formats and export name its own and the shared fields only: which
+    family a model is comes from ``model.family``, not from another family's fields."""
+    from dataclasses import fields
+
+    others = {f.name for other in FAMILIES if other is not family
+              for f in fields(other.fields)}
+    pattern = re.compile(r"\b(" + "|".join(sorted(others)) + r")\b")
+    found = [f"{p.name}: {m.group(0)}"
+             for p in sorted((ROOT / "recipes" / "families" / family.name).glob("*.py"))
+             for m in pattern.finditer(p.read_text())]
+    assert found == []
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
@@ -37,7 +140,7 @@ def test_everything_a_family_gives_is_defined_in_its_folder(family):
     allowed = {family.name} | BUILDS_ON.get(family.name, set())
     for field in ModelFamily.__dataclass_fields__:
         value = getattr(family, field)
-        if not callable(value) or field == "matches" or value is ModelFamily.building:
+        if not callable(value) or value is ModelFamily.building:
             continue
         if value.__module__ == "contextlib":  # the default: nothing while building
             continue
@@ -130,3 +233,21 @@ def test_every_tiny_preset_builds_the_parameters_of_its_table():
             *problems, act = problems
             assert not problems, (rank, preset, problems[:5])
             assert act == activation.get(preset.split("+")[0], "silu"), (preset, act)
+
+
+def test_a_resume_of_a_run_saved_without_a_family_takes_the_family_its_fields_imply():
+    """``checkpoint.load=DIR`` alone (the default preset, model=tiny) takes the checkpoint's
+    model fields; from a run saved before ``model.family`` (here an MoE model's), the family
+    its fields imply comes with them, so the composed config is that family's and passes."""
+    from types import SimpleNamespace
+
+    from recipes.checkpoint.policy import take_checkpoint_fields
+    from recipes.config.schema import to_dict
+    from recipes.config.validate import validate
+
+    saved = {k: v for k, v in to_dict(make_cfg("model=moe_tiny").model).items() if k != "family"}
+    plan = SimpleNamespace(path="ckpt", common={"train_state": {"config": {"model": saved}}})
+    cfg = make_cfg()
+    note = take_checkpoint_fields(cfg, plan, overrides=[])
+    assert cfg.model.family == "moe" and "model.family=moe" in note
+    validate(cfg, cfg.parallelism.nproc_per_node)

@@ -46,7 +46,8 @@ def test_the_registry_lists_the_gpt_hybrid_llava_and_moe_families():
 
 def test_install_refuses_what_is_not_a_familys_formats_and_replaces_what_was_given():
     from ckpt import families as registry
-    from recipes.families.formats import FORMATS, padded_vocab_of_config
+    from recipes.families import FORMATS, family_name
+    from recipes.families.formats import padded_vocab_of_config
 
     with pytest.raises(TypeError, match="'gpt' is a str, not a ckpt.families.FamilyFormats"):
         registry.install(["gpt"])
@@ -58,7 +59,8 @@ def test_install_refuses_what_is_not_a_familys_formats_and_replaces_what_was_giv
         assert [f.name for f in registry.families()] == ["gpt"]
         assert registry.run_config_vocab() is None
     finally:
-        registry.install(FORMATS, run_config_vocab=padded_vocab_of_config)
+        registry.install(FORMATS, run_config_vocab=padded_vocab_of_config,
+                         family_name=family_name)
     assert [f.name for f in registry.families()] == ["gpt", "hybrid", "llava", "moe"]
 
 

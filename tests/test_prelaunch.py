@@ -367,10 +367,10 @@ def test_single_jsonl_of_several_documents_passes_the_split_check(launch_tripwir
     run_in_process(tmp_path / "out", "data=text", f"data.paths=[{lines}]")
 
 
-def _with_saved_model(checkpoint_dir: Path, tmp_path: Path, **fields) -> Path:
+def _with_saved_model(checkpoint_dir: Path, tmp_path: Path, drop=(), **fields) -> Path:
     """A copy of ``checkpoint_dir`` whose common state's saved run config has ``fields`` in its
-    ``model`` group (the data file's records and ``.metadata``'s offsets rewritten to match:
-    every CRC-32 and layout check holds)."""
+    ``model`` group and not the keys ``drop`` (the data file's records and ``.metadata``'s
+    offsets rewritten to match: every CRC-32 and layout check holds)."""
     import io
     import pickle
     import shutil
@@ -393,7 +393,9 @@ def _with_saved_model(checkpoint_dir: Path, tmp_path: Path, **fields) -> Path:
     common = stored[0]  # megatron stores the common state as the record's element 0
     config = common["train_state"]["config"]
     common["train_state"] = {**common["train_state"],
-                             "config": {**config, "model": {**config["model"], **fields}}}
+                             "config": {**config, "model": {
+                                 k: v for k, v in {**config["model"], **fields}.items()
+                                 if k not in drop}}}
     blob = io.BytesIO()
     torch.save(stored, blob)
     out = bytearray()
@@ -440,6 +442,25 @@ def test_a_saved_size_beyond_the_stored_shapes_is_refused_before_shapes_are_enum
         assert cli.main(["export", str(root), str(tmp_path / "hf")], out=out) == 2
     assert re.search(rf"error: .*iter_0000002: its saved run config has model\.{field}={value}, "
                      rf"larger .*; export another checkpoint", out.getvalue()), out.getvalue()
+
+
+@pytest.mark.e2e
+def test_a_checkpoint_saved_before_model_family_resumes_as_its_family(
+        checkpoint_dir, launch_tripwire, monkeypatch, tmp_path, capsys):
+    """A run saved before ``model.family`` existed (no ``family`` in its saved model config):
+    the resume passes every pre-launch check, with the family its fields imply and no changed
+    model field reported."""
+    import recipes.run.launch
+
+    root = _with_saved_model(checkpoint_dir, tmp_path, drop=("family",))
+    started = {}
+    monkeypatch.setattr(recipes.run.launch, "launch_local",
+                        lambda path, n, *rest: started.update(path=path))
+    run_in_process(tmp_path / "out", "parallelism=tp1", "train.train_iters=3",
+                   f"checkpoint.load={root}")
+    assert OmegaConf.load(started["path"]).model.family == "gpt"
+    out = capsys.readouterr().out
+    assert "changed config" in out and "model." not in out, out  # train_iters, the schedule
 
 
 @pytest.mark.e2e

@@ -17,6 +17,8 @@
 import functools
 from importlib.metadata import version
 
+from ckpt.families import given_families
+
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA_KEY = "gtp_layout"
 GTP_FORMAT_LOGICAL = "logical-v1"
@@ -81,21 +83,13 @@ def megatron_core_version() -> str:
 
 
 # The saved run config's fields that size a tensor or count tensors (``model.``, and the
-# vocabulary: ``data.vocab_size`` and the :data:`VOCAB_KEY` record); the fields of a model kind
-# only with that kind (:data:`KIND_SIZE_FIELDS`). Each is at most the largest dim a stored tensor
-# has or the number of stored tensors (layers and experts are stacked along a dim or stored one
-# key each): :func:`unbounded_size`.
+# vocabulary: ``data.vocab_size`` and the :data:`VOCAB_KEY` record), those every model family
+# shares; each family adds its own (``ckpt.families.FamilyFormats.sizes``). Each is at most the
+# largest dim a stored tensor has or the number of stored tensors (layers and experts are stacked
+# along a dim or stored one key each): :func:`unbounded_size`.
 MODEL_SIZE_FIELDS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-    "kv_channels", "num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-    "moe_layer_freq", "mtp_num_layers", "make_vocab_size_divisible_by")
-KIND_SIZE_FIELDS = {
-    "vision_model_type": ("vision_num_layers", "vision_hidden_size", "vision_num_attention_heads",
-                          "vision_ffn_hidden_size", "vision_projection_ffn_hidden_size", "img_h",
-                          "img_w", "patch_dim"),
-    "hybrid_layer_pattern": ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups",
-                             "mamba_num_heads"),
-}
+    "kv_channels", "mtp_num_layers", "make_vocab_size_divisible_by")
 VOCAB_KEY = "vocab_size"  # the common-state record of the real vocabulary size
 
 
@@ -106,14 +100,12 @@ def _sizes(common: dict) -> list[tuple[str, object]]:
     data = config.get("data") if isinstance(config, dict) else None
     model = model if isinstance(model, dict) else {}
     out = [(f"model.{f}", model.get(f)) for f in MODEL_SIZE_FIELDS]
-    for kind, names in KIND_SIZE_FIELDS.items():
-        if model.get(kind) is not None:
-            out += [(f"model.{f}", model.get(f)) for f in names]
+    # Each family's sizes (without families given, none: nor is a family's model built then).
+    for family in given_families():
+        if family.sizes is not None:
+            out += family.sizes(model)
     if model.get("position_embedding_type", "learned_absolute") == "learned_absolute":
         out.append(("model.seq_length", model.get("seq_length")))  # the position table's rows
-    pattern = model.get("hybrid_layer_pattern")
-    if isinstance(pattern, str):
-        out.append(("the length of model.hybrid_layer_pattern", len(pattern)))
     if isinstance(data, dict):
         out.append(("data.vocab_size", data.get("vocab_size")))
     out.append((f"the {VOCAB_KEY} record", common.get(VOCAB_KEY)))
@@ -122,8 +114,9 @@ def _sizes(common: dict) -> list[tuple[str, object]]:
 
 def unbounded_size(common: dict, shapes, whose: str = "its saved run config") -> str | None:
     """The first size of a checkpoint's saved run config (``train_state.config``: the fields of
-    :data:`MODEL_SIZE_FIELDS`, :data:`KIND_SIZE_FIELDS`, ``seq_length`` with learned position
-    embeddings, the layer pattern's length, the vocabulary) that is larger than every stored
+    :data:`MODEL_SIZE_FIELDS`, each model family's (``FamilyFormats.sizes``: the MoE experts, a
+    hybrid model's Mamba sizes and pattern length, ...), ``seq_length`` with learned position
+    embeddings, the vocabulary) that is larger than every stored
     dim and the number of stored tensors, as ``"model.num_layers=1000000000 ..."``; None when
     all are within. Checked before any parameter shape is enumerated from the config: a
     crafted or damaged size would otherwise enumerate (and build) without bound.

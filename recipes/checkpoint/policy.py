@@ -22,6 +22,7 @@ from ckpt.format.records import IMPORTED_KEY, saved_layout
 from ckpt import io as checkpoint
 from ckpt.io import CheckpointError
 from recipes.config.schema import given_fields, given_overrides, to_dict
+from recipes.families import with_family
 from ckpt.adapt.optim_kinds import optimizer_mismatch
 
 
@@ -297,8 +298,8 @@ def take_checkpoint_fields(cfg, plan, overrides: list[str] | None = None) -> str
             f"checkpoint.load: {plan.path} is an import of a Hugging Face model (weights only: no "
             f"optimizer, schedule or data position to resume); start from it with "
             f"checkpoint.pretrained={Path(plan.path).parent} instead")
-    saved = _mapping((plan.common.get("train_state") or {}).get("config") or {}, plan.path,
-                     "train_state.config")
+    config = (plan.common.get("train_state") or {}).get("config") or {}
+    saved = with_family(_mapping(config, plan.path, "train_state.config"))
     overrides = given_overrides() if overrides is None else overrides
     if any(o.split("=", 1)[0].lstrip("+~") == "experiment" for o in overrides):
         return None
@@ -400,10 +401,9 @@ def prepare_resume(cfg, layout, plan=None, auto: bool = False) -> None:
             f"to continue (the checkpoint is left untouched)")
     common = plan.common
     _check_stock_layout(cfg, layout, saved_layout(common), ck.load)
-    saved = common["train_state"].get("config") or {}
+    saved = with_family(common["train_state"].get("config") or {})
     _check_optimizer(cfg, layout, saved, saved_layout(common), ck.load)
-    consumed = int(common["train_state"].get("consumed_samples", 0))
-    now = to_dict(cfg)
+    consumed, now = int(common["train_state"].get("consumed_samples", 0)), to_dict(cfg)
     changes = resume_changes(saved, now, consumed) if saved else []
     refused = [c for c in changes if c.effect.startswith("REFUSED")]
     if changes and int(os.environ.get("RANK", "0")) == 0:

@@ -20,6 +20,7 @@ from typing import Optional
 from urllib.parse import urlparse
 
 from ckpt.format.records import CHECKPOINT_FORMATS, unbounded_size
+from recipes.families import FAMILIES, family_name, parameter_shapes
 from ckpt.verify import stored_shapes
 from recipes.model import te
 from ckpt.io import CheckpointError
@@ -357,35 +358,23 @@ def check_split(cfg) -> None:
         raise ConfigError(str(exc)) from None
 
 
-# Model fields that change a parameter's shape (recipes.families.parameter_shapes reads them).
-SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                "ffn_hidden_size", "swiglu", "normalization", "add_bias_linear", "add_qkv_bias",
-                "position_embedding_type", "seq_length", "share_embeddings_and_output_weights",
-                "kv_channels", "qk_layernorm", "num_moe_experts", "moe_ffn_hidden_size",
-                "moe_shared_expert_intermediate_size", "moe_layer_freq", "mtp_num_layers")
-# The model kind: absent from a checkpoint written before the field existed (a text model).
-KIND_FIELDS = ("vision_model_type", "hybrid_layer_pattern")
-# Fields that shape a model only of that kind (compared when both sides are of it).
-KIND_SHAPE_FIELDS = {
-    "vision_model_type": ("vision_num_layers", "vision_hidden_size", "vision_num_attention_heads",
-                          "vision_ffn_hidden_size", "vision_projection_type",
-                          "vision_projection_ffn_hidden_size", "img_h", "img_w", "patch_dim",
-                          "drop_vision_class_token"),
-    "hybrid_layer_pattern": ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups",
-                             "mamba_num_heads"),
-}
-
-
 def changed_shape_fields(saved: dict, now: dict) -> list[str]:
     """The model fields that shape parameters and differ between ``saved`` (a checkpoint's
-    recorded model config) and ``now``: the kind first (``vision_model_type``,
-    ``hybrid_layer_pattern``; absent from the record: null), then :data:`SHAPE_FIELDS`, then the
-    fields of a kind both sides share."""
-    kinds = [f for f in KIND_FIELDS if saved.get(f) != now.get(f)]
+    recorded model config) and ``now``, as the families declare them: ``family`` first (a saved
+    config without it: the family its fields imply, ``recipes.families.family_name``), then the
+    fields each family requires (absent from the record: null), then the shared
+    :data:`recipes.config.schema.SHAPE_FIELDS`, then the shape fields of the family both sides
+    are of."""
+    from recipes.config.schema import SHAPE_FIELDS
+
+    mine, theirs = family_name(now), family_name(saved)
+    kinds = [f for family in FAMILIES for f in family.requires if saved.get(f) != now.get(f)]
+    kinds = (["family"] if mine != theirs else []) + kinds
     fields = [f for f in SHAPE_FIELDS if f in saved and saved.get(f) != now.get(f)]
-    for kind, names in KIND_SHAPE_FIELDS.items():
-        if saved.get(kind) is not None and now.get(kind) is not None:
-            fields += [f for f in names if f in saved and saved.get(f) != now.get(f)]
+    for family in FAMILIES:
+        if family.name == mine == theirs:
+            fields += [f for f in family.shape_fields
+                       if f in saved and f not in kinds and saved.get(f) != now.get(f)]
     return kinds + fields
 
 
@@ -436,8 +425,6 @@ def check_model_shape(cfg, plan=None) -> None:
 
     from ckpt.io.manager import ResumePlan
     from recipes.checkpoint.policy import is_rank0, spelled
-    from recipes.families import parameter_shapes
-
     if plan is None:
         plan = ResumePlan.resolve(cfg.checkpoint, repair=is_rank0())
     path, common = plan.path, plan.common
@@ -447,6 +434,8 @@ def check_model_shape(cfg, plan=None) -> None:
     now = OmegaConf.to_container(cfg.model, resolve=True)
     changed = changed_shape_fields(saved, now)  # the fields alone: nothing enumerated
     if changed:
+        # The saved family: named, or (a config saved before model.family) implied.
+        saved = {**saved, "family": family_name(saved)}
         fixes = " ".join(f"model.{f}={spelled(saved.get(f))}" for f in changed)
         diffs = ", ".join(f"model.{f}={now.get(f)!r} (checkpoint: {saved.get(f)!r})"
                           for f in changed)
@@ -469,7 +458,7 @@ def check_model_shape(cfg, plan=None) -> None:
                 f"than all {len(stored)} stored tensors hold ({elements}): damaged or crafted; "
                 f"load another checkpoint, or checkpoint.load=null to start from scratch")
         return
-    # a field outside SHAPE_FIELDS: name the parameters instead
+    # a field outside the families' shape fields: name the parameters instead
     differ = sorted(set(mine) ^ set(theirs) | {k for k in set(mine) & set(theirs)
                                                if mine[k] != theirs[k]})
     raise CheckpointError(

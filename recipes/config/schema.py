@@ -16,6 +16,7 @@ from omegaconf import II, MISSING, OmegaConf
 
 from recipes.checkpoint.auto import default_load
 from recipes.config.parallel_dims import default_world_size
+from recipes.families import FAMILIES
 
 # The run's resolved config in its output dir: what the workers run (recipes.run.launch writes it).
 RESOLVED_CONFIG = "resolved_config.yaml"
@@ -42,8 +43,9 @@ OmegaConf.register_new_resolver(FORMAT_RESOLVER, _checkpoint_format, replace=Tru
 
 
 @dataclass
-class ModelConfig:
-    """GPT shape. The tiny default has dims that are not multiples of 16, so GTP padding matters.
+class SharedModelFields:
+    """The ``model`` fields every family shares: the GPT decoder's shape. The tiny default has
+    dims that are not multiples of 16, so GTP padding matters.
 
     GPT-2-style blocks by default; the Llama family sets ``normalization: RMSNorm``,
     ``position_embedding_type: rope``, ``swiglu: true``, ``num_query_groups`` (GQA),
@@ -52,6 +54,9 @@ class ModelConfig:
     """
 
     name: str = "tiny"
+    # The model family (recipes/families/<family>/, docs/model-families.md): gpt | moe | hybrid
+    # | llava. Its own fields are its schema.py's, merged into ModelConfig below.
+    family: str = "gpt"
     num_layers: int = 2
     hidden_size: int = 72
     num_attention_heads: int = 4
@@ -100,48 +105,23 @@ class ModelConfig:
     # token ahead; their mean loss times mtp_loss_scaling_factor is added to the lm loss.
     mtp_num_layers: Optional[int] = None
     mtp_loss_scaling_factor: float = 0.1
-    # Mixture of Experts (megatron TransformerConfig names; docs/moe.md). null: a dense MLP.
-    num_moe_experts: Optional[int] = None
-    moe_router_topk: int = 2
-    # Softmax over all experts before the top-k (no renormalisation); megatron requires it at
-    # top-1. false: top-k of the logits, then softmax over those k (Mixtral's routing).
-    moe_router_pre_softmax: bool = False
-    # Width of each routed expert's MLP; null: ffn_hidden_size.
-    moe_ffn_hidden_size: Optional[int] = None
-    # Width of the shared expert every token goes through (DeepSeek, Qwen2-MoE); null: none.
-    moe_shared_expert_intermediate_size: Optional[int] = None
-    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | global_aux_loss | none
-    moe_aux_loss_coeff: float = 0.0
-    moe_token_dispatcher_type: str = "alltoall"  # allgather | alltoall
-    # 1: every layer is MoE; N: every N-th layer (megatron's int form of moe_layer_freq).
-    moe_layer_freq: int = 1
-    # Hybrid Mamba models (megatron's HybridModel and names; docs/hybrid.md): one symbol a
-    # layer, "M" Mamba, "*" attention, "-" MLP ("|" between pipeline stages); null: a GPT decoder.
-    hybrid_layer_pattern: Optional[str] = None
-    mamba_state_dim: int = 128
-    mamba_head_dim: int = 64
-    mamba_num_groups: int = 8
-    # null: hidden_size * 2 / mamba_head_dim (megatron's default, expand 2).
-    mamba_num_heads: Optional[int] = None
-    # Steps of the SSD scan's chunks (MambaMixer's chunk_size).
-    mamba_chunk_size: int = 128
-    # Vision-language (megatron's LLaVAModel, docs/llava.md): "clip" puts megatron's CLIP ViT
-    # and an MLP projector in front of the language model above; null: text only. The ViT's
-    # dims are the vision_* fields; images are img_h x img_w in patch_dim x patch_dim patches.
-    vision_model_type: Optional[str] = None
-    vision_num_layers: int = 2
-    vision_hidden_size: int = 72
-    vision_num_attention_heads: int = 4
-    vision_ffn_hidden_size: int = 200
-    # The projector (MultimodalProjector): "mlp", vision hidden -> this width -> hidden_size.
-    vision_projection_type: str = "mlp"
-    vision_projection_ffn_hidden_size: int = 128
-    img_h: int = 32
-    img_w: int = 32
-    patch_dim: int = 8
-    # Drop the ViT's class token before the language model (Megatron-LM's
-    # --disable-vision-class-token).
-    drop_vision_class_token: bool = False
+
+
+# The shared fields that size a parameter (recipes.families.parameter_shapes reads them); each
+# family declares its own (ModelFamily.shape_fields).
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                "ffn_hidden_size", "swiglu", "normalization", "add_bias_linear", "add_qkv_bias",
+                "position_embedding_type", "seq_length", "share_embeddings_and_output_weights",
+                "kv_channels", "qk_layernorm", "mtp_num_layers")
+
+
+# Bases in reverse: a dataclass orders fields from its last base, so the shared fields come first.
+@dataclass
+class ModelConfig(*reversed([f.fields for f in FAMILIES if f.fields is not None]),
+                  SharedModelFields):
+    """The ``model`` group: the shared fields and every family's own (its ``schema.py``);
+    ``family`` chooses which family builds the model, and the fields of the others must stay
+    unset (``recipes.families.check_family_fields``)."""
 
 
 @dataclass

@@ -14,6 +14,7 @@ from ckpt.format.records import CHECKPOINT_FORMATS
 from recipes.model import context_parallel, mtp, te
 from ckpt.io import CheckpointError
 from recipes.config.errors import ConfigError
+from recipes.families import check_family_fields, family_of, gtp_weight_dims
 from recipes.model.gtp_setup import overlap_settings, weight_reuse
 from recipes.metrics.logger import CONSOLE_LINES, LOGGER_MODES
 from recipes.run.optim import LR_DECAY_STYLES, optim_refusal
@@ -45,10 +46,9 @@ def validate(cfg, world_size: int, plan=None) -> ParallelDims:
         ConfigError: the first problem found, naming the key, its value and what is valid.
     """
     from recipes.model import moe
-    from recipes.families import family_of
-
     layout = ParallelDims.from_config(cfg, world_size)
-    family = family_of(cfg.model)
+    family = family_of(cfg.model)  # model.family names a registered family
+    check_family_fields(cfg.model)
     if family.check is not None:
         family.check(cfg, layout)
     moe.check(cfg, layout)
@@ -287,8 +287,6 @@ def _check_checkpoint_vocab(cfg, plan=None) -> None:
 def _check_gtp_dims(cfg, layout: ParallelDims) -> None:
     """Every GTP-sharded TP-local dim 0 must shard over gtp_remat_size (pad 0 needs divisibility)."""
     g, pad = layout.gtp_remat_size, layout.pad_for_alignment
-    from recipes.families import gtp_weight_dims
-
     dims = {name: dim for name, dim in gtp_weight_dims(cfg, layout.tensor_model_parallel_size).items()
             if ".local_experts." not in name}
     try:

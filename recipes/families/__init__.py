@@ -1,33 +1,101 @@
-"""Model families: one folder per family, registered once in :data:`FAMILIES`.
+"""Model families: one folder per family, registered once in :data:`FAMILIES` and chosen by
+name (``model.family``).
 
-A family folder holds everything that makes the family: its config fields -> megatron's
+A family folder holds everything that makes the family: its own ``model`` fields
+(``schema.py``, merged into the run's ``model`` schema), its config fields -> megatron's
 ``TransformerConfig``, its layer specs, the megatron module it builds, its parameter table (hence
 its GTP weights and their TP-local dims), its Hugging Face mapping both ways and its stock-format
-name patterns (``formats.py``, given to ``ckpt/`` below: :mod:`recipes.families.formats`).
-``docs/model-families.md`` says how to add one.
+name patterns (``formats.py``, given to ``ckpt/`` below). ``docs/model-families.md`` says how to
+add one.
 """
 
 from __future__ import annotations
 
 from ckpt import families as checkpoint_formats
+from recipes.config.errors import ConfigError
 from recipes.families import gpt, hybrid, llava, moe
 from recipes.families.family import ModelFamily
-from recipes.families.formats import FORMATS, padded_vocab_of_config
+from recipes.families.formats import padded_vocab_of_config
 from recipes.model.shapes import ParamShape, count, getter, padded_vocab_size, tp_local_shape
-from ckpt.adapt.vocab import VOCAB_KEYS
 
-# First match wins: the dense GPT family matches every decoder, so it comes last; LLaVA first,
-# as its language model may carry other families' fields (which it refuses).
-FAMILIES: tuple[ModelFamily, ...] = (llava.FAMILY, hybrid.FAMILY, moe.FAMILY, gpt.FAMILY)
+# The registration: a family is chosen by its name (model.family) among these.
+FAMILIES: tuple[ModelFamily, ...] = (gpt.FAMILY, moe.FAMILY, hybrid.FAMILY, llava.FAMILY)
+NAMES: tuple[str, ...] = tuple(f.name for f in FAMILIES)
+# Each family's formats (its formats.py), in the order of FAMILIES.
+FORMATS = tuple(f.formats for f in FAMILIES)
 
-# ckpt/ reads and writes these families' checkpoints (stock reader, Hugging Face import and
-# export): given to it here, as values, so that it never imports this package.
-checkpoint_formats.install(FORMATS, run_config_vocab=padded_vocab_of_config)
+
+def family_name(m) -> str:
+    """The family a ``model`` config (a config node, dict or dataclass) names in ``family``.
+
+    A model config saved before ``model.family`` existed (every checkpoint, resolved config and
+    export written before it) has no ``family``: its family is then the one its fields imply,
+    as the families were told apart then. This is the only place that infers a family; a new
+    family always comes with ``family`` set, so it never needs adding here.
+    """
+    get = getter(m)
+    named = get("family")
+    if named is not None:
+        return str(named)
+    if get("vision_model_type") is not None:
+        return "llava"
+    if get("hybrid_layer_pattern") is not None:
+        return "hybrid"
+    if get("num_moe_experts") is not None:
+        return "moe"
+    return "gpt"
+
+
+def with_family(config: dict) -> dict:
+    """A saved run config (a checkpoint's ``train_state.config``) with its model's family named:
+    a run saved before ``model.family`` existed gets the family its model fields imply
+    (:func:`family_name`), which a resume takes with those fields."""
+    model = config.get("model")
+    if not isinstance(model, dict) or "family" in model:
+        return config
+    return {**config, "model": {**model, "family": family_name(model)}}
 
 
 def family_of(m) -> ModelFamily:
-    """The family that owns a ``model`` config (the first in :data:`FAMILIES` that matches)."""
-    return next(f for f in FAMILIES if f.matches(m))
+    """The family a ``model`` config names (:func:`family_name`).
+
+    Raises:
+        ConfigError: a name that is no registered family's (names the valid ones).
+    """
+    name = family_name(m)
+    for f in FAMILIES:
+        if f.name == name:
+            return f
+    raise ConfigError(f"model.family={name!r} is not a model family: valid are {list(NAMES)}")
+
+
+def check_family_fields(m) -> None:
+    """The ``model`` config's fields agree with the family it names: each field another family
+    ``requires`` is null, and each this family requires is set (the family's ``check`` judges
+    its value). Runs before the family's ``check``, so no family's rules name another's fields.
+
+    Raises:
+        ConfigError: one line naming the field, the family named and the family that takes it.
+    """
+    get, family = getter(m), family_of(m)
+    for other in FAMILIES:
+        for key in other.requires:
+            value = get(key)
+            if other is family and value is None:
+                raise ConfigError(
+                    f"model.family={family.name!r} needs model.{key} (it is {value!r}): set it, "
+                    f"or choose another family (valid are {list(NAMES)})")
+            if other is not family and value is not None:
+                raise ConfigError(
+                    f"model.{key}={value!r} is a field of the {other.name!r} family, not of "
+                    f"model.family={family.name!r}: set model.family={other.name} or "
+                    f"model.{key}=null")
+
+
+# ckpt/ reads and writes these families' checkpoints (stock reader, Hugging Face import and
+# export): given to it here, as values, so that it never imports this package.
+checkpoint_formats.install(FORMATS, run_config_vocab=padded_vocab_of_config,
+                           family_name=family_name)
 
 
 def parameter_shapes(m, padded_vocab: int) -> list[ParamShape]:
@@ -75,6 +143,7 @@ def gtp_weight_dims(cfg, tensor_model_parallel_size: int) -> dict[str, int]:
     model against this table). The vocab rows are left out when the tokenizer cannot be built
     from the config (other checks report that).
     """
+    from ckpt.adapt.vocab import VOCAB_KEYS  # loads torch
     from recipes.data import build_tokenizer  # the tokenizers' start-up cost, only when asked
 
     m, tp = cfg.model, tensor_model_parallel_size

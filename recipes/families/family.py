@@ -12,9 +12,8 @@ class ModelFamily:
     """One model family, registered once in ``recipes.families.FAMILIES``.
 
     Attributes:
-        name: the family's folder under ``recipes/families/``.
-        matches: ``(model config) -> bool``: whether a ``model`` config belongs to the family
-            (the first family in ``FAMILIES`` that matches owns it).
+        name: the family's folder under ``recipes/families/``, and the value of ``model.family``
+            that chooses it.
         transformer_config_fields: ``(model config, ParallelDims) -> dict`` of megatron
             ``TransformerConfig`` keyword arguments for the family's model fields (the run-wide
             ones, parallel sizes, precision and fusions, come from ``recipes.model.build``).
@@ -29,10 +28,18 @@ class ModelFamily:
             weights whose CPU draw would differ between layouts (default: none).
         check: ``(run config, ParallelDims) -> None``, the family's own rules before launch
             (``recipes.config.validate``; raises ``ConfigError``; default: none).
+        fields: the dataclass of the family's own ``model`` fields (its ``schema.py``), merged
+            into the run's ``model`` schema (``recipes.config.schema.ModelConfig``).
+        requires: its fields set (not null) in each of its configs and in no other
+            family's: a config naming another family with one of them set, or this family
+            without one, is refused (``recipes.families.check_family_fields``).
+        shape_fields: its fields that size a parameter beyond the shared ones
+            (``recipes.config.schema.SHAPE_FIELDS``): a resume refuses a checkpoint of the same
+            family whose value differs (``recipes.config.prelaunch.changed_shape_fields``).
+        formats: its Hugging Face and stock-format names (its ``formats.py``), given to ``ckpt/``.
     """
 
     name: str
-    matches: Callable[[Any], bool]
     transformer_config_fields: Callable[[Any, Any], dict]
     layer_spec: Callable[[Any, Any, bool, Optional[int]], Any]
     build: Callable[..., Any]
@@ -40,3 +47,7 @@ class ModelFamily:
     building: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     init_weights: Optional[Callable[[Any, Any, int], None]] = None
     check: Optional[Callable[[Any, Any], None]] = None
+    fields: Optional[type] = None
+    requires: tuple[str, ...] = ()
+    shape_fields: tuple[str, ...] = ()
+    formats: Any = None

@@ -1,20 +1,13 @@
-"""The model families' formats that gtp-recipes gives to ``ckpt/`` (:func:`ckpt.families.install`,
-called once when :mod:`recipes.families` is imported): each family's Hugging Face mappings and
-stock-format names (``recipes/families/<name>/formats.py``) and the reader of the padded vocab a
-saved run config gives.
+"""The reader of the padded vocab a saved run config gives, which gtp-recipes gives to ``ckpt/``
+with each family's formats (``recipes/families/<name>/formats.py``; :func:`ckpt.families.install`,
+called once when :mod:`recipes.families` is imported).
 
 Cheap to import (no megatron, no Hydra, no torch): the ``gtp`` command line loads it.
 """
 
 from __future__ import annotations
 
-from recipes.families.gpt.formats import FORMATS as GPT
-from recipes.families.hybrid.formats import FORMATS as HYBRID
-from recipes.families.llava.formats import FORMATS as LLAVA
-from recipes.families.moe.formats import FORMATS as MOE
 from recipes.model.shapes import padded_vocab_size
-
-FORMATS = (GPT, HYBRID, LLAVA, MOE)
 
 
 def padded_vocab_of_config(cfg, tp: int) -> int:

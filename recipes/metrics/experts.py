@@ -18,6 +18,8 @@ import torch
 
 from gtp.collectives import collective_device
 from recipes.metrics.logger import add_to_each_step
+from recipes.model.build import model_chunks
+from recipes.model.moe import aux_loss_name, is_moe, reduce_aux_loss
 from recipes.model.mtp import mtp_num_layers
 
 
@@ -99,13 +101,9 @@ def attach_metrics(cfg, state, logger) -> None:
     cleared when a step starts (``optimizer.zero_grad``), reduced on every rank after the
     optimizer step, and merged into the metrics rank 0's ``logger`` writes (metrics.jsonl and
     wandb). Nothing happens for a dense model."""
-    from recipes.model.moe import aux_loss_name, is_moe, reduce_aux_loss
-
     if not is_moe(cfg.model):
         return
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-
-    from recipes.model.build import model_chunks
 
     tokens = TokensPerExpert(model_chunks(state.model), int(cfg.model.num_layers),
                              int(cfg.model.num_moe_experts), mtp_num_layers(cfg.model))

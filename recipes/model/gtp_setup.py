@@ -9,6 +9,7 @@ megatron and the modules that import it are imported inside the hooks (start-up 
 from __future__ import annotations
 
 from gtp import alignment, tied_output
+from recipes.families import gtp_weight_dims
 from recipes.model import te
 from recipes.model.mtp import mtp_num_layers
 
@@ -132,8 +133,6 @@ def after_model(model, layout, cfg) -> None:
     import torch
     from megatron.core.tensor_parallel.generalized_tensor_parallelism import (GTP_CONFIG,
                                                                               is_gtp_param)
-
-    from recipes.families import gtp_weight_dims
 
     checked = alignment.check_pad_applied(model, layout.pad_for_alignment)
     built = {name: p._unsharded_shape[0] for name, p in model.named_parameters() if is_gtp_param(p)}

@@ -34,6 +34,7 @@ from ckpt.format.records import TRACKER, imported_from
 from ckpt.io import CheckpointError
 from recipes.config.schema import OptimConfig, given_fields, given_overrides
 from recipes.config.errors import ConfigError
+from recipes.families import family_name  # also gives ckpt/ the importable families
 
 # Model fields fixed by the source's tensors (their shapes, or which tensors exist).
 TENSOR_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
@@ -71,8 +72,6 @@ def source_config(path) -> tuple[dict, dict]:
         raise ConfigError(f"checkpoint.pretrained={path}: no such file or directory (an HF model "
                           f"dir with config.json, or a checkpoint of gtp-recipes)")
     if is_hf_dir(path):
-        import recipes.families  # noqa: F401 - gives ckpt/ the importable families (loads torch)
-
         try:
             _, config = hf_import.read_config(path)
             model = hf_import.implied_model(path)
@@ -126,6 +125,7 @@ def apply_source(cfg, overrides: list[str] | None = None, requeued: bool = False
             f"give one of them")
     overrides = given_overrides() if overrides is None else overrides
     model, data = source_config(src)
+    model["family"] = family_name(model)  # an HF source or older checkpoint names none
     given, chosen = given_fields(overrides, "model")
     if chosen:  # model=NAME gives every field of that group
         given |= set(cfg.model.keys())
@@ -219,8 +219,6 @@ def prepare(cfg, is_rank0: bool) -> None:
     root = Path(checkpoint_root(cfg))
     if (root / TRACKER).exists():
         return
-    import recipes.families  # noqa: F401 - gives ckpt/ the importable families (loads torch)
-
     started = time.perf_counter()
     try:
         path = hf_import.import_hf(src, root)

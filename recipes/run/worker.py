@@ -37,7 +37,8 @@ from ckpt.format import safe_objects
 from ckpt.format.records import IMPORTED_KEY, saved_layout
 from mcore_compat import distrib_optimizer
 from ckpt import io as checkpoint
-from recipes.model import gtp_setup, mtp, te
+from recipes.model import gtp_setup, moe, mtp, te
+from recipes.model.build import build_model, count_parameters
 from recipes.run import preemption, pretrained
 from recipes.config import refusal
 from ckpt.io import lineage
@@ -153,8 +154,6 @@ def setup(cfg, layout, optimizer_cfg=None):
                                            finalize_model_grads)
 
     from mcore_compat import cpu as cpu_compat, moe_cpu
-    from recipes.model import moe
-    from recipes.model.build import build_model
 
     freeze_imported_objects()
     cpu_compat.install()
@@ -342,8 +341,6 @@ def _iterators(cfg, layout, train_state: dict, tokenizer):
 def _start_logger(cfg, state, plan: dict, layout, layout_rec: dict, resumed_from):
     """Rank 0's ``MetricLogger``; prints the layout line and records the start or the resume
     event (``resumed_from``: the saved layout, None for a new run)."""
-    from recipes.model.build import count_parameters
-
     ck, model, iteration, run_id = cfg.checkpoint, state.model, state.iteration, plan["run_id"]
     config_dict = state.train_state["config"]
     logger = MetricLogger(cfg, cfg.output_dir, plan, config_dict,

@@ -41,17 +41,12 @@ def split_qkv(w, heads: int, groups: int, head_dim: int):
 
 
 def architecture(model: dict) -> str | None:
-    """``"gpt2"``, ``"llama"``, ``"qwen2"`` or ``"qwen3"`` for a recorded dense ``model`` config
-    dict, None for an MoE model (``num_moe_experts`` set: :mod:`recipes.families.moe.formats`)
-    or a hybrid one (``hybrid_layer_pattern``: :mod:`recipes.families.hybrid.formats`) or a
-    vision-language one (``vision_model_type``: :mod:`recipes.families.llava.formats`).
+    """``"gpt2"``, ``"llama"``, ``"qwen2"`` or ``"qwen3"`` for a recorded ``model`` config dict of
+    the GPT family (``ckpt.families.for_export`` asks the family the model names).
 
     Raises:
         ExportError: a combination no transformers class computes exactly (named).
     """
-    if (model.get("num_moe_experts") or model.get("hybrid_layer_pattern")
-            or model.get("vision_model_type")):
-        return None
     norm = model.get("normalization", "LayerNorm")
     bias = model.get("add_bias_linear", True)
     pos = model.get("position_embedding_type", "learned_absolute")

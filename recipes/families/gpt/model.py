@@ -5,9 +5,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 
-import torch
-import torch.nn.functional as F
-
 from mcore_compat.patches import megatron_patch
 
 
@@ -57,12 +54,16 @@ def gelu_tanh(x):
     published ``gelu_new`` and Megatron-LM's ``--openai-gelu`` (``openai_gelu``), computed by
     torch's kernel (megatron's own is wrapped in ``torch.compile``, which CPU runs cannot
     assume). Any shape and float dtype."""
+    import torch.nn.functional as F  # torch on use: the family's fields load without it
+
     return F.gelu(x, approximate="tanh")
 
 
 def activation(m):
     """The MLP's activation: SiLU under SwiGLU (``swiglu``), else GeLU, exact (erf) or, with
     ``openai_gelu``, :func:`gelu_tanh`."""
+    import torch.nn.functional as F
+
     if m.swiglu:
         return F.silu
     return gelu_tanh if m.get("openai_gelu", False) else F.gelu
@@ -147,6 +148,7 @@ def mtp_embedding_copy_draws_nothing():
     from megatron.core.models.common.embeddings.language_model_embedding import (
         LanguageModelEmbedding)
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    import torch
 
     init = LanguageModelEmbedding.__init__
 

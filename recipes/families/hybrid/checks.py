@@ -18,7 +18,7 @@ def check(cfg, layout) -> None:
             parallelism cannot split (``nheads``, ``mamba_num_groups``);
             and what is not run here: the stock checkpoint format under GTP (it cannot place
             ``in_proj``'s optimizer moments), context or sequence parallelism, virtual pipeline
-            stages, multi-token prediction, MoE, TransformerEngine layers.
+            stages, multi-token prediction, TransformerEngine layers.
     """
     m = cfg.model
     pattern = str(m.hybrid_layer_pattern)
@@ -26,7 +26,8 @@ def check(cfg, layout) -> None:
     valid = ", ".join(f"{s!r} {what}" for s, what in SUPPORTED.items())
     if not pattern:
         raise ConfigError(f"{key} is empty: give one symbol a layer ({valid}), or "
-                          f"model.hybrid_layer_pattern=null for a transformer-only model")
+                          f"model.family=gpt model.hybrid_layer_pattern=null for a transformer-only "
+                          f"model")
     for symbol in dict.fromkeys(pattern):
         if symbol in SUPPORTED:
             continue
@@ -83,8 +84,6 @@ def _check_run(cfg, layout, key: str) -> None:
          f"take; use virtual_pipeline_model_parallel_size=null"),
         (bool(m.get("mtp_num_layers")), f"model.mtp_num_layers={m.get('mtp_num_layers')}: "
          f"multi-token prediction in a hybrid stack is not in this family yet"),
-        (bool(m.get("num_moe_experts")), f"model.num_moe_experts={m.get('num_moe_experts')}: "
-         f"MoE layers in a hybrid stack are not in this family yet"),
         (m.get("transformer_impl") == "transformer_engine",
          "model.transformer_impl='transformer_engine': the hybrid family builds megatron's "
          "local layers (its TransformerEngine spec fuses the norms into in_proj and linear_qkv, "

@@ -39,6 +39,10 @@ from recipes.families.gpt.hf_export import split_qkv
 from recipes.families.hybrid.model import ATTENTION, MAMBA, MLP
 from recipes.families.hybrid.params import mamba_dims
 
+# The fields that size stored tensors (ckpt.format.records.unbounded_size), with the pattern's
+# length (the layers).
+SIZE_FIELDS = ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")
+
 # megatron-core 0.19.2's MambaMixer builds its gated RMSNorm with eps 1e-5 whatever the config
 # says; NemotronH takes every norm's eps from layer_norm_epsilon.
 MIXER_NORM_EPS = 1e-5
@@ -189,5 +193,17 @@ NEMOTRON_H = HFArchitecture(model_type="nemotron_h", hf_class="NemotronHForCausa
                             embedding="model.embeddings.weight", build=nemotron_h_build,
                             notes=notes)
 
+def sizes(model) -> list[tuple[str, object]]:
+    """The Mamba sizes and the layer pattern's length of a hybrid ``model`` config dict (none
+    without ``hybrid_layer_pattern``)."""
+    pattern = model.get("hybrid_layer_pattern")
+    if pattern is None:
+        return []
+    out = [(f"model.{f}", model.get(f)) for f in SIZE_FIELDS]
+    if isinstance(pattern, str):
+        out.append(("the length of model.hybrid_layer_pattern", len(pattern)))
+    return out
+
+
 FORMATS = FamilyFormats(name="hybrid", architectures=(NEMOTRON_H,), architecture=architecture,
-                        gtp_patterns=GTP_PATTERNS, stored_logical=STORED_LOGICAL)
+                        gtp_patterns=GTP_PATTERNS, stored_logical=STORED_LOGICAL, sizes=sizes)

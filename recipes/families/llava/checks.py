@@ -20,8 +20,8 @@ def check(cfg, layout) -> None:
             that tensor parallelism cannot split; text too short for the image token and one
             caption token; data without images (``data.source`` other than ``shapes``); and
             what is not run here, each named with the reason: pipeline (and virtual pipeline),
-            context or sequence parallelism, MoE, multi-token prediction, a hybrid language
-            model, TransformerEngine layers, Muon, a
+            context or sequence parallelism, multi-token prediction, TransformerEngine
+            layers, Muon, a
             Hugging Face ``checkpoint.pretrained``, ``logger.grad_norm_detail``.
     """
     m, tp = cfg.model, layout.tensor_model_parallel_size
@@ -80,12 +80,8 @@ def _check_run(cfg, layout, key: str) -> None:
         (layout.sequence_parallel,
          "parallelism.sequence_parallel=true: megatron-core 0.19.2's LLaVAModel needs "
          "TransformerEngine's attention for it; use false"),
-        (bool(m.get("num_moe_experts")), f"model.num_moe_experts={m.get('num_moe_experts')}: "
-         f"an MoE language model is not in this family; use null"),
         (bool(m.get("mtp_num_layers")), f"model.mtp_num_layers={m.get('mtp_num_layers')}: "
          f"LLaVAModel's language model is built without MTP layers; use null"),
-        (m.get("hybrid_layer_pattern") is not None,
-         "model.hybrid_layer_pattern: a hybrid language model is not in this family; use null"),
         (m.get("transformer_impl") == "transformer_engine",
          "model.transformer_impl='transformer_engine': the family builds megatron's local "
          "layers (their weights are its parameter table); use 'local' or null"),

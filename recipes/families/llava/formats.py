@@ -15,6 +15,11 @@ from typing import Mapping
 
 from ckpt.families import ExportError, FamilyFormats
 
+# The fields that size or count stored tensors (ckpt.format.records.unbounded_size).
+SIZE_FIELDS = ("vision_num_layers", "vision_hidden_size", "vision_num_attention_heads",
+               "vision_ffn_hidden_size", "vision_projection_ffn_hidden_size", "img_h", "img_w",
+               "patch_dim")
+
 # megatron's LLaVAModel: the language model, the CLIP ViT, the MLP projector.
 SUB_MODELS = ("language_model.", "vision_model.", "vision_projection.")
 # The ViT's params that GTP never shards and that are neither norms nor biases nor position
@@ -38,6 +43,14 @@ def architecture(model: dict) -> str | None:
         f"exported to Hugging Face here: its CLIP ViT, projector and image processor have no "
         f"mapping to a transformers class in this project (only text-only GPT, Llama, MoE and "
         f"hybrid models export)")
+
+
+def sizes(model: Mapping) -> list[tuple[str, object]]:
+    """The ViT's, projector's and images' sizes of a LLaVA ``model`` config dict (none without
+    ``vision_model_type``)."""
+    if model.get("vision_model_type") is None:
+        return []
+    return [(f"model.{f}", model.get(f)) for f in SIZE_FIELDS]
 
 
 def sub_model_dims(model: Mapping) -> dict | None:
@@ -77,4 +90,4 @@ def _set(model: Mapping, **fields: str) -> dict:
 
 FORMATS = FamilyFormats(name="llava", architectures=(), architecture=architecture,
                         stored_logical=STORED_LOGICAL, sub_models=SUB_MODELS,
-                        sub_model_dims=sub_model_dims)
+                        sub_model_dims=sub_model_dims, sizes=sizes)

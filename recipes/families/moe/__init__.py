@@ -1,14 +1,13 @@
 """The MoE family: Mixtral / Qwen3-MoE-style decoders, megatron's ``GPTModel`` with MoE layers
 (``model.py``), their parameter table (``params.py``) and their Hugging Face names
-(``formats.py``)."""
+(``formats.py``); ``model.family: moe``, its expert fields in ``schema.py``."""
 
 from recipes.families.family import ModelFamily
 from recipes.families.gpt import model as gpt_model
-from recipes.families.moe import model, params
+from recipes.families.moe import formats, model, params, schema
 
 FAMILY = ModelFamily(
     name="moe",
-    matches=model.is_moe,
     transformer_config_fields=model.transformer_config_fields,
     layer_spec=model.layer_spec,
     build=gpt_model.build,
@@ -16,4 +15,8 @@ FAMILY = ModelFamily(
     # Same expert weights at every expert layout (model.init_experts).
     building=model.experts_leave_rng_alone,
     init_weights=model.init_experts,
+    fields=schema.MoEFields,
+    requires=schema.REQUIRES,
+    shape_fields=schema.SHAPE_FIELDS,
+    formats=formats.FORMATS,
 )

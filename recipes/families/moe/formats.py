@@ -52,6 +52,10 @@ from ckpt.families import ExportError, FamilyFormats, HFArchitecture, HFImport
 from recipes.families.gpt.hf_export import llama_attention, llama_ends
 from recipes.families.moe import hf_import
 
+# The fields that size or count stored tensors (ckpt.format.records.unbounded_size).
+SIZE_FIELDS = ("num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+               "moe_layer_freq")
+
 CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 # Settings neither class expresses: (field, default, whether a value is exportable, what is).
@@ -166,4 +170,6 @@ FORMATS = FamilyFormats(
         HFArchitecture(model_type=arch, hf_class=cls, embedding="model.embed_tokens.weight",
                        build=functools.partial(build, arch), imports=_imports(arch))
         for arch, cls in CLASSES.items()),
-    architecture=architecture)
+    architecture=architecture,
+    # Always read (as before model.family): a crafted expert count is refused whatever the family.
+    sizes=lambda m: [(f"model.{f}", m.get(f)) for f in SIZE_FIELDS])

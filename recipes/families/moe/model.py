@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 import zlib
 
-import torch
-
 from mcore_compat.patches import megatron_patch
 from recipes.families.gpt import model as gpt_model
 
@@ -65,6 +63,7 @@ def experts_leave_rng_alone():
     experts a rank builds (num_moe_experts / expert_model_parallel_size) would shift every
     later draw. :func:`init_experts` gives the experts their weights instead."""
     from megatron.core.transformer.moe.experts import SequentialMLP
+    import torch
 
     original = SequentialMLP.__init__
 
@@ -100,6 +99,8 @@ def init_experts(chunk, config, seed: int) -> int:
     Returns:
         The number of weights set.
     """
+    import torch  # torch on use: the family's fields load without it
+
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.generalized_tensor_parallelism import is_gtp_param
     from megatron.core.transformer.moe.experts import SequentialMLP
