@@ -23,11 +23,11 @@ import math
 import os
 from dataclasses import dataclass
 
-from recipes.model import te
-from recipes.data import build_tokenizer
 from recipes.config.errors import ConfigError
+from recipes.data import build_tokenizer
 from recipes.families import parameter_counts, parameter_shapes
 from recipes.metrics.logger import format_bytes
+from recipes.model import te
 from recipes.model.mtp import mtp_num_layers
 from recipes.model.shapes import local_shape, padded_vocab_size
 
@@ -208,8 +208,6 @@ def activation_bytes(cfg, layout, padded_vocab: int, scores: bool | None = None)
     if cfg.precision.params_dtype == "fp32":
         act *= 2
     return int(math.ceil(act))
-
-
 
 
 def host_memory_problem(cfg, layout, vocab_size: int, processes: int,

@@ -19,17 +19,17 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from ckpt.io import lease
-from recipes.run import preemption, pretrained, rank_env
-from recipes.config import prelaunch, refusal
-from ckpt.io import write_durable
+from ckpt.io import lease, write_durable
+from ckpt.io.lease import RUN_ID_ENV, Lease, LeaseHeld
 from recipes.checkpoint.auto import AUTO, resolve_auto_load
 from recipes.checkpoint.policy import NothingToTrain, prepare_resume, take_checkpoint_fields
+from recipes.config import prelaunch, refusal
+from recipes.config.errors import ConfigError
 from recipes.config.schema import RESOLVED_CONFIG
 from recipes.metrics.console import STARTED_ENV
-from recipes.config.errors import ConfigError
-from ckpt.io.lease import RUN_ID_ENV, Lease, LeaseHeld
-from recipes.run.preemption import child_pids, forward_to_workers, interrupted_message, stop_forwarding
+from recipes.run import preemption, pretrained, rank_env
+from recipes.run.preemption import (child_pids, forward_to_workers, interrupted_message,
+                                    stop_forwarding)
 from recipes.run.rank_env import LAUNCHER_PID_ENV, available_cores, cpu_threads_per_rank, job_id
 
 # A worker that died takes the others down within this many seconds (elastic agent's monitor).

@@ -47,7 +47,8 @@ PRELOAD = [
     "megatron.core.dist_checkpointing", "megatron.core.pipeline_parallel",
     "megatron.core.transformer.moe.moe_layer",
     "hydra", "omegaconf",
-    "recipes.run.launch", "recipes.run.worker", "recipes.run.loop", "recipes.model.build", "recipes.run.optim",
+    "recipes.run.launch", "recipes.run.worker", "recipes.run.loop", "recipes.model.build",
+    "recipes.run.optim",
     "ckpt.io", "recipes.metrics.logger", "recipes.data",
     "ckpt.format.logical_format", "ckpt.format.logical_factory",
     "frozen_preload",  # last: freezes what the imports above built
