@@ -2,7 +2,8 @@
 
 ``tests/golden/compat/`` holds tiny checkpoints written once by the code of 2026-12-03
 (tests/helpers/compat_checkpoint.py: fp32 with GTP; bf16 with the distributed optimizer and
-GTP; bf16 with tied embeddings at tp2 x pp2). Each is loaded by today's code at the layout that
+GTP; bf16 with tied embeddings at tp2 x pp2) and of 2026-12-06 (fp32 with the distributed
+optimizer's ``fully_reshardable`` format at dp2 x tp2). Each is loaded by today's code at the layout that
 wrote it and at another, into a model and optimizer pre-filled with a sentinel, and every
 weight, fp32 main param, ``exp_avg``, ``exp_avg_sq`` and ``step`` is compared with ``==`` to the
 goldens it was written with (tests/helpers/layout_goldens.py: values computed from each
@@ -28,6 +29,9 @@ OTHER = {
     "bf16_tp2pp2_tied": ("bf16_dp4_distopt_tied", (1, 1, None, (
         *_BF16, "optim.use_distributed_optimizer=true",
         "model.share_embeddings_and_output_weights=true"))),
+    # the distributed optimizer's fully_reshardable file at dp2 x tp2, read at dp2 x g2a16
+    "fp32_distopt_tp2": ("fp32_distopt_g2a16",
+                         (1, 2, 16, ("optim.use_distributed_optimizer=true",))),
 }
 
 

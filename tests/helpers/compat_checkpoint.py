@@ -39,6 +39,9 @@ CASES = {
     # Tied embeddings: the last stage's output layer holds a copy of the embedding.
     "bf16_tp2pp2_tied": (2, 1, None,
                          (*_BF16, *_PP2, "model.share_embeddings_and_output_weights=true")),
+    # Written by the code of 2026-12-06 (main at 8d3df5f): the distributed optimizer's
+    # fully_reshardable format at dp2 x tp2 in fp32, before the fully_sharded_model_space one.
+    "fp32_distopt_tp2": (2, 1, None, _DISTOPT),
 }
 
 
