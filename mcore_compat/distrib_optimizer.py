@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from mcore_compat import fs_model_space
 from mcore_compat.patches import megatron_patch
 
 
@@ -67,6 +68,7 @@ def install() -> None:
     sharded_param_state_fully_reshardable.__wrapped__ = original_save
     DistributedOptimizer.sharded_param_state_fully_reshardable = (
         sharded_param_state_fully_reshardable)
+    fs_model_space.install()  # each DP rank's own range (mcore_compat.fs_model_space)
     _PATCHED = True
 
 

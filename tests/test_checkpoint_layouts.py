@@ -1160,7 +1160,7 @@ def test_checkpoint_records_pipeline_and_optimizer(matrix):
     assert records["tp1"]["pipeline_model_parallel_size"] == 1
     assert not records["tp1"]["use_distributed_optimizer"]
     do = records["g2a16dp2do"]
-    assert do["use_distributed_optimizer"] and do["distrib_optim_sharding_type"] == "fully_reshardable"
+    assert do["use_distributed_optimizer"] and do["distrib_optim_sharding_type"] == "fully_sharded_model_space"
     assert (do["gtp_remat_size"], do["data_parallel_size"], do["pad_for_alignment"]) == (2, 2, 16)
 
 
@@ -1183,7 +1183,7 @@ def test_inspect_shows_pipeline_and_optimizer(matrix):
     assert rc == 0, out
     assert "parallelism: tp1 x pp1 (vpp -) x gtp2 (pad 16) x dp2, world 4" in out, out
     assert "optimizer: distributed Adam (megatron's DistributedOptimizer, format " \
-           "fully_reshardable)" in out, out
+           "fully_sharded_model_space)" in out, out
 
 
 @pytest.mark.parametrize("other", ["pp2", "tp2pp2", "pp2dp2do", "g2a16dp2do"])

@@ -418,6 +418,19 @@ def finish_one(optimizer, loaded: dict, common: dict, mine: str, saved: str,
             "param_state_sharding_type": "fully_reshardable"}
 
 
+def with_sharding_type(state, sharding_type: str):
+    """``state`` (what :func:`finish_load` returned: one optimizer's state dict, or a chain's
+    as a dict or list of them) with every distributed optimizer's ``param_state_sharding_type``
+    set to the format its ``param_state`` was requested in (``sharding_type``), whichever
+    format wrote the file: megatron's ``load_state_dict`` reads ``param_state`` by that type, and
+    both formats hold the same keys."""
+    parts = state.values() if is_chain(state) else state if isinstance(state, list) else [state]
+    for part in parts:
+        if isinstance(part, dict) and "param_state_sharding_type" in part:
+            part["param_state_sharding_type"] = sharding_type
+    return state
+
+
 def _params_in_fully_reshardable_order(opt) -> list:
     """The model params in the order of megatron's ``sharded_param_state_fully_reshardable``
     (``param_state`` indices): buffer by buffer, ``param_index_map`` order."""

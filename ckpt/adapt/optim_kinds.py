@@ -78,10 +78,11 @@ def saved_kind(common_optimizer) -> str:
     fmt = node.get("param_state_sharding_type") if isinstance(node, dict) else None
     if fmt is None:
         return PLAIN
-    if fmt != "fully_reshardable":
+    if fmt not in ("fully_sharded_model_space", "fully_reshardable"):
         raise OptimizerCheckpointError(
             f"the checkpoint's distributed optimizer state is in megatron's {fmt!r} format, which "
-            f"cannot be loaded at another layout or optimizer; only 'fully_reshardable' can")
+            f"cannot be loaded at another layout or optimizer; only 'fully_sharded_model_space' "
+            f"and 'fully_reshardable' can")
     return DISTRIBUTED
 
 

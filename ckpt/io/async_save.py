@@ -31,6 +31,7 @@ from ckpt.io import faults
 from ckpt.io.errors import CheckpointError, rank_errors
 from ckpt.io.files import read_tracker
 from ckpt.io.lifetime import leave_parent_autogroup
+from ckpt.io.writers import save_strategy
 
 class _ForkedWriterResults:
     """The writers' results queue of asynchronous saves.
@@ -120,7 +121,8 @@ class AsyncSaves:
         # A process that ends with a save in flight (an exception, Ctrl-C) kills its writer
         # instead of joining it at exit: that save can never be finalized.
         atexit.register(self.abort)
-        self._strategy = None
+        self._strategy = None  # megatron's torch_dist strategy, its plans cached
+        self._writers = None  # it, spread over the data-parallel replicas (ckpt.io.writers)
         self._fingerprint: str | None = None  # of the last save that validated and returned
         self._pending: str | None = None
         self._in_flight: tuple[Path, int] | None = None  # (root, iteration) being written
@@ -140,17 +142,18 @@ class AsyncSaves:
         validated once :meth:`agree_on_plan_reuse` runs after ``save`` returned.
 
         Returns:
-            ``{"sharded_strategy": TorchDistSaveShardedStrategy, "validate_access_integrity":
-            bool}``.
+            ``{"sharded_strategy": :func:`ckpt.io.writers.save_strategy` of the cached
+            strategy, "validate_access_integrity": bool}``.
         """
         apply_factories(state)
         fingerprint = structure_fingerprint(state)
         same = all_ranks(fingerprint == self._fingerprint and self._strategy is not None)
         if not same:
             self._strategy = TorchDistSaveShardedStrategy(cached_metadata=True)
+            self._writers = save_strategy(self._strategy, cache=True)
             self._fingerprint = None
         self._pending = fingerprint
-        return {"sharded_strategy": self._strategy, "validate_access_integrity": not same}
+        return {"sharded_strategy": self._writers, "validate_access_integrity": not same}
 
     def agree_on_plan_reuse(self) -> None:
         """After ``save`` returned on every rank: record the structure as validated and make the

@@ -35,6 +35,7 @@ from ckpt.io.integrity import (
 )
 from ckpt.io.save import gc_paused
 from ckpt.io.state import (
+    DISTRIB_OPTIM_FORMAT,
     load_model_state,
     model_sharded_state_dict,
     rng_sharded_object,
@@ -189,15 +190,19 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
     except optim_kinds.OptimizerCheckpointError as exc:
         raise CheckpointError(f"{path}: {exc}") from exc
     optim_checkpoint.prepare_for_load(optimizer)
+    saved_bf16 = precision_change.saved_is_bf16(common["train_state"].get("config"), ckpt.stored)
+    now_bf16 = precision_change.is_bf16(model_chunks(model))
+    # Each rank requests its own ranges of a distributed optimizer's state where the file is
+    # one too at the same precision; other kinds and precisions are adapted from whole tensors.
+    request_type = (DISTRIB_OPTIM_FORMAT if mine == saved == optim_kinds.DISTRIBUTED
+                    and saved_bf16 == now_bf16 else "fully_reshardable")
     state = sharded_state_dict(model, optimizer, is_loading=True,
-                               adapt=lambda model_sd: _adapt_vocab_rows(ckpt, model_sd))
+                               adapt=lambda model_sd: _adapt_vocab_rows(ckpt, model_sd),
+                               sharding_type=request_type)
     optim_checkpoint.match_chain_prefixes(state["optimizer"], ckpt.stored)
     check_shapes(state, path, ckpt.stored, skip_prefixes=("optimizer.state.param.",
                                                          "optimizer.state.fp32_param."))
-    precision = precision_change.prepare(
-        state, ckpt.stored, mine, precision_change.saved_is_bf16(
-            common["train_state"].get("config"), ckpt.stored),
-        precision_change.is_bf16(model_chunks(model)))
+    precision = precision_change.prepare(state, ckpt.stored, mine, saved_bf16, now_bf16)
     dropped = optim_checkpoint.prepare_request(state["optimizer"], ckpt.stored, mine, saved,
                                                optimizer, common.get("optimizer"))
     same_layout = saved_layout(common) == dict(layout_dict) and not ckpt.converted
@@ -215,8 +220,8 @@ def load_checkpoint(root, model, optimizer, scheduler, layout_dict: dict,
     load_model_state(model, loaded["model"])
     # Weights first: a distributed optimizer resumed from a plain fp32 run takes its main
     # params from them.
-    optimizer.load_state_dict(optim_checkpoint.finish_load(
-        optimizer, loaded["optimizer"], common["optimizer"], mine, saved, dropped))
+    optimizer.load_state_dict(optim_checkpoint.with_sharding_type(optim_checkpoint.finish_load(
+        optimizer, loaded["optimizer"], common["optimizer"], mine, saved, dropped), request_type))
     precision_change.after_optimizer_load(precision, optimizer, model_chunks(model))
     scheduler.load_state_dict(common["opt_param_scheduler"])
     if same_layout:

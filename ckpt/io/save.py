@@ -40,6 +40,7 @@ from ckpt.io.files import (
 )
 from ckpt.io.state import rng_sharded_object, sharded_state_dict
 from ckpt.io.lease import RUN_ID_ENV, LeaseHeld, check_writer
+from ckpt.io.writers import save_strategy
 
 
 def gc_paused(fn):
@@ -111,7 +112,8 @@ def stage_save(root, iteration: int, model, optimizer, scheduler, common: dict,
     if async_saves is not None:
         async_saves.wait()  # the previous save completes (or fails) before this one starts
     use_in_process_results_queue(async_saves is not None)
-    state = sharded_state_dict(model, optimizer, is_loading=False)
+    state = sharded_state_dict(model, optimizer, is_loading=False,
+                               sharding_type=layout_dict.get("distrib_optim_sharding_type"))
     prepare_staging(root, iteration, expected_checkpoint_bytes(state))
     state.update(
         iteration=iteration,
@@ -129,7 +131,7 @@ def stage_save(root, iteration: int, model, optimizer, scheduler, common: dict,
     if async_saves is None:
         try:
             with faults.while_writing(iteration, rank):
-                dist_checkpointing.save(state, str(staged))
+                dist_checkpointing.save(state, str(staged), sharded_strategy=save_strategy())
             faults.maybe_fail("save", iteration, rank)
         except CheckpointException as exc:  # a BaseException: torch's error file misses it
             raise CheckpointError(failed_save_message(exc, root, iteration)) from None

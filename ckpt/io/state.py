@@ -58,10 +58,18 @@ def rng_sharded_object() -> ShardedObject:
     return ShardedObject("rng_state", rng_state(), (world,), (rank,), replica_id=0)
 
 
-def optimizer_metadata(optimizer) -> dict:
+# The distributed optimizer's checkpoint format where the run names none: each DP rank its own
+# range (mcore_compat.fs_model_space). "fully_reshardable" (megatron's default) is read and
+# written too; both hold the same keys and global shapes.
+DISTRIB_OPTIM_FORMAT = "fully_sharded_model_space"
+DISTRIB_OPTIM_FORMATS = ("fully_sharded_model_space", "fully_reshardable")
+
+
+def optimizer_metadata(optimizer, sharding_type: str | None = None) -> dict:
     """The ``metadata`` megatron's ``sharded_state_dict`` takes: the distributed optimizer's
-    checkpoint format (``distrib_optim_sharding_type``) when it is one, and
-    ``chained_optim_avoid_prefix`` when megatron built an expert optimizer."""
+    checkpoint format (``distrib_optim_sharding_type``: ``sharding_type``, default
+    :data:`DISTRIB_OPTIM_FORMAT`) when it is one, and ``chained_optim_avoid_prefix`` when
+    megatron built an expert optimizer."""
     chain = getattr(optimizer, "chained_optimizers", [optimizer])
     out = {}
     groups = [g for opt in chain
@@ -73,8 +81,8 @@ def optimizer_metadata(optimizer) -> dict:
         out["chained_optim_avoid_prefix"] = True
     for opt in chain:
         if isinstance(opt, DistributedOptimizer):
-            # The one layout-changing format (recipes.config.validate refuses the others).
-            out["distrib_optim_sharding_type"] = "fully_reshardable"
+            # A layout-changing format (recipes.config.validate refuses the others).
+            out["distrib_optim_sharding_type"] = sharding_type or DISTRIB_OPTIM_FORMAT
     return out
 
 
@@ -99,16 +107,19 @@ def load_model_state(model, loaded: dict) -> None:
         unwrap_model(chunk).load_state_dict(loaded[f"chunk{i}"], strict=True)
 
 
-def sharded_state_dict(model, optimizer, is_loading: bool, adapt=None) -> dict:
+def sharded_state_dict(model, optimizer, is_loading: bool, adapt=None,
+                       sharding_type: str | None = None) -> dict:
     """``{"model": ..., "optimizer": ...}`` for megatron's save or load; ``adapt(model_sd)``
-    edits the model's entries before the optimizer's are derived from them."""
+    edits the model's entries before the optimizer's are derived from them; ``sharding_type``:
+    the distributed optimizer's format (:func:`optimizer_metadata`)."""
     model_sd = model_sharded_state_dict(model)
     if adapt is not None:
         adapt(model_sd)
     return {
         "model": model_sd,
         "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                  metadata=optimizer_metadata(optimizer)),
+                                                  metadata=optimizer_metadata(
+                                                      optimizer, sharding_type)),
     }
 
 

@@ -250,8 +250,9 @@ class OptimConfig:
     # megatron's DistributedOptimizer (ZeRO-1): Adam state and fp32 main params sharded over DP.
     use_distributed_optimizer: bool = False
     # How its state is sharded in a checkpoint (megatron's metadata["distrib_optim_sharding_type"]);
-    # only the sharding type that survives a DP/TP/PP change is accepted: fully_reshardable.
-    distrib_optim_sharding_type: str = "fully_reshardable"
+    # only the two that survive a layout change are accepted: fully_sharded_model_space (each DP
+    # rank writes and reads its own range) and fully_reshardable (gathered to every DP rank).
+    distrib_optim_sharding_type: str = "fully_sharded_model_space"
     # On resume, take lr/min_lr/warmup/decay/weight decay from this config instead of the
     # checkpoint's (Megatron-LM's --override-opt_param-scheduler).
     override_opt_param_scheduler: bool = False

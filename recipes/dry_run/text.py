@@ -24,7 +24,7 @@ def _variant(cfg, layout, **changes):
     if "optim.use_distributed_optimizer" in changes:
         layout = dataclasses.replace(
             layout, use_distributed_optimizer=changes["optim.use_distributed_optimizer"],
-            distrib_optim_sharding_type="fully_reshardable")
+            distrib_optim_sharding_type="fully_sharded_model_space")
     return cfg, layout
 
 

@@ -206,14 +206,16 @@ def apply_schedule_override(optimizer, scheduler, cfg) -> None:
 # megatron-core 0.19.2 DistributedOptimizer checkpoint formats (metadata
 # "distrib_optim_sharding_type") and whether a checkpoint in it loads at another layout.
 DISTRIB_OPTIM_FORMATS = {
-    "fully_reshardable": "model-space tensors, any DP/TP/PP layout (and the non-distributed optimizer)",
+    "fully_sharded_model_space": "each DP rank's own range as model-space pieces, any layout "
+                                 "(mcore_compat.fs_model_space; and the non-distributed optimizer)",
+    "fully_reshardable": "whole model-space tensors gathered to every DP rank at a save, any "
+                         "layout (and the non-distributed optimizer)",
     "dp_reshardable": "flat bucket buffers: reshards over DP only",
     "dp_zero_gather_scatter": "deprecated: one object per TP x PP rank",
-    "fully_sharded_model_space": "deprecated flattened ranges; not with GTP's logical layout",
     "fully_sharded_bucket_space": "deprecated bucket buffers",
     "fsdp_dtensor": "Megatron-FSDP only",
 }
-RESHARDABLE_DISTRIB_OPTIM_FORMATS = ("fully_reshardable",)
+RESHARDABLE_DISTRIB_OPTIM_FORMATS = ("fully_sharded_model_space", "fully_reshardable")
 
 
 def distributed_optimizer(cfg) -> tuple[bool, Optional[str]]:
@@ -231,7 +233,7 @@ def distributed_optimizer(cfg) -> tuple[bool, Optional[str]]:
             "logger.grad_norm_detail=true needs the full reduced gradients on every rank, which "
             "optim.use_distributed_optimizer=true does not keep; set one of them to false"
         )
-    fmt = o.get("distrib_optim_sharding_type", "fully_reshardable")
+    fmt = o.get("distrib_optim_sharding_type", RESHARDABLE_DISTRIB_OPTIM_FORMATS[0])
     if fmt not in RESHARDABLE_DISTRIB_OPTIM_FORMATS:
         why = DISTRIB_OPTIM_FORMATS.get(fmt, "not a megatron-core 0.19.2 format")
         raise ConfigError(
