@@ -22,10 +22,11 @@ the number of layers. Per-layer tensors are stored as megatron stores them, stac
 leading layer axis (``[num_layers, ...]``), one chunk per layer.
 
 The mappings (inverse of :mod:`ckpt.hf.hf_export`, same megatron names) are the model families'
-(:mod:`ckpt.families`): an importable ``model_type``'s family gives the ``model`` fields, the
-weight plan and the sizes to check (gtp-recipes: ``recipes/families/gpt/hf_import.py`` for
-``GPT2LMHeadModel`` and ``LlamaForCausalLM``, ``recipes/families/moe/hf_import.py`` for
-``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM``).
+(:mod:`ckpt.families`): an importable ``model_type``'s family gives the ``model`` fields and a
+table of its weight names (:mod:`ckpt.hf.mapping`), from which the weight plan and the sizes to
+check are derived (gtp-recipes: ``recipes/families/gpt/hf_import.py`` and ``hf_table.py`` for
+``GPT2LMHeadModel`` and ``LlamaForCausalLM``, ``recipes/families/moe/hf_import.py`` and
+``hf_table.py`` for ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM``).
 
 Every file read must lie inside ``HF_DIR`` (symlinks resolved) and every size of
 ``config.json`` is checked against the safetensors headers before anything is planned
@@ -43,6 +44,7 @@ from pathlib import Path
 from typing import Callable
 
 from ckpt import families
+from ckpt.hf import mapping
 from ckpt.hf.hf_weights import HFImportError, Weights, check_sizes, confined
 from gtp.progress import progress
 from ckpt.format.records import (GTP_FORMAT_LOGICAL, IMPORTED_KEY, METADATA_KEY, TRACKER,
@@ -184,7 +186,7 @@ def _plan(arch: families.HFImport, m: dict, weights: Weights) -> dict:
     """``{megatron key: (HF names per layer or [names], per_layer, fn)}`` and every HF tensor
     accounted for (an unmapped one is refused, naming it)."""
     names = weights.names()
-    plan = arch.plan(m, _prefix(arch, names))
+    plan = mapping.plan(arch.table(m), m, _prefix(arch, names))
     out, used = {}, set()
     for key, sources, per_layer, fn in plan:
         if per_layer:
