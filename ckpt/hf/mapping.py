@@ -12,8 +12,8 @@ expert. Kinds:
 
 * :class:`Direct`: one tensor as it is, or transposed (GPT-2's ``Conv1D`` ``[in, out]``);
 * :class:`QKV`: q, k, v <-> megatron's fused rows per query group;
-* :class:`ColumnQKV`: GPT-2's ``c_attn`` (``[q | k | v]`` columns, Conv1D) <-> the fused rows;
-* :class:`GatedFC1`: ``[gate; up]`` <-> the gated ``linear_fc1`` rows;
+* :class:`ColumnQKV`: one Conv1D tensor of ``[q | k | v]`` columns (GPT-2) <-> the fused rows;
+* :class:`GatedFC1`: ``[gate; up]`` <-> megatron's gated fc1 rows;
 * :class:`Experts`: per-expert tensors <-> megatron's ``[experts, ...]`` stack.
 
 Saved and loaded names: transformers >= 5 holds some weights in its model under other names
@@ -67,8 +67,8 @@ class Entry:
     """One megatron tensor and its HF tensors (the base of the kinds; not used alone).
 
     Attributes:
-        megatron: the megatron key (``"decoder.layers.mlp.linear_fc1.weight"``).
-        hf: the saved HF names, without the prefix (``"layers.{i}.mlp.gate_proj.weight"``).
+        megatron: the megatron key (``"decoder.layers.<module>.weight"``: stacked layers).
+        hf: the saved HF names, without the prefix (``"layers.{i}.<module>.weight"``).
         dims: per saved name, its shape as ``((size key, factor), ...)``.
         loaded: the names transformers' model holds them under, when not ``hf`` (one per
             megatron tensor for :class:`Experts`, a rename for :class:`Direct`).
@@ -133,8 +133,9 @@ class QKV(Entry):
 
 @dataclass(frozen=True)
 class ColumnQKV(Entry):
-    """GPT-2's ``c_attn``: the weight ``[hidden, 3 * hidden]`` (Conv1D, columns ``[q | k | v]``)
-    or the bias ``[3 * hidden]`` <-> megatron's fused per-head rows (one group per head)."""
+    """GPT-2's fused attention input: the weight ``[hidden, 3 * hidden]`` (Conv1D, columns
+    ``[q | k | v]``) or the bias ``[3 * hidden]`` <-> megatron's fused per-head rows (one group
+    per head)."""
 
     def to_megatron(self, tensors, m, loaded=False):
         w = tensors[0].t() if tensors[0].dim() == 2 else tensors[0]  # Conv1D -> [3h, in]
@@ -152,7 +153,7 @@ class ColumnQKV(Entry):
 
 @dataclass(frozen=True)
 class GatedFC1(Entry):
-    """``hf`` = (gate, up) names, each ``[ffn, hidden]`` <-> megatron's gated ``linear_fc1``
+    """``hf`` = (gate, up) names, each ``[ffn, hidden]`` <-> megatron's gated fc1
     ``[2 * ffn, hidden]`` (gate rows, then up rows: megatron's ``gated_linear_unit``)."""
 
     def to_megatron(self, tensors, m, loaded=False):
@@ -169,8 +170,8 @@ class Experts(Entry):
     """Every routed expert's tensors (``"{e}"`` in each saved name; ``hf`` = (gate, up) names
     for a gated fc1, else one name) <-> megatron's ``[experts, ...]`` stack of one layer (a
     gated fc1 ``[E, 2F, H]`` per expert gate rows then up rows, an fc2 ``[E, H, F]``). The
-    loaded name (transformers >= 5: one fused tensor, ``gate_up_proj`` ``[E, 2F, H]``,
-    ``down_proj`` ``[E, H, F]``) holds megatron's stack as it is."""
+    loaded name (transformers >= 5: one fused tensor, gate and up ``[E, 2F, H]``, down
+    ``[E, H, F]``) holds megatron's stack as it is."""
 
     def names(self, m, loaded=False):
         if loaded and self.loaded:
