@@ -273,7 +273,7 @@ def _matrix_worker(root: str, cfgs: dict, plain: dict, llama: dict,
             common = checkpoint.load_checkpoint(root / src, model, opt, sched, record)
             out["loads"][(src, name)] = _check(model, opt, cfg)
             if name == "off":
-                out["metadata"][src] = common.get(logical_format.METADATA_KEY)
+                out["metadata"][src] = common.get(logical_format.SHARDING_RECORD_KEY)
     out["timing"]["load"] = time.time() - t0
 
     # The file of every layout holds the same full tensors as the non-GTP one (same goldens).
@@ -310,7 +310,7 @@ def _matrix_worker(root: str, cfgs: dict, plain: dict, llama: dict,
     checkpoint.save_checkpoint(root / "plain_tp2g2a16_stock", 1, model, opt, sched, {}, record)
     logical_format.configure("logical")
     out["stock_metadata"] = dist_checkpointing.load_common_state_dict(
-        str(root / "plain_tp2g2a16_stock" / "iter_0000001"))[logical_format.METADATA_KEY]
+        str(root / "plain_tp2g2a16_stock" / "iter_0000001"))[logical_format.SHARDING_RECORD_KEY]
     out["timing"]["asym"] = time.time() - t0
 
     # A Llama-style model (GQA QKV, SwiGLU fc1, RMSNorm, no biases) across its layouts.
@@ -883,11 +883,11 @@ def test_install_replaces_megatron_functions_everywhere_and_uninstall_restores()
 
 def _spec(L, tp, tp_rank, g, gtp_rank, a, tp_axis=0, gated=False, cols=3, prepend=((0, 1, 2),)):
     from ckpt.format.logical_factory import LogicalSpec
-    from gtp.layout import TensorLayout
+    from gtp.shards import GTPShard
 
-    layout = TensorLayout(L=L, tp=tp, tp_rank=tp_rank, g=g, gtp_rank=gtp_rank,
-                          pad_for_alignment=a, tp_axis=tp_axis, gated=gated)
-    return LogicalSpec(layout, prepend, cols)
+    shard = GTPShard(L=L, tp=tp, tp_rank=tp_rank, g=g, gtp_rank=gtp_rank,
+                     pad_for_alignment=a, tp_axis=tp_axis, gated=gated)
+    return LogicalSpec(shard, prepend, cols)
 
 
 def test_factory_pieces_of_the_spec_worked_case():

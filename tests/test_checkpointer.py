@@ -234,9 +234,9 @@ def test_stock_layout_refuses_a_checkpoint_of_another_layout(train_checkpoint):
     cfg = make_cfg("parallelism=tp2dp2", "gtp=tp2_align16", "gtp.checkpoint_layout=stock",
                    "train.train_iters=4", "optim.lr_warmup_iters=1",
                    f"checkpoint.load={train_checkpoint}")
-    layout = validate(cfg, 4)
+    parallel_dims = validate(cfg, 4)
     with pytest.raises(CheckpointError, match="use checkpoint.format=logical"):
-        checkpointer.prepare_resume(cfg, layout)
+        checkpointer.prepare_resume(cfg, parallel_dims)
 
 
 def test_resume_pins_the_iteration_and_records_the_schedule_that_runs(train_checkpoint):

@@ -1,5 +1,5 @@
 """A LLaVA model (tests/helpers/llava.py) saved in megatron-core 0.19.2's own stock format
-(padded GTP weights, with the common state a run records but no ``gtp_layout`` record) reads
+(padded GTP weights, with the common state a run records but no sharding record) reads
 exactly through ``ckpt.stock``: at g2/a16 (the ViT's fc1 pads 24 rows), g4/a32 (the last GTP
 shard of the ViT's linear_proj / linear_fc2 and the projector's linear_fc2 is all padding) and
 tp1 without GTP, every weight and Adam moment equals its logical golden; written without GTP it

@@ -184,8 +184,8 @@ def test_optim_muon_composes_with_megatrons_field_names():
     from recipes.config.validate import validate
 
     cfg = make_cfg("optim=muon")
-    layout = validate(cfg, 2)
-    assert cfg.optim.optimizer == "muon" and layout.use_distributed_optimizer is False
+    parallel_dims = validate(cfg, 2)
+    assert cfg.optim.optimizer == "muon" and parallel_dims.use_distributed_optimizer is False
     fields = muon_fields(cfg.optim)
     from megatron.core.optimizer import OptimizerConfig
 
@@ -306,5 +306,5 @@ def test_muon_moe_resume_that_splits_or_joins_the_experts_goes_on(tmp_path):
     at_ep2 = validate(make_cfg("optim=muon", "model=moe_tiny",
                                "parallelism.expert_model_parallel_size=2"), 2)
     at_ep1 = validate(cfg, 2)
-    for layout, saved_layout in ((at_ep2, ep1), (at_ep1, ep2), (at_ep2, ep2), (at_ep1, ep1)):
-        _check_optimizer(cfg, layout, saved, saved_layout, tmp_path)
+    for parallel_dims, saved_layout in ((at_ep2, ep1), (at_ep1, ep2), (at_ep2, ep2), (at_ep1, ep1)):
+        _check_optimizer(cfg, parallel_dims, saved, saved_layout, tmp_path)

@@ -178,12 +178,12 @@ def _reload_and_resave(cfg_path, src_root, iteration, dst_root):
     from recipes.config.validate import validate
 
     cfg = OmegaConf.load(cfg_path)
-    layout = validate(cfg, torch.distributed.get_world_size())
-    _, model, optimizer, scheduler = worker.setup(cfg, layout)
+    parallel_dims = validate(cfg, torch.distributed.get_world_size())
+    _, model, optimizer, scheduler = worker.setup(cfg, parallel_dims)
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(SENTINEL)
-    record = checkpoint.layout_record(layout)
+    record = checkpoint.layout_record(parallel_dims)
     common = checkpoint.load_checkpoint(src_root, model, optimizer, scheduler, record, iteration)
     for name, p in model.named_parameters():
         assert not (p == SENTINEL).any(), f"{name} kept the sentinel: the load skipped it"

@@ -153,7 +153,7 @@ class StoredCheckpoint:
     common: dict
     format: str  # "logical" | "stock"
     shapes: dict  # stored key -> global shape
-    meta: dict  # the gtp_layout record ({} when absent)
+    meta: dict  # the sharding record ({} when absent)
     items: dict  # layout items, the first source wins per item
     source: str  # where the items come from
     dims: dict  # model dims: inferred from the stored shapes, overridden by the items
