@@ -190,11 +190,12 @@ def test_resume_diff_lists_every_parallelism_field_with_its_effect(overrides, ef
     base = [o for o in overrides if o.startswith("model=")]
     saved, now = to_dict(make_cfg(*base)), to_dict(make_cfg(*overrides))
     changes = {c.field: c for c in checkpointer.resume_changes(saved, now, consumed_samples=0)}
-    layout = [f for f in changes if f.startswith(("parallelism.", "gtp."))]
-    assert layout, sorted(changes)
-    for field in layout:
+    layout_fields = [f for f in changes if f.startswith(("parallelism.", "gtp."))]
+    assert layout_fields, sorted(changes)
+    for field in layout_fields:
         assert changes[field].effect != "used from now on", (field, changes[field].effect)
-    assert any(effect in changes[f].effect for f in layout), {f: changes[f].effect for f in layout}
+    assert any(effect in changes[f].effect for f in layout_fields), \
+        {f: changes[f].effect for f in layout_fields}
 
 
 def test_extending_train_iters_keeps_the_planned_samples_in_order(data_cache):

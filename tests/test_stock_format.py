@@ -365,7 +365,7 @@ def test_prepare_load_decisions(built):
     # stock, converted copy already there: reused
     assert stock.prepare_load(path, common, {}) == (root / "stock" / "gtp_converted" / path.name,
                                                      True)
-    # the loader writes the stock layout at the very same layout (its record, pad included):
+    # the loader writes the stock format at the very same layout (its record, pad included):
     # megatron reads it as is; at another pad_for_alignment it is converted
     from ckpt.format.records import saved_layout
 
@@ -412,7 +412,7 @@ def test_no_viable_layout_names_the_weight_that_rules_them_out(built):
     import dataclasses
 
     from ckpt import stock
-    from ckpt.stock import analysis, stock_layout
+    from ckpt.stock import analysis, saving_layout
 
     path = stock.resolve_iter_dir(built["root"] / "tiny" / "stock")
     ck = analysis._read_checkpoint(path, None, None)
@@ -423,7 +423,7 @@ def test_no_viable_layout_names_the_weight_that_rules_them_out(built):
         ck, items={}, meta={}, source="nothing recorded",
         gtp_bases={**ck.gtp_bases, qkv: {suffix: (*shape[:-2], 999, shape[-1])}})
     with pytest.raises(stock.StockCheckpointError, match="no layout explains") as err:
-        stock_layout._resolve(crafted)
+        saving_layout._resolve(crafted)
     assert f"{qkv} is stored with shape" in str(err.value), str(err.value)
 
 

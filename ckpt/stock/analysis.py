@@ -32,7 +32,7 @@ from ckpt.stock.messages import layout_help
 from ckpt.stock.specs import (MODEL_DIMS, Analysis, SavedLayout, StoredCheckpoint, TensorInfo,
                              TensorSpec, config_layout, dims_problems, get_path, gtp_kind,
                              infer_dims, is_plain, parse_layout, split_key, strip_suffix)
-from ckpt.stock.stock_layout import analyze_stock
+from ckpt.stock.saving_layout import analyze_stock
 
 
 def resolve_iter_dir(path) -> Path:

@@ -39,7 +39,7 @@ def prepare_load(path, common: Mapping, layout_record: Optional[Mapping] = None,
 
     Every rank of the default group calls this with the same arguments. For a checkpoint that
     is not stock it returns ``(path, False)`` without reading anything beyond metadata. For a
-    stock one (stock 0.19.2 GTP layout with padded or gated GTP weights) it returns
+    stock one (stock 0.19.2 GTP format with padded or gated GTP weights) it returns
     ``(converted_iter_dir, True)``: rank 0 converts it once (:func:`convert`) into
     ``<cache_root or path.parent/gtp_converted>/iter_XXXXXXX`` and later loads reuse it while the
     source is unchanged. Exception: when the loader itself writes the stock format

@@ -1,12 +1,12 @@
 """Row maps: for each logical row of a GTP weight, the stored row it is read from.
 
-Stock megatron-core 0.19.2 writes every GTP-sharded weight in a padded, TP-shifted layout
+Stock megatron-core 0.19.2 writes every GTP-sharded weight in a padded, TP-shifted format
 (``docs/checkpoint-format.md``; :func:`gtp.shards.stock_0192_offsets`): a column-parallel weight of
 TP-local logical dim 0 ``L`` is stored with dim 0 ``tp*(L+pad)`` and every TP rank's rows
 ``tp_rank*pad`` late; a row-parallel one with ``L+pad`` rows (zero tail); a gated (SwiGLU) fc1 has
 its gate/up halves mislabelled whenever ``g > 1``. Upstream can read such a file only into the
 exact layout that wrote it. The maps here reconstruct the **logical** tensors (what the non-GTP
-model at the same TP writes; ``docs/stock-conversion.md``) with the layout math of
+model at the same TP writes; ``docs/stock-conversion.md``) with the row arithmetic of
 :mod:`gtp.shards`.
 """
 

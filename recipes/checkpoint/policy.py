@@ -382,7 +382,7 @@ def prepare_resume(cfg, parallel_dims, plan=None, auto: bool = False) -> None:
     Raises:
         NothingToTrain: the checkpoint is at or past ``train.train_iters``.
         CheckpointError: the checkpoint cannot be loaded, the save dir is taken, a refused change
-            (data, batch size, stock GTP layout across layouts), naming the fields and the way on.
+            (data, batch size, the stock GTP format across layouts), naming the fields and the way on.
     """
     ck = cfg.checkpoint
     if plan is None and ck.load is not None:
@@ -400,7 +400,7 @@ def prepare_resume(cfg, parallel_dims, plan=None, auto: bool = False) -> None:
             f"{iteration} and train.train_iters={cfg.train.train_iters}; raise train.train_iters "
             f"to continue (the checkpoint is left untouched)")
     common = plan.common
-    _check_stock_layout(cfg, parallel_dims, saved_layout(common), ck.load)
+    _check_stock_format(cfg, parallel_dims, saved_layout(common), ck.load)
     saved = with_family(common["train_state"].get("config") or {})
     _check_optimizer(cfg, parallel_dims, saved, saved_layout(common), ck.load)
     consumed, now = int(common["train_state"].get("consumed_samples", 0)), to_dict(cfg)
@@ -456,7 +456,7 @@ def _check_optimizer(cfg, parallel_dims, saved: dict, saved_layout: dict, root) 
               f"optim.muon_tp_mode=duplicated gives the same update at any TP", flush=True)
 
 
-def _check_stock_layout(cfg, parallel_dims, saved_layout: dict, root) -> None:
+def _check_stock_format(cfg, parallel_dims, saved_layout: dict, root) -> None:
     """megatron-core 0.19.2's stock GTP format reads files at the offsets of the run's own
     padding: it loads only a checkpoint saved at the same tp, gtp_remat_size and alignment."""
     if cfg.checkpoint.get("format", "logical") != "stock" or \

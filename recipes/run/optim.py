@@ -209,7 +209,7 @@ DISTRIB_OPTIM_FORMATS = {
     "fully_reshardable": "model-space tensors, any DP/TP/PP layout (and the non-distributed optimizer)",
     "dp_reshardable": "flat bucket buffers: reshards over DP only",
     "dp_zero_gather_scatter": "deprecated: one object per TP x PP rank",
-    "fully_sharded_model_space": "deprecated flattened ranges; not with GTP's logical layout",
+    "fully_sharded_model_space": "deprecated flattened ranges; not with GTP's logical format",
     "fully_sharded_bucket_space": "deprecated bucket buffers",
     "fsdp_dtensor": "Megatron-FSDP only",
 }
