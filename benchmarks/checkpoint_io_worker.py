@@ -39,7 +39,7 @@ def _raw_write(path: Path, nbytes: int, block: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _gtp_layout(iter_path: Path) -> dict:
+def _sharding_record(iter_path: Path) -> dict:
     from megatron.core import dist_checkpointing
 
     from ckpt.format.logical_format import SHARDING_RECORD_KEY
@@ -48,7 +48,7 @@ def _gtp_layout(iter_path: Path) -> dict:
 
 
 def _gtp_format(iter_path: Path) -> str | None:
-    return _gtp_layout(iter_path).get("gtp_format")
+    return _sharding_record(iter_path).get("gtp_format")
 
 
 def _param_count(iter_path: Path) -> dict:
@@ -221,7 +221,7 @@ def worker(cfg_path: str, out_path: str) -> None:
                 gtp_format={k: _gtp_format(p) for k, p in last.items()},
                 # padding rows per TP-local GTP weight (ckpt/format/logical_format.py's metadata)
                 gtp_padding_rows={key: rec["pad"] for key, rec in
-                                  _gtp_layout(last["logical"]).get("tensors", {}).items()},
+                                  _sharding_record(last["logical"]).get("tensors", {}).items()},
                 **_param_count(last["logical"]),
                 source=str(root / "save_logical"),
             )

@@ -635,10 +635,10 @@ def test_resolve_pad_for_alignment():
     ],
 )
 def test_padding_table_matches_megatron(monkeypatch, dim0, g, pad, want_pad, want_shard, rows):
-    from gtp.shards import gtp_padding as shard_layout
+    from gtp.shards import gtp_padding
     from gtp.shards import logical_rows
 
-    assert shard_layout(dim0, g, pad) == (want_pad, want_shard)
+    assert gtp_padding(dim0, g, pad) == (want_pad, want_shard)
     assert [hi - lo for lo, hi in (logical_rows(dim0, g, pad, r) for r in range(g))] == rows
     gtp = _gtp_mod()
     monkeypatch.setattr(gtp.GTP_CONFIG, "pad_for_alignment", pad)
@@ -648,7 +648,7 @@ def test_padding_table_matches_megatron(monkeypatch, dim0, g, pad, want_pad, wan
 
 def test_validate_gtp_dims():
     from gtp.alignment import validate_gtp_dims
-    from gtp.shards import gtp_padding as shard_layout
+    from gtp.shards import gtp_padding
 
     validate_gtp_dims([72, 216, 200, 272], 4, 1)
     validate_gtp_dims([72, 216, 200], 2, 0)
@@ -657,7 +657,7 @@ def test_validate_gtp_dims():
     with pytest.raises(ValueError, match="-3"):
         validate_gtp_dims([72], 2, -3)
     with pytest.raises(ValueError, match="gtp_remat_size"):
-        shard_layout(10, 4, 0)
+        gtp_padding(10, 4, 0)
 
 
 TIED, MTP = "model.share_embeddings_and_output_weights=true", "model.mtp_num_layers=1"
