@@ -9,8 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("ckpt", "gtp", "mcore_compat", "recipes", "tests", "benchmarks", "scripts", "train.py")
-# Calls that return a ParallelDims (recipes.config.validate.validate, recipes.config.prelaunch.check,
-# ParallelDims.from_config, the constructor) and dataclasses.replace of one.
+# Calls that return a ParallelDims: recipes.config.validate.validate,
+# recipes.config.prelaunch.check, ParallelDims.from_config, the constructor.
 GRID_CALLS = {"validate", "check", "from_config", "ParallelDims"}
 # Where the process grid lives: no identifier ``layout`` at all (recipes/report reads the
 # ``layout`` dicts that runs log, meaning 1).

@@ -51,7 +51,8 @@ def layout_defaults(rec: dict) -> dict:
 def saved_layout(common) -> dict | None:
     """A checkpoint's layout with its ``pad_for_alignment``: the :data:`LAYOUT_KEY` record
     (keys it lacks at :func:`layout_defaults`) with the pad of the sharding record
-    (:data:`SHARDING_RECORD_KEY`; a checkpoint without that record keeps the pad its layout record holds, if any).
+    (:data:`SHARDING_RECORD_KEY`; a checkpoint without that record keeps the pad its layout
+    record holds, if any).
 
     Args:
         common: the checkpoint's common state (a mapping).

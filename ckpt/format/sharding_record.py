@@ -23,8 +23,9 @@ def sharding_record(model, model_sharded_state_dict=None, *, logical: bool) -> d
         model_sharded_state_dict: its ``sharded_state_dict()`` (any nesting) when already built
             (before ``dist_checkpointing.save``, which applies factories in place); built here
             otherwise.
-        logical: whether GTP weights are written in the logical format (``ckpt.format.logical_format``'s
-            patch installed); False tags a GTP checkpoint ``stock-0.19.2``.
+        logical: whether GTP weights are written in the logical format
+            (``ckpt.format.logical_format``'s patch installed); False tags a GTP checkpoint
+            ``stock-0.19.2``.
 
     Returns:
         A plain dict of ints, strings, bools and lists, identical on every rank (the per-tensor

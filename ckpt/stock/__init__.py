@@ -18,10 +18,10 @@ Entry points:
   checkpoint once into ``<root>/gtp_converted/`` and returns the directory to load.
 
 Import from ``ckpt.stock`` only: the names above (and the record names ``CONVERTED_KEY``,
-``FORMAT_STOCK``, ``SHARDING_RECORD_KEY``, and :func:`split_key`) are the package's surface. Its modules
-are the implementation: ``format`` (format tag, error), ``specs`` (layout keys, tensor specs, key
-and dim helpers), ``rowmaps`` (logical row -> stored row), ``messages`` (error message pieces),
-``analysis`` and ``saving_layout`` (:func:`analyze`), ``reading`` (:func:`read_logical`),
+``FORMAT_STOCK``, ``SHARDING_RECORD_KEY``, and :func:`split_key`) are the package's surface. Its
+modules are the implementation: ``format`` (format tag, error), ``specs`` (layout keys, tensor
+specs, key and dim helpers), ``rowmaps`` (logical row -> stored row), ``messages`` (error message
+pieces), ``analysis`` and ``saving_layout`` (:func:`analyze`), ``reading`` (:func:`read_logical`),
 ``conversion`` (:func:`convert`), ``loading`` (:func:`prepare_load`). A name with a leading
 underscore is used only in the module that defines it (tests/test_import_graph.py checks this).
 ``docs/stock-conversion.md`` explains the reader.
@@ -29,7 +29,8 @@ underscore is used only in the module that defines it (tests/test_import_graph.p
 
 from ckpt.stock.analysis import analyze, is_stock, resolve_iter_dir
 from ckpt.stock.conversion import CONVERTED_KEY, convert
-from ckpt.stock.format import FORMAT_STOCK, SHARDING_RECORD_KEY, StockCheckpointError, checkpoint_format
+from ckpt.stock.format import (FORMAT_STOCK, SHARDING_RECORD_KEY, StockCheckpointError,
+                               checkpoint_format)
 from ckpt.stock.loading import CONVERTED_DIR, prepare_load
 from ckpt.stock.reading import read_logical
 from ckpt.stock.specs import LAYOUT_KEYS, Analysis, SavedLayout, TensorInfo, parse_layout, split_key
@@ -50,5 +51,5 @@ __all__ = [
     "read_logical",
     "resolve_iter_dir",
 ]
-# Also re-exported (used by ckpt.cli and the tests): CONVERTED_KEY, FORMAT_STOCK, SHARDING_RECORD_KEY,
-# split_key.
+# Also re-exported (used by ckpt.cli and the tests): CONVERTED_KEY, FORMAT_STOCK,
+# SHARDING_RECORD_KEY, split_key.

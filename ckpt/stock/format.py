@@ -37,6 +37,7 @@ def checkpoint_format(common: Mapping) -> str:
     if tag == FORMAT_STOCK:
         return "stock"
     raise StockCheckpointError(
-        f"unknown {SHARDING_RECORD_KEY}.gtp_format {tag!r} (known: {FORMAT_LOGICAL!r}, {FORMAT_STOCK!r}); "
+        f"unknown {SHARDING_RECORD_KEY}.gtp_format {tag!r} (known: {FORMAT_LOGICAL!r}, "
+        f"{FORMAT_STOCK!r}); "
         "this checkpoint was written by a newer gtp/"
     )

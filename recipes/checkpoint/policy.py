@@ -382,7 +382,7 @@ def prepare_resume(cfg, parallel_dims, plan=None, auto: bool = False) -> None:
     Raises:
         NothingToTrain: the checkpoint is at or past ``train.train_iters``.
         CheckpointError: the checkpoint cannot be loaded, the save dir is taken, a refused change
-            (data, batch size, the stock GTP format across layouts), naming the fields and the way on.
+            (data, batch size, stock GTP format across layouts), naming the fields and the way on.
     """
     ck = cfg.checkpoint
     if plan is None and ck.load is not None:

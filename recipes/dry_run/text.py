@@ -93,7 +93,8 @@ def report(cfg, parallel_dims) -> str:
                else "no sequence parallelism")
     cp = parallel_dims.context_parallel_size
     if cp > 1:
-        sp_text += f", context parallel: {cfg.model.seq_length // cp} tokens of each sequence per rank"
+        sp_text += (f", context parallel: {cfg.model.seq_length // cp} tokens of each sequence "
+                    "per rank")
     s = rank_sizes(cfg, parallel_dims, vocab)
     dtype = cfg.precision.params_dtype
     per_param = (s.param_bytes + s.grad_bytes + s.optimizer_bytes) / max(s.parameters, 1)
