@@ -47,7 +47,7 @@ from ckpt import families
 from ckpt.hf import mapping
 from ckpt.hf.hf_weights import HFImportError, Weights, check_sizes, confined
 from gtp.progress import progress
-from ckpt.format.records import (GTP_FORMAT_LOGICAL, IMPORTED_KEY, METADATA_KEY, TRACKER,
+from ckpt.format.records import (GTP_FORMAT_LOGICAL, IMPORTED_KEY, SHARDING_RECORD_KEY, TRACKER,
                          megatron_core_version)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -331,7 +331,7 @@ def _common(kind: str, model: dict, config, hf_dir: Path, vocab: int) -> dict:
                    "data_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
                    "use_distributed_optimizer": False, "distrib_optim_sharding_type": None,
                    "megatron_core": megatron_core_version()},
-        METADATA_KEY: {"gtp_format": GTP_FORMAT_LOGICAL, "tp": 1, "gtp_remat_size": 1,
+        SHARDING_RECORD_KEY: {"gtp_format": GTP_FORMAT_LOGICAL, "tp": 1, "gtp_remat_size": 1,
                        "pad_for_alignment": 0, "megatron_core": megatron_core_version(),
                        "tensors": {}},
         "vocab_size": vocab,
