@@ -8,9 +8,9 @@ and the safetensors weights (``model.safetensors``, or the shards a
 ``model.safetensors.index.json`` names) and writes ``OUT/iter_0000000`` plus
 ``latest_checkpointed_iteration.txt``: a torch_dist checkpoint in the logical format
 (``docs/checkpoint-format.md``) that loads at any layout, with the common state of a
-gtp-recipes checkpoint (iteration 0, a tp1 ``layout`` record, a ``logical-v1`` ``gtp_layout``
-record, the real ``vocab_size``, no optimizer state) and, in ``train_state["config"]``, the run
-config the model implies: a ``model`` group in the field names :mod:`ckpt.hf.hf_export` reads
+gtp-recipes checkpoint (iteration 0, a tp1 ``layout`` record, a ``logical-v1`` sharding
+record (stored as ``gtp_layout``), the real ``vocab_size``, no optimizer state) and, in
+``train_state["config"]``, the run config the model implies: a ``model`` group in the field names :mod:`ckpt.hf.hf_export` reads
 (megatron ``TransformerConfig`` / ``GPTModel`` names) and a ``data`` group with ``vocab_size``,
 ``eod_id`` and ``tokenizer`` (the HF dir when it holds a ``tokenizer.json``).
 

@@ -26,7 +26,7 @@ expert bias, group-limited routing, token dropping (capacity factor), shared exp
 (``moe_shared_expert_intermediate_size``: neither class has an ungated shared expert), dense
 layers between MoE layers (``moe_layer_freq`` != 1) and RoPE scaling (untested here).
 
-Tensors (the checkpoint's logical layout: per-layer tensors stacked along dim 0, experts along
+Tensors (the checkpoint's logical format: per-layer tensors stacked along dim 0, experts along
 dim 1 by global expert index) -> transformers >= 5 (fused experts), under ``model.layers.<l>.``:
 
 * ``decoder.layers.mlp.router.weight`` [L, E, H] -> ``mlp.gate.weight`` [E, H];
