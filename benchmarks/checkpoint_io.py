@@ -1,4 +1,4 @@
-"""Checkpoint save and load: the logical GTP layout (gtp/ on) against megatron-core 0.19.2's.
+"""Checkpoint save and load: the logical GTP format (gtp/ on) against megatron-core 0.19.2's.
 
     python -m benchmarks.checkpoint_io                 # gpt125m, 5 interleaved repeats
     python -m benchmarks.checkpoint_io --quick         # tiny model, 2 repeats
@@ -10,15 +10,15 @@ DDP, Adam and scheduler with ``recipes.run.worker.setup`` and runs one training 
 checkpoint holds the Adam moments:
 
 1. **Save** at the source layout ``tp2 x g2/a16`` (world 4), in one process group, ``--repeats``
-   times: save in the logical layout (``ckpt.format.logical_format.configure("logical")``) and in the stock
-   layout (``"stock"``: megatron 0.19.2 as shipped), in turn (A B, B A, ...), raw write with every
-   rank writing the bytes it wrote in the save to one file, raw write with rank 0 writing all
-   the bytes to one file (plain ``open``/``write`` of 8 MiB blocks, then ``os.fsync`` as
-   megatron's writer ends each file). One untimed save of each layout comes first. Then
-   same-layout loads, in turn: the logical file, the stock file. gpt125m's TP-local GTP
-   dims (1152, 768, 1536, 160) are multiples of 32, so a16 pads nothing; a second save launch at
-   ``tp2 x g2/a40`` (``--padded``, default on, off with ``--quick``) pads every GTP weight, where
-   the logical layout writes trimmed views of the padded shards.
+   times: save in the logical format (``ckpt.format.logical_format.configure("logical")``) and in
+   the stock format (``"stock"``: megatron 0.19.2 as shipped), in turn (A B, B A, ...), raw write
+   with every rank writing the bytes it wrote in the save to one file, raw write with rank 0 writing
+   all the bytes to one file (plain ``open``/``write`` of 8 MiB blocks, then ``os.fsync`` as
+   megatron's writer ends each file). One untimed save of each format comes first. Then same-layout
+   loads, in turn: the logical file, the stock file. gpt125m's TP-local GTP dims (1152, 768, 1536,
+   160) are multiples of 32, so a16 pads nothing; a second save launch at ``tp2 x g2/a40``
+   (``--padded``, default on, off with ``--quick``) pads every GTP weight, where the logical format
+   writes trimmed views of the padded shards.
 2. **Cross-layout load** of the source's logical file to ``tp1, gtp off`` (world 1) and to
    ``tp1 x g4/a32`` (world 4): each launch first saves a checkpoint at its own layout, then
    alternates loading the source (cross-layout) with loading its own file (same-layout at that
@@ -28,7 +28,7 @@ checkpoint holds the Adam moments:
    logical file with torch's own ``FileSystemReader.read_data`` (``ckpt.format.dcp_reader.disabled``),
    which reads each stored chunk whole, beside ``ckpt.format.dcp_reader``, which reads the requested
    rows only. The stock source file is not loaded
-   cross-layout: stock megatron-core 0.19.2 cannot (its padded GTP layout is the bug ``gtp/``
+   cross-layout: stock megatron-core 0.19.2 cannot (its padded GTP format is the bug ``gtp/``
    fixes; ``gtp/stock`` converts such a file once instead).
 3. **Write throughput**: checkpoint bytes / save seconds next to the raw writes of step 1 (same
    directory, same bytes, same run).

@@ -209,7 +209,7 @@ def format_tables(summary: dict, head: dict) -> str:
         notes.append(f"{x['label']}: peak RSS logical / stock, worst rank {worst:.3f} (target "
                      f"{_verdict(worst, TARGET_PEAK_RATIO)}); RSS increase logical - stock per "
                      f"rank {_per_rank(s['rss_increase_diff_logical_minus_stock_per_rank'])} MiB")
-    parts.append(table(["saved at", "layout written", "s", "vs stock", "target",
+    parts.append(table(["saved at", "format written", "s", "vs stock", "target",
                          "peak RSS MiB per rank", "RSS increase MiB per rank"], rows))
     parts += notes
 

@@ -17,7 +17,7 @@ MODELS: dict[str, list[str]] = {
 # name -> (tp, gtp degree, pad_for_alignment, world size)
 SOURCE = ("tp2_g2a16", (2, 2, 16, 4))
 # The same save at an alignment that pads every GTP weight of gpt125m (its TP-local dims 1152,
-# 768, 1536 and 160 are multiples of 32, so a16 adds no padding row): the logical layout then
+# 768, 1536 and 160 are multiples of 32, so a16 adds no padding row): the logical format then
 # writes trimmed views of the padded shards.
 PADDED_SOURCE = ("tp2_g2a40", (2, 2, 40, 4))
 # Control for the load to tp1 without GTP: a checkpoint saved at tp2 without GTP (world 2), whose

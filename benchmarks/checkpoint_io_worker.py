@@ -39,16 +39,16 @@ def _raw_write(path: Path, nbytes: int, block: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _gtp_layout(iter_path: Path) -> dict:
+def _sharding_record(iter_path: Path) -> dict:
     from megatron.core import dist_checkpointing
 
-    from ckpt.format.logical_format import METADATA_KEY
+    from ckpt.format.logical_format import SHARDING_RECORD_KEY
 
-    return dist_checkpointing.load_common_state_dict(str(iter_path)).get(METADATA_KEY) or {}
+    return dist_checkpointing.load_common_state_dict(str(iter_path)).get(SHARDING_RECORD_KEY) or {}
 
 
 def _gtp_format(iter_path: Path) -> str | None:
-    return _gtp_layout(iter_path).get("gtp_format")
+    return _sharding_record(iter_path).get("gtp_format")
 
 
 def _param_count(iter_path: Path) -> dict:
@@ -84,22 +84,22 @@ def worker(cfg_path: str, out_path: str) -> None:
     bench = cfg.bench
     init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    layout = validate(cfg, world)
+    parallel_dims = validate(cfg, world)
     t_setup = time.perf_counter()
-    tokenizer, model, optimizer, scheduler = setup(cfg, layout)
+    tokenizer, model, optimizer, scheduler = setup(cfg, parallel_dims)
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     dp_rank, dp_size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
     data = build_train_iterator(cfg, 0, dp_rank, dp_size, tokenizer=tokenizer)
     num_micro = cfg.data.global_batch_size // (cfg.data.micro_batch_size * dp_size)
     train_step(model, optimizer, scheduler, data, num_micro, cfg)  # Adam moments exist from here
     setup_s = time.perf_counter() - t_setup
-    record = checkpoint.layout_record(layout)
+    record = checkpoint.layout_record(parallel_dims)
     common = {"consumed_samples": cfg.data.global_batch_size, "wandb_run_id": None}
     root = Path(bench.files)
     mine: dict = {"rank": rank, "setup_and_step_s": setup_s,
                   "cores": len(os.sched_getaffinity(0)),
                   "local_param_numel": sum(p.numel() for p in model.parameters())}
-    shared: dict = {"layout": layout.describe()}
+    shared: dict = {"layout": parallel_dims.describe()}
 
     def save(kind: str, where: Path, iteration: int) -> None:
         logical_format.configure(kind)
@@ -221,7 +221,7 @@ def worker(cfg_path: str, out_path: str) -> None:
                 gtp_format={k: _gtp_format(p) for k, p in last.items()},
                 # padding rows per TP-local GTP weight (ckpt/format/logical_format.py's metadata)
                 gtp_padding_rows={key: rec["pad"] for key, rec in
-                                  _gtp_layout(last["logical"]).get("tensors", {}).items()},
+                                  _sharding_record(last["logical"]).get("tensors", {}).items()},
                 **_param_count(last["logical"]),
                 source=str(root / "save_logical"),
             )

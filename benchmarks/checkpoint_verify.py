@@ -58,14 +58,14 @@ def _worker(cfg_path: str, out_path: str) -> None:
     cfg = OmegaConf.load(cfg_path)
     init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    layout = validate(cfg, world)
-    tokenizer, model, optimizer, scheduler = setup(cfg, layout)
+    parallel_dims = validate(cfg, world)
+    tokenizer, model, optimizer, scheduler = setup(cfg, parallel_dims)
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     dp_rank, dp_size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
     data = build_train_iterator(cfg, 0, dp_rank, dp_size, tokenizer=tokenizer)
     num_micro = cfg.data.global_batch_size // (cfg.data.micro_batch_size * dp_size)
     train_step(model, optimizer, scheduler, data, num_micro, cfg)  # Adam moments exist
-    record = checkpoint.layout_record(layout)
+    record = checkpoint.layout_record(parallel_dims)
     root = Path(cfg.bench.files)
     common = {"consumed_samples": cfg.data.global_batch_size, "wandb_run_id": None}
     save = measure(lambda: checkpoint.save_checkpoint(root, 1, model, optimizer, scheduler,
@@ -101,7 +101,7 @@ def _worker(cfg_path: str, out_path: str) -> None:
     if rank == 0:
         size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
         Path(out_path).write_text(json.dumps({"ranks": gathered, "checkpoint_bytes": size,
-                                              "layout": layout.describe()}))
+                                              "layout": parallel_dims.describe()}))
     torch.distributed.barrier()
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()

@@ -82,14 +82,14 @@ def _worker(cfg_path: str, out_path: str) -> None:
         torch.set_num_threads(threads)
     cfg = OmegaConf.load(cfg_path)
     init_distributed()
-    layout = validate(cfg, torch.distributed.get_world_size())
-    _, model, opt, sched = setup(cfg, layout)
+    parallel_dims = validate(cfg, torch.distributed.get_world_size())
+    _, model, opt, sched = setup(cfg, parallel_dims)
     for co in getattr(opt, "chained_optimizers", [opt]):
         co.init_state_fn(co.optimizer, co.config)  # Adam moments and step, as after a step
         for group in co.optimizer.param_groups:
             for p in group["params"]:
                 co.optimizer.state[p]["step"] = torch.tensor(1.0)
-    record = checkpoint.layout_record(layout)
+    record = checkpoint.layout_record(parallel_dims)
     root = Path(cfg.output_dir) / "files"
     state = {"consumed_samples": 0}
     rank = torch.distributed.get_rank()

@@ -84,8 +84,8 @@ def _worker(cfg_path: str, out_path: str) -> None:
         backend.GLOO_PEER_EXCHANGE = False  # gloo's own all-gather and reduce-scatter
     cfg = OmegaConf.load(cfg_path)
     init_distributed()
-    layout = validate(cfg, torch.distributed.get_world_size())
-    tokenizer, model, optimizer, scheduler = setup(cfg, layout)
+    parallel_dims = validate(cfg, torch.distributed.get_world_size())
+    tokenizer, model, optimizer, scheduler = setup(cfg, parallel_dims)
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     dp_rank, dp_size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
     data = build_train_iterator(cfg, 0, dp_rank, dp_size, tokenizer=tokenizer)
@@ -133,7 +133,7 @@ def _worker(cfg_path: str, out_path: str) -> None:
     torch.distributed.all_gather_object(every, mine)
     if torch.distributed.get_rank() == 0:
         Path(out_path).write_text(json.dumps({
-            "layout": layout.describe(), "ranks": every, "losses": losses,
+            "layout": parallel_dims.describe(), "ranks": every, "losses": losses,
             "tokens_per_step": cfg.data.global_batch_size * cfg.model.seq_length,
         }))
     torch.distributed.barrier()

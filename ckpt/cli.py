@@ -4,7 +4,7 @@ Commands (CKPT: a checkpoint root holding ``latest_checkpointed_iteration.txt``,
 ``iter_XXXXXXX`` dir)::
 
     python -m gtp inspect CKPT [--layout SPEC]
-        Saving layout, format, and for each tensor: logical shape, stored shape, GTP layout
+        Saving layout, format, and for each tensor: logical shape, stored shape, GTP rows
         (TP-local rows L, padding, column/row-parallel, gated) and whether it is stored in the
         stock padded format of megatron-core 0.19.2; the optimizer step, with a warning when it
         is not the iteration minus the skipped iterations. Exit 0, or 2 when the checkpoint
@@ -124,9 +124,9 @@ def cmd_inspect(args, out=sys.stdout) -> int:
         else:
             flag = "-"
         rows.append((key, _fmt_shape(info.logical_shape), _gtp_text(info), flag))
-    widths = [max(len(r[i]) for r in rows + [("tensor", "logical shape", "layout", "stock")])
+    widths = [max(len(r[i]) for r in rows + [("tensor", "logical shape", "GTP rows", "stock")])
               for i in range(4)]
-    header = ("tensor", "logical shape", "layout", "stock")
+    header = ("tensor", "logical shape", "GTP rows", "stock")
     for r in [header, *rows]:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip(), file=out)
     n_stock = sum(i.stock for i in analysis.tensors.values())

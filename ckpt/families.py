@@ -33,27 +33,24 @@ class HFImport:
     Attributes:
         fields: transformers config -> the ``model`` config dict (megatron field names); raises
             HFImportError naming the config field it cannot map exactly.
-        plan: ``(model dict, prefix) -> [(megatron key, [HF names, "{i}" for the layer],
-            per_layer, fn(list of tensors) -> tensor), ...]``, every tensor of the model
-            (``lm_head`` included unless the embedding is shared).
+        table: ``model dict -> [entry, ...]`` (:mod:`ckpt.hf.mapping`), every tensor of the
+            model (``lm_head`` included unless the embedding is shared): the import plan and
+            the sizes checked (:func:`ckpt.hf.hf_weights.check_sizes`) are derived from it.
         prefixes: the HF names' prefix: the first that some tensor name starts with, else the
             first (``("transformer.", "")``: GPT-2 saved with or without its LM head).
         size_fields: ``{size key: config.json field}`` for the keys ``layers``, ``hidden``,
             ``heads``, ``ffn``, ``vocab`` and optionally ``positions``, ``groups`` (grouped
             query attention: heads must be a multiple of it), ``experts`` and ``expert_ffn``
-            (routed experts: ``num_moe_experts``, ``moe_ffn_hidden_size``).
-        sizes: ``tied -> {HF name without prefix ("{i}": a layer; "{e}": a routed expert;
-            "lm_head.weight" as is): ((size key, factor), ...)}``, each dim the size times
-            ``factor`` (a number, or a size key such as ``"head_dim"``).
+            (routed experts: ``num_moe_experts``, ``moe_ffn_hidden_size``); the size keys of
+            the table's dims.
         layer: regex after the prefix whose group 1 is a layer number (``r"h\\.(\\d+)\\."``).
         buffers: name endings of saved tensors that are not weights (skipped).
     """
 
     fields: Callable[[Any], dict]
-    plan: Callable[[dict, str], list]
+    table: Callable[[dict], list]
     prefixes: tuple[str, ...]
     size_fields: Mapping[str, str]
-    sizes: Callable[[bool], dict]
     layer: str
     buffers: tuple[str, ...] = ()
 
@@ -69,7 +66,8 @@ class HFArchitecture:
             model's, and a shared output layer (``lm_head``) is it.
         build: ``(tensors, model dict, vocab, token ids) -> (transformers config, state dict)``
             from the full logical tensors (per-layer ones stacked on dim 0), the unpadded vocab
-            size and the bos/eos/pad ids; raises KeyError naming a missing tensor.
+            size and the bos/eos/pad ids; raises KeyError naming a missing tensor
+            (:func:`ckpt.hf.mapping.builder` derives one from the import's table).
         imports: how it is imported, None when only exported.
         notes: ``model dict -> dict`` that an export records under ``notes`` in
             ``gtp_recipes_export.json`` (e.g. a config setting it had to write, and why);

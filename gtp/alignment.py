@@ -4,7 +4,7 @@ megatron-core 0.19.2 pads each GTP weight's TP-local dim 0 (L rows) to a multipl
 ``a * g`` (a = ``GTP_CONFIG.pad_for_alignment``, g = gtp_remat size) before slicing it over the
 ``gtp_remat`` group; the padding is a tail suffix, so it lands on the last rank(s). ``a == 0``
 means no padding, and then L must divide by g. The shard math itself is
-:func:`gtp.layout.gtp_padding`; ``docs/checkpoint-format.md`` (Padding math) explains it.
+:func:`gtp.shards.gtp_padding`; ``docs/checkpoint-format.md`` (Padding math) explains it.
 
 0.19.2's ``configure_gtp_remat_from_recipe`` leaves bf16/fp32 at the dataclass default 16 and has
 no override. Recipes here call, in this order::
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gtp.layout import gtp_padding
+from gtp.shards import gtp_padding
 
 # Recipe defaults: unquantized -> 1 (upstream's later bf16 default), else the 0.19.2 values.
 RECIPE_DEFAULT_PAD: dict[str, int] = {"none": 1, "fp8": 16, "mxfp8": 32, "nvfp4": 16}

@@ -1,4 +1,4 @@
-"""ckpt/format/logical_format.py: the logical checkpoint layout, across every layout pair, on CPU.
+"""ckpt/format/logical_format.py: the logical checkpoint format, across every layout pair, on CPU.
 
 One 4-process gloo world hosts every layout in turn (megatron's process groups are rebuilt for
 each; the data-parallel size fills the rest: tp1 alone runs as dp4, tp2 x g2 as dp1). Each layout
@@ -273,7 +273,7 @@ def _matrix_worker(root: str, cfgs: dict, plain: dict, llama: dict,
             common = checkpoint.load_checkpoint(root / src, model, opt, sched, record)
             out["loads"][(src, name)] = _check(model, opt, cfg)
             if name == "off":
-                out["metadata"][src] = common.get(logical_format.METADATA_KEY)
+                out["metadata"][src] = common.get(logical_format.SHARDING_RECORD_KEY)
     out["timing"]["load"] = time.time() - t0
 
     # The file of every layout holds the same full tensors as the non-GTP one (same goldens).
@@ -305,12 +305,12 @@ def _matrix_worker(root: str, cfgs: dict, plain: dict, llama: dict,
         checkpoint.load_checkpoint(root / "plain_tp2", model, opt, sched, record)
         asym[mode] = {"check": _check(model, opt, cfg), "fc1": _fc1_rows(model, cfg)}
     out["asym"] = asym
-    # What a stock-layout save records about itself.
+    # What a stock-format save records about itself.
     logical_format.configure("stock")
     checkpoint.save_checkpoint(root / "plain_tp2g2a16_stock", 1, model, opt, sched, {}, record)
     logical_format.configure("logical")
     out["stock_metadata"] = dist_checkpointing.load_common_state_dict(
-        str(root / "plain_tp2g2a16_stock" / "iter_0000001"))[logical_format.METADATA_KEY]
+        str(root / "plain_tp2g2a16_stock" / "iter_0000001"))[logical_format.SHARDING_RECORD_KEY]
     out["timing"]["asym"] = time.time() - t0
 
     # A Llama-style model (GQA QKV, SwiGLU fc1, RMSNorm, no biases) across its layouts.
@@ -505,7 +505,7 @@ def test_padded_branches_ran(matrix):
 
 
 def test_file_of_every_layout_equals_the_non_gtp_file(matrix):
-    """The logical layout: a GTP checkpoint holds exactly what the non-GTP model writes."""
+    """The logical format: a GTP checkpoint holds exactly what the non-GTP model writes."""
     _, results = matrix
     for name, (n, problems) in results[0]["disk"].items():
         assert n > 50 and not problems, (name, problems[:5])
@@ -540,7 +540,7 @@ def test_checkpoint_records_its_layout(matrix):
 
 
 def test_stock_layout_checkpoint_says_so(matrix):
-    """checkpoint_layout=stock: megatron 0.19.2's padded layout, tagged for the stock reader."""
+    """checkpoint_layout=stock: megatron 0.19.2's padded format, tagged for the stock reader."""
     _, results = matrix
     meta = results[0]["stock_metadata"]
     assert meta["gtp_format"] == "stock-0.19.2"
@@ -883,11 +883,11 @@ def test_install_replaces_megatron_functions_everywhere_and_uninstall_restores()
 
 def _spec(L, tp, tp_rank, g, gtp_rank, a, tp_axis=0, gated=False, cols=3, prepend=((0, 1, 2),)):
     from ckpt.format.logical_factory import LogicalSpec
-    from gtp.layout import TensorLayout
+    from gtp.shards import GTPShard
 
-    layout = TensorLayout(L=L, tp=tp, tp_rank=tp_rank, g=g, gtp_rank=gtp_rank,
-                          pad_for_alignment=a, tp_axis=tp_axis, gated=gated)
-    return LogicalSpec(layout, prepend, cols)
+    shard = GTPShard(L=L, tp=tp, tp_rank=tp_rank, g=g, gtp_rank=gtp_rank,
+                     pad_for_alignment=a, tp_axis=tp_axis, gated=gated)
+    return LogicalSpec(shard, prepend, cols)
 
 
 def test_factory_pieces_of_the_spec_worked_case():

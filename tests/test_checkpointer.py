@@ -190,11 +190,12 @@ def test_resume_diff_lists_every_parallelism_field_with_its_effect(overrides, ef
     base = [o for o in overrides if o.startswith("model=")]
     saved, now = to_dict(make_cfg(*base)), to_dict(make_cfg(*overrides))
     changes = {c.field: c for c in checkpointer.resume_changes(saved, now, consumed_samples=0)}
-    layout = [f for f in changes if f.startswith(("parallelism.", "gtp."))]
-    assert layout, sorted(changes)
-    for field in layout:
+    layout_fields = [f for f in changes if f.startswith(("parallelism.", "gtp."))]
+    assert layout_fields, sorted(changes)
+    for field in layout_fields:
         assert changes[field].effect != "used from now on", (field, changes[field].effect)
-    assert any(effect in changes[f].effect for f in layout), {f: changes[f].effect for f in layout}
+    assert any(effect in changes[f].effect for f in layout_fields), \
+        {f: changes[f].effect for f in layout_fields}
 
 
 def test_extending_train_iters_keeps_the_planned_samples_in_order(data_cache):
@@ -234,9 +235,9 @@ def test_stock_layout_refuses_a_checkpoint_of_another_layout(train_checkpoint):
     cfg = make_cfg("parallelism=tp2dp2", "gtp=tp2_align16", "gtp.checkpoint_layout=stock",
                    "train.train_iters=4", "optim.lr_warmup_iters=1",
                    f"checkpoint.load={train_checkpoint}")
-    layout = validate(cfg, 4)
+    parallel_dims = validate(cfg, 4)
     with pytest.raises(CheckpointError, match="use checkpoint.format=logical"):
-        checkpointer.prepare_resume(cfg, layout)
+        checkpointer.prepare_resume(cfg, parallel_dims)
 
 
 def test_resume_pins_the_iteration_and_records_the_schedule_that_runs(train_checkpoint):

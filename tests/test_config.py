@@ -26,10 +26,11 @@ def test_every_group_option_composes_and_is_typed(group):
 
 def test_default_config_is_the_tiny_model_on_two_processes():
     cfg = make_cfg()
-    layout = validate(cfg, cfg.parallelism.nproc_per_node)
+    parallel_dims = validate(cfg, cfg.parallelism.nproc_per_node)
     assert (cfg.model.hidden_size, cfg.model.ffn_hidden_size) == (72, 200)
     assert cfg.model.hidden_size % 16 and cfg.model.ffn_hidden_size % 16
-    assert (layout.world_size, layout.tensor_model_parallel_size, layout.data_parallel_size) == (2, 1, 2)
+    assert (parallel_dims.world_size, parallel_dims.tensor_model_parallel_size,
+            parallel_dims.data_parallel_size) == (2, 1, 2)
 
 
 def test_checkpoints_are_saved_under_output_dir_when_it_is_set():
@@ -54,15 +55,16 @@ def test_wrong_type_fails_at_compose_time():
 
 def test_data_parallel_size_is_derived_from_world_size():
     cfg = make_cfg("parallelism=tp2", "parallelism.nproc_per_node=4")
-    layout = validate(cfg, 4)
-    assert (layout.tensor_model_parallel_size, layout.data_parallel_size) == (2, 2)
+    parallel_dims = validate(cfg, 4)
+    assert (parallel_dims.tensor_model_parallel_size, parallel_dims.data_parallel_size) == (2, 2)
 
 
 def test_virtual_pipeline_stages_are_accepted_when_layers_and_micro_batches_split():
     cfg = make_cfg("parallelism=pp2", "model.num_layers=4",
                    "parallelism.virtual_pipeline_model_parallel_size=2")
-    layout = validate(cfg, 2)
-    assert (layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size) == (2, 2)
+    parallel_dims = validate(cfg, 2)
+    assert (parallel_dims.pipeline_model_parallel_size,
+            parallel_dims.virtual_pipeline_model_parallel_size) == (2, 2)
 
 
 @pytest.mark.parametrize(

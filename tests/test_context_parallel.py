@@ -49,12 +49,13 @@ def test_passed_to_parallel_state_and_transformer_config(stand_in_te):
     cfg = make_cfg("parallelism=tp2", "parallelism.context_parallel_size=2",
                    "parallelism.sequence_parallel=true")
     assert cfg.parallelism.nproc_per_node == 4  # tp2 x cp2 x dp1
-    layout = validate(cfg, 8)
-    assert (layout.context_parallel_size, layout.data_parallel_size) == (2, 2)  # 8 / (tp2 x cp2)
-    assert "tp2+sp x cp2 x dp2 (world 8)" in layout.describe(), layout.describe()
-    fields = layout.megatron_kwargs()
+    parallel_dims = validate(cfg, 8)
+    # dp = 8 / (tp2 x cp2)
+    assert (parallel_dims.context_parallel_size, parallel_dims.data_parallel_size) == (2, 2)
+    assert "tp2+sp x cp2 x dp2 (world 8)" in parallel_dims.describe(), parallel_dims.describe()
+    fields = parallel_dims.megatron_kwargs()
     assert (fields["context_parallel_size"], fields["tensor_model_parallel_size"]) == (2, 2)
-    config = transformer_config(cfg, layout, use_te=True)
+    config = transformer_config(cfg, parallel_dims, use_te=True)
     assert config.context_parallel_size == 2 and config.transformer_impl == "transformer_engine"
     assert validate(make_cfg("parallelism=tp2"), 2).megatron_kwargs()["context_parallel_size"] == 1
     with pytest.raises(ConfigError) as info:  # world 6: not a multiple of tp2 x cp2

@@ -1,5 +1,5 @@
 """mcore_compat.cpu: each redirected megatron call works on CPU and keeps megatron's math; and
-mcore_compat.distrib_optimizer's layout of the distributed optimizer's gathered state."""
+mcore_compat.distrib_optimizer's format of the distributed optimizer's gathered state."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ A checkpoint the workers wrote (tiny model, dp2, 2 iterations) is copied and cra
 object records (the common state, one rank's RNG state) is replaced by a ``torch.save``d list
 whose element's ``__reduce__`` would create a marker file, the data file's records and
 ``.metadata``'s offsets rewritten to match, so that every CRC-32 holds and ``gtp verify``'s
-layout checks pass (``.metadata`` itself still names only allowed classes). ``gtp verify``,
+offset checks pass (``.metadata`` itself still names only allowed classes). ``gtp verify``,
 ``gtp inspect``, ``gtp export``, the common-state read of every load (``checkpoint.load``, ``auto``,
 ``checkpoint.pretrained``) and a resume's ``dist_checkpointing.load`` each refuse it, naming the
 object, and the marker never appears. A ``common.pt`` beside the data files (megatron-core would
@@ -62,7 +62,7 @@ def _copy(saved: Path, tmp_path: Path) -> tuple[Path, Path]:
 def replace_record(iter_path: Path, fqn: str, record: bytes) -> None:
     """Put ``record`` in place of the stored record of object ``fqn``: its data file rebuilt
     record by record, and ``.metadata``'s offsets and lengths rewritten to match (a crafted
-    checkpoint with consistent offsets: every CRC-32 and layout check holds)."""
+    checkpoint with consistent offsets: every CRC-32 and offset check holds)."""
     from ckpt.format.safe_metadata import read_metadata
 
     metadata = read_metadata(iter_path)

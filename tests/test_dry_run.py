@@ -47,10 +47,10 @@ LLAMA3 = {
 def test_weight_and_optimizer_bytes_follow_megatron(experiment, world, tp, distributed):
     cfg = make_cfg(f"experiment={experiment}", "gtp.gtp_remat_size=1", "train.dry_run=true",
                    f"optim.use_distributed_optimizer={str(distributed).lower()}")
-    layout = validate(cfg, world)
+    parallel_dims = validate(cfg, world)
     dp = world // tp
-    assert (layout.tensor_model_parallel_size, layout.data_parallel_size) == (tp, dp)
-    s = rank_sizes(cfg, layout, LLAMA3_VOCAB)
+    assert (parallel_dims.tensor_model_parallel_size, parallel_dims.data_parallel_size) == (tp, dp)
+    s = rank_sizes(cfg, parallel_dims, LLAMA3_VOCAB)
     n = megatron_shard_parameters(**LLAMA3[experiment], vocab=LLAMA3_VOCAB, tp=tp)
     assert s.parameters == n
     assert (s.param_bytes, s.grad_bytes) == (2 * n, 4 * n)  # bf16 weights, fp32 grad buffer
@@ -68,11 +68,11 @@ def test_70b_recipe_at_dp16_shards_its_optimizer_state(monkeypatch):
                                       vocab=LLAMA3_VOCAB, tp=8 * 2)
     for distributed, gib in ((False, 49.30), (True, 3.08)):
         cfg.optim.use_distributed_optimizer = distributed
-        layout = validate(cfg, 256)
-        s = rank_sizes(cfg, layout, LLAMA3_VOCAB)
+        parallel_dims = validate(cfg, 256)
+        s = rank_sizes(cfg, parallel_dims, LLAMA3_VOCAB)
         assert s.parameters == shard
         assert f"{s.optimizer_bytes / 2**30:.2f}" == f"{gib:.2f}"
-        assert f"optimizer state  {gib:.2f} GiB" in report(cfg, layout)
+        assert f"optimizer state  {gib:.2f} GiB" in report(cfg, parallel_dims)
 
 
 def paper_tp_row_per_layer(s, b, h, a, t, recompute) -> float:
@@ -90,14 +90,14 @@ def test_activation_bytes_follow_the_paper(recompute, tp):
     rc = "null" if recompute is None else recompute
     cfg = make_cfg("model=gpt125m", "precision=bf16", f"model.recompute_granularity={rc}",
                    f"parallelism.tensor_model_parallel_size={tp}", "data.micro_batch_size=2")
-    layout = validate(cfg, 2)
+    parallel_dims = validate(cfg, 2)
     s, b, h, a, L, v = 256, 2, 768, 12, 12, 320
     golden = (L * paper_tp_row_per_layer(s, b, h, a, tp, recompute)
               + 8 * s * b + s * b * h             # embedding input and its dropout (pp 1)
               + 4 * s * b * h + 4 * s * b * v / tp)  # output layer input and the logits
-    assert activation_bytes(cfg, layout, v, scores=True) == math.ceil(golden)
+    assert activation_bytes(cfg, parallel_dims, v, scores=True) == math.ceil(golden)
     cfg.precision.params_dtype = "fp32"  # fp32 activations: twice Megatron's 16-bit figure
-    assert activation_bytes(cfg, layout, v, scores=True) == math.ceil(2 * golden)
+    assert activation_bytes(cfg, parallel_dims, v, scores=True) == math.ceil(2 * golden)
     # One MTP layer: one more layer, its embedding's dropout (s b h), eh_proj's [embedding;
     # hidden] input (4 s b h), enorm's and hnorm's inputs (4 s b h), the final norm's and the
     # output layer's inputs (4 s b h), and a second logits and loss.
@@ -105,7 +105,7 @@ def test_activation_bytes_follow_the_paper(recompute, tp):
     cfg.model.mtp_num_layers = 1
     mtp = (paper_tp_row_per_layer(s, b, h, a, tp, recompute) + (1 + 4 + 4 + 4) * s * b * h
            + 4 * s * b * v / tp)
-    assert activation_bytes(cfg, layout, v, scores=True) == math.ceil(golden + mtp)
+    assert activation_bytes(cfg, parallel_dims, v, scores=True) == math.ceil(golden + mtp)
 
 
 def test_bytes_are_printed_in_the_unit_that_fits(capsys):
@@ -119,13 +119,13 @@ def test_bytes_are_printed_in_the_unit_that_fits(capsys):
 def test_fit_line_says_what_would_fit():
     cfg = make_cfg("experiment=llama3_70b_tp8_gtp2_bf16", "train.dry_run=true",
                    "optim.use_distributed_optimizer=false")
-    layout = validate(cfg, 256)
-    s = rank_sizes(cfg, layout, LLAMA3_VOCAB)
-    line = fit_line(cfg, layout, LLAMA3_VOCAB, s)
+    parallel_dims = validate(cfg, 256)
+    s = rank_sizes(cfg, parallel_dims, LLAMA3_VOCAB)
+    line = fit_line(cfg, parallel_dims, LLAMA3_VOCAB, s)
     assert f"{format_bytes(s.total_bytes)} per rank does not fit train.gpu_memory_gib=80" in line
     assert "fits with optim.use_distributed_optimizer=true" in line, line
     cfg.train.gpu_memory_gib = 10_000
-    assert "fits train.gpu_memory_gib=10000" in fit_line(cfg, layout, LLAMA3_VOCAB, s)
+    assert "fits train.gpu_memory_gib=10000" in fit_line(cfg, parallel_dims, LLAMA3_VOCAB, s)
     tiny = make_cfg("train.dry_run=true")
     assert "per rank fits train.gpu_memory_gib=80" in report(tiny, validate(tiny, 2))
 
@@ -147,14 +147,14 @@ def test_activation_bytes_with_sequence_parallelism_follow_the_paper(recompute):
     cfg = make_cfg("model=gpt125m", "precision=bf16", f"model.recompute_granularity={rc}",
                    f"parallelism.tensor_model_parallel_size={tp}", "data.micro_batch_size=2",
                    "parallelism.sequence_parallel=true")
-    layout = validate(cfg, 2)
-    assert layout.sequence_parallel
+    parallel_dims = validate(cfg, 2)
+    assert parallel_dims.sequence_parallel
     s, b, h, a, L, v = 256, 2, 768, 12, 12, 320
     golden = (L * paper_sp_row_per_layer(s, b, h, a, tp, recompute)
               + (8 * s * b + s * b * h) / tp          # embedding input and dropout, split
               + 4 * s * b * h / tp + 4 * s * b * v / tp)  # output layer input, logits
-    assert activation_bytes(cfg, layout, v, scores=True) == math.ceil(golden)
-    assert "sequence parallel)" in report(cfg, layout)
+    assert activation_bytes(cfg, parallel_dims, v, scores=True) == math.ceil(golden)
+    assert "sequence parallel)" in report(cfg, parallel_dims)
 
 
 def test_expert_optimizer_state_is_sharded_over_expert_data_parallel():
@@ -163,15 +163,15 @@ def test_expert_optimizer_state_is_sharded_over_expert_data_parallel():
     a stage holds 8 layers x 1 expert x 3 x 4096 x 14336 expert parameters (fc1 [gate|up], fc2)."""
     cfg = make_cfg("experiment=mixtral_8x7b_ep8_pp4_bf16", "train.dry_run=true",
                    "optim.use_distributed_optimizer=true")
-    layout = validate(cfg, 64)
-    assert (layout.data_parallel_size, layout.expert_data_parallel_size) == (16, 2)
-    s = rank_sizes(cfg, layout, 32000)
+    parallel_dims = validate(cfg, 64)
+    assert (parallel_dims.data_parallel_size, parallel_dims.expert_data_parallel_size) == (16, 2)
+    s = rank_sizes(cfg, parallel_dims, 32000)
     experts = 8 * 1 * 3 * 4096 * 14336
     assert s.expert_parameters == experts
     dense = s.parameters - experts
     assert s.optimizer_bytes == math.ceil(12 * dense / 16) + math.ceil(12 * experts / 2)
     assert f"{s.optimizer_bytes / 2**30:.2f}" == "8.20"
-    assert "routed experts 1/2: expert data parallel" in report(cfg, layout)
+    assert "routed experts 1/2: expert data parallel" in report(cfg, parallel_dims)
 
 
 def paper_per_layer(s, b, h, a, f, t, sp, fused, recompute) -> float:
@@ -206,16 +206,16 @@ def test_flagship_activations_follow_the_paper_for_the_target_attention(experime
     cfg = make_cfg(f"experiment={experiment}", "train.dry_run=true")
     assert cfg.model.transformer_impl == "transformer_engine"
     cfg.model.transformer_impl = impl
-    layout = validate(cfg, world)
-    assert (layout.tensor_model_parallel_size, layout.sequence_parallel) == (t, sp)
+    parallel_dims = validate(cfg, world)
+    assert (parallel_dims.tensor_model_parallel_size, parallel_dims.sequence_parallel) == (t, sp)
     assert cfg.model.get("recompute_granularity") == recompute
     s, b, v = 8192, 1, LLAMA3_VOCAB
     split = t if sp else 1
     golden = (L * paper_per_layer(s, b, h, a, f, t, sp, impl == "transformer_engine", recompute)
               + (8 * s * b + s * b * h) / split          # embedding input and its dropout
               + 4 * s * b * h / split + 4 * s * b * v / t)  # output layer input, the logits
-    assert activation_bytes(cfg, layout, v) == math.ceil(golden)
-    out = report(cfg, layout)
+    assert activation_bytes(cfg, parallel_dims, v) == math.ceil(golden)
+    out = report(cfg, parallel_dims)
     kind = "fused (no scores stored)" if impl == "transformer_engine" else "local (scores stored)"
     assert f"attention {kind}, from model.transformer_impl={impl}" in out, out
     assert f"{format_bytes(math.ceil(golden))} (micro-batch 1 x 8192 tokens" in out, out

@@ -66,8 +66,8 @@ def _world(root: str, cfgs: dict) -> dict:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         cfg = OmegaConf.create(cfg_yaml)
-        layout = validate(cfg, torch.distributed.get_world_size())
-        tokenizer, model, optimizer, scheduler = worker.setup(cfg, layout)
+        parallel_dims = validate(cfg, torch.distributed.get_world_size())
+        tokenizer, model, optimizer, scheduler = worker.setup(cfg, parallel_dims)
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         dp_rank, dp_size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
         train_iter, validation = build_iterators(cfg, 0, dp_rank, dp_size, tokenizer)
@@ -78,7 +78,7 @@ def _world(root: str, cfgs: dict) -> dict:
         common = {"consumed_samples": cfg.data.global_batch_size,
                   "config": OmegaConf.to_container(cfg)}
         checkpoint.save_checkpoint(f"{root}/{name}", 1, model, optimizer, scheduler, common,
-                                   checkpoint.layout_record(layout))
+                                   checkpoint.layout_record(parallel_dims))
         model.eval()
         with torch.no_grad():
             logits = model(tokens, position_ids, None)

@@ -274,7 +274,7 @@ def _backend_worker():
     from megatron.core.tensor_parallel import gtp_api
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint  # noqa: F401
 
-    from gtp import alignment, backend, layout
+    from gtp import alignment, backend, shards
 
     assert torch.distributed.get_world_size() == WORLD
     gtp = _gtp_mod()
@@ -296,7 +296,7 @@ def _backend_worker():
             assert fwd.shape == ref[name].shape and torch.equal(fwd, ref[name]), name
             bwd = p.all_gather_and_prefetch_bwd()
             assert torch.equal(bwd, ref[name]), name
-            lo, hi = layout.logical_rows(ref[name].shape[0], g, pad, p.group.rank())
+            lo, hi = shards.logical_rows(ref[name].shape[0], g, pad, p.group.rank())
             empty_shards += hi == lo
             # wgrad reduce-scatter: rank r contributes (r + 1) * G, so this rank's padded slice
             # of G times g (g + 1) / 2 (sum, calculate_per_token_loss) or (g + 1) / 2 (mean).
@@ -329,7 +329,7 @@ def _backend_worker():
         grads_nonzero, pad_grad_max = True, 0.0
         for p in model.parameters():
             if gtp.is_gtp_param(p):
-                lo, hi = layout.logical_rows(p._unsharded_shape[0], g, pad, p.group.rank())
+                lo, hi = shards.logical_rows(p._unsharded_shape[0], g, pad, p.group.rank())
                 grads_nonzero &= hi == lo or bool(p.main_grad[:hi - lo].abs().sum() > 0)
                 pad_grad_max = max(pad_grad_max, p.main_grad[hi - lo:].abs().max().item()
                                    if hi - lo < p.shape[0] else 0.0)
@@ -635,10 +635,10 @@ def test_resolve_pad_for_alignment():
     ],
 )
 def test_padding_table_matches_megatron(monkeypatch, dim0, g, pad, want_pad, want_shard, rows):
-    from gtp.layout import gtp_padding as shard_layout
-    from gtp.layout import logical_rows
+    from gtp.shards import gtp_padding
+    from gtp.shards import logical_rows
 
-    assert shard_layout(dim0, g, pad) == (want_pad, want_shard)
+    assert gtp_padding(dim0, g, pad) == (want_pad, want_shard)
     assert [hi - lo for lo, hi in (logical_rows(dim0, g, pad, r) for r in range(g))] == rows
     gtp = _gtp_mod()
     monkeypatch.setattr(gtp.GTP_CONFIG, "pad_for_alignment", pad)
@@ -648,7 +648,7 @@ def test_padding_table_matches_megatron(monkeypatch, dim0, g, pad, want_pad, wan
 
 def test_validate_gtp_dims():
     from gtp.alignment import validate_gtp_dims
-    from gtp.layout import gtp_padding as shard_layout
+    from gtp.shards import gtp_padding
 
     validate_gtp_dims([72, 216, 200, 272], 4, 1)
     validate_gtp_dims([72, 216, 200], 2, 0)
@@ -657,7 +657,7 @@ def test_validate_gtp_dims():
     with pytest.raises(ValueError, match="-3"):
         validate_gtp_dims([72], 2, -3)
     with pytest.raises(ValueError, match="gtp_remat_size"):
-        shard_layout(10, 4, 0)
+        gtp_padding(10, 4, 0)
 
 
 TIED, MTP = "model.share_embeddings_and_output_weights=true", "model.mtp_num_layers=1"

@@ -46,7 +46,7 @@ def _line(text: str, key: str) -> str:
 def test_inspect_shows_logical_shapes_and_stock_flags(ckpts):
     rc, out = cli("inspect", ckpts / "tiny" / "stock")
     assert rc == 0, out
-    assert "stock padded GTP layout (megatron-core 0.19.2)" in out
+    assert "stock padded GTP format (megatron-core 0.19.2)" in out
     assert "tp2 x gtp2 (pad_for_alignment=16)" in out
     fc1 = _line(out, "decoder.layers.mlp.linear_fc1.weight")
     assert "(2, 200, 72)" in fc1 and "column-parallel L=100" in fc1

@@ -38,20 +38,21 @@ def test_gtp_option_resolves_to_its_layout(option):
     world, g, pad, quant = OPTIONS[option]
     cfg = make_cfg(f"gtp={option}", f"parallelism.nproc_per_node={world}")
     assert (cfg.gtp.name, cfg.gtp.gtp_remat_size, cfg.gtp.quantization) == (option, g, quant)
-    layout = validate(cfg, world)
-    assert (layout.world_size, layout.tensor_model_parallel_size, layout.gtp_remat_size,
-            layout.data_parallel_size, layout.pad_for_alignment) == (world, 1, g, world // g, pad)
+    parallel_dims = validate(cfg, world)
+    assert (parallel_dims.world_size, parallel_dims.tensor_model_parallel_size,
+            parallel_dims.gtp_remat_size, parallel_dims.data_parallel_size,
+            parallel_dims.pad_for_alignment) == (world, 1, g, world // g, pad)
 
 
 def test_tp2_align16_runs_on_the_default_two_processes():
     cfg = make_cfg("gtp=tp2_align16")
-    layout = validate(cfg, cfg.parallelism.nproc_per_node)
-    assert layout.describe() == "tp1 x gtp2(pad 16) x dp1 (world 2)"
+    parallel_dims = validate(cfg, cfg.parallelism.nproc_per_node)
+    assert parallel_dims.describe() == "tp1 x gtp2(pad 16) x dp1 (world 2)"
 
 
 def test_gtp_with_tensor_parallelism():
-    layout = validate(make_cfg("gtp=tp2_align16", "parallelism=tp2dp2"), 4)
-    assert layout.describe() == "tp2 x gtp2(pad 16) x dp1 (world 4)"
+    parallel_dims = validate(make_cfg("gtp=tp2_align16", "parallelism=tp2dp2"), 4)
+    assert parallel_dims.describe() == "tp2 x gtp2(pad 16) x dp1 (world 4)"
 
 
 @pytest.mark.parametrize("quant, explicit, want", [
@@ -99,8 +100,9 @@ def test_bad_gtp_input_is_refused_before_launch(overrides, world, message):
 
 
 def test_pad_zero_is_fine_when_every_dim_divides():
-    layout = validate(make_cfg("gtp=tp2_align16", "gtp.pad_for_alignment=0", "model=tiny_swiglu"), 2)
-    assert layout.pad_for_alignment == 0
+    parallel_dims = validate(
+        make_cfg("gtp=tp2_align16", "gtp.pad_for_alignment=0", "model=tiny_swiglu"), 2)
+    assert parallel_dims.pad_for_alignment == 0
 
 
 def test_gtp_weight_dims_follow_megatrons_wrapped_weights():

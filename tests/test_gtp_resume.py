@@ -105,11 +105,11 @@ def test_pad_for_alignment_is_stored_once(runs):
     ckpt.format.records.saved_layout gives it back with the rest of the layout."""
     from megatron.core import dist_checkpointing
 
-    from ckpt.format.records import METADATA_KEY, saved_layout
+    from ckpt.format.records import SHARDING_RECORD_KEY, saved_layout
 
     common = dist_checkpointing.load_common_state_dict(
         str(runs["a"] / "checkpoints" / "iter_0000003"))
     assert "pad_for_alignment" not in common["layout"]
-    assert common[METADATA_KEY]["pad_for_alignment"] == 16
+    assert common[SHARDING_RECORD_KEY]["pad_for_alignment"] == 16
     layout = saved_layout(common)
     assert (layout["gtp_remat_size"], layout["pad_for_alignment"]) == (2, 16)

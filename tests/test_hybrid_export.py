@@ -71,7 +71,7 @@ def _save_stock_model(root: str, model, common: dict, record: dict) -> None:
     logical_format.configure("stock")
     try:
         state = model_sharded_state_dict(model)
-        # No gtp_layout record (megatron writes none): the reader takes the layout from the
+        # No sharding record (megatron writes none): the reader takes the layout from the
         # layout record and the run config, and the GTP weights from the families' patterns.
         state = {"model": state, "iteration": 1, "train_state": common,
                  "layout": stored_layout(record)}

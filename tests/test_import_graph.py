@@ -93,7 +93,7 @@ def test_the_entry_point_rule_finds_an_upward_registration(tmp_path):
     (tmp_path / "pyproject.toml").write_text(
         '[project]\nname = "x"\n[project.scripts]\nrun = "recipes.run.launch:main"\n'
         '[project.entry-points."gtp.model_families"]\ngpt = "recipes.families.gpt.formats:F"\n'
-        '[project.entry-points."ckpt.readers"]\nok = "gtp.layout:f"\n')
+        '[project.entry-points."ckpt.readers"]\nok = "gtp.shards:f"\n')
     assert upward_entry_points(tmp_path / "pyproject.toml") == [
         "gtp.model_families: gpt = recipes.families.gpt.formats:F"]
 

@@ -17,7 +17,7 @@ import torch
 from compose import make_cfg
 
 from ckpt.families import ExportError, for_export
-from gtp.layout import gtp_padding
+from gtp.shards import gtp_padding
 from recipes.families import family_of, gtp_weight_dims, parameter_counts, parameter_shapes
 from recipes.model.shapes import local_shape
 from recipes.config.validate import ConfigError, validate
@@ -72,11 +72,11 @@ def test_the_dry_run_counts_the_whole_model_and_one_rank():
     from recipes.dry_run import rank_sizes, report
 
     cfg = make_cfg(*LLAVA, "parallelism=tp2", "gtp=tp2_align16")
-    layout = validate(cfg, 4)
-    sizes = rank_sizes(cfg, layout, 257)
+    parallel_dims = validate(cfg, 4)
+    sizes = rank_sizes(cfg, parallel_dims, 257)
     assert (sizes.total_parameters, sizes.parameters) == (TOTAL, PER_RANK_TP2_G2)
     assert PER_RANK_TP2_G2 == 81_504  # what train.py prints for the built model at this layout
-    assert "248,640" in report(cfg, layout).replace("\u202f", ",")
+    assert "248,640" in report(cfg, parallel_dims).replace("\u202f", ",")
 
 
 def test_every_vision_and_projector_weight_is_a_gtp_weight_with_its_tp_local_rows():

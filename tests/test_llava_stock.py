@@ -1,5 +1,5 @@
 """A LLaVA model (tests/helpers/llava.py) saved in megatron-core 0.19.2's own stock format
-(padded GTP weights, with the common state a run records but no ``gtp_layout`` record) reads
+(padded GTP weights, with the common state a run records but no sharding record) reads
 exactly through ``ckpt.stock``: at g2/a16 (the ViT's fc1 pads 24 rows), g4/a32 (the last GTP
 shard of the ViT's linear_proj / linear_fc2 and the projector's linear_fc2 is all padding) and
 tp1 without GTP, every weight and Adam moment equals its logical golden; written without GTP it
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.multiprocess
 
 WORLD = 4
 SAVES = {n: module_layouts.LAYOUTS[n] for n in ("tp1", "g2a16", "g4a32")}
-# (source, target): without GTP into the padded layout with an all-padding shard; and a padded
+# (source, target): without GTP into a padded GTP layout with an all-padding shard; and a padded
 # checkpoint converted and loaded at another GTP layout.
 LOADS = [("tp1", "g4a32"), ("g2a16", "g4a32")]
 N_PARAMS = 48
@@ -115,7 +115,7 @@ def test_inspect_describes_the_stock_llava_checkpoint(saved):
     out = io.StringIO()
     assert main(["inspect", str(root / "g4a32")], out=out) == 0
     text = out.getvalue()
-    assert "stock padded GTP layout" in text and "tp1 x gtp4 (pad_for_alignment=32)" in text
+    assert "stock padded GTP format" in text and "tp1 x gtp4 (pad_for_alignment=32)" in text
     line = next(x for x in text.splitlines()
                 if x.startswith("vision_model.decoder.layers.mlp.linear_fc1.weight "))
     assert re.search(r"\(2, 200, 72\).*STOCK stored \(2, 256, 72\)", line), line

@@ -49,7 +49,7 @@ def test_inspect_describes_the_runs_stock_checkpoint(runs):
     out = io.StringIO()
     assert main(["inspect", str(runs / "stock" / "checkpoints" / "iter_0000002")], out=out) == 0
     text = out.getvalue()
-    assert "stock padded GTP layout" in text and "tp2 x gtp2 (pad_for_alignment=16)" in text
+    assert "stock padded GTP format" in text and "tp2 x gtp2 (pad_for_alignment=16)" in text
     line = next(x for x in text.splitlines()
                 if x.startswith("vision_model.decoder.layers.mlp.linear_fc1.weight "))
     assert "(2, 200, 72)" in line and "STOCK stored (2, 256, 72)" in line, line

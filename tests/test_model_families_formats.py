@@ -24,7 +24,7 @@ ALLOWED = {
     # Muon's q/k/v split of megatron's fused linear_qkv (the same layout in every family).
     "gtp/muon.py",
     # The gated fc1 of megatron's MLP module, recorded for the logical format.
-    "ckpt/format/gtp_layout_record.py",
+    "ckpt/format/sharding_record.py",
     # The output_layer gradient group of the per-layer grad stats.
     "gtp/grad_stats.py",
     # A tensor name in a docstring's example of a verify failure.

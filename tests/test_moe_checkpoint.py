@@ -23,7 +23,7 @@ def test_a_record_from_before_the_expert_keys_is_the_same_layout(overrides):
     old = {k: v for k, v in stored_layout(now).items() if k not in NEW_KEYS}
     assert len(old) == len(stored_layout(now)) - len(NEW_KEYS)
     back = saved_layout({LAYOUT_KEY: old})
-    # pad_for_alignment comes from the gtp_layout record (absent here): compare the rest.
+    # pad_for_alignment comes from the sharding record (absent here): compare the rest.
     assert {k: v for k, v in back.items()} == {k: v for k, v in now.items()
                                                if k != "pad_for_alignment"}
 
@@ -157,8 +157,8 @@ def _megatron_logits(jobs: list, tokens):
     for kind, cfg_yaml, path in jobs:
         reset_model_parallel()
         cfg = OmegaConf.create(cfg_yaml)
-        layout = validate(cfg, 1)
-        _, model, optimizer, scheduler = worker.setup(cfg, layout)
+        parallel_dims = validate(cfg, 1)
+        _, model, optimizer, scheduler = worker.setup(cfg, parallel_dims)
         if kind == "load":
             load_model_weights(path, model)
         else:
@@ -169,7 +169,7 @@ def _megatron_logits(jobs: list, tokens):
                         p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
             common = {"consumed_samples": 0, "config": OmegaConf.to_container(cfg)}
             checkpoint.save_checkpoint(path, 1, model, optimizer, scheduler, common,
-                                       checkpoint.layout_record(layout))
+                                       checkpoint.layout_record(parallel_dims))
         model.eval()
         with torch.no_grad():
             out.append(model(tokens, positions, None))

@@ -160,10 +160,11 @@ def test_moe_checkpoints_with_bf16_or_the_distributed_optimizer_are_accepted(ove
 def test_moe_checkpoints_in_the_stock_format_are_accepted():
     # ckpt.stock reads stock expert-GTP checkpoints at other layouts
     # (tests/test_moe_stock_format.py).
-    layout = validate(make_cfg("model=moe_tiny", "checkpoint.save=/tmp/somewhere",
-                               "checkpoint.format=stock", "parallelism.expert_model_parallel_size=2",
-                               "gtp.expert_gtp_remat_size=2", "gtp.pad_for_alignment=16"), 4)
-    assert layout.expert_gtp_remat_size == 2
+    parallel_dims = validate(make_cfg("model=moe_tiny", "checkpoint.save=/tmp/somewhere",
+                                      "checkpoint.format=stock",
+                                      "parallelism.expert_model_parallel_size=2",
+                                      "gtp.expert_gtp_remat_size=2", "gtp.pad_for_alignment=16"), 4)
+    assert parallel_dims.expert_gtp_remat_size == 2
 
 
 def test_default_world_covers_the_expert_grid():
@@ -172,14 +173,14 @@ def test_default_world_covers_the_expert_grid():
     cfg = make_cfg("model=moe_tiny", "parallelism=tp1", "gtp.expert_gtp_remat_size=2",
                    "parallelism.expert_tensor_parallel_size=2")
     assert cfg.parallelism.nproc_per_node == 4
-    layout = validate(make_cfg("model=moe_tiny", "checkpoint=none", "parallelism=tp2",
-                               "parallelism.sequence_parallel=true"), 2)
-    assert layout.describe() == "tp2+sp x dp1 (world 2)"
+    parallel_dims = validate(make_cfg("model=moe_tiny", "checkpoint=none", "parallelism=tp2",
+                                      "parallelism.sequence_parallel=true"), 2)
+    assert parallel_dims.describe() == "tp2+sp x dp1 (world 2)"
 
 
 def test_sequence_parallel_is_off_at_tp1():
-    layout = validate(make_cfg("parallelism.sequence_parallel=true"), 2)
-    assert layout.sequence_parallel is False
+    parallel_dims = validate(make_cfg("parallelism.sequence_parallel=true"), 2)
+    assert parallel_dims.sequence_parallel is False
 
 
 def test_top1_routing_with_pre_softmax_reaches_megatron():

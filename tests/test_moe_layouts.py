@@ -58,12 +58,12 @@ def _run(cfg_dict, broken):
     from recipes.run.worker import setup
 
     cfg = OmegaConf.create(cfg_dict)
-    layout = validate(cfg, torch.distributed.get_world_size())
+    parallel_dims = validate(cfg, torch.distributed.get_world_size())
     original = getattr(expert_grads, broken) if broken else None
     if broken:
         setattr(expert_grads, broken, lambda *a, **k: 0)
     try:
-        _, model, optimizer, scheduler = setup(cfg, layout)
+        _, model, optimizer, scheduler = setup(cfg, parallel_dims)
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         dp_rank, dp_size = group.rank(), group.size()
         out = []

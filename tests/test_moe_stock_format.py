@@ -212,8 +212,8 @@ def test_reader_reconstructs_every_expert_row_against_the_plain_sliced_golden(wo
     assert a.format == "stock" and a.stock
     lay = a.expert_layout
     assert (lay.tp, lay.g, lay.pad_for_alignment) == (2, 2, 16), a.describe()
-    assert "gtp_layout record" in a.layout_source and "inferred" not in a.layout_source
-    common = a.common[stock.METADATA_KEY]
+    assert "sharding record" in a.layout_source and "inferred" not in a.layout_source
+    common = a.common[stock.SHARDING_RECORD_KEY]
     assert (common["expert_tensor_parallel_size"], common["expert_gtp_remat_size"],
             common["pad_for_alignment"]) == (2, 2, 16)
     assert common["tensors"][FC1]["global_shape"] == [200, 72]

@@ -253,7 +253,7 @@ def test_a_stock_mtp_checkpoint_with_nothing_recorded_reads_the_same_rows(matrix
     path = stock.resolve_iter_dir(root / "stock_tp2g2a16")
     common = dist_checkpointing.load_common_state_dict(str(path))
     stripped = {k: v for k, v in common.items()
-                if k not in ("layout", "train_state", stock.METADATA_KEY)}
+                if k not in ("layout", "train_state", stock.SHARDING_RECORD_KEY)}
     given = stock.analyze(path, "tp=2,gtp=2,pad=16,padded_vocab_size=320,ffn_hidden_size=200,"
                                 "swiglu=true,qkv_rows=120", common=stripped)
     recorded = stock.analyze(path)

@@ -184,8 +184,8 @@ def test_optim_muon_composes_with_megatrons_field_names():
     from recipes.config.validate import validate
 
     cfg = make_cfg("optim=muon")
-    layout = validate(cfg, 2)
-    assert cfg.optim.optimizer == "muon" and layout.use_distributed_optimizer is False
+    parallel_dims = validate(cfg, 2)
+    assert cfg.optim.optimizer == "muon" and parallel_dims.use_distributed_optimizer is False
     fields = muon_fields(cfg.optim)
     from megatron.core.optimizer import OptimizerConfig
 
@@ -213,7 +213,7 @@ def test_bad_muon_settings_are_refused_before_launch(override, message):
         validate(make_cfg("optim=muon", override), 2)
 
 
-def _layout(tp):
+def _parallel_dims(tp):
     return types.SimpleNamespace(tensor_model_parallel_size=tp)
 
 
@@ -226,18 +226,18 @@ def test_resume_across_optimizers_or_precisions_is_refused(tmp_path):
     adam_saved, muon_saved = to_dict(make_cfg()), to_dict(make_cfg("optim=muon"))
     with pytest.raises(CheckpointError, match=r"written by optim.optimizer=adam and this run is "
                        r"optim.optimizer=muon.*resume with optim=adam.*checkpoint.pretrained="):
-        _check_optimizer(make_cfg("optim=muon"), _layout(1), adam_saved, {}, tmp_path)
+        _check_optimizer(make_cfg("optim=muon"), _parallel_dims(1), adam_saved, {}, tmp_path)
     with pytest.raises(CheckpointError, match=r"written by optim.optimizer=muon and this run is "
                        r"optim.optimizer=adam"):
-        _check_optimizer(make_cfg(), _layout(1), muon_saved, {}, tmp_path)
+        _check_optimizer(make_cfg(), _parallel_dims(1), muon_saved, {}, tmp_path)
     # A checkpoint from before optim.optimizer was recorded is Adam's.
     del adam_saved["optim"]["optimizer"]
     with pytest.raises(CheckpointError, match="optim.optimizer=adam and this run"):
-        _check_optimizer(make_cfg("optim=muon"), _layout(1), adam_saved, {}, tmp_path)
+        _check_optimizer(make_cfg("optim=muon"), _parallel_dims(1), adam_saved, {}, tmp_path)
     with pytest.raises(CheckpointError, match=r"precision.params_dtype=fp32; changing it to bf16"):
-        _check_optimizer(make_cfg("optim=muon", "precision=bf16"), _layout(1), muon_saved, {},
-                         tmp_path)
-    _check_optimizer(make_cfg("optim=muon"), _layout(2), muon_saved,
+        _check_optimizer(make_cfg("optim=muon", "precision=bf16"), _parallel_dims(1), muon_saved,
+                         {}, tmp_path)
+    _check_optimizer(make_cfg("optim=muon"), _parallel_dims(2), muon_saved,
                      {"tensor_model_parallel_size": 1}, tmp_path)  # duplicated: any TP
 
 
@@ -247,11 +247,12 @@ def test_blockwise_resume_at_another_tp_is_warned(tmp_path, capsys):
     from recipes.config.schema import to_dict
 
     saved = to_dict(make_cfg("optim=muon", "optim.muon_tp_mode=blockwise"))
-    _check_optimizer(make_cfg("optim=muon", "optim.muon_tp_mode=blockwise"), _layout(2), saved,
-                     {"tensor_model_parallel_size": 2}, tmp_path)
+    blockwise = make_cfg("optim=muon", "optim.muon_tp_mode=blockwise")
+    _check_optimizer(blockwise, _parallel_dims(2), saved, {"tensor_model_parallel_size": 2},
+                     tmp_path)
     assert capsys.readouterr().out == ""
-    _check_optimizer(make_cfg("optim=muon", "optim.muon_tp_mode=blockwise"), _layout(1), saved,
-                     {"tensor_model_parallel_size": 2}, tmp_path)
+    _check_optimizer(blockwise, _parallel_dims(1), saved, {"tensor_model_parallel_size": 2},
+                     tmp_path)
     out = capsys.readouterr().out
     assert "warning: optim.muon_tp_mode=blockwise" in out and "tensor_model_parallel_size=1" in out
     assert "(saved at 2)" in out
@@ -306,5 +307,5 @@ def test_muon_moe_resume_that_splits_or_joins_the_experts_goes_on(tmp_path):
     at_ep2 = validate(make_cfg("optim=muon", "model=moe_tiny",
                                "parallelism.expert_model_parallel_size=2"), 2)
     at_ep1 = validate(cfg, 2)
-    for layout, saved_layout in ((at_ep2, ep1), (at_ep1, ep2), (at_ep2, ep2), (at_ep1, ep1)):
-        _check_optimizer(cfg, layout, saved, saved_layout, tmp_path)
+    for parallel_dims, saved_layout in ((at_ep2, ep1), (at_ep1, ep2), (at_ep2, ep2), (at_ep1, ep1)):
+        _check_optimizer(cfg, parallel_dims, saved, saved_layout, tmp_path)

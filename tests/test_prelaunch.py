@@ -370,7 +370,7 @@ def test_single_jsonl_of_several_documents_passes_the_split_check(launch_tripwir
 def _with_saved_model(checkpoint_dir: Path, tmp_path: Path, drop=(), **fields) -> Path:
     """A copy of ``checkpoint_dir`` whose common state's saved run config has ``fields`` in its
     ``model`` group and not the keys ``drop`` (the data file's records and ``.metadata``'s
-    offsets rewritten to match: every CRC-32 and layout check holds)."""
+    offsets rewritten to match: every CRC-32 and offset check holds)."""
     import io
     import pickle
     import shutil

@@ -24,6 +24,7 @@ import re
 
 import pytest
 
+from ckpt.format.records import LAYOUT_KEY, SHARDING_RECORD_KEY
 from recipes.metrics.logger import read_metrics
 from resume_checks import assert_same_step, by_iteration
 from tolerance import assert_fp32_close
@@ -178,12 +179,12 @@ def _reload_and_resave(cfg_path, src_root, iteration, dst_root):
     from recipes.config.validate import validate
 
     cfg = OmegaConf.load(cfg_path)
-    layout = validate(cfg, torch.distributed.get_world_size())
-    _, model, optimizer, scheduler = worker.setup(cfg, layout)
+    parallel_dims = validate(cfg, torch.distributed.get_world_size())
+    _, model, optimizer, scheduler = worker.setup(cfg, parallel_dims)
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(SENTINEL)
-    record = checkpoint.layout_record(layout)
+    record = checkpoint.layout_record(parallel_dims)
     common = checkpoint.load_checkpoint(src_root, model, optimizer, scheduler, record, iteration)
     for name, p in model.named_parameters():
         assert not (p == SENTINEL).any(), f"{name} kept the sentinel: the load skipped it"
@@ -210,8 +211,8 @@ def _compare_checkpoints(a, b):
             else:
                 yield f"{prefix}{k}", v
 
-    # The recorded layouts differ by design (they say who wrote the file).
-    writer = ("layout/", "gtp_layout/")
+    # The layout and sharding records differ by design (they say who wrote the file).
+    writer = (f"{LAYOUT_KEY}/", f"{SHARDING_RECORD_KEY}/")
     fa = {k: v for k, v in flat(ta) if not k.startswith(writer)}
     fb = {k: v for k, v in flat(tb) if not k.startswith(writer)}
     problems = [] if fa.keys() == fb.keys() else [f"keys differ: {sorted(fa.keys() ^ fb.keys())[:5]}"]

@@ -346,7 +346,7 @@ def test_a_ranks_own_write_error_fails_the_save_in_its_one_form(one_rank, monkey
     monkeypatch.setattr(save, "sharded_state_dict", lambda *a, **k: {"model": {}})
     monkeypatch.setattr(save, "expected_checkpoint_bytes", lambda state: 1 << 20)
     monkeypatch.setattr(save, "rng_sharded_object", lambda: {})
-    monkeypatch.setattr(save, "layout_metadata", lambda *a: {})
+    monkeypatch.setattr(save, "written_sharding_record", lambda *a: {})
     monkeypatch.setattr(save, "stored_layout", lambda d: {})
     monkeypatch.setattr(save, "vocab", SimpleNamespace(RECORD_KEY="v", real_vocab_size=len))
     scheduler = SimpleNamespace(state_dict=dict)

@@ -8,7 +8,7 @@ its SwiGLU twin (hidden 72, ffn 200):
    global logical row (and column, and layer), every Adam moment to a value derived from it,
    every padding row to garbage and the Adam step to 7, and save: the stock checkpoint. The
    golden of each rank is computed here by plain slicing of a full logical tensor (TP split,
-   gate/up halves, tail padding, GTP split), independently of ``gtp.layout``;
+   gate/up halves, tail padding, GTP split), independently of ``gtp.shards``;
 2. with the logical writer (``ckpt.format.logical_format``) save the same model again: its logical twin;
 3. load the stock checkpoint into a non-GTP model at tp2 (dp2) and at tp1 (dp4), every
    parameter pre-filled with -999, through ``ckpt.io.load_checkpoint`` (which
@@ -209,13 +209,13 @@ def _write_and_reload(root: str, cfgs: dict):
         swiglu = model_name.endswith("swiglu")
         base = Path(root) / model_name
         cfg = OmegaConf.load(paths["save"])
-        layout = validate(cfg, 4)
-        assert (layout.tensor_model_parallel_size, layout.gtp_remat_size,
-                layout.pad_for_alignment) == (2, 2, 16), layout
-        _, model, opt, sched = worker.setup(cfg, layout)
+        parallel_dims = validate(cfg, 4)
+        assert (parallel_dims.tensor_model_parallel_size, parallel_dims.gtp_remat_size,
+                parallel_dims.pad_for_alignment) == (2, 2, 16), parallel_dims
+        _, model, opt, sched = worker.setup(cfg, parallel_dims)
         assert not logical_format.is_installed(), "gtp.checkpoint_layout=stock must be stock"
         _set_golden(model, opt, swiglu)
-        record = checkpoint.layout_record(layout)
+        record = checkpoint.layout_record(parallel_dims)
         train_state = {"consumed_samples": 48, "wandb_run_id": "stock-test",
                        "config": to_dict(cfg)}
         checkpoint.save_checkpoint(base / "stock", ITER, model, opt, sched, train_state, record)
@@ -227,13 +227,14 @@ def _write_and_reload(root: str, cfgs: dict):
         results = {}
         for tp in (2, 1):
             cfg = OmegaConf.load(paths[f"tp{tp}"])
-            layout = validate(cfg, 4)
-            assert (layout.tensor_model_parallel_size, layout.gtp_remat_size) == (tp, 1)
-            _, model, opt, sched = worker.setup(cfg, layout)
+            parallel_dims = validate(cfg, 4)
+            assert (parallel_dims.tensor_model_parallel_size,
+                    parallel_dims.gtp_remat_size) == (tp, 1)
+            _, model, opt, sched = worker.setup(cfg, parallel_dims)
             with torch.no_grad():
                 for p in model.parameters():
                     p.fill_(SENTINEL)
-            record = checkpoint.layout_record(layout)
+            record = checkpoint.layout_record(parallel_dims)
             common = checkpoint.load_checkpoint(base / "stock", model, opt, sched, record)
             problems, checked = _check_golden(model, opt, swiglu)
             cache = base / "stock" / "gtp_converted" / f"iter_{ITER:07d}" / ".metadata"
@@ -364,7 +365,7 @@ def test_prepare_load_decisions(built):
     # stock, converted copy already there: reused
     assert stock.prepare_load(path, common, {}) == (root / "stock" / "gtp_converted" / path.name,
                                                      True)
-    # the loader writes the stock layout at the very same layout (its record, pad included):
+    # the loader writes the stock format at the very same layout (its record, pad included):
     # megatron reads it as is; at another pad_for_alignment it is converted
     from ckpt.format.records import saved_layout
 
@@ -411,7 +412,7 @@ def test_no_viable_layout_names_the_weight_that_rules_them_out(built):
     import dataclasses
 
     from ckpt import stock
-    from ckpt.stock import analysis, stock_layout
+    from ckpt.stock import analysis, saving_layout
 
     path = stock.resolve_iter_dir(built["root"] / "tiny" / "stock")
     ck = analysis._read_checkpoint(path, None, None)
@@ -422,7 +423,7 @@ def test_no_viable_layout_names_the_weight_that_rules_them_out(built):
         ck, items={}, meta={}, source="nothing recorded",
         gtp_bases={**ck.gtp_bases, qkv: {suffix: (*shape[:-2], 999, shape[-1])}})
     with pytest.raises(stock.StockCheckpointError, match="no layout explains") as err:
-        stock_layout._resolve(crafted)
+        saving_layout._resolve(crafted)
     assert f"{qkv} is stored with shape" in str(err.value), str(err.value)
 
 
@@ -490,12 +491,12 @@ def test_layout_from_metadata_and_from_run_config_agree(built, model):
     path = stock.resolve_iter_dir(built["root"] / model / "stock")
     common = dist_checkpointing.load_common_state_dict(str(path))
     with_meta = stock.analyze(path, common=common)
-    if stock.METADATA_KEY in common:
-        assert common[stock.METADATA_KEY]["gtp_format"] == stock.FORMAT_STOCK
-        assert "gtp_layout record" in with_meta.layout_source
-    stripped = {k: v for k, v in common.items() if k != stock.METADATA_KEY}
+    if stock.SHARDING_RECORD_KEY in common:
+        assert common[stock.SHARDING_RECORD_KEY]["gtp_format"] == stock.FORMAT_STOCK
+        assert "sharding record" in with_meta.layout_source
+    stripped = {k: v for k, v in common.items() if k != stock.SHARDING_RECORD_KEY}
     from_cfg = stock.analyze(path, common=stripped)
-    assert "gtp_layout" not in from_cfg.layout_source
+    assert "sharding record" not in from_cfg.layout_source
     for key, info in with_meta.tensors.items():
         other = from_cfg.tensors[key]
         assert (info.stock, info.logical_shape, info.rowmap) == \
@@ -504,7 +505,7 @@ def test_layout_from_metadata_and_from_run_config_agree(built, model):
 
 def _stripped(built, model):
     """The stock checkpoint's iter dir and its common state without anything that records the
-    layout or the model (no ``layout``, no run config, no ``gtp_layout``)."""
+    layout or the model (no ``layout``, no run config, no sharding record)."""
     from megatron.core import dist_checkpointing
 
     from ckpt import stock
@@ -512,7 +513,7 @@ def _stripped(built, model):
     path = stock.resolve_iter_dir(built["root"] / model / "stock")
     common = dist_checkpointing.load_common_state_dict(str(path))
     return path, {k: v for k, v in common.items()
-                  if k not in ("layout", "train_state", stock.METADATA_KEY)}
+                  if k not in ("layout", "train_state", stock.SHARDING_RECORD_KEY)}
 
 
 def test_refused_when_the_layout_is_unknown(built):

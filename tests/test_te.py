@@ -32,9 +32,9 @@ def test_absent_without_the_module(monkeypatch):
 ])
 def test_recipe_sets_megatron_quantization_fields_only_with_te(gtp, want):
     cfg = make_cfg("model=llama_tiny", f"gtp={gtp}")
-    layout = validate(cfg, 2)
-    with_te = transformer_config(cfg, layout, use_te=True)
-    without = transformer_config(cfg, layout, use_te=False)
+    parallel_dims = validate(cfg, 2)
+    with_te = transformer_config(cfg, parallel_dims, use_te=True)
+    without = transformer_config(cfg, parallel_dims, use_te=False)
     assert with_te.transformer_impl == "transformer_engine"
     assert without.transformer_impl == "local"
     for field in ("fp8", "fp8_recipe", "fp4"):
@@ -54,9 +54,9 @@ def test_fp8_param_gather_keeps_weights_in_fp8_only_with_te():
     fp8_param_gather with TransformerEngine; nothing without it (local layers, no FP8)."""
     cfg = make_cfg("model=llama_tiny", "gtp=tp2_fp8", "gtp.fp8_param_gather=true",
                    "optim.use_distributed_optimizer=true")
-    layout = validate(cfg, 2)
-    with_te = transformer_config(cfg, layout, use_te=True)
-    without = transformer_config(cfg, layout, use_te=False)
+    parallel_dims = validate(cfg, 2)
+    with_te = transformer_config(cfg, parallel_dims, use_te=True)
+    without = transformer_config(cfg, parallel_dims, use_te=False)
     assert with_te.fp8_param is True and with_te.fp8 == "hybrid"
     assert te.ddp_fields(with_te) == {"fp8_param_gather": True}
     assert without.fp8_param is False and te.ddp_fields(without) == {"fp8_param_gather": False}

@@ -77,7 +77,7 @@ def test_checkpoint_of_another_model_shape_is_refused_before_launch_naming_the_f
 
 def test_bf16_trains_and_resumes_at_another_layout(trained):
     """bf16 weights with megatron's fp32 main params (Float16Module + Float16Optimizer) on CPU,
-    saved under GTP (logical layout) and resumed at tp2 without GTP."""
+    saved under GTP (logical format) and resumed at tp2 without GTP."""
     rows, _ = read_metrics(trained / "b")
     assert [r["iteration"] for r in rows] == [3]
     assert 0 < rows[0]["grad-norm"] < 100 and rows[0]["lm loss"] < 6

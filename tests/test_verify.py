@@ -147,8 +147,8 @@ def _load_into_sentinel(cfg_path, root):
     from recipes.config.validate import validate
 
     cfg = OmegaConf.load(cfg_path)
-    layout = validate(cfg, 1)
-    _, model, optimizer, scheduler = worker.setup(cfg, layout)
+    parallel_dims = validate(cfg, 1)
+    _, model, optimizer, scheduler = worker.setup(cfg, parallel_dims)
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(-999.0)
@@ -157,7 +157,8 @@ def _load_into_sentinel(cfg_path, root):
         error = None
         try:
             checkpoint.load_checkpoint(root, model, optimizer, scheduler,
-                                       checkpoint.layout_record(layout), verify=verify_on_load)
+                                       checkpoint.layout_record(parallel_dims),
+                                       verify=verify_on_load)
         except checkpoint.CheckpointError as exc:
             error = str(exc)
         results.append((error, [n for n, p in model.named_parameters()

@@ -143,7 +143,7 @@ def adapt_to_stored_rows(model_sd: dict, stored_shapes: dict, real: int, where) 
             continue
         stored_rows = int(stored_shapes[key][0])
         model_rows = (entry.global_shape[0] if isinstance(entry, ShardedTensor)
-                      else entry.spec.layout.global_rows)
+                      else entry.spec.shard.global_rows)
         if stored_rows == model_rows:
             continue
         if stored_rows < real:

@@ -10,7 +10,7 @@ What a :class:`LogicalGTPFactory` does:
 
 * save: ``build`` cuts the rank's shard (the param, or any optimizer tensor of the param: Adam
   ``exp_avg``/``exp_avg_sq``, fp32 main copies) into the pieces of
-  :func:`gtp.layout.logical_pieces`, each a ``ShardedTensor`` with explicit ``global_shape`` /
+  :func:`gtp.shards.logical_pieces`, each a ``ShardedTensor`` with explicit ``global_shape`` /
   ``global_offset`` and ``axis_fragmentations=None`` (unequal pieces), never
   ``allow_shape_mismatch``. Pieces share the tensor's memory (no copy, see ``_rows``); layer
   axes (layer-stacked keys) are leading size-1 dims of the piece rather than
@@ -32,7 +32,7 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
 from gtp.alignment import applied_pad_for_alignment
-from gtp.layout import TensorLayout, logical_pieces, logical_rows
+from gtp.shards import GTPShard, logical_pieces, logical_rows
 
 
 class GTPCheckpointError(RuntimeError):
@@ -44,16 +44,16 @@ class LogicalSpec:
     """Everything :class:`LogicalGTPFactory` needs besides the data.
 
     Attributes:
-        layout: the weight's :class:`gtp.layout.TensorLayout` on this rank.
+        shard: the weight's :class:`gtp.shards.GTPShard` on this rank.
         prepend_offsets: megatron's ``(axis, rank_offset, fragments)`` of the prepended axes
             (layer stacking); all of them are prepended axes.
         local_cols: local dim 1 of the shard (row-parallel: the TP-local in_features).
         stored_rows, kept_rows: None, or (set by :func:`with_stored_rows`) the file's dim 0
-            when it differs from the layout's, and the leading global rows actually read from
+            when it differs from the shard's, and the leading global rows actually read from
             or written to it; rows from ``kept_rows`` on are zero in the model.
     """
 
-    layout: TensorLayout
+    shard: GTPShard
     prepend_offsets: tuple
     local_cols: int
     stored_rows: Optional[int] = None
@@ -61,10 +61,10 @@ class LogicalSpec:
 
     @property
     def shard_shape(self) -> tuple[int, int]:
-        return (self.layout.shard_rows, self.local_cols)
+        return (self.shard.shard_rows, self.local_cols)
 
     def pieces(self):
-        return logical_pieces(self.layout)
+        return logical_pieces(self.shard)
 
     def extents(self) -> list[tuple[Any, int, int, int, int]]:
         """``(piece, lo, hi, global_offset, global_size)`` per piece as it is stored: the
@@ -84,8 +84,8 @@ class LogicalSpec:
 
     def global_cols(self) -> tuple[int, int]:
         """(dim-1 size on disk, this rank's dim-1 offset)."""
-        if self.layout.tp_axis == 1:
-            return self.local_cols * self.layout.tp, self.layout.tp_rank * self.local_cols
+        if self.shard.tp_axis == 1:
+            return self.local_cols * self.shard.tp, self.shard.tp_rank * self.local_cols
         return self.local_cols, 0
 
 
@@ -164,7 +164,7 @@ def _build_pieces(spec: LogicalSpec, key: str, data: torch.Tensor, replica_id, f
 def _writes_empty_piece(spec: LogicalSpec) -> bool:
     """Whether this rank writes its empty piece: the first all-padding GTP rank, at TP rank 0
     (a row-parallel weight's empty pieces differ in their column offset, one per TP rank)."""
-    lay = spec.layout
+    lay = spec.shard
     empty = [r for r in range(lay.g)
              if not len(range(*logical_rows(lay.L, lay.g, lay.pad_for_alignment, r)))]
     if not empty:  # a piece emptied by kept_rows: not an all-padding shard's
@@ -284,22 +284,22 @@ def with_stored_rows(factory: LogicalGTPFactory, stored_rows: int,
         GTPCheckpointError: a gated or row-parallel weight, or ``kept_rows`` out of range.
     """
     spec = factory.spec
-    layout = spec.layout
-    if layout.gated or layout.components or layout.tp_axis != 0:
+    shard = spec.shard
+    if shard.gated or shard.components or shard.tp_axis != 0:
         raise GTPCheckpointError(f"{factory.key}: stored rows can only be limited for a "
                                  f"column-parallel, non-gated GTP weight")
-    if not 0 <= kept_rows <= min(stored_rows, layout.global_rows):
+    if not 0 <= kept_rows <= min(stored_rows, shard.global_rows):
         raise GTPCheckpointError(
             f"{factory.key}: kept_rows={kept_rows} not within [0, min(stored_rows={stored_rows}, "
-            f"{layout.global_rows} model rows)]")
+            f"{shard.global_rows} model rows)]")
     new_spec = dataclasses.replace(spec, stored_rows=int(stored_rows), kept_rows=int(kept_rows))
     return dataclasses.replace(factory, build_fn=functools.partial(_build_pieces, new_spec),
                                spec=new_spec)
 
 
-def tensor_layout_of(param, tp_axis: int, tp_size: int, tp_rank: int, gated: bool = False,
-                     singleton_local_shards: bool = False) -> TensorLayout:
-    """The :class:`TensorLayout` of a live GTP param, checked against its padding.
+def gtp_shard_of(param, tp_axis: int, tp_size: int, tp_rank: int, gated: bool = False,
+                 singleton_local_shards: bool = False) -> GTPShard:
+    """The :class:`GTPShard` of a live GTP param, checked against its padding.
 
     Raises:
         GTPCheckpointError: the param's shard size / pad_length are not what megatron's
@@ -309,18 +309,18 @@ def tensor_layout_of(param, tp_axis: int, tp_size: int, tp_rank: int, gated: boo
     if param.dim() != 2:
         raise GTPCheckpointError(f"GTP param of shape {tuple(param.shape)}: only 2-D weights")
     group = param.group
-    layout = TensorLayout(
+    shard = GTPShard(
         L=int(param._unsharded_shape[0]), tp=tp_size, tp_rank=tp_rank, g=group.size(),
         gtp_rank=group.rank(), pad_for_alignment=pad_for_alignment,
         tp_axis=tp_axis, gated=gated, singleton_local_shards=singleton_local_shards,
     )
-    if layout.shard_rows != param.shape[0] or layout.pad != param.pad_length:
+    if shard.shard_rows != param.shape[0] or shard.pad != param.pad_length:
         raise GTPCheckpointError(
             f"GTP param {getattr(param, '_debug_name', '') or tuple(param.shape)}: shard "
             f"{param.shape[0]} rows with pad {param.pad_length}, but GTP_CONFIG.pad_for_alignment="
-            f"{pad_for_alignment} gives {layout.shard_rows} rows with pad {layout.pad}"
+            f"{pad_for_alignment} gives {shard.shard_rows} rows with pad {shard.pad}"
         )
-    return layout
+    return shard
 
 
 

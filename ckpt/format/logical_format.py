@@ -3,15 +3,15 @@
 A GTP weight is written exactly as the non-GTP model at the same TP writes it (the factory:
 :mod:`ckpt.format.logical_factory`), so a checkpoint saved at any (TP, GTP degree, alignment) loads at
 any other, and stock megatron-core without ``gtp/`` can load it into a non-GTP model.
-``docs/checkpoint-format.md`` describes the bug this replaces, the format and the ``gtp_layout``
-record (:func:`layout_metadata`, built by :mod:`ckpt.format.gtp_layout_record`).
+``docs/checkpoint-format.md`` describes the bug this replaces, the format and the sharding
+record (:func:`written_sharding_record`, built by :mod:`ckpt.format.sharding_record`).
 
 Usage::
 
     from ckpt.format import logical_format
     logical_format.configure(cfg.checkpoint.format)   # "logical" -> install(); "stock" -> uninstall()
     ...
-    state["gtp_layout"] = logical_format.layout_metadata(model, state["model"])
+    state[SHARDING_RECORD_KEY] = logical_format.written_sharding_record(model, state["model"])
 
 :func:`install` (idempotent; refused unless megatron-core is 0.19.2) replaces, in every loaded
 ``megatron.core`` module that imported them by name:
@@ -54,23 +54,22 @@ import logging
 import sys
 from typing import Any
 
-from ckpt.format.gtp_layout_record import gtp_layout_record
 from ckpt.format.logical_factory import (  # noqa: F401 - the factory names, also read as ckpt.format.logical_format.*
     GTPCheckpointError,
     LogicalGTPFactory,
     LogicalSpec,
+    gtp_shard_of,
     high_precision_data,
     make_factory,
-    tensor_layout_of,
     with_stored_rows,
 )
 from ckpt.format.records import (  # noqa: F401 - the record names, also read as ckpt.format.logical_format.*
     CHECKPOINT_FORMATS,
-    CHECKPOINT_LAYOUTS,
     GTP_FORMAT_LOGICAL,
     GTP_FORMAT_STOCK,
-    METADATA_KEY,
+    SHARDING_RECORD_KEY,
 )
+from ckpt.format.sharding_record import sharding_record
 from mcore_compat.patches import megatron_patch
 
 logger = logging.getLogger(__name__)
@@ -122,12 +121,12 @@ def make_tp_sharded_tensor_for_checkpoint(tensor, key, tp_axis=0, replica_id=Non
     if tp_group is None:
         tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_size, tp_rank = tp_group.size(), tp_group.rank()
-    layout = tensor_layout_of(tensor, tp_axis, tp_size, tp_rank)
+    shard = gtp_shard_of(tensor, tp_axis, tp_size, tp_rank)
     if replica_id is None:
         # The true replicas of a GTP shard are across the gtp_remat-excluded DP group (as stock).
         replica_id = (0, 0, parallel_state.get_data_parallel_rank(
             with_context_parallel=True, with_gtp_remat=False))
-    spec = LogicalSpec(layout, tuple(tuple(o) for o in prepend_offsets), int(tensor.shape[1]))
+    spec = LogicalSpec(shard, tuple(tuple(o) for o in prepend_offsets), int(tensor.shape[1]))
     return make_factory(tensor, key, spec, replica_id, data=high_precision_data(tensor))
 
 
@@ -147,10 +146,10 @@ def apply_swiglu_sharded_factory(original_sh_ten, sharded_offsets, singleton_loc
         raise GTPCheckpointError(
             f"{original_sh_ten.key}: sharded offsets {sharded_offsets} differ from the weight's "
             f"{spec.prepend_offsets}")
-    layout = dataclasses.replace(spec.layout, gated=True,
-                                 singleton_local_shards=bool(singleton_local_shards))
+    shard = dataclasses.replace(spec.shard, gated=True,
+                                singleton_local_shards=bool(singleton_local_shards))
     return make_factory(original_sh_ten.live_param, original_sh_ten.key,
-                         dataclasses.replace(spec, layout=layout), original_sh_ten.replica_id,
+                         dataclasses.replace(spec, shard=shard), original_sh_ten.replica_id,
                          data=original_sh_ten.data)
 
 
@@ -268,10 +267,10 @@ def configure(checkpoint_format: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# The gtp_layout record
+# The sharding record
 # --------------------------------------------------------------------------------------------
-def layout_metadata(model, model_sharded_state_dict=None) -> dict:
-    """The ``gtp_layout`` record of a checkpoint this process writes from ``model``: in the
+def written_sharding_record(model, model_sharded_state_dict=None) -> dict:
+    """The sharding record of a checkpoint this process writes from ``model``: in the
     logical format when :func:`install` is active, else tagged ``stock-0.19.2`` (arguments and
-    result: :func:`ckpt.format.gtp_layout_record.gtp_layout_record`)."""
-    return gtp_layout_record(model, model_sharded_state_dict, logical=_INSTALLED)
+    result: :func:`ckpt.format.sharding_record.sharding_record`)."""
+    return sharding_record(model, model_sharded_state_dict, logical=_INSTALLED)

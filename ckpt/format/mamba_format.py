@@ -14,7 +14,7 @@ trims the padding and splits the gathered copy. So the model file is logical, bu
 
 :func:`mixer_sharded_state_dict` replaces it while the logical format is installed and
 ``in_proj`` is a GTP param: each GTP shard's logical rows are cut into the components they meet
-(:func:`gtp.layout.logical_pieces` with ``components``) and written at the components' logical
+(:func:`gtp.shards.logical_pieces` with ``components``) and written at the components' logical
 offsets, from the live shard, without a gather. The entry is a :class:`LogicalGTPFactory`, so
 its back-link keeps Adam's and the distributed optimizer's moments mapped. Everything else in
 the mixer's state dict is built as megatron builds it. In the stock format, and without GTP,
@@ -105,13 +105,13 @@ def _components_factory(entry, rows: tuple[int, ...]) -> LogicalGTPFactory:
         raise GTPCheckpointError(f"{getattr(entry, 'key', entry)}: a GTP in_proj without the "
                                  f"logical factory (ckpt.format.logical_format not installed first?)")
     spec = entry.spec
-    if sum(rows) != spec.layout.L:
-        raise GTPCheckpointError(f"{entry.key}: TP-local dim 0 is {spec.layout.L}, but the "
+    if sum(rows) != spec.shard.L:
+        raise GTPCheckpointError(f"{entry.key}: TP-local dim 0 is {spec.shard.L}, but the "
                                  f"mixer's components {dict(zip(IN_PROJ_COMPONENTS, rows))} "
                                  f"hold {sum(rows)}")
     components = tuple((f".{name}", n) for name, n in zip(IN_PROJ_COMPONENTS, rows))
-    layout = dataclasses.replace(spec.layout, components=components)
-    return make_factory(entry.live_param, entry.key, dataclasses.replace(spec, layout=layout),
+    shard = dataclasses.replace(spec.shard, components=components)
+    return make_factory(entry.live_param, entry.key, dataclasses.replace(spec, shard=shard),
                         entry.replica_id, data=entry.data)
 
 

@@ -1,13 +1,14 @@
 """Names of what a checkpoint records, in one light module (no torch, no megatron import).
 
 * :data:`TRACKER` - megatron's tracker file in a checkpoint root: the latest complete iteration.
-* :data:`METADATA_KEY` - the common-state key of :mod:`ckpt.format.logical_format`'s ``gtp_layout`` record,
-  and its format tags :data:`GTP_FORMAT_LOGICAL` / :data:`GTP_FORMAT_STOCK`.
+* :data:`SHARDING_RECORD_KEY` - the common-state key of the sharding record (how the GTP weights
+  are stored: :mod:`ckpt.format.sharding_record`), and its format tags :data:`GTP_FORMAT_LOGICAL`
+  / :data:`GTP_FORMAT_STOCK`.
 * :data:`CHECKPOINT_FORMATS` - the values of ``checkpoint.format`` (old name
-  ``gtp.checkpoint_layout``; :data:`CHECKPOINT_LAYOUTS` is the old name of this tuple).
+  ``gtp.checkpoint_layout``).
 * :data:`LAYOUT_KEY` - the common-state key of the ``layout`` record: the parallel layout of the
   run that wrote the checkpoint (tensor, pipeline, GTP and data parallel sizes, optimizer);
-  ``pad_for_alignment`` is not in it but in the ``gtp_layout`` record, its one owner.
+  ``pad_for_alignment`` is not in it but in the sharding record, its one owner.
   :func:`saved_layout` joins the two.
 * :func:`megatron_core_version` - the megatron-core version both records hold.
 
@@ -20,11 +21,11 @@ from importlib.metadata import version
 from ckpt.families import given_families
 
 TRACKER = "latest_checkpointed_iteration.txt"
-METADATA_KEY = "gtp_layout"
+# The stored name of the sharding record: checkpoints of every version hold it under this key.
+SHARDING_RECORD_KEY = "gtp_layout"
 GTP_FORMAT_LOGICAL = "logical-v1"
 GTP_FORMAT_STOCK = "stock-0.19.2"
 CHECKPOINT_FORMATS = ("logical", "stock")
-CHECKPOINT_LAYOUTS = CHECKPOINT_FORMATS  # the old name, kept for its importers
 LAYOUT_KEY = "layout"
 PAD_KEY = "pad_for_alignment"
 # The Hugging Face model a checkpoint came from (source dir, model_type, architectures, bos/eos/pad
@@ -49,8 +50,9 @@ def layout_defaults(rec: dict) -> dict:
 
 def saved_layout(common) -> dict | None:
     """A checkpoint's layout with its ``pad_for_alignment``: the :data:`LAYOUT_KEY` record
-    (keys it lacks at :func:`layout_defaults`) with the pad of the :data:`METADATA_KEY` record
-    (a checkpoint without that record keeps the pad its layout record holds, if any).
+    (keys it lacks at :func:`layout_defaults`) with the pad of the sharding record
+    (:data:`SHARDING_RECORD_KEY`; a checkpoint without that record keeps the pad its layout
+    record holds, if any).
 
     Args:
         common: the checkpoint's common state (a mapping).
@@ -61,7 +63,7 @@ def saved_layout(common) -> dict | None:
     rec = common.get(LAYOUT_KEY)
     if not isinstance(rec, dict):
         return None
-    meta = common.get(METADATA_KEY)
+    meta = common.get(SHARDING_RECORD_KEY)
     out = {**layout_defaults(rec), **rec}
     if isinstance(meta, dict) and meta.get(PAD_KEY) is not None:
         out[PAD_KEY] = int(meta[PAD_KEY])
@@ -70,7 +72,7 @@ def saved_layout(common) -> dict | None:
 
 def stored_layout(layout: dict) -> dict:
     """What :data:`LAYOUT_KEY` stores of a run's layout dict: all of it but ``pad_for_alignment``
-    (stored once, in the :data:`METADATA_KEY` record)."""
+    (stored once, in the sharding record)."""
     return {k: v for k, v in layout.items() if k != PAD_KEY}
 
 

@@ -21,7 +21,7 @@ naming the item and the global, before any of it runs. With
 unpickled except by a restricted unpickler.
 
 megatron-core 0.19.2's ``load_common_state_dict`` reads a ``common.pt`` in the iter dir, when
-there is one, in place of the common state the save wrote into the data files (the layout of
+there is one, in place of the common state the save wrote into the data files (the format of
 checkpoints older than megatron-core 0.19; gtp-recipes never writes one). :func:`install` makes
 megatron refuse it (:class:`StrayCommonStateError`, naming the file); :func:`stray_common_state`
 is the check ``gtp verify`` and every load make before reading anything.

@@ -1,7 +1,7 @@
 """Export a checkpoint to a Hugging Face ``transformers`` model directory (config.json + safetensors).
 
 Reads only the checkpoint: its logical tensors (:func:`ckpt.stock.read_logical`, so any saving
-layout, GTP's stock padded one included, gives the same full tensors) and the run config that
+layout, in the logical or GTP's stock padded format, gives the same full tensors) and the run config that
 gtp-recipes records in its common state (``train_state["config"]``). No model is built and no
 process group is needed beyond the 1-process one the read starts.
 

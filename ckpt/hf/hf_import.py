@@ -8,9 +8,9 @@ and the safetensors weights (``model.safetensors``, or the shards a
 ``model.safetensors.index.json`` names) and writes ``OUT/iter_0000000`` plus
 ``latest_checkpointed_iteration.txt``: a torch_dist checkpoint in the logical format
 (``docs/checkpoint-format.md``) that loads at any layout, with the common state of a
-gtp-recipes checkpoint (iteration 0, a tp1 ``layout`` record, a ``logical-v1`` ``gtp_layout``
-record, the real ``vocab_size``, no optimizer state) and, in ``train_state["config"]``, the run
-config the model implies: a ``model`` group in the field names :mod:`ckpt.hf.hf_export` reads
+gtp-recipes checkpoint (iteration 0, a tp1 ``layout`` record, a ``logical-v1`` sharding
+record (stored as ``gtp_layout``), the real ``vocab_size``, no optimizer state) and, in
+``train_state["config"]``, the run config the model implies: a ``model`` group in the field names :mod:`ckpt.hf.hf_export` reads
 (megatron ``TransformerConfig`` / ``GPTModel`` names) and a ``data`` group with ``vocab_size``,
 ``eod_id`` and ``tokenizer`` (the HF dir when it holds a ``tokenizer.json``).
 
@@ -22,10 +22,11 @@ the number of layers. Per-layer tensors are stored as megatron stores them, stac
 leading layer axis (``[num_layers, ...]``), one chunk per layer.
 
 The mappings (inverse of :mod:`ckpt.hf.hf_export`, same megatron names) are the model families'
-(:mod:`ckpt.families`): an importable ``model_type``'s family gives the ``model`` fields, the
-weight plan and the sizes to check (gtp-recipes: ``recipes/families/gpt/hf_import.py`` for
-``GPT2LMHeadModel`` and ``LlamaForCausalLM``, ``recipes/families/moe/hf_import.py`` for
-``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM``).
+(:mod:`ckpt.families`): an importable ``model_type``'s family gives the ``model`` fields and a
+table of its weight names (:mod:`ckpt.hf.mapping`), from which the weight plan and the sizes to
+check are derived (gtp-recipes: ``recipes/families/gpt/hf_import.py`` and ``hf_table.py`` for
+``GPT2LMHeadModel`` and ``LlamaForCausalLM``, ``recipes/families/moe/hf_import.py`` and
+``hf_table.py`` for ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM``).
 
 Every file read must lie inside ``HF_DIR`` (symlinks resolved) and every size of
 ``config.json`` is checked against the safetensors headers before anything is planned
@@ -43,9 +44,10 @@ from pathlib import Path
 from typing import Callable
 
 from ckpt import families
+from ckpt.hf import mapping
 from ckpt.hf.hf_weights import HFImportError, Weights, check_sizes, confined
 from gtp.progress import progress
-from ckpt.format.records import (GTP_FORMAT_LOGICAL, IMPORTED_KEY, METADATA_KEY, TRACKER,
+from ckpt.format.records import (GTP_FORMAT_LOGICAL, IMPORTED_KEY, SHARDING_RECORD_KEY, TRACKER,
                          megatron_core_version)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -184,7 +186,7 @@ def _plan(arch: families.HFImport, m: dict, weights: Weights) -> dict:
     """``{megatron key: (HF names per layer or [names], per_layer, fn)}`` and every HF tensor
     accounted for (an unmapped one is refused, naming it)."""
     names = weights.names()
-    plan = arch.plan(m, _prefix(arch, names))
+    plan = mapping.plan(arch.table(m), m, _prefix(arch, names))
     out, used = {}, set()
     for key, sources, per_layer, fn in plan:
         if per_layer:
@@ -329,7 +331,7 @@ def _common(kind: str, model: dict, config, hf_dir: Path, vocab: int) -> dict:
                    "data_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
                    "use_distributed_optimizer": False, "distrib_optim_sharding_type": None,
                    "megatron_core": megatron_core_version()},
-        METADATA_KEY: {"gtp_format": GTP_FORMAT_LOGICAL, "tp": 1, "gtp_remat_size": 1,
+        SHARDING_RECORD_KEY: {"gtp_format": GTP_FORMAT_LOGICAL, "tp": 1, "gtp_remat_size": 1,
                        "pad_for_alignment": 0, "megatron_core": megatron_core_version(),
                        "tensors": {}},
         "vocab_size": vocab,

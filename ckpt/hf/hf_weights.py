@@ -17,6 +17,8 @@ import json
 import re
 from pathlib import Path
 
+from ckpt.hf import mapping
+
 
 class HFImportError(ValueError):
     """The HF model cannot be imported exactly (names the config field, tensor or file)."""
@@ -121,7 +123,7 @@ def check_sizes(arch, model: dict, vocab_size, weights: Weights, prefix: str) ->
 
     Args:
         arch: the architecture's :class:`ckpt.families.HFImport` (its ``size_fields``,
-            ``sizes`` and ``layer``); model: the implied ``model`` fields
+            ``table``'s dims and ``layer``); model: the implied ``model`` fields
             (``num_layers``, ``hidden_size``, ``num_attention_heads``, ``num_query_groups``,
             ``ffn_hidden_size``, ``seq_length``, ``share_embeddings_and_output_weights``, and
             for routed experts ``num_moe_experts``, ``moe_ffn_hidden_size``);
@@ -162,19 +164,18 @@ def check_sizes(arch, model: dict, vocab_size, weights: Weights, prefix: str) ->
     # An explicit head width (config.json head_dim: kv_channels) or hidden / heads.
     sizes["head_dim"] = model.get("kv_channels") or sizes["hidden"] // sizes["heads"]
     names = weights.names()
-    for pattern, dims in arch.sizes(model["share_embeddings_and_output_weights"]).items():
+    for pattern, dims in mapping.sizes(arch.table(model), prefix).items():
         per_layer = "{i}" in pattern
         # "{e}": one name per routed expert (a generator: the router, listed before the experts,
         # has already checked their number against the weights)
         layer_experts = ((i, e) for i in (range(sizes["layers"]) if per_layer else (0,))
                          for e in (range(sizes["experts"]) if "{e}" in pattern else (0,)))
         for i, e in layer_experts:
-            # HF's output head lies outside the base model's prefix
-            name = (pattern if pattern == "lm_head.weight" else prefix + pattern).format(i=i, e=e)
+            name = pattern.format(i=i, e=e)
             if name not in names:
                 continue  # hf_import's plan names a missing tensor
             shape = tuple(weights.meta(name)[0])
-            want = tuple(sizes[key] * (sizes[n] if isinstance(n, str) else n) for key, n in dims)
+            want = mapping.shape(dims, sizes)
             if shape == want:
                 continue
             at = next((d for d in range(len(dims)) if d >= len(shape) or shape[d] != want[d]),

@@ -1,6 +1,6 @@
 """The files of a checkpoint dir: names, the tracker, durable writes, disk space, retention.
 
-Folder layout (Megatron-LM's)::
+Folder structure (Megatron-LM's)::
 
     <save>/iter_0000020/                      megatron dist_checkpointing (torch_dist) files
     <save>/.iter_0000020.staging/             a save being written (hidden; never loaded)

@@ -86,7 +86,7 @@ def _open(path: Path, common: dict, model, layout_dict, verify: bool,
           fix: str = LOAD_FIX) -> _Opened:
     """Checks and conversion shared by every load of ``path`` (its ``common`` state read).
 
-    A stock GTP checkpoint (megatron-core 0.19.2's padded layout) is converted once into
+    A stock GTP checkpoint (megatron-core 0.19.2's padded format) is converted once into
     ``<root>/gtp_converted/`` and read from there; its RNG states are not carried over.
     """
     if verify:  # before any tensor is overwritten (checkpoint.verify_on_load)

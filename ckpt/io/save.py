@@ -16,7 +16,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import is_main_replica
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckpt.format.logical_format import METADATA_KEY, layout_metadata
+from ckpt.format.logical_format import SHARDING_RECORD_KEY, written_sharding_record
 from gtp.collectives import barrier, collective_device, rank as global_rank
 from ckpt.format.records import TRACKER, stored_layout
 from ckpt.io import faults
@@ -119,14 +119,14 @@ def stage_save(root, iteration: int, model, optimizer, scheduler, common: dict,
         iteration=iteration,
         opt_param_scheduler=scheduler.state_dict(),
         train_state=common,
-        # pad_for_alignment is the gtp_layout record's (one owner); saved_layout() joins them.
+        # pad_for_alignment is the sharding record's (one owner); saved_layout() joins them.
         layout=stored_layout(layout_dict),
         rng_state=rng_sharded_object(),
         # The real (unpadded) vocabulary: a load with another tokenizer is refused.
         **{vocab.RECORD_KEY: vocab.real_vocab_size(model)},
         # How GTP weights are laid out in this file (docs/checkpoint-format.md); built before
         # save, which applies the sharded factories in place.
-        **{METADATA_KEY: layout_metadata(model, state["model"])},
+        **{SHARDING_RECORD_KEY: written_sharding_record(model, state["model"])},
     )
     if async_saves is None:
         try:

@@ -4,7 +4,7 @@ virtual pipeline chunk), the optimizer, each rank's RNG state and the layout rec
 The common (non-sharded) entries a save adds beside them: ``iteration``,
 ``opt_param_scheduler``, ``train_state`` (consumed samples, wandb run id, resolved config...),
 ``layout`` (:func:`layout_record` without ``pad_for_alignment``), the real vocabulary size
-(``ckpt.adapt.vocab``) and the ``gtp_layout`` record (``ckpt.format.logical_format``).
+(``ckpt.adapt.vocab``) and the sharding record (``ckpt.format.sharding_record``).
 """
 
 from __future__ import annotations
@@ -123,11 +123,12 @@ def sharded_state_dict(model, optimizer, is_loading: bool, adapt=None,
     }
 
 
-def layout_record(layout) -> dict:
-    """The run's layout as a dict: the ``ParallelDims`` fields plus the megatron-core version.
+def layout_record(parallel_dims) -> dict:
+    """The run's layout as a dict: the fields of ``parallel_dims`` (the run's
+    ``recipes.config.parallel_dims.ParallelDims``) plus the megatron-core version.
 
     A checkpoint stores it without ``pad_for_alignment`` (:func:`ckpt.format.records.stored_layout`;
-    the ``gtp_layout`` record owns that fact) and :func:`ckpt.format.records.saved_layout` reads it
+    the sharding record owns that fact) and :func:`ckpt.format.records.saved_layout` reads it
     back in this form.
     """
-    return {**dataclasses.asdict(layout), "megatron_core": megatron_core_version()}
+    return {**dataclasses.asdict(parallel_dims), "megatron_core": megatron_core_version()}

@@ -1,16 +1,16 @@
 """Read GTP checkpoints written in megatron-core 0.19.2's padded format, the "stock" format.
 
-Stock 0.19.2 writes every GTP-sharded weight in a padded, TP-shifted layout that upstream can read
+Stock 0.19.2 writes every GTP-sharded weight in a padded, TP-shifted format that upstream can read
 only into the exact layout that wrote it (:mod:`ckpt.stock.rowmaps`). This package reconstructs
 the **logical** tensors (what the non-GTP model at the same TP writes) from the plain stored
-tensors with the layout math of :mod:`gtp.layout`, so a stock file loads at any layout.
+tensors with the row arithmetic of :mod:`gtp.shards`, so a stock file loads at any layout.
 
 Entry points:
 
 * :func:`checkpoint_format` - "logical" or "stock" from the common state (the one place that
   knows the format tag written by :mod:`ckpt.format.logical_format`).
 * :func:`analyze` - resolve the saving layout and, for every tensor, its logical shape and
-  whether its stored layout differs (no tensor data is read; :mod:`ckpt.stock.analysis` says
+  whether its stored rows differ (no tensor data is read; :mod:`ckpt.stock.analysis` says
   where the layout comes from).
 * :func:`read_logical` - the logical tensors of any checkpoint (stock ones reconstructed).
 * :func:`convert` - write a stock checkpoint as a normal logical one (non-GTP layout record).
@@ -18,10 +18,10 @@ Entry points:
   checkpoint once into ``<root>/gtp_converted/`` and returns the directory to load.
 
 Import from ``ckpt.stock`` only: the names above (and the record names ``CONVERTED_KEY``,
-``FORMAT_STOCK``, ``METADATA_KEY``, and :func:`split_key`) are the package's surface. Its modules
-are the implementation: ``format`` (format tag, error), ``specs`` (layout keys, tensor specs, key
-and dim helpers), ``rowmaps`` (logical row -> stored row), ``messages`` (error message pieces),
-``analysis`` and ``stock_layout`` (:func:`analyze`), ``reading`` (:func:`read_logical`),
+``FORMAT_STOCK``, ``SHARDING_RECORD_KEY``, and :func:`split_key`) are the package's surface. Its
+modules are the implementation: ``format`` (format tag, error), ``specs`` (layout keys, tensor
+specs, key and dim helpers), ``rowmaps`` (logical row -> stored row), ``messages`` (error message
+pieces), ``analysis`` and ``saving_layout`` (:func:`analyze`), ``reading`` (:func:`read_logical`),
 ``conversion`` (:func:`convert`), ``loading`` (:func:`prepare_load`). A name with a leading
 underscore is used only in the module that defines it (tests/test_import_graph.py checks this).
 ``docs/stock-conversion.md`` explains the reader.
@@ -29,7 +29,8 @@ underscore is used only in the module that defines it (tests/test_import_graph.p
 
 from ckpt.stock.analysis import analyze, is_stock, resolve_iter_dir
 from ckpt.stock.conversion import CONVERTED_KEY, convert
-from ckpt.stock.format import FORMAT_STOCK, METADATA_KEY, StockCheckpointError, checkpoint_format
+from ckpt.stock.format import (FORMAT_STOCK, SHARDING_RECORD_KEY, StockCheckpointError,
+                               checkpoint_format)
 from ckpt.stock.loading import CONVERTED_DIR, prepare_load
 from ckpt.stock.reading import read_logical
 from ckpt.stock.specs import LAYOUT_KEYS, Analysis, SavedLayout, TensorInfo, parse_layout, split_key
@@ -50,5 +51,5 @@ __all__ = [
     "read_logical",
     "resolve_iter_dir",
 ]
-# Also re-exported (used by ckpt.cli and the tests): CONVERTED_KEY, FORMAT_STOCK, METADATA_KEY,
-# split_key.
+# Also re-exported (used by ckpt.cli and the tests): CONVERTED_KEY, FORMAT_STOCK,
+# SHARDING_RECORD_KEY, split_key.

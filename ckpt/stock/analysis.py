@@ -27,12 +27,12 @@ from typing import Mapping, Optional
 
 from ckpt.families import sub_model_dims
 from ckpt.format.safe_objects import install
-from ckpt.stock.format import METADATA_KEY, TRACKER, StockCheckpointError, checkpoint_format
+from ckpt.stock.format import SHARDING_RECORD_KEY, TRACKER, StockCheckpointError, checkpoint_format
 from ckpt.stock.messages import layout_help
 from ckpt.stock.specs import (MODEL_DIMS, Analysis, SavedLayout, StoredCheckpoint, TensorInfo,
                              TensorSpec, config_layout, dims_problems, get_path, gtp_kind,
                              infer_dims, is_plain, parse_layout, split_key, strip_suffix)
-from ckpt.stock.stock_layout import analyze_stock
+from ckpt.stock.saving_layout import analyze_stock
 
 
 def resolve_iter_dir(path) -> Path:
@@ -115,7 +115,7 @@ def _read_checkpoint(ckpt, layout, common: Optional[Mapping]) -> StoredCheckpoin
     shapes = _stored_shapes(path)
     fmt = checkpoint_format(common)
     user = parse_layout(layout)
-    meta = common.get(METADATA_KEY) or {}
+    meta = common.get(SHARDING_RECORD_KEY) or {}
 
     items, sources = _layout_items(common, user, meta)
     try:
@@ -178,7 +178,7 @@ def _layout_items(common: dict, user: dict, meta: Mapping) -> tuple[dict, list]:
                 # records before the expert keys wrote pad 0 when only expert GTP was on
                 continue
             items.setdefault(k, int(meta[src_key]))
-        sources.append(f"{METADATA_KEY} record")
+        sources.append("sharding record")
     cfg_items, cfg_src = config_layout(common)
     if cfg_items:
         for k, v in cfg_items.items():

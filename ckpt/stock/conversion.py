@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from ckpt.format.records import megatron_core_version
-from ckpt.stock.format import FORMAT_LOGICAL, METADATA_KEY, TRACKER, StockCheckpointError
+from ckpt.stock.format import FORMAT_LOGICAL, SHARDING_RECORD_KEY, TRACKER, StockCheckpointError
 from ckpt.stock.reading import ensure_dist, read_logical
 from ckpt.stock.specs import Analysis, SavedLayout, get_path
 
@@ -50,11 +50,11 @@ def _converted_common(analysis: Analysis) -> dict:
         new["gtp_remat_size"] = 1
         if new.get("expert_gtp_remat_size") is not None:
             new["expert_gtp_remat_size"] = 1  # (the expert data-parallel size is derived)
-        new.pop("pad_for_alignment", None)  # the gtp_layout record below owns it
+        new.pop("pad_for_alignment", None)  # the sharding record below owns it
         if new.get("data_parallel_size") is not None:
             new["data_parallel_size"] = int(new["data_parallel_size"]) * g
         common["layout"] = new
-    common[METADATA_KEY] = {
+    common[SHARDING_RECORD_KEY] = {
         "gtp_format": FORMAT_LOGICAL, "tp": lay.tp, "gtp_remat_size": 1, "pad_for_alignment": 0,
         "megatron_core": megatron_core_version(), "tensors": {},
     }
@@ -65,7 +65,7 @@ def _converted_common(analysis: Analysis) -> dict:
                          **_expert_saved_layout(analysis)},
         "layout_source": analysis.layout_source,
         "layout": orig_layout,
-        METADATA_KEY: analysis.common.get(METADATA_KEY),
+        SHARDING_RECORD_KEY: analysis.common.get(SHARDING_RECORD_KEY),
         # stored under its old name: records of older conversions read alike
         "legacy_keys": sorted(k for k, i in analysis.tensors.items() if i.stock),
         **fingerprint(analysis.path),
@@ -143,7 +143,7 @@ def convert(src, dst_root, layout=None) -> Path:
     ``latest_checkpointed_iteration.txt``) that stock megatron-core loads at any TP without GTP,
     and gtp-recipes loads at any layout. Its common state is the source's, with ``layout``
     rewritten to the non-GTP layout of the same TP (``gtp_remat_size`` 1, pad 0), a
-    ``gtp_layout`` record tagged ``logical-v1``, and ``gtp_converted_from`` (source path,
+    sharding record tagged ``logical-v1``, and ``gtp_converted_from`` (source path,
     original layout and its source, stock keys). Per-rank RNG states are not carried over.
 
     Collective when ``torch.distributed`` is initialized with several ranks (all call it; rank 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from ckpt.format.records import (GTP_FORMAT_LOGICAL as FORMAT_LOGICAL, GTP_FORMAT_STOCK as FORMAT_STOCK,
-                         METADATA_KEY, TRACKER)
+                         SHARDING_RECORD_KEY, TRACKER)
 
 
 class StockCheckpointError(ValueError):
@@ -28,7 +28,7 @@ def checkpoint_format(common: Mapping) -> str:
     Raises:
         StockCheckpointError: an unknown ``gtp_format`` tag.
     """
-    meta = common.get(METADATA_KEY)
+    meta = common.get(SHARDING_RECORD_KEY)
     if not meta:
         return "stock"
     tag = meta.get("gtp_format")
@@ -37,6 +37,7 @@ def checkpoint_format(common: Mapping) -> str:
     if tag == FORMAT_STOCK:
         return "stock"
     raise StockCheckpointError(
-        f"unknown {METADATA_KEY}.gtp_format {tag!r} (known: {FORMAT_LOGICAL!r}, {FORMAT_STOCK!r}); "
+        f"unknown {SHARDING_RECORD_KEY}.gtp_format {tag!r} (known: {FORMAT_LOGICAL!r}, "
+        f"{FORMAT_STOCK!r}); "
         "this checkpoint was written by a newer gtp/"
     )

@@ -12,7 +12,7 @@ from typing import Mapping, Optional
 from ckpt.format.records import saved_layout
 from ckpt.stock.analysis import analyze
 from ckpt.stock.conversion import CONVERTED_BY, CONVERTED_KEY, broadcast_object, convert, fingerprint
-from ckpt.stock.format import METADATA_KEY, TRACKER, StockCheckpointError, checkpoint_format
+from ckpt.stock.format import SHARDING_RECORD_KEY, TRACKER, StockCheckpointError, checkpoint_format
 from ckpt.stock.specs import get_path
 
 # Cache folder (under the checkpoint root) that prepare_load converts stock checkpoints into.
@@ -39,7 +39,7 @@ def prepare_load(path, common: Mapping, layout_record: Optional[Mapping] = None,
 
     Every rank of the default group calls this with the same arguments. For a checkpoint that
     is not stock it returns ``(path, False)`` without reading anything beyond metadata. For a
-    stock one (stock 0.19.2 GTP layout with padded or gated GTP weights) it returns
+    stock one (stock 0.19.2 GTP format with padded or gated GTP weights) it returns
     ``(converted_iter_dir, True)``: rank 0 converts it once (:func:`convert`) into
     ``<cache_root or path.parent/gtp_converted>/iter_XXXXXXX`` and later loads reuse it while the
     source is unchanged. Exception: when the loader itself writes the stock format
@@ -55,7 +55,7 @@ def prepare_load(path, common: Mapping, layout_record: Optional[Mapping] = None,
     path = Path(path)
     if checkpoint_format(common) == "logical":
         return path, False
-    degrees = [get_path(common, rec, key) for rec in ("layout", METADATA_KEY)
+    degrees = [get_path(common, rec, key) for rec in ("layout", SHARDING_RECORD_KEY)
                for key in ("gtp_remat_size", "expert_gtp_remat_size")]
     if max(int(d or 0) for d in degrees) <= 1:
         return path, False

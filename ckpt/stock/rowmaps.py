@@ -1,20 +1,20 @@
 """Row maps: for each logical row of a GTP weight, the stored row it is read from.
 
-Stock megatron-core 0.19.2 writes every GTP-sharded weight in a padded, TP-shifted layout
-(``docs/checkpoint-format.md``; :func:`gtp.layout.stock_0192_offsets`): a column-parallel weight of
+Stock megatron-core 0.19.2 writes every GTP-sharded weight in a padded, TP-shifted format
+(``docs/checkpoint-format.md``; :func:`gtp.shards.stock_0192_offsets`): a column-parallel weight of
 TP-local logical dim 0 ``L`` is stored with dim 0 ``tp*(L+pad)`` and every TP rank's rows
 ``tp_rank*pad`` late; a row-parallel one with ``L+pad`` rows (zero tail); a gated (SwiGLU) fc1 has
 its gate/up halves mislabelled whenever ``g > 1``. Upstream can read such a file only into the
 exact layout that wrote it. The maps here reconstruct the **logical** tensors (what the non-GTP
-model at the same TP writes; ``docs/stock-conversion.md``) with the layout math of
-:mod:`gtp.layout`.
+model at the same TP writes; ``docs/stock-conversion.md``) with the row arithmetic of
+:mod:`gtp.shards`.
 """
 
 from __future__ import annotations
 
 from typing import Mapping, Optional
 
-from gtp.layout import TensorLayout, logical_pieces, stock_0192_offsets
+from gtp.shards import GTPShard, logical_pieces, stock_0192_offsets
 from ckpt.stock.specs import SavedLayout, TensorSpec
 
 
@@ -30,9 +30,9 @@ def row_map(spec: TensorSpec, lay: SavedLayout, L: Optional[int] = None):
     stored_rows: dict[str, int] = {}
     for k in tp_ranks:
         for r in range(lay.g):
-            tl = TensorLayout(L=L, tp=lay.tp, tp_rank=k, g=lay.g, gtp_rank=r,
-                              pad_for_alignment=lay.pad_for_alignment, tp_axis=spec.tp_axis,
-                              gated=spec.gated, singleton_local_shards=spec.singleton_local_shards)
+            tl = GTPShard(L=L, tp=lay.tp, tp_rank=k, g=lay.g, gtp_rank=r,
+                          pad_for_alignment=lay.pad_for_alignment, tp_axis=spec.tp_axis,
+                          gated=spec.gated, singleton_local_shards=spec.singleton_local_shards)
             # where each padded shard row sits on disk
             src = [None] * tl.shard_rows
             for p in stock_0192_offsets(tl):
@@ -59,9 +59,9 @@ def expected_stored_rows(spec: TensorSpec, lay: SavedLayout, L: int) -> dict:
     Raises:
         ValueError: the layout cannot hold this L.
     """
-    tl = TensorLayout(L=L, tp=lay.tp, tp_rank=0, g=lay.g, gtp_rank=0,
-                      pad_for_alignment=lay.pad_for_alignment, tp_axis=spec.tp_axis,
-                      gated=spec.gated, singleton_local_shards=spec.singleton_local_shards)
+    tl = GTPShard(L=L, tp=lay.tp, tp_rank=0, g=lay.g, gtp_rank=0,
+                  pad_for_alignment=lay.pad_for_alignment, tp_axis=spec.tp_axis,
+                  gated=spec.gated, singleton_local_shards=spec.singleton_local_shards)
     return {p.key_suffix: p.global_size for p in stock_0192_offsets(tl)}
 
 

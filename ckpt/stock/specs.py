@@ -85,7 +85,7 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class SavedLayout:
-    """The parallel layout a checkpoint was written at (only what the stored layout depends on)."""
+    """The parallel layout a checkpoint was written at (only what the stored rows depend on)."""
 
     tp: int
     g: int
@@ -139,7 +139,7 @@ class Analysis:
         lay = self.layout.describe() if self.layout else "unknown"
         if self.expert_layout is not None:
             lay += f"; routed experts at expert {self.expert_layout.describe()}"
-        kind = ("stock padded GTP layout (megatron-core 0.19.2)" if self.stock else
+        kind = ("stock padded GTP format (megatron-core 0.19.2)" if self.stock else
                 "logical format" if self.format == "logical" else
                 "stock format, nothing padded or shifted")
         return f"{kind}; saved at {lay} [{self.layout_source}]"
@@ -153,7 +153,7 @@ class StoredCheckpoint:
     common: dict
     format: str  # "logical" | "stock"
     shapes: dict  # stored key -> global shape
-    meta: dict  # the gtp_layout record ({} when absent)
+    meta: dict  # the sharding record ({} when absent)
     items: dict  # layout items, the first source wins per item
     source: str  # where the items come from
     dims: dict  # model dims: inferred from the stored shapes, overridden by the items

@@ -369,7 +369,7 @@ def spelled(value) -> str:
     return str(value)
 
 
-def prepare_resume(cfg, layout, plan=None, auto: bool = False) -> None:
+def prepare_resume(cfg, parallel_dims, plan=None, auto: bool = False) -> None:
     """Pre-launch checks and decisions of a run that loads a checkpoint (and of every run's save
     dir). ``plan``: the :class:`~ckpt.io.manager.ResumePlan` of ``checkpoint.load``
     already resolved in this process (None: resolved here); ``auto``: ``checkpoint.load=auto``
@@ -382,7 +382,7 @@ def prepare_resume(cfg, layout, plan=None, auto: bool = False) -> None:
     Raises:
         NothingToTrain: the checkpoint is at or past ``train.train_iters``.
         CheckpointError: the checkpoint cannot be loaded, the save dir is taken, a refused change
-            (data, batch size, stock GTP layout across layouts), naming the fields and the way on.
+            (data, batch size, stock GTP format across layouts), naming the fields and the way on.
     """
     ck = cfg.checkpoint
     if plan is None and ck.load is not None:
@@ -400,9 +400,9 @@ def prepare_resume(cfg, layout, plan=None, auto: bool = False) -> None:
             f"{iteration} and train.train_iters={cfg.train.train_iters}; raise train.train_iters "
             f"to continue (the checkpoint is left untouched)")
     common = plan.common
-    _check_stock_layout(cfg, layout, saved_layout(common), ck.load)
+    _check_stock_format(cfg, parallel_dims, saved_layout(common), ck.load)
     saved = with_family(common["train_state"].get("config") or {})
-    _check_optimizer(cfg, layout, saved, saved_layout(common), ck.load)
+    _check_optimizer(cfg, parallel_dims, saved, saved_layout(common), ck.load)
     consumed, now = int(common["train_state"].get("consumed_samples", 0)), to_dict(cfg)
     changes = resume_changes(saved, now, consumed) if saved else []
     refused = [c for c in changes if c.effect.startswith("REFUSED")]
@@ -427,7 +427,7 @@ def prepare_resume(cfg, layout, plan=None, auto: bool = False) -> None:
                 assign_saved(cfg.optim, key, value, ck.load, name)
 
 
-def _check_optimizer(cfg, layout, saved: dict, saved_layout: dict, root) -> None:
+def _check_optimizer(cfg, parallel_dims, saved: dict, saved_layout: dict, root) -> None:
     """Refuse a resume into another optimizer (Adam <-> Muon), and a Muon resume that changes
     ``precision.params_dtype``, before launch; warn when a Muon run in
     ``muon_tp_mode=blockwise`` (per-TP-shard orthogonalization) changes TP size.
@@ -447,7 +447,7 @@ def _check_optimizer(cfg, layout, saved: dict, saved_layout: dict, root) -> None
             f"(megatron's chained Muon + Adam optimizer state); resume with "
             f"precision.params_dtype={dtype_then}")
     tp_then = saved_layout.get("tensor_model_parallel_size")
-    tp_now = layout.tensor_model_parallel_size
+    tp_now = parallel_dims.tensor_model_parallel_size
     modes = {_get(saved, "optim.muon_tp_mode"), cfg.optim.get("muon_tp_mode")}
     if now == "muon" and "blockwise" in modes and tp_then not in (None, tp_now) and is_rank0():
         print(f"> warning: optim.muon_tp_mode=blockwise orthogonalizes each tensor-parallel "
@@ -456,15 +456,15 @@ def _check_optimizer(cfg, layout, saved: dict, saved_layout: dict, root) -> None
               f"optim.muon_tp_mode=duplicated gives the same update at any TP", flush=True)
 
 
-def _check_stock_layout(cfg, layout, saved_layout: dict, root) -> None:
+def _check_stock_format(cfg, parallel_dims, saved_layout: dict, root) -> None:
     """megatron-core 0.19.2's stock GTP format reads files at the offsets of the run's own
     padding: it loads only a checkpoint saved at the same tp, gtp_remat_size and alignment."""
     if cfg.checkpoint.get("format", "logical") != "stock" or \
-            max(layout.gtp_remat_size, layout.expert_gtp_remat_size) == 1:
+            max(parallel_dims.gtp_remat_size, parallel_dims.expert_gtp_remat_size) == 1:
         return
     keys = ("tensor_model_parallel_size", "gtp_remat_size", "pad_for_alignment",
             "expert_tensor_parallel_size", "expert_gtp_remat_size")
-    mine = {k: getattr(layout, k) for k in keys}
+    mine = {k: getattr(parallel_dims, k) for k in keys}
     theirs = {k: saved_layout.get(k) for k in keys}
     if mine != theirs:
         raise CheckpointError(

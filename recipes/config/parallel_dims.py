@@ -2,7 +2,9 @@
 data-parallel and expert data-parallel sizes, the expert grid and every megatron group size from
 the config, once, and validates their products; the config resolver (``nproc_per_node``'s
 default), validation, MoE, context parallelism, the dry run and the checkpoint's layout record
-read it. A new parallel dimension touches this module and the code that uses the dimension.
+(``ckpt.io.layout_record``) read it. Its instance is named ``parallel_dims`` everywhere (a
+"layout" is the parallel sizes themselves: ``docs/code-map.md``, "Words"). A new parallel
+dimension touches this module and the code that uses the dimension.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def check(cfg, choices: Optional[dict] = None, plan=None) -> ParallelDims:
     if plan is not None:  # before any check reads a size the resume took from the checkpoint
         check_saved_sizes(plan.path, plan.common, cfg.model)
     clamp_warmup(cfg)
-    layout = validate(cfg, world_size_from_env(cfg), plan)
+    parallel_dims = validate(cfg, world_size_from_env(cfg), plan)
     check_tokenizer(cfg)
     check_wandb(cfg)
     if not cfg.train.get("dry_run", False):
@@ -61,7 +61,7 @@ def check(cfg, choices: Optional[dict] = None, plan=None) -> ParallelDims:
         check_chat(cfg)
     if cfg.checkpoint.get("load") is not None:
         check_model_shape(cfg, plan)
-    return layout
+    return parallel_dims
 
 
 def _hydra_choices() -> dict:

@@ -274,7 +274,8 @@ class OptimConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Megatron layout: ``<save>/iter_0000010/`` (torch_dist) + ``latest_checkpointed_iteration.txt``."""
+    """Megatron's directory structure: ``<save>/iter_0000010/`` (torch_dist) +
+    ``latest_checkpointed_iteration.txt``."""
 
     name: str = "default"
     save: Optional[str] = "${output_dir}/checkpoints"

@@ -46,34 +46,34 @@ def validate(cfg, world_size: int, plan=None) -> ParallelDims:
         ConfigError: the first problem found, naming the key, its value and what is valid.
     """
     from recipes.model import moe
-    layout = ParallelDims.from_config(cfg, world_size)
+    parallel_dims = ParallelDims.from_config(cfg, world_size)
     family = family_of(cfg.model)  # model.family names a registered family
     check_family_fields(cfg.model)
     if family.check is not None:
-        family.check(cfg, layout)
-    moe.check(cfg, layout)
-    mtp.check(cfg, layout)
-    context_parallel.check(cfg, layout)
-    _check_model(cfg, layout)
-    _check_batches(cfg, layout)
-    if layout.gtp_remat_size > 1:
-        _check_gtp(cfg, layout)
-    _check_optim(cfg, layout)
+        family.check(cfg, parallel_dims)
+    moe.check(cfg, parallel_dims)
+    mtp.check(cfg, parallel_dims)
+    context_parallel.check(cfg, parallel_dims)
+    _check_model(cfg, parallel_dims)
+    _check_batches(cfg, parallel_dims)
+    if parallel_dims.gtp_remat_size > 1:
+        _check_gtp(cfg, parallel_dims)
+    _check_optim(cfg, parallel_dims)
     _check_train(cfg)
     _check_outputs(cfg, plan)
-    _announce_quantization(cfg, layout)
-    return layout
+    _announce_quantization(cfg, parallel_dims)
+    return parallel_dims
 
 
-def _check_model(cfg, layout: ParallelDims) -> None:
+def _check_model(cfg, parallel_dims: ParallelDims) -> None:
     """``model`` and ``precision``: positive sizes, the pipeline split, the options, the sizes
     tensor parallelism divides."""
     from recipes.model.build import PARAMS_DTYPES
 
-    m, tp = cfg.model, layout.tensor_model_parallel_size
+    m, tp = cfg.model, parallel_dims.tensor_model_parallel_size
     for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length"):
         check_positive(f"model.{name}", m[name])
-    _check_pipeline_split(cfg, layout)
+    _check_pipeline_split(cfg, parallel_dims)
     _check_model_options(m, tp)
     for name, value, div in (
         ("model.num_attention_heads", m.num_attention_heads, tp),
@@ -89,7 +89,7 @@ def _check_model(cfg, layout: ParallelDims) -> None:
                           f"{tuple(PARAMS_DTYPES)}")
 
 
-def _check_batches(cfg, layout: ParallelDims) -> None:
+def _check_batches(cfg, parallel_dims: ParallelDims) -> None:
     """``data``: the source and the batch sizes the data group and the pipeline schedule split."""
     from recipes.data import SOURCES
 
@@ -104,18 +104,20 @@ def _check_batches(cfg, layout: ParallelDims) -> None:
     check_positive("data.global_batch_size", d.global_batch_size)
     # Batches are split over the full data group, dp x gtp_remat_size: GTP peers read different
     # micro-batches (megatron's get_data_parallel_group(with_gtp_remat=True)).
-    data_group = layout.data_parallel_size * layout.gtp_remat_size
+    data_group = parallel_dims.data_parallel_size * parallel_dims.gtp_remat_size
     per_step = d.micro_batch_size * data_group
     if d.global_batch_size % per_step != 0:
-        group = (f"data group size {data_group} (dp {layout.data_parallel_size} x gtp_remat_size "
-                 f"{layout.gtp_remat_size}: GTP peers read different micro-batches)"
-                 if layout.gtp_remat_size > 1 else f"data-parallel size {data_group}")
+        group = (f"data group size {data_group} (dp {parallel_dims.data_parallel_size} x "
+                 f"gtp_remat_size {parallel_dims.gtp_remat_size}: GTP peers read different "
+                 f"micro-batches)"
+                 if parallel_dims.gtp_remat_size > 1 else f"data-parallel size {data_group}")
         raise ConfigError(
             f"data.global_batch_size={d.global_batch_size} must be a multiple of "
             f"data.micro_batch_size={d.micro_batch_size} x {group} (= {per_step}) for layout "
-            f"{layout.describe()}"
+            f"{parallel_dims.describe()}"
         )
-    pp, vpp = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size
+    pp = parallel_dims.pipeline_model_parallel_size
+    vpp = parallel_dims.virtual_pipeline_model_parallel_size
     micro_batches = d.global_batch_size // per_step
     if vpp and micro_batches % pp != 0:
         # megatron's interleaved schedule runs micro-batches in groups of pp per model chunk
@@ -129,25 +131,25 @@ def _check_batches(cfg, layout: ParallelDims) -> None:
         )
 
 
-def _check_gtp(cfg, layout: ParallelDims) -> None:
+def _check_gtp(cfg, parallel_dims: ParallelDims) -> None:
     """``gtp`` when ``gtp_remat_size > 1``: the weights' dims and the overlap settings."""
-    _check_gtp_dims(cfg, layout)
+    _check_gtp_dims(cfg, parallel_dims)
     try:
-        overlap_settings(cfg.gtp, layout.pipeline_model_parallel_size,
+        overlap_settings(cfg.gtp, parallel_dims.pipeline_model_parallel_size,
                          te.uses_transformer_engine(cfg),
                          reused=weight_reuse(cfg.model))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
 
-def _check_optim(cfg, layout: ParallelDims) -> None:
+def _check_optim(cfg, parallel_dims: ParallelDims) -> None:
     """``optim``: the optimizer at this layout and precision, FP8 weight gathers, the lr
     schedule."""
     o, t = cfg.optim, cfg.train
     for refusal in (optim_refusal(o, cfg.precision.params_dtype, cfg.model.get("num_moe_experts")),
                     te.fp8_param_gather_refusal(cfg.gtp.quantization,
                                                 cfg.gtp.get("fp8_param_gather", False),
-                                                layout.use_distributed_optimizer)):
+                                                parallel_dims.use_distributed_optimizer)):
         if refusal:
             raise ConfigError(refusal)
     if o.lr_decay_style not in LR_DECAY_STYLES:
@@ -207,9 +209,10 @@ def _check_outputs(cfg, plan) -> None:
         _check_data_files(cfg.data)
 
 
-def _check_pipeline_split(cfg, layout: ParallelDims) -> None:
+def _check_pipeline_split(cfg, parallel_dims: ParallelDims) -> None:
     """megatron splits ``num_layers`` evenly over pp x vpp model chunks (no uneven split here)."""
-    pp, vpp = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size
+    pp = parallel_dims.pipeline_model_parallel_size
+    vpp = parallel_dims.virtual_pipeline_model_parallel_size
     if pp == 1:
         return
     chunks = pp * (vpp or 1)
@@ -284,10 +287,11 @@ def _check_checkpoint_vocab(cfg, plan=None) -> None:
         raise CheckpointError(message)
 
 
-def _check_gtp_dims(cfg, layout: ParallelDims) -> None:
+def _check_gtp_dims(cfg, parallel_dims: ParallelDims) -> None:
     """Every GTP-sharded TP-local dim 0 must shard over gtp_remat_size (pad 0 needs divisibility)."""
-    g, pad = layout.gtp_remat_size, layout.pad_for_alignment
-    dims = {name: dim for name, dim in gtp_weight_dims(cfg, layout.tensor_model_parallel_size).items()
+    g, pad = parallel_dims.gtp_remat_size, parallel_dims.pad_for_alignment
+    tp = parallel_dims.tensor_model_parallel_size
+    dims = {name: dim for name, dim in gtp_weight_dims(cfg, tp).items()
             if ".local_experts." not in name}
     try:
         validate_gtp_dims(dims.values(), g, pad)
@@ -296,7 +300,7 @@ def _check_gtp_dims(cfg, layout: ParallelDims) -> None:
         named = ", ".join(f"{name} dim 0 = {dim}" for name, dim in bad)
         raise ConfigError(
             f"gtp.pad_for_alignment={pad} with gtp_remat_size={g} at "
-            f"tensor_model_parallel_size={layout.tensor_model_parallel_size}: {named} "
+            f"tensor_model_parallel_size={parallel_dims.tensor_model_parallel_size}: {named} "
             f"(TP-local rows) not divisible by {g}. {exc}"
         ) from None
 
@@ -307,7 +311,7 @@ def _short(name: str) -> str:
     return parts[-2] if parts[-1] == "weight" else name
 
 
-def _announce_quantization(cfg, layout: ParallelDims) -> None:
+def _announce_quantization(cfg, parallel_dims: ParallelDims) -> None:
     """One line, once per launch (not again in each worker), when a quantized recipe is chosen:
     what it quantizes with TransformerEngine (``recipes.model.te``), or, without it, that it only
     picks the GTP alignment."""
@@ -318,18 +322,19 @@ def _announce_quantization(cfg, layout: ParallelDims) -> None:
     if (dist is not None and dist.is_available() and dist.is_initialized()) or \
             int(os.environ.get("RANK", "0")) != 0:
         return  # a worker: the launching process already said it
-    if layout.gtp_remat_size == 1:
+    if parallel_dims.gtp_remat_size == 1:
         effect = "has no effect: GTP is off (gtp_remat_size=1)"
     elif cfg.gtp.pad_for_alignment is not None:
         effect = f"has no effect: gtp.pad_for_alignment={cfg.gtp.pad_for_alignment} is explicit"
     else:
-        effect = f"only sets the GTP alignment (pad_for_alignment={layout.pad_for_alignment})"
+        effect = ("only sets the GTP alignment "
+                  f"(pad_for_alignment={parallel_dims.pad_for_alignment})")
 
     if te.uses_transformer_engine(cfg):
         fields = ", ".join(f"{k}={v}" for k, v in te.config_fields(
             quant, True, cfg.gtp.get("fp8_param_gather", False)).items())
         print(f"> gtp.quantization={quant}: TransformerEngine layers with {fields} "
-              f"(GTP pad_for_alignment={layout.pad_for_alignment})", flush=True)
+              f"(GTP pad_for_alignment={parallel_dims.pad_for_alignment})", flush=True)
         return
     print(f"> note: gtp.quantization={quant} {effect}; without TransformerEngine (megatron's "
           f"local layers) nothing is quantized: weights and GEMMs stay "

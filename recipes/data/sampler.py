@@ -223,7 +223,7 @@ def build_iterators(
     plan = [int(cfg.train.train_iters) * gbs] if not plan else [int(n) for n in plan]
     train_samples = sum(plan)
     eval_iters = int(cfg.train.get("eval_iters", 0) or 0)
-    # Validate the layout before building anything (raises the same on every rank).
+    # Validate the batch sizes and ranks before building anything (raises the same on every rank).
     PretrainingSampler(train_samples, consumed_samples, mbs, gbs, dp_rank, dp_size)
     if tokenizer is None:
         tokenizer = build_tokenizer(data_cfg)

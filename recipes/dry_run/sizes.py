@@ -67,8 +67,8 @@ def _stage(name: str, num_layers: int, pp: int) -> tuple[int, ...]:
     return (pp - 1,)
 
 
-def rank_sizes(cfg, layout, vocab_size: int) -> RankSizes:
-    """Per-rank parameter count and bytes of ``cfg`` at ``layout`` for a ``vocab_size``-token
+def rank_sizes(cfg, parallel_dims, vocab_size: int) -> RankSizes:
+    """Per-rank parameter count and bytes of ``cfg`` at ``parallel_dims`` for a ``vocab_size``-token
     tokenizer (padded as ``recipes.model.shapes.padded_vocab_size``), on the pipeline stage holding the
     most parameters, activations included (:func:`activation_bytes`).
 
@@ -77,14 +77,15 @@ def rank_sizes(cfg, layout, vocab_size: int) -> RankSizes:
     ``optimizer.get_megatron_optimizer`` shards the dense state over the data-parallel group
     with context parallelism, the experts' over the expert data-parallel group).
     """
-    tp, g, pad = layout.tensor_model_parallel_size, layout.gtp_remat_size, layout.pad_for_alignment
-    pp, m = layout.pipeline_model_parallel_size, cfg.model
+    tp, g = parallel_dims.tensor_model_parallel_size, parallel_dims.gtp_remat_size
+    pad = parallel_dims.pad_for_alignment
+    pp, m = parallel_dims.pipeline_model_parallel_size, cfg.model
     padded = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
     shapes = parameter_shapes(m, padded)
     per_stage, pad_rows, total = [0] * pp, [0] * pp, 0
     experts_per_stage = [0] * pp
-    ep, etp, egtp = (layout.expert_model_parallel_size, layout.expert_tensor_parallel_size,
-                     layout.expert_gtp_remat_size)
+    ep, etp, egtp = (parallel_dims.expert_model_parallel_size,
+                     parallel_dims.expert_tensor_parallel_size, parallel_dims.expert_gtp_remat_size)
     local_experts = (m.num_moe_experts // ep) if m.get("num_moe_experts") else 0
     for p in shapes:
         if p.expert:  # an EP rank holds num_moe_experts / ep experts, split by etp x egtp
@@ -108,8 +109,9 @@ def rank_sizes(cfg, layout, vocab_size: int) -> RankSizes:
     local = per_stage[stage]
     dtype = cfg.precision.params_dtype
     state = 8 + (4 if dtype != "fp32" else 0)
-    dp, edp = ((layout.data_parallel_size * layout.context_parallel_size,
-                layout.expert_data_parallel_size) if layout.use_distributed_optimizer else (1, 1))
+    dp, edp = ((parallel_dims.data_parallel_size * parallel_dims.context_parallel_size,
+                parallel_dims.expert_data_parallel_size)
+               if parallel_dims.use_distributed_optimizer else (1, 1))
     experts = experts_per_stage[stage]
     return RankSizes(
         active_parameters=parameter_counts(m, padded)[1],
@@ -117,7 +119,7 @@ def rank_sizes(cfg, layout, vocab_size: int) -> RankSizes:
         total_parameters=total, parameters=local, gtp_padding_rows=pad_rows[stage],
         param_bytes=local * PARAM_BYTES[dtype], grad_bytes=local * 4,
         optimizer_bytes=-(-(local - experts) * state // dp) - (-experts * state // edp),
-        activation_bytes=activation_bytes(cfg, layout, padded),
+        activation_bytes=activation_bytes(cfg, parallel_dims, padded),
     )
 
 
@@ -150,7 +152,7 @@ def attention_scores_stored(cfg) -> bool:
     return target_attention(cfg)[0] == "local"
 
 
-def activation_bytes(cfg, layout, padded_vocab: int, scores: bool | None = None) -> int:
+def activation_bytes(cfg, parallel_dims, padded_vocab: int, scores: bool | None = None) -> int:
     """Activation bytes on a rank of the first pipeline stage (the most in flight).
 
     Per layer, with ``s`` = seq_length, ``b`` = micro_batch_size, ``h`` = hidden_size, ``a`` =
@@ -179,11 +181,11 @@ def activation_bytes(cfg, layout, padded_vocab: int, scores: bool | None = None)
     m, d = cfg.model, cfg.data
     s, b, h, a = m.seq_length, d.micro_batch_size, m.hidden_size, m.num_attention_heads
     f, L = m.ffn_hidden_size, m.num_layers
-    t, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
-    vpp = layout.virtual_pipeline_model_parallel_size
+    t, pp = parallel_dims.tensor_model_parallel_size, parallel_dims.pipeline_model_parallel_size
+    vpp = parallel_dims.virtual_pipeline_model_parallel_size
     recompute = m.get("recompute_granularity")
     scores = attention_scores_stored(cfg) if scores is None else scores
-    sp = t if layout.sequence_parallel and t > 1 else 1  # the sequence split over tp ranks
+    sp = t if parallel_dims.sequence_parallel and t > 1 else 1  # the sequence split over tp ranks
     if recompute == "full":
         layer = 2 * s * b * h / sp
     else:
@@ -194,7 +196,7 @@ def activation_bytes(cfg, layout, padded_vocab: int, scores: bool | None = None)
     if vpp:
         act *= 1 + (pp - 1) / (pp * vpp)
     elif pp > 1:
-        data_group = layout.data_parallel_size * layout.gtp_remat_size
+        data_group = parallel_dims.data_parallel_size * parallel_dims.gtp_remat_size
         micro_batches = d.global_batch_size // (d.micro_batch_size * data_group)
         act *= min(1, micro_batches / pp)
     if pp == 1:
@@ -204,21 +206,21 @@ def activation_bytes(cfg, layout, padded_vocab: int, scores: bool | None = None)
         # hidden], 4 s b h), of the final norm and the output layer (4 s b h), and its own
         # logits and loss (4 s b v / t).
         act += mtp_num_layers(m) * (layer + 13 * s * b * h / sp + 4 * s * b * padded_vocab / t)
-    act /= layout.context_parallel_size
+    act /= parallel_dims.context_parallel_size
     if cfg.precision.params_dtype == "fp32":
         act *= 2
     return int(math.ceil(act))
 
 
-def host_memory_problem(cfg, layout, vocab_size: int, processes: int,
+def host_memory_problem(cfg, parallel_dims, vocab_size: int, processes: int,
                         memory_bytes: int) -> str | None:
-    """Why ``processes`` ranks of ``cfg`` at ``layout`` cannot run on a machine of
+    """Why ``processes`` ranks of ``cfg`` at ``parallel_dims`` cannot run on a machine of
     ``memory_bytes`` (None: they may): on CPU each rank holds its parameters, gradients,
     optimizer state and activations in host memory (:func:`rank_sizes`, the dry run's
     figures), so a run whose ranks together need more than the machine has cannot run. A
     ``model.seq_length`` taken from a checkpoint (a rotary model stores no tensor it would
     bound) is caught here before any process allocates it."""
-    per_rank = rank_sizes(cfg, layout, vocab_size).total_bytes
+    per_rank = rank_sizes(cfg, parallel_dims, vocab_size).total_bytes
     if per_rank * processes <= memory_bytes:
         return None
     return (f"the run needs about {format_bytes(per_rank)} per process for parameters, "
@@ -228,7 +230,7 @@ def host_memory_problem(cfg, layout, vocab_size: int, processes: int,
             f"train.dry_run=true shows the figures")
 
 
-def check_host_memory(cfg, layout) -> None:
+def check_host_memory(cfg, parallel_dims) -> None:
     """On CPU (no CUDA device), the ranks this machine starts fit its memory
     (:func:`host_memory_problem`); ``recipes.run.launch`` calls it after ``recipes.config.prelaunch.check``.
 
@@ -240,8 +242,8 @@ def check_host_memory(cfg, layout) -> None:
     if torch.cuda.is_available():
         return
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    processes = min(layout.world_size, cfg.parallelism.nproc_per_node)
-    problem = host_memory_problem(cfg, layout, build_tokenizer(cfg.data).vocab_size, processes,
-                                  memory)
+    processes = min(parallel_dims.world_size, cfg.parallelism.nproc_per_node)
+    problem = host_memory_problem(cfg, parallel_dims, build_tokenizer(cfg.data).vocab_size,
+                                  processes, memory)
     if problem:
         raise ConfigError(problem)

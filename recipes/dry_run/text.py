@@ -15,20 +15,20 @@ from recipes.model.mtp import mtp_num_layers
 from recipes.model.shapes import padded_vocab_size
 
 
-def _variant(cfg, layout, **changes):
+def _variant(cfg, parallel_dims, **changes):
     """``(cfg, layout)`` with dotted-key ``changes`` applied to copies."""
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     with open_dict(cfg):
         for key, value in changes.items():
             OmegaConf.update(cfg, key, value)
     if "optim.use_distributed_optimizer" in changes:
-        layout = dataclasses.replace(
-            layout, use_distributed_optimizer=changes["optim.use_distributed_optimizer"],
+        parallel_dims = dataclasses.replace(
+            parallel_dims, use_distributed_optimizer=changes["optim.use_distributed_optimizer"],
             distrib_optim_sharding_type="fully_sharded_model_space")
-    return cfg, layout
+    return cfg, parallel_dims
 
 
-def fit_line(cfg, layout, vocab_size: int, sizes: RankSizes) -> str:
+def fit_line(cfg, parallel_dims, vocab_size: int, sizes: RankSizes) -> str:
     """Whether ``sizes.total_bytes`` fits ``train.gpu_memory_gib``; if not, the first of the
     distributed optimizer (dp > 1), selective then full recompute and micro_batch_size 1, taken
     in that order and cumulatively, that makes it fit."""
@@ -38,8 +38,8 @@ def fit_line(cfg, layout, vocab_size: int, sizes: RankSizes) -> str:
     if sizes.total_bytes <= budget:
         return f"{head} fits train.gpu_memory_gib={limit:g}"
     steps = []
-    if not layout.use_distributed_optimizer and \
-            layout.data_parallel_size * layout.context_parallel_size > 1:
+    if not parallel_dims.use_distributed_optimizer and \
+            parallel_dims.data_parallel_size * parallel_dims.context_parallel_size > 1:
         steps.append(("optim.use_distributed_optimizer", True))
     rc = cfg.model.get("recompute_granularity")
     if rc is None:
@@ -51,7 +51,7 @@ def fit_line(cfg, layout, vocab_size: int, sizes: RankSizes) -> str:
     changes: dict = {}
     for key, value in steps:
         changes[key] = value
-        vcfg, vlayout = _variant(cfg, layout, **changes)
+        vcfg, vlayout = _variant(cfg, parallel_dims, **changes)
         total = rank_sizes(vcfg, vlayout, vocab_size).total_bytes
         if total <= budget:
             sets = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}"
@@ -65,13 +65,13 @@ def fit_line(cfg, layout, vocab_size: int, sizes: RankSizes) -> str:
             f"gtp.gtp_remat_size")
 
 
-def assumed_line(cfg, layout) -> str:
+def assumed_line(cfg, parallel_dims) -> str:
     """What the estimate assumed: the attention kind and where it came from
     (:func:`target_attention`), recompute, the distributed optimizer and the GPU memory."""
     kind, source = target_attention(cfg)
     scores = "no scores stored" if kind == "fused" else "scores stored"
-    dp = layout.data_parallel_size * layout.context_parallel_size
-    optim = (f"distributed optimizer over dp {dp}" if layout.use_distributed_optimizer
+    dp = parallel_dims.data_parallel_size * parallel_dims.context_parallel_size
+    optim = (f"distributed optimizer over dp {dp}" if parallel_dims.use_distributed_optimizer
              else "no distributed optimizer")
     return (f"> assumed: attention {kind} ({scores}), {source}; recompute "
             f"{cfg.model.get('recompute_granularity') or 'none'} (model.recompute_granularity); "
@@ -79,35 +79,37 @@ def assumed_line(cfg, layout) -> str:
             f"train.gpu_memory_gib={float(cfg.train.get('gpu_memory_gib', 80.0)):g}")
 
 
-def report(cfg, layout) -> str:
-    """The dry-run text for ``cfg`` at ``layout`` (validated already).
+def report(cfg, parallel_dims) -> str:
+    """The dry-run text for ``cfg`` at ``parallel_dims`` (validated already).
 
     Raises:
         ValueError: megatron's ``TransformerConfig`` refuses the model config (its message).
     """
-    transformer_config(cfg, layout)  # megatron's own checks of the model fields
+    transformer_config(cfg, parallel_dims)  # megatron's own checks of the model fields
     vocab = build_tokenizer(cfg.data).vocab_size
-    tp = layout.tensor_model_parallel_size
+    tp = parallel_dims.tensor_model_parallel_size
     padded = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, tp)
-    sp_text = ("sequence parallel" if layout.sequence_parallel and tp > 1
+    sp_text = ("sequence parallel" if parallel_dims.sequence_parallel and tp > 1
                else "no sequence parallelism")
-    if layout.context_parallel_size > 1:
-        sp_text += (f", context parallel: {cfg.model.seq_length // layout.context_parallel_size} "
-                    f"tokens of each sequence per rank")
-    s = rank_sizes(cfg, layout, vocab)
+    cp = parallel_dims.context_parallel_size
+    if cp > 1:
+        sp_text += (f", context parallel: {cfg.model.seq_length // cp} tokens of each sequence "
+                    "per rank")
+    s = rank_sizes(cfg, parallel_dims, vocab)
     dtype = cfg.precision.params_dtype
     per_param = (s.param_bytes + s.grad_bytes + s.optimizer_bytes) / max(s.parameters, 1)
-    sharded = (f", 1/{layout.data_parallel_size * layout.context_parallel_size} per rank: "
-               f"distributed optimizer"
-               if layout.use_distributed_optimizer else "")
+    sharded = (f", 1/{parallel_dims.data_parallel_size * cp} per rank: distributed optimizer"
+               if parallel_dims.use_distributed_optimizer else "")
     if sharded and s.expert_parameters:
-        sharded += f"; routed experts 1/{layout.expert_data_parallel_size}: expert data parallel"
+        sharded += (f"; routed experts 1/{parallel_dims.expert_data_parallel_size}: "
+                    "expert data parallel")
     rc = cfg.model.get("recompute_granularity")
     kind = target_attention(cfg)[0]
-    stage = " (most loaded pipeline stage)" if layout.pipeline_model_parallel_size > 1 else ""
+    stage = (" (most loaded pipeline stage)" if parallel_dims.pipeline_model_parallel_size > 1
+             else "")
     lines = [
         "> dry run: config valid; nothing built, no process started",
-        f"> layout: {layout.describe()}",
+        f"> layout: {parallel_dims.describe()}",
         f"> model: {cfg.model.name}, {s.total_parameters:,} parameters "
         f"(vocabulary {vocab:,} tokens, {padded:,} rows padded{_mtp_note(cfg.model)})",
         f"> per rank{stage}: {s.parameters:,} parameters, {per_param:.4g} bytes each for "
@@ -121,8 +123,8 @@ def report(cfg, layout) -> str:
         f"{rc or 'none'}{', attention scores stored' if kind == 'local' and not rc else ''};"
         f" Megatron-LM's formula, {sp_text})",
         f">   total            {format_bytes(s.total_bytes)}",
-        assumed_line(cfg, layout),
-        fit_line(cfg, layout, vocab, s),
+        assumed_line(cfg, parallel_dims),
+        fit_line(cfg, parallel_dims, vocab, s),
     ]
     try:
         check_data_paths(cfg.data)
@@ -134,11 +136,11 @@ def report(cfg, layout) -> str:
                         f"experts); "
                         f"per rank {s.expert_parameters:,} routed-expert parameters, "
                         f"{format_bytes(s.expert_parameters * PARAM_BYTES[dtype])} ({dtype})")
-    if layout.gtp_remat_size > 1:
+    if parallel_dims.gtp_remat_size > 1:
         lines.append(
-            f"> GTP: gtp_remat_size={layout.gtp_remat_size}, pad_for_alignment="
-            f"{layout.pad_for_alignment}: {s.gtp_padding_rows:,} padding rows in the TP-local "
-            f"GTP weights (a tail suffix, held by the last GTP ranks)")
+            f"> GTP: gtp_remat_size={parallel_dims.gtp_remat_size}, pad_for_alignment="
+            f"{parallel_dims.pad_for_alignment}: {s.gtp_padding_rows:,} padding rows in the "
+            f"TP-local GTP weights (a tail suffix, held by the last GTP ranks)")
     return "\n".join(lines)
 
 

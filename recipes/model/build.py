@@ -17,8 +17,8 @@ from recipes.model.shapes import padded_vocab_size
 PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def transformer_config(cfg, layout, use_te: bool | None = None):
-    """megatron ``TransformerConfig`` for ``cfg.model`` at ``layout`` (a ``recipes.config.parallel_dims.ParallelDims``).
+def transformer_config(cfg, parallel_dims, use_te: bool | None = None):
+    """megatron ``TransformerConfig`` for ``cfg.model`` at ``parallel_dims``.
 
     ``use_te``: TransformerEngine layers and the quantization recipe's FP8/FP4 fields
     (``recipes.model.te``); None: when TransformerEngine is importable.
@@ -30,18 +30,18 @@ def transformer_config(cfg, layout, use_te: bool | None = None):
 
     dtype = PARAMS_DTYPES[cfg.precision.params_dtype]
     kwargs = dict(
-        **family_of(cfg.model).transformer_config_fields(cfg.model, layout),
-        tensor_model_parallel_size=layout.tensor_model_parallel_size,
-        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
+        **family_of(cfg.model).transformer_config_fields(cfg.model, parallel_dims),
+        tensor_model_parallel_size=parallel_dims.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel_dims.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel_dims.virtual_pipeline_model_parallel_size,
         # CPU init draws the full weight from one seed and slices it, so every layout starts
         # from the same logical weights.
         use_cpu_initialization=True,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype,
-        sequence_parallel=layout.sequence_parallel,
-        context_parallel_size=layout.context_parallel_size,
+        sequence_parallel=parallel_dims.sequence_parallel,
+        context_parallel_size=parallel_dims.context_parallel_size,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
@@ -49,7 +49,8 @@ def transformer_config(cfg, layout, use_te: bool | None = None):
         gradient_accumulation_fusion=False,
         calculate_per_token_loss=bool(cfg.train.get("calculate_per_token_loss", False)),
     )
-    if layout.virtual_pipeline_model_parallel_size and layout.pipeline_model_parallel_size == 2:
+    if (parallel_dims.virtual_pipeline_model_parallel_size
+            and parallel_dims.pipeline_model_parallel_size == 2):
         # At pp2 the previous and the next stage are the same peer, and the interleaved schedule
         # sends an activation and a gradient to it at once. Batched p2p ops
         # (p2p_communication._batched_p2p_ops) post them on one group in the same order on both
@@ -63,8 +64,8 @@ def transformer_config(cfg, layout, use_te: bool | None = None):
             kwargs.update(recompute_method="uniform", recompute_num_layers=1)
     kwargs.update(te.config_fields(cfg.gtp.quantization, use_te,
                                    cfg.gtp.get("fp8_param_gather", False)))
-    if layout.gtp_remat_size > 1:
-        kwargs["gtp_weight_remat_size"] = layout.gtp_remat_size
+    if parallel_dims.gtp_remat_size > 1:
+        kwargs["gtp_weight_remat_size"] = parallel_dims.gtp_remat_size
     return TransformerConfig(**kwargs)
 
 
@@ -124,7 +125,7 @@ def _draw_like_layers_before(cfg, config, vocab: int, num_layers: int, use_te: b
     _chunk(cfg, prefix, vocab, True, False, None, False, use_te)
 
 
-def build_model(cfg, layout, vocab_size: int, reseed=lambda: None):
+def build_model(cfg, parallel_dims, vocab_size: int, reseed=lambda: None):
     """Build this rank's model chunks (after ``parallel_state`` is initialized).
 
     Under pipeline parallelism each chunk holds megatron's share of the layers
@@ -134,7 +135,7 @@ def build_model(cfg, layout, vocab_size: int, reseed=lambda: None):
 
     Args:
         cfg: the run config; ``cfg.model`` gives the shape.
-        layout: the resolved ``recipes.config.parallel_dims.ParallelDims``.
+        parallel_dims: the resolved ``recipes.config.parallel_dims.ParallelDims``.
         vocab_size: the tokenizer's vocabulary size (padded here for TP).
         reseed: re-seeds every RNG with the run's seed (called before each chunk under pipeline
             parallelism).
@@ -148,10 +149,10 @@ def build_model(cfg, layout, vocab_size: int, reseed=lambda: None):
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     use_te = te.uses_transformer_engine(cfg)
-    config = transformer_config(cfg, layout, use_te)
-    vpp = layout.virtual_pipeline_model_parallel_size
+    config = transformer_config(cfg, parallel_dims, use_te)
+    vpp = parallel_dims.virtual_pipeline_model_parallel_size
     vocab = padded_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by,
-                              layout.tensor_model_parallel_size)
+                              parallel_dims.tensor_model_parallel_size)
     family = family_of(cfg.model)
     seed = torch.initial_seed()  # the run's seed (worker.set_seed), for the experts' draws
     chunks = []
@@ -159,7 +160,7 @@ def build_model(cfg, layout, vocab_size: int, reseed=lambda: None):
         stage = vp_stage if vpp else None
         pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
-        if layout.pipeline_model_parallel_size > 1:
+        if parallel_dims.pipeline_model_parallel_size > 1:
             # Same initial weights at every layout: replay the draws of the layers before this
             # chunk, from the run's seed, as the pp1 model would have made them.
             reseed()

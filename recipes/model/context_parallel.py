@@ -19,14 +19,14 @@ from recipes.model import te
 from recipes.config.errors import ConfigError
 
 
-def check(cfg, layout) -> None:
+def check(cfg, parallel_dims) -> None:
     """The context-parallel rules, before any process starts (nothing at CP 1).
 
     Raises:
         ConfigError: CP > 1 without TransformerEngine (naming ``TEDotProductAttention``), or
             ``model.seq_length`` not divisible by ``2 x context_parallel_size``.
     """
-    cp = layout.context_parallel_size
+    cp = parallel_dims.context_parallel_size
     if cp == 1:
         return
     if not te.uses_transformer_engine(cfg):

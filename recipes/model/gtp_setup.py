@@ -14,7 +14,7 @@ from recipes.model import te
 from recipes.model.mtp import mtp_num_layers
 
 
-def before_model(cfg, layout) -> None:
+def before_model(cfg, parallel_dims) -> None:
     """Install the portable backend (when TransformerEngine is not usable), the num-zeros
     patch (``gtp.grad_stats``: GTP padding rows are not gradient elements) and, for tied
     embeddings, ``gtp.tied_output`` (the output layer takes the embedding's GTP shard), run
@@ -26,7 +26,7 @@ def before_model(cfg, layout) -> None:
     from ckpt.format import logical_format
 
     logical_format.configure(cfg.checkpoint.get("format", "logical"))
-    if not layout.uses_gtp:
+    if not parallel_dims.uses_gtp:
         return
     from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp_impl
 
@@ -44,10 +44,10 @@ def before_model(cfg, layout) -> None:
         # The gtp_remat reduce-scatter sums (not averages) under per-token loss.
         calculate_per_token_loss=bool(cfg.train.get("calculate_per_token_loss", False)),
     )
-    alignment.apply_pad_for_alignment(layout.pad_for_alignment)
+    alignment.apply_pad_for_alignment(parallel_dims.pad_for_alignment)
 
     gtp_impl.update_gtp_config(**overlap_settings(
-        cfg.gtp, layout.pipeline_model_parallel_size, te.uses_transformer_engine(cfg),
+        cfg.gtp, parallel_dims.pipeline_model_parallel_size, te.uses_transformer_engine(cfg),
         reused=weight_reuse(cfg.model)))
 
 
@@ -119,7 +119,7 @@ def overlap_settings(gtp_cfg, pipeline_model_parallel_size: int, te_usable: bool
     return out
 
 
-def after_model(model, layout, cfg) -> None:
+def after_model(model, parallel_dims, cfg) -> None:
     """Verify the built model's GTP shards carry the resolved alignment, and that the weights
     megatron sharded are exactly those pre-launch validation checked for ``cfg`` (the run
     config; ``recipes.families.gtp_weight_dims``); rank 0 prints what it verified.
@@ -128,15 +128,16 @@ def after_model(model, layout, cfg) -> None:
         RuntimeError: a GTP shard's padding differs from ``layout.pad_for_alignment``, or the
             sharded weights (name, TP-local dim 0) differ from the validated ones.
     """
-    if layout.gtp_remat_size == 1:
+    if parallel_dims.gtp_remat_size == 1:
         return
     import torch
     from megatron.core.tensor_parallel.generalized_tensor_parallelism import (GTP_CONFIG,
                                                                               is_gtp_param)
 
-    checked = alignment.check_pad_applied(model, layout.pad_for_alignment)
+    checked = alignment.check_pad_applied(model, parallel_dims.pad_for_alignment)
     built = {name: p._unsharded_shape[0] for name, p in model.named_parameters() if is_gtp_param(p)}
-    expected = _stage_share(gtp_weight_dims(cfg, layout.tensor_model_parallel_size), model, cfg)
+    expected = _stage_share(gtp_weight_dims(cfg, parallel_dims.tensor_model_parallel_size), model,
+                            cfg)
     if built != expected:
         diff = sorted(set(built.items()) ^ set(expected.items()))
         raise RuntimeError(
@@ -145,8 +146,9 @@ def after_model(model, layout, cfg) -> None:
         )
     if torch.distributed.get_rank() == 0:
         pad_rows = sum(p.pad_length for p in model.parameters() if is_gtp_param(p))
-        print(f"> GTP: {checked} weights sharded over gtp_remat_size={layout.gtp_remat_size}, "
-              f"pad_for_alignment={layout.pad_for_alignment} verified on the built model "
+        print(f"> GTP: {checked} weights sharded over "
+              f"gtp_remat_size={parallel_dims.gtp_remat_size}, "
+              f"pad_for_alignment={parallel_dims.pad_for_alignment} verified on the built model "
               f"({pad_rows} padding rows in all); weight_prefetch={GTP_CONFIG.weight_prefetch}, "
               f"async_reduction={GTP_CONFIG.async_reduction}", flush=True)
 
@@ -184,9 +186,9 @@ def _stage_share(dims: dict, chunk, cfg) -> dict:
     return out
 
 
-def after_ddp(ddp_model, layout) -> None:
+def after_ddp(ddp_model, parallel_dims) -> None:
     """megatron's ``classify_gtp_remat_chains``: tag GTP params before the first forward."""
-    if not layout.uses_gtp:
+    if not parallel_dims.uses_gtp:
         return
     from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp_impl
 

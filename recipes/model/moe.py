@@ -76,7 +76,7 @@ def reduce_aux_loss(model_cfg, num_microbatches: int) -> dict:
     return {name: value}
 
 
-def check(cfg, layout) -> None:
+def check(cfg, parallel_dims) -> None:
     """MoE and sequence-parallel rules, before any process starts (context parallelism:
     ``recipes.model.context_parallel.check``).
 
@@ -84,8 +84,8 @@ def check(cfg, layout) -> None:
         ConfigError: the first problem, naming the value and what is valid.
     """
     m = cfg.model
-    tp, ep = layout.tensor_model_parallel_size, layout.expert_model_parallel_size
-    etp, egtp = layout.expert_tensor_parallel_size, layout.expert_gtp_remat_size
+    tp, ep = parallel_dims.tensor_model_parallel_size, parallel_dims.expert_model_parallel_size
+    etp, egtp = parallel_dims.expert_tensor_parallel_size, parallel_dims.expert_gtp_remat_size
     if not is_moe(m):
         for name, value, default in (("parallelism.expert_model_parallel_size", ep, 1),
                                      ("gtp.expert_gtp_remat_size", egtp, 1)):
@@ -129,7 +129,7 @@ def check(cfg, layout) -> None:
     if shared and shared % tp:
         raise ConfigError(f"model.moe_shared_expert_intermediate_size={shared} must be divisible "
                           f"by parallelism.tensor_model_parallel_size={tp}")
-    if tp > 1 and not layout.sequence_parallel:
+    if tp > 1 and not parallel_dims.sequence_parallel:
         # MoELayer.forward raises in training: "performance may degrade if MoE and tensor
         # parallelism are enabled without also enabling sequence parallelism".
         raise ConfigError(f"an MoE model at parallelism.tensor_model_parallel_size={tp} needs "
@@ -144,11 +144,11 @@ def check(cfg, layout) -> None:
                           "autograd may not modify, so the first backward fails; set "
                           "model.add_bias_linear=false")
     if egtp > 1:
-        _check_expert_gtp(cfg, layout)
-    _check_checkpoints(cfg, layout)
+        _check_expert_gtp(cfg, parallel_dims)
+    _check_checkpoints(cfg, parallel_dims)
 
 
-def _check_checkpoints(cfg, layout) -> None:
+def _check_checkpoints(cfg, parallel_dims) -> None:
     """What MoE checkpoints support (docs/moe.md, Checkpoints): the logical format (fp32 or
     bf16 parameters, megatron's plain or distributed optimizer) and the stock one with fp32
     parameters and the plain optimizer (read at other layouts through ckpt.stock); pretrained
@@ -159,7 +159,7 @@ def _check_checkpoints(cfg, layout) -> None:
     if not used or ck.get("format", "logical") == "logical":
         return
     why = None
-    if layout.use_distributed_optimizer:
+    if parallel_dims.use_distributed_optimizer:
         why = ("optim.use_distributed_optimizer=true (untested with stock MoE checkpoints); "
                "set optim.use_distributed_optimizer=false or checkpoint.format=logical")
     elif cfg.precision.params_dtype != "fp32":
@@ -171,32 +171,33 @@ def _check_checkpoints(cfg, layout) -> None:
                           f"train without checkpoints: checkpoint=none")
 
 
-def _check_expert_gtp(cfg, layout) -> None:
-    egtp = layout.expert_gtp_remat_size
-    if layout.gtp_remat_size > 1 and layout.gtp_remat_size != egtp:
+def _check_expert_gtp(cfg, parallel_dims) -> None:
+    egtp = parallel_dims.expert_gtp_remat_size
+    if parallel_dims.gtp_remat_size > 1 and parallel_dims.gtp_remat_size != egtp:
         raise ConfigError(f"gtp.expert_gtp_remat_size={egtp} with gtp.gtp_remat_size="
-                          f"{layout.gtp_remat_size}: set them equal, or gtp.gtp_remat_size=1")
-    dims = {n: d for n, d in gtp_weight_dims(cfg, layout.tensor_model_parallel_size).items()
-            if ".local_experts." in n}
+                          f"{parallel_dims.gtp_remat_size}: set them equal, or "
+                          f"gtp.gtp_remat_size=1")
+    tp = parallel_dims.tensor_model_parallel_size
+    dims = {n: d for n, d in gtp_weight_dims(cfg, tp).items() if ".local_experts." in n}
     try:
-        validate_gtp_dims(dims.values(), egtp, layout.pad_for_alignment)
+        validate_gtp_dims(dims.values(), egtp, parallel_dims.pad_for_alignment)
     except ValueError as exc:
         raise ConfigError(f"gtp.expert_gtp_remat_size={egtp} with gtp.pad_for_alignment="
-                          f"{layout.pad_for_alignment}: {exc}") from None
+                          f"{parallel_dims.pad_for_alignment}: {exc}") from None
 
 
-def after_model(chunk, layout) -> None:
+def after_model(chunk, parallel_dims) -> None:
     """Before DDP: expert GTP's first gradient fix (``gtp.expert_grads.tag_expert_params``) and,
     without dense GTP (``recipes.model.gtp_setup.after_model`` checks it otherwise), the expert shards'
     alignment (``gtp.alignment.check_pad_applied``)."""
-    if layout.expert_gtp_remat_size <= 1:
+    if parallel_dims.expert_gtp_remat_size <= 1:
         return
-    expert_grads.tag_expert_params(chunk, layout.expert_gtp_remat_size)
-    if layout.gtp_remat_size == 1:
-        alignment.check_pad_applied(chunk, layout.pad_for_alignment)
+    expert_grads.tag_expert_params(chunk, parallel_dims.expert_gtp_remat_size)
+    if parallel_dims.gtp_remat_size == 1:
+        alignment.check_pad_applied(chunk, parallel_dims.pad_for_alignment)
 
 
-def after_ddp(ddp_chunk, layout) -> None:
+def after_ddp(ddp_chunk, parallel_dims) -> None:
     """After DDP: expert GTP's second gradient fix (``gtp.expert_grads.scale_expert_gradients``)."""
-    expert_grads.scale_expert_gradients(ddp_chunk, layout.expert_gtp_remat_size,
-                                        layout.gtp_remat_size)
+    expert_grads.scale_expert_gradients(ddp_chunk, parallel_dims.expert_gtp_remat_size,
+                                        parallel_dims.gtp_remat_size)

@@ -17,7 +17,7 @@ def mtp_num_layers(model_cfg) -> int:
     return int(model_cfg.get("mtp_num_layers") or 0)
 
 
-def check(cfg, layout) -> None:
+def check(cfg, parallel_dims) -> None:
     """MTP rules, before any process starts.
 
     Raises:
@@ -36,13 +36,13 @@ def check(cfg, layout) -> None:
     if m.get("mtp_loss_scaling_factor", 0.1) < 0:
         raise ConfigError(f"model.mtp_loss_scaling_factor={m.mtp_loss_scaling_factor} must be "
                           f">= 0")
-    if layout.context_parallel_size > 1:
+    if parallel_dims.context_parallel_size > 1:
         raise ConfigError(f"model.mtp_num_layers={n} with parallelism.context_parallel_size="
-                          f"{layout.context_parallel_size}: multi-token prediction runs here "
-                          f"without context parallelism (context_parallel_size=1)")
-    if layout.pipeline_model_parallel_size == 1:
+                          f"{parallel_dims.context_parallel_size}: multi-token prediction runs "
+                          f"here without context parallelism (context_parallel_size=1)")
+    if parallel_dims.pipeline_model_parallel_size == 1:
         return
-    pp = f"pipeline_model_parallel_size={layout.pipeline_model_parallel_size}"
+    pp = f"pipeline_model_parallel_size={parallel_dims.pipeline_model_parallel_size}"
     if m.position_embedding_type == "learned_absolute":
         raise ConfigError(
             f"model.mtp_num_layers={n} at {pp} needs model.position_embedding_type=rope: the MTP "

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from gtp.layout import gtp_padding
+from gtp.shards import gtp_padding
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def tp_local_shape(p: ParamShape, tp: int) -> tuple[int, ...]:
 def local_shape(p: ParamShape, tp: int, g: int, pad_for_alignment: int) -> tuple[tuple[int, ...], int]:
     """``(shape on one rank, GTP padding rows)`` at ``tp`` x GTP degree ``g``.
 
-    A GTP weight's TP-local dim 0 is padded (``gtp.layout.gtp_padding``, megatron's
+    A GTP weight's TP-local dim 0 is padded (``gtp.shards.gtp_padding``, megatron's
     ``gtp_remat_shard_dim0`` math) and split over ``g`` ranks; every rank holds the same shape.
 
     Raises:

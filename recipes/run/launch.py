@@ -448,18 +448,18 @@ def run_job(cfg, overrides: list[str] | None = None) -> None:
             if is_rank0:
                 print(note, flush=True)
             check_before_launch(cfg.data)  # a tokenizer taken from the checkpoint, too
-    layout = prelaunch.check(cfg, plan=plan)
+    parallel_dims = prelaunch.check(cfg, plan=plan)
     if not dry_run:  # the dry run's sizes, against this machine's memory on CPU
         from recipes.dry_run.sizes import check_host_memory
 
-        check_host_memory(cfg, layout)
+        check_host_memory(cfg, parallel_dims)
     if dry_run:
         from recipes.dry_run import report
 
-        print(report(cfg, layout), flush=True)
+        print(report(cfg, parallel_dims), flush=True)
         return
     try:
-        prepare_resume(cfg, layout, plan, auto=auto)
+        prepare_resume(cfg, parallel_dims, plan, auto=auto)
     except NothingToTrain as exc:
         if is_rank0:
             print(f"> {exc}", flush=True)
@@ -476,7 +476,8 @@ def run_job(cfg, overrides: list[str] | None = None) -> None:
     config_path = Path(cfg.output_dir) / RESOLVED_CONFIG
     if is_rank0:
         config_path = write_resolved_config(resolved, cfg.output_dir)
-        print(f"> job output dir: {cfg.output_dir}\n> layout: {layout.describe()}", flush=True)
+        print(f"> job output dir: {cfg.output_dir}\n> layout: {parallel_dims.describe()}",
+              flush=True)
 
     # The command that continues it (a submitit job is requeued by submitit instead).
     if submitit_env is None and not any(a in ("-m", "--multirun") for a in sys.argv[1:]):

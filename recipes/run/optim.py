@@ -34,7 +34,7 @@ def optim_refusal(o, params_dtype: str = "bf16", num_moe_experts: int | None = N
                 f"0.19.2's LayerWiseDistributedOptimizer builds no fp32 optimizer); set "
                 f"precision=bf16 or optim.use_distributed_optimizer=false")
     if layer_wise(o) and num_moe_experts:
-        # megatron-core 0.19.2 asserts at start-up: its layer-wise layout has no expert buffers.
+        # megatron-core 0.19.2 asserts at start-up: its layer-wise optimizer has no expert buffers.
         return (f"optim.optimizer=muon with optim.use_distributed_optimizer=true and an MoE "
                 f"model (model.num_moe_experts={num_moe_experts}) is not supported by "
                 f"megatron-core 0.19.2's LayerWiseDistributedOptimizer; set "

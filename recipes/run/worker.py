@@ -142,7 +142,7 @@ def freeze_imported_objects() -> None:
     _FROZEN.append(True)
 
 
-def setup(cfg, layout, optimizer_cfg=None):
+def setup(cfg, parallel_dims, optimizer_cfg=None):
     """Process groups, GTP backend, model, DDP, optimizer, scheduler (no data, no checkpoint).
 
     ``optimizer_cfg``: the config to build the optimizer from when it differs from ``cfg`` (a
@@ -159,26 +159,26 @@ def setup(cfg, layout, optimizer_cfg=None):
     cpu_compat.install()
     moe_cpu.install()
     safe_objects.install()  # no pickle of a checkpoint loaded here runs code
-    gtp_setup.before_model(cfg, layout)
-    parallel_state.initialize_model_parallel(**layout.megatron_kwargs())
+    gtp_setup.before_model(cfg, parallel_dims)
+    parallel_state.initialize_model_parallel(**parallel_dims.megatron_kwargs())
     set_seed(cfg.train.seed)
 
     tokenizer = build_tokenizer(cfg.data)
-    chunks, config = build_model(cfg, layout, tokenizer.vocab_size,
+    chunks, config = build_model(cfg, parallel_dims, tokenizer.vocab_size,
                                  reseed=lambda: set_seed(cfg.train.seed))
     for chunk in chunks:
         if torch.cuda.is_available():
             # As Megatron-LM's get_model: built on CPU (use_cpu_initialization), trained on the GPU.
             chunk.cuda(torch.cuda.current_device())
-        gtp_setup.after_model(chunk, layout, cfg)
-        moe.after_model(chunk, layout)
+        gtp_setup.after_model(chunk, parallel_dims, cfg)
+        moe.after_model(chunk, parallel_dims)
     if config.bf16:
         from megatron.core.transformer.module import Float16Module
 
         # As Megatron-LM: bf16 weights, inputs cast on entry and logits/loss returned in fp32.
         chunks = [Float16Module(config, chunk) for chunk in chunks]
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=layout.use_distributed_optimizer,
+        grad_reduce_in_fp32=True, use_distributed_optimizer=parallel_dims.use_distributed_optimizer,
         **te.ddp_fields(config))
     layouts = layer_wise_param_layouts(cfg, chunks, ddp_config)
     # As Megatron-LM: only the first chunk's buffer is bucketed (interleaved schedule).
@@ -186,11 +186,11 @@ def setup(cfg, layout, optimizer_cfg=None):
                                    **({"full_param_layout": layouts[i]} if layouts else {}))
            for i, chunk in enumerate(chunks)]
     for chunk in ddp:
-        gtp_setup.after_ddp(chunk, layout)
-        moe.after_ddp(chunk, layout)
+        gtp_setup.after_ddp(chunk, parallel_dims)
+        moe.after_ddp(chunk, parallel_dims)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [chunk.no_sync for chunk in ddp] if len(ddp) > 1 else ddp[0].no_sync
-    if layout.use_distributed_optimizer:
+    if parallel_dims.use_distributed_optimizer:
         distrib_optimizer.install()
     optimizer = build_optimizer(optimizer_cfg or cfg, ddp)
     scheduler = build_scheduler(cfg, optimizer)
@@ -244,15 +244,15 @@ def run(cfg, resume=None) -> None:
         resume = None
     elif resume is None or (resume.load, resume.iteration) != (str(ck.load), load_iteration):
         resume = ResumePlan.open(ck.load, load_iteration)  # this rank's one read of it
-    layout = validate(cfg, torch.distributed.get_world_size(), resume)
+    parallel_dims = validate(cfg, torch.distributed.get_world_size(), resume)
     saved_cfg, optimizer_cfg = None, None
     if resume is not None:
         saved_cfg = resume.saved_config
         if saved_cfg and cfg.optim.get("override_opt_param_scheduler", False):
             optimizer_cfg = OmegaConf.merge(cfg, {"optim": {
                 k: saved_cfg["optim"][k] for k in ("lr", "min_lr", "weight_decay")}})
-    tokenizer, model, optimizer, scheduler = setup(cfg, layout, optimizer_cfg)
-    layout_rec = checkpoint.layout_record(layout)
+    tokenizer, model, optimizer, scheduler = setup(cfg, parallel_dims, optimizer_cfg)
+    layout_rec = checkpoint.layout_record(parallel_dims)
     rank = torch.distributed.get_rank()
 
     train_state = {"consumed_samples": 0}
@@ -275,7 +275,7 @@ def run(cfg, resume=None) -> None:
     chain = lineage.of_run(train_state if resumed_from is not None else None, iteration, plan)
     train_state["data_plan"] = planned_samples(train_state, iteration, saved_cfg, cfg)
 
-    data_iterator, validation, dp_size = _iterators(cfg, layout, train_state, tokenizer)
+    data_iterator, validation, dp_size = _iterators(cfg, parallel_dims, train_state, tokenizer)
     state = RunState(
         model, optimizer, scheduler, data_iterator,
         num_microbatches=cfg.data.global_batch_size // (cfg.data.micro_batch_size * dp_size),
@@ -286,7 +286,8 @@ def run(cfg, resume=None) -> None:
                      IMPORTED_KEY: train_state.get(IMPORTED_KEY)},
     )
 
-    logger = _start_logger(cfg, state, plan, layout, layout_rec, resumed_from) if rank == 0 else None
+    logger = (_start_logger(cfg, state, plan, parallel_dims, layout_rec, resumed_from)
+              if rank == 0 else None)
 
     from recipes.run.loop import train
 
@@ -315,7 +316,7 @@ def run(cfg, resume=None) -> None:
         preemption.after_exit()  # submitit's handler of its signal: requeue the job
 
 
-def _iterators(cfg, layout, train_state: dict, tokenizer):
+def _iterators(cfg, parallel_dims, train_state: dict, tokenizer):
     """``(train iterator or one per virtual stage, validation batches or None, dp size)`` of
     this rank, continuing at ``train_state["consumed_samples"]``."""
     from megatron.core import parallel_state
@@ -326,7 +327,7 @@ def _iterators(cfg, layout, train_state: dict, tokenizer):
     dp_rank, dp_size = torch.distributed.get_rank(dp_group), torch.distributed.get_world_size(dp_group)
     # Every pipeline stage (and virtual stage) reads the same micro-batches: the first uses the
     # tokens, the last the labels and loss mask.
-    vpp = layout.virtual_pipeline_model_parallel_size
+    vpp = parallel_dims.virtual_pipeline_model_parallel_size
     data_iterator, validation = build_iterators(cfg, train_state["consumed_samples"], dp_rank,
                                                 dp_size, tokenizer=tokenizer,
                                                 plan=train_state["data_plan"])
@@ -338,7 +339,7 @@ def _iterators(cfg, layout, train_state: dict, tokenizer):
     return data_iterator, validation, dp_size
 
 
-def _start_logger(cfg, state, plan: dict, layout, layout_rec: dict, resumed_from):
+def _start_logger(cfg, state, plan: dict, parallel_dims, layout_rec: dict, resumed_from):
     """Rank 0's ``MetricLogger``; prints the layout line and records the start or the resume
     event (``resumed_from``: the saved layout, None for a new run)."""
     ck, model, iteration, run_id = cfg.checkpoint, state.model, state.iteration, plan["run_id"]
@@ -349,7 +350,7 @@ def _start_logger(cfg, state, plan: dict, layout, layout_rec: dict, resumed_from
     fork = (f" (fork of {plan['parent']['run_id']} at iteration {plan['parent']['iteration']})"
             if plan["parent"] else " (continued)" if plan["resume"] else "")
     wandb_run = f", wandb run {run_id}{fork}" if cfg.logger.get("wandb", False) else ""
-    print(f"> layout {layout.describe()}, parameters on rank 0: {n_params}{wandb_run}",
+    print(f"> layout {parallel_dims.describe()}, parameters on rank 0: {n_params}{wandb_run}",
           flush=True)
     if resumed_from is not None:
         parent = plan["parent"]

@@ -56,9 +56,9 @@ def build(cfg_yaml: str):
 
     reset_model_parallel()
     cfg = OmegaConf.create(cfg_yaml)
-    layout = validate(cfg, torch.distributed.get_world_size())
-    _, model, optimizer, scheduler = worker.setup(cfg, layout)
-    return model, optimizer, scheduler, checkpoint.layout_record(layout), cfg
+    parallel_dims = validate(cfg, torch.distributed.get_world_size())
+    _, model, optimizer, scheduler = worker.setup(cfg, parallel_dims)
+    return model, optimizer, scheduler, checkpoint.layout_record(parallel_dims), cfg
 
 
 def is_gtp(p) -> bool:

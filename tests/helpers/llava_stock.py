@@ -1,6 +1,6 @@
 """LLaVA checkpoints in megatron-core 0.19.2's own (stock, padded) format, for
 tests/test_llava_stock.py: saved with ``tests/helpers/module_layouts.py``'s goldens and the
-common state a gtp-recipes run records (``layout``, ``train_state.config``; no ``gtp_layout``
+common state a gtp-recipes run records (``layout``, ``train_state.config``; no sharding record
 record, as megatron's own writer leaves it), then loaded through the project's load path
 (``ckpt.stock.prepare_load``, then the logical format) into sentinel-filled targets.
 """

@@ -143,11 +143,11 @@ def save_and_load_all(builder: str, root: str, layouts: dict, fmt: str = "logica
     """Each layout ``name: (tp, g, pad, distributed optimizer)`` saves its goldens to
     ``root/<name>``; then each loads every checkpoint of the same optimizer kind (a change of
     kind goes through ``ckpt.adapt.optim_checkpoint``, tested with GPT) into a sentinel-filled
-    module and optimizer. Returns ``{"records": {name: gtp_layout tensors}, (source, target):
+    module and optimizer. Returns ``{"records": {name: sharding-record tensors}, (source, target):
     check()}``."""
     from megatron.core import dist_checkpointing
 
-    from ckpt.format.gtp_layout_record import gtp_layout_record
+    from ckpt.format.sharding_record import sharding_record
 
     records = {}
     for name, (tp, g, pad, do) in layouts.items():
@@ -159,7 +159,7 @@ def save_and_load_all(builder: str, root: str, layouts: dict, fmt: str = "logica
             os.makedirs(path)
         torch.distributed.barrier()
         state = sharded_state(ddp, opt, loading=False)
-        records[name] = gtp_layout_record(ddp, state["model"], logical=fmt == "logical")["tensors"]
+        records[name] = sharding_record(ddp, state["model"], logical=fmt == "logical")["tensors"]
         dist_checkpointing.save(state, path)
     out = {"records": records}
     for name, (tp, g, pad, do) in layouts.items():

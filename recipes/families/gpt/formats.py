@@ -1,8 +1,9 @@
 """The GPT family's formats as ``ckpt/`` reads and writes them (given to it by
 :mod:`recipes.families.formats`): GPT-2 and Llama (also Mistral, Qwen2 and
 Qwen3: Llama architectures of other names) to and from Hugging Face
-(:mod:`recipes.families.gpt.hf_import`, :mod:`recipes.families.gpt.hf_export`) and the names of
-the weights GTP shards in a stock-format checkpoint.
+(:mod:`recipes.families.gpt.hf_import`, :mod:`recipes.families.gpt.hf_export`; the weight names
+both ways: :mod:`recipes.families.gpt.hf_table`) and the names of the weights GTP shards in a
+stock-format checkpoint.
 
 Cheap to import (no megatron, no Hydra, no torch): the ``gtp`` command line loads it.
 """
@@ -12,7 +13,8 @@ from __future__ import annotations
 import re
 
 from ckpt.families import FamilyFormats, HFArchitecture, HFImport
-from recipes.families.gpt import hf_export, hf_import
+from ckpt.hf.mapping import builder
+from recipes.families.gpt import hf_export, hf_import, hf_table
 
 # GTP-sharded weights of megatron's GPT model (local spec): kind per key pattern. The MoE
 # family's experts and attention carry the same names, so these cover it too.
@@ -30,21 +32,22 @@ GTP_PATTERNS = (
 
 GPT2 = HFArchitecture(
     model_type="gpt2", hf_class="GPT2LMHeadModel", embedding="transformer.wte.weight",
-    build=hf_export.gpt2_build,
+    build=builder(hf_export.gpt2_config, hf_table.gpt2, "transformer."),
     imports=HFImport(
-        fields=hf_import.gpt2_fields, plan=hf_import.gpt2_plan,
+        fields=hf_import.gpt2_fields, table=hf_table.gpt2,
         prefixes=("transformer.", ""),  # "": a GPT2Model saved on its own
-        size_fields=hf_import.GPT2_SIZE_FIELDS, sizes=hf_import.gpt2_sizes, layer=r"h\.(\d+)\.",
+        size_fields=hf_import.GPT2_SIZE_FIELDS, layer=r"h\.(\d+)\.",
         buffers=(".attn.bias", ".attn.masked_bias")))  # older checkpoints saved the masks
 
 # Llama and the Llama architectures of other names (hf_import.llama_fields tells them apart).
 LLAMA_IMPORT = HFImport(
-    fields=hf_import.llama_fields, plan=hf_import.llama_plan, prefixes=("model.",),
-    size_fields=hf_import.LLAMA_SIZE_FIELDS, sizes=hf_import.llama_sizes,
-    layer=r"layers\.(\d+)\.", buffers=(".rotary_emb.inv_freq",))
+    fields=hf_import.llama_fields, table=hf_table.llama, prefixes=("model.",),
+    size_fields=hf_import.LLAMA_SIZE_FIELDS, layer=r"layers\.(\d+)\.",
+    buffers=(".rotary_emb.inv_freq",))
 LLAMAS = tuple(
     HFArchitecture(model_type=kind, hf_class=cls, embedding="model.embed_tokens.weight",
-                   build=hf_export.llama_build, imports=LLAMA_IMPORT)
+                   build=builder(hf_export.llama_config, hf_table.llama, "model."),
+                   imports=LLAMA_IMPORT)
     for kind, cls in (("llama", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM"),
                       ("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM")))
 

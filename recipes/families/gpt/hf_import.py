@@ -1,5 +1,6 @@
 """The GPT family read from Hugging Face (:mod:`ckpt.hf.hf_import` drives it): config.json -> the
-``model`` config fields, the weight plan, and the sizes :mod:`ckpt.hf.hf_weights` checks.
+``model`` config fields, and the config.json fields of the sizes :mod:`ckpt.hf.hf_weights` checks
+(the weight names, both ways, and their sizes: :mod:`recipes.families.gpt.hf_table`).
 
 * ``GPT2LMHeadModel`` -> GPT (LayerNorm, linear biases, GeLU, learned absolute positions).
   GPT-2's ``Conv1D`` weights are ``[in, out]``: transposed. ``c_attn``'s ``[q | k | v]`` columns
@@ -135,103 +136,7 @@ def gpt2_fields(c) -> dict:
 
 
 # ------------------------------------------------------------------------------------------
-# safetensors -> megatron tensors
-# ------------------------------------------------------------------------------------------
-def fuse_qkv(q, k, v, groups: int):
-    """HF's q ``[heads*d, ...]``, k, v ``[groups*d, ...]`` -> megatron's fused rows
-    ``[groups * (heads/groups + 2) * d, ...]`` (per group: its queries, its key, its value)."""
-    import torch
-
-    rest = q.shape[1:]
-    q = q.reshape(groups, -1, *rest)
-    k = k.reshape(groups, -1, *rest)
-    v = v.reshape(groups, -1, *rest)
-    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
-
-
-def _output(m: dict) -> list:
-    """The output layer's entry, none when it is the embedding (HF's ``lm_head`` lies outside
-    the base model's prefix)."""
-    if m["share_embeddings_and_output_weights"]:
-        return []
-    return [("output_layer.weight", ["lm_head.weight"], False, lambda t: t[0])]
-
-
-def gpt2_plan(m: dict, prefix: str) -> list:
-    """Every megatron tensor of a GPT-2 import: ``[(megatron key, [HF names, "{i}" the layer],
-    per_layer, fn(list of tensors) -> tensor)]`` (fn gives one layer's tensor, e.g. the fused
-    QKV ``[3h, h]`` of ``c_attn`` ``[h, 3h]``)."""
-    heads, h = m["num_attention_heads"], m["hidden_size"]
-
-    def qkv(t):
-        w = t[0].t() if t[0].dim() == 2 else t[0]  # Conv1D [in, 3h] -> [3h, in]
-        q, k, v = w.split(h, dim=0)
-        return fuse_qkv(q, k, v, heads)
-
-    T = lambda t: t[0].t()  # noqa: E731 - Conv1D weight [in, out] -> Linear [out, in]
-    I = lambda t: t[0]  # noqa: E731
-    p, L = prefix, "decoder.layers."
-    plan = [
-        ("embedding.word_embeddings.weight", [p + "wte.weight"], False, I),
-        ("embedding.position_embeddings.weight", [p + "wpe.weight"], False, I),
-        ("decoder.final_layernorm.weight", [p + "ln_f.weight"], False, I),
-        ("decoder.final_layernorm.bias", [p + "ln_f.bias"], False, I),
-    ]
-    h_ = p + "h.{i}."
-    plan += [
-        (L + "self_attention.linear_qkv.layer_norm_weight", [h_ + "ln_1.weight"], True, I),
-        (L + "self_attention.linear_qkv.layer_norm_bias", [h_ + "ln_1.bias"], True, I),
-        (L + "self_attention.linear_qkv.weight", [h_ + "attn.c_attn.weight"], True, qkv),
-        (L + "self_attention.linear_qkv.bias", [h_ + "attn.c_attn.bias"], True, qkv),
-        (L + "self_attention.linear_proj.weight", [h_ + "attn.c_proj.weight"], True, T),
-        (L + "self_attention.linear_proj.bias", [h_ + "attn.c_proj.bias"], True, I),
-        (L + "mlp.linear_fc1.layer_norm_weight", [h_ + "ln_2.weight"], True, I),
-        (L + "mlp.linear_fc1.layer_norm_bias", [h_ + "ln_2.bias"], True, I),
-        (L + "mlp.linear_fc1.weight", [h_ + "mlp.c_fc.weight"], True, T),
-        (L + "mlp.linear_fc1.bias", [h_ + "mlp.c_fc.bias"], True, I),
-        (L + "mlp.linear_fc2.weight", [h_ + "mlp.c_proj.weight"], True, T),
-        (L + "mlp.linear_fc2.bias", [h_ + "mlp.c_proj.bias"], True, I),
-    ]
-    return plan + _output(m)
-
-
-def llama_plan(m: dict, prefix: str) -> list:
-    """Every megatron tensor of a Llama import, entries as :func:`gpt2_plan`'s (q/k/v and their
-    biases fused per query group, ``[gate; up]`` the gated fc1 ``[2 * ffn, h]``; Qwen3's q/k
-    norms as megatron's ``q_layernorm``/``k_layernorm``)."""
-    import torch
-
-    groups = m["num_query_groups"]
-    I = lambda t: t[0]  # noqa: E731
-    L, h_ = "decoder.layers.", prefix + "layers.{i}."
-    a = h_ + "self_attn."
-    return [
-        ("embedding.word_embeddings.weight", [prefix + "embed_tokens.weight"], False, I),
-        ("decoder.final_layernorm.weight", [prefix + "norm.weight"], False, I),
-        (L + "self_attention.linear_qkv.layer_norm_weight", [h_ + "input_layernorm.weight"],
-         True, I),
-        (L + "self_attention.linear_qkv.weight",
-         [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"], True,
-         lambda t: fuse_qkv(*t, groups)),
-    ] + ([
-        (L + "self_attention.linear_qkv.bias",
-         [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"], True,
-         lambda t: fuse_qkv(*t, groups)),
-    ] if m.get("add_qkv_bias") else []) + ([
-        (L + "self_attention.q_layernorm.weight", [a + "q_norm.weight"], True, I),
-        (L + "self_attention.k_layernorm.weight", [a + "k_norm.weight"], True, I),
-    ] if m.get("qk_layernorm") else []) + [
-        (L + "self_attention.linear_proj.weight", [a + "o_proj.weight"], True, I),
-        (L + "mlp.linear_fc1.layer_norm_weight", [h_ + "post_attention_layernorm.weight"],
-         True, I),
-        (L + "mlp.linear_fc1.weight", [h_ + "mlp.gate_proj.weight", h_ + "mlp.up_proj.weight"],
-         True, lambda t: torch.cat(t, dim=0)),
-        (L + "mlp.linear_fc2.weight", [h_ + "mlp.down_proj.weight"], True, I),
-    ] + _output(m)
-
-
-# ------------------------------------------------------------------------------------------
-# sizes checked against config.json (ckpt.hf.hf_weights.check_sizes)
+# config.json fields of the sizes checked (ckpt.hf.hf_weights.check_sizes)
 # ------------------------------------------------------------------------------------------
 # config.json field names (as the transformers config class names them) of each model size.
 GPT2_SIZE_FIELDS = {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "ffn": "n_inner",
@@ -239,40 +144,3 @@ GPT2_SIZE_FIELDS = {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", 
 LLAMA_SIZE_FIELDS = {"layers": "num_hidden_layers", "hidden": "hidden_size",
                      "heads": "num_attention_heads", "groups": "num_key_value_heads",
                      "ffn": "intermediate_size", "vocab": "vocab_size"}
-_H, _F, _V = ("hidden", 1), ("ffn", 1), ("vocab", 1)
-
-
-def _with_head(out: dict, tied: bool) -> dict:
-    return out if tied else {**out, "lm_head.weight": (_V, _H)}
-
-
-def gpt2_sizes(tied: bool) -> dict:
-    """``{HF name without prefix ("{i}": a layer): ((size key, factor), ...)}`` of GPT-2."""
-    h, f, v = _H, _F, _V
-    out = {"wte.weight": (v, h), "wpe.weight": (("positions", 1), h), "ln_f.weight": (h,),
-           "ln_f.bias": (h,)}
-    layer = {"ln_1.weight": (h,), "ln_1.bias": (h,), "attn.c_attn.weight": (h, ("hidden", 3)),
-             "attn.c_attn.bias": (("hidden", 3),), "attn.c_proj.weight": (h, h),
-             "attn.c_proj.bias": (h,), "ln_2.weight": (h,), "ln_2.bias": (h,),
-             "mlp.c_fc.weight": (h, f), "mlp.c_fc.bias": (f,), "mlp.c_proj.weight": (f, h),
-             "mlp.c_proj.bias": (h,)}
-    out.update({f"h.{{i}}.{k}": dims for k, dims in layer.items()})
-    return _with_head(out, tied)
-
-
-def llama_sizes(tied: bool) -> dict:
-    """As :func:`gpt2_sizes`, of Llama (q rows: heads times ``head_dim``; k/v rows: query
-    groups times ``head_dim``), with Qwen2's q/k/v biases and Qwen3's q/k norms (checked
-    where the weights hold them)."""
-    h, f, v, g, q = _H, _F, _V, ("groups", "head_dim"), ("heads", "head_dim")
-    out = {"embed_tokens.weight": (v, h), "norm.weight": (h,)}
-    layer = {"input_layernorm.weight": (h,), "self_attn.q_proj.weight": (q, h),
-             "self_attn.k_proj.weight": (g, h), "self_attn.v_proj.weight": (g, h),
-             "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (g,),
-             "self_attn.v_proj.bias": (g,), "self_attn.q_norm.weight": (("head_dim", 1),),
-             "self_attn.k_norm.weight": (("head_dim", 1),),
-             "self_attn.o_proj.weight": (h, q), "post_attention_layernorm.weight": (h,),
-             "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h),
-             "mlp.down_proj.weight": (h, f)}
-    out.update({f"layers.{{i}}.{k}": dims for k, dims in layer.items()})
-    return _with_head(out, tied)

@@ -8,7 +8,7 @@ from recipes.families.hybrid.params import mamba_dims
 from recipes.config.parallel_dims import check_positive
 
 
-def check(cfg, layout) -> None:
+def check(cfg, parallel_dims) -> None:
     """What a hybrid ``model`` needs of itself and of the run.
 
     Raises:
@@ -40,8 +40,8 @@ def check(cfg, layout) -> None:
         raise ConfigError(f"{key} has {len(pattern)} layers but model.num_layers={m.num_layers}: "
                           f"one symbol a layer")
     if MAMBA in pattern:
-        _check_mamba_sizes(m, layout.tensor_model_parallel_size)
-    _check_run(cfg, layout, key)
+        _check_mamba_sizes(m, parallel_dims.tensor_model_parallel_size)
+    _check_run(cfg, parallel_dims, key)
 
 
 def _check_mamba_sizes(m, tp: int) -> None:
@@ -66,20 +66,20 @@ def _check_mamba_sizes(m, tp: int) -> None:
                               f"over groups)")
 
 
-def _check_run(cfg, layout, key: str) -> None:
+def _check_run(cfg, parallel_dims, key: str) -> None:
     m = cfg.model
     refusals = (
-        (layout.gtp_remat_size > 1 and cfg.checkpoint.get("format", "logical") == "stock",
+        (parallel_dims.gtp_remat_size > 1 and cfg.checkpoint.get("format", "logical") == "stock",
          "checkpoint.format=stock under GTP: megatron-core 0.19.2 gathers Mamba's in_proj for "
          "its checkpoint and cannot place the optimizer moments of it; use checkpoint.format="
          "logical"),
-        (layout.context_parallel_size > 1,
-         f"parallelism.context_parallel_size={layout.context_parallel_size}: not run here "
+        (parallel_dims.context_parallel_size > 1,
+         f"parallelism.context_parallel_size={parallel_dims.context_parallel_size}: not run here "
          f"(context_parallel_size=1)"),
-        (layout.sequence_parallel, "parallelism.sequence_parallel=true: not run here"),
-        (bool(layout.virtual_pipeline_model_parallel_size),
+        (parallel_dims.sequence_parallel, "parallelism.sequence_parallel=true: not run here"),
+        (bool(parallel_dims.virtual_pipeline_model_parallel_size),
          f"parallelism.virtual_pipeline_model_parallel_size="
-         f"{layout.virtual_pipeline_model_parallel_size}: megatron-core 0.19.2 places a "
+         f"{parallel_dims.virtual_pipeline_model_parallel_size}: megatron-core 0.19.2 places a "
          f"hybrid model's virtual stages by '|' in the pattern, which this family does not "
          f"take; use virtual_pipeline_model_parallel_size=null"),
         (bool(m.get("mtp_num_layers")), f"model.mtp_num_layers={m.get('mtp_num_layers')}: "

@@ -16,7 +16,7 @@ one class exported to (transformers 5.25 runs some patterns only without its cac
 * ``A_log``, ``D``, ``dt_bias``, the gated norm's ``norm.weight``, ``out_proj.weight`` as they
   are; each layer's norm (``norm``, ``input_layernorm`` or ``pre_mlp_layernorm``) ->
   ``layers.<i>.norm``;
-* the fused QKV split per query group (:func:`recipes.families.gpt.hf_export.split_qkv`),
+* the fused QKV split per query group (:func:`ckpt.hf.mapping.split_qkv`),
   ``linear_proj`` -> ``o_proj``, ``linear_fc1`` / ``linear_fc2`` -> ``up_proj`` / ``down_proj``.
 
 A stock-format (0.19.2) checkpoint holds the same keys: megatron gathers ``in_proj``'s GTP
@@ -35,7 +35,7 @@ import re
 from typing import Any
 
 from ckpt.families import ExportError, FamilyFormats, HFArchitecture
-from recipes.families.gpt.hf_export import split_qkv
+from ckpt.hf.mapping import split_qkv
 from recipes.families.hybrid.model import ATTENTION, MAMBA, MLP
 from recipes.families.hybrid.params import mamba_dims
 

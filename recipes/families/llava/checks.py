@@ -10,7 +10,7 @@ from recipes.config.parallel_dims import check_positive
 IMAGE_SOURCE = "shapes"
 
 
-def check(cfg, layout) -> None:
+def check(cfg, parallel_dims) -> None:
     """What a LLaVA ``model`` needs of itself and of the run.
 
     Raises:
@@ -24,7 +24,7 @@ def check(cfg, layout) -> None:
             layers, Muon, a
             Hugging Face ``checkpoint.pretrained``, ``logger.grad_norm_detail``.
     """
-    m, tp = cfg.model, layout.tensor_model_parallel_size
+    m, tp = cfg.model, parallel_dims.tensor_model_parallel_size
     key = f"model.vision_model_type={m.vision_model_type!r}"
     if m.vision_model_type not in VISION_MODEL_TYPES:
         raise ConfigError(f"{key}: valid are {VISION_MODEL_TYPES} (megatron's CLIP ViT; "
@@ -36,7 +36,7 @@ def check(cfg, layout) -> None:
     if cfg.data.source != IMAGE_SOURCE:
         raise ConfigError(f"data.source={cfg.data.source!r} with {key}: a vision-language model "
                           f"trains on images with captions; use data={IMAGE_SOURCE}")
-    _check_run(cfg, layout, key)
+    _check_run(cfg, parallel_dims, key)
 
 
 def _check_sizes(m, tp: int) -> None:
@@ -63,21 +63,22 @@ def _check_sizes(m, tp: int) -> None:
                           f"prompt token and at least one caption token (>= 3)")
 
 
-def _check_run(cfg, layout, key: str) -> None:
+def _check_run(cfg, parallel_dims, key: str) -> None:
     m = cfg.model
     refusals = (
-        (layout.pipeline_model_parallel_size > 1,
-         f"parallelism.pipeline_model_parallel_size={layout.pipeline_model_parallel_size}: "
+        (parallel_dims.pipeline_model_parallel_size > 1,
+         f"parallelism.pipeline_model_parallel_size={parallel_dims.pipeline_model_parallel_size}: "
          f"megatron-core 0.19.2's LLaVAModel puts the ViT and projector on the first stage and "
          f"pipelines only the language model, with a fixed-length padded sequence that this "
          f"family's schedule and parameter plan do not handle; use 1"),
-        (bool(layout.virtual_pipeline_model_parallel_size),
+        (bool(parallel_dims.virtual_pipeline_model_parallel_size),
          f"parallelism.virtual_pipeline_model_parallel_size="
-         f"{layout.virtual_pipeline_model_parallel_size}: no pipeline stages here; use null"),
-        (layout.context_parallel_size > 1,
-         f"parallelism.context_parallel_size={layout.context_parallel_size}: megatron-core "
+         f"{parallel_dims.virtual_pipeline_model_parallel_size}: no pipeline stages here; "
+         "use null"),
+        (parallel_dims.context_parallel_size > 1,
+         f"parallelism.context_parallel_size={parallel_dims.context_parallel_size}: megatron-core "
          f"0.19.2's LLaVAModel needs TransformerEngine's attention for it; use 1"),
-        (layout.sequence_parallel,
+        (parallel_dims.sequence_parallel,
          "parallelism.sequence_parallel=true: megatron-core 0.19.2's LLaVAModel needs "
          "TransformerEngine's attention for it; use false"),
         (bool(m.get("mtp_num_layers")), f"model.mtp_num_layers={m.get('mtp_num_layers')}: "

@@ -1,7 +1,8 @@
 """The MoE family's formats as ``ckpt/`` reads and writes them (given to it by
 :mod:`recipes.families.formats`): Mixture-of-Experts checkpoints ->
 ``MixtralForCausalLM`` or ``Qwen3MoeForCausalLM`` (:func:`ckpt.hf.hf_export.export` drives it),
-and back (:mod:`recipes.families.moe.hf_import`, driven by :func:`ckpt.hf.hf_import.import_hf`).
+and back (:mod:`recipes.families.moe.hf_import`, driven by :func:`ckpt.hf.hf_import.import_hf`);
+the weight names both ways: :mod:`recipes.families.moe.hf_table`.
 Its stock-format GTP weights carry the GPT family's names
 (``recipes.families.gpt.formats.GTP_PATTERNS``), so it adds no patterns.
 
@@ -25,7 +26,7 @@ expert bias, group-limited routing, token dropping (capacity factor), shared exp
 (``moe_shared_expert_intermediate_size``: neither class has an ungated shared expert), dense
 layers between MoE layers (``moe_layer_freq`` != 1) and RoPE scaling (untested here).
 
-Tensors (the checkpoint's logical layout: per-layer tensors stacked along dim 0, experts along
+Tensors (the checkpoint's logical format: per-layer tensors stacked along dim 0, experts along
 dim 1 by global expert index) -> transformers >= 5 (fused experts), under ``model.layers.<l>.``:
 
 * ``decoder.layers.mlp.router.weight`` [L, E, H] -> ``mlp.gate.weight`` [E, H];
@@ -39,8 +40,8 @@ dim 1 by global expert index) -> transformers >= 5 (fused experts), under ``mode
 
 ``save_pretrained`` writes the experts in the Hub's per-expert form (Mixtral ``w1``/``w3``/``w2``,
 Qwen3-MoE ``gate_proj``/``up_proj``/``down_proj``). Attention and embeddings are mapped as for
-Llama (:func:`recipes.families.gpt.hf_export.llama_attention`). Cheap to import (no megatron,
-no Hydra, no torch): the ``gtp`` command line loads it.
+Llama. All of these names, both ways: :mod:`recipes.families.moe.hf_table`. Cheap to import (no
+megatron, no Hydra, no torch): the ``gtp`` command line loads it.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ import functools
 from typing import Any
 
 from ckpt.families import ExportError, FamilyFormats, HFArchitecture, HFImport
-from recipes.families.gpt.hf_export import llama_attention, llama_ends
-from recipes.families.moe import hf_import
+from ckpt.hf.mapping import builder
+from recipes.families.moe import hf_import, hf_table
 
 # The fields that size or count stored tensors (ckpt.format.records.unbounded_size).
 SIZE_FIELDS = ("num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
@@ -108,13 +109,9 @@ def architecture(model: dict) -> str | None:
     return "qwen3_moe" if qk_norm else "mixtral"
 
 
-def build(arch: str, t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict]:
-    """``(transformers config, state dict)`` of the ``arch`` model (``"mixtral"`` or
-    ``"qwen3_moe"``) from the logical tensors ``t`` (dtype kept) and the ``model`` config ``m``.
-
-    Raises:
-        KeyError: a tensor missing from ``t`` (the caller names it).
-    """
+def config(arch: str, m: dict, vocab: int, ids: dict) -> Any:
+    """The transformers config of the ``arch`` model (``"mixtral"`` or ``"qwen3_moe"``) from
+    the ``model`` config ``m``, the unpadded vocabulary size and the special token ids."""
     import transformers
 
     h, heads, layers = m["hidden_size"], m["num_attention_heads"], m["num_layers"]
@@ -132,43 +129,31 @@ def build(arch: str, t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict
         attention_dropout=0.0, router_aux_loss_coef=float(m.get("moe_aux_loss_coeff") or 0.0),
         architectures=[CLASSES[arch]], **ids)
     if arch == "mixtral":
-        config = transformers.MixtralConfig(
+        return transformers.MixtralConfig(
             intermediate_size=ffn, num_local_experts=experts, sliding_window=None,
             router_jitter_noise=0.0, **common)
-    else:
-        config = transformers.Qwen3MoeConfig(
-            intermediate_size=int(m["ffn_hidden_size"]), moe_intermediate_size=ffn,
-            num_experts=experts, norm_topk_prob=not bool(m.get("moe_router_pre_softmax", False)),
-            decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
-            attention_bias=False, **common)
-    L = "decoder.layers."
-    sd = llama_ends(t, vocab, shared)
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        sd.update(llama_attention(t, m, i, p))
-        sd.update({
-            p + "post_attention_layernorm.weight": t[L + "mlp.linear_fc1.layer_norm_weight"][i],
-            p + "mlp.gate.weight": t[L + "mlp.router.weight"][i],
-            p + "mlp.experts.gate_up_proj": t[L + "mlp.experts.experts.linear_fc1.weight"][i],
-            p + "mlp.experts.down_proj": t[L + "mlp.experts.experts.linear_fc2.weight"][i],
-        })
-    return config, sd
+    return transformers.Qwen3MoeConfig(
+        intermediate_size=int(m["ffn_hidden_size"]), moe_intermediate_size=ffn,
+        num_experts=experts, norm_topk_prob=not bool(m.get("moe_router_pre_softmax", False)),
+        decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
+        attention_bias=False, **common)
 
 
 def _imports(arch: str) -> HFImport:
     """How ``arch`` is imported (:mod:`recipes.families.moe.hf_import`)."""
     return HFImport(
-        fields=hf_import.moe_fields, plan=functools.partial(hf_import.moe_plan, arch),
+        fields=hf_import.moe_fields, table=functools.partial(hf_table.moe, arch),
         prefixes=("model.",), size_fields=hf_import.size_fields(arch),
-        sizes=functools.partial(hf_import.moe_sizes, arch), layer=r"layers\.(\d+)\.",
-        buffers=(".rotary_emb.inv_freq",))
+        layer=r"layers\.(\d+)\.", buffers=(".rotary_emb.inv_freq",))
 
 
 FORMATS = FamilyFormats(
     name="moe",
     architectures=tuple(
         HFArchitecture(model_type=arch, hf_class=cls, embedding="model.embed_tokens.weight",
-                       build=functools.partial(build, arch), imports=_imports(arch))
+                       build=builder(functools.partial(config, arch),
+                                     functools.partial(hf_table.moe, arch), "model."),
+                       imports=_imports(arch))
         for arch, cls in CLASSES.items()),
     architecture=architecture,
     # Always read (as before model.family): a crafted expert count is refused whatever the family.

@@ -1,20 +1,12 @@
 """The MoE family read from Hugging Face (:mod:`ckpt.hf.hf_import` drives it): ``MixtralForCausalLM``
-and ``Qwen3MoeForCausalLM`` config.json -> the ``model`` config fields, the weight plan and the
-sizes :mod:`ckpt.hf.hf_weights` checks; the inverse of :func:`recipes.families.moe.formats.build`.
+and ``Qwen3MoeForCausalLM`` config.json -> the ``model`` config fields and the config.json fields
+of the sizes :mod:`ckpt.hf.hf_weights` checks; the inverse of
+:func:`recipes.families.moe.formats.config`. The weight names, both ways (the Hub's per-expert
+form that ``save_pretrained`` writes), and their sizes: :mod:`recipes.families.moe.hf_table`.
 
 Attention, norms, embeddings and RoPE are read as for Llama
-(:func:`recipes.families.gpt.hf_import.llama_fields` / ``llama_plan``); the MLP of every layer is
-megatron's MoE layer:
-
-* ``<moe>.gate.weight`` [E, H] -> ``decoder.layers.mlp.router.weight`` (layer l's row l);
-* per expert e, ``[gate; up]`` -> ``decoder.layers.mlp.experts.experts.linear_fc1.weight``
-  [L, E, 2F, H] (megatron's gated fc1: gate rows, then up rows), ``down`` ->
-  ``...linear_fc2.weight`` [L, E, H, F].
-
-``<moe>`` and the expert names are the Hub's per-expert form that ``save_pretrained`` writes
-(transformers >= 5 fuses them in memory only): Mixtral ``block_sparse_moe.experts.<e>.w1``
-(gate), ``w3`` (up), ``w2`` (down); Qwen3-MoE ``mlp.experts.<e>.gate_proj`` / ``up_proj`` /
-``down_proj``.
+(:func:`recipes.families.gpt.hf_import.llama_fields`); the MLP of every layer is megatron's MoE
+layer.
 
 Fields (megatron's names): ``num_local_experts`` / ``num_experts`` -> ``num_moe_experts``,
 ``num_experts_per_tok`` -> ``moe_router_topk``, the expert width (Mixtral
@@ -34,11 +26,7 @@ and RoPE scaling (the MoE export refuses it too).
 from __future__ import annotations
 
 from ckpt.hf.hf_weights import HFImportError
-from recipes.families.gpt.hf_import import LLAMA_SIZE_FIELDS, llama_fields, llama_plan, llama_sizes
-
-# model_type: (the MLP module's name, expert tensor names gate, up, down)
-NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
-         "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+from recipes.families.gpt.hf_import import LLAMA_SIZE_FIELDS, llama_fields
 
 
 def _refuse(field: str, value, valid: str) -> HFImportError:
@@ -102,30 +90,6 @@ def moe_fields(c) -> dict:
     return fields
 
 
-def moe_plan(kind: str, m: dict, prefix: str) -> list:
-    """Every megatron tensor of a ``kind`` (``"mixtral"`` / ``"qwen3_moe"``) import, entries as
-    :func:`recipes.families.gpt.hf_import.gpt2_plan`'s: Llama's attention and ends, then per
-    layer the router ``[E, H]``, the experts' fc1 ``[E, 2F, H]`` (``[gate; up]`` per expert) and
-    fc2 ``[E, H, F]``."""
-    import torch
-
-    mlp, (gate, up, down) = NAMES[kind]
-    L, h_ = "decoder.layers.", prefix + "layers.{i}." + mlp + "."
-    dense = {L + "mlp.linear_fc1.weight", L + "mlp.linear_fc2.weight"}
-    experts = range(m["num_moe_experts"])
-
-    def fc1(t):  # [g0, u0, g1, u1, ...] -> [E, 2F, H]
-        return torch.stack([torch.cat(t[j:j + 2], dim=0) for j in range(0, len(t), 2)])
-
-    return [e for e in llama_plan(m, prefix) if e[0] not in dense] + [
-        (L + "mlp.router.weight", [h_ + "gate.weight"], True, lambda t: t[0]),
-        (L + "mlp.experts.experts.linear_fc1.weight",
-         [h_ + f"experts.{e}.{name}.weight" for e in experts for name in (gate, up)], True, fc1),
-        (L + "mlp.experts.experts.linear_fc2.weight",
-         [h_ + f"experts.{e}.{down}.weight" for e in experts], True, torch.stack),
-    ]
-
-
 def size_fields(kind: str) -> dict:
     """``{size key: config.json field}`` of ``kind`` (Llama's, with ``experts`` and
     ``expert_ffn``)."""
@@ -135,19 +99,3 @@ def size_fields(kind: str) -> dict:
     # transformers >= 5 saves num_local_experts (num_experts: its alias, older configs' name)
     return {**LLAMA_SIZE_FIELDS, "experts": "num_local_experts (num_experts)",
             "expert_ffn": "moe_intermediate_size"}
-
-
-def moe_sizes(kind: str, tied: bool) -> dict:
-    """As :func:`recipes.families.gpt.hf_import.llama_sizes` (without the dense MLP), with the
-    router ``[experts, hidden]`` and every expert's (``"{e}"``) gate/up ``[expert_ffn, hidden]``
-    and down ``[hidden, expert_ffn]``."""
-    mlp, (gate, up, down) = NAMES[kind]
-    h, f = ("hidden", 1), ("expert_ffn", 1)
-    out = {k: v for k, v in llama_sizes(tied).items()
-           if not k.startswith("layers.{i}.mlp.")}
-    p = "layers.{i}." + mlp + "."
-    out.update({p + "gate.weight": (("experts", 1), h),
-                p + "experts.{e}." + gate + ".weight": (f, h),
-                p + "experts.{e}." + up + ".weight": (f, h),
-                p + "experts.{e}." + down + ".weight": (h, f)})
-    return out

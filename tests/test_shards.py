@@ -1,9 +1,9 @@
-"""gtp/layout.py: GTP padding math, logical pieces, and what stock megatron-core 0.19.2 writes.
+"""gtp/shards.py: GTP padding math, logical pieces, and what stock megatron-core 0.19.2 writes.
 
 Ground truth is megatron itself wherever it runs on CPU without process groups:
 ``gtp_remat_shard_dim0`` and ``_gtp_slice_one_param`` (with a stand-in group object),
 ``ShardedTensor.from_rank_offsets`` and ``apply_swiglu_sharded_factory``. Goldens are built by
-hand with torch slicing (each row holds its own index), never through ``gtp.layout``.
+hand with torch slicing (each row holds its own index), never through ``gtp.shards``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from gtp.layout import Piece, TensorLayout, gtp_padding, logical_pieces, logical_rows
-from gtp.layout import stock_0192_offsets
+from gtp.shards import Piece, GTPShard, gtp_padding, logical_pieces, logical_rows
+from gtp.shards import stock_0192_offsets
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -94,8 +94,8 @@ def test_spec_table(L, g, a, pad, shard, rows):
     assert [stop - start for start, stop in ranges] == rows
     assert ranges[0][0] == 0 and ranges[-1][1] == L
     for r in range(g):
-        layout = TensorLayout(L, g=g, gtp_rank=r, pad_for_alignment=a)
-        assert (layout.pad, layout.shard_rows, layout.n_logical) == (pad, shard, rows[r])
+        rows_r = GTPShard(L, g=g, gtp_rank=r, pad_for_alignment=a)
+        assert (rows_r.pad, rows_r.shard_rows, rows_r.n_logical) == (pad, shard, rows[r])
     # megatron agrees (it returns (shard, pad))
     with _megatron_pad(a):
         assert mgtp.gtp_remat_shard_dim0(L, _Group(g)) == (shard, pad)
@@ -126,7 +126,7 @@ def test_invalid_arguments(args):
 ])
 def test_invalid_layouts(kwargs):
     with pytest.raises(ValueError):
-        TensorLayout(**kwargs)
+        GTPShard(**kwargs)
 
 
 def test_hand_sharding_matches_megatron_slice():
@@ -145,14 +145,14 @@ def test_hand_sharding_matches_megatron_slice():
 
 
 def test_worked_case_tp2_g2_L10_a3():
-    lay = TensorLayout(10, tp=2, tp_rank=1, g=2, gtp_rank=0, pad_for_alignment=3)
+    lay = GTPShard(10, tp=2, tp_rank=1, g=2, gtp_rank=0, pad_for_alignment=3)
     (p,) = logical_pieces(lay)
     assert (p.global_offset, p.global_offset + p.rows, p.global_size) == (10, 16, 20)
     (s,) = stock_0192_offsets(lay)
     assert (s.global_offset, s.global_offset + s.rows, s.global_size) == (12, 18, 24)
     assert s.allow_shape_mismatch and not p.allow_shape_mismatch
     # tp=1, gtp=1: logical 16..19; stock reads 18..23 of which 20..23 lie past the 20 rows
-    lay = TensorLayout(10, tp=2, tp_rank=1, g=2, gtp_rank=1, pad_for_alignment=3)
+    lay = GTPShard(10, tp=2, tp_rank=1, g=2, gtp_rank=1, pad_for_alignment=3)
     (p,) = logical_pieces(lay)
     (s,) = stock_0192_offsets(lay)
     assert (p.global_offset, p.rows) == (16, 4)
@@ -175,7 +175,7 @@ def test_measured_cpu_case_hidden72_ffn200_tp2_g2_a16():
     logical_rows_read = {}
     for k in range(2):
         for r in range(2):
-            lay = TensorLayout(100, tp=2, tp_rank=k, g=2, gtp_rank=r, pad_for_alignment=16)
+            lay = GTPShard(100, tp=2, tp_rank=k, g=2, gtp_rank=r, pad_for_alignment=16)
             (s,) = stock_0192_offsets(lay)
             assert s.global_size == 256
             stock_rows[k, r] = _stock_read(ckpt, s)[:, 0].tolist()
@@ -194,7 +194,7 @@ def test_measured_cpu_case_hidden72_ffn200_tp2_g2_a16():
 def test_measured_cpu_case_other_weights():
     # qkv: 3*72/2 = 108 rows per TP rank; linear_proj (row-parallel): out_features 72
     assert gtp_padding(108, 2, 16) == (20, 64)
-    lay = TensorLayout(72, tp=2, tp_rank=1, g=2, gtp_rank=1, pad_for_alignment=16, tp_axis=1)
+    lay = GTPShard(72, tp=2, tp_rank=1, g=2, gtp_rank=1, pad_for_alignment=16, tp_axis=1)
     assert (lay.pad, lay.shard_rows, lay.logical) == (24, 48, (48, 72))
     assert logical_pieces(lay) == [Piece(0, 24, "", 48, 72)]
     assert stock_0192_offsets(lay) == [Piece(0, 48, "", 48, 96, "all", True)]
@@ -203,7 +203,7 @@ def test_measured_cpu_case_other_weights():
 def test_stock_equals_logical_only_without_padding():
     for k in range(2):
         for r in range(2):
-            lay = TensorLayout(96, tp=2, tp_rank=k, g=2, gtp_rank=r, pad_for_alignment=16)
+            lay = GTPShard(96, tp=2, tp_rank=k, g=2, gtp_rank=r, pad_for_alignment=16)
             assert lay.pad == 0
             (p,), (s,) = logical_pieces(lay), stock_0192_offsets(lay)
             assert (p.global_offset, p.rows, p.global_size) == (
@@ -214,7 +214,7 @@ def test_stock_equals_logical_only_without_padding():
 # Stock offsets agree with megatron's own ShardedTensor construction
 
 
-def _megatron_stock_shardings(lay: TensorLayout, shard: torch.Tensor) -> list[ShardedTensor]:
+def _megatron_stock_shardings(lay: GTPShard, shard: torch.Tensor) -> list[ShardedTensor]:
     """Replay megatron 0.19.2's GTP branch of make_tp_sharded_tensor_for_checkpoint (+ SwiGLU)."""
     if lay.tp_axis == 0:
         offs = [(0, lay.tp_rank * lay.g + lay.gtp_rank, lay.tp * lay.g)]
@@ -245,7 +245,7 @@ LAYOUTS_FOR_MEGATRON = [
 def test_stock_offsets_match_megatron(kw):
     for k in range(kw["tp"]):
         for r in range(kw["g"]):
-            lay = TensorLayout(tp_rank=k, gtp_rank=r, **kw)
+            lay = GTPShard(tp_rank=k, gtp_rank=r, **kw)
             shard = torch.zeros(lay.shard_rows, COLS)
             mine = stock_0192_offsets(lay)
             theirs = _megatron_stock_shardings(lay, shard)
@@ -262,14 +262,14 @@ def test_stock_offsets_match_megatron(kw):
 
 def test_stock_gated_odd_shard_refused():
     with pytest.raises(ValueError, match="odd"):
-        stock_0192_offsets(TensorLayout(10, tp=1, g=2, pad_for_alignment=5, gated=True))
+        stock_0192_offsets(GTPShard(10, tp=1, g=2, pad_for_alignment=5, gated=True))
 
 
 # --------------------------------------------------------------------------------------------
 # Golden: every row holds its own index; reassemble through the pieces
 
 
-def _non_gtp_disk(lay: TensorLayout) -> dict[str, torch.Tensor]:
+def _non_gtp_disk(lay: GTPShard) -> dict[str, torch.Tensor]:
     """On-disk tensors of the non-GTP model at the same TP, row i (per key) holding i."""
     if lay.gated and lay.singleton_local_shards:
         n = lay.tp * lay.L // 2
@@ -282,7 +282,7 @@ def _non_gtp_disk(lay: TensorLayout) -> dict[str, torch.Tensor]:
     return {"w": disk}
 
 
-def _tp_local(disk: dict[str, torch.Tensor], lay: TensorLayout, k: int) -> torch.Tensor:
+def _tp_local(disk: dict[str, torch.Tensor], lay: GTPShard, k: int) -> torch.Tensor:
     """The TP-local weight of TP rank k, sliced by hand from the non-GTP on-disk tensors."""
     L, tp = lay.L, lay.tp
     if lay.tp_axis == 1:
@@ -315,11 +315,11 @@ def _reassemble(lay_kw: dict, disk: dict[str, torch.Tensor], pieces_fn) -> dict:
     """Shard every TP-local tensor by hand (pad + slice), place rows through ``pieces_fn``."""
     out = {k: torch.full_like(v, SENTINEL) for k, v in disk.items()}
     counts = {k: torch.zeros_like(v, dtype=torch.int32) for k, v in disk.items()}
-    proto = TensorLayout(**lay_kw)
+    proto = GTPShard(**lay_kw)
     for k in range(proto.tp):
         shards = _hand_shards(_tp_local(disk, proto, k), proto.g, proto.pad_for_alignment)
         for r, shard in enumerate(shards):
-            lay = TensorLayout(tp_rank=k, gtp_rank=r, **lay_kw)
+            lay = GTPShard(tp_rank=k, gtp_rank=r, **lay_kw)
             for p in pieces_fn(lay):
                 key = "w" + p.key_suffix
                 assert p.global_size == disk[key].shape[0]
@@ -345,7 +345,7 @@ GOLDEN_LAYOUTS = [
 
 @pytest.mark.parametrize("kw", GOLDEN_LAYOUTS, ids=_ids)
 def test_golden_logical_pieces_reproduce_non_gtp_disk(kw):
-    proto = TensorLayout(**kw)
+    proto = GTPShard(**kw)
     disk = _non_gtp_disk(proto)
     _assert_tp_local_is_megatron_layout(disk, proto)
     out, counts = _reassemble(kw, disk, logical_pieces)
@@ -358,13 +358,13 @@ def test_golden_logical_pieces_reproduce_non_gtp_disk(kw):
                          ids=_ids)
 def test_golden_stock_layout_differs(kw):
     """Stock 0.19.2 offsets do not reproduce the non-GTP file (padded shape or scrambled rows)."""
-    proto = TensorLayout(**kw)
+    proto = GTPShard(**kw)
     disk = _non_gtp_disk(proto)
     stock_disk = {}
     for k in range(proto.tp):
         shards = _hand_shards(_tp_local(disk, proto, k), proto.g, proto.pad_for_alignment)
         for r, shard in enumerate(shards):
-            lay = TensorLayout(tp_rank=k, gtp_rank=r, **kw)
+            lay = GTPShard(tp_rank=k, gtp_rank=r, **kw)
             for p in stock_0192_offsets(lay):
                 key = "w" + p.key_suffix
                 cols = shard.shape[1] * (lay.tp if lay.tp_axis == 1 else 1)
@@ -378,7 +378,7 @@ def test_golden_stock_layout_differs(kw):
     counts = {k: torch.zeros_like(v, dtype=torch.int32) for k, v in disk.items()}
     for k in range(proto.tp):
         for r in range(proto.g):
-            lay = TensorLayout(tp_rank=k, gtp_rank=r, **kw)
+            lay = GTPShard(tp_rank=k, gtp_rank=r, **kw)
             shard = torch.empty(lay.shard_rows, COLS)
             col0 = k * COLS if lay.tp_axis == 1 else 0
             for p in stock_0192_offsets(lay):
@@ -393,7 +393,7 @@ def test_golden_stock_layout_differs(kw):
 def test_gated_stock_scrambles_even_without_padding():
     """tp1, g2, a=0, L=8 (h=4): rank 0 holds all 4 gate rows; stock files half of them as up."""
     kw = dict(L=8, tp=1, g=2, pad_for_alignment=0, gated=True)
-    lay0 = TensorLayout(gtp_rank=0, **kw)
+    lay0 = GTPShard(gtp_rank=0, **kw)
     assert [(p.part, p.global_offset, p.rows) for p in logical_pieces(lay0)] == [("gate", 0, 4)]
     assert [(p.part, p.global_offset, p.rows) for p in stock_0192_offsets(lay0)] == [
         ("gate", 0, 2), ("up", 4, 2)]
@@ -401,10 +401,10 @@ def test_gated_stock_scrambles_even_without_padding():
 
 def test_gated_straddling_shard_has_two_pieces():
     # L=200 (h=100), g=4, a=16: A=64, pad 56, s=64; rank 1 holds 64..127: gate 64..99, up 100..127
-    lay = TensorLayout(200, tp=2, tp_rank=1, g=4, gtp_rank=1, pad_for_alignment=16, gated=True)
+    lay = GTPShard(200, tp=2, tp_rank=1, g=4, gtp_rank=1, pad_for_alignment=16, gated=True)
     assert logical_pieces(lay) == [Piece(0, 36, "", 100 + 64, 400, "gate"),
                                    Piece(36, 64, "", 200 + 100 + 0, 400, "up")]
-    lay = TensorLayout(200, tp=2, tp_rank=1, g=4, gtp_rank=3, pad_for_alignment=16, gated=True)
+    lay = GTPShard(200, tp=2, tp_rank=1, g=4, gtp_rank=3, pad_for_alignment=16, gated=True)
     assert lay.n_logical == 8  # 192..199, up rows 92..99 of TP rank 1
     assert logical_pieces(lay) == [Piece(0, 8, "", 200 + 100 + 92, 400, "up")]
 
@@ -412,14 +412,14 @@ def test_gated_straddling_shard_has_two_pieces():
 def test_empty_pieces_sit_at_the_end():
     """All-padding shards yield one empty piece at the end of the on-disk tensor (see module doc:
     an empty chunk at another chunk's start offset breaks the torch_dist save)."""
-    lay = TensorLayout(192, tp=2, tp_rank=0, g=4, gtp_rank=3, pad_for_alignment=32)
+    lay = GTPShard(192, tp=2, tp_rank=0, g=4, gtp_rank=3, pad_for_alignment=32)
     assert logical_pieces(lay) == [Piece(0, 0, "", 384, 384)]
-    lay = TensorLayout(192, tp=2, tp_rank=0, g=4, gtp_rank=3, pad_for_alignment=32, tp_axis=1)
+    lay = GTPShard(192, tp=2, tp_rank=0, g=4, gtp_rank=3, pad_for_alignment=32, tp_axis=1)
     assert logical_pieces(lay) == [Piece(0, 0, "", 192, 192)]
-    lay = TensorLayout(20, tp=2, g=8, gtp_rank=7, pad_for_alignment=4, gated=True)
+    lay = GTPShard(20, tp=2, g=8, gtp_rank=7, pad_for_alignment=4, gated=True)
     assert logical_pieces(lay) == [Piece(0, 0, "", 40, 40, "up")]
-    lay = TensorLayout(20, tp=2, g=8, gtp_rank=7, pad_for_alignment=4, gated=True,
-                       singleton_local_shards=True)
+    lay = GTPShard(20, tp=2, g=8, gtp_rank=7, pad_for_alignment=4, gated=True,
+                   singleton_local_shards=True)
     assert logical_pieces(lay) == [Piece(0, 0, "_v", 20, 20, "up")]
 
 
@@ -464,11 +464,11 @@ def test_prop_padding_and_coverage(lga):
 def _tiles(kw: dict) -> None:
     """Union of all pieces tiles each key's [0, global_rows) exactly once; local ranges are a
     disjoint cover of each shard's logical prefix; empty pieces sit at the end."""
-    proto = TensorLayout(**kw)
+    proto = GTPShard(**kw)
     intervals: dict[str, list[tuple[int, int]]] = {}
     for k in range(proto.tp):
         for r in range(proto.g):
-            lay = TensorLayout(tp_rank=k, gtp_rank=r, **kw)
+            lay = GTPShard(tp_rank=k, gtp_rank=r, **kw)
             pieces = logical_pieces(lay)
             assert pieces
             assert pieces[0].lo == 0 and pieces[-1].hi == lay.n_logical
@@ -515,7 +515,7 @@ def test_prop_gated_pieces_tile_and_land_where_non_gtp_puts_them(lga, tp, single
     h = L // 2
     for k in range(tp):
         for r in range(g):
-            lay = TensorLayout(tp_rank=k, gtp_rank=r, **kw)
+            lay = GTPShard(tp_rank=k, gtp_rank=r, **kw)
             start, _ = lay.logical
             for p in logical_pieces(lay):
                 for x in {start + p.lo, start + p.hi - 1} if p.rows else ():
@@ -536,7 +536,7 @@ def test_prop_golden_torch(half, tp, g, a, kind):
     assume(a > 0 or L % g == 0)
     kw = dict(L=L, tp=tp, g=g, pad_for_alignment=a, tp_axis=1 if kind == "row" else 0,
               gated=kind.startswith("gated"), singleton_local_shards=kind == "gated_singleton")
-    disk = _non_gtp_disk(TensorLayout(**kw))
+    disk = _non_gtp_disk(GTPShard(**kw))
     out, counts = _reassemble(kw, disk, logical_pieces)
     for key in disk:
         assert torch.equal(out[key], disk[key]) and torch.all(counts[key] == 1)

@@ -1,20 +1,21 @@
-"""The ``gtp_layout`` record: how a checkpoint stores its GTP weights (per key: logical rows,
-padding, shard rows, TP axis, gating), merged over all ranks. ``docs/checkpoint-format.md`` ("The
-layout record") gives the format; :func:`ckpt.format.logical_format.layout_metadata` builds it for the
-format this process writes."""
+"""The sharding record: how a checkpoint stores its GTP weights (per key: logical rows, padding,
+shard rows, TP axis, gating), merged over all ranks, under the common-state key
+:data:`ckpt.format.records.SHARDING_RECORD_KEY`. ``docs/checkpoint-format.md`` ("The sharding
+record") gives the format; :func:`ckpt.format.logical_format.written_sharding_record` builds it
+for the format this process writes."""
 
 from __future__ import annotations
 
 import torch
 
 from gtp.alignment import applied_pad_for_alignment
-from ckpt.format.logical_factory import GTPCheckpointError, tensor_layout_of
+from ckpt.format.logical_factory import GTPCheckpointError, gtp_shard_of
 from ckpt.format.records import GTP_FORMAT_LOGICAL, GTP_FORMAT_STOCK, megatron_core_version
 
 
-def gtp_layout_record(model, model_sharded_state_dict=None, *, logical: bool) -> dict:
-    """The ``gtp_layout`` record of a checkpoint written from ``model`` (its format:
-    ``docs/checkpoint-format.md``, "The layout record").
+def sharding_record(model, model_sharded_state_dict=None, *, logical: bool) -> dict:
+    """The sharding record of a checkpoint written from ``model`` (its format:
+    ``docs/checkpoint-format.md``, "The sharding record").
 
     Args:
         model: the (DDP-wrapped or bare) megatron model, or a list of them (one per virtual
@@ -22,8 +23,9 @@ def gtp_layout_record(model, model_sharded_state_dict=None, *, logical: bool) ->
         model_sharded_state_dict: its ``sharded_state_dict()`` (any nesting) when already built
             (before ``dist_checkpointing.save``, which applies factories in place); built here
             otherwise.
-        logical: whether GTP weights are written in the logical format (``ckpt.format.logical_format``'s
-            patch installed); False tags a GTP checkpoint ``stock-0.19.2``.
+        logical: whether GTP weights are written in the logical format
+            (``ckpt.format.logical_format``'s patch installed); False tags a GTP checkpoint
+            ``stock-0.19.2``.
 
     Returns:
         A plain dict of ints, strings, bools and lists, identical on every rank (the per-tensor
@@ -61,25 +63,25 @@ def gtp_layout_record(model, model_sharded_state_dict=None, *, logical: bool) ->
             continue
         spec = getattr(entry, "spec", None)
         if spec is not None:
-            layout = spec.layout
-        else:  # stock 0.19.2 entry: the layout comes from the param
+            shard = spec.shard
+        else:  # stock 0.19.2 entry: the shard's rows come from the param
             group = etp_group if ".experts.experts." in entry.key and etp_group else tp_group
-            layout = tensor_layout_of(param, int(getattr(param, "partition_dim", 0)),
-                                      group.size(), group.rank(), gated=id(param) in gated_ids)
-        cols = int(param.shape[1]) * (layout.tp if layout.tp_axis == 1 else 1)
+            shard = gtp_shard_of(param, int(getattr(param, "partition_dim", 0)),
+                                 group.size(), group.rank(), gated=id(param) in gated_ids)
+        cols = int(param.shape[1]) * (shard.tp if shard.tp_axis == 1 else 1)
         record = {
-            "L": layout.L, "pad": layout.pad, "shard_rows": layout.shard_rows,
-            "tp_axis": layout.tp_axis, "gated": layout.gated,
-            "singleton_local_shards": layout.singleton_local_shards,
-            "global_shape": [layout.global_rows, cols],
+            "L": shard.L, "pad": shard.pad, "shard_rows": shard.shard_rows,
+            "tp_axis": shard.tp_axis, "gated": shard.gated,
+            "singleton_local_shards": shard.singleton_local_shards,
+            "global_shape": [shard.global_rows, cols],
         }
-        if layout.components:  # stored under <key><suffix>, each tp * rows (Mamba's in_proj)
-            record["components"] = [[suffix, rows] for suffix, rows in layout.components]
+        if shard.components:  # stored under <key><suffix>, each tp * rows (Mamba's in_proj)
+            record["components"] = [[suffix, rows] for suffix, rows in shard.components]
         key = entry.key
         old = tensors.get(key)
         params = sorted({*(old or {}).get("params", []), names.get(id(param), "?")})
         if old is not None and {k: v for k, v in old.items() if k != "params"} != record:
-            raise GTPCheckpointError(f"{key}: GTP layouts differ between layers: {old} vs {record}")
+            raise GTPCheckpointError(f"{key}: GTP shards differ between layers: {old} vs {record}")
         tensors[key] = {**record, "params": params}
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         gathered = [None] * torch.distributed.get_world_size()

@@ -263,7 +263,7 @@ def _plans_agreed_by(ck: StoredCheckpoint, viable: dict) -> dict:
 
 
 def _tensor_infos(shapes: Mapping[str, tuple], plans: Mapping) -> tuple[dict, bool]:
-    """A :class:`TensorInfo` per stored key, and whether any is stored in the stock layout."""
+    """A :class:`TensorInfo` per stored key, and whether any is stored in the stock format."""
     infos = {}
     stock_any = False
     for key, shape in shapes.items():

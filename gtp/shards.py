@@ -1,7 +1,7 @@
-"""Layout math for GTP-sharded weights: padded shards, logical rows, on-disk pieces.
+"""Row arithmetic of GTP-sharded weights: padded shards, logical rows, on-disk pieces.
 
 Pure functions, no ``torch.distributed``: everything here is integer arithmetic on one weight's
-layout, so it can be tested exhaustively and reused by the save path, the load path and the
+rows, so it can be tested exhaustively and reused by the save path, the load path and the
 stock-checkpoint reader. Units are **rows of dim 0** throughout (never elements or bytes).
 
 Names used below (``docs/checkpoint-format.md`` explains the format they describe):
@@ -26,7 +26,7 @@ Where the math comes from in megatron-core 0.19.2 (modules under ``megatron.core
 * ``transformer.mlp``: ``apply_swiglu_sharded_factory`` (its inner ``sh_ten_build_fn``):
   how a gated fc1 lands on disk (:func:`logical_pieces` with ``gated=True``).
 
-On-disk layout of a gated (SwiGLU) fc1 without GTP (``apply_swiglu_sharded_factory``): each TP
+How a gated (SwiGLU) fc1 is stored without GTP (``apply_swiglu_sharded_factory``): each TP
 rank's local weight ``[W_k ; V_k]`` (gate rows then up rows, ``h = L/2`` each) is cut in two with
 ``torch.chunk`` and written as two ShardedTensors. With the default
 ``singleton_local_shards=False`` both go to the *same key* with global dim 0 ``2*tp*h = tp*L``:
@@ -64,7 +64,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "Piece",
-    "TensorLayout",
+    "GTPShard",
     "gtp_padding",
     "logical_pieces",
     "logical_rows",
@@ -148,7 +148,7 @@ def logical_rows(L: int, g: int, a: int, gtp_rank: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class TensorLayout:
+class GTPShard:
     """One GTP-sharded weight on one rank.
 
     Attributes:
@@ -232,17 +232,17 @@ class TensorLayout:
         return self.tp * self.L
 
 
-def _check_components(layout: "TensorLayout") -> None:
-    if layout.tp_axis != 0 or layout.gated:
+def _check_components(shard: "GTPShard") -> None:
+    if shard.tp_axis != 0 or shard.gated:
         raise ValueError("components: only a column-parallel, non-gated weight packs components")
-    for part in layout.components:
+    for part in shard.components:
         if not (isinstance(part, tuple) and len(part) == 2 and isinstance(part[0], str)):
             raise ValueError(f"components: expected (key_suffix, rows) pairs, got {part!r}")
         _check_int(f"rows of component {part[0]!r}", part[1], 1)
-    total = sum(rows for _, rows in layout.components)
-    if total != layout.L:
-        raise ValueError(f"components {layout.components} hold {total} rows, but the weight's "
-                         f"TP-local dim 0 is L={layout.L}")
+    total = sum(rows for _, rows in shard.components)
+    if total != shard.L:
+        raise ValueError(f"components {shard.components} hold {total} rows, but the weight's "
+                         f"TP-local dim 0 is L={shard.L}")
 
 
 @dataclass(frozen=True)
@@ -278,7 +278,7 @@ class Piece:
         return self.hi - self.lo
 
 
-def logical_pieces(layout: TensorLayout) -> list[Piece]:
+def logical_pieces(shard: GTPShard) -> list[Piece]:
     """The logical on-disk description of one rank's GTP shard (``docs/checkpoint-format.md``,
     "The logical format").
 
@@ -291,36 +291,36 @@ def logical_pieces(layout: TensorLayout) -> list[Piece]:
       below ``h`` are gate rows, stored at ``tp_rank*h + row``; rows from ``h`` on are up rows,
       stored at ``tp*h + tp_rank*h + (row - h)`` (``singleton_local_shards``: keys ``_w`` / ``_v``,
       each at ``tp_rank*h + row_in_half`` of ``tp*h``). One or two pieces, gate first.
-    * packed components (``layout.components``, component ``c`` at TP-local rows
+    * packed components (``shard.components``, component ``c`` at TP-local rows
       ``[o_c, o_c + n_c)``): the rank's logical rows ``[start, stop)`` meet each component in
       ``[lo, hi)``, stored under key suffix ``c`` at ``tp_rank*n_c + (lo - o_c)`` of ``tp*n_c``
-      (the two-component gated layout with ``singleton_local_shards``, generalised). A shard
+      (the two-component gated case with ``singleton_local_shards``, generalised). A shard
       may straddle several components; one piece per component it meets, in row order.
     * all-padding shard (``n == 0``): one empty piece ``[0, 0)`` at ``global_offset ==
-      global_size`` (the only offset torch_dist tolerates for an empty chunk in every layout;
+      global_size`` (the only offset torch_dist tolerates for an empty chunk of any weight;
       see the module docstring). For singleton gated it is on the ``_v`` key, for packed
       components on the last component's key.
 
     Args:
-        layout: the weight's layout on this rank.
+        shard: the weight's rows on this rank.
 
     Returns:
         Pieces ordered by ``lo``; local ranges are disjoint and cover ``[0, n_logical)``.
     """
-    L, tp, k = layout.L, layout.tp, layout.tp_rank
-    start, stop = layout.logical
-    if layout.tp_axis == 1:
+    L, tp, k = shard.L, shard.tp, shard.tp_rank
+    start, stop = shard.logical
+    if shard.tp_axis == 1:
         return [Piece(0, stop - start, "", start, L)]  # empty shard: start == L, the end
-    if layout.components:
-        return _component_pieces(layout.components, tp, k, start, stop)
-    if not layout.gated:
+    if shard.components:
+        return _component_pieces(shard.components, tp, k, start, stop)
+    if not shard.gated:
         if start == stop:  # not (k+1)*L: that is where TP rank k+1's first chunk starts
             return [Piece(0, 0, "", tp * L, tp * L)]
         return [Piece(0, stop - start, "", k * L + start, tp * L)]
 
     h = L // 2
-    singleton = layout.singleton_local_shards
-    size = layout.global_rows
+    singleton = shard.singleton_local_shards
+    size = shard.global_rows
     gate_suffix, up_suffix = (GATE_SUFFIX, UP_SUFFIX) if singleton else ("", "")
     up_base = k * h if singleton else tp * h + k * h
     if start == stop:
@@ -352,7 +352,7 @@ def _component_pieces(components, tp: int, k: int, start: int, stop: int) -> lis
     return pieces
 
 
-def stock_0192_offsets(layout: TensorLayout) -> list[Piece]:
+def stock_0192_offsets(shard: GTPShard) -> list[Piece]:
     """What stock megatron-core 0.19.2 writes for this shard (the bug;
     ``docs/checkpoint-format.md``, "What megatron-core 0.19.2 writes").
 
@@ -373,7 +373,7 @@ def stock_0192_offsets(layout: TensorLayout) -> list[Piece]:
       Padding rows are written as data.
 
     Args:
-        layout: the weight's layout on this rank.
+        shard: the weight's rows on this rank.
 
     Returns:
         Pieces covering the whole padded shard ``[0, s)`` (padding included).
@@ -384,25 +384,25 @@ def stock_0192_offsets(layout: TensorLayout) -> list[Piece]:
             the factory's unpacking fails; larger odd ``s`` fails the same-global-shape check);
             packed components (stock 0.19.2 gathers those and writes the logical rows).
     """
-    if layout.components:
+    if shard.components:
         raise ValueError("stock 0.19.2 gathers a GTP weight of packed components (Mamba's "
                          "in_proj) and writes it without padding: no per-shard offsets")
-    s, pad = layout.shard_rows, layout.pad
+    s, pad = shard.shard_rows, shard.pad
     mismatch = pad > 0
-    if layout.tp_axis == 1:
-        return [Piece(0, s, "", layout.gtp_rank * s, layout.g * s, ALL, mismatch)]
-    F = layout.tp * layout.g
-    f = layout.tp_rank * layout.g + layout.gtp_rank
-    if not layout.gated:
+    if shard.tp_axis == 1:
+        return [Piece(0, s, "", shard.gtp_rank * s, shard.g * s, ALL, mismatch)]
+    F = shard.tp * shard.g
+    f = shard.tp_rank * shard.g + shard.gtp_rank
+    if not shard.gated:
         return [Piece(0, s, "", f * s, F * s, ALL, mismatch)]
     if s % 2:
         raise ValueError(
             f"stock 0.19.2 cannot save a gated fc1 GTP shard of odd size s={s} "
-            f"(L={layout.L}, g={layout.g}, pad_for_alignment={layout.pad_for_alignment}): "
+            f"(L={shard.L}, g={shard.g}, pad_for_alignment={shard.pad_for_alignment}): "
             "apply_swiglu_sharded_factory's torch.chunk gives unequal gate/up halves"
         )
     c = s // 2
-    if layout.singleton_local_shards:
+    if shard.singleton_local_shards:
         return [Piece(0, c, GATE_SUFFIX, f * c, F * c, GATE),
                 Piece(c, s, UP_SUFFIX, f * c, F * c, UP)]
     return [Piece(0, c, "", f * c, 2 * F * c, GATE),

@@ -1,10 +1,10 @@
-"""gtp/layout.py: a GTP weight that packs several TP-sharded components (Mamba's ``in_proj``,
+"""gtp/shards.py: a GTP weight that packs several TP-sharded components (Mamba's ``in_proj``,
 ``z | x | B | C | dt``) in the logical format.
 
 Ground truth: without GTP, megatron-core 0.19.2 stores such a weight through
 ``ssm.utils._split_tensor_factory`` (built here on a plain TP ``ShardedTensor``): component ``c``
 of TP rank ``k`` under ``<key>.<c>`` at ``k * n_c`` of ``tp * n_c``. The goldens are built by hand
-with torch slicing (each row holds its component and its row number), never through ``gtp.layout``.
+with torch slicing (each row holds its component and its row number), never through ``gtp.shards``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gtp.layout import TensorLayout, gtp_padding, logical_pieces, stock_0192_offsets
+from gtp.shards import GTPShard, gtp_padding, logical_pieces, stock_0192_offsets
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -60,17 +60,16 @@ def _write_all(components, tp: int, g: int, a: int):
         local = _tp_local(full, components, tp, k)
         for r in range(g):
             shard = _shard(local, g, a, r)
-            layout = TensorLayout(L=local.shape[0], tp=tp, tp_rank=k, g=g, gtp_rank=r,
-                                  pad_for_alignment=a,
-                                  components=_components(components))
-            assert layout.shard_rows == shard.shape[0]
+            rows = GTPShard(L=local.shape[0], tp=tp, tp_rank=k, g=g, gtp_rank=r,
+                            pad_for_alignment=a, components=_components(components))
+            assert rows.shard_rows == shard.shape[0]
             covered = 0
-            for p in logical_pieces(layout):
+            for p in logical_pieces(rows):
                 assert p.global_size == disk[p.key_suffix].shape[0]
                 disk[p.key_suffix][p.global_offset:p.global_offset + p.rows] = shard[p.lo:p.hi]
                 writes[p.key_suffix][p.global_offset:p.global_offset + p.rows] += 1
                 covered += p.rows
-            assert covered == layout.n_logical
+            assert covered == rows.n_logical
     return full, disk, writes
 
 
@@ -99,9 +98,9 @@ def test_non_gtp_pieces_are_what_megatron_split_factory_writes():
                                         [name for name, _ in components], 0)
         want = sorted((st.key, st.global_offset[0], st.local_shape[0], st.global_shape[0])
                       for st in factory.build())
-        layout = TensorLayout(L=L, tp=tp, tp_rank=k, components=_components(components))
+        shard = GTPShard(L=L, tp=tp, tp_rank=k, components=_components(components))
         got = sorted(("w" + p.key_suffix, p.global_offset, p.rows, p.global_size)
-                     for p in logical_pieces(layout))
+                     for p in logical_pieces(shard))
         assert got == want
 
 
@@ -110,10 +109,10 @@ def test_seed_case_g2_a16_boundary_inside_x_padding_after_dt():
     x[48:128], B, C, dt and 24 padding rows."""
     components = _components(MAMBA)
     assert gtp_padding(328, 2, 16) == (24, 176)
-    r0 = logical_pieces(TensorLayout(L=328, g=2, gtp_rank=0, pad_for_alignment=16,
-                                     components=components))
-    r1 = logical_pieces(TensorLayout(L=328, g=2, gtp_rank=1, pad_for_alignment=16,
-                                     components=components))
+    r0 = logical_pieces(GTPShard(L=328, g=2, gtp_rank=0, pad_for_alignment=16,
+                                 components=components))
+    r1 = logical_pieces(GTPShard(L=328, g=2, gtp_rank=1, pad_for_alignment=16,
+                                 components=components))
     assert [(p.key_suffix, p.lo, p.hi, p.global_offset, p.global_size) for p in r0] == [
         (".z", 0, 128, 0, 128), (".x", 128, 176, 0, 128)]
     assert [(p.key_suffix, p.lo, p.hi, p.global_offset, p.global_size) for p in r1] == [
@@ -126,8 +125,8 @@ def test_all_padding_shard_is_one_empty_piece_at_the_end_of_the_last_component()
     padding."""
     components = _components((name, n // 2) for name, n in MAMBA)
     for k in range(2):
-        pieces = logical_pieces(TensorLayout(L=164, tp=2, tp_rank=k, g=4, gtp_rank=3,
-                                             pad_for_alignment=32, components=components))
+        pieces = logical_pieces(GTPShard(L=164, tp=2, tp_rank=k, g=4, gtp_rank=3,
+                                         pad_for_alignment=32, components=components))
         assert [(p.key_suffix, p.lo, p.hi, p.global_offset, p.global_size) for p in pieces] == [
             (".dt", 0, 0, 8, 8)]
 
@@ -141,13 +140,13 @@ def test_all_padding_shard_is_one_empty_piece_at_the_end_of_the_last_component()
 ])
 def test_invalid_components(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        TensorLayout(**kwargs)
+        GTPShard(**kwargs)
 
 
 def test_stock_offsets_refuse_components():
     with pytest.raises(ValueError, match="packed components"):
-        stock_0192_offsets(TensorLayout(L=328, g=2, pad_for_alignment=16,
-                                        components=_components(MAMBA)))
+        stock_0192_offsets(GTPShard(L=328, g=2, pad_for_alignment=16,
+                                    components=_components(MAMBA)))
 
 
 @settings(max_examples=150, deadline=None)
