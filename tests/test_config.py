@@ -92,7 +92,7 @@ def test_virtual_pipeline_stages_are_accepted_when_layers_and_micro_batches_spli
          r"pipeline_model_parallel_size=2 x gtp_remat_size=1 = 4"),
         (["optim.use_distributed_optimizer=true", "optim.distrib_optim_sharding_type=dp_reshardable"],
          2, r"distrib_optim_sharding_type='dp_reshardable' \(flat bucket buffers.*cannot be resumed at "
-         r"another parallel layout; use 'fully_reshardable'"),
+         r"another parallel layout; use 'fully_sharded_model_space' .*or 'fully_reshardable'"),
         (["parallelism.tensor_model_parallel_size=0"], 2, r"tensor_model_parallel_size=0 is invalid"),
         (["parallelism.data_parallel_size=4"], 2, r"data_parallel_size=4 does not match"),
         (["parallelism=tp4", "model.ffn_hidden_size=202"], 4, r"model.ffn_hidden_size=202 must be divisible by 4"),

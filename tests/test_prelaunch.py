@@ -165,7 +165,7 @@ CASES = [
     (["optim.lr_decay_style=cosin"], ["optim.lr_decay_style='cosin'", "valid are"]),
     (["optim.optimizer=sgd"], ["optim.optimizer='sgd'", "valid are ('adam', 'muon')"]),
     (["optim.use_distributed_optimizer=true", "optim.distrib_optim_sharding_type=dp_reshardable"],
-     ["'dp_reshardable'", "use 'fully_reshardable'"]),
+     ["'dp_reshardable'", "use 'fully_sharded_model_space'", "or 'fully_reshardable'"]),
     (["precision.params_dtype=fp16"], ["precision.params_dtype='fp16'", "valid are"]),
     (["data.global_batch_size=10"], ["data.global_batch_size=10", "must be a multiple of"]),
     (["data.micro_batch_size=0"], ["data.micro_batch_size=0 is invalid", ">= 1"]),

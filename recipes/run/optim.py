@@ -238,6 +238,7 @@ def distributed_optimizer(cfg) -> tuple[bool, Optional[str]]:
         why = DISTRIB_OPTIM_FORMATS.get(fmt, "not a megatron-core 0.19.2 format")
         raise ConfigError(
             f"optim.distrib_optim_sharding_type={fmt!r} ({why}) cannot be resumed at another "
-            f"parallel layout; use {RESHARDABLE_DISTRIB_OPTIM_FORMATS[0]!r}"
+            f"parallel layout; use {RESHARDABLE_DISTRIB_OPTIM_FORMATS[0]!r} (each data-parallel "
+            f"rank writes its own range) or {RESHARDABLE_DISTRIB_OPTIM_FORMATS[1]!r}"
         )
     return True, fmt
