@@ -27,6 +27,7 @@ EXPECTED = {
     "mcore_compat.dist_checkpointing.set_write_results_queue",
     "mcore_compat.dist_checkpointing.keep_write_errors",
     "mcore_compat.distrib_optimizer.install",
+    "mcore_compat.fs_model_space.install",
     "ckpt.io.faults.while_writing",
     "mcore_compat.moe_cpu.install",
     "gtp.expert_grads.tag_expert_params",

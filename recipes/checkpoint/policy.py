@@ -149,8 +149,7 @@ KEPT_ON_RESUME = SCHEDULE_FIELDS + ADAM_FIELDS + MUON_GROUP_FIELDS
 # Where outputs go and how the run logs: no effect on the saved state or the training.
 _NEUTRAL = ("logger", "checkpoint", "output_dir", "data.cache_dir")
 _RESHARD = ("weights and optimizer state resharded to the new layout at load (the distributed "
-            "optimizer's only with optim.distrib_optim_sharding_type=fully_reshardable); per-rank "
-            "RNG states not restored")
+            "optimizer's each rank's new range); per-rank RNG states not restored")
 # The layout fields (parallelism.*, GTP degrees and alignment): what changing each does.
 LAYOUT_EFFECTS = {
     "parallelism.tensor_model_parallel_size": _RESHARD,
