@@ -111,7 +111,8 @@ def test_resume_records_pipeline_and_optimizer_layouts(chain):
     _, events = _rows(chain["tp2_plain"])
     (resume,) = [e for e in events if e["event"] == "resume"]
     src, dst = resume["from_layout"], resume["layout"]
-    assert src["use_distributed_optimizer"] and src["distrib_optim_sharding_type"] == "fully_reshardable"
+    assert src["use_distributed_optimizer"]
+    assert src["distrib_optim_sharding_type"] == "fully_sharded_model_space"
     assert not dst["use_distributed_optimizer"] and dst["distrib_optim_sharding_type"] is None
     _, events = _rows(chain["tp1dp2"])
     (resume,) = [e for e in events if e["event"] == "resume"]
