@@ -29,8 +29,8 @@ def rank_file_bytes(iter_path: Path, rank: int) -> int:
 
 
 def checkpoint_bytes(iter_path: Path) -> dict:
-    """From a checkpoint's metadata: bytes of the model tensors, of the optimizer state and of
-    the largest single tensor (logical shapes, stored dtypes)."""
+    """From a checkpoint's metadata: bytes of the model tensors and of the optimizer state
+    (logical shapes, stored dtypes)."""
     import torch
     from megatron.core import dist_checkpointing
 
@@ -38,8 +38,7 @@ def checkpoint_bytes(iter_path: Path) -> dict:
     size = {k: prod(t.global_shape) * torch.empty((), dtype=t.dtype).element_size()
             for k, t in meta.items()}
     optim = sum(v for k, v in size.items() if k.startswith("optimizer."))
-    return {"model_bytes": sum(size.values()) - optim, "optimizer_bytes": optim,
-            "largest_tensor_bytes": max(size.values())}
+    return {"model_bytes": sum(size.values()) - optim, "optimizer_bytes": optim}
 
 
 @contextlib.contextmanager
@@ -107,7 +106,11 @@ def worker(cfg_path: str, out_path: str) -> None:
                     where, 1, model, optimizer, scheduler, common, rec))
                 saved["file_bytes"] = rank_file_bytes(checkpoint.iter_dir(where, 1), rank)
                 if rank == 0 and "checkpoint" not in shared:
-                    shared["checkpoint"] = checkpoint_bytes(checkpoint.iter_dir(where, 1))
+                    # The largest single tensor: a param's fp32 state (a stored tensor stacks
+                    # the layers, so it is taken from the model).
+                    shared["checkpoint"] = {
+                        **checkpoint_bytes(checkpoint.iter_dir(where, 1)),
+                        "largest_tensor_bytes": 4 * max(p.numel() for p in model.parameters())}
                 loaded = measure(lambda: checkpoint.load_checkpoint(
                     where, model, optimizer, scheduler, rec, verify=False))
             mine["save"][name].append(saved)
