@@ -28,6 +28,7 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("parallel_layouts", "benchmarks.parallel_layouts"),
     ("moe_dispatch", "benchmarks.moe_dispatch"),
     ("moe_checkpoint", "benchmarks.moe_checkpoint_io"),
+    ("checkpoint_scale", "benchmarks.checkpoint_scale"),
     ("hf_import_memory", "benchmarks.hf_import_memory"),
     ("mamba_scan", "benchmarks.mamba_scan"),
 ]
