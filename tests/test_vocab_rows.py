@@ -36,3 +36,29 @@ def test_tp_rank_piece_of_a_larger_padding_reads_only_real_rows():
     same = {"output_layer.weight": entry}
     assert vocab.adapt_to_stored_rows(same, {"output_layer.weight": (264, 4)}, 257, "x") == []
     assert same["output_layer.weight"] is entry
+
+
+def test_the_fp32_optimizer_tensors_of_a_bf16_vocabulary_param_take_the_trimmed_rows():
+    """A bf16 run's fp32 Adam moment (and main param) of a 320-row output layer, loading a
+    258-row checkpoint: megatron applies the param's factory to the optimizer tensor
+    (``make_sharded_optimizer_tensor``: ``replace(factory, data=<fp32 tensor>)``); its piece is
+    that tensor's first 257 rows in fp32, and the merge pads zeros."""
+    import dataclasses
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    weight = torch.zeros(320, 4, dtype=torch.bfloat16)
+    entry = ShardedTensor.from_rank_offsets("output_layer.weight", weight,
+                                            allow_shape_mismatch=True)
+    sd = {"output_layer.weight": entry}
+    vocab.adapt_to_stored_rows(sd, {"output_layer.weight": (258, 4)}, 257, "x")
+    moment = torch.arange(320 * 4, dtype=torch.float32).reshape(320, 4) / 8
+    factory = dataclasses.replace(sd["output_layer.weight"],
+                                  key="optimizer.state.exp_avg.output_layer.weight", data=moment)
+    (piece,) = factory.build()
+    assert piece.key == "optimizer.state.exp_avg.output_layer.weight"
+    assert piece.dtype == piece.data.dtype == torch.float32
+    assert piece.global_shape == (258, 4) and torch.equal(piece.data, moment[:257])
+    merged = factory.merge_fn([piece.data.clone()])
+    assert merged.dtype == torch.float32 and torch.equal(merged[:257], moment[:257])
+    assert not merged[257:].any()

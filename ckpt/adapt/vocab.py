@@ -103,7 +103,9 @@ def _trimming_factory(entry, stored_rows: int, real: int):
         raise TypeError(f"{entry.key}: cannot limit the vocabulary rows of a {type(entry).__name__}")
 
     def build(key, data, replica_id, flattened_range):
-        piece = dataclasses.replace(entry, key=key, data=data, replica_id=replica_id)
+        # data: the param, or an optimizer tensor of it (fp32 moments of a bf16 param)
+        piece = dataclasses.replace(entry, key=key, data=data, dtype=data.dtype,
+                                    replica_id=replica_id)
         return [_trim_piece(piece, stored_rows, real)]
 
     def merge(loaded):
