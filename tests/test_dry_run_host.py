@@ -98,3 +98,28 @@ def test_bytes_written_per_rank_match_the_dry_run(saves, fmt):
     assert max(payload) <= predicted.written + STATE_BYTES * 128
     for r, (size, data, items, other) in got.items():
         assert data + other <= size <= data + other + items * RECORD_BYTES, (r, got[r])
+
+
+# Measured on main before issue 55 (fully_reshardable, its table): gpt125m, fp32, world = dp,
+# peak RSS per rank above a run without the checkpoint, and rchar of a load less a no-load
+# run's, in MiB.
+MEASURED = {2: {"save_host": 2.1 * 1024, "load_host": 0.9 * 1024},
+            4: {"save_host": 1.9 * 1024, "load_host": 1.0 * 1024, "read": 1313}}
+
+
+@pytest.mark.parametrize("dp", sorted(MEASURED))
+def test_fully_reshardable_host_figures_match_the_measured_ones(dp):
+    """Twice the model-parallel rank's fp32 state at a save, once at a load, and the whole
+    checkpoint read by every rank: within 12 % of what the issue measured with /proc."""
+    cfg = make_cfg("model=gpt125m", "model.seq_length=32", "data.micro_batch_size=1",
+                   "data.global_batch_size=4", "parallelism=tp1", f"parallelism.nproc_per_node={dp}",
+                   "optim.use_distributed_optimizer=true",
+                   "optim.distrib_optim_sharding_type=fully_reshardable")
+    from recipes.data import build_tokenizer
+
+    padded = padded_vocab_size(build_tokenizer(cfg.data).vocab_size,
+                               cfg.model.make_vocab_size_divisible_by, 1)
+    h = host_sizes(cfg, validate(cfg, dp), padded)
+    for key, mib in MEASURED[dp].items():
+        got = getattr(h, key) / 2**20
+        assert abs(got - mib) <= 0.12 * mib, (key, got, mib)
