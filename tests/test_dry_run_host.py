@@ -76,12 +76,12 @@ def saves(tmp_path_factory, request):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_bytes_written_per_rank_match_the_dry_run(saves, fmt):
     cfg = make_cfg(*BASE, f"optim.distrib_optim_sharding_type={fmt}")
-    layout = validate(cfg, WORLD)
+    parallel_dims = validate(cfg, WORLD)
     from recipes.data import build_tokenizer
 
     padded = padded_vocab_size(build_tokenizer(cfg.data).vocab_size,
                                cfg.model.make_vocab_size_divisible_by, 1)
-    predicted = host_sizes(cfg, layout, padded)
+    predicted = host_sizes(cfg, parallel_dims, padded)
     got = _written(saves / fmt / "checkpoints" / "iter_0000001")
     assert sorted(got) == list(range(WORLD)), got
     payload = [got[r][1] for r in range(WORLD)]
