@@ -65,8 +65,7 @@ def _written(iteration_dir: Path) -> dict[int, tuple[int, int, int, int]]:
 
 
 @pytest.fixture(scope="module")
-def saves(tmp_path_factory, request):
-    train_jobs = request.getfixturevalue("train_jobs")
+def saves(tmp_path_factory, train_jobs):
     root = tmp_path_factory.mktemp("host")
     train_jobs([(root / fmt, [*BASE, f"optim.distrib_optim_sharding_type={fmt}"])
                 for fmt in FORMATS])
