@@ -158,19 +158,20 @@ def test_activation_bytes_with_sequence_parallelism_follow_the_paper(recompute):
 
 
 def test_expert_optimizer_state_is_sharded_over_expert_data_parallel():
-    """Mixtral-8x7B at pp4 x ep8 on 64 ranks with the distributed optimizer: megatron shards the
-    dense state over dp 16 and the routed experts' over expert dp 2 (64 / (ep8 x pp4)). A rank of
-    a stage holds 8 layers x 1 expert x 3 x 4096 x 14336 expert parameters (fc1 [gate|up], fc2)."""
+    """Mixtral-8x7B as shipped (pp4 x ep8 x expert GTP 2 on 128 ranks) with the distributed
+    optimizer: megatron shards the dense state over dp 32 and the routed experts' over expert dp
+    2 (128 / (ep8 x pp4 x expert GTP 2)). A rank of a stage holds 8 layers x 1 expert x 3 x 4096
+    x 14336 / 2 expert parameters (fc1 [gate|up], fc2; expert GTP halves each, no padding)."""
     cfg = make_cfg("experiment=mixtral_8x7b_ep8_pp4_bf16", "train.dry_run=true",
                    "optim.use_distributed_optimizer=true")
-    parallel_dims = validate(cfg, 64)
-    assert (parallel_dims.data_parallel_size, parallel_dims.expert_data_parallel_size) == (16, 2)
+    parallel_dims = validate(cfg, 128)
+    assert (parallel_dims.data_parallel_size, parallel_dims.expert_data_parallel_size) == (32, 2)
     s = rank_sizes(cfg, parallel_dims, 32000)
-    experts = 8 * 1 * 3 * 4096 * 14336
+    experts = 8 * 1 * 3 * 4096 * 14336 // 2
     assert s.expert_parameters == experts
     dense = s.parameters - experts
-    assert s.optimizer_bytes == math.ceil(12 * dense / 16) + math.ceil(12 * experts / 2)
-    assert f"{s.optimizer_bytes / 2**30:.2f}" == "8.20"
+    assert s.optimizer_bytes == math.ceil(12 * dense / 32) + math.ceil(12 * experts / 2)
+    assert f"{s.optimizer_bytes / 2**30:.2f}" == "4.10"
     assert "routed experts 1/2: expert data parallel" in report(cfg, parallel_dims)
 
 
@@ -221,31 +222,29 @@ def test_flagship_activations_follow_the_paper_for_the_target_attention(experime
     assert f"{format_bytes(math.ceil(golden))} (micro-batch 1 x 8192 tokens" in out, out
 
 
-def _recipe_world(path) -> int:
-    """The world size of the recipe's own dry-run line (``WORLD_SIZE=N``), else nproc_per_node."""
-    import re
-
-    found = re.search(r"WORLD_SIZE=(\d+) python train.py", path.read_text())
-    return int(found.group(1)) if found else 0
-
-
 RECIPES = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf/experiment").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("experiment", RECIPES)
 def test_every_named_recipe_fits_its_own_target(experiment, monkeypatch):
-    """As shipped, on a machine without TransformerEngine: each recipe's dry run fits
-    train.gpu_memory_gib and says what it assumed."""
+    """As shipped, as ``python train.py experiment=NAME train.dry_run=true`` checks it (no
+    WORLD_SIZE: the world is the recipe's parallelism.nproc_per_node; the layout from
+    ``recipes.config.prelaunch.check``), on a machine without TransformerEngine: each recipe's
+    dry run fits train.gpu_memory_gib, says what it assumed and what a save and a load cost."""
+    from recipes.config import prelaunch
     from recipes.model import te
 
     monkeypatch.setattr(te, "transformer_engine_usable", lambda: False)
-    path = Path(__file__).resolve().parents[1] / "conf/experiment" / f"{experiment}.yaml"
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     cfg = make_cfg(f"experiment={experiment}", "train.dry_run=true")
-    world = _recipe_world(path) or cfg.parallelism.nproc_per_node
-    out = report(cfg, validate(cfg, world))
+    out = report(cfg, prelaunch.check(cfg, choices={"experiment": experiment}))
     assert "does not fit" not in out and "fits train.gpu_memory_gib=" in out, out
     assert "> assumed: attention " in out and "recompute " in out and "optimizer" in out, out
     assert f"checked against train.gpu_memory_gib={cfg.train.gpu_memory_gib:g}" in out, out
+    assert "> checkpoint at a save and a load" in out, out
+    if cfg.model.get("num_moe_experts") and cfg.parallelism.nproc_per_node > 4:
+        # the GPU MoE recipes shard their experts' weights with expert GTP
+        assert cfg.gtp.expert_gtp_remat_size > 1, experiment
 
 
 def test_an_unknown_transformer_impl_is_refused_before_launch():

@@ -364,6 +364,9 @@ class TrainConfig:
     exit_interval: Optional[int] = None
     # Memory of one accelerator, GiB: the dry run says whether a rank's estimate fits in it.
     gpu_memory_gib: float = 80.0
+    # Accelerators (ranks) per node of the target cluster: the dry run's per-node host memory
+    # of a save and a load (recipes/dry_run/host.py).
+    gpus_per_node: int = 8
 
 
 @dataclass

@@ -67,6 +67,53 @@ def _stage(name: str, num_layers: int, pp: int) -> tuple[int, ...]:
     return (pp - 1,)
 
 
+@dataclass(frozen=True)
+class LocalTensor:
+    """One parameter as a rank of a pipeline stage holds it (element counts)."""
+
+    name: str
+    elements: int  # allocated on the rank, GTP padding rows included
+    stored: int  # written to a checkpoint: no GTP padding rows
+    expert: bool  # a routed expert's (replicated over the expert data-parallel group)
+
+
+def _stages(cfg, parallel_dims, padded: int) -> tuple[list[list[LocalTensor]], list[int], int]:
+    """``(tensors of each pipeline stage, GTP padding rows of each, whole-model parameters)``;
+    an EP rank holds ``num_moe_experts / ep`` experts, each split by etp x expert GTP."""
+    tp, g = parallel_dims.tensor_model_parallel_size, parallel_dims.gtp_remat_size
+    pad = parallel_dims.pad_for_alignment
+    pp, m = parallel_dims.pipeline_model_parallel_size, cfg.model
+    per_stage, pad_rows, total = [[] for _ in range(pp)], [0] * pp, 0
+    ep, etp, egtp = (parallel_dims.expert_model_parallel_size,
+                     parallel_dims.expert_tensor_parallel_size, parallel_dims.expert_gtp_remat_size)
+    local_experts = (m.num_moe_experts // ep) if m.get("num_moe_experts") else 0
+    copied = m.share_embeddings_and_output_weights or mtp_num_layers(m)
+    for p in parameter_shapes(m, padded):
+        total += math.prod(p.shape)
+        if p.expert:
+            if int(p.name.split(".local_experts.")[1].split(".")[0]) >= local_experts:
+                continue
+            shape, pad_length = local_shape(p, etp, egtp, pad)
+        else:
+            shape, pad_length = local_shape(p, tp, g, pad)
+        stages = _stage(p.name, m.num_layers, pp)
+        if p.name == "embedding.word_embeddings.weight" and copied and pp > 1:
+            stages = (0, pp - 1)
+        n = math.prod(shape)
+        tensor = LocalTensor(p.name, n, n - pad_length * math.prod(shape[1:]), p.expert)
+        for s in stages:
+            per_stage[s].append(tensor)
+            pad_rows[s] += pad_length
+    return per_stage, pad_rows, total
+
+
+def stage_tensors(cfg, parallel_dims, padded: int) -> list[LocalTensor]:
+    """The tensors of a rank of the pipeline stage holding the most parameters, at a
+    ``padded``-row vocabulary (:func:`rank_sizes`' stage)."""
+    per_stage = _stages(cfg, parallel_dims, padded)[0]
+    return max(per_stage, key=lambda ts: sum(t.elements for t in ts))
+
+
 def rank_sizes(cfg, parallel_dims, vocab_size: int) -> RankSizes:
     """Per-rank parameter count and bytes of ``cfg`` at ``parallel_dims`` for a ``vocab_size``-token
     tokenizer (padded as ``recipes.model.shapes.padded_vocab_size``), on the pipeline stage holding the
@@ -77,45 +124,22 @@ def rank_sizes(cfg, parallel_dims, vocab_size: int) -> RankSizes:
     ``optimizer.get_megatron_optimizer`` shards the dense state over the data-parallel group
     with context parallelism, the experts' over the expert data-parallel group).
     """
-    tp, g = parallel_dims.tensor_model_parallel_size, parallel_dims.gtp_remat_size
-    pad = parallel_dims.pad_for_alignment
-    pp, m = parallel_dims.pipeline_model_parallel_size, cfg.model
-    padded = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
-    shapes = parameter_shapes(m, padded)
-    per_stage, pad_rows, total = [0] * pp, [0] * pp, 0
-    experts_per_stage = [0] * pp
-    ep, etp, egtp = (parallel_dims.expert_model_parallel_size,
-                     parallel_dims.expert_tensor_parallel_size, parallel_dims.expert_gtp_remat_size)
-    local_experts = (m.num_moe_experts // ep) if m.get("num_moe_experts") else 0
-    for p in shapes:
-        if p.expert:  # an EP rank holds num_moe_experts / ep experts, split by etp x egtp
-            if int(p.name.split(".local_experts.")[1].split(".")[0]) >= local_experts:
-                total += math.prod(p.shape)
-                continue
-            shape, pad_length = local_shape(p, etp, egtp, pad)
-        else:
-            shape, pad_length = local_shape(p, tp, g, pad)
-        total += math.prod(p.shape)
-        stages = _stage(p.name, m.num_layers, pp)
-        copied = m.share_embeddings_and_output_weights or mtp_num_layers(m)
-        if p.name == "embedding.word_embeddings.weight" and copied and pp > 1:
-            stages = (0, pp - 1)
-        for s in stages:
-            per_stage[s] += math.prod(shape)
-            pad_rows[s] += pad_length
-            if p.expert:
-                experts_per_stage[s] += math.prod(shape)
-    stage = max(range(pp), key=lambda s: per_stage[s])
-    local = per_stage[stage]
+    m = cfg.model
+    padded = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by,
+                               parallel_dims.tensor_model_parallel_size)
+    per_stage, pad_rows, total = _stages(cfg, parallel_dims, padded)
+    sums = [sum(t.elements for t in ts) for ts in per_stage]
+    stage = max(range(len(sums)), key=lambda s: sums[s])
+    local = sums[stage]
+    experts = sum(t.elements for t in per_stage[stage] if t.expert)
     dtype = cfg.precision.params_dtype
     state = 8 + (4 if dtype != "fp32" else 0)
     dp, edp = ((parallel_dims.data_parallel_size * parallel_dims.context_parallel_size,
                 parallel_dims.expert_data_parallel_size)
                if parallel_dims.use_distributed_optimizer else (1, 1))
-    experts = experts_per_stage[stage]
     return RankSizes(
         active_parameters=parameter_counts(m, padded)[1],
-        expert_parameters=experts_per_stage[stage],
+        expert_parameters=experts,
         total_parameters=total, parameters=local, gtp_padding_rows=pad_rows[stage],
         param_bytes=local * PARAM_BYTES[dtype], grad_bytes=local * 4,
         optimizer_bytes=-(-(local - experts) * state // dp) - (-experts * state // edp),

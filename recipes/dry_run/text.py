@@ -8,6 +8,7 @@ import dataclasses
 from omegaconf import OmegaConf, open_dict
 
 from recipes.data import build_tokenizer, check_data_paths
+from recipes.dry_run.host import host_lines
 from recipes.dry_run.sizes import PARAM_BYTES, RankSizes, rank_sizes, target_attention
 from recipes.metrics.logger import format_bytes
 from recipes.model.build import transformer_config
@@ -125,6 +126,7 @@ def report(cfg, parallel_dims) -> str:
         f">   total            {format_bytes(s.total_bytes)}",
         assumed_line(cfg, parallel_dims),
         fit_line(cfg, parallel_dims, vocab, s),
+        *host_lines(cfg, parallel_dims, padded),
     ]
     try:
         check_data_paths(cfg.data)
