@@ -29,6 +29,7 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("moe_dispatch", "benchmarks.moe_dispatch"),
     ("moe_checkpoint", "benchmarks.moe_checkpoint_io"),
     ("hf_import_memory", "benchmarks.hf_import_memory"),
+    ("tools_memory", "benchmarks.tools_memory"),
     ("mamba_scan", "benchmarks.mamba_scan"),
 ]
 
