@@ -301,12 +301,20 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None,
     config, state = build_state(arch, model_keys, model_cfg, vocab, _token_ids(common, eod),
                                 path)
     del model_keys  # what the state does not hold (views, or the parts of a split) goes now
-    # Built on the meta device and given the state's tensors (assign): no second copy of the
-    # weights. In the checkpoint's dtype: load_state_dict would cast a bf16 run's to fp32.
-    with torch.device("meta"):
+    # Untied: built on the meta device and given the state's tensors (assign), no second copy of
+    # the weights. Tied: an initialised model loads a copy, as classes tie (or, NemotronH, keep
+    # two) at construction. In the checkpoint's dtype: load_state_dict would cast bf16 to fp32.
+    assign = not config.tie_word_embeddings
+    with torch.device("meta" if assign else "cpu"):
         model = hf_cls(config).to(state[arch.embedding].dtype)
+    seen = set()
     for k in progress(list(state), "export", total=len(state), unit="tensor"):
-        state[k] = state[k].contiguous()  # in place: a view's copy replaces it, one at a time
+        t = state[k].contiguous()  # in place, one at a time: a view's base goes with its last view
+        storage = t.untyped_storage()
+        if assign and (storage.nbytes() != t.nbytes or storage.data_ptr() in seen):
+            t = t.clone()  # each weight its own storage, as an initialised model's parameters
+        seen.add(t.untyped_storage().data_ptr())
+        state[k] = t
     if config.tie_word_embeddings:  # the output layer is the embedding (one tensor in the file)
         state["lm_head.weight"] = state[arch.embedding]
     missing = sorted(set(model.state_dict()) - set(state) - {"lm_head.weight"})
@@ -314,7 +322,7 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None,
         raise ExportError(f"transformers {transformers.__version__}'s {arch.hf_class} has "
                           f"weights this export does not write: {missing[:4]} (MoE export "
                           f"needs transformers >= 5, fused experts)")
-    model.load_state_dict(state, strict=True, assign=True)
+    model.load_state_dict(state, strict=True, assign=assign)
     if config.tie_word_embeddings:
         model.tie_weights()
     out = Path(out_dir)

@@ -64,8 +64,8 @@ class LogicalReader:
     """The logical tensors of an analysed checkpoint, read one key at a time
     (:meth:`read`): one read request per key, or per stock GTP weight's stored group (its
     ``_w`` / ``_v`` halves), kept for the next key of the same group and dropped before any
-    other read. The caller holds what it keeps of the returned tensors. Needs a ``torch.distributed`` group (:func:`ensure_dist`); reads on the calling
-    rank only.
+    other read; the caller holds what it keeps of the returned tensors. Needs a
+    ``torch.distributed`` group (:func:`ensure_dist`); reads on the calling rank only.
 
     Attributes:
         analysis: the checkpoint's :class:`Analysis`; metadata: megatron's
