@@ -30,6 +30,7 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("moe_checkpoint", "benchmarks.moe_checkpoint_io"),
     ("checkpoint_scale", "benchmarks.checkpoint_scale"),
     ("hf_import_memory", "benchmarks.hf_import_memory"),
+    ("tools_memory", "benchmarks.tools_memory"),
     ("mamba_scan", "benchmarks.mamba_scan"),
 ]
 

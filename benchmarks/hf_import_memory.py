@@ -5,9 +5,9 @@ Each model (transformers' ``LlamaForCausalLM`` or ``MixtralForCausalLM``, random
 ``save_pretrained``) is imported in a fresh process (``MALLOC_ENV``: freed buffers go back to the
 kernel); the peak resident memory above the process's RSS before the import
 (:class:`benchmarks.memory.PeakRSS`) is printed beside one decoder layer's bytes and the two
-vocabulary tensors' (embedding and output layer). torch's DCP writer keeps the last chunk of
-each checkpoint key until its file is written, so the peak is about the two vocabulary tensors
-plus one or two layers' tensors, whatever the number of layers and experts: the last column,
+vocabulary tensors' (embedding and output layer). Each chunk is freed once written
+(``ckpt/format/dcp_writer.py``), so the peak is about the two vocabulary tensors plus one
+layer's tensors, whatever the number of layers and experts: the last column,
 (peak - vocabulary tensors) / one layer, stays put as the rows double the layers or experts.
 
     python -m benchmarks.hf_import_memory [--quick] [--out DIR]

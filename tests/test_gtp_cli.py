@@ -116,6 +116,30 @@ def test_convert_writes_a_checkpoint_equal_to_the_non_gtp_one(ckpts, tmp_path):
     assert rc == 0, out
 
 
+def test_convert_of_a_stock_checkpoint_reads_one_weight_at_a_time(ckpts, tmp_path, monkeypatch):
+    """The stock reader under ``gtp convert`` (issue 55 item 5): each read request is one key,
+    or one stock GTP weight's stored group (base, ``_w``, ``_v``); a request never finds more
+    than the last group still held; and the output is the non-GTP checkpoint's."""
+    import re
+
+    from test_tools_bounded import Reads
+
+    from ckpt import stock
+
+    src = ckpts / "tiny_swiglu" / "stock"
+    stocked = {k for k, info in stock.analyze(src).tensors.items() if info.stock}
+    reads = Reads(monkeypatch)
+    rc, out = cli("convert", src, tmp_path / "converted")
+    assert rc == 0, out
+    assert stocked and stocked <= {k for keys, _, _ in reads.requests for k in keys}
+    assert [keys for keys, _, _ in reads.requests
+            if len({re.sub(r"_[wv]$", "", k) for k in keys}) != 1] == []
+    total = sum(b for _, b, _ in reads.requests)
+    assert max(held for _, _, held in reads.requests) <= reads.largest < total / 4
+    rc, out = cli("compare", tmp_path / "converted", ckpts / "tiny_swiglu" / "tp2")
+    assert rc == 0, out
+
+
 def test_python_dash_m_gtp(ckpts):
     """The installed entry point, a fresh interpreter without torchrun: exit code 1 and the
     first differing tensor and row."""

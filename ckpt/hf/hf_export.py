@@ -1,9 +1,11 @@
 """Export a checkpoint to a Hugging Face ``transformers`` model directory (config.json + safetensors).
 
-Reads only the checkpoint: its logical tensors (:func:`ckpt.stock.read_logical`, so any saving
-layout, in the logical or GTP's stock padded format, gives the same full tensors) and the run config that
-gtp-recipes records in its common state (``train_state["config"]``). No model is built and no
-process group is needed beyond the 1-process one the read starts.
+Reads only the checkpoint: its logical model tensors (:func:`ckpt.stock.iter_logical`, one at a
+time and no optimizer state, so any saving layout, in the logical or GTP's stock padded format,
+gives the same full tensors) and the run config that gtp-recipes records in its common state
+(``train_state["config"]``). The transformers model is built on the meta device and given the
+mapped tensors (no second copy of the weights), so the peak is about the model's weights, not
+the checkpoint. No process group is needed beyond the 1-process one the read starts.
 
 The mappings are the model families' (:mod:`ckpt.families`): the family that claims the recorded
 ``model`` config picks the transformers class and builds its config and tensors (gtp-recipes:
@@ -289,18 +291,30 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None,
     if hf_cls is None:
         raise ExportError(f"transformers {transformers.__version__} has no {arch.hf_class}: "
                           f"install a transformers that has it (tested: 5.25)")
-    _, tensors = stock.read_logical(path, layout)
+    # The model tensors only (no optimizer state), read one at a time; MTP layers not read.
+    analysis = stock.analyze(path, layout)
+    keys = [k for k in analysis.tensors if not k.startswith("optimizer")]
+    mtp = sorted(k for k in keys if k.startswith(MTP_PREFIX))
+    model_keys = dict(stock.iter_logical(path, analysis=analysis,
+                                         keys=[k for k in keys if not k.startswith(MTP_PREFIX)]))
     vocab, eod = _vocab(common, data_cfg)
-    model_keys = {k: v for k, v in tensors.items() if not k.startswith("optimizer")
-                  and isinstance(v, torch.Tensor)}
-    mtp = sorted(k for k in model_keys if k.startswith(MTP_PREFIX))
-    model_keys = {k: v for k, v in model_keys.items() if not k.startswith(MTP_PREFIX)}
     config, state = build_state(arch, model_keys, model_cfg, vocab, _token_ids(common, eod),
                                 path)
-    # In the checkpoint's dtype: load_state_dict would cast a bf16 run's weights to fp32.
-    model = hf_cls(config).to(state[arch.embedding].dtype)
-    state = {k: v.contiguous()
-             for k, v in progress(state.items(), "export", total=len(state), unit="tensor")}
+    del model_keys  # what the state does not hold (views, or the parts of a split) goes now
+    # Untied: built on the meta device and given the state's tensors (assign), no second copy of
+    # the weights. Tied: an initialised model loads a copy, as classes tie (or, NemotronH, keep
+    # two) at construction. In the checkpoint's dtype: load_state_dict would cast bf16 to fp32.
+    assign = not config.tie_word_embeddings
+    with torch.device("meta" if assign else "cpu"):
+        model = hf_cls(config).to(state[arch.embedding].dtype)
+    seen = set()
+    for k in progress(list(state), "export", total=len(state), unit="tensor"):
+        t = state[k].contiguous()  # in place, one at a time: a view's base goes with its last view
+        storage = t.untyped_storage()
+        if assign and (storage.nbytes() != t.nbytes or storage.data_ptr() in seen):
+            t = t.clone()  # each weight its own storage, as an initialised model's parameters
+        seen.add(t.untyped_storage().data_ptr())
+        state[k] = t
     if config.tie_word_embeddings:  # the output layer is the embedding (one tensor in the file)
         state["lm_head.weight"] = state[arch.embedding]
     missing = sorted(set(model.state_dict()) - set(state) - {"lm_head.weight"})
@@ -308,7 +322,7 @@ def export(ckpt: str | os.PathLike, out_dir: str | os.PathLike, layout=None,
         raise ExportError(f"transformers {transformers.__version__}'s {arch.hf_class} has "
                           f"weights this export does not write: {missing[:4]} (MoE export "
                           f"needs transformers >= 5, fused experts)")
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(state, strict=True, assign=assign)
     if config.tie_word_embeddings:
         model.tie_weights()
     out = Path(out_dir)

@@ -15,10 +15,9 @@ record (stored as ``gtp_layout``), the real ``vocab_size``, no optimizer state) 
 ``eod_id`` and ``tokenizer`` (the HF dir when it holds a ``tokenizer.json``).
 
 No model is built. Each checkpoint tensor chunk is produced when the writer asks for it
-(a torch DCP ``SavePlanner`` whose ``resolve_data`` reads the source tensors of one layer and
-maps them). torch's ``FileSystemWriter`` keeps the last chunk of each key until its file is
-written, so the peak is about the vocabulary tensors plus one layer's tensors per key, whatever
-the number of layers. Per-layer tensors are stored as megatron stores them, stacked along a
+(:mod:`ckpt.format.dcp_writer`: the source tensors of one layer, read and mapped), and freed
+when the next is asked for, so the peak is about the largest chunk (a vocabulary tensor, or
+one layer's tensor of one key), whatever the number of layers. Per-layer tensors are stored as megatron stores them, stacked along a
 leading layer axis (``[num_layers, ...]``), one chunk per layer.
 
 The mappings (inverse of :mod:`ckpt.hf.hf_export`, same megatron names) are the model families'
@@ -36,17 +35,15 @@ Every file read must lie inside ``HF_DIR`` (symlinks resolved) and every size of
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Callable
 
 from ckpt import families
+from ckpt.format import dcp_writer
 from ckpt.hf import mapping
 from ckpt.hf.hf_weights import HFImportError, Weights, check_sizes, confined
-from gtp.progress import progress
 from ckpt.format.records import (GTP_FORMAT_LOGICAL, IMPORTED_KEY, SHARDING_RECORD_KEY, TRACKER,
                          megatron_core_version)
 
@@ -210,51 +207,13 @@ def _plan(arch: families.HFImport, m: dict, weights: Weights) -> dict:
 
 
 # ------------------------------------------------------------------------------------------
-# writing: torch DCP, one chunk resolved at a time
+# writing: torch DCP, one chunk resolved at a time (ckpt.format.dcp_writer)
 # ------------------------------------------------------------------------------------------
-def _planner_class():
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.checkpoint.planner import SavePlan
-
-    class _LazyPlanner(DefaultSavePlanner):
-        """Plans the given write items; ``resolve_data`` makes each chunk when it is written."""
-
-        def __init__(self, items, producers):
-            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-            self._items, self._producers = items, producers
-
-        def create_local_plan(self):
-            self.plan = SavePlan(self._items)
-            return self.plan
-
-        def resolve_data(self, write_item):
-            return self._producers[(write_item.index.fqn, tuple(write_item.index.offset or ()))]()
-
-    return _LazyPlanner
-
-
-def _tensor_item(fqn: str, offset: tuple, sizes: tuple, global_size: tuple, dtype):
-    import torch
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
-                                                       TensorProperties)
-    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-
-    return WriteItem(
-        index=MetadataIndex(fqn, torch.Size(offset)), type=WriteItemType.SHARD,
-        tensor_data=TensorWriteData(
-            chunk=ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(sizes)),
-            properties=TensorProperties(dtype=dtype), size=torch.Size(global_size)))
-
-
 def _write_dcp(path: Path, plan: dict, weights: Weights, common: dict) -> int:
     """Write the checkpoint files into ``path``; returns the number of bytes of tensor data."""
     import torch
-    import torch.distributed.checkpoint as dcp
-    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-    items, producers, total = [], {}, 0
+    chunks, total = [], 0
     for key, (srcs, per_layer, fn) in plan.items():
         # The shape and dtype of one produced chunk, from the first source's metadata only.
         first = fn([torch.empty(weights.meta(s)[0], dtype=weights.meta(s)[1], device="meta")
@@ -278,43 +237,10 @@ def _write_dcp(path: Path, plan: dict, weights: Weights, common: dict) -> int:
                                         f"{tuple(t.shape)}, expected {sizes}")
                 return t.reshape(sizes).contiguous()
 
-            items.append(_tensor_item(key, offset, sizes, global_size, dtype))
-            producers[(key, offset)] = make
+            chunks.append((key, offset, sizes, global_size, dtype, make))
             total += first.numel() * first.element_size()
-    blob = io.BytesIO()
-    torch.save([common], blob)
-    # megatron's current torch_dist format: the common state is the ShardedObject "common_state".
-    common_fqn = "common_state/shard_0_1"
-    items.append(WriteItem(index=MetadataIndex(common_fqn), type=WriteItemType.BYTE_IO))
-    producers[(common_fqn, ())] = lambda: io.BytesIO(blob.getvalue())
-    planner = _planner_class()(items, _Progress(producers, len(items)))
-    writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, thread_count=1,
-                                  sync_files=True)
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
-    except CheckpointException as exc:  # a producer's error, wrapped by DCP: raise it as is
-        for failure in getattr(exc, "failures", {}).values():
-            cause = getattr(failure, "exc", failure)
-            if isinstance(cause, HFImportError):
-                raise cause from None
-        raise
-    save_config(CheckpointingConfig("torch_dist", 1), str(path))
+    dcp_writer.write(path, chunks, common, label="import", errors=(HFImportError,))
     return total
-
-
-class _Progress(dict):
-    """The producers, reporting progress as chunks are made (``gtp.progress``)."""
-
-    def __init__(self, producers: dict, total: int):
-        super().__init__(producers)
-
-        self._bar = iter(progress(range(total), "import", total=total, unit="chunk"))
-
-    def __getitem__(self, key) -> Callable:
-        next(self._bar, None)
-        return super().__getitem__(key)
 
 
 def _common(kind: str, model: dict, config, hf_dir: Path, vocab: int) -> dict:

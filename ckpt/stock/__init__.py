@@ -13,6 +13,7 @@ Entry points:
   whether its stored rows differ (no tensor data is read; :mod:`ckpt.stock.analysis` says
   where the layout comes from).
 * :func:`read_logical` - the logical tensors of any checkpoint (stock ones reconstructed).
+* :func:`iter_logical` / :class:`LogicalReader` - the same, one tensor read at a time.
 * :func:`convert` - write a stock checkpoint as a normal logical one (non-GTP layout record).
 * :func:`prepare_load` - the hook of ``ckpt.io.load_checkpoint``: converts a stock
   checkpoint once into ``<root>/gtp_converted/`` and returns the directory to load.
@@ -32,7 +33,7 @@ from ckpt.stock.conversion import CONVERTED_KEY, convert
 from ckpt.stock.format import (FORMAT_STOCK, SHARDING_RECORD_KEY, StockCheckpointError,
                                checkpoint_format)
 from ckpt.stock.loading import CONVERTED_DIR, prepare_load
-from ckpt.stock.reading import read_logical
+from ckpt.stock.reading import LogicalReader, iter_logical, read_logical
 from ckpt.stock.specs import LAYOUT_KEYS, Analysis, SavedLayout, TensorInfo, parse_layout, split_key
 
 __all__ = [
@@ -48,6 +49,8 @@ __all__ = [
     "is_stock",
     "parse_layout",
     "prepare_load",
+    "LogicalReader",
+    "iter_logical",
     "read_logical",
     "resolve_iter_dir",
 ]

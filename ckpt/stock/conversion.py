@@ -6,11 +6,12 @@ import copy
 import os
 import shutil
 from pathlib import Path
-from typing import Mapping, Optional
 
 from ckpt.format.records import megatron_core_version
 from ckpt.stock.format import FORMAT_LOGICAL, SHARDING_RECORD_KEY, TRACKER, StockCheckpointError
-from ckpt.stock.reading import ensure_dist, read_logical
+from ckpt.format import dcp_writer
+from ckpt.stock.analysis import analyze
+from ckpt.stock.reading import LogicalReader, ensure_dist
 from ckpt.stock.specs import Analysis, SavedLayout, get_path
 
 # Common-state key of a converted checkpoint: where it came from.
@@ -107,25 +108,21 @@ def _read_objects(path: Path) -> list:
     return [(o.key, o.global_shape, o.global_offset, loaded[uk]) for uk, o in state.items()]
 
 
-def _write(dst_iter: Path, common: dict, tensors: Optional[Mapping], objects=()) -> None:
-    """Collective: every rank calls; rank 0 passes all tensors (one unfragmented shard each,
-    replica 0) and sharded objects, the others none. ``common`` must be the same on every rank."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+def _write(dst_iter: Path, analysis: Analysis, common: dict, objects=()) -> None:
+    """Write the logical checkpoint of ``analysis`` into ``dst_iter`` from this rank alone, one
+    tensor at a time (:mod:`ckpt.format.dcp_writer`; each read when the writer asks for it:
+    :class:`ckpt.stock.reading.LogicalReader`): one unfragmented chunk per tensor, the common
+    state ``common`` and the sharded ``objects``."""
+    reader = LogicalReader(analysis)
+    tensors = []
+    for key, info in analysis.tensors.items():
+        shape = tuple(int(d) for d in info.logical_shape)
+        tensors.append((key, (0,) * len(shape), shape, shape, reader.metadata[key].dtype,
+                        lambda key=key: reader.read(key).contiguous()))
 
-    state = dict(common)
-    if tensors:  # (an empty dict would stay in the other ranks' common state)
-        state["model"] = {
-            key: ShardedTensor.from_rank_offsets(key, t.contiguous(), replica_id=0)
-            for key, t in tensors.items()
-        }
-    if objects:
-        state["objects"] = {
-            f"{key}/{'.'.join(map(str, offset))}": ShardedObject(key, data, tuple(shape),
-                                                                 tuple(offset), replica_id=0)
-            for key, shape, offset, data in objects
-        }
-    dist_checkpointing.save(state, str(dst_iter))
+    objects = [(key, offset, shape, data) for key, shape, offset, data in objects]
+    dcp_writer.write(dst_iter, tensors, common, objects, label="convert",
+                     errors=(StockCheckpointError,))
 
 
 def _tracked(root: Path):
@@ -179,10 +176,10 @@ def convert(src, dst_root, layout=None) -> Path:
     cleanup = ensure_dist()
     try:
         rank = torch.distributed.get_rank()
-        status, tensors, objects = None, None, ()
+        status, analysis, objects = None, None, ()
         if rank == 0:
             try:
-                analysis, tensors = read_logical(src, layout)
+                analysis = analyze(src, layout)
                 objects = _read_objects(analysis.path)
                 common = _converted_common(analysis)
                 status = ("ok", common, int(common.get("iteration", 0) or 0))
@@ -203,16 +200,22 @@ def convert(src, dst_root, layout=None) -> Path:
                 f"converted {iteration}; writing would move it back: convert into another dir")
         # Written beside, renamed into place when complete: an existing save stays whole.
         staged = dst_root / f".{dst_iter.name}.staging"
-        if rank == 0:
-            dst_root.mkdir(parents=True, exist_ok=True)
-            if staged.exists():
-                shutil.rmtree(staged)
-            staged.mkdir()
-        if torch.distributed.get_world_size() > 1:
-            torch.distributed.barrier()
-        _write(staged, common, tensors, objects)
-        if torch.distributed.get_world_size() > 1:
-            torch.distributed.barrier()
+        written = None
+        if rank == 0:  # reads and writes alone; the others wait for its status
+            try:
+                dst_root.mkdir(parents=True, exist_ok=True)
+                if staged.exists():
+                    shutil.rmtree(staged)
+                staged.mkdir()
+                _write(staged, analysis, common, objects)
+                written = ("ok", "")
+            except StockCheckpointError as exc:
+                written = ("error", str(exc))
+            except Exception as exc:  # noqa: BLE001 - the other ranks must not wait forever
+                written = ("error", f"cannot read {src}: {type(exc).__name__}: {exc}")
+        written = broadcast_object(written)
+        if written[0] == "error":
+            raise StockCheckpointError(written[1])
         if rank == 0:
             aside = dst_root / f".{dst_iter.name}.replaced"
             if dst_iter.exists():
