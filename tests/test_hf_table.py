@@ -139,3 +139,77 @@ def test_export_then_import_is_the_identity(kind, tied, loaded):
     assert again.keys() == hf2.keys()
     for name, t in hf2.items():
         assert torch.equal(again[name], t), name
+
+
+class _Headers:
+    """A stand-in for :class:`ckpt.hf.hf_weights.Weights`: the safetensors headers
+    ``{name: shape}`` only; a lookup of more names than a tiny model has fails the test (a
+    count the weights do not confirm is being counted through)."""
+
+    class _Names(set):
+        def __contains__(self, name):
+            self.asked = getattr(self, "asked", 0) + 1
+            assert self.asked < 10_000, "names looked up past the model's tensors"
+            return super().__contains__(name)
+
+    def __init__(self, shapes: dict):
+        self.shapes = shapes
+
+    def names(self):
+        return self._Names(self.shapes)
+
+    def meta(self, name):
+        return self.shapes[name], torch.float32
+
+
+def _check_sizes(kind: str, headers: dict, **changed):
+    """:func:`ckpt.hf.hf_weights.check_sizes` of the tiny ``kind`` model's ``headers`` with the
+    ``model`` fields ``changed`` (as a config.json claiming them gives them)."""
+    from ckpt.hf.hf_weights import check_sizes
+
+    _, m, _, prefix, _ = _setup(kind, False)
+    check_sizes(families.for_model_type(kind).imports, {**m, **changed}, VOCAB,
+                _Headers(headers), prefix)
+
+
+def _headers(kind: str) -> dict:
+    _, _, table, prefix, size = _setup(kind, False)
+    return _expand(mapping.sizes(table, prefix), size)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_a_head_width_other_than_the_weights_names_head_dim(kind):
+    """A config.json ``head_dim`` (kv_channels) the q/k/v rows disagree with is named with the
+    heads it multiplies: ``num_attention_heads=4 x head_dim=6``, not the heads alone."""
+    from ckpt.hf.hf_weights import HFImportError
+
+    _check_sizes(kind, _headers(kind))  # the headers as they are pass
+    with pytest.raises(HFImportError, match=r"config.json num_attention_heads=4 x head_dim=6: "
+                       r"tensor 'model.layers.0.self_attn.q_proj.weight' has shape \(32, 16\), "
+                       r"the config implies \(24, 16\)"):
+        _check_sizes(kind, _headers(kind), kv_channels=6)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_a_missing_router_is_named_before_a_crafted_expert_count_is_counted(kind):
+    """No router (the tensor whose rows confirm the expert count) and a config.json claiming
+    10**12 experts: the missing router is named at once, no expert name made of the count (the
+    stand-in fails the test past 10,000 name look-ups)."""
+    from ckpt.hf.hf_weights import HFImportError
+
+    headers = {n: s for n, s in _headers(kind).items() if not n.endswith("gate.weight")}
+    with pytest.raises(HFImportError, match=r"the weights lack tensor 'model\.layers\.0\.\w+\."
+                       r"gate\.weight' \(needed for megatron's decoder\.layers\.mlp\.router"):
+        _check_sizes(kind, headers, num_moe_experts=10**12)
+
+
+def test_a_tensor_of_more_dims_names_no_config_field():
+    """A norm weight ``[16, 1]`` where ``[16]`` is due: every size agrees, so the refusal
+    blames no config.json field (it named ``hidden_size=16``, a size the tensor agrees with)."""
+    from ckpt.hf.hf_weights import HFImportError
+
+    headers = _headers("llama")
+    headers["model.norm.weight"] = (HIDDEN, 1)
+    with pytest.raises(HFImportError, match=r"^tensor 'model\.norm\.weight' has shape \(16, 1\), "
+                       r"a 1-dim tensor \(16,\) expected$"):
+        _check_sizes("llama", headers)

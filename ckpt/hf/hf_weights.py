@@ -132,8 +132,10 @@ def check_sizes(arch, model: dict, vocab_size, weights: Weights, prefix: str) ->
     Raises:
         HFImportError: a size that is not a positive integer, a layer count other than the
             layers the weights hold, heads that do not divide the hidden size or are not a
-            multiple of the query groups, or a tensor whose shape another size gives; each names
-            the ``config.json`` field, its value and what the weights hold.
+            multiple of the query groups, or a tensor whose shape another size gives (each names
+            the ``config.json`` field, both of a product such as heads x head_dim, its value and
+            what the weights hold); a tensor of the table the weights lack (named, before any
+            routed expert's name is made of a count the weights do not confirm).
     """
     fields = arch.size_fields
     sizes = {"layers": model["num_layers"], "hidden": model["hidden_size"],
@@ -164,22 +166,36 @@ def check_sizes(arch, model: dict, vocab_size, weights: Weights, prefix: str) ->
     # An explicit head width (config.json head_dim: kv_channels) or hidden / heads.
     sizes["head_dim"] = model.get("kv_channels") or sizes["hidden"] // sizes["heads"]
     names = weights.names()
-    for pattern, dims in mapping.sizes(arch.table(model), prefix).items():
-        per_layer = "{i}" in pattern
-        # "{e}": one name per routed expert (a generator: the router, listed before the experts,
-        # has already checked their number against the weights)
-        layer_experts = ((i, e) for i in (range(sizes["layers"]) if per_layer else (0,))
-                         for e in (range(sizes["experts"]) if "{e}" in pattern else (0,)))
-        for i, e in layer_experts:
-            name = pattern.format(i=i, e=e)
-            if name not in names:
-                continue  # hf_import's plan names a missing tensor
-            shape = tuple(weights.meta(name)[0])
-            want = mapping.shape(dims, sizes)
-            if shape == want:
-                continue
-            at = next((d for d in range(len(dims)) if d >= len(shape) or shape[d] != want[d]),
-                      0)
-            key = dims[at][0]
-            raise HFImportError(f"config.json {fields.get(key, key)}={sizes[key]}: tensor "
-                                f"{name!r} has shape {shape}, the config implies {want}")
+    for entry in arch.table(model):
+        for pattern, dims in mapping.sizes([entry], prefix).items():
+            _check_shapes(entry, pattern, dims, sizes, fields, weights, names)
+
+
+def _check_shapes(entry, pattern: str, dims, sizes: dict, fields: dict, weights: Weights,
+                  names: set) -> None:
+    """Every layer's (and routed expert's) tensor of ``pattern`` present, of the shape ``dims``
+    gives at ``sizes`` (:func:`check_sizes`)."""
+    # "{e}": one name per routed expert (a generator: the router, listed before the experts, has
+    # already checked their number against the weights, or is missing and refused, so a crafted
+    # expert count is never counted through)
+    layer_experts = ((i, e) for i in (range(sizes["layers"]) if "{i}" in pattern else (0,))
+                     for e in (range(sizes["experts"]) if "{e}" in pattern else (0,)))
+    for i, e in layer_experts:
+        name = pattern.format(i=i, e=e)
+        if name not in names:
+            raise HFImportError(f"the weights lack tensor {name!r} (needed for megatron's "
+                                f"{entry.megatron})")
+        shape = tuple(weights.meta(name)[0])
+        want = mapping.shape(dims, sizes)
+        if shape == want:
+            continue
+        at = next((d for d in range(len(want)) if d >= len(shape) or shape[d] != want[d]), None)
+        if at is None:  # the sizes agree, the tensor has more dims: no config field is wrong
+            raise HFImportError(f"tensor {name!r} has shape {shape}, a {len(want)}-dim tensor "
+                                f"{want} expected")
+        key, factor = dims[at]
+        field = f"{fields.get(key, key)}={sizes[key]}"
+        if isinstance(factor, str):  # e.g. heads x head_dim: either may be the wrong one
+            field += f" x {fields.get(factor, factor)}={sizes[factor]}"
+        raise HFImportError(f"config.json {field}: tensor {name!r} has shape {shape}, the "
+                            f"config implies {want}")
