@@ -72,10 +72,9 @@ def worker(cfg_path: str, out_path: str) -> None:
 
     from ckpt.format import dcp_reader, logical_format
     from ckpt import io as checkpoint
-    from recipes.data import build_train_iterator
-    from recipes.run.loop import train_step
     from recipes.config.validate import validate
-    from recipes.run.worker import init_distributed, setup
+    from benchmarks.runs import trained_model
+    from recipes.run.worker import init_distributed
 
     threads = int(os.environ.get("BENCH_THREADS", "0"))
     if threads > 0:
@@ -86,12 +85,7 @@ def worker(cfg_path: str, out_path: str) -> None:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     parallel_dims = validate(cfg, world)
     t_setup = time.perf_counter()
-    tokenizer, model, optimizer, scheduler = setup(cfg, parallel_dims)
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    dp_rank, dp_size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
-    data = build_train_iterator(cfg, 0, dp_rank, dp_size, tokenizer=tokenizer)
-    num_micro = cfg.data.global_batch_size // (cfg.data.micro_batch_size * dp_size)
-    train_step(model, optimizer, scheduler, data, num_micro, cfg)  # Adam moments exist from here
+    model, optimizer, scheduler, step = trained_model(cfg, parallel_dims)  # Adam moments exist
     setup_s = time.perf_counter() - t_setup
     record = checkpoint.layout_record(parallel_dims)
     common = {"consumed_samples": cfg.data.global_batch_size, "wandb_run_id": None}
@@ -156,7 +150,7 @@ def worker(cfg_path: str, out_path: str) -> None:
 
         def train() -> None:
             for _ in range(train_steps):
-                train_step(model, optimizer, scheduler, data, num_micro, cfg)
+                step()
         raw = {"parallel": [], "single": []}
         for rep in range(repeats):
             it = rep + 1

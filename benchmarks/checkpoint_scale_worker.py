@@ -70,9 +70,8 @@ def worker(cfg_path: str, out_path: str) -> None:
     from ckpt import io as checkpoint
     from ckpt.format import logical_format
     from recipes.config.validate import validate
-    from recipes.data import build_train_iterator
-    from recipes.run.loop import train_step
-    from recipes.run.worker import init_distributed, setup
+    from benchmarks.runs import trained_model
+    from recipes.run.worker import init_distributed
 
     threads = int(os.environ.get("BENCH_THREADS", "0"))
     if threads > 0:
@@ -82,16 +81,12 @@ def worker(cfg_path: str, out_path: str) -> None:
     init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     parallel_dims = validate(cfg, world)
-    tokenizer, model, optimizer, scheduler = setup(cfg, parallel_dims)
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    dp_rank, dp_size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
-    data = build_train_iterator(cfg, 0, dp_rank, dp_size, tokenizer=tokenizer)
-    num_micro = cfg.data.global_batch_size // (cfg.data.micro_batch_size * dp_size)
-    train_step(model, optimizer, scheduler, data, num_micro, cfg)  # Adam moments exist from here
+    model, optimizer, scheduler, _ = trained_model(cfg, parallel_dims)  # Adam moments exist
     logical_format.configure("logical")
     record = checkpoint.layout_record(parallel_dims)
     common = {"consumed_samples": cfg.data.global_batch_size, "wandb_run_id": None}
     root = Path(bench.files)
+    dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     mine: dict = {"rank": rank, "dp_size": dp_size,
                   "local_param_numel": sum(p.numel() for p in model.parameters()),
                   "save": {f: [] for f in bench.formats}, "load": {f: [] for f in bench.formats}}

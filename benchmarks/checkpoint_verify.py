@@ -50,21 +50,15 @@ def _worker(cfg_path: str, out_path: str) -> None:
     from ckpt.format import dcp_reader
     from ckpt import verify
     from ckpt import io as checkpoint
-    from recipes.data import build_train_iterator
-    from recipes.run.loop import train_step
     from recipes.config.validate import validate
-    from recipes.run.worker import init_distributed, setup
+    from benchmarks.runs import trained_model
+    from recipes.run.worker import init_distributed
 
     cfg = OmegaConf.load(cfg_path)
     init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     parallel_dims = validate(cfg, world)
-    tokenizer, model, optimizer, scheduler = setup(cfg, parallel_dims)
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    dp_rank, dp_size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
-    data = build_train_iterator(cfg, 0, dp_rank, dp_size, tokenizer=tokenizer)
-    num_micro = cfg.data.global_batch_size // (cfg.data.micro_batch_size * dp_size)
-    train_step(model, optimizer, scheduler, data, num_micro, cfg)  # Adam moments exist
+    model, optimizer, scheduler, _ = trained_model(cfg, parallel_dims)  # Adam moments exist
     record = checkpoint.layout_record(parallel_dims)
     root = Path(cfg.bench.files)
     common = {"consumed_samples": cfg.data.global_batch_size, "wandb_run_id": None}

@@ -1,5 +1,6 @@
 """What every launching benchmark sets up the same way: its ``--quick``/``--repeats``/``--out``
-arguments, its output folder and the environment its launched ranks inherit."""
+arguments, its output folder, the environment its launched ranks inherit, and (in a rank) the
+model trained one step."""
 
 from __future__ import annotations
 
@@ -40,3 +41,31 @@ def write_rows(out: Path, name: str, rows: list[dict], table: str) -> None:
     (out / "results.json").write_text(json.dumps({
         "benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows,
         "table": table}, indent=1))
+
+
+def trained_model(cfg, parallel_dims):
+    """In one rank of a benchmark's gloo world (``init_distributed`` called): the model of
+    ``cfg`` at ``parallel_dims`` after one training step, so that the Adam moments exist.
+
+    Returns:
+        ``(model, optimizer, scheduler, step)``: ``step()`` runs one more training step on the
+        same data iterator.
+    """
+    import torch
+    from megatron.core import parallel_state
+
+    from recipes.data import build_train_iterator
+    from recipes.run.loop import train_step
+    from recipes.run.worker import setup
+
+    tokenizer, model, optimizer, scheduler = setup(cfg, parallel_dims)
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    dp_rank, dp_size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+    data = build_train_iterator(cfg, 0, dp_rank, dp_size, tokenizer=tokenizer)
+    num_micro = cfg.data.global_batch_size // (cfg.data.micro_batch_size * dp_size)
+
+    def step():
+        train_step(model, optimizer, scheduler, data, num_micro, cfg)
+
+    step()
+    return model, optimizer, scheduler, step
