@@ -68,22 +68,13 @@ def worker(cfg_path: str, out_path: str) -> None:
     loads, write this rank's timings (seconds) as JSON to ``out_path``."""
     import torch
     from megatron.core import parallel_state
-    from omegaconf import OmegaConf
 
     from ckpt.format import dcp_reader, logical_format
     from ckpt import io as checkpoint
-    from recipes.config.validate import validate
-    from benchmarks.runs import trained_model
-    from recipes.run.worker import init_distributed
+    from benchmarks.runs import start_rank, trained_model
 
-    threads = int(os.environ.get("BENCH_THREADS", "0"))
-    if threads > 0:
-        torch.set_num_threads(threads)
-    cfg = OmegaConf.load(cfg_path)
+    cfg, rank, world, parallel_dims = start_rank(cfg_path)
     bench = cfg.bench
-    init_distributed()
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    parallel_dims = validate(cfg, world)
     t_setup = time.perf_counter()
     model, optimizer, scheduler, step = trained_model(cfg, parallel_dims)  # Adam moments exist
     setup_s = time.perf_counter() - t_setup

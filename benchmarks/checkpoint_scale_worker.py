@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 from math import prod
 from pathlib import Path
@@ -65,22 +64,13 @@ def worker(cfg_path: str, out_path: str) -> None:
     rank's measurements (seconds, bytes) as JSON to ``out_path`` (rank 0)."""
     import torch
     from megatron.core import parallel_state
-    from omegaconf import OmegaConf
 
     from ckpt import io as checkpoint
     from ckpt.format import logical_format
-    from recipes.config.validate import validate
-    from benchmarks.runs import trained_model
-    from recipes.run.worker import init_distributed
+    from benchmarks.runs import start_rank, trained_model
 
-    threads = int(os.environ.get("BENCH_THREADS", "0"))
-    if threads > 0:
-        torch.set_num_threads(threads)
-    cfg = OmegaConf.load(cfg_path)
+    cfg, rank, world, parallel_dims = start_rank(cfg_path)
     bench = cfg.bench
-    init_distributed()
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    parallel_dims = validate(cfg, world)
     model, optimizer, scheduler, _ = trained_model(cfg, parallel_dims)  # Adam moments exist
     logical_format.configure("logical")
     record = checkpoint.layout_record(parallel_dims)

@@ -44,20 +44,14 @@ CASES = ("load_verified", "load_unverified", "load_no_crc", "verify_one_process"
 def _worker(cfg_path: str, out_path: str) -> None:
     import torch
     from megatron.core import parallel_state
-    from omegaconf import OmegaConf
 
     from benchmarks.measure import in_turn, measure
     from ckpt.format import dcp_reader
     from ckpt import verify
     from ckpt import io as checkpoint
-    from recipes.config.validate import validate
-    from benchmarks.runs import trained_model
-    from recipes.run.worker import init_distributed
+    from benchmarks.runs import start_rank, trained_model
 
-    cfg = OmegaConf.load(cfg_path)
-    init_distributed()
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    parallel_dims = validate(cfg, world)
+    cfg, rank, world, parallel_dims = start_rank(cfg_path, bench_threads=False)
     model, optimizer, scheduler, _ = trained_model(cfg, parallel_dims)  # Adam moments exist
     record = checkpoint.layout_record(parallel_dims)
     root = Path(cfg.bench.files)

@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.memory import MALLOC_ENV
+from benchmarks.runs import write_results
 from benchmarks.tables import table
 
 # name: (family, hidden, ffn per expert or dense, layers, experts, vocab)
@@ -117,10 +118,7 @@ def main(argv=None) -> int:
                   "import peak MiB", "peak / one layer", "(peak - vocab) / one layer"], rows)
     print(text)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-        (out / "table.txt").write_text(text + "\n")
+        write_results(Path(args.out), results, text)
     return 0
 
 

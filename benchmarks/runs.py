@@ -43,6 +43,37 @@ def write_rows(out: Path, name: str, rows: list[dict], table: str) -> None:
         "table": table}, indent=1))
 
 
+def write_results(out: Path, results, table: str) -> None:
+    """Write ``results`` as ``<out>/results.json`` and the printed ``table`` as
+    ``<out>/table.txt`` (``out`` created)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "table.txt").write_text(table + "\n")
+
+
+def start_rank(cfg_path: str, bench_threads: bool = True):
+    """In one rank of a benchmark's gloo world: torch's threads set from ``BENCH_THREADS`` (when
+    ``bench_threads`` and it is positive), the run config of ``cfg_path`` loaded, the process
+    group joined (``recipes.run.worker.init_distributed``) and the config validated.
+
+    Returns:
+        ``(cfg, rank, world, parallel_dims)``.
+    """
+    import torch
+    from omegaconf import OmegaConf
+
+    from recipes.config.validate import validate
+    from recipes.run.worker import init_distributed
+
+    threads = int(os.environ.get("BENCH_THREADS", "0"))
+    if bench_threads and threads > 0:
+        torch.set_num_threads(threads)
+    cfg = OmegaConf.load(cfg_path)
+    init_distributed()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return cfg, rank, world, validate(cfg, world)
+
+
 def trained_model(cfg, parallel_dims):
     """In one rank of a benchmark's gloo world (``init_distributed`` called): the model of
     ``cfg`` at ``parallel_dims`` after one training step, so that the Adam moments exist.

@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.memory import MALLOC_ENV
-from benchmarks.runs import REPO
+from benchmarks.runs import REPO, write_results
 from benchmarks.tables import table
 
 # name: train.py overrides (besides the model's)
@@ -166,10 +166,7 @@ def main(argv=None) -> int:
                   "peak / largest tensor"], rows)
     print(text)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-        (out / "table.txt").write_text(text + "\n")
+        write_results(Path(args.out), results, text)
     return 0
 
 
