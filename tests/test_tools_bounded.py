@@ -100,7 +100,6 @@ def _with_run_config(src: Path, root: Path) -> Path:
 
 
 def test_export_reads_the_model_tensors_only_one_per_request(tmp_path, monkeypatch):
-    pytest.importorskip("transformers")
     src = _with_run_config(GOLDEN / "fp32_g2a16", tmp_path / "ckpt")
     sizes = _stored_bytes(src / "iter_0000001")
     model = {k for k in sizes if not k.startswith("optimizer")}
