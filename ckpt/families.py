@@ -45,6 +45,9 @@ class HFImport:
             the table's dims.
         layer: regex after the prefix whose group 1 is a layer number (``r"h\\.(\\d+)\\."``).
         buffers: name endings of saved tensors that are not weights (skipped).
+        sizes: ``model dict -> {size key: value}``, the architecture's size keys beyond the
+            ones above (multi-latent attention's ranks, a shared expert's width), each also a
+            key of ``size_fields``; None: none.
     """
 
     fields: Callable[[Any], dict]
@@ -53,6 +56,7 @@ class HFImport:
     size_fields: Mapping[str, str]
     layer: str
     buffers: tuple[str, ...] = ()
+    sizes: Optional[Callable[[dict], dict]] = None
 
 
 @dataclass(frozen=True)

@@ -145,8 +145,12 @@ def check_sizes(arch, model: dict, vocab_size, weights: Weights, prefix: str) ->
              # routed experts and their width (MoE families; "{e}" in a name: each expert)
              "experts": model.get("num_moe_experts"),
              "expert_ffn": model.get("moe_ffn_hidden_size")}
+    own = arch.sizes(model) if arch.sizes is not None else {}
+    sizes.update(own)  # the architecture's own (multi-latent attention's ranks, ...)
     for key, field in fields.items():
         value = sizes[key]
+        if value is None and key in own:  # a part the model does not have (no shared expert)
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise HFImportError(f"config.json {field}={value!r}: a positive integer")
     layer = re.compile(re.escape(prefix) + arch.layer)
@@ -178,7 +182,8 @@ def _check_shapes(entry, pattern: str, dims, sizes: dict, fields: dict, weights:
     # "{e}": one name per routed expert (a generator: the router, listed before the experts, has
     # already checked their number against the weights, or is missing and refused, so a crafted
     # expert count is never counted through)
-    layer_experts = ((i, e) for i in (range(sizes["layers"]) if "{i}" in pattern else (0,))
+    layers = entry.layers if entry.layers is not None else range(sizes["layers"])
+    layer_experts = ((i, e) for i in (layers if "{i}" in pattern else (0,))
                      for e in (range(sizes["experts"]) if "{e}" in pattern else (0,)))
     for i, e in layer_experts:
         name = pattern.format(i=i, e=e)

@@ -16,6 +16,11 @@ expert. Kinds:
 * :class:`GatedFC1`: ``[gate; up]`` <-> megatron's gated fc1 rows;
 * :class:`Experts`: per-expert tensors <-> megatron's ``[experts, ...]`` stack.
 
+Layers that differ (dense layers before MoE ones: megatron's ``non_homogeneous_layers``, which
+``moe_layer_freq`` as a list implies) are saved by megatron one key per layer
+(``decoder.layers.3.mlp.router.weight``, no layer dim): such an entry's megatron key holds
+``"{i}"`` too and its ``layers`` name the layers it maps (:func:`per_layer_keys`).
+
 Saved and loaded names: transformers >= 5 holds some weights in its model under other names
 than ``save_pretrained`` writes (Mixtral's ``block_sparse_moe.experts.<e>.w1`` are saved,
 ``mlp.experts.gate_up_proj`` held). An import reads the saved names; an export loads the held
@@ -74,6 +79,8 @@ class Entry:
             megatron tensor for :class:`Experts`, a rename for :class:`Direct`).
         vocab: the rows are the vocabulary (megatron pads them; an export drops the padding).
         prefixed: the names lie under the architecture's prefix (False: ``lm_head``).
+        layers: with ``"{i}"`` in ``megatron``, the layers this entry maps, each its own
+            megatron key (:func:`per_layer_keys`); None: every layer, stacked.
     """
 
     megatron: str
@@ -82,6 +89,14 @@ class Entry:
     loaded: Optional[tuple] = None
     vocab: bool = False
     prefixed: bool = True
+    layers: Optional[tuple] = None
+
+    def layer_keys(self, m: dict) -> list:
+        """``[(layer or None, megatron key)]``: one per layer of :attr:`layers` when the
+        megatron key is per layer, else ``[(None, key)]`` (one tensor, stacked if per layer)."""
+        if self.layers is None:
+            return [(None, self.megatron)]
+        return [(i, self.megatron.format(i=i)) for i in self.layers]
 
     @property
     def per_layer(self) -> bool:
@@ -204,11 +219,32 @@ def _full(entry: Entry, name: str, prefix: str) -> str:
     return prefix + name if entry.prefixed else name
 
 
+def per_layer_keys(table, layers) -> list:
+    """``table``'s stacked per-layer entries (megatron key under ``decoder.layers.``) with
+    one megatron key per layer instead, for the ``layers`` given (megatron's keys when layers
+    differ: ``decoder.layers.<i>.<module>``); other entries unchanged."""
+    import dataclasses
+
+    head = "decoder.layers."
+    return [dataclasses.replace(e, megatron=head + "{i}." + e.megatron[len(head):],
+                                layers=tuple(layers))
+            if e.megatron.startswith(head) and e.per_layer else e for e in table]
+
+
 def plan(table, m: dict, prefix: str) -> list:
     """:mod:`ckpt.hf.hf_import`'s plan of ``table`` (a model's entries): ``[(megatron key,
-    [saved HF names, "{i}" the layer], per_layer, fn(list of tensors) -> tensor)]``."""
-    return [(e.megatron, [_full(e, n, prefix) for n in e.names(m)], e.per_layer,
-             lambda tensors, e=e: e.to_megatron(tensors, m)) for e in table]
+    [saved HF names, "{i}" the layer], per_layer, fn(list of tensors) -> tensor)]`` (an entry
+    with a megatron key per layer: one item per layer, its names with the layer filled in)."""
+    out = []
+    for e in table:
+        names = [_full(e, n, prefix) for n in e.names(m)]
+        fn = (lambda tensors, e=e: e.to_megatron(tensors, m))
+        for i, key in e.layer_keys(m):
+            if i is None:
+                out.append((key, names, e.per_layer, fn))
+            else:
+                out.append((key, [n.format(i=i) for n in names], False, fn))
+    return out
 
 
 def sizes(table, prefix: str, loaded: bool = False) -> dict:
@@ -233,10 +269,13 @@ def state_dict(table, tensors: dict, m: dict, vocab: int, prefix: str,
     """
     out = {}
     for e in table:
-        t = tensors[e.megatron]
-        layers = range(m["num_layers"]) if e.per_layer else (None,)
-        for i in layers:
-            part = t if i is None else t[i]
+        if e.layers is not None:  # one megatron key per layer
+            parts = [(i, tensors[key]) for i, key in e.layer_keys(m)]
+        else:
+            t = tensors[e.megatron]
+            parts = ([(i, t[i]) for i in range(m["num_layers"])] if e.per_layer
+                     else [(None, t)])
+        for i, part in parts:
             part = part[:vocab] if e.vocab else part
             out.update({_full(e, n, prefix).format(i=i): v
                         for n, v in e.to_hf(part, m, loaded).items()})

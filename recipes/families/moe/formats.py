@@ -51,13 +51,14 @@ from typing import Any
 
 from ckpt.families import ExportError, FamilyFormats, HFArchitecture, HFImport
 from ckpt.hf.mapping import builder
-from recipes.families.moe import hf_import, hf_table
+from recipes.families.moe import hf_deepseek, hf_import, hf_table
 
 # The fields that size or count stored tensors (ckpt.format.records.unbounded_size).
 SIZE_FIELDS = ("num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
                "moe_layer_freq")
 
-CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+           **hf_deepseek.CLASSES}
 
 # Settings neither class expresses: (field, default, whether a value is exportable, what is).
 _EXPORTABLE = (
@@ -83,6 +84,8 @@ def architecture(model: dict) -> str | None:
     """
     if not model.get("num_moe_experts"):
         return None
+    if model.get("multi_latent_attention") or _sigmoid_routed(model):
+        return _deepseek_style(model)
     norm = model.get("normalization", "LayerNorm")
     bias = model.get("add_bias_linear", True)
     pos = model.get("position_embedding_type", "learned_absolute")
@@ -109,6 +112,60 @@ def architecture(model: dict) -> str | None:
     return "qwen3_moe" if qk_norm else "mixtral"
 
 
+def _sigmoid_routed(model: dict) -> bool:
+    return (model.get("moe_router_score_function", "softmax") == "sigmoid"
+            or bool(model.get("moe_router_enable_expert_bias"))
+            or bool(model.get("moe_shared_expert_intermediate_size")))
+
+
+# The DeepSeek-style export's settings: (field, default, whether a value is exportable, what is).
+_DEEPSEEK_EXPORTABLE = (
+    ("moe_router_score_function", "softmax", lambda v: v == "sigmoid", "'sigmoid'"),
+    ("moe_router_enable_expert_bias", False, bool, "true (e_score_correction_bias)"),
+    ("moe_router_pre_softmax", False, lambda v: not v, "false"),
+    ("moe_expert_capacity_factor", None, lambda v: v is None, "null (dropless)"),
+    ("rope_scaling", False, lambda v: not v, "false (Llama-3 scaling)"),
+    ("swiglu", False, bool, "true"),
+    ("normalization", "LayerNorm", lambda v: v == "RMSNorm", "'RMSNorm'"),
+    ("add_bias_linear", True, lambda v: not v, "false"),
+    ("position_embedding_type", "learned_absolute", lambda v: v == "rope", "'rope'"),
+)
+
+
+def _deepseek_style(model: dict) -> str:
+    """``"deepseek_v3"`` (multi-latent attention) or ``"glm4_moe"`` for a sigmoid-routed MoE
+    model; raises ExportError naming a setting neither computes exactly."""
+    arch = "deepseek_v3" if model.get("multi_latent_attention") else "glm4_moe"
+    cls = CLASSES[arch]
+    for field, default, exportable, valid in _DEEPSEEK_EXPORTABLE:
+        value = model.get(field, default)
+        if not exportable(value):
+            raise ExportError(f"model.{field}={value!r}: {cls} has no equivalent (exportable: "
+                              f"{valid})")
+    topk, groups = int(model["moe_router_topk"]), model.get("moe_router_num_groups") or 1
+    group_topk = model.get("moe_router_group_topk") or 1
+    if groups > 1 and topk // group_topk != 2:
+        raise ExportError(f"model.moe_router_group_topk={group_topk}: {cls} picks groups by "
+                          f"their top-2 sum, megatron by the top moe_router_topk // "
+                          f"moe_router_group_topk = {topk // group_topk} (exportable: "
+                          f"{topk // 2})")
+    width = int(model.get("moe_ffn_hidden_size") or model["ffn_hidden_size"])
+    shared = int(model.get("moe_shared_expert_intermediate_size") or 0)
+    if shared % width:
+        raise ExportError(f"model.moe_shared_expert_intermediate_size={shared}: {cls} has "
+                          f"n_shared_experts of moe_intermediate_size={width} each (exportable: "
+                          f"a multiple of {width})")
+    freq = model.get("moe_layer_freq", 1)
+    flags = list(freq) if isinstance(freq, (list, tuple)) else None
+    if (flags is None and freq != 1) or (flags and flags != sorted(flags)):
+        raise ExportError(f"model.moe_layer_freq={freq!r}: {cls} has dense layers first, then "
+                          f"MoE layers only (exportable: 1 or [0, ..., 0, 1, ..., 1])")
+    if arch == "deepseek_v3" and model.get("rope_type", "yarn") not in ("rope", "yarn"):
+        raise ExportError(f"model.rope_type={model.get('rope_type')!r}: exportable 'rope' or "
+                          f"'yarn'")
+    return arch
+
+
 def config(arch: str, m: dict, vocab: int, ids: dict) -> Any:
     """The transformers config of the ``arch`` model (``"mixtral"`` or ``"qwen3_moe"``) from
     the ``model`` config ``m``, the unpadded vocabulary size and the special token ids."""
@@ -128,6 +185,8 @@ def config(arch: str, m: dict, vocab: int, ids: dict) -> Any:
         hidden_act="silu", tie_word_embeddings=shared, num_experts_per_tok=topk,
         attention_dropout=0.0, router_aux_loss_coef=float(m.get("moe_aux_loss_coeff") or 0.0),
         architectures=[CLASSES[arch]], **ids)
+    if arch in hf_deepseek.CLASSES:
+        return hf_deepseek.config(arch, m, vocab, ids)
     if arch == "mixtral":
         return transformers.MixtralConfig(
             intermediate_size=ffn, num_local_experts=experts, sliding_window=None,
@@ -140,19 +199,30 @@ def config(arch: str, m: dict, vocab: int, ids: dict) -> Any:
 
 
 def _imports(arch: str) -> HFImport:
-    """How ``arch`` is imported (:mod:`recipes.families.moe.hf_import`)."""
+    """How ``arch`` is imported (:mod:`recipes.families.moe.hf_import`,
+    :mod:`recipes.families.moe.hf_deepseek`)."""
+    if arch in hf_deepseek.CLASSES:
+        return HFImport(
+            fields=getattr(hf_deepseek, f"{arch}_fields"), table=getattr(hf_table, arch),
+            prefixes=("model.",), size_fields=hf_deepseek.size_fields(arch),
+            layer=r"layers\.(\d+)\.", buffers=(".rotary_emb.inv_freq",),
+            sizes=hf_deepseek.sizes)
     return HFImport(
         fields=hf_import.moe_fields, table=functools.partial(hf_table.moe, arch),
         prefixes=("model.",), size_fields=hf_import.size_fields(arch),
         layer=r"layers\.(\d+)\.", buffers=(".rotary_emb.inv_freq",))
 
 
+def _table(arch: str):
+    return (getattr(hf_table, arch) if arch in hf_deepseek.CLASSES
+            else functools.partial(hf_table.moe, arch))
+
+
 FORMATS = FamilyFormats(
     name="moe",
     architectures=tuple(
         HFArchitecture(model_type=arch, hf_class=cls, embedding="model.embed_tokens.weight",
-                       build=builder(functools.partial(config, arch),
-                                     functools.partial(hf_table.moe, arch), "model."),
+                       build=builder(functools.partial(config, arch), _table(arch), "model."),
                        imports=_imports(arch))
         for arch, cls in CLASSES.items()),
     architecture=architecture,
