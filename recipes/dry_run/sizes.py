@@ -176,6 +176,25 @@ def attention_scores_stored(cfg) -> bool:
     return target_attention(cfg)[0] == "local"
 
 
+def _attention_terms(m) -> tuple[float, float]:
+    """(the attention's tp-split activations, its replicated extra) per ``s b h`` of a layer.
+
+    Standard attention: Q and K ``4 s b h``, V and the projection's input ``2 s b h`` each:
+    ``8``, nothing extra. Multi-latent attention (``model.multi_latent_attention``; megatron's
+    ``MLASelfAttention``), with ``a`` heads of ``qk_head_dim + qk_pos_emb_head_dim`` query/key
+    and ``v_head_dim`` value dims: Q and K ``2 a (qk + pe)`` each, V and the projection's
+    input ``2 a v`` each, over ``h``; extra, gathered over tp (split by sequence
+    parallelism): the q and kv latents, each stored as its norm's and its up projection's
+    input (``4 q_lora_rank + 4 kv_lora_rank``) and the rope key (``2 pe``), over ``h``."""
+    if not m.get("multi_latent_attention"):
+        return 8.0, 0.0
+    a, h = m.num_attention_heads, m.hidden_size
+    qk, pe, v = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim
+    split = (4 * a * (qk + pe) + 4 * a * v) / h
+    extra = (4 * (m.get("q_lora_rank") or 0) + 4 * m.kv_lora_rank + 2 * pe) / h
+    return split, extra
+
+
 def activation_bytes(cfg, parallel_dims, padded_vocab: int, scores: bool | None = None) -> int:
     """Activation bytes on a rank of the first pipeline stage (the most in flight).
 
@@ -183,7 +202,9 @@ def activation_bytes(cfg, parallel_dims, padded_vocab: int, scores: bool | None 
     heads, ``f`` = ffn_hidden_size, ``t`` = tp (Korthikanti et al. 2022 Table 2, the 24
     generalized to ``8 + 4 f / h`` as Megatron-LM's ``compute_activation_memory``):
 
-    * no recompute: ``s b h (10 + (8 + 4 f / h) / t) + 5 a s^2 b / t`` (the last term only when
+    * no recompute: ``s b h (10 + (8 + 4 f / h) / t) + 5 a s^2 b / t`` (the ``8``: attention's
+      Q, K, V and projection input, other with multi-latent attention, :func:`_attention_terms`;
+      the last term only when
       the attention scores are stored, ``scores``; default :func:`attention_scores_stored`);
       with ``parallelism.sequence_parallel`` (t > 1) the norms' and dropouts' ``10`` is split
       too: ``s b h (10 + 8 + 4 f / h) / t``;
@@ -210,10 +231,11 @@ def activation_bytes(cfg, parallel_dims, padded_vocab: int, scores: bool | None 
     recompute = m.get("recompute_granularity")
     scores = attention_scores_stored(cfg) if scores is None else scores
     sp = t if parallel_dims.sequence_parallel and t > 1 else 1  # the sequence split over tp ranks
+    attention, latent = _attention_terms(m)
     if recompute == "full":
         layer = 2 * s * b * h / sp
     else:
-        layer = s * b * h * (10 / sp + (8 + 4 * f / h) / t)
+        layer = s * b * h * ((10 + latent) / sp + (attention + 4 * f / h) / t)
         if recompute is None and scores:
             layer += 5 * a * s * s * b / t
     act = layer * L + (8 * s * b * pp + s * b * h * pp) / sp
