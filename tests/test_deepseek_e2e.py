@@ -38,8 +38,9 @@ MOE_LAYERS = (1, 2, 3)
 @pytest.fixture(scope="module")
 def runs(train_jobs, tmp_path_factory):
     root = tmp_path_factory.mktemp("deepseek")
-    train_jobs([(root / "reference", [*BASE, *REFERENCE])])
-    train_jobs([(root / "resumed", [*BASE, *OTHER, f"checkpoint.load={root / 'reference'}/"
+    # one world of 4 hosts both jobs, in order: the second loads the first's save
+    train_jobs([(root / "reference", [*BASE, *REFERENCE]),
+                (root / "resumed", [*BASE, *OTHER, f"checkpoint.load={root / 'reference'}/"
                                     f"checkpoints", f"checkpoint.load_iteration={RESUMED_AT}"])])
     return root
 
