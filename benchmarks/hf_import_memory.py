@@ -1,5 +1,7 @@
 """Peak memory of ``python -m gtp import`` as a ratio of one layer's tensors, for a dense and a
-Mixture-of-Experts model at two depths and two expert counts.
+Mixture-of-Experts model at two depths and two expert counts, and a DeepSeek-V3 (a dense first
+layer, then MoE layers with a shared expert, multi-latent attention; every tensor its own key
+per layer) at two depths.
 
 Each model (transformers' ``LlamaForCausalLM`` or ``MixtralForCausalLM``, random weights, bf16,
 ``save_pretrained``) is imported in a fresh process (``MALLOC_ENV``: freed buffers go back to the
@@ -34,12 +36,16 @@ FULL = {
     "mixtral 4 layers x 8 experts": ("mixtral", 1024, 1024, 4, 8, 32000),
     "mixtral 8 layers x 8 experts": ("mixtral", 1024, 1024, 8, 8, 32000),
     "mixtral 4 layers x 16 experts": ("mixtral", 1024, 1024, 4, 16, 32000),
+    "deepseek_v3 4 layers x 16 experts": ("deepseek_v3", 1024, 512, 4, 16, 32000),
+    "deepseek_v3 8 layers x 16 experts": ("deepseek_v3", 1024, 512, 8, 16, 32000),
 }
 QUICK = {
     "llama 4 layers": ("llama", 256, 1024, 4, 0, 8000),
     "llama 8 layers": ("llama", 256, 1024, 8, 0, 8000),
     "mixtral 4 layers x 4 experts": ("mixtral", 256, 256, 4, 4, 8000),
     "mixtral 4 layers x 8 experts": ("mixtral", 256, 256, 4, 8, 8000),
+    "deepseek_v3 4 layers x 8 experts": ("deepseek_v3", 256, 128, 4, 8, 8000),
+    "deepseek_v3 8 layers x 8 experts": ("deepseek_v3", 256, 128, 8, 8, 8000),
 }
 
 
@@ -55,6 +61,15 @@ def _save(root: Path, family: str, hidden: int, ffn: int, layers: int, experts: 
                 num_key_value_heads=max(1, hidden // 256), tie_word_embeddings=False)
     if family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**dims))
+    elif family == "deepseek_v3":  # the first layer dense, MLA, a shared expert (layer 1 timed)
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        dims["num_key_value_heads"] = dims["num_attention_heads"]
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(
+            **{**dims, "intermediate_size": 4 * hidden}, moe_intermediate_size=ffn,
+            n_routed_experts=experts, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
+            topk_group=1, first_k_dense_replace=1, q_lora_rank=hidden // 2,
+            kv_lora_rank=hidden // 4, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64))
     else:
         model = MixtralForCausalLM(MixtralConfig(**dims, num_local_experts=experts,
                                                  num_experts_per_tok=2, sliding_window=None))
@@ -64,7 +79,8 @@ def _save(root: Path, family: str, hidden: int, ffn: int, layers: int, experts: 
     def size(module) -> int:
         return sum(p.numel() * p.element_size() for p in module.parameters())
 
-    return {"total": size(model), "layer": size(model.model.layers[0]),
+    layer = model.model.layers[1 if family == "deepseek_v3" else 0]  # an MoE layer
+    return {"total": size(model), "layer": size(layer),
             "vocab": size(model.model.embed_tokens) + size(model.lm_head)}
 
 
