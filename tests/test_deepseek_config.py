@@ -57,7 +57,7 @@ def test_the_671b_recipe_fits_with_mla_activations(monkeypatch):
     from recipes.config import prelaunch
     from recipes.dry_run.sizes import _attention_terms
     from recipes.model import te
-    from test_dry_run import report
+    from recipes.dry_run import report
 
     monkeypatch.setattr(te, "transformer_engine_usable", lambda: False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
