@@ -34,6 +34,10 @@ def architecture(model: dict) -> str | None:
     Raises:
         ExportError: a combination no transformers class computes exactly (named).
     """
+    if model.get("multi_latent_attention"):
+        raise ExportError("model.multi_latent_attention=True without routed experts: no "
+                          "transformers class computes a dense multi-latent attention model "
+                          "(DeepseekV3ForCausalLM: with num_moe_experts)")
     norm = model.get("normalization", "LayerNorm")
     bias = model.get("add_bias_linear", True)
     pos = model.get("position_embedding_type", "learned_absolute")
