@@ -34,6 +34,10 @@ def architecture(model: dict) -> str | None:
     Raises:
         ExportError: a combination no transformers class computes exactly (named).
     """
+    if model.get("multi_latent_attention"):
+        raise ExportError("model.multi_latent_attention=true: no Hugging Face mapping of "
+                          "megatron's MLA weights is written yet (GPT2LMHeadModel and "
+                          "LlamaForCausalLM have neither)")
     norm = model.get("normalization", "LayerNorm")
     bias = model.get("add_bias_linear", True)
     pos = model.get("position_embedding_type", "learned_absolute")
