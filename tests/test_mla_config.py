@@ -93,14 +93,15 @@ def test_gtp_shards_the_tp_local_rows_of_every_projection():
                      "linear_proj.weight": 72}
 
 
-def test_moe_models_take_the_fields_and_compare_them_on_resume():
+def test_moe_models_take_the_fields_and_resumes_compare_them():
     m = make_cfg("model=moe_tiny", *MLA).model
     names = {p.name for p in parameter_shapes(m, 320)}
     assert "decoder.layers.0.self_attention.linear_kv_up_proj.weight" in names
-    saved = dict(m)
-    assert changed_shape_fields(saved, {**saved, "kv_lora_rank": 32}) == ["kv_lora_rank"]
+    moe = dict(m)
+    assert changed_shape_fields(moe, {**moe, "qk_head_dim": 8}) == ["qk_head_dim"]
     dense = dict(_cfg().model)
     assert changed_shape_fields(dense, {**dense, "q_lora_rank": None}) == ["q_lora_rank"]
+    assert changed_shape_fields(dense, {**dense, "kv_lora_rank": 32}) == ["kv_lora_rank"]
 
 
 @pytest.mark.parametrize("overrides, match", [
@@ -150,8 +151,9 @@ def test_a_valid_mla_config_passes_at_tp2_and_gtp():
 @pytest.mark.parametrize("family", [("model=hybrid_tiny",), ("model=llava_tiny", "data=shapes")])
 def test_the_families_without_mla_refuse_it(family):
     cfg = make_cfg(*family, "model.multi_latent_attention=true")
-    with pytest.raises(ConfigError, match=r"model.multi_latent_attention=true: this family "
-                                          r"builds megatron's SelfAttention"):
+    with pytest.raises(ConfigError, match=r"model.multi_latent_attention=true with model.family="
+                                          r"'(hybrid|llava)': multi-latent attention is built "
+                                          r"by the families \('gpt', 'moe'\)"):
         validate(cfg, cfg.parallelism.nproc_per_node)
 
 

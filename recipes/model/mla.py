@@ -9,17 +9,23 @@ from __future__ import annotations
 
 from recipes.config.errors import ConfigError
 from recipes.config.parallel_dims import check_positive
+from recipes.families import family_name
 from recipes.model import te
 
 ROPE_TYPES = ("rope", "yarn")
 KEY = "model.multi_latent_attention=true"
+# The families whose model is megatron's GPTModel, which builds MLASelfAttention; the others
+# (hybrid, llava) build SelfAttention. MLA's fields are the GPT family's, which its folder
+# alone names (tests/test_model_families.py), so the refusal of the others is here.
+BUILT_BY = ("gpt", "moe")
 
 
 def check(cfg, parallel_dims) -> None:
     """MLA rules, before any process starts (nothing without ``multi_latent_attention``).
 
     Raises:
-        ConfigError: one line naming the field: a ``rope_type`` other than rope or yarn; a
+        ConfigError: one line naming the field: a family other than :data:`BUILT_BY`; a
+            ``rope_type`` other than rope or yarn; a
             head width or rank < 1, an odd ``qk_pos_emb_head_dim`` (RoPE turns pairs); fields
             MLA does not use or computes otherwise (``position_embedding_type`` other than
             rope, ``rope_scaling``, query groups, ``kv_channels``, ``add_qkv_bias``);
@@ -31,6 +37,10 @@ def check(cfg, parallel_dims) -> None:
     m = cfg.model
     if not m.get("multi_latent_attention", False):
         return
+    if family_name(m) not in BUILT_BY:
+        raise ConfigError(f"{KEY} with model.family={family_name(m)!r}: multi-latent attention "
+                          f"is built by the families {BUILT_BY} (megatron's GPTModel); this "
+                          f"family builds megatron's SelfAttention; use false")
     if m.get("rope_type") not in ROPE_TYPES:
         raise ConfigError(f"model.rope_type={m.get('rope_type')!r} with {KEY}: valid are "
                           f"{ROPE_TYPES}")

@@ -18,7 +18,7 @@ def check(cfg, parallel_dims) -> None:
             parallelism cannot split (``nheads``, ``mamba_num_groups``);
             and what is not run here: the stock checkpoint format under GTP (it cannot place
             ``in_proj``'s optimizer moments), context or sequence parallelism, virtual pipeline
-            stages, multi-token prediction, multi-latent attention, TransformerEngine layers.
+            stages, multi-token prediction, TransformerEngine layers.
     """
     m = cfg.model
     pattern = str(m.hybrid_layer_pattern)
@@ -84,9 +84,6 @@ def _check_run(cfg, parallel_dims, key: str) -> None:
          f"take; use virtual_pipeline_model_parallel_size=null"),
         (bool(m.get("mtp_num_layers")), f"model.mtp_num_layers={m.get('mtp_num_layers')}: "
          f"multi-token prediction in a hybrid stack is not in this family yet"),
-        (bool(m.get("multi_latent_attention", False)),
-         "model.multi_latent_attention=true: this family builds megatron's SelfAttention "
-         "(multi-latent attention: model.family=gpt or moe); use false"),
         (m.get("transformer_impl") == "transformer_engine",
          "model.transformer_impl='transformer_engine': the hybrid family builds megatron's "
          "local layers (its TransformerEngine spec fuses the norms into in_proj and linear_qkv, "

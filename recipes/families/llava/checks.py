@@ -20,8 +20,8 @@ def check(cfg, parallel_dims) -> None:
             that tensor parallelism cannot split; text too short for the image token and one
             caption token; data without images (``data.source`` other than ``shapes``); and
             what is not run here, each named with the reason: pipeline (and virtual pipeline),
-            context or sequence parallelism, multi-token prediction, multi-latent attention,
-            TransformerEngine layers, Muon, a
+            context or sequence parallelism, multi-token prediction, TransformerEngine
+            layers, Muon, a
             Hugging Face ``checkpoint.pretrained``, ``logger.grad_norm_detail``.
     """
     m, tp = cfg.model, parallel_dims.tensor_model_parallel_size
@@ -83,9 +83,6 @@ def _check_run(cfg, parallel_dims, key: str) -> None:
          "TransformerEngine's attention for it; use false"),
         (bool(m.get("mtp_num_layers")), f"model.mtp_num_layers={m.get('mtp_num_layers')}: "
          f"LLaVAModel's language model is built without MTP layers; use null"),
-        (bool(m.get("multi_latent_attention", False)),
-         "model.multi_latent_attention=true: this family builds megatron's SelfAttention "
-         "(multi-latent attention: model.family=gpt or moe); use false"),
         (m.get("transformer_impl") == "transformer_engine",
          "model.transformer_impl='transformer_engine': the family builds megatron's local "
          "layers (their weights are its parameter table); use 'local' or null"),
