@@ -61,6 +61,10 @@ PATCHED_MODULES: dict[str, str] = {
     "megatron.core.models.common.embeddings.rotary_pos_embedding": (
         "RotaryEmbedding.get_emb (RoPE): inv_freq.to(torch.cuda.current_device())"
     ),
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding": (
+        "YarnRotaryEmbedding.get_emb (multi-latent attention's YaRN): "
+        "inv_freq_extra / inv_freq_inter .to(torch.cuda.current_device())"
+    ),
     "megatron.core.transformer.multi_token_prediction": (
         "MTPLossLoggingHelper.save_metrics_to_tracker: torch.zeros(device=current_device())"
     ),

@@ -11,7 +11,7 @@ import sys
 
 from gtp.alignment import validate_gtp_dims
 from ckpt.format.records import CHECKPOINT_FORMATS
-from recipes.model import context_parallel, mtp, te
+from recipes.model import context_parallel, mla, mtp, te
 from ckpt.io import CheckpointError
 from recipes.config.errors import ConfigError
 from recipes.families import check_family_fields, family_of, gtp_weight_dims
@@ -52,6 +52,7 @@ def validate(cfg, world_size: int, plan=None) -> ParallelDims:
     if family.check is not None:
         family.check(cfg, parallel_dims)
     moe.check(cfg, parallel_dims)
+    mla.check(cfg, parallel_dims)
     mtp.check(cfg, parallel_dims)
     context_parallel.check(cfg, parallel_dims)
     _check_model(cfg, parallel_dims)

@@ -21,9 +21,11 @@ def transformer_config(cfg, parallel_dims, use_te: bool | None = None):
     """megatron ``TransformerConfig`` for ``cfg.model`` at ``parallel_dims``.
 
     ``use_te``: TransformerEngine layers and the quantization recipe's FP8/FP4 fields
-    (``recipes.model.te``); None: when TransformerEngine is importable.
+    (``recipes.model.te``); None: when TransformerEngine is importable. A model with
+    ``multi_latent_attention`` gets megatron's ``MLATransformerConfig`` (its family's fields
+    carry the MLA ones: ``recipes.families.gpt.model.mla_fields``).
     """
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     if use_te is None:
         use_te = te.uses_transformer_engine(cfg)
@@ -66,6 +68,8 @@ def transformer_config(cfg, parallel_dims, use_te: bool | None = None):
                                    cfg.gtp.get("fp8_param_gather", False)))
     if parallel_dims.gtp_remat_size > 1:
         kwargs["gtp_weight_remat_size"] = parallel_dims.gtp_remat_size
+    if kwargs.get("multi_latent_attention"):
+        return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
 
 
@@ -109,6 +113,10 @@ def mask_padded_vocab(model, vocab_size: int, padded_size: int) -> None:
 def _chunk(cfg, config, vocab: int, pre: bool, post: bool, vp_stage, tied: bool, use_te: bool):
     family = family_of(cfg.model)
     spec = family.layer_spec(cfg.model, config, use_te, vp_stage)
+    if config.multi_latent_attention:
+        from mcore_compat.mla_local import with_local_mla
+
+        spec = with_local_mla(spec)  # megatron's local MLA, built and with tp1's gradients
     return family.build(cfg.model, config, spec, vocab, pre, post, vp_stage, tied)
 
 

@@ -36,6 +36,27 @@ def transformer_config_fields(m, dims) -> dict:
     if m.get("kv_channels"):
         out["kv_channels"] = int(m.kv_channels)
     out.update(mtp_fields(m))
+    out.update(mla_fields(m))
+    return out
+
+
+# megatron's MLATransformerConfig fields a ``model`` config sets (recipes/families/gpt/schema.py).
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+              "rope_type", "rotary_scaling_factor", "original_max_position_embeddings",
+              "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+def mla_fields(m) -> dict:
+    """megatron ``MLATransformerConfig``'s multi-latent attention fields (``{}`` without
+    ``multi_latent_attention``; ``recipes.model.build.transformer_config`` then builds a plain
+    ``TransformerConfig``): the schema's fields of :data:`MLA_FIELDS`, and ``rotary_base`` /
+    ``rotary_percent``, which ``MLASelfAttention`` reads from its config (``GPTModel`` builds no
+    rotary embedding of its own under MLA)."""
+    if not m.get("multi_latent_attention", False):
+        return {}
+    out = {"multi_latent_attention": True, **{name: m.get(name) for name in MLA_FIELDS}}
+    out.update(rotary_base=m.get("rotary_base", 10000),
+               rotary_percent=float(m.get("rotary_percent", 1.0)))
     return out
 
 
@@ -73,8 +94,12 @@ def spec_builder(m, use_te: bool) -> tuple[str, dict]:
     """``(function name in megatron.core.models.gpt.gpt_layer_specs, keyword arguments)`` of the
     layer spec. The TransformerEngine spec reads the norm from ``TransformerConfig.normalization``
     (its fused layer-norm linears); the local spec takes it as an argument. Both take
-    ``qk_layernorm`` (a norm over each query and key head, Qwen3's)."""
+    ``qk_layernorm`` (a norm over each query and key head, Qwen3's; under multi-latent
+    attention, the norms of the compressed query and key/value) and
+    ``multi_latent_attention`` (megatron's ``MLASelfAttention``)."""
     qk = {"qk_layernorm": True} if m.get("qk_layernorm", False) else {}
+    if m.get("multi_latent_attention", False):
+        qk["multi_latent_attention"] = True
     if use_te:
         return "get_gpt_layer_with_transformer_engine_spec", qk
     return "get_gpt_layer_local_spec", {"normalization": m.get("normalization", "LayerNorm"), **qk}

@@ -99,6 +99,9 @@ def attention_shapes(m, layer: str, add: Callable[[ParamShape], None], norm) -> 
     h, bias = m.hidden_size, get("add_bias_linear", True)
     attn = m.num_attention_heads * kv_channels(m)
     norm(f"{layer}.input_layernorm")
+    if get("multi_latent_attention", False):
+        mla_shapes(m, f"{layer}.self_attention", add, norm)
+        return
     add(ParamShape(f"{layer}.self_attention.linear_qkv.weight", (qkv_rows(m), h), 0, True))
     if bias or get("add_qkv_bias", False):
         add(ParamShape(f"{layer}.self_attention.linear_qkv.bias", (qkv_rows(m),), 0))
@@ -108,3 +111,39 @@ def attention_shapes(m, layer: str, add: Callable[[ParamShape], None], norm) -> 
     add(ParamShape(f"{layer}.self_attention.linear_proj.weight", (h, attn), 1, True))
     if bias:
         add(ParamShape(f"{layer}.self_attention.linear_proj.bias", (h,)))
+
+
+def mla_shapes(m, attention: str, add: Callable[[ParamShape], None], norm) -> None:
+    """Add megatron's ``MLASelfAttention`` (local spec) under ``attention``, in the order of the
+    computation. Every projection is a ``ColumnParallelLinear`` (no bias; TP splits its rows,
+    whole heads of the up projections, contiguous rows of the down projections, whose output
+    megatron gathers) but ``linear_proj``, a ``RowParallelLinear`` (TP splits its
+    ``heads x v_head_dim`` columns; a bias when ``add_bias_linear``); GTP shards each weight's
+    TP-local rows. With ``qk_layernorm`` the norms of the compressed query (``q_layernorm``,
+    ``q_lora_rank`` wide) and key/value (``kv_layernorm``, ``kv_lora_rank``), replicated.
+
+    Rows: ``linear_q_down_proj`` ``q_lora_rank``; ``linear_q_up_proj`` (or, with
+    ``q_lora_rank`` null, ``linear_q_proj`` from the hidden state) per head
+    ``[qk_head_dim | qk_pos_emb_head_dim]``; ``linear_kv_down_proj``
+    ``[kv_lora_rank | qk_pos_emb_head_dim]`` (the key's RoPE part, shared by the heads);
+    ``linear_kv_up_proj`` per head ``[qk_head_dim | v_head_dim]``."""
+    get = getter(m)
+    h, heads = m.hidden_size, m.num_attention_heads
+    q_rank, kv_rank = get("q_lora_rank"), int(get("kv_lora_rank"))
+    qk, pos, v = int(get("qk_head_dim")), int(get("qk_pos_emb_head_dim")), int(get("v_head_dim"))
+    qk_norm = get("qk_layernorm", False)
+    if q_rank is None:
+        add(ParamShape(f"{attention}.linear_q_proj.weight", (heads * (qk + pos), h), 0, True))
+    else:
+        add(ParamShape(f"{attention}.linear_q_down_proj.weight", (int(q_rank), h), 0, True))
+        if qk_norm:
+            norm(f"{attention}.q_layernorm", int(q_rank))
+        add(ParamShape(f"{attention}.linear_q_up_proj.weight", (heads * (qk + pos), int(q_rank)),
+                       0, True))
+    add(ParamShape(f"{attention}.linear_kv_down_proj.weight", (kv_rank + pos, h), 0, True))
+    if qk_norm:
+        norm(f"{attention}.kv_layernorm", kv_rank)
+    add(ParamShape(f"{attention}.linear_kv_up_proj.weight", (heads * (qk + v), kv_rank), 0, True))
+    add(ParamShape(f"{attention}.linear_proj.weight", (h, heads * v), 1, True))
+    if get("add_bias_linear", True):
+        add(ParamShape(f"{attention}.linear_proj.bias", (h,)))

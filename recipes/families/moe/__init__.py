@@ -3,7 +3,7 @@
 (``formats.py``); ``model.family: moe``, its expert fields in ``schema.py``."""
 
 from recipes.families.family import ModelFamily
-from recipes.families.gpt import model as gpt_model
+from recipes.families.gpt import model as gpt_model, schema as gpt_schema
 from recipes.families.moe import formats, model, params, schema
 
 FAMILY = ModelFamily(
@@ -17,6 +17,6 @@ FAMILY = ModelFamily(
     init_weights=model.init_experts,
     fields=schema.MoEFields,
     requires=schema.REQUIRES,
-    shape_fields=schema.SHAPE_FIELDS,
+    shape_fields=gpt_schema.SHAPE_FIELDS + schema.SHAPE_FIELDS,  # MLA's too (GPT's fields)
     formats=formats.FORMATS,
 )
