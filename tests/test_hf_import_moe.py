@@ -116,6 +116,17 @@ def test_moe_refusals_name_the_field(hf, tmp_path):
             "o7")
     refused("mixtral", {"intermediate_size": 40}, r"intermediate_size=40: tensor .*experts\.0\.w1",
             "o8")
+    # DeepSeek-V3's routing and shared experts: named with megatron's field (not imported yet)
+    refused("mixtral", {"scoring_func": "sigmoid"},
+            "scoring_func='sigmoid': megatron's moe_router_score_function", "o9")
+    refused("qwen3_moe", {"topk_method": "noaux_tc"},
+            "topk_method='noaux_tc': megatron's moe_router_enable_expert_bias", "o10")
+    refused("mixtral", {"n_group": 2}, "n_group=2: megatron's moe_router_num_groups", "o11")
+    refused("mixtral", {"routed_scaling_factor": 2.5},
+            "routed_scaling_factor=2.5: megatron's moe_router_topk_scaling_factor", "o12")
+    refused("qwen3_moe", {"shared_expert_intermediate_size": 32},
+            "shared_expert_intermediate_size=32: shared experts .megatron's "
+            "moe_shared_expert_intermediate_size.", "o13")
 
 
 def test_moe_pretrained_at_ep2_egtp2_a64_exports_the_source(hf, tmp_path, train_jobs):

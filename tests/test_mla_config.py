@@ -157,6 +157,7 @@ def test_the_families_without_mla_refuse_it(family):
         validate(cfg, cfg.parallelism.nproc_per_node)
 
 
-def test_export_of_an_mla_model_is_refused():
-    with pytest.raises(ExportError, match=r"model.multi_latent_attention=true: no Hugging Face"):
+def test_export_of_a_dense_mla_model_is_refused():
+    with pytest.raises(ExportError, match=r"model.multi_latent_attention=True without routed "
+                                          r"experts"):
         for_export(dict(_cfg().model))

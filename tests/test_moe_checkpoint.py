@@ -51,6 +51,11 @@ def test_a_record_with_the_expert_keys_keeps_them():
 #    expert data parallel 1), from C's iteration 7 to 10: plain -> distributed optimizer, and
 #    megatron's distributed-optimizer load through untie_steps (a step shared by every param
 #    would bias-correct wrongly from the second iteration after the load on).
+# DeepSeek-V3-style routing (DEEPSEEK: a dense first layer, 8 experts, sigmoid scores with the
+# aux-loss-free expert bias, 4 groups of which a token picks 2, a shared expert), in A's world:
+# F: ep2 x egtp2/a16 on 4 processes, 6 iterations uninterrupted, saving every 3;
+# G: F's layout, from F's iteration 3 to 6 (bit for bit: the same computation);
+# H: ep4 with megatron's distributed optimizer, from F's iteration 3 to 6 (within the bound).
 # Exactness of every expert tensor at each layout pair: test_moe_checkpoint_layouts.py.
 # --------------------------------------------------------------------------------------------
 MOE = ("model=moe_tiny", "parallelism=tp1", "train.eval_iters=0", "logger=none",
@@ -62,6 +67,15 @@ C_LAYOUT = ("parallelism.tensor_model_parallel_size=2", "parallelism.sequence_pa
             "parallelism.nproc_per_node=2")
 E_LAYOUT = ("gtp.expert_gtp_remat_size=2", "gtp.pad_for_alignment=16",
             "optim.use_distributed_optimizer=true", "parallelism.nproc_per_node=4")
+DEEPSEEK = ("model.num_moe_experts=8", "model.moe_layer_freq=[0,1]",
+            "model.moe_router_score_function=sigmoid", "model.moe_router_enable_expert_bias=true",
+            "model.moe_router_num_groups=4", "model.moe_router_group_topk=2",
+            "model.moe_router_topk_scaling_factor=2.5",
+            "model.moe_shared_expert_intermediate_size=64",
+            "model.moe_router_load_balancing_type=seq_aux_loss", "model.moe_aux_loss_coeff=0.0001",
+            "train.train_iters=6")
+H_LAYOUT = ("parallelism.expert_model_parallel_size=4", "optim.use_distributed_optimizer=true",
+            "parallelism.nproc_per_node=4")
 D_LAYOUT = ("parallelism.pipeline_model_parallel_size=2",
             "parallelism.expert_model_parallel_size=2", "optim.use_distributed_optimizer=true",
             "parallelism.nproc_per_node=4")
@@ -71,11 +85,16 @@ D_LAYOUT = ("parallelism.pipeline_model_parallel_size=2",
 def moe_runs(train_jobs, tmp_path_factory):
     # In-world jobs (tests/helpers/inworld.py): one world per link, as its world size differs.
     root = tmp_path_factory.mktemp("moe_resume")
-    a, b, c, d, e = (root / name for name in "abcde")
+    a, b, c, d, e, f, g, h = (root / name for name in "abcdefgh")
     train_jobs([
         (a, [*MOE, *A_LAYOUT]),
         (e, [*MOE, *E_LAYOUT, f"checkpoint.load={a}/checkpoints", "checkpoint.load_iteration=3",
              "checkpoint.save=null"]),
+        (f, [*MOE, *A_LAYOUT, *DEEPSEEK]),
+        (g, [*MOE, *A_LAYOUT, *DEEPSEEK, f"checkpoint.load={f}/checkpoints",
+             "checkpoint.load_iteration=3"]),
+        (h, [*MOE, *H_LAYOUT, *DEEPSEEK, f"checkpoint.load={f}/checkpoints",
+             "checkpoint.load_iteration=3"]),
         (b, [*MOE, "parallelism.nproc_per_node=1", f"checkpoint.load={a}/checkpoints",
              "checkpoint.load_iteration=3"]),
         (c, [*MOE, *C_LAYOUT, f"checkpoint.load={b}/checkpoints",
@@ -83,7 +102,7 @@ def moe_runs(train_jobs, tmp_path_factory):
         (d, [*MOE, *D_LAYOUT, f"checkpoint.load={c}/checkpoints",
              "checkpoint.load_iteration=7"]),
     ])
-    return a, b, c, d, e
+    return a, b, c, d, e, f, g, h
 
 
 @pytest.mark.e2e
@@ -91,7 +110,7 @@ def test_moe_resumes_across_expert_layouts(moe_runs):
     from resume_checks import assert_same_step, by_iteration
     from tolerance import MOE_TINY
 
-    a, b, c, d, e = (by_iteration(run)[0] for run in moe_runs)
+    a, b, c, d, e = (by_iteration(run)[0] for run in moe_runs[:5])
     assert sorted(a) == list(range(1, 11)) and sorted(b) == list(range(4, 11))
     assert sorted(c) == list(range(7, 11)) and sorted(d) == list(range(8, 11))
     # b, c and d all left a's bits at b's resume from a's iteration 3: it - 3 steps apart.
@@ -104,6 +123,55 @@ def test_moe_resumes_across_expert_layouts(moe_runs):
         assert_same_step(c[it], a[it], steps=it - 3, terms=MOE_TINY)
     for it in range(8, 11):  # tp2+sp x ep2 -> pp2 x ep2 + distributed optimizer: 3 iterations
         assert_same_step(d[it], a[it], steps=it - 3, terms=MOE_TINY)
+
+
+def _expert_bias(run_dir, iteration: int) -> torch.Tensor:
+    """The stored ``expert_bias`` of layer 1 (the MoE one) of ``run_dir``'s checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    out = {"decoder.layers.1.mlp.router.expert_bias": torch.full((8,), -999.0)}
+    reader = dcp.FileSystemReader(str(run_dir / "checkpoints" / f"iter_{iteration:07d}"))
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    return out["decoder.layers.1.mlp.router.expert_bias"]
+
+
+@pytest.mark.e2e
+def test_deepseek_routing_resumes_with_its_expert_bias(moe_runs):
+    """DeepSeek-style routing (F, G, H above): the resume at F's layout (G) equals F bit for bit
+    over 3 iterations, the tokens-per-expert figures of layer 1 included (the chart goes on
+    from iteration 4: no reset, no repeated iteration), and stores F's expert bias exactly; the
+    resume at ep4 with the distributed optimizer (H) is within the bound, its expert bias
+    within a re-routed token's sign flips of F's."""
+    from resume_checks import (EXACT_KEYS, assert_bit_for_bit, assert_same_step, by_iteration,
+                               resumed_rows)
+    from tolerance import MOE_TINY
+
+    from recipes.metrics.experts import metric_names
+
+    f_dir, g_dir, h_dir = moe_runs[5:]
+    f = by_iteration(f_dir)[0]
+    g = resumed_rows(g_dir, 3, iterations=(4, 5, 6))
+    h = resumed_rows(h_dir, 3, iterations=(4, 5, 6))
+    tokens = metric_names(1)
+    assert sorted(f) == list(range(1, 7))
+    for it in range(1, 7):  # layer 0 is dense: no figures; layer 1 routes every iteration
+        assert not set(metric_names(0)) & set(f[it]) and set(tokens) <= set(f[it]), f[it]
+    assert_bit_for_bit(g, f, range(4, 7), keys=(*EXACT_KEYS, "seq_load_balancing_loss",
+                                                *tokens), got_dir=g_dir, want_dir=f_dir)
+    per_flip = 1 / (16 * 64 * 2 / 8)  # one token of the mean count (global batch x seq x top-k)
+    for it in range(4, 7):  # ep2 x egtp2/a16 -> ep4 + distributed optimizer: it - 3 steps
+        assert_same_step(h[it], f[it], steps=it - 3, terms=MOE_TINY)
+        # another rounding of the router logits may re-route a near-tie token
+        assert all(abs(h[it][k] - f[it][k]) <= 2 * per_flip for k in tokens), (it, h[it], f[it])
+    # One step moves each bias entry by -rate, 0 or +rate: after 6 steps all are multiples of
+    # it, and the experts were not balanced from the start (some entry moved).
+    rate = 1e-3
+    bias = _expert_bias(f_dir, 6)
+    assert bias.abs().max() > 0 and bias.abs().max() <= 6 * rate * (1 + 1e-6), bias
+    # same computation: G resumes F at its layout (assert_bit_for_bit checked both configs)
+    assert torch.equal(_expert_bias(g_dir, 6), bias)
+    # Another layout may re-route a near-tie token; a sign flip moves an entry by 2 * rate.
+    assert (_expert_bias(h_dir, 6) - bias).abs().max() <= 2 * rate * (1 + 1e-6)
 
 
 @pytest.mark.e2e

@@ -19,7 +19,13 @@ each): moe_tiny (4 SwiGLU experts of width 100, hidden 72, 2 layers, Adam) at
   data parallel 2: each rank holds a flat slice of its expert GTP shard's main param and
   moments) and bf16 weights;
 * with one multi-token prediction layer (``model.mtp_num_layers=1``, an MoE layer): ep1,
-  pp2 x ep2 with the distributed optimizer in bf16, and ep2 x expert GTP 2.
+  pp2 x ep2 with the distributed optimizer in bf16, and ep2 x expert GTP 2;
+* DeepSeek-V3-style routing (:data:`DEEPSEEK`: a dense first layer, 8 experts with sigmoid
+  scores, the aux-loss-free expert bias, 4 groups of which a token picks 2, a shared expert):
+  ep1, ep2 x expert GTP 2, ep4 in bf16 and expert TP 2 with the distributed optimizer in bf16.
+  Each reads the saves of the three others; each router's ``expert_bias`` (a buffer, not a
+  param: no optimizer state) is set to a golden too and compared, and the built parameters
+  are checked against the family's table (``recipes.families.parameter_shapes``).
 
 Each layout builds the model through ``recipes.run.worker.setup``, sets every weight, fp32 main
 param and Adam moment to a golden and saves through ``ckpt.io``; then each layout
@@ -29,7 +35,8 @@ sentinel and compares with ``torch.equal``.
 The goldens are independent of the code under test: the full logical tensor of each parameter
 (by its global name: layer ``stage offset + local index`` under pipeline parallelism; an
 expert's of its global index ``ep_rank * local experts + i``) holds ``k*1024 + row + col/256``
-(``k``: the parameter's index among the sorted logical names of the whole model), the fp32
+(``k``: the parameter's index among the sorted logical names of the whole model; an
+``expert_bias`` of layer ``l`` holds ``(16 l + e + 1) / 64``, exact in bf16), the fp32
 main param the same, ``exp_avg = golden + 0.5``, ``exp_avg_sq = golden * 2``, ``step = 7``. A
 rank's expected tensor is cut by plain slicing: the TP chunk (experts: the expert-TP chunk; a
 gated fc1: gate rows then up rows of the rank), then under expert GTP the zero tail padding and
@@ -113,7 +120,25 @@ MTP_LAYOUTS = {
     "mtp_ep2egtp2": (*MTP, *EP2, "gtp.expert_gtp_remat_size=2", "gtp.pad_for_alignment=16"),
 }
 MTP_PAIRS = [(src, dst) for dst in MTP_LAYOUTS for src in MTP_LAYOUTS if src != dst]
+# DeepSeek-V3's routing on moe_tiny's dims (docs/moe.md): layer 0 dense, layer 1 MoE with 8
+# experts, sigmoid scores with the expert bias, 4 groups of 2 experts of which each token
+# picks 2 (node-limited routing), its top-2 scaled by 2.5, and a shared expert of width 64.
+DEEPSEEK = ("model.num_moe_experts=8", "model.moe_layer_freq=[0,1]",
+            "model.moe_router_score_function=sigmoid", "model.moe_router_enable_expert_bias=true",
+            "model.moe_router_num_groups=4", "model.moe_router_group_topk=2",
+            "model.moe_router_topk_scaling_factor=2.5",
+            "model.moe_shared_expert_intermediate_size=64",
+            "model.moe_router_load_balancing_type=seq_aux_loss", "model.moe_aux_loss_coeff=0.0001")
+DS_LAYOUTS = {
+    "ds_ep1": DEEPSEEK,
+    "ds_ep2egtp2": (*DEEPSEEK, *EP2, "gtp.expert_gtp_remat_size=2", "gtp.pad_for_alignment=16"),
+    "ds_ep4_bf16": (*DEEPSEEK, "parallelism.expert_model_parallel_size=4", "precision=bf16"),
+    "ds_etp2do_bf16": (*DEEPSEEK, "parallelism.expert_tensor_parallel_size=2",
+                       "optim.use_distributed_optimizer=true", "precision=bf16"),
+}
+DS_PAIRS = [(src, dst) for dst in DS_LAYOUTS for src in DS_LAYOUTS if src != dst]
 _LOCAL = re.compile(r"\.local_experts\.(\d+)\.")
+_BIAS = re.compile(r"decoder\.layers\.(\d+)\.mlp\.router\.expert_bias$")
 
 
 def make_cfg(*overrides: str) -> str:
@@ -330,19 +355,87 @@ def _check(model, optimizer, cfg) -> tuple:
     return experts, n, [x for x in problems if x]
 
 
+def _biases(model, cfg) -> dict:
+    """{global layer number (0-based): router ``expert_bias`` buffer} of this rank."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import unwrap_model
+
+    from recipes.model.build import model_chunks
+
+    pp = ps.get_pipeline_model_parallel_world_size()
+    offset = ps.get_pipeline_model_parallel_rank() * (int(cfg.model.num_layers) // pp)
+    out = {}
+    for chunk in model_chunks(model):
+        for name, buf in unwrap_model(chunk).named_buffers():
+            if m := _BIAS.match(name):
+                out[int(m.group(1)) + offset] = buf
+    return out
+
+
+def _bias_golden(layer: int, experts: int) -> torch.Tensor:
+    return (16 * layer + torch.arange(experts, dtype=torch.float32) + 1) / 64
+
+
+@torch.no_grad()
+def _fill_biases(model, cfg, sentinel: bool) -> None:
+    for layer, buf in _biases(model, cfg).items():
+        buf.copy_(torch.full_like(buf, SENTINEL) if sentinel
+                  else _bias_golden(layer, buf.numel()))
+
+
+def _check_biases(model, cfg) -> tuple:
+    """(expert_bias tensors compared, problems): each equals its golden, in fp32 (megatron's
+    router keeps it fp32 under bf16 weights)."""
+    problems = []
+    biases = _biases(model, cfg)
+    for layer, buf in biases.items():
+        if buf.dtype != torch.float32:
+            problems.append(f"layer {layer} expert_bias dtype {buf.dtype}")
+        problems.append(_diff(f"layer {layer} expert_bias", buf.float(),
+                              _bias_golden(layer, buf.numel())))
+    return len(biases), [x for x in problems if x]
+
+
+def _table_problems(model, cfg) -> list:
+    """The built parameters of this rank against the family's table: every name (experts by
+    global index) and full logical shape, and every table entry this rank's experts hold."""
+    from megatron.core import parallel_state as ps
+
+    from recipes.families import parameter_shapes
+    from recipes.model.shapes import padded_vocab_size
+
+    padded = padded_vocab_size(257, cfg.model.make_vocab_size_divisible_by,
+                               ps.get_tensor_model_parallel_world_size())
+    local = int(cfg.model.num_moe_experts) // ps.get_expert_model_parallel_world_size()
+    first = ps.get_expert_model_parallel_rank() * local
+    want = {}
+    for entry in parameter_shapes(cfg.model, padded):
+        m = re.search(r"\.local_experts\.(\d+)\.", entry.name)
+        if m and not first <= int(m.group(1)) < first + local:
+            continue  # another EP rank's expert
+        want[entry.name.replace(".local_experts.", ".experts.")] = tuple(entry.shape)
+    got = {glob: _full_shape(name, p) for name, glob, p in _params(model, cfg)}
+    return [f"{n}: built {got.get(n)}, table {want.get(n)}"
+            for n in sorted(got.keys() | want.keys()) if got.get(n) != want.get(n)]
+
+
 def _matrix_worker(root: str, cfgs: dict, pairs: list) -> dict:
     from pathlib import Path
 
     from ckpt import io as checkpoint
 
-    out = {"loads": {}, "padded": {}, "kinds": {}, "shared_steps": {}}
+    out = {"loads": {}, "padded": {}, "kinds": {}, "shared_steps": {}, "biases": {},
+           "table": {}}
     for name, cfg_yaml in cfgs.items():
         model, opt, sched, record, cfg = _build(cfg_yaml)
         out["padded"][name] = sum(getattr(p, "pad_length", 0) > 0
                                   for _, _, p in _params(model, cfg))
         out["kinds"][name] = sorted(type(o).__name__ for o in
                                     getattr(opt, "chained_optimizers", [opt]))
+        if name in DS_LAYOUTS:
+            out["table"][name] = _table_problems(model, cfg)
         _fill(model, opt, cfg, sentinel=False)
+        _fill_biases(model, cfg, sentinel=False)
         # The run config, as recipes.run.worker saves it: its precision tells a bf16 save.
         checkpoint.save_checkpoint(Path(root) / name, 1, model, opt, sched,
                                    {"consumed_samples": 0,
@@ -352,8 +445,10 @@ def _matrix_worker(root: str, cfgs: dict, pairs: list) -> dict:
         model, opt, sched, record, cfg = _build(cfg_yaml)
         for src in sources:
             _fill(model, opt, cfg, sentinel=True)
+            _fill_biases(model, cfg, sentinel=True)
             checkpoint.load_checkpoint(Path(root) / src, model, opt, sched, record)
             out["loads"][(src, name)] = _check(model, opt, cfg)
+            out["biases"][(src, name)] = _check_biases(model, cfg)
     reset_model_parallel()
     return out
 
@@ -362,12 +457,13 @@ def _matrix_worker(root: str, cfgs: dict, pairs: list) -> dict:
 def matrix(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_layouts")
     cfgs = {name: make_cfg(*extra)
-            for name, extra in {**LAYOUTS, **MUON_LAYOUTS, **MTP_LAYOUTS}.items()}
+            for name, extra in {**LAYOUTS, **MUON_LAYOUTS, **MTP_LAYOUTS, **DS_LAYOUTS}.items()}
     cfgs[MUON_NO_EXPERTS_ON_A_STAGE] = make_cfg(
         *MUON, *EP2, "parallelism.pipeline_model_parallel_size=2", "model.moe_layer_freq=2")
     t0 = time.time()
     results = run_distributed(_matrix_worker, WORLD, str(root), cfgs,
-                              PAIRS + MUON_PAIRS + MUON_SELF + MTP_PAIRS, timeout=1200)
+                              PAIRS + MUON_PAIRS + MUON_SELF + MTP_PAIRS + DS_PAIRS,
+                              timeout=1200)
     print(f"\nMoE matrix: {time.time() - t0:.0f}s")
     return results
 
@@ -390,7 +486,8 @@ def test_expert_layout_pairs_restore_weights_main_params_and_moments_exactly(mat
             assert (experts > 0 or no_experts_here) and n > experts, (rank, src, dst, experts, n)
             pairs += 1
     assert not failed, failed
-    assert pairs == WORLD * (len(PAIRS) + len(MUON_PAIRS) + len(MUON_SELF) + len(MTP_PAIRS))
+    assert pairs == WORLD * (len(PAIRS) + len(MUON_PAIRS) + len(MUON_SELF) + len(MTP_PAIRS)
+                             + len(DS_PAIRS))
     assert sum(res["loads"][MUON_SELF[0]][0] for res in matrix) > 0
     # Expert GTP padded every expert weight on every rank (the padded branch ran).
     assert all(res["padded"]["ep2egtp2"] > 0 for res in matrix)
@@ -416,3 +513,26 @@ def test_muon_state_resumes_across_expert_splits_and_joins(matrix):
         assert all(res["loads"][pair][0] > 0 for pair in MUON_PAIRS)
     # The stage without MoE layers chains an expert Muon optimizer with no params.
     assert kinds[MUON_NO_EXPERTS_ON_A_STAGE] == ["FP32Optimizer"] * 3, kinds
+
+
+def test_deepseek_routing_restores_the_expert_bias_across_expert_layouts(matrix):
+    """The DeepSeek-style loads (their weights and moments checked above): each router's
+    ``expert_bias`` equals its golden in fp32 after every load, on every rank (one MoE layer:
+    one bias per rank), and megatron built the parameters of the family's table at each
+    layout (the dense first layer, the shared expert, 8 experts split by EP, ETP, expert GTP)."""
+    failed = []
+    for rank, res in enumerate(matrix):
+        for pair in DS_PAIRS:
+            count, problems = res["biases"][pair]
+            if count != 1 or problems:
+                failed.append((rank, pair, count, problems[:3]))
+        for name in DS_LAYOUTS:
+            if res["table"][name]:
+                failed.append((rank, name, "table", res["table"][name][:5]))
+        # the other layouts have no expert bias to compare
+        assert all(res["biases"][pair][0] == 0 for pair in PAIRS + MTP_PAIRS)
+    assert not failed, failed
+    kinds = matrix[0]["kinds"]
+    assert kinds["ds_ep1"] == ["FP32Optimizer"], kinds
+    assert kinds["ds_etp2do_bf16"] == ["DistributedOptimizer"] * 2, kinds
+    assert all(res["padded"]["ds_ep2egtp2"] > 0 for res in matrix)

@@ -116,6 +116,39 @@ def test_mixtral_recipe_layout_dry_run(capsys):
     (["model.moe_router_topk=1"], 2,
      "model.moe_router_topk=1 needs model.moe_router_pre_softmax=true"),
     (["model.moe_aux_loss_coeff=-1"], 2, "model.moe_aux_loss_coeff=-1.0 must be >= 0"),
+    # DeepSeek-V3 routing (recipes/families/moe/checks.py)
+    (["model.moe_router_score_function=sqrtsoftplus"], 2,
+     "model.moe_router_score_function='sqrtsoftplus': valid are ('softmax', 'sigmoid')"),
+    (["model.moe_router_enable_expert_bias=true"], 2,
+     "model.moe_router_enable_expert_bias=true with model.moe_router_score_function='softmax': "
+     "megatron's aux-loss-free expert bias needs sigmoid scores"),
+    (["model.moe_router_score_function=sigmoid", "model.moe_router_bias_update_rate=-0.001"], 2,
+     "model.moe_router_bias_update_rate=-0.001 must be >= 0"),
+    (["model.moe_router_score_function=sigmoid", "model.moe_router_pre_softmax=true"], 2,
+     "model.moe_router_pre_softmax=true with model.moe_router_score_function='sigmoid': "
+     "megatron ignores it"),
+    (["model.moe_router_topk_scaling_factor=0"], 2,
+     "model.moe_router_topk_scaling_factor=0.0 must be > 0"),
+    (["model.moe_router_num_groups=2"], 2, "model.moe_router_num_groups=2 without "
+     "model.moe_router_group_topk: group-limited routing needs both"),
+    (["model.moe_router_group_topk=1"], 2, "model.moe_router_group_topk=1 without "
+     "model.moe_router_num_groups"),
+    (["model.moe_router_num_groups=3", "model.moe_router_group_topk=1"], 2,
+     "model.moe_router_num_groups=3 must divide model.num_moe_experts=4 into equal groups; "
+     "valid: [1, 2, 4]"),
+    (["model.moe_router_num_groups=4", "model.moe_router_group_topk=3"], 2,
+     "model.moe_router_group_topk=3 must lie in [1, 2]"),
+    (["model.moe_router_num_groups=4", "model.moe_router_group_topk=1"], 2,
+     "model.moe_router_group_topk=1 groups of 1 experts hold fewer than "
+     "model.moe_router_topk=2: raise model.moe_router_group_topk to at least 2"),
+    (["model.moe_shared_expert_intermediate_size=0"], 2,
+     "model.moe_shared_expert_intermediate_size=0 must be >= 1"),
+    (["model.moe_layer_freq=0"], 2, "model.moe_layer_freq=0 must be >= 1"),
+    (["model.moe_layer_freq=[0,1,1]"], 2,
+     "model.moe_layer_freq has 3 entries but model.num_layers=2"),
+    (["model.moe_layer_freq=[0,2]"], 2, "model.moe_layer_freq=[0, 2]: an int >= 1"),
+    (["model.moe_layer_freq=[0,0]"], 2, "model.moe_layer_freq=[0, 0] has no MoE layer"),
+    (["model.moe_layer_freq=every"], 2, "model.moe_layer_freq='every': an int >= 1"),
 ])
 def test_bad_moe_layouts_are_refused(overrides, world, message):
     cfg = make_cfg("model=moe_tiny", *overrides)
@@ -212,3 +245,81 @@ def test_a_resume_into_another_moe_shape_names_the_field(field, value):
         check_model_shape(cfg, plan)
     assert f"model.{field}={value!r} (checkpoint: {saved[field]!r})" in str(info.value)
     assert f"set model.{field}=" in str(info.value)
+
+
+# DeepSeek-V3-style routing on moe_tiny (tests/test_moe_checkpoint_layouts.py builds and
+# checkpoints it at four expert layouts).
+DEEPSEEK = ("model=moe_tiny", "model.num_moe_experts=8", "model.moe_layer_freq=[0,1]",
+            "model.moe_router_score_function=sigmoid", "model.moe_router_enable_expert_bias=true",
+            "model.moe_router_bias_update_rate=0.002", "model.moe_router_num_groups=4",
+            "model.moe_router_group_topk=2", "model.moe_router_topk_scaling_factor=2.5",
+            "model.moe_shared_expert_intermediate_size=64")
+
+
+def test_deepseek_routing_reaches_megatron():
+    """The routing fields, megatron's names, reach the TransformerConfig arguments; the list
+    form of moe_layer_freq as a list of ints; megatron's own checks take them."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from recipes.families.moe.model import transformer_config_fields
+
+    cfg = make_cfg(*DEEPSEEK)
+    fields = transformer_config_fields(cfg.model, validate(cfg, 2))
+    assert {k: fields[k] for k in (
+        "moe_router_score_function", "moe_router_enable_expert_bias",
+        "moe_router_bias_update_rate", "moe_router_num_groups", "moe_router_group_topk",
+        "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size",
+        "moe_layer_freq")} == {
+        "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+        "moe_router_bias_update_rate": 0.002, "moe_router_num_groups": 4,
+        "moe_router_group_topk": 2, "moe_router_topk_scaling_factor": 2.5,
+        "moe_shared_expert_intermediate_size": 64, "moe_layer_freq": [0, 1]}
+    assert type(fields["moe_layer_freq"]) is list  # not OmegaConf's ListConfig
+    TransformerConfig(**{k: v for k, v in fields.items() if k != "expert_gtp_weight_remat_size"})
+    # The defaults: megatron's (softmax, no bias, rate 1e-3, no groups, no scaling, every layer).
+    plain = transformer_config_fields(make_cfg("model=moe_tiny").model,
+                                      validate(make_cfg("model=moe_tiny"), 2))
+    assert (plain["moe_router_score_function"], plain["moe_router_enable_expert_bias"],
+            plain["moe_router_bias_update_rate"], plain["moe_router_num_groups"],
+            plain["moe_router_group_topk"], plain["moe_router_topk_scaling_factor"],
+            plain["moe_layer_freq"]) == ("softmax", False, 1e-3, None, None, None, 1)
+
+
+def test_dense_first_layers_in_the_table_and_the_counts():
+    """moe_layer_freq as a list: layer 0 dense (ffn_hidden_size, no router), layer 1 MoE with
+    the shared expert; the active count takes top-2 of 8 of the one MoE layer's experts."""
+    from recipes.families.moe.params import is_moe_layer
+
+    m = make_cfg(*DEEPSEEK).model
+    assert [is_moe_layer(m, i) for i in range(2)] == [False, True]
+    assert [is_moe_layer(make_cfg("model=moe_tiny", "model.moe_layer_freq=2").model, i)
+            for i in range(3)] == [True, False, True]  # the int form: i % N == 0
+    shapes = {p.name: p for p in parameter_shapes(m, 320)}
+    assert shapes["decoder.layers.0.mlp.linear_fc1.weight"].shape == (400, 72)
+    assert not any(n.startswith("decoder.layers.0.mlp.router") for n in shapes)
+    assert shapes["decoder.layers.1.mlp.router.weight"].shape == (8, 72)
+    assert shapes["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"].shape == (128, 72)
+    assert not shapes["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"].expert
+    total, active = parameter_counts(m, 320)
+    experts = 8 * (200 * 72 + 72 * 100)
+    assert active == total - experts + experts * 2 // 8
+
+
+def test_a_resume_that_switches_the_expert_bias_names_the_field():
+    """The expert bias is a stored tensor of each MoE layer: a checkpoint without it does not
+    resume into a run with it (named before launch), and the reverse."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from ckpt.io import CheckpointError
+    from recipes.config.prelaunch import check_model_shape
+
+    saved = OmegaConf.to_container(make_cfg(*DEEPSEEK).model, resolve=True)
+    cfg = make_cfg(*DEEPSEEK, "model.moe_router_enable_expert_bias=false",
+                   "checkpoint.load=/tmp/unused")
+    plan = SimpleNamespace(path="CKPT", common={"train_state": {"config": {"model": saved}}})
+    with pytest.raises(CheckpointError) as info:
+        check_model_shape(cfg, plan)
+    assert ("model.moe_router_enable_expert_bias=False (checkpoint: True)"
+            in str(info.value)), str(info.value)

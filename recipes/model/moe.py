@@ -78,7 +78,8 @@ def reduce_aux_loss(model_cfg, num_microbatches: int) -> dict:
 
 def check(cfg, parallel_dims) -> None:
     """MoE and sequence-parallel rules, before any process starts (context parallelism:
-    ``recipes.model.context_parallel.check``).
+    ``recipes.model.context_parallel.check``; the routing fields and ``moe_layer_freq``: the
+    family's ``recipes.families.moe.checks``).
 
     Raises:
         ConfigError: the first problem, naming the value and what is valid.
@@ -105,7 +106,8 @@ def check(cfg, parallel_dims) -> None:
     if not 1 <= m.moe_router_topk <= experts:
         raise ConfigError(f"model.moe_router_topk={m.moe_router_topk} must lie in [1, "
                           f"model.num_moe_experts={experts}]")
-    if m.moe_router_topk == 1 and not m.get("moe_router_pre_softmax", False):
+    softmax = m.get("moe_router_score_function", "softmax") == "softmax"
+    if m.moe_router_topk == 1 and softmax and not m.get("moe_router_pre_softmax", False):
         # megatron's TopKRouter: a softmax over the one chosen logit is always 1.
         raise ConfigError("model.moe_router_topk=1 needs model.moe_router_pre_softmax=true "
                           "(softmax over all experts before the top-1; megatron refuses top-1 "
@@ -119,8 +121,6 @@ def check(cfg, parallel_dims) -> None:
     if m.moe_router_load_balancing_type not in LOAD_BALANCING_TYPES:
         raise ConfigError(f"model.moe_router_load_balancing_type="
                           f"{m.moe_router_load_balancing_type!r}: valid are {LOAD_BALANCING_TYPES}")
-    if int(m.get("moe_layer_freq", 1)) < 1:
-        raise ConfigError(f"model.moe_layer_freq={m.moe_layer_freq} must be >= 1")
     width = m.get("moe_ffn_hidden_size") or m.ffn_hidden_size
     if width % etp:
         raise ConfigError(f"model.moe_ffn_hidden_size={width} must be divisible by "

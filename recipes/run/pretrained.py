@@ -40,10 +40,13 @@ from recipes.families import family_name  # also gives ckpt/ the importable fami
 TENSOR_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                  "kv_channels", "ffn_hidden_size", "swiglu", "normalization", "add_bias_linear",
                  "add_qkv_bias", "qk_layernorm", "position_embedding_type",
-                 "share_embeddings_and_output_weights", "num_moe_experts", "moe_ffn_hidden_size")
+                 "share_embeddings_and_output_weights", "num_moe_experts", "moe_ffn_hidden_size",
+                 "moe_shared_expert_intermediate_size", "moe_layer_freq")
 # Fields the source's experts were trained with: another value computes another model from the
 # same tensors (which experts a token reaches, and with what weights).
-ROUTING_FIELDS = ("moe_router_topk", "moe_router_pre_softmax")
+ROUTING_FIELDS = ("moe_router_topk", "moe_router_pre_softmax", "moe_router_score_function",
+                  "moe_router_enable_expert_bias", "moe_router_num_groups",
+                  "moe_router_group_topk", "moe_router_topk_scaling_factor")
 # Where an HF source is imported, under the job's output dir.
 IMPORT_DIR = "pretrained"
 

@@ -12,6 +12,7 @@ import zlib
 
 from mcore_compat.patches import megatron_patch
 from recipes.families.gpt import model as gpt_model
+from recipes.families.moe.params import layer_freq
 
 
 def is_moe(m) -> bool:
@@ -21,19 +22,26 @@ def is_moe(m) -> bool:
 
 def transformer_config_fields(m, dims) -> dict:
     """megatron ``TransformerConfig`` keyword arguments of an MoE ``model`` config: the GPT
-    family's fields, the MoE fields and the expert parallel sizes of ``dims`` (a
+    family's fields, the MoE fields (routing: score function, expert bias, groups, scaling;
+    ``moe_layer_freq`` an int or a list of ints) and the expert parallel sizes of ``dims`` (a
     ``recipes.config.parallel_dims.ParallelDims``)."""
     out = gpt_model.transformer_config_fields(m, dims)
     out.update(
         num_moe_experts=int(m.num_moe_experts),
         moe_router_topk=int(m.moe_router_topk),
         moe_router_pre_softmax=bool(m.get("moe_router_pre_softmax", False)),
+        moe_router_score_function=str(m.get("moe_router_score_function", "softmax")),
+        moe_router_topk_scaling_factor=_float_or_none(m.get("moe_router_topk_scaling_factor")),
+        moe_router_enable_expert_bias=bool(m.get("moe_router_enable_expert_bias", False)),
+        moe_router_bias_update_rate=float(m.get("moe_router_bias_update_rate", 1e-3)),
+        moe_router_num_groups=_int_or_none(m.get("moe_router_num_groups")),
+        moe_router_group_topk=_int_or_none(m.get("moe_router_group_topk")),
         moe_ffn_hidden_size=int(m.get("moe_ffn_hidden_size") or m.ffn_hidden_size),
         moe_shared_expert_intermediate_size=m.get("moe_shared_expert_intermediate_size"),
         moe_router_load_balancing_type=m.moe_router_load_balancing_type,
         moe_aux_loss_coeff=float(m.moe_aux_loss_coeff),
         moe_token_dispatcher_type=m.moe_token_dispatcher_type,
-        moe_layer_freq=int(m.get("moe_layer_freq", 1)),
+        moe_layer_freq=layer_freq(m),
         moe_grouped_gemm=False,  # SequentialMLP: the local spec's experts (no TE grouped GEMM)
         expert_model_parallel_size=dims.expert_model_parallel_size,
         expert_tensor_parallel_size=dims.expert_tensor_parallel_size,
@@ -41,6 +49,14 @@ def transformer_config_fields(m, dims) -> dict:
     if dims.expert_gtp_remat_size > 1:
         out["expert_gtp_weight_remat_size"] = dims.expert_gtp_remat_size
     return out
+
+
+def _int_or_none(value):
+    return None if value is None else int(value)
+
+
+def _float_or_none(value):
+    return None if value is None else float(value)
 
 
 def layer_spec(m, config, use_te: bool, vp_stage):

@@ -1,5 +1,5 @@
 """The MoE family's parameter table: the GPT family's, with megatron's ``MoELayer`` as the MLP
-of every ``moe_layer_freq``-th layer."""
+of the layers ``moe_layer_freq`` makes MoE (every N-th, or a 0/1 list per layer)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,27 @@ from recipes.families.gpt.params import mlp_shapes, parameter_shapes as gpt_para
 from recipes.model.shapes import ParamShape, getter
 
 
+def layer_freq(m):
+    """``model.moe_layer_freq`` as megatron takes it: an int, or a list of ints (0 dense, 1 MoE,
+    one per decoder layer) from a list (an OmegaConf ``ListConfig`` included)."""
+    value = getter(m)("moe_layer_freq", 1)
+    if value is None:
+        return 1
+    if isinstance(value, (int, str, float)):
+        return int(value)
+    return [int(v) for v in value]
+
+
 def is_moe_layer(m, layer: int) -> bool:
-    """Whether 0-based ``layer`` has an MoE MLP: ``num_moe_experts`` set and ``layer`` a multiple
-    of ``moe_layer_freq`` (megatron's int ``moe_layer_freq``: layer i is MoE when
-    ``i % freq == 0``)."""
-    get = getter(m)
-    if not get("num_moe_experts"):
+    """Whether 0-based decoder ``layer`` has an MoE MLP: ``num_moe_experts`` set and, as
+    megatron's ``get_gpt_decoder_block_spec`` reads ``moe_layer_freq``, ``layer % freq == 0`` for
+    an int, ``freq[layer] == 1`` for a list of 0/1 per layer."""
+    if not getter(m)("num_moe_experts"):
         return False
-    return layer % int(get("moe_layer_freq", 1) or 1) == 0
+    freq = layer_freq(m)
+    if isinstance(freq, list):
+        return layer < len(freq) and freq[layer] == 1
+    return layer % freq == 0
 
 
 def moe_mlp_shapes(m, i: int, layer: str, add) -> bool:
