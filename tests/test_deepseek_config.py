@@ -4,6 +4,8 @@ the MTP module), and the 671B recipe's dry run with multi-latent attention's act
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from compose import make_cfg
@@ -41,8 +43,11 @@ def test_deepseek_v3_counts_what_transformers_builds():
 
 
 def test_deepseek_v3_with_its_mtp_module_is_the_published_685b():
-    """The Hub's 685B counts the MTP module's own copies of the embedding and output head
-    (layer 61 of its weights); megatron's MTP layer shares the model's."""
+    """The Hub's safetensors hold 684,531,386,000 numbers ("685B"): the model with its MTP
+    module, the MTP module's own copies of the embedding and output head (layer 61; megatron's
+    MTP layer shares the model's), the 59 MoE layers' expert biases (buffers, not parameters)
+    and the FP8 weights' block scales, one per 128 x 128 block of every linear weight but the
+    routers, embeddings, output head and MTP's eh_proj (kept in bf16)."""
     m = make_cfg("model=deepseek_v3", "model.mtp_num_layers=1").model
     total, _ = parameter_counts(m, VOCAB)
     shapes = {p.name: p.shape for p in parameter_shapes(m, VOCAB)}
@@ -50,7 +55,12 @@ def test_deepseek_v3_with_its_mtp_module_is_the_published_685b():
     assert total == PUBLISHED[0] + mtp
     assert shapes["mtp.layers.0.eh_proj.weight"] == (7168, 2 * 7168)
     assert "mtp.layers.0.mtp_model_layer.mlp.router.weight" in shapes  # an MoE layer
-    assert round((total + 2 * VOCAB * 7168) / 1e9) == 685
+    copies = 2 * VOCAB * 7168
+    scales = sum(math.ceil(s[0] / 128) * math.ceil(s[1] / 128) for n, s in shapes.items()
+                 if len(s) == 2 and not any(k in n for k in ("embedding", "output_layer",
+                                                              "router", "eh_proj")))
+    biases = (58 + 1) * 256
+    assert total + copies + biases + scales == 684_531_386_000
 
 
 def test_the_671b_recipe_fits_with_mla_activations(monkeypatch):
