@@ -61,8 +61,8 @@ def local_stack_spec(m):
     ``MambaMixer`` with a ``ColumnParallelLinear`` ``in_proj`` and a ``RowParallelLinear``
     ``out_proj``; a GatedDeltaNet layer is megatron's (a ``TransformerLayer`` whose
     ``self_attention`` is ``GatedDeltaNet``) with its input norm apart, as the attention layer's,
-    the same linears and ``WrappedTorchNorm`` as ``out_norm`` (megatron's TE spec fuses the
-    input norm into ``in_proj``); an attention layer and an MLP layer are the local GPT layer's
+    the same linears and as ``out_norm`` :class:`~recipes.families.hybrid.gdn_norm.TPSummedNorm`
+    (megatron's TE spec fuses the input norm into ``in_proj``); an attention layer and an MLP layer are the local GPT layer's
     attention and MLP halves (``get_gpt_layer_local_spec``), each with its own input norm."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -79,6 +79,8 @@ def local_stack_spec(m):
         TransformerLayerSubmodules,
     )
 
+    from recipes.families.hybrid.gdn_norm import TPSummedNorm
+
     gpt = get_gpt_layer_local_spec(normalization=m.get("normalization", "LayerNorm"),
                                    qk_layernorm=bool(m.get("qk_layernorm", False))).submodules
     mamba = ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
@@ -93,7 +95,7 @@ def local_stack_spec(m):
     gdn = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=gpt.input_layernorm,
         self_attention=ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
-            in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm, out_proj=RowParallelLinear)),
+            in_proj=ColumnParallelLinear, out_norm=TPSummedNorm, out_proj=RowParallelLinear)),
         self_attn_bda=gpt.self_attn_bda))
     mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
         pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=gpt.mlp, mlp_bda=gpt.mlp_bda))
