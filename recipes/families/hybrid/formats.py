@@ -86,7 +86,10 @@ def architecture(model: dict) -> str | None:
     pattern = model.get("hybrid_layer_pattern")
     if pattern is None:
         return None
-    refusals = (
+    refusals = (  # the layers first: a model with other layers is refused for them
+        (any(s not in LAYER_TYPES for s in pattern), "hybrid_layer_pattern",
+         f"layer symbols {sorted(LAYER_TYPES)} are exported (NemotronH has no GatedDeltaNet "
+         f"layer)"),
         (model.get("normalization", "LayerNorm") != "RMSNorm", "normalization",
          "NemotronH's norms are RMSNorm"),
         (model.get("add_bias_linear", True), "add_bias_linear",
@@ -98,8 +101,6 @@ def architecture(model: dict) -> str | None:
         (model.get("add_qkv_bias", False), "add_qkv_bias", "NemotronH has no QKV bias"),
         (float(model.get("layernorm_epsilon", 1e-5)) != MIXER_NORM_EPS, "layernorm_epsilon",
          "megatron's Mamba mixer norms with eps 1e-5 and NemotronH takes one eps for all"),
-        (any(s not in LAYER_TYPES for s in pattern), "hybrid_layer_pattern",
-         f"layer symbols {sorted(LAYER_TYPES)} are exported"),
     )
     for refused, field, why in refusals:
         if field == "layernorm_epsilon" and MAMBA not in pattern:
