@@ -32,6 +32,7 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("hf_import_memory", "benchmarks.hf_import_memory"),
     ("tools_memory", "benchmarks.tools_memory"),
     ("mamba_scan", "benchmarks.mamba_scan"),
+    ("gated_delta_rule", "benchmarks.gated_delta_rule"),
 ]
 
 

@@ -54,9 +54,51 @@ def test_megatron_gets_the_mamba_fields():
     assert fields["num_layers"] == 6 and fields["normalization"] == "RMSNorm"
 
 
+# GatedDeltaNet layer (hybrid_gdn_tiny: 2 key heads of 12, 4 value heads of 8, kernel 4): norm
+# 48; dt_bias, A_log 4 each; in_proj (2 * 24 + 2 * 32 + 2 * 4 = 120) x 48; conv1d (24 + 24 + 32
+# = 80 channels) 80 x 1 x 4; out_norm 8 (one value head); out_proj 48 x 32.
+GDN = 48 + 2 * 4 + 120 * 48 + 80 * 4 + 8 + 48 * 32
+SWIGLU_MLP = 48 + 2 * 120 * 48 + 48 * 120
+
+
+def test_hybrid_gdn_tiny_is_counted_by_hand_and_megatron_gets_the_gdn_fields():
+    cfg = make_cfg("model=hybrid_gdn_tiny")
+    m = cfg.model
+    total = 2 * EMBEDDING + 2 * MAMBA + 2 * GDN + ATTENTION + SWIGLU_MLP + 48  # "MG*-MG"
+    assert total == 105_620
+    assert parameter_counts(m, 320) == (total, total)
+    fields = family_of(m).transformer_config_fields(m, ParallelDims.from_config(cfg, 2))
+    assert {k: fields[k] for k in fields if k.startswith("linear_")} == {
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 12, "linear_num_key_heads": 2,
+        "linear_value_head_dim": 8, "linear_num_value_heads": 4}
+    validate(cfg, cfg.parallelism.nproc_per_node)
+
+
 @pytest.mark.parametrize("overrides,match", [
-    (["model.hybrid_layer_pattern=MG*-M-"], r"'G': GatedDeltaNet \(Qwen3-Next\) needs "
-                                            r"flash-linear-attention's kernels"),
+    (["model.swiglu=false"], r"model.swiglu=false: GatedDeltaNet layers \('G'\) apply the "
+                             r"model's activation .* set model.swiglu=true"),
+    (["model.linear_num_value_heads=3"], r"model.linear_num_value_heads=3 must be a multiple "
+                                         r"of model.linear_num_key_heads=2"),
+    (["parallelism=tp2dp2", "model.linear_num_key_heads=1"],
+     r"model.linear_num_key_heads=1 must be divisible by tensor_model_parallel_size=2"),
+    (["model.linear_key_head_dim=0"], r"model.linear_key_head_dim=0 is invalid"),
+    (["model.linear_conv_kernel_dim=-1"], r"model.linear_conv_kernel_dim=-1 is invalid"),
+    (["parallelism=tp2dp2", "gtp.gtp_remat_size=2", "gtp.pad_for_alignment=16",
+      "checkpoint.format=stock"], "asserts on GatedDeltaNet's GTP in_proj"),
+])
+def test_what_gated_delta_net_layers_cannot_run_is_refused_naming_the_field(overrides, match):
+    cfg = make_cfg("model=hybrid_gdn_tiny", *overrides)
+    with pytest.raises(ConfigError, match=match):
+        validate(cfg, cfg.parallelism.nproc_per_node)
+
+
+def test_a_gated_delta_net_model_is_not_exported():
+    with pytest.raises(ExportError, match="hybrid_layer_pattern='MG\\*-MG'.*layer symbols .* "
+                                          "no GatedDeltaNet layer"):
+        for_export(dict(make_cfg("model=hybrid_gdn_tiny").model))
+
+
+@pytest.mark.parametrize("overrides,match", [
     (["model.hybrid_layer_pattern=ME*-M-"], "'E': MoE layers"),
     (["model.hybrid_layer_pattern=MX*-M-"], "'X': not a layer symbol"),
     (["model.hybrid_layer_pattern=M*-|M*-"], "'|' stage boundaries are not supported"),

@@ -1,24 +1,27 @@
-"""The hybrid family's checkpoints (``model=hybrid_tiny``: Mamba, attention and MLP layers)
-across layouts, through the recipe's own model, optimizer and checkpoint code: every weight and
-Adam moment exact, padding rows included.
+"""The hybrid family's checkpoints (``model=hybrid_gdn_tiny``: Mamba, GatedDeltaNet, attention
+and MLP layers, "MG*-MG") across layouts, through the recipe's own model, optimizer and
+checkpoint code: every weight and Adam moment exact, padding rows included.
 
 One 4-process gloo world hosts every layout in turn. Each builds the model through
 ``recipes.run.worker.setup``, sets every weight, fp32 main param and Adam moment to a golden built
 by hand (tests/helpers/layout_goldens.py: each parameter's full tensor holds
-``k*1024 + row + (index in row)/256``, cut to a rank by slicing, Mamba's packed ``in_proj`` and
-``conv1d`` component by component), saves through ``ckpt.io``, then loads every
+``k*1024 + row + (index in row)/256``, cut to a rank by slicing, the packed ``in_proj`` and
+``conv1d`` weights component by component), saves through ``ckpt.io``, then loads every
 checkpoint into each layout pre-filled with a sentinel and compares exactly.
 
-Where the GTP shards fall (``in_proj`` 230 rows, ``z96 | x96 | B16 | C16 | dt6``, 115 a TP rank):
-g2/a16 at tp1 cuts inside ``x`` (shards of 128); tp2 x g2/a16 cuts inside ``x`` of each TP
-rank's rows (shards of 64, 13 padding rows after ``dt``); g4/a32 gives the 48-row ``out_proj``,
-``linear_proj`` and ``linear_fc2`` shards of 32, 16, 0 and 0 rows (all padding on GTP ranks 2
-and 3); g2/a1 cuts at row 115, row 19 of ``x``; pp2 puts layers 3-5 on stage 1 (their global
-numbers in the checkpoint).
+Where the GTP shards fall. Mamba's ``in_proj`` (230 rows, ``z96 | x96 | B16 | C16 | dt6``, 115
+a TP rank): g2/a16 at tp1 cuts inside ``x`` (shards of 128); tp2 x g2/a16 cuts inside ``x`` of
+each TP rank's rows (shards of 64, 13 padding rows after ``dt``); g2/a1 cuts at row 115, row 19
+of ``x``. GatedDeltaNet's ``in_proj`` (120 rows, ``query24 | key24 | value32 | z32 | beta4 |
+alpha4``, 60 a TP rank): g2/a16 cuts inside ``value`` (shards of 64), tp2 x g2/a16 inside each
+TP rank's ``value`` (shards of 32, 4 padding rows), g4/a32 inside ``key``, ``value`` and ``z``,
+g2/a1 inside ``value``. g4/a32 gives the 48-row ``out_proj``, ``linear_proj`` and ``linear_fc2``
+shards of 32, 16, 0 and 0 rows (all padding on GTP ranks 2 and 3). pp2 puts layers 3-5 ("-MG")
+on stage 1 (their global numbers in the checkpoint).
 
 In bf16 (bf16 weights, fp32 main params): the plain and the distributed optimizer read each
-other's files, ``conv1d``'s and ``in_proj``'s main params stored as their components
-(``ckpt.adapt.optim_checkpoint.prepare_one``).
+other's files, ``conv1d``'s and (without GTP) ``in_proj``'s main params stored as their
+components (``ckpt.adapt.optim_checkpoint.prepare_one``).
 """
 
 from __future__ import annotations
@@ -32,11 +35,13 @@ from multiproc import run_distributed
 pytestmark = pytest.mark.multiprocess
 
 WORLD = 4
+MODEL = "hybrid_gdn_tiny"
 _PP2 = "parallelism.pipeline_model_parallel_size=2"
 _DISTOPT = "optim.use_distributed_optimizer=true"
 # name: (tp, g, pad_for_alignment, extra overrides); data parallel fills the world.
 LAYOUTS = {
     "tp1": (1, 1, None, ()),
+    "tp2": (2, 1, None, ()),
     "g2a16": (1, 2, 16, ()),
     "tp2g2a16": (2, 2, 16, ()),
     "g4a32": (1, 4, 32, ()),
@@ -48,7 +53,7 @@ LAYOUTS = {
 
 
 def test_every_weight_and_moment_of_the_hybrid_model_loads_exactly_at_every_layout(tmp_path):
-    cfgs = {name: make_cfg("hybrid_tiny", tp, g, pad, WORLD, "logical", *extra)
+    cfgs = {name: make_cfg(MODEL, tp, g, pad, WORLD, "logical", *extra)
             for name, (tp, g, pad, extra) in LAYOUTS.items()}
     results = run_distributed(save_and_load_pairs, WORLD, str(tmp_path), cfgs, timeout=1200)
     problems = pair_problems(results)
@@ -65,7 +70,7 @@ BF16_LAYOUTS = {
 
 
 def test_bf16_main_params_and_moments_load_exactly_across_optimizer_kinds(tmp_path):
-    cfgs = {name: make_cfg("hybrid_tiny", tp, g, pad, WORLD, "logical", "precision=bf16", *extra)
+    cfgs = {name: make_cfg(MODEL, tp, g, pad, WORLD, "logical", "precision=bf16", *extra)
             for name, (tp, g, pad, extra) in BF16_LAYOUTS.items()}
     results = run_distributed(save_and_load_pairs, WORLD, str(tmp_path), cfgs, timeout=1200)
     problems = pair_problems(results)

@@ -117,6 +117,14 @@ def test_the_stock_reader_classifies_keys_by_the_families_patterns():
         assert is_plain(key) and gtp_kind(key) is None, key
     # An in_proj stored whole is not known: a GTP checkpoint holding one is refused, naming it.
     assert not is_plain("decoder.layers.0.mixer.in_proj.weight")
+    # GatedDeltaNet (megatron's stock format, without GTP: its keys are the logical ones).
+    net = "decoder.layers.1.self_attention."
+    assert gtp_kind(net + "out_proj.weight") == "proj"
+    for key in (net + "in_proj.weight.query", net + "in_proj.weight.alpha", net + "A_log",
+                net + "dt_bias", net + "conv1d.weight.value", net + "out_norm.weight",
+                "decoder.layers.1.input_layernorm.weight"):
+        assert is_plain(key) and gtp_kind(key) is None, key
+    assert not is_plain(net + "in_proj.weight") and not is_plain(net + "conv1d.weight")
 
 
 def test_a_mamba_only_model_file_tells_the_stock_reader_its_hidden_size():

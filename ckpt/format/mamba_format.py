@@ -90,7 +90,7 @@ def mixer_sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None)
         out.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets,
                                               metadata, tp_group=self.tp_group))
     key = f"{prefix}in_proj.weight"
-    out[key] = _components_factory(out[key], in_proj_rows(self))
+    out[key] = components_factory(out[key], IN_PROJ_COMPONENTS, in_proj_rows(self))
     conv_rows = list(in_proj_rows(self)[1:4])
     for name in ("weight", "bias"):
         entry = out[f"{prefix}conv1d_{name}"]
@@ -100,16 +100,26 @@ def mixer_sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None)
     return out
 
 
-def _components_factory(entry, rows: tuple[int, ...]) -> LogicalGTPFactory:
+def components_factory(entry, names, rows) -> LogicalGTPFactory:
+    """The logical factory of a GTP weight whose TP-local rows pack components, each TP-split
+    on its own (Mamba's and GatedDeltaNet's ``in_proj``): ``entry`` (the weight's
+    :class:`LogicalGTPFactory`) with the components ``<key>.<name>`` of ``rows`` TP-local rows
+    each, in order. Each GTP shard's logical rows are cut into the components they meet
+    (:func:`gtp.shards.logical_pieces`) and written at the components' logical offsets, so
+    the file holds what megatron's ``_split_tensor_factory`` writes without GTP.
+
+    Raises:
+        GTPCheckpointError: ``entry`` is not a logical GTP factory, or ``rows`` do not add up
+            to its TP-local dim 0 (both named).
+    """
     if not isinstance(entry, LogicalGTPFactory):
         raise GTPCheckpointError(f"{getattr(entry, 'key', entry)}: a GTP in_proj without the "
                                  f"logical factory (ckpt.format.logical_format not installed first?)")
     spec = entry.spec
     if sum(rows) != spec.shard.L:
         raise GTPCheckpointError(f"{entry.key}: TP-local dim 0 is {spec.shard.L}, but the "
-                                 f"mixer's components {dict(zip(IN_PROJ_COMPONENTS, rows))} "
-                                 f"hold {sum(rows)}")
-    components = tuple((f".{name}", n) for name, n in zip(IN_PROJ_COMPONENTS, rows))
+                                 f"components {dict(zip(names, rows))} hold {sum(rows)}")
+    components = tuple((f".{name}", int(n)) for name, n in zip(names, rows))
     shard = dataclasses.replace(spec.shard, components=components)
     return make_factory(entry.live_param, entry.key, dataclasses.replace(spec, shard=shard),
                         entry.replica_id, data=entry.data)

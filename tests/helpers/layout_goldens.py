@@ -102,7 +102,7 @@ def local(full: torch.Tensor, p, name: str, cfg) -> torch.Tensor:
 
     tp, k = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     t = full
-    sizes = getattr(p, "partition_sizes", None)
+    sizes = getattr(p, "partition_sizes", None) or gdn_partition_sizes(name, cfg, tp)
     if gated(name, cfg):
         n = t.shape[0] // 2
         h = n // tp
@@ -116,6 +116,22 @@ def local(full: torch.Tensor, p, name: str, cfg) -> torch.Tensor:
     t = gtp_shard(t, p)
     assert t.shape == p.shape, (name, t.shape, p.shape)
     return t
+
+
+def gdn_partition_sizes(name: str, cfg, tp: int):
+    """The TP-local rows of each component a GatedDeltaNet weight packs, from the run config
+    (megatron sets no ``partition_sizes`` on them): ``in_proj`` ``query | key | value | z |
+    beta | alpha``, ``conv1d`` ``query | key | value``; None for any other weight."""
+    if cfg is None or not name.endswith(("self_attention.in_proj.weight",
+                                         "self_attention.conv1d.weight")):
+        return None
+    m = cfg.model
+    qk = m.linear_num_key_heads * m.linear_key_head_dim // tp
+    v = m.linear_num_value_heads * m.linear_value_head_dim // tp
+    if name.endswith("conv1d.weight"):
+        return [qk, qk, v]
+    heads = m.linear_num_value_heads // tp
+    return [qk, qk, v, v, heads, heads]
 
 
 def gtp_shard(t: torch.Tensor, p) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """One megatron module (a Mamba mixer, a CLIP ViT...) at many parallel layouts in one gloo world,
 for tests of forward/backward and of checkpoints, weights and Adam moments.
 
-A *builder* is a helper module (``tests/helpers/mamba_mixer.py``, ``tests/helpers/vit.py``)
+A *builder* is a helper module (``tests/helpers/mamba_mixer.py``, ``tests/helpers/gdn_net.py``,
+``tests/helpers/vit.py``)
 with ``install()`` (its shims), ``build(tp)`` (the module, whose ``config`` megatron's DDP
 takes) and ``loss(model)`` (a scalar from a fixed input, the same on every rank). Builders are
 named by module so that the functions here can run inside :func:`multiproc.run_distributed`.
@@ -106,6 +107,11 @@ def forward_backward(builder: str, layouts: dict):
         worst = max((grads[n] - local(ref_grads[n], params[n])).abs().max().item() for n in grads)
         out[name] = (abs(loss.item() - ref_loss.item()), worst, len(grads))
     return out
+
+
+def forward_backward_each(builders: tuple, layouts: dict) -> dict:
+    """``{builder: forward_backward(builder, layouts)}``: several modules in one world."""
+    return {builder: forward_backward(builder, layouts) for builder in builders}
 
 
 def differences_from_tp1(result: dict, n_params: int) -> list[str]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from recipes.config.errors import ConfigError
-from recipes.families.hybrid.model import MAMBA, PIPE, SUPPORTED, UNSUPPORTED
+from recipes.families.hybrid.model import GDN, GDN_FIELDS, MAMBA, PIPE, SUPPORTED, UNSUPPORTED
 from recipes.families.hybrid.params import mamba_dims
 from recipes.config.parallel_dims import check_positive
 
@@ -12,10 +12,13 @@ def check(cfg, parallel_dims) -> None:
     """What a hybrid ``model`` needs of itself and of the run.
 
     Raises:
-        ConfigError: an empty pattern, a layer symbol other than ``M``, ``*``, ``-``
-            (GatedDeltaNet ``G``, MoE ``E``, ... named with the reason), a pattern whose length
-            is not ``num_layers``; with Mamba layers, a Mamba size < 1 and sizes that tensor
-            parallelism cannot split (``nheads``, ``mamba_num_groups``);
+        ConfigError: an empty pattern, a layer symbol other than ``M``, ``G``, ``*``, ``-``
+            (MoE ``E``, ... named with the reason), a pattern whose length is not
+            ``num_layers``; with Mamba layers, a Mamba size < 1 and sizes that tensor
+            parallelism cannot split (``nheads``, ``mamba_num_groups``); with GatedDeltaNet
+            layers, a ``linear_*`` size < 1, value heads not a multiple of key heads, heads
+            that tensor parallelism cannot split, and an activation other than SiLU
+            (``model.swiglu=false``);
             and what is not run here: the stock checkpoint format under GTP (it cannot place
             ``in_proj``'s optimizer moments), context or sequence parallelism, virtual pipeline
             stages, multi-token prediction, TransformerEngine layers.
@@ -41,6 +44,8 @@ def check(cfg, parallel_dims) -> None:
                           f"one symbol a layer")
     if MAMBA in pattern:
         _check_mamba_sizes(m, parallel_dims.tensor_model_parallel_size)
+    if GDN in pattern:
+        _check_gdn(m, parallel_dims.tensor_model_parallel_size)
     _check_run(cfg, parallel_dims, key)
 
 
@@ -66,13 +71,33 @@ def _check_mamba_sizes(m, tp: int) -> None:
                               f"over groups)")
 
 
+def _check_gdn(m, tp: int) -> None:
+    for name in GDN_FIELDS:
+        check_positive(f"model.{name}", m.get(name))
+    keys, values = int(m.linear_num_key_heads), int(m.linear_num_value_heads)
+    if values % keys:
+        raise ConfigError(f"model.linear_num_value_heads={values} must be a multiple of "
+                          f"model.linear_num_key_heads={keys} (GatedDeltaNet repeats each key "
+                          f"head over its value heads)")
+    for name, value in (("model.linear_num_key_heads", keys),
+                        ("model.linear_num_value_heads", values)):
+        if value % tp:
+            raise ConfigError(f"{name}={value} must be divisible by tensor_model_parallel_size="
+                              f"{tp} (megatron's GatedDeltaNet splits its heads over TP ranks)")
+    if not m.swiglu:
+        raise ConfigError("model.swiglu=false: GatedDeltaNet layers ('G') apply the model's "
+                          "activation to their conv1d and output gate, and megatron-core "
+                          "0.19.2 runs them with SiLU only; set model.swiglu=true (SiLU, the "
+                          "MLPs gated, as Qwen3-Next)")
+
+
 def _check_run(cfg, parallel_dims, key: str) -> None:
     m = cfg.model
     refusals = (
         (parallel_dims.gtp_remat_size > 1 and cfg.checkpoint.get("format", "logical") == "stock",
          "checkpoint.format=stock under GTP: megatron-core 0.19.2 gathers Mamba's in_proj for "
-         "its checkpoint and cannot place the optimizer moments of it; use checkpoint.format="
-         "logical"),
+         "its checkpoint and cannot place the optimizer moments of it, and asserts on "
+         "GatedDeltaNet's GTP in_proj; use checkpoint.format=logical"),
         (parallel_dims.context_parallel_size > 1,
          f"parallelism.context_parallel_size={parallel_dims.context_parallel_size}: not run here "
          f"(context_parallel_size=1)"),

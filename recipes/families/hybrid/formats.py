@@ -36,11 +36,12 @@ from typing import Any
 
 from ckpt.families import ExportError, FamilyFormats, HFArchitecture
 from ckpt.hf.mapping import split_qkv
-from recipes.families.hybrid.model import ATTENTION, MAMBA, MLP
+from recipes.families.hybrid.model import ATTENTION, GDN, GDN_FIELDS, MAMBA, MLP
 from recipes.families.hybrid.params import mamba_dims
 
 # The fields that size stored tensors (ckpt.format.records.unbounded_size), with the pattern's
 # length (the layers).
+# GatedDeltaNet's (GDN_FIELDS) count only with G layers (their defaults size nothing otherwise).
 SIZE_FIELDS = ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")
 
 # megatron-core 0.19.2's MambaMixer builds its gated RMSNorm with eps 1e-5 whatever the config
@@ -53,14 +54,21 @@ NO_CACHE_WHY = ("transformers 5.25's NemotronH cache reads its sequence length f
                 "generate() unless use_cache is false (the logits are the same without the "
                 "cache; generation recomputes every position)")
 
-# Mamba's out_proj: row-parallel, its hidden rows GTP-sharded and padded, as linear_proj.
-GTP_PATTERNS = ((re.compile(r"(^|\.)mixer\.out_proj\.weight$"), "proj"),)
-# Stored at their logical shape in both formats: in_proj's components (megatron gathers them
-# over GTP), conv1d's (TP-split, never GTP), and A_log, D, dt_bias (per head, TP-split).
+# Mamba's and GatedDeltaNet's out_proj: row-parallel, its hidden rows GTP-sharded and padded,
+# as linear_proj.
+GTP_PATTERNS = ((re.compile(r"(^|\.)mixer\.out_proj\.weight$"), "proj"),
+                (re.compile(r"(^|\.)self_attention\.out_proj\.weight$"), "proj"))
+# Stored at their logical shape in both formats: Mamba's in_proj components (megatron gathers
+# them over GTP), conv1d's (TP-split, never GTP), and A_log, D, dt_bias (per head, TP-split);
+# GatedDeltaNet's in_proj and conv1d components, A_log and dt_bias (its stock format exists
+# without GTP only: megatron-core 0.19.2 asserts on a GTP in_proj).
 STORED_LOGICAL = (
     re.compile(r"(^|\.)mixer\.in_proj\.weight\.(z|x|B|C|dt)$"),
     re.compile(r"(^|\.)mixer\.conv1d\.(weight|bias)\.(x|B|C)$"),
     re.compile(r"(^|\.)mixer\.(A_log|D|dt_bias)$"),
+    re.compile(r"(^|\.)self_attention\.in_proj\.weight\.(query|key|value|z|beta|alpha)$"),
+    re.compile(r"(^|\.)self_attention\.conv1d\.(weight|bias)\.(query|key|value)$"),
+    re.compile(r"(^|\.)self_attention\.(A_log|dt_bias)$"),
 )
 
 
@@ -72,12 +80,16 @@ def architecture(model: dict) -> str | None:
         ExportError: a setting NemotronH does not compute (named with what it computes):
             normalization other than RMSNorm, linear biases, a position embedding, SwiGLU,
             q/k norms or QKV biases, ``layernorm_epsilon`` other than the mixer's 1e-5, a layer
-            symbol other than ``M``, ``*``, ``-``.
+            symbol other than ``M``, ``*``, ``-`` (GatedDeltaNet ``G`` included: NemotronH has no
+            such layer).
     """
     pattern = model.get("hybrid_layer_pattern")
     if pattern is None:
         return None
-    refusals = (
+    refusals = (  # the layers first: a model with other layers is refused for them
+        (any(s not in LAYER_TYPES for s in pattern), "hybrid_layer_pattern",
+         f"layer symbols {sorted(LAYER_TYPES)} are exported (NemotronH has no GatedDeltaNet "
+         f"layer)"),
         (model.get("normalization", "LayerNorm") != "RMSNorm", "normalization",
          "NemotronH's norms are RMSNorm"),
         (model.get("add_bias_linear", True), "add_bias_linear",
@@ -89,8 +101,6 @@ def architecture(model: dict) -> str | None:
         (model.get("add_qkv_bias", False), "add_qkv_bias", "NemotronH has no QKV bias"),
         (float(model.get("layernorm_epsilon", 1e-5)) != MIXER_NORM_EPS, "layernorm_epsilon",
          "megatron's Mamba mixer norms with eps 1e-5 and NemotronH takes one eps for all"),
-        (any(s not in LAYER_TYPES for s in pattern), "hybrid_layer_pattern",
-         f"layer symbols {sorted(LAYER_TYPES)} are exported"),
     )
     for refused, field, why in refusals:
         if field == "layernorm_epsilon" and MAMBA not in pattern:
@@ -194,12 +204,13 @@ NEMOTRON_H = HFArchitecture(model_type="nemotron_h", hf_class="NemotronHForCausa
                             notes=notes)
 
 def sizes(model) -> list[tuple[str, object]]:
-    """The Mamba sizes and the layer pattern's length of a hybrid ``model`` config dict (none
-    without ``hybrid_layer_pattern``)."""
+    """The Mamba sizes, the GatedDeltaNet sizes (with ``G`` layers) and the layer pattern's
+    length of a hybrid ``model`` config dict (none without ``hybrid_layer_pattern``)."""
     pattern = model.get("hybrid_layer_pattern")
     if pattern is None:
         return []
-    out = [(f"model.{f}", model.get(f)) for f in SIZE_FIELDS]
+    fields = SIZE_FIELDS + (GDN_FIELDS if isinstance(pattern, str) and GDN in pattern else ())
+    out = [(f"model.{f}", model.get(f)) for f in fields]
     if isinstance(pattern, str):
         out.append(("the length of model.hybrid_layer_pattern", len(pattern)))
     return out

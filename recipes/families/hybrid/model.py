@@ -1,5 +1,6 @@
 """The hybrid family's megatron side: config fields, the local hybrid stack spec and
-``HybridModel`` (Mamba, attention and MLP layers mixed, as NVIDIA's Nemotron-H)."""
+``HybridModel`` (Mamba, GatedDeltaNet, attention and MLP layers mixed, as NVIDIA's Nemotron-H
+and Qwen3-Next)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import contextlib
 from recipes.families.gpt import model as gpt_model
 
 # megatron's layer symbols (megatron.core.models.hybrid.hybrid_layer_allocation.Symbols).
-MAMBA, ATTENTION, MLP, PIPE = "M", "*", "-", "|"
-SUPPORTED = {MAMBA: "Mamba", ATTENTION: "attention", MLP: "MLP"}
+MAMBA, GDN, ATTENTION, MLP, PIPE = "M", "G", "*", "-", "|"
+SUPPORTED = {MAMBA: "Mamba", GDN: "GatedDeltaNet", ATTENTION: "attention", MLP: "MLP"}
+# megatron's TransformerConfig fields of GatedDeltaNet layers (the family's schema has them).
+GDN_FIELDS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+              "linear_num_key_heads", "linear_num_value_heads")
 # Other symbols megatron knows, refused here with the reason.
 UNSUPPORTED = {
-    "G": "GatedDeltaNet (Qwen3-Next) needs flash-linear-attention's kernels, which this project "
-         "does not port to CPU, and megatron-core 0.19.2 has no GTP save path for its in_proj",
     "E": "MoE layers in a hybrid stack are not in this family yet",
     "S": "DeepSeek sparse attention is not in this family",
     "D": "DeepSeek sparse attention is not in this family",
@@ -34,10 +36,12 @@ def layer_symbols(pattern: str) -> str:
 
 def transformer_config_fields(m, dims) -> dict:
     """The GPT fields (attention and MLP layers are GPT's) plus megatron's Mamba fields
-    ``mamba_state_dim``, ``mamba_head_dim``, ``mamba_num_groups`` and ``mamba_num_heads``."""
+    ``mamba_state_dim``, ``mamba_head_dim``, ``mamba_num_groups`` and ``mamba_num_heads`` and
+    its GatedDeltaNet fields (:data:`GDN_FIELDS`)."""
     out = gpt_model.transformer_config_fields(m, dims)
     out.update(mamba_state_dim=int(m.mamba_state_dim), mamba_head_dim=int(m.mamba_head_dim),
                mamba_num_groups=int(m.mamba_num_groups))
+    out.update({name: int(m[name]) for name in GDN_FIELDS})
     if m.get("mamba_num_heads"):
         out["mamba_num_heads"] = int(m.mamba_num_heads)
     return out
@@ -55,11 +59,15 @@ def local_stack_spec(m):
     """A ``HybridStack`` spec without TransformerEngine (megatron-core 0.19.2 has only the TE
     one): a Mamba layer is a norm (``WrappedTorchNorm``, the config's normalization) then
     ``MambaMixer`` with a ``ColumnParallelLinear`` ``in_proj`` and a ``RowParallelLinear``
-    ``out_proj``; an attention layer and an MLP layer are the local GPT layer's attention and
-    MLP halves (``get_gpt_layer_local_spec``), each with its own input norm."""
+    ``out_proj``; a GatedDeltaNet layer is megatron's (a ``TransformerLayer`` whose
+    ``self_attention`` is ``GatedDeltaNet``) with its input norm apart, as the attention layer's,
+    the same linears and as ``out_norm`` :class:`~recipes.families.hybrid.gdn_norm.TPSummedNorm`
+    (megatron's TE spec fuses the input norm into ``in_proj``); an attention layer and an MLP layer are the local GPT layer's
+    attention and MLP halves (``get_gpt_layer_local_spec``), each with its own input norm."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
     from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
     from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
     from megatron.core.ssm.mlp_layer import MLPLayer
@@ -70,6 +78,8 @@ def local_stack_spec(m):
         TransformerLayer,
         TransformerLayerSubmodules,
     )
+
+    from recipes.families.hybrid.gdn_norm import TPSummedNorm
 
     gpt = get_gpt_layer_local_spec(normalization=m.get("normalization", "LayerNorm"),
                                    qk_layernorm=bool(m.get("qk_layernorm", False))).submodules
@@ -82,10 +92,15 @@ def local_stack_spec(m):
     attention = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=gpt.input_layernorm, self_attention=gpt.self_attention,
         self_attn_bda=gpt.self_attn_bda))
+    gdn = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=gpt.input_layernorm,
+        self_attention=ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear, out_norm=TPSummedNorm, out_proj=RowParallelLinear)),
+        self_attn_bda=gpt.self_attn_bda))
     mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
         pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=gpt.mlp, mlp_bda=gpt.mlp_bda))
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
-        mamba_layer=mamba, attention_layer=attention, mlp_layer=mlp))
+        mamba_layer=mamba, gdn_layer=gdn, attention_layer=attention, mlp_layer=mlp))
 
 
 def build(m, config, spec, vocab: int, pre: bool, post: bool, vp_stage, tied: bool):
@@ -105,12 +120,15 @@ def build(m, config, spec, vocab: int, pre: bool, post: bool, vp_stage, tied: bo
 def building():
     """While chunks are built: megatron's ``MambaMixer`` on the torch kernels where
     ``mamba_ssm`` cannot run and ``HybridStack``'s final norm without TransformerEngine
-    (``mcore_compat.mamba_cpu``), and its packed ``in_proj`` in the logical checkpoint format
-    (``ckpt.format.mamba_format``)."""
-    from ckpt.format import mamba_format
-    from mcore_compat import mamba_cpu
+    (``mcore_compat.mamba_cpu``), ``GatedDeltaNet`` on torch where flash-linear-attention
+    cannot run (``mcore_compat.gdn_cpu``), and both packed ``in_proj`` weights in the logical
+    checkpoint format (``ckpt.format.mamba_format``, ``ckpt.format.gdn_format``)."""
+    from ckpt.format import gdn_format, mamba_format
+    from mcore_compat import gdn_cpu, mamba_cpu
 
     mamba_cpu.install()
     mamba_cpu.hybrid_stack_without_te()
+    gdn_cpu.install()
     mamba_format.install()
+    gdn_format.install()
     yield

@@ -4,7 +4,7 @@ building it (a multi-process test compares the table with built models at severa
 from __future__ import annotations
 
 from recipes.families.gpt.params import attention_shapes, embedding_shapes, mlp_shapes
-from recipes.families.hybrid.model import ATTENTION, MAMBA, MLP, layer_symbols
+from recipes.families.hybrid.model import ATTENTION, GDN, MAMBA, MLP, layer_symbols
 from recipes.model.shapes import ParamShape, getter
 
 
@@ -24,11 +24,33 @@ def mamba_dims(m) -> dict:
             "state": state, "in_proj": 2 * inner + 2 * groups * state + heads}
 
 
+def gdn_dims(m) -> dict:
+    """megatron's ``GatedDeltaNet`` sizes (``ssm/gated_delta_net/common.py``, whole model,
+    before TP): ``qk`` = key heads x key head dim, ``v`` = value heads x value head dim,
+    ``heads`` (value heads), ``head_v`` (value head dim, ``out_norm``'s width), ``kernel``
+    (``conv1d``'s), ``in_proj`` rows ``2 qk + 2 v + 2 heads`` (``q | k | v | z | beta | alpha``)
+    and ``conv`` channels ``2 qk + v`` (``q | k | v``).
+
+    Args:
+        m: the ``model`` config, or its recorded dict (read through ``get`` only).
+    """
+    get = getter(m)
+    qk = int(get("linear_num_key_heads")) * int(get("linear_key_head_dim"))
+    heads, head_v = int(get("linear_num_value_heads")), int(get("linear_value_head_dim"))
+    v = heads * head_v
+    return {"qk": qk, "v": v, "heads": heads, "head_v": head_v,
+            "kernel": int(get("linear_conv_kernel_dim")), "in_proj": 2 * qk + 2 * v + 2 * heads,
+            "conv": 2 * qk + v}
+
+
 def parameter_shapes(m, padded_vocab: int) -> list[ParamShape]:
     """Every parameter of megatron's ``HybridModel`` with the local stack spec, layer by layer
     as ``hybrid_layer_pattern`` orders them: a Mamba layer's norm and mixer (``in_proj``
     column-parallel and GTP-sharded; ``conv1d``, ``A_log``, ``D``, ``dt_bias`` and the gated
-    norm TP-split, not GTP weights; ``out_proj`` row-parallel and GTP-sharded), an attention
+    norm TP-split, not GTP weights; ``out_proj`` row-parallel and GTP-sharded), a GatedDeltaNet
+    layer's input norm and ``self_attention`` (``dt_bias``, ``A_log`` and ``conv1d`` TP-split,
+    ``in_proj`` column-parallel and ``out_proj`` row-parallel, both GTP-sharded, ``out_norm``
+    over one value head, whole on every rank; no biases: megatron's default), an attention
     layer's norm and attention, an MLP layer's norm and MLP, as the GPT family's (biases when
     ``add_bias_linear``); the embedding as the GPT family's (a position embedding when
     ``position_embedding_type=learned_absolute``).
@@ -63,6 +85,16 @@ def parameter_shapes(m, padded_vocab: int) -> list[ParamShape]:
                     ParamShape(f"{mixer}.in_proj.weight", (d["in_proj"], h), 0, True),
                     ParamShape(f"{mixer}.norm.weight", (d["d_inner"],), 0),
                     ParamShape(f"{mixer}.out_proj.weight", (h, d["d_inner"]), 1, True)]
+        elif symbol == GDN:
+            g = gdn_dims(m)
+            norm(f"{layer}.input_layernorm")
+            net = f"{layer}.self_attention"
+            out += [ParamShape(f"{net}.dt_bias", (g["heads"],), 0),
+                    ParamShape(f"{net}.A_log", (g["heads"],), 0),
+                    ParamShape(f"{net}.in_proj.weight", (g["in_proj"], h), 0, True),
+                    ParamShape(f"{net}.conv1d.weight", (g["conv"], 1, g["kernel"]), 0)]
+            norm(f"{net}.out_norm", g["head_v"])
+            out.append(ParamShape(f"{net}.out_proj.weight", (h, g["v"]), 1, True))
         elif symbol == ATTENTION:
             attention_shapes(m, layer, out.append, norm)
         elif symbol == MLP:

@@ -9,9 +9,10 @@ from typing import Optional
 
 @dataclass
 class HybridFields:
-    """Mamba layers mixed with attention and MLP layers."""
+    """Mamba and GatedDeltaNet layers mixed with attention and MLP layers."""
 
-    # One symbol a layer, "M" Mamba, "*" attention, "-" MLP ("|" between pipeline stages).
+    # One symbol a layer, "M" Mamba, "G" GatedDeltaNet, "*" attention, "-" MLP ("|" between
+    # pipeline stages).
     hybrid_layer_pattern: Optional[str] = None
     mamba_state_dim: int = 128
     mamba_head_dim: int = 64
@@ -20,10 +21,20 @@ class HybridFields:
     mamba_num_heads: Optional[int] = None
     # Steps of the SSD scan's chunks (MambaMixer's chunk_size).
     mamba_chunk_size: int = 128
+    # GatedDeltaNet ("G") layers: megatron's TransformerConfig fields and defaults (Qwen3-Next's
+    # sizes). Keys and queries: linear_num_key_heads heads of linear_key_head_dim; values and
+    # the output gate: linear_num_value_heads of linear_value_head_dim; the causal conv1d over
+    # q | k | v: linear_conv_kernel_dim steps.
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
 
 
 # The family's fields set in every one of its configs and in no other family's.
 REQUIRES = ("hybrid_layer_pattern",)
 # Its fields that size a parameter (beyond the shared ones, recipes.config.schema.SHAPE_FIELDS).
 SHAPE_FIELDS = ("hybrid_layer_pattern", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups",
-                "mamba_num_heads")
+                "mamba_num_heads", "linear_conv_kernel_dim", "linear_key_head_dim",
+                "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads")
