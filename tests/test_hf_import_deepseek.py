@@ -6,8 +6,9 @@ built and saved by ``transformers`` (the goldens: nothing of gtp/ or recipes/ ma
 import and export back bit for bit with the same config; megatron's logits of both at ep2 x
 expert GTP 2 (world 4; the experts' rows padded) equal transformers' within 1e-4.
 
-Norm weights are drawn away from 1 and the expert biases away from 0 (they change which experts
-are chosen) so that a misplaced tensor shows.
+Norm weights are drawn away from 1, the expert biases away from 0 (they change which experts
+are chosen) and the attention weights ten times transformers' init (attention far from uniform,
+so that RoPE and YaRN show in the logits) so that a misplaced tensor or position shows.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def _save_models(root):
             for n, p in model.named_parameters():
                 if "norm" in n:
                     p.normal_(0.5, 0.1)  # away from 1: a misplaced tensor shows
+                elif "self_attn" in n:
+                    p.mul_(10)  # peaked attention: positions (RoPE, YaRN) show in the logits
             for n, b in model.named_buffers():
                 if n.endswith("e_score_correction_bias"):
                     b.normal_(0.0, 0.3)  # away from 0: the choice of experts depends on it
