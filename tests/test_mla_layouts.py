@@ -5,7 +5,7 @@ One 4-process gloo world, through the recipe's own model, optimizer and checkpoi
 (:data:`MLA`: 4 heads, ``q_lora_rank`` 40, ``kv_lora_rank`` 24, ``qk_head_dim`` 16,
 ``qk_pos_emb_head_dim`` 8, ``v_head_dim`` 12, the q/kv norms, YaRN):
 
-* forward and backward at g2/a16, tp2 x g2/a16 and tp2 with sequence parallelism
+* forward and backward at tp2, g2/a16, tp2 x g2/a16 and tp2 with sequence parallelism
   against tp1, each layout holding tp1's weights: the loss and every gradient within the fp32
   bound of tests/helpers/tolerance.py (one step, the model's parameter count);
 * the parameter table (``recipes.families.parameter_shapes``) against the built model at the
@@ -52,9 +52,9 @@ _SP = "parallelism.sequence_parallel=true"
 _PP2 = "parallelism.pipeline_model_parallel_size=2"
 _DISTOPT = "optim.use_distributed_optimizer=true"
 # Forward/backward against tp1 (fp32): name -> (tp, g, pad, extra overrides).
-# tp2 itself: tp2 x g2/a16 (MLA's q_layernorm gradient went wrong without sequence
-# parallelism) and tp2 with it (its RoPE-part gradient went wrong either way).
+# tp2 with sequence parallelism too (megatron's sequence gathers and scatters in MLA).
 COMPARED = {
+    "tp2": (2, 1, None, ()),
     "g2a16": (1, 2, 16, ()),
     "tp2g2a16": (2, 2, 16, ()),
     "tp2sp": (2, 1, None, (_SP,)),
