@@ -10,7 +10,7 @@
 * :func:`chunk_gated_delta_rule`: megatron's own ``torch_chunk_gated_delta_rule`` (the
   deterministic-mode kernel of ``common.py``, after transformers' Qwen3-Next) behind fla's
   signature;
-* ``HAVE_FLA`` = True;
+* ``common.HAVE_FLA`` = True;
 * ``_GDNBase``'s ``jit_fuser`` methods (``_apply_gated_norm``,
   ``_prepare_input_for_gated_delta_rule``, ``_compute_g_and_beta``) uncompiled: megatron
   decorates them with ``torch.compile``, which on CPU would build C++ kernels with Inductor at
@@ -162,9 +162,9 @@ def install() -> bool:
     for module in (common, gdn):
         for name, fn in (("causal_conv1d", causal_conv1d), ("l2norm", l2norm),
                          ("chunk_gated_delta_rule", chunk_gated_delta_rule)):
-            if hasattr(module, name):
+            if hasattr(module, name):  # gdn imported two of the three
                 setattr(module, name, fn)
-        module.HAVE_FLA = True
+    common.HAVE_FLA = True  # read by _GDNBase.__init__ only
     for name in _FUSED:
         fused = getattr(common._GDNBase, name)
         setattr(common._GDNBase, name, getattr(fused, "__wrapped__", fused))

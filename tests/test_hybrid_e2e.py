@@ -1,8 +1,8 @@
 """End to end (each job run as train.py's workers run it, tests/helpers/inworld.py): the hybrid
-Mamba model ``model=hybrid_tiny`` (Mamba, attention and MLP layers, megatron's ``HybridModel``
-on the torch kernels) trained at tp2 x gtp2/a16 (Mamba's packed ``in_proj`` sharded with the
-GTP boundary inside ``x``), resumed from iteration 2 at the same layout and at pp2 x dp2 with
-the distributed optimizer.
+model ``model=hybrid_gdn_tiny`` (Mamba, GatedDeltaNet, attention and MLP layers, "MG*-MG",
+megatron's ``HybridModel`` on the torch kernels) trained at tp2 x gtp2/a16 (Mamba's packed
+``in_proj`` sharded with the GTP boundary inside ``x``, GatedDeltaNet's inside ``value``),
+resumed from iteration 2 at the same layout and at pp2 x dp2 with the distributed optimizer.
 
 The same-layout resume gives the original run's ``lm loss`` and ``grad-norm`` bit for bit over
 iterations 3..5 (the same computation on the same machine); the pp2 x dp2 resume gives them
@@ -24,11 +24,11 @@ from resume_checks import assert_bit_for_bit, assert_same_step, by_iteration, re
 
 pytestmark = pytest.mark.e2e
 
-HYBRID = ["model=hybrid_tiny", "train.train_iters=5", "checkpoint.save_interval=2",
+HYBRID = ["model=hybrid_gdn_tiny", "train.train_iters=5", "checkpoint.save_interval=2",
           "train.eval_iters=0"]
 GTP2 = ["parallelism=tp2dp2", "gtp.gtp_remat_size=2", "gtp.pad_for_alignment=16"]
 RESUMED_AT = 2
-PARAMETERS = 105_332  # hybrid_tiny's (the terms of a reduction, tolerance.py)
+PARAMETERS = 105_620  # hybrid_gdn_tiny's (the terms of a reduction, tolerance.py)
 
 
 @pytest.fixture(scope="module")

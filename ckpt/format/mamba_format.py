@@ -16,7 +16,8 @@ trims the padding and splits the gathered copy. So the model file is logical, bu
 ``in_proj`` is a GTP param: each GTP shard's logical rows are cut into the components they meet
 (:func:`gtp.shards.logical_pieces` with ``components``) and written at the components' logical
 offsets, from the live shard, without a gather. The entry is a :class:`LogicalGTPFactory`, so
-its back-link keeps Adam's and the distributed optimizer's moments mapped. Everything else in
+its back-link keeps Adam's and the distributed optimizer's moments mapped
+(:func:`components_factory`, also GatedDeltaNet's: :mod:`ckpt.format.gdn_format`). Everything else in
 the mixer's state dict is built as megatron builds it. In the stock format, and without GTP,
 megatron's method runs, without grad.
 """

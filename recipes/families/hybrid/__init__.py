@@ -1,6 +1,7 @@
-"""The hybrid family: Mamba, attention and MLP layers mixed by a ``hybrid_layer_pattern``
-(NVIDIA's Nemotron-H), built as megatron's ``HybridModel`` (``model.py``), with its parameter
-table (``params.py``); ``model.family: hybrid``, its Mamba fields in ``schema.py``."""
+"""The hybrid family: Mamba, GatedDeltaNet, attention and MLP layers mixed by a
+``hybrid_layer_pattern`` (NVIDIA's Nemotron-H, Qwen3-Next), built as megatron's ``HybridModel``
+(``model.py``), with its parameter table (``params.py``); ``model.family: hybrid``, its Mamba and
+GatedDeltaNet fields in ``schema.py``."""
 
 from recipes.families.family import ModelFamily
 from recipes.families.hybrid import checks, formats, model, params, schema
