@@ -21,7 +21,7 @@ from recipes.families.family import ModelFamily
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
-MOE_PRESETS = {"moe_tiny", "mixtral_8x7b", "qwen3_30b_a3b"}
+MOE_PRESETS = {"moe_tiny", "mixtral_8x7b", "qwen3_30b_a3b", "deepseek_v3", "deepseek_v3_tiny"}
 HYBRID_PRESETS = {"hybrid_tiny", "hybrid_gdn_tiny"}
 LLAVA_PRESETS = {"llava_tiny"}
 # What a family may take from another family's folder: the one it builds on.

@@ -149,7 +149,7 @@ CASES = [
                                                      "set model.num_layers=2"]),
     (["checkpoint.pretrained={t}/nothf"],
      ["checkpoint.pretrained={t}/nothf", "{t}/nothf/config.json is not a Hugging Face model "
-      "config (no model_type)", "config.json with model_type gpt2 or llama"]),
+      "config (no model_type)", "config.json with model_type deepseek_v3 or glm4_moe or gpt2 or llama"]),
     (["checkpoint.load={e}"], ["has no latest_checkpointed_iteration.txt", "empty"]),
     (["checkpoint.load={e}/missing"], ["missing", "no such directory"]),
     (["parallelism=tp2", "parallelism.nproc_per_node=3"],

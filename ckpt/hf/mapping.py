@@ -29,6 +29,7 @@ ones into the transformers model (``loaded=True``), which saves them in the save
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -223,8 +224,6 @@ def per_layer_keys(table, layers) -> list:
     """``table``'s stacked per-layer entries (megatron key under ``decoder.layers.``) with
     one megatron key per layer instead, for the ``layers`` given (megatron's keys when layers
     differ: ``decoder.layers.<i>.<module>``); other entries unchanged."""
-    import dataclasses
-
     head = "decoder.layers."
     return [dataclasses.replace(e, megatron=head + "{i}." + e.megatron[len(head):],
                                 layers=tuple(layers))

@@ -37,7 +37,7 @@ def architecture(model: dict) -> str | None:
     if model.get("multi_latent_attention"):
         raise ExportError("model.multi_latent_attention=True without routed experts: no "
                           "transformers class computes a dense multi-latent attention model "
-                          "(DeepseekV3ForCausalLM: with num_moe_experts)")
+                          "(DeepseekV3ForCausalLM: an MoE model, model.family=moe)")
     norm = model.get("normalization", "LayerNorm")
     bias = model.get("add_bias_linear", True)
     pos = model.get("position_embedding_type", "learned_absolute")

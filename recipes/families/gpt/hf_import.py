@@ -36,7 +36,7 @@ def _refuse(field: str, value, valid: str) -> HFImportError:
     return HFImportError(f"config.json {field}={value!r}: {valid}")
 
 
-def _rope(config) -> dict:
+def rope_parameters(config) -> dict:
     """``{"rope_type", "rope_theta", ...}`` of a transformers config (v5 ``rope_parameters``, or
     v4 ``rope_theta`` / ``rope_scaling``)."""
     params = getattr(config, "rope_parameters", None)
@@ -79,7 +79,7 @@ def llama_fields(c) -> dict:
                                       "(model.add_bias_linear=false)")
     _no_sliding_window(c)
     head_dim = getattr(c, "head_dim", None) or hidden // heads
-    rope = _rope(c)
+    rope = rope_parameters(c)
     theta = float(rope.get("rope_theta", 10000.0))
     if theta != int(theta):
         raise _refuse("rope_theta", theta, "model.rotary_base is an integer")

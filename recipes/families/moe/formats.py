@@ -114,8 +114,7 @@ def architecture(model: dict) -> str | None:
 
 def _sigmoid_routed(model: dict) -> bool:
     return (model.get("moe_router_score_function", "softmax") == "sigmoid"
-            or bool(model.get("moe_router_enable_expert_bias"))
-            or bool(model.get("moe_shared_expert_intermediate_size")))
+            and bool(model.get("moe_router_enable_expert_bias")))
 
 
 # The DeepSeek-style export's settings: (field, default, whether a value is exportable, what is).

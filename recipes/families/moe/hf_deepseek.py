@@ -29,7 +29,8 @@ layer ``num_hidden_layers`` of the weights) is not imported: transformers' class
 from __future__ import annotations
 
 from ckpt.hf.hf_weights import HFImportError
-from recipes.families.gpt.hf_import import LLAMA_SIZE_FIELDS, _rope
+from recipes.families.gpt.hf_import import LLAMA_SIZE_FIELDS, rope_parameters
+from recipes.families.moe.hf_table import moe_layers
 
 CLASSES = {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
 # megatron MLATransformerConfig's YaRN fields <- rope_parameters' keys
@@ -117,7 +118,7 @@ def deepseek_v3_fields(c) -> dict:
     if not bool(getattr(c, "rope_interleave", True)):
         raise _refuse("rope_interleave", False, "megatron's multi-latent attention rotates the "
                                                 "interleaved rope dims (only true)")
-    rope = _rope(c)
+    rope = rope_parameters(c)
     kind = rope.get("rope_type", "default")
     fields = {"rope_type": "rope"}
     if kind == "yarn":
@@ -145,7 +146,7 @@ def glm4_moe_fields(c) -> dict:
     Raises:
         HFImportError: a setting megatron-core 0.19.2 computes otherwise (named).
     """
-    rope = _rope(c)
+    rope = rope_parameters(c)
     if rope.get("rope_type", "default") != "default":
         raise _refuse("rope_parameters.rope_type", rope["rope_type"], "only 'default'")
     heads = c.num_attention_heads
@@ -193,8 +194,6 @@ def config(arch: str, m: dict, vocab: int, ids: dict):
     the ``model`` config ``m`` (the inverse of :func:`deepseek_v3_fields` /
     :func:`glm4_moe_fields`), the unpadded vocabulary size and the special token ids."""
     import transformers
-
-    from recipes.families.moe.hf_table import moe_layers
 
     dense, _ = moe_layers(m)
     experts, width = int(m["num_moe_experts"]), int(m.get("moe_ffn_hidden_size")
