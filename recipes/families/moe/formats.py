@@ -206,7 +206,7 @@ def _imports(arch: str) -> HFImport:
             fields=getattr(hf_deepseek, f"{arch}_fields"), table=getattr(hf_table, arch),
             prefixes=("model.",), size_fields=hf_deepseek.size_fields(arch),
             layer=r"layers\.(\d+)\.", buffers=(".rotary_emb.inv_freq",),
-            sizes=hf_deepseek.sizes)
+            sizes=hf_deepseek.sizes, left_out=hf_deepseek.mtp_layers)
     return HFImport(
         fields=hf_import.moe_fields, table=functools.partial(hf_table.moe, arch),
         prefixes=("model.",), size_fields=hf_import.size_fields(arch),
