@@ -237,3 +237,28 @@ def test_a_hub_mtp_layer_is_left_out_of_the_import(tmp_path):
     (hub / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 0}))
     with pytest.raises(HFImportError, match="num_hidden_layers=3"):
         import_hf(hub, tmp_path / "c")
+
+
+def test_plain_rope_export_with_a_softmax_mscale_is_refused():
+    """megatron's MLASelfAttention scales the softmax by _yarn_get_mscale(rotary_scaling_factor,
+    mscale_all_dim)^2 = (0.1 mscale_all_dim ln(factor) + 1)^2 at rope_type=rope too (written out
+    from multi_latent_attention.py); transformers' DeepseekV3Attention only with YaRN: such an
+    export is refused, and one with mscale_all_dim=0 exports the softmax scale megatron uses."""
+    import math
+
+    import transformers
+    from ckpt.families import ExportError
+    from recipes.families.moe import hf_deepseek
+
+    _, _, m, _ = _setup("deepseek_v3")
+    m = {**m, "rope_type": "rope", "rotary_scaling_factor": 4.0, "mscale_all_dim": 1.0}
+    with pytest.raises(ExportError, match=r"model.mscale_all_dim=1.0 with model.rope_type="):
+        families.for_export(m)
+    m["mscale_all_dim"] = 0.0
+    assert families.for_export(m).model_type == "deepseek_v3"
+    exported = hf_deepseek.config("deepseek_v3", m, VOCAB, {})
+    attention = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention(
+        exported, layer_idx=0)
+    mscale = 0.1 * m["mscale_all_dim"] * math.log(m["rotary_scaling_factor"]) + 1.0
+    head = m["qk_head_dim"] + m["qk_pos_emb_head_dim"]
+    assert attention.scaling == pytest.approx(mscale * mscale / math.sqrt(head), rel=1e-12)
