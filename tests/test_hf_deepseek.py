@@ -262,3 +262,35 @@ def test_plain_rope_export_with_a_softmax_mscale_is_refused():
     mscale = 0.1 * m["mscale_all_dim"] * math.log(m["rotary_scaling_factor"]) + 1.0
     head = m["qk_head_dim"] + m["qk_pos_emb_head_dim"]
     assert attention.scaling == pytest.approx(mscale * mscale / math.sqrt(head), rel=1e-12)
+
+
+@pytest.mark.parametrize("mscale,mscale_all_dim,exportable", [
+    (1.0, 1.0, True), (0.7, 0.9, True), (1.0, 0.0, True), (0.5, 0.0, False), (0.0, 1.0, False)])
+def test_yarn_mscale_that_transformers_reads_otherwise_is_refused(mscale, mscale_all_dim,
+                                                                  exportable):
+    """YaRN's cos/sin scale: megatron's YarnRotaryEmbedding (its _yarn_get_mscale ratio, the
+    golden) against transformers' own yarn init of the exported config; where they differ the
+    export and the import refuse, naming mscale."""
+    import transformers
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_get_mscale)
+    from ckpt.families import ExportError
+    from recipes.families.moe import hf_deepseek
+
+    config, _, m, imports = _setup("deepseek_v3")
+    m = {**m, "rope_type": "yarn", "rotary_scaling_factor": 4.0, "mscale": mscale,
+         "mscale_all_dim": mscale_all_dim, "original_max_position_embeddings": 8}
+    megatron = _yarn_get_mscale(4.0, mscale) / _yarn_get_mscale(4.0, mscale_all_dim)
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": mscale,
+            "mscale_all_dim": mscale_all_dim, "original_max_position_embeddings": 8}
+    config.rope_parameters = rope  # as the export writes them (hf_deepseek.config)
+    _, theirs = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    assert (abs(theirs - megatron) < 1e-9) == exportable
+    if exportable:
+        assert families.for_export(m).model_type == "deepseek_v3"
+        assert imports.fields(config)["mscale"] == mscale
+        return
+    with pytest.raises(ExportError, match=rf"model.mscale={mscale}: YaRN's cos/sin scale"):
+        families.for_export(m)
+    with pytest.raises(HFImportError, match=rf"rope_parameters.mscale={mscale}"):
+        imports.fields(config)

@@ -163,6 +163,12 @@ def _deepseek_style(model: dict) -> str:
     if arch == "deepseek_v3" and model.get("rope_type", "yarn") not in ("rope", "yarn"):
         raise ExportError(f"model.rope_type={model.get('rope_type')!r}: exportable 'rope' or "
                           f"'yarn'")
+    if arch == "deepseek_v3" and model.get("rope_type", "yarn") == "yarn":
+        unequal = hf_deepseek.yarn_mscale_mismatch(
+            float(model.get("rotary_scaling_factor", 40.0)), model.get("mscale", 1.0),
+            model.get("mscale_all_dim", 0.0))
+        if unequal:
+            raise ExportError(f"model.mscale={model.get('mscale', 1.0)}: {unequal}")
     if arch == "deepseek_v3" and model.get("rope_type", "yarn") == "rope":
         # megatron's MLASelfAttention scales the softmax by _yarn_get_mscale(
         # rotary_scaling_factor, mscale_all_dim)^2 whatever the rope_type; transformers' only

@@ -30,6 +30,8 @@ transformers' classes leave it out on load.
 
 from __future__ import annotations
 
+import math
+
 from ckpt.hf.hf_weights import HFImportError
 from recipes.families.gpt.hf_import import LLAMA_SIZE_FIELDS, _rope
 
@@ -132,6 +134,13 @@ def deepseek_v3_fields(c) -> dict:
         if "original_max_position_embeddings" in fields:
             fields["original_max_position_embeddings"] = int(
                 fields["original_max_position_embeddings"])
+        if rope.get("factor") is None:
+            raise _refuse("rope_parameters.factor", None, "YaRN's factor (megatron's "
+                                                          "rotary_scaling_factor) must be given")
+        unequal = yarn_mscale_mismatch(float(rope["factor"]), rope.get("mscale"),
+                                       rope.get("mscale_all_dim"))
+        if unequal:
+            raise _refuse("rope_parameters.mscale", rope.get("mscale"), unequal)
     elif kind != "default":
         raise _refuse("rope_parameters.rope_type", kind, "valid are 'default' and 'yarn'")
     q_lora = getattr(c, "q_lora_rank", None)
@@ -166,6 +175,28 @@ def glm4_moe_fields(c) -> dict:
         "add_qkv_bias": bool(getattr(c, "attention_bias", False)),
         "rotary_percent": partial, "rope_scaling": False,
     }
+
+
+def _get_mscale(factor: float, mscale: float) -> float:
+    # megatron's _yarn_get_mscale and transformers' yarn_get_mscale (the same formula)
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_mscale_mismatch(factor: float, mscale, mscale_all_dim) -> str | None:
+    """Why transformers' YaRN attention factor differs from megatron's at these values (None:
+    equal). megatron-core 0.19.2's ``YarnRotaryEmbedding`` scales cos/sin by
+    ``get(factor, mscale) / get(factor, mscale_all_dim)`` (fields default 1.0 and 0.0);
+    transformers' ``_compute_yarn_parameters`` by that only when both are given and non-zero,
+    else by ``get(factor, 1)``. ``None`` values: absent from ``rope_parameters``."""
+    ours = _get_mscale(factor, 1.0 if mscale is None else float(mscale)) / _get_mscale(
+        factor, 0.0 if mscale_all_dim is None else float(mscale_all_dim))
+    theirs = (_get_mscale(factor, float(mscale)) / _get_mscale(factor, float(mscale_all_dim))
+              if mscale and mscale_all_dim else _get_mscale(factor, 1.0))
+    if abs(ours - theirs) <= 1e-12 * abs(theirs):
+        return None
+    return (f"YaRN's cos/sin scale is {ours:.6g} in megatron, {theirs:.6g} in transformers "
+            f"(mscale={mscale}, mscale_all_dim={mscale_all_dim}: transformers takes both only "
+            f"when both are non-zero); valid: both non-zero, or mscale 1 and mscale_all_dim 0")
 
 
 def mtp_layers(c) -> int:
