@@ -294,3 +294,13 @@ def test_yarn_mscale_that_transformers_reads_otherwise_is_refused(mscale, mscale
         families.for_export(m)
     with pytest.raises(HFImportError, match=rf"rope_parameters.mscale={mscale}"):
         imports.fields(config)
+
+
+def test_yarn_without_factor_is_refused():
+    """megatron's rotary_scaling_factor would be its default 40, transformers' the ratio of
+    max_position_embeddings to the original: refused, naming the field."""
+    config, _, _, imports = _setup("deepseek_v3")
+    config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0,
+                              "original_max_position_embeddings": 8}
+    with pytest.raises(HFImportError, match=r"rope_parameters.factor=None"):
+        imports.fields(config)
