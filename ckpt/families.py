@@ -48,6 +48,9 @@ class HFImport:
         sizes: ``model dict -> {size key: value}``, the architecture's size keys beyond the
             ones above (multi-latent attention's ranks, a shared expert's width), each also a
             key of ``size_fields``; None: none.
+        left_out: ``transformers config -> n``: the weights may hold ``n`` layers after the
+            decoder's (multi-token prediction layers, numbered from ``num_layers``) that the
+            transformers class ignores on load and the import leaves out; None: none.
     """
 
     fields: Callable[[Any], dict]
@@ -57,6 +60,7 @@ class HFImport:
     layer: str
     buffers: tuple[str, ...] = ()
     sizes: Optional[Callable[[dict], dict]] = None
+    left_out: Optional[Callable[[Any], int]] = None
 
 
 @dataclass(frozen=True)

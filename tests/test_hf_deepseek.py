@@ -171,3 +171,136 @@ def test_what_megatron_computes_otherwise_is_refused_by_name(field, value, match
     setattr(config, field, value)
     with pytest.raises(HFImportError, match=match):
         imports.fields(config)
+
+
+def test_top1_sigmoid_weights_are_megatron_s_both_ways():
+    """At top-1 megatron's sigmoid router takes the chosen score as is (times the scaling);
+    transformers' renormalises it to 1 when norm_topk_prob: the export writes false, the import
+    refuses true (the golden: megatron-core 0.19.2 moe_utils.topk_routing_with_score_function's
+    sigmoid branch at topk=1, written out: sigmoid(logit) of the argmax of sigmoid + bias)."""
+    import transformers
+    from recipes.families.moe import hf_deepseek
+
+    config, _, m, imports = _setup("deepseek_v3")
+    config.num_experts_per_tok, config.n_group, config.topk_group = 1, 1, 1
+    with pytest.raises(HFImportError, match="norm_topk_prob=True"):
+        imports.fields(config)
+    config.norm_topk_prob = False
+    m = imports.fields(config)
+    exported = hf_deepseek.config("deepseek_v3", m, VOCAB, {})
+    assert imports.fields(exported) == m
+    router = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter(exported)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.normal_(generator=gen)
+        router.e_score_correction_bias.normal_(generator=gen)
+    x = torch.randn(8, HIDDEN, generator=gen)
+    _, weights, _ = router(x)
+    scores = torch.sigmoid(x @ router.weight.detach().T)
+    chosen = (scores + router.e_score_correction_bias).argmax(dim=-1, keepdim=True)
+    golden = scores.gather(1, chosen)[:, 0] * m["moe_router_topk_scaling_factor"]
+    assert torch.allclose(weights[:, 0], golden, rtol=0, atol=1e-6)
+    assert not torch.allclose(golden, torch.full_like(golden, 2.5))  # not all renormalised
+
+
+def test_a_hub_mtp_layer_is_left_out_of_the_import(tmp_path):
+    """DeepSeek-V3's Hub weights hold its multi-token prediction layer after the decoder's
+    (num_nextn_predict_layers=1: layer num_hidden_layers, which transformers ignores on load):
+    the import leaves it out and writes what the weights without it give (``gtp compare``)."""
+    import io
+    import json
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from ckpt import cli
+    from ckpt.hf.hf_import import import_hf
+
+    config, model_cls, _, _ = _setup("deepseek_v3")
+    config.num_nextn_predict_layers = 1
+    plain, hub = tmp_path / "plain", tmp_path / "hub"
+    getattr(transformers, model_cls)(config).save_pretrained(plain, safe_serialization=True)
+    getattr(transformers, model_cls)(config).save_pretrained(hub, safe_serialization=True)
+    w = load_file(plain / "model.safetensors")
+    last = f"model.layers.{LAYERS - 1}."
+    mtp = {k.replace(last, f"model.layers.{LAYERS}."): v.clone() for k, v in w.items()
+           if k.startswith(last)}
+    mtp.update({f"model.layers.{LAYERS}.{k}": torch.ones(2, HIDDEN)
+                for k in ("enorm.weight", "hnorm.weight", "eh_proj.weight")})
+    save_file({**w, **mtp}, hub / "model.safetensors", metadata={"format": "pt"})
+    import_hf(plain, tmp_path / "a")
+    import_hf(hub, tmp_path / "b")
+    out = io.StringIO()
+    assert cli.main(["compare", str(tmp_path / "a"), str(tmp_path / "b")], out=out) == 0, \
+        out.getvalue()
+    cfg = json.loads((hub / "config.json").read_text())
+    (hub / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 0}))
+    with pytest.raises(HFImportError, match="num_hidden_layers=3"):
+        import_hf(hub, tmp_path / "c")
+
+
+def test_plain_rope_export_with_a_softmax_mscale_is_refused():
+    """megatron's MLASelfAttention scales the softmax by _yarn_get_mscale(rotary_scaling_factor,
+    mscale_all_dim)^2 = (0.1 mscale_all_dim ln(factor) + 1)^2 at rope_type=rope too (written out
+    from multi_latent_attention.py); transformers' DeepseekV3Attention only with YaRN: such an
+    export is refused, and one with mscale_all_dim=0 exports the softmax scale megatron uses."""
+    import math
+
+    import transformers
+    from ckpt.families import ExportError
+    from recipes.families.moe import hf_deepseek
+
+    _, _, m, _ = _setup("deepseek_v3")
+    m = {**m, "rope_type": "rope", "rotary_scaling_factor": 4.0, "mscale_all_dim": 1.0}
+    with pytest.raises(ExportError, match=r"model.mscale_all_dim=1.0 with model.rope_type="):
+        families.for_export(m)
+    m["mscale_all_dim"] = 0.0
+    assert families.for_export(m).model_type == "deepseek_v3"
+    exported = hf_deepseek.config("deepseek_v3", m, VOCAB, {})
+    attention = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention(
+        exported, layer_idx=0)
+    mscale = 0.1 * m["mscale_all_dim"] * math.log(m["rotary_scaling_factor"]) + 1.0
+    head = m["qk_head_dim"] + m["qk_pos_emb_head_dim"]
+    assert attention.scaling == pytest.approx(mscale * mscale / math.sqrt(head), rel=1e-12)
+
+
+@pytest.mark.parametrize("mscale,mscale_all_dim,exportable", [
+    (1.0, 1.0, True), (0.7, 0.9, True), (1.0, 0.0, True), (0.5, 0.0, False), (0.0, 1.0, False)])
+def test_yarn_mscale_that_transformers_reads_otherwise_is_refused(mscale, mscale_all_dim,
+                                                                  exportable):
+    """YaRN's cos/sin scale: megatron's YarnRotaryEmbedding (its _yarn_get_mscale ratio, the
+    golden) against transformers' own yarn init of the exported config; where they differ the
+    export and the import refuse, naming mscale."""
+    import transformers
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_get_mscale)
+    from ckpt.families import ExportError
+    from recipes.families.moe import hf_deepseek
+
+    config, _, m, imports = _setup("deepseek_v3")
+    m = {**m, "rope_type": "yarn", "rotary_scaling_factor": 4.0, "mscale": mscale,
+         "mscale_all_dim": mscale_all_dim, "original_max_position_embeddings": 8}
+    megatron = _yarn_get_mscale(4.0, mscale) / _yarn_get_mscale(4.0, mscale_all_dim)
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": mscale,
+            "mscale_all_dim": mscale_all_dim, "original_max_position_embeddings": 8}
+    config.rope_parameters = rope  # as the export writes them (hf_deepseek.config)
+    _, theirs = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    assert (abs(theirs - megatron) < 1e-9) == exportable
+    if exportable:
+        assert families.for_export(m).model_type == "deepseek_v3"
+        assert imports.fields(config)["mscale"] == mscale
+        return
+    with pytest.raises(ExportError, match=rf"model.mscale={mscale}: YaRN's cos/sin scale"):
+        families.for_export(m)
+    with pytest.raises(HFImportError, match=rf"rope_parameters.mscale={mscale}"):
+        imports.fields(config)
+
+
+def test_yarn_without_factor_is_refused():
+    """megatron's rotary_scaling_factor would be its default 40, transformers' the ratio of
+    max_position_embeddings to the original: refused, naming the field."""
+    config, _, _, imports = _setup("deepseek_v3")
+    config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0,
+                              "original_max_position_embeddings": 8}
+    with pytest.raises(HFImportError, match=r"rope_parameters.factor=None"):
+        imports.fields(config)

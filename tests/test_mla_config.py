@@ -112,6 +112,8 @@ def test_moe_models_take_the_fields_and_resumes_compare_them():
     (["model.qk_pos_emb_head_dim=7", "model.kv_lora_rank=25"],
      r"model.qk_pos_emb_head_dim=7 must be even"),
     (["model.rotary_scaling_factor=0"], r"model.rotary_scaling_factor=0.0 must be > 0"),
+    (["model.rope_type=yarn", "model.beta_fast=0"], r"model.beta_fast=0.0 must be > 0"),
+    (["model.rope_type=yarn", "model.beta_slow=-1"], r"model.beta_slow=-1.0 must be > 0"),
     (["model.position_embedding_type=learned_absolute"],
      r"position_embedding_type='learned_absolute': MLA applies RoPE"),
     (["model.rope_scaling=true"], r"model.rope_scaling=true: MLA's RoPE takes no Llama-3.1"),

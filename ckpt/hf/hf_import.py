@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -269,6 +270,18 @@ def _common(kind: str, model: dict, config, hf_dir: Path, vocab: int) -> dict:
     }
 
 
+def _leave_out_extra_layers(arch: families.HFImport, m: dict, config, weights: Weights) -> None:
+    """Drop the tensors of the layers after the decoder's that ``arch.left_out`` names (e.g.
+    DeepSeek-V3's multi-token prediction layer 61, which transformers ignores on load)."""
+    extra = arch.left_out(config) if arch.left_out is not None else 0
+    if not extra:
+        return
+    first = m["num_layers"]
+    layer = re.compile(re.escape(_prefix(arch, weights.names())) + arch.layer)
+    weights.leave_out([n for n in weights.names() if (hit := layer.match(n))
+                       and first <= int(hit.group(1)) < first + extra])
+
+
 def import_hf(hf_dir, out_root) -> Path:
     """Write the HF model directory ``hf_dir`` as the logical checkpoint ``out_root``
     (``iter_0000000`` + tracker); see the module doc for what it holds.
@@ -288,6 +301,7 @@ def import_hf(hf_dir, out_root) -> Path:
     arch = families.for_model_type(kind).imports
     model = {"name": f"hf_{kind}", **arch.fields(config)}
     weights = Weights(hf_dir)  # every file inside hf_dir
+    _leave_out_extra_layers(arch, model, config, weights)
     # Every size of config.json against the tensors' shapes, before anything is planned; the
     # embedding's rows among them, so config.json's vocab_size is the embedding's.
     check_sizes(arch, model, config.vocab_size, weights, _prefix(arch, weights.names()))

@@ -78,6 +78,11 @@ class Weights:
                                 f"imported)")
         self._meta = {}
 
+    def leave_out(self, names) -> None:
+        """Forget the tensors ``names`` (not read, not planned, not checked)."""
+        for name in names:
+            self.files.pop(name, None)
+
     def names(self) -> set:
         """Every tensor name of the weights."""
         return set(self.files)

@@ -26,7 +26,9 @@ def check(cfg, parallel_dims) -> None:
     Raises:
         ConfigError: one line naming the field: a family other than :data:`BUILT_BY`; a
             ``rope_type`` other than rope or yarn; a
-            head width or rank < 1, an odd ``qk_pos_emb_head_dim`` (RoPE turns pairs); fields
+            head width or rank < 1, an odd ``qk_pos_emb_head_dim`` (RoPE turns pairs), YaRN's
+            ``beta_fast`` or ``beta_slow`` <= 0 (megatron divides by them at the first
+            forward); fields
             MLA does not use or computes otherwise (``position_embedding_type`` other than
             rope, ``rope_scaling``, query groups, ``kv_channels``, ``add_qkv_bias``);
             ``qk_layernorm`` without ``q_lora_rank`` (megatron's local spec has no norm before
@@ -58,6 +60,11 @@ def check(cfg, parallel_dims) -> None:
         if not float(m.get("rotary_scaling_factor")) > 0:
             raise ConfigError(f"model.rotary_scaling_factor={m.get('rotary_scaling_factor')} "
                               f"must be > 0 (YaRN's context extension; 1: none)")
+        for name in ("beta_fast", "beta_slow"):  # megatron's correction range: log(s / b)
+            if not float(m.get(name)) > 0:
+                raise ConfigError(f"model.{name}={m.get(name)} must be > 0 (YaRN's rotations "
+                                  f"at the edges of its correction range; DeepSeek-V3: "
+                                  f"beta_fast=32, beta_slow=1)")
     _check_unused_fields(m)
     if q_rank is None and m.get("qk_layernorm", False):
         raise ConfigError(f"model.q_lora_rank=null with model.qk_layernorm=true: megatron's "

@@ -162,6 +162,23 @@ def _deepseek_style(model: dict) -> str:
     if arch == "deepseek_v3" and model.get("rope_type", "yarn") not in ("rope", "yarn"):
         raise ExportError(f"model.rope_type={model.get('rope_type')!r}: exportable 'rope' or "
                           f"'yarn'")
+    if arch == "deepseek_v3" and model.get("rope_type", "yarn") == "yarn":
+        unequal = hf_deepseek.yarn_mscale_mismatch(
+            float(model.get("rotary_scaling_factor", 40.0)), model.get("mscale", 1.0),
+            model.get("mscale_all_dim", 0.0))
+        if unequal:
+            raise ExportError(f"model.mscale={model.get('mscale', 1.0)}: {unequal}")
+    if arch == "deepseek_v3" and model.get("rope_type", "yarn") == "rope":
+        # megatron's MLASelfAttention scales the softmax by _yarn_get_mscale(
+        # rotary_scaling_factor, mscale_all_dim)^2 whatever the rope_type; transformers' only
+        # with YaRN
+        factor = float(model.get("rotary_scaling_factor") or 1.0)
+        if factor > 1 and float(model.get("mscale_all_dim") or 0.0):
+            raise ExportError(f"model.mscale_all_dim={model.get('mscale_all_dim')} with "
+                              f"model.rope_type='rope': megatron scales the softmax by YaRN's "
+                              f"mscale (rotary_scaling_factor={factor}) whatever the rope "
+                              f"type, DeepseekV3ForCausalLM only with YaRN (exportable: "
+                              f"mscale_all_dim=0, rotary_scaling_factor <= 1 or rope_type=yarn)")
     return arch
 
 
@@ -205,7 +222,7 @@ def _imports(arch: str) -> HFImport:
             fields=getattr(hf_deepseek, f"{arch}_fields"), table=getattr(hf_table, arch),
             prefixes=("model.",), size_fields=hf_deepseek.size_fields(arch),
             layer=r"layers\.(\d+)\.", buffers=(".rotary_emb.inv_freq",),
-            sizes=hf_deepseek.sizes)
+            sizes=hf_deepseek.sizes, left_out=hf_deepseek.mtp_layers)
     return HFImport(
         fields=hf_import.moe_fields, table=functools.partial(hf_table.moe, arch),
         prefixes=("model.",), size_fields=hf_import.size_fields(arch),

@@ -20,13 +20,17 @@ yarn`` fields. GLM-4.5's is Llama's with q/k/v biases (``attention_bias``), opti
 and RoPE over ``partial_rotary_factor`` of each head (megatron's ``rotary_percent``).
 
 Refused, naming the config field: what megatron computes otherwise (``norm_topk_prob=false``
-with top-k > 1, a group pick other than the top-2 sum, ``rope_interleave=false``, a scoring
+with top-k > 1 or true at top-1, a group pick other than the top-2 sum,
+``rope_interleave=false``, a scoring
 other than sigmoid with bias, linear biases other than GLM's q/k/v ones, rope scalings other
 than DeepSeek's YaRN). A multi-token prediction layer on the Hub (``num_nextn_predict_layers``,
-layer ``num_hidden_layers`` of the weights) is not imported: transformers' classes hold none.
+layer ``num_hidden_layers`` of the weights) is left out of the import (:func:`mtp_layers`), as
+transformers' classes leave it out on load.
 """
 
 from __future__ import annotations
+
+import math
 
 from ckpt.hf.hf_weights import HFImportError
 from recipes.families.gpt.hf_import import LLAMA_SIZE_FIELDS, rope_parameters
@@ -48,9 +52,13 @@ def _routing(c) -> dict:
     experts, topk = int(c.n_routed_experts), int(c.num_experts_per_tok)
     if not 1 <= topk <= experts:
         raise _refuse("num_experts_per_tok", topk, f"between 1 and the {experts} experts")
-    if topk > 1 and not bool(getattr(c, "norm_topk_prob", True)):
-        raise _refuse("norm_topk_prob", False, "megatron's sigmoid router renormalises the "
-                                               "top-k weights (only true)")
+    # megatron's sigmoid router renormalises the top-k weights at top-k > 1 only; transformers'
+    # renormalises whenever norm_topk_prob (at top-1: every weight 1)
+    norm = bool(getattr(c, "norm_topk_prob", True))
+    if norm != (topk > 1):
+        raise _refuse("norm_topk_prob", norm, f"megatron's sigmoid router renormalises the "
+                                              f"top-k weights at num_experts_per_tok > 1 only "
+                                              f"(here {topk}: only {topk > 1})")
     method = getattr(c, "topk_method", "noaux_tc")
     if method not in (None, "noaux_tc"):
         raise _refuse("topk_method", method, "only 'noaux_tc' (sigmoid scores with the expert "
@@ -127,6 +135,13 @@ def deepseek_v3_fields(c) -> dict:
         if "original_max_position_embeddings" in fields:
             fields["original_max_position_embeddings"] = int(
                 fields["original_max_position_embeddings"])
+        if rope.get("factor") is None:
+            raise _refuse("rope_parameters.factor", None, "YaRN's factor (megatron's "
+                                                          "rotary_scaling_factor) must be given")
+        unequal = yarn_mscale_mismatch(float(rope["factor"]), rope.get("mscale"),
+                                       rope.get("mscale_all_dim"))
+        if unequal:
+            raise _refuse("rope_parameters.mscale", rope.get("mscale"), unequal)
     elif kind != "default":
         raise _refuse("rope_parameters.rope_type", kind, "valid are 'default' and 'yarn'")
     q_lora = getattr(c, "q_lora_rank", None)
@@ -161,6 +176,42 @@ def glm4_moe_fields(c) -> dict:
         "add_qkv_bias": bool(getattr(c, "attention_bias", False)),
         "rotary_percent": partial, "rope_scaling": False,
     }
+
+
+def _get_mscale(factor: float, mscale: float) -> float:
+    # megatron's _yarn_get_mscale and transformers' yarn_get_mscale (the same formula)
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_mscale_mismatch(factor: float, mscale, mscale_all_dim) -> str | None:
+    """Why transformers' YaRN attention factor differs from megatron's at these values (None:
+    equal). megatron-core 0.19.2's ``YarnRotaryEmbedding`` scales cos/sin by
+    ``get(factor, mscale) / get(factor, mscale_all_dim)`` (fields default 1.0 and 0.0);
+    transformers' ``_compute_yarn_parameters`` by that only when both are given and non-zero,
+    else by ``get(factor, 1)``. ``None`` values: absent from ``rope_parameters``."""
+    ours = _get_mscale(factor, 1.0 if mscale is None else float(mscale)) / _get_mscale(
+        factor, 0.0 if mscale_all_dim is None else float(mscale_all_dim))
+    theirs = (_get_mscale(factor, float(mscale)) / _get_mscale(factor, float(mscale_all_dim))
+              if mscale and mscale_all_dim else _get_mscale(factor, 1.0))
+    if abs(ours - theirs) <= 1e-12 * abs(theirs):
+        return None
+    return (f"YaRN's cos/sin scale is {ours:.6g} in megatron, {theirs:.6g} in transformers "
+            f"(mscale={mscale}, mscale_all_dim={mscale_all_dim}: transformers takes both only "
+            f"when both are non-zero); valid: both non-zero, or mscale 1 and mscale_all_dim 0")
+
+
+def mtp_layers(c) -> int:
+    """``num_nextn_predict_layers`` of the config ``c``: the multi-token prediction layers that
+    follow the decoder's in the Hub weights (DeepSeek-V3's layer 61, GLM-4.5's layer 92),
+    which transformers ignores on load and the import leaves out.
+
+    Raises:
+        HFImportError: a value that is not an integer >= 0.
+    """
+    n = getattr(c, "num_nextn_predict_layers", 0) or 0
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise _refuse("num_nextn_predict_layers", n, "an integer >= 0")
+    return n
 
 
 def size_fields(kind: str) -> dict:
@@ -209,7 +260,8 @@ def config(arch: str, m: dict, vocab: int, ids: dict):
         n_routed_experts=experts, num_experts_per_tok=int(m["moe_router_topk"]),
         moe_intermediate_size=width, n_shared_experts=shared // width,
         first_k_dense_replace=len(dense), n_group=groups,
-        topk_group=m.get("moe_router_group_topk") or 1, norm_topk_prob=True,
+        topk_group=m.get("moe_router_group_topk") or 1,
+        norm_topk_prob=int(m["moe_router_topk"]) > 1,  # megatron's sigmoid router: at top-k > 1
         routed_scaling_factor=float(m.get("moe_router_topk_scaling_factor") or 1.0),
         num_nextn_predict_layers=0, attention_dropout=0.0,
         architectures=[CLASSES[arch]], **ids)
