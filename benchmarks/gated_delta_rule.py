@@ -14,13 +14,12 @@ key and value head dim 32, fp32. Output: the table on stdout and ``<out>/results
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks import runs, tables
+from benchmarks import runs
 
 BATCH, HEADS, KDIM, VDIM = 2, 4, 32, 32
 
@@ -69,26 +68,7 @@ def main(argv=None) -> int:
     out = runs.prepare_out(args.out, "gated_delta_rule", torch.get_num_threads())
     gdn_cpu.install()
     cases = {"chunked": lambda *a: gdn_cpu.chunk_gated_delta_rule(*a)[0], "loop": loop_rule}
-    rows = []
-    for length in lengths:
-        for fn in cases.values():
-            _time(fn, length)  # warm-up
-        times = {name: [] for name in cases}
-        for _ in range(repeats):
-            for name, fn in cases.items():
-                times[name].append(_time(fn, length))
-        chunked = statistics.median(times["chunked"])
-        for name in cases:
-            median = statistics.median(times[name])
-            rows.append({"length": length, "kernel": name, "median_s": median,
-                         "vs_chunked": median / chunked, "runs": times[name]})
-    table = tables.table(["length", "kernel", "forward+backward ms", "vs chunked"],
-                         [[str(r["length"]), r["kernel"], f"{1000 * r['median_s']:.1f}",
-                           f"{r['vs_chunked']:.2f}x"] for r in rows])
-    print(table, flush=True)
-    runs.write_rows(out, "gated_delta_rule", rows, table)
-    print(f"> wrote {out / 'results.json'}", flush=True)
-    return 0
+    return runs.chunked_vs_loop("gated_delta_rule", cases, _time, lengths, repeats, out)
 
 
 if __name__ == "__main__":

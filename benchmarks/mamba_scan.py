@@ -14,12 +14,11 @@ dim 16, 2 groups, state 16, chunk 64, fp32. Output: the table on stdout and
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 
-from benchmarks import runs, tables
+from benchmarks import runs
 from mcore_compat.mamba_ops import ssd_scan
 
 BATCH, HEADS, HEADDIM, GROUPS, STATE, CHUNK = 2, 8, 16, 2, 16, 64
@@ -65,26 +64,7 @@ def main(argv=None) -> int:
     repeats = args.repeats or (2 if args.quick else 3)
     out = runs.prepare_out(args.out, "mamba_scan", torch.get_num_threads())
     cases = {"chunked": lambda *a: ssd_scan(*a, CHUNK)[0], "loop": loop_scan}
-    rows = []
-    for length in lengths:
-        for fn in cases.values():
-            _time(fn, length)  # warm-up
-        times = {name: [] for name in cases}
-        for _ in range(repeats):
-            for name, fn in cases.items():
-                times[name].append(_time(fn, length))
-        chunked = statistics.median(times["chunked"])
-        for name in cases:
-            median = statistics.median(times[name])
-            rows.append({"length": length, "kernel": name, "median_s": median,
-                         "vs_chunked": median / chunked, "runs": times[name]})
-    table = tables.table(["length", "kernel", "forward+backward ms", "vs chunked"],
-                         [[str(r["length"]), r["kernel"], f"{1000 * r['median_s']:.1f}",
-                           f"{r['vs_chunked']:.2f}x"] for r in rows])
-    print(table, flush=True)
-    runs.write_rows(out, "mamba_scan", rows, table)
-    print(f"> wrote {out / 'results.json'}", flush=True)
-    return 0
+    return runs.chunked_vs_loop("mamba_scan", cases, _time, lengths, repeats, out)
 
 
 if __name__ == "__main__":

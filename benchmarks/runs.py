@@ -51,6 +51,37 @@ def write_results(out: Path, results, table: str) -> None:
     (out / "table.txt").write_text(table + "\n")
 
 
+def chunked_vs_loop(name: str, cases: dict, time_case, lengths, repeats: int, out: Path) -> int:
+    """Time a chunked kernel against its naive loop, side by side: ``cases`` is ``{"chunked":
+    fn, "loop": fn}``, ``time_case(fn, length)`` the seconds of one forward+backward at a
+    sequence ``length``; one warm-up each, then ``repeats`` rounds alternating the cases. Prints
+    the table of medians (and each over the chunked one's) and writes ``out``'s results."""
+    import statistics
+
+    from benchmarks import tables
+
+    rows = []
+    for length in lengths:
+        for fn in cases.values():
+            time_case(fn, length)  # warm-up
+        times = {case: [] for case in cases}
+        for _ in range(repeats):
+            for case, fn in cases.items():
+                times[case].append(time_case(fn, length))
+        chunked = statistics.median(times["chunked"])
+        for case in cases:
+            median = statistics.median(times[case])
+            rows.append({"length": length, "kernel": case, "median_s": median,
+                         "vs_chunked": median / chunked, "runs": times[case]})
+    table = tables.table(["length", "kernel", "forward+backward ms", "vs chunked"],
+                         [[str(r["length"]), r["kernel"], f"{1000 * r['median_s']:.1f}",
+                           f"{r['vs_chunked']:.2f}x"] for r in rows])
+    print(table, flush=True)
+    write_rows(out, name, rows, table)
+    print(f"> wrote {out / 'results.json'}", flush=True)
+    return 0
+
+
 def start_rank(cfg_path: str, bench_threads: bool = True):
     """In one rank of a benchmark's gloo world: torch's threads set from ``BENCH_THREADS`` (when
     ``bench_threads`` and it is positive), the run config of ``cfg_path`` loaded, the process

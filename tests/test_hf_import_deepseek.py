@@ -13,13 +13,13 @@ so that RoPE and YaRN show in the logits) so that a misplaced tensor or position
 
 from __future__ import annotations
 
-import glob
 import json
 
 import pytest
 import torch
 
 from ckpt import cli
+from hf_checks import assert_same_tensors, logits_world
 
 VOCAB = 257  # the byte tokenizer's
 SEQ = 64
@@ -62,15 +62,6 @@ def _save_models(root):
             model.save_pretrained(root / name)
 
 
-def _tensors(d) -> dict:
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in glob.glob(f"{d}/*.safetensors"):
-        out.update(load_file(f))
-    return out
-
-
 def _config_facts(config) -> dict:
     d = json.loads((config / "config.json").read_text())
     drop = ("transformers_version", "architectures", "_name_or_path", "dtype", "torch_dtype",
@@ -96,24 +87,8 @@ def test_import_then_export_is_bit_equal(hf, tmp_path, name):
     assert model["moe_layer_freq"] == [0, 1, 1] and model["moe_router_enable_expert_bias"]
     assert model.get("multi_latent_attention", False) == (name == "deepseek_v3")
     assert cli.main(["export", str(ckpt), str(out)]) == 0
-    src, back = _tensors(hf / name), _tensors(out)
-    assert sorted(src) == sorted(back)
-    for key, tensor in src.items():
-        assert back[key].dtype == tensor.dtype and torch.equal(back[key], tensor), key
+    assert_same_tensors(hf / name, out)
     assert _config_facts(out) == _config_facts(hf / name)
-
-
-def _logits_world(cfgs: dict) -> dict:
-    from hf_checks import megatron_logits, pretrained_run
-    from multiproc import reset_model_parallel
-
-    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
-    out = {}
-    for name, cfg_yaml in cfgs.items():
-        model = pretrained_run(cfg_yaml)[2]
-        out[name] = (tokens, megatron_logits(model, tokens))
-    reset_model_parallel()
-    return out
 
 
 def test_imported_logits_equal_transformers_at_ep2_expert_gtp2(hf, tmp_path, data_cache):
@@ -139,7 +114,7 @@ def test_imported_logits_equal_transformers_at_ep2_expert_gtp2(hf, tmp_path, dat
         pretrained.apply_source(cfg, overrides=[])
         pretrained.prepare(cfg, True)
         cfgs[name] = OmegaConf.to_yaml(cfg)
-    results = run_distributed(_logits_world, 4, cfgs, timeout=600)
+    results = run_distributed(logits_world, 4, cfgs, VOCAB, SEQ, timeout=600)
     for name in NAMES:
         tokens, got = results[0][name]
         with torch.no_grad():

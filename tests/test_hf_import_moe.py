@@ -14,7 +14,6 @@ are drawn away from 1 so that a misplaced tensor shows.
 
 from __future__ import annotations
 
-import glob
 import json
 import shutil
 
@@ -22,7 +21,7 @@ import pytest
 import torch
 
 from ckpt import cli
-from hf_checks import assert_import_refused
+from hf_checks import assert_import_refused, assert_same_tensors, logits_world
 
 VOCAB = 257  # the byte tokenizer's, so the recipes' data pipeline feeds the fine-tune
 SEQ = 64
@@ -52,22 +51,6 @@ def _save_models(root):
             model.save_pretrained(root / name)
 
 
-def _tensors(d) -> dict:
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in glob.glob(f"{d}/*.safetensors"):
-        out.update(load_file(f))
-    return out
-
-
-def _assert_same_tensors(src, back) -> None:
-    src, back = _tensors(src), _tensors(back)
-    assert sorted(src) == sorted(back)
-    for key, tensor in src.items():
-        assert back[key].dtype == tensor.dtype and torch.equal(back[key], tensor), key
-
-
 def _config_facts(config) -> dict:
     """What makes two transformers configs compute the same model."""
     d = json.loads((config / "config.json").read_text())
@@ -95,7 +78,7 @@ def test_moe_import_then_export_is_bit_equal(hf, tmp_path, name):
     assert model["moe_ffn_hidden_size"] == (48 if name == "mixtral" else 24)
     assert model["moe_router_pre_softmax"] == model["qk_layernorm"] == (name == "qwen3_moe")
     assert cli.main(["export", str(ckpt), str(out)]) == 0
-    _assert_same_tensors(hf / name, out)
+    assert_same_tensors(hf / name, out)
     assert _config_facts(out) == _config_facts(hf / name)
 
 
@@ -144,7 +127,7 @@ def test_moe_pretrained_at_ep2_egtp2_a64_exports_the_source(hf, tmp_path, train_
     assert "imported" in stdout and "experts ep2" in stdout, stdout[-3000:]
     exported = tmp_path / "exported"
     assert cli.main(["export", str(out / "ckpt"), str(exported)]) == 0
-    _assert_same_tensors(hf / "mixtral", exported)
+    assert_same_tensors(hf / "mixtral", exported)
 
 
 def test_a_preset_that_contradicts_the_source_is_refused_naming_each_field(hf):
@@ -190,19 +173,6 @@ def test_an_expert_count_the_weights_contradict_is_named_as_the_file_names_it(hf
         hf_import.import_hf(bad, tmp_path / "out")
 
 
-def _logits_world(cfgs: dict) -> dict:
-    from hf_checks import megatron_logits, pretrained_run
-    from multiproc import reset_model_parallel
-
-    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
-    out = {}
-    for name, cfg_yaml in cfgs.items():
-        model = pretrained_run(cfg_yaml)[2]
-        out[name] = (tokens, megatron_logits(model, tokens))
-    reset_model_parallel()
-    return out
-
-
 def test_imported_moe_logits_equal_transformers(hf, tmp_path, data_cache):
     """megatron's logits of each imported model, its experts split over two expert-parallel
     ranks (ep2), equal transformers' on the same tokens within 1e-4: the routing (Mixtral's
@@ -224,7 +194,7 @@ def test_imported_moe_logits_equal_transformers(hf, tmp_path, data_cache):
         pretrained.apply_source(cfg, overrides=[])
         pretrained.prepare(cfg, True)
         cfgs[name] = OmegaConf.to_yaml(cfg)
-    results = run_distributed(_logits_world, 2, cfgs, timeout=600)
+    results = run_distributed(logits_world, 2, cfgs, VOCAB, SEQ, timeout=600)
     for name in NAMES:
         tokens, got = results[0][name]
         with torch.no_grad():

@@ -16,8 +16,8 @@ of ``x``. GatedDeltaNet's ``in_proj`` (120 rows, ``query24 | key24 | value32 | z
 alpha4``, 60 a TP rank): g2/a16 cuts inside ``value`` (shards of 64), tp2 x g2/a16 inside each
 TP rank's ``value`` (shards of 32, 4 padding rows), g4/a32 inside ``key``, ``value`` and ``z``,
 g2/a1 inside ``value``. g4/a32 gives the 48-row ``out_proj``, ``linear_proj`` and ``linear_fc2``
-shards of 32, 16, 0 and 0 rows (all padding on GTP ranks 2 and 3). pp2 puts layers 3-5 ("-MG")
-on stage 1 (their global numbers in the checkpoint).
+shards of 32, 16, 0 and 0 rows (all padding on GTP ranks 2 and 3). pp2 (with the distributed
+optimizer) puts layers 3-5 ("-MG") on stage 1 (their global numbers in the checkpoint).
 
 In bf16 (bf16 weights, fp32 main params): the plain and the distributed optimizer read each
 other's files, ``conv1d``'s and (without GTP) ``in_proj``'s main params stored as their
@@ -47,9 +47,9 @@ LAYOUTS = {
     "g4a32": (1, 4, 32, ()),
     "g2a1": (1, 2, 1, ()),  # in_proj shards of 115 rows: rank 1 from row 19 of x
     "pp2dp2do": (1, 1, None, (_PP2, _DISTOPT)),
-    "pp2g2a16": (1, 2, 16, (_PP2,)),
-    "tp2g2a16do": (2, 2, 16, (_DISTOPT,)),
 }
+# (Every pair loads: 7 layouts, 49 loads. Pipeline stages with GTP and the distributed optimizer
+# with GTP are the bf16 test's, below, and tests/test_mamba_layouts.py's.)
 
 
 def test_every_weight_and_moment_of_the_hybrid_model_loads_exactly_at_every_layout(tmp_path):
@@ -65,7 +65,7 @@ BF16_LAYOUTS = {
     "bf16 tp1": (1, 1, None, ()),
     "bf16 g2a16do": (1, 2, 16, (_DISTOPT,)),
     "bf16 tp2g2a16": (2, 2, 16, ()),
-    "bf16 pp2dp2do": (1, 1, None, (_PP2, _DISTOPT)),
+    "bf16 pp2g2a16do": (1, 2, 16, (_PP2, _DISTOPT)),
 }
 
 

@@ -22,8 +22,8 @@ each): moe_tiny (4 SwiGLU experts of width 100, hidden 72, 2 layers, Adam) at
   pp2 x ep2 with the distributed optimizer in bf16, and ep2 x expert GTP 2;
 * DeepSeek-V3-style routing (:data:`DEEPSEEK`: a dense first layer, 8 experts with sigmoid
   scores, the aux-loss-free expert bias, 4 groups of which a token picks 2, a shared expert):
-  ep1, ep2 x expert GTP 2, ep4 in bf16 and expert TP 2 with the distributed optimizer in bf16.
-  Each reads the saves of the three others; each router's ``expert_bias`` (a buffer, not a
+  ep1, ep2 x expert GTP 2 and expert TP 2 with the distributed optimizer in bf16. Each reads
+  the saves of the two others; each router's ``expert_bias`` (a buffer, not a
   param: no optimizer state) is set to a golden too and compared, and the built parameters
   are checked against the family's table (``recipes.families.parameter_shapes``).
 
@@ -132,7 +132,6 @@ DEEPSEEK = ("model.num_moe_experts=8", "model.moe_layer_freq=[0,1]",
 DS_LAYOUTS = {
     "ds_ep1": DEEPSEEK,
     "ds_ep2egtp2": (*DEEPSEEK, *EP2, "gtp.expert_gtp_remat_size=2", "gtp.pad_for_alignment=16"),
-    "ds_ep4_bf16": (*DEEPSEEK, "parallelism.expert_model_parallel_size=4", "precision=bf16"),
     "ds_etp2do_bf16": (*DEEPSEEK, "parallelism.expert_tensor_parallel_size=2",
                        "optim.use_distributed_optimizer=true", "precision=bf16"),
 }

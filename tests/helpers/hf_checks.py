@@ -1,8 +1,9 @@
 """What the Hugging Face import tests share (tests/test_hf_import.py,
-tests/test_hf_import_moe.py, tests/test_hf_fine_tune.py): a byte-level BPE tokenizer, an import
-refused for a changed ``config.json``, and (worker-side, inside a
-:func:`multiproc.run_distributed` world) a ``checkpoint.pretrained`` run's model as its workers
-build it and megatron's logits of it, gathered whole, to compare with transformers'."""
+tests/test_hf_import_moe.py, tests/test_hf_import_deepseek.py, tests/test_hf_fine_tune.py): a
+byte-level BPE tokenizer, an import refused for a changed ``config.json``, a model dir's tensors
+compared bit for bit, and (worker-side, inside a :func:`multiproc.run_distributed` world) a
+``checkpoint.pretrained`` run's model as its workers build it and megatron's logits of it,
+gathered whole, to compare with transformers'."""
 
 from __future__ import annotations
 
@@ -26,6 +27,42 @@ def assert_import_refused(hf_root, src: str, change: dict, match: str, out_root,
     with pytest.raises(hf_import.HFImportError, match=match):
         hf_import.import_hf(bad, out_root / out)
     assert not (out_root / out / "iter_0000000").exists()
+
+
+def dir_tensors(d) -> dict:
+    """``{name: tensor}`` of every safetensors file in the model dir ``d``."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in glob.glob(f"{d}/*.safetensors"):
+        out.update(load_file(f))
+    return out
+
+
+def assert_same_tensors(src, back) -> None:
+    """The model dirs ``src`` and ``back`` hold the same tensor names, each of the same dtype
+    and bit for bit equal."""
+    src, back = dir_tensors(src), dir_tensors(back)
+    assert sorted(src) == sorted(back)
+    for key, tensor in src.items():
+        assert back[key].dtype == tensor.dtype and torch.equal(back[key], tensor), key
+
+
+def logits_world(cfgs: dict, vocab: int, seq: int) -> dict:
+    """Worker side: ``{name: (tokens, megatron's logits)}`` of each resolved config of ``cfgs``
+    (``{name: yaml}``, ``checkpoint.pretrained`` prepared) on the same random ``[2, seq]``
+    tokens below ``vocab``; megatron's groups dropped after the last."""
+    from multiproc import reset_model_parallel
+
+    tokens = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(7))
+    out = {}
+    for name, cfg_yaml in cfgs.items():
+        model = pretrained_run(cfg_yaml)[2]
+        out[name] = (tokens, megatron_logits(model, tokens))
+    reset_model_parallel()
+    return out
 
 
 def megatron_logits(model, tokens):
