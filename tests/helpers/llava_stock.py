@@ -56,16 +56,12 @@ def save_stock_and_load(builder: str, root: str, saves: dict, loads: list):
         state = module_layouts.sharded_state(ddp, opt, loading=False)
         dist_checkpointing.save({**state, **common(tp, g, pad)}, path)
     out = {}
-    for source, target in loads:
+    for target in dict.fromkeys(t for _, t in loads):  # one build per target, in order
         tp, g, pad, do = saves[target] if target in saves else module_layouts.LAYOUTS[target]
         module_layouts.setup(builder, tp, g, pad, "logical")
         module, ddp, opt = module_layouts.build(builder, tp, g, do)
-        layout_goldens.fill(ddp, opt, None, sentinel=True)
-        path = os.path.join(root, source, ITER)
-        path, _ = stock.prepare_load(path, dist_checkpointing.load_common_state_dict(path))
-        loaded = dist_checkpointing.load(module_layouts.sharded_state(ddp, opt, loading=True),
-                                         str(path))
-        module.load_state_dict(loaded["model"], strict=True)
-        opt.load_state_dict(loaded["optimizer"])
-        out[(source, target)] = layout_goldens.check(ddp, opt, None)
+        for source in (s for s, t in loads if t == target):
+            path = os.path.join(root, source, ITER)
+            path, _ = stock.prepare_load(path, dist_checkpointing.load_common_state_dict(path))
+            out[(source, target)] = module_layouts.load_and_check(module, ddp, opt, str(path))
     return out

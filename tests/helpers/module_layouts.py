@@ -169,16 +169,24 @@ def save_and_load_all(builder: str, root: str, layouts: dict, fmt: str = "logica
         dist_checkpointing.save(state, path)
     out = {"records": records}
     for name, (tp, g, pad, do) in layouts.items():
+        # One build per target: each load starts from a fresh sentinel fill of every tensor.
+        setup(builder, tp, g, pad, fmt)
+        module, ddp, opt = build(builder, tp, g, do)
         for source in (s for s, lay in layouts.items() if lay[3] == do):
-            setup(builder, tp, g, pad, fmt)
-            module, ddp, opt = build(builder, tp, g, do)
-            layout_goldens.fill(ddp, opt, None, sentinel=True)
-            loaded = dist_checkpointing.load(sharded_state(ddp, opt, loading=True),
-                                             os.path.join(root, source))
-            module.load_state_dict(loaded["model"], strict=True)
-            opt.load_state_dict(loaded["optimizer"])
-            out[(source, name)] = layout_goldens.check(ddp, opt, None)
+            out[(source, name)] = load_and_check(module, ddp, opt, os.path.join(root, source))
     return out
+
+
+def load_and_check(module, ddp, opt, path: str):
+    """Fill the module and optimizer with the sentinel, load the checkpoint at ``path`` into
+    them, and return ``layout_goldens.check()``."""
+    from megatron.core import dist_checkpointing
+
+    layout_goldens.fill(ddp, opt, None, sentinel=True)
+    loaded = dist_checkpointing.load(sharded_state(ddp, opt, loading=True), path)
+    module.load_state_dict(loaded["model"], strict=True)
+    opt.load_state_dict(loaded["optimizer"])
+    return layout_goldens.check(ddp, opt, None)
 
 
 def failures(results: list, layouts: dict, n_params: int) -> list[str]:
