@@ -12,6 +12,7 @@ gate). moe_tiny: 4 heads, 2 groups, 18 channels: (4 + 4 + 4) * 18 = 216. hybrid_
 from __future__ import annotations
 
 import pytest
+import torch
 from compose import make_cfg
 
 from ckpt.families import ExportError, for_export
@@ -117,3 +118,38 @@ def test_the_stock_reader_takes_the_gate_rows_from_the_run_config():
     config["model"]["attention_output_gate"] = False
     dims, _ = config_layout({"train_state": {"config": config}})
     assert "qkv_rows" not in dims and logical_rows_global("qkv", dims) == 120
+
+
+def test_a_pretrained_source_without_the_gate_refuses_it(monkeypatch):
+    """A Hugging Face source (or a checkpoint saved before the field) records no
+    ``attention_output_gate``: it has no gate rows, so a given ``true`` is refused."""
+    from recipes.run import pretrained
+
+    source = {k: v for k, v in dict(make_cfg("model=llama_tiny").model).items()
+              if k != "attention_output_gate"}
+    monkeypatch.setattr(pretrained, "source_config", lambda path: (dict(source),
+                                                                    {"vocab_size": 257}))
+    cfg = make_cfg("model=llama_tiny", GATE, "checkpoint.pretrained=/tmp/unused")
+    with pytest.raises(ConfigError, match=r"model.attention_output_gate=True \(the source has "
+                                          r"False\)"):
+        pretrained.apply_source(cfg, overrides=[GATE])
+    cfg = make_cfg("model=llama_tiny", "checkpoint.pretrained=/tmp/unused")
+    pretrained.apply_source(cfg, overrides=[])
+    assert cfg.model.attention_output_gate is False
+
+
+def test_the_output_gate_runs_eagerly_on_cpu():
+    """megatron's ``x * sigmoid(gate)`` (``Attention._apply_output_gate``, ``jit_fuser``) runs
+    uncompiled after ``mcore_compat.cpu.install``: no ``torch.compile`` stand-in is left (its
+    first call would build C++ kernels with Inductor), and it computes the formula."""
+    from megatron.core.transformer.attention import Attention
+
+    from mcore_compat import cpu as cpu_compat
+
+    cpu_compat.install(force=True)
+    gate_fn = Attention._apply_output_gate
+    assert not hasattr(gate_fn, "__wrapped__"), gate_fn
+    x = torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    gate = torch.randn(3, 2, 2, 4, generator=torch.Generator().manual_seed(1))
+    want = (x * torch.sigmoid(gate.reshape(3, 2, 8).float())).to(torch.bfloat16)
+    assert torch.equal(gate_fn(None, x, gate), want)

@@ -101,8 +101,9 @@ class SharedModelFields:
     # RMSNorm/LayerNorm over each query and key head before attention (Qwen3, OLMo-2).
     qk_layernorm: bool = False
     # Gated attention (Qwen3-Next's full-attention layers; megatron's attention_output_gate):
-    # linear_qkv also computes a gate per query head, and attention's output is multiplied by
-    # sigmoid(gate) before linear_proj. Adds heads * kv_channels rows to linear_qkv.
+    # the QKV projection also computes a gate per query head, and attention's output is
+    # multiplied by sigmoid(gate) before the output projection: heads * kv_channels more rows
+    # (docs/gated-attention.md).
     attention_output_gate: bool = False
     # Multi-token prediction (megatron's names; DeepSeek-V3's MTP, docs/mtp.md): null or 0: none;
     # N: N MTP layers after the decoder, on the last pipeline stage, each predicting one more

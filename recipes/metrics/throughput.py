@@ -20,8 +20,8 @@ def model_flops_per_iteration(cfg, padded_vocab: int) -> float:
 
     ``12 B s L h^2 ((1 + g / a + o / 2 + s / h) + (f / h) m + V / (2 L h))`` with ``B`` = global
     batch, ``s`` = seq_length, ``L`` = num_layers, ``h`` = hidden_size, ``a`` = heads, ``g`` =
-    query groups, ``o`` = 1 with ``attention_output_gate`` (its gate rows of linear_qkv, as many
-    as the query's; else 0), ``f`` = ffn_hidden_size, ``m`` = 3/2 for SwiGLU (else 1), ``V`` =
+    query groups, ``o`` = 1 with ``attention_output_gate`` (gate rows in the QKV projection, as
+    many as the query's; else 0), ``f`` = ffn_hidden_size, ``m`` = 3/2 for SwiGLU (else 1), ``V`` =
     padded vocabulary (Megatron-LM's formula, ``gate_projection_size`` included; the query
     projection equals h here: kv_channels = h / a).
     GTP's weight all-gathers and recomputation are not model FLOPs and are not counted.

@@ -128,6 +128,9 @@ def apply_source(cfg, overrides: list[str] | None = None, requeued: bool = False
             f"give one of them")
     overrides = given_overrides() if overrides is None else overrides
     model, data = source_config(src)
+    # A source without the field has no gate rows in its QKV projection: a Hugging Face model (its
+    # import maps none) or a checkpoint saved before the field existed.
+    model.setdefault("attention_output_gate", False)
     model["family"] = family_name(model)  # an HF source or older checkpoint names none
     given, chosen = given_fields(overrides, "model")
     if chosen:  # model=NAME gives every field of that group
