@@ -82,8 +82,11 @@ SEQ, BATCH = 64, 2
 GATED = ("model.attention_output_gate=true", "model.num_attention_heads=4",
          "model.num_query_groups=2", "model.kv_channels=10", "model.transformer_impl=local")
 GATED_COMPARED = {name: COMPARED[name] for name in ("tp2", "g2a16", "tp2g2a16")}
+# Last, tp2 x g2/a16 written by megatron's own padded writer (checkpoint.format=stock), which
+# tp1 reads through ckpt.stock's conversion (its rows from the run config, gate included).
+_STOCK = "checkpoint.format=stock"
 GATED_SAVED = {**{name: SAVED[name] for name in ("tp1", "tp2", "g2a16", "tp2g2a16")},
-               "g2a16dp2do": SAVED["g2a16dp2do"]}
+               "g2a16dp2do": SAVED["g2a16dp2do"], "tp2g2a16stock": (2, 2, 16, (_STOCK,))}
 
 
 def _step(model) -> tuple[float, dict]:
@@ -143,12 +146,13 @@ def _pairs(root: str, cfgs: dict) -> dict:
     """In the order of ``cfgs``: build a layout, check its parameter table (without pipeline
     stages), load into it every save made so far (sentinel first), then fill it with the goldens
     and save it; finally the first layout again loads every save. Each pair of layouts is loaded
-    in one direction, every save at the first layout (one build a layout, and one more)."""
+    in one direction, every save at the first layout (one build a layout, and one more). A
+    stock-format layout loads nothing (megatron's own loader reads only its own layout)."""
     from pathlib import Path
 
     from ckpt import io as checkpoint
 
-    out = {"filled": {}, "loads": {}, "table": {}}
+    out = {"filled": {}, "loads": {}, "table": {}, "stock": {}}
 
     def load(source, name, model, opt, sched, record, cfg):
         golden_fill(model, opt, cfg, sentinel=True)
@@ -159,11 +163,17 @@ def _pairs(root: str, cfgs: dict) -> dict:
         model, opt, sched, record, cfg = build(cfg_yaml)
         if record["pipeline_model_parallel_size"] == 1:
             out["table"][name] = _table_problems(model, cfg, record)
-        for source in out["filled"]:
+        for source in out["filled"] if cfg.checkpoint.format == "logical" else ():
             load(source, name, model, opt, sched, record, cfg)
         out["filled"][name] = golden_fill(model, opt, cfg, sentinel=False)
         checkpoint.save_checkpoint(Path(root) / name, 1, model, opt, sched,
                                    {"consumed_samples": 0}, record)
+        if cfg.checkpoint.format == "stock":  # what megatron's padded writer stored
+            from ckpt.stock import analyze
+
+            out["stock"][name] = {k: (t.stored_shape, t.logical_shape, t.stock)
+                                  for k, t in analyze(Path(root) / name).tensors.items()
+                                  if k.endswith("linear_qkv.weight")}
     first = next(iter(cfgs))
     model, opt, sched, record, cfg = build(cfgs[first])
     for source in cfgs:
@@ -197,8 +207,9 @@ def worlds(tmp_path_factory):
             make_cfg(MODEL, 1, 1, None, WORLD, "logical", *overrides),
             {name: make_cfg(MODEL, tp, g, pad, WORLD, "logical", *overrides, *extra)
              for name, (tp, g, pad, extra) in compared.items()},
-            {name: make_cfg(MODEL, tp, g, pad, WORLD, "logical", *overrides, "precision=bf16",
-                            *extra) for name, (tp, g, pad, extra) in saved.items()})
+            {name: make_cfg(MODEL, tp, g, pad, WORLD, "stock" if _STOCK in extra else "logical",
+                            *overrides, "precision=bf16", *(e for e in extra if e != _STOCK))
+             for name, (tp, g, pad, extra) in saved.items()})
     results = run_distributed(_world, WORLD, models, timeout=600)
     for model, res in results[0].items():
         print(f"\n{model} world: forward/backward {res['seconds'][0]:.1f}s, checkpoints "
@@ -253,10 +264,17 @@ def test_every_layout_pair_restores_weights_main_params_and_moments_exactly(worl
     """Each pair of SAVED in one direction (the later layout reads the earlier's save), and
     every save read at tp1: bf16 weights, fp32 main params, exp_avg, exp_avg_sq and step."""
     model, world = world
-    names = list(MODELS[model][2])
-    pairs = {(s, d) for i, d in enumerate(names) for s in names[:i]}
+    saved = MODELS[model][2]
+    names = list(saved)
+    pairs = {(s, d) for i, d in enumerate(names) for s in names[:i] if _STOCK not in saved[d][3]}
     for res in world:
         assert set(res["loads"]) == pairs | {(s, names[0]) for s in names}
+    # The stock save holds megatron's padded rows (60 a TP rank padded to 64), read as 120:
+    # the weight, its fp32 main param and both moments.
+    assert set(world[0]["stock"]) == {n for n, lay in saved.items() if _STOCK in lay[3]}
+    for qkv in world[0]["stock"].values():
+        assert "decoder.layers.self_attention.linear_qkv.weight" in qkv and len(qkv) == 4, qkv
+        assert set(qkv.values()) == {((2, 128, 72), (2, 120, 72), True)}, qkv
     problems = pair_problems(world)
     assert not problems, "\n".join(problems[:30])
     # The distributed optimizer's ranks each hold part of the state.
