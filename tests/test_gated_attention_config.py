@@ -111,7 +111,8 @@ def test_the_hugging_face_export_refuses_the_gate():
 
 def test_the_stock_reader_takes_the_gate_rows_from_the_run_config():
     """A stock checkpoint's run config gives linear_qkv's rows, gate included (the dims alone
-    give the rows without it, as for every model without the gate)."""
+    give the rows without it, as for every model without the gate): the reader's source when
+    no sharding record gives them (tests/test_mla_layouts.py reads one that does)."""
     config = {"model": dict(make_cfg("model=llama_tiny", GATE).model)}
     dims, _ = config_layout({"train_state": {"config": config}})
     assert dims["qkv_rows"] == 192 and logical_rows_global("qkv", dims) == 192
