@@ -200,13 +200,17 @@ def for_export(model: dict) -> HFArchitecture:
     """The architecture that computes the recorded ``model`` config exactly.
 
     Raises:
-        ExportError: the family the model names refuses a setting (its message), or is not
+        ExportError: gated attention (``attention_output_gate``: no family maps its gate rows
+            yet); the family the model names refuses a setting (its message), or is not
             registered, or no family-name reader was given.
     """
     if _GIVEN["family_name"] is None:
         raise ExportError("no reader of a model config's family was given to ckpt/ "
                           "(ckpt.families.install's family_name; gtp-recipes gives it when "
                           "recipes.families is imported)")
+    if model.get("attention_output_gate"):
+        raise ExportError("model.attention_output_gate=True: no export maps linear_qkv's gate "
+                          "rows (gated attention, Qwen3-Next's) to a transformers class yet")
     name = _GIVEN["family_name"](model)  # the family the model names exports it
     family = next((f for f in families() if f.name == name), None)
     if family is None:

@@ -293,6 +293,16 @@ TENSOR_CUDA_METHODS = {
 }
 
 
+def _run_output_gate_eagerly():
+    """``Attention._apply_output_gate`` (gated attention's ``x * sigmoid(gate)``) uncompiled:
+    megatron decorates it with ``jit_fuser`` (``torch.compile``), which on CPU builds C++
+    kernels with Inductor at its first call in every process (the same math, eagerly)."""
+    from megatron.core.transformer.attention import Attention
+
+    fused = Attention._apply_output_gate
+    Attention._apply_output_gate = getattr(fused, "__wrapped__", fused)
+
+
 def _patch_tensor_cuda_methods():
     for path in TENSOR_CUDA_METHODS:
         module_name, cls_name, method = path.rsplit(".", 2)
@@ -320,7 +330,8 @@ _INSTALLED = False
 
 @megatron_patch("the module-global torch of PATCHED_MODULES, tensor_parallel.random."
                 "_get/_set_cuda_rng_state, clip_grads.clip_grad_by_total_norm_fp32, "
-                "Float16OptimizerWithFloat16Params.__init__, torch.Tensor.cuda methods")
+                "Float16OptimizerWithFloat16Params.__init__, torch.Tensor.cuda methods, "
+                "transformer.attention.Attention._apply_output_gate (jit_fuser)")
 def install(force: bool = False) -> bool:
     """Redirect megatron-core's CUDA-only calls to CPU when CUDA is unavailable.
 
@@ -340,6 +351,7 @@ def install(force: bool = False) -> bool:
         _patch_rng_state_functions()
         _patch_float16_optimizer_init()
         _patch_tensor_cuda_methods()
+        _run_output_gate_eagerly()
         for name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
             importlib.import_module(name).clip_grad_by_total_norm_fp32 = (
                 _clip_grad_by_total_norm_fp32_cpu

@@ -225,10 +225,12 @@ def test_every_tiny_preset_builds_the_parameters_of_its_table():
 
     cfgs = {p: layout_cfg(p, 2, 1, None, 2, "logical",
                           *(["data=shapes"] if p in LLAVA_PRESETS else [])) for p in TINY_PRESETS}
-    # The hybrid table's optional parameters: biases, q/k norms, a learned position embedding.
+    # The hybrid table's optional parameters: biases, q/k norms, a learned position embedding;
+    # and the gate rows of gated attention's linear_qkv.
     cfgs["hybrid_tiny+biases"] = layout_cfg(
         "hybrid_tiny", 2, 1, None, 2, "logical", "model.add_bias_linear=true",
-        "model.qk_layernorm=true", "model.position_embedding_type=learned_absolute")
+        "model.qk_layernorm=true", "model.position_embedding_type=learned_absolute",
+        "model.attention_output_gate=true")
     # The LLaVA table's learned position embedding over text and image embeddings.
     cfgs["llava_tiny+positions"] = layout_cfg(
         "llava_tiny", 2, 1, None, 2, "logical", "data=shapes",

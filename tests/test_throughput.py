@@ -9,10 +9,11 @@ from recipes.metrics.logger import format_progress
 from recipes.metrics.throughput import model_flops_per_iteration, tflops_per_gpu
 
 
-def gemm_count(B, s, L, h, a, g, f, V, swiglu) -> int:
+def gemm_count(B, s, L, h, a, g, f, V, swiglu, output_gate=False) -> int:
     """2 FLOPs per multiply-add, each GEMM forward + 2 backward, per token of B x s."""
     kv = h // a
-    per_layer = (2 * h * (a + 2 * g) * kv      # linear_qkv
+    gate = a if output_gate else 0             # a gate head per query head (attention_output_gate)
+    per_layer = (2 * h * (a + gate + 2 * g) * kv  # linear_qkv
                  + 2 * s * a * kv * 2          # Q K^T and scores x V, over s keys
                  + 2 * a * kv * h              # linear_proj
                  + 2 * h * f * (2 if swiglu else 1) + 2 * f * h)  # linear_fc1, linear_fc2
@@ -27,6 +28,14 @@ def test_model_flops_match_a_gemm_count(model, groups):
     want = gemm_count(cfg.data.global_batch_size, m.seq_length, m.num_layers, m.hidden_size,
                       m.num_attention_heads, groups, m.ffn_hidden_size, V, m.swiglu)
     assert model_flops_per_iteration(cfg, V) == pytest.approx(want, rel=1e-12)
+
+
+def test_model_flops_count_the_gate_rows_of_gated_attention():
+    cfg = make_cfg("model=llama_tiny", "model.attention_output_gate=true")
+    m = cfg.model
+    want = gemm_count(cfg.data.global_batch_size, m.seq_length, m.num_layers, m.hidden_size,
+                      m.num_attention_heads, 2, m.ffn_hidden_size, 320, m.swiglu, True)
+    assert model_flops_per_iteration(cfg, 320) == pytest.approx(want, rel=1e-12)
 
 
 def test_progress_line_names_throughput_peak_memory_and_global_tokens():

@@ -264,6 +264,13 @@ def config_layout(common: Mapping) -> tuple[dict, str]:
                 out.setdefault(k, int(m[k]))
         if m.get("swiglu") is not None:
             out.setdefault("swiglu", bool(m["swiglu"]))
+        if m.get("attention_output_gate") and m.get("num_attention_heads") and m.get("hidden_size"):
+            # Gated attention: a gate head per query head in linear_qkv (megatron's
+            # SelfAttention.linear_qkv_out_dim), rows the heads/groups formula leaves out.
+            heads = int(m["num_attention_heads"])
+            groups = int(m.get("num_query_groups") or heads)
+            kv = int(m.get("kv_channels") or int(m["hidden_size"]) // heads)
+            out.setdefault("qkv_rows", (2 * heads + 2 * groups) * kv)
         par, gtp_cfg = cfg.get("parallelism") or {}, cfg.get("gtp") or {}
         if par.get("tensor_model_parallel_size") is not None:
             out.setdefault("tensor_model_parallel_size", int(par["tensor_model_parallel_size"]))

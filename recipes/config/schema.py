@@ -100,6 +100,11 @@ class SharedModelFields:
     kv_channels: Optional[int] = None
     # RMSNorm/LayerNorm over each query and key head before attention (Qwen3, OLMo-2).
     qk_layernorm: bool = False
+    # Gated attention (Qwen3-Next's full-attention layers; megatron's attention_output_gate):
+    # the QKV projection also computes a gate per query head, and attention's output is
+    # multiplied by sigmoid(gate) before the output projection: heads * kv_channels more rows
+    # (docs/gated-attention.md).
+    attention_output_gate: bool = False
     # Multi-token prediction (megatron's names; DeepSeek-V3's MTP, docs/mtp.md): null or 0: none;
     # N: N MTP layers after the decoder, on the last pipeline stage, each predicting one more
     # token ahead; their mean loss times mtp_loss_scaling_factor is added to the lm loss.
@@ -112,7 +117,7 @@ class SharedModelFields:
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                 "ffn_hidden_size", "swiglu", "normalization", "add_bias_linear", "add_qkv_bias",
                 "position_embedding_type", "seq_length", "share_embeddings_and_output_weights",
-                "kv_channels", "qk_layernorm", "mtp_num_layers")
+                "kv_channels", "qk_layernorm", "mtp_num_layers", "attention_output_gate")
 
 
 # Bases in reverse: a dataclass orders fields from its last base, so the shared fields come first.

@@ -132,7 +132,8 @@ def gtp_weight_dims(cfg, tensor_model_parallel_size: int) -> dict[str, int]:
 
     - ``embedding.word_embeddings`` / ``output_layer`` (vocab rows): padded vocab / tp; the output
       layer has no weight of its own when embeddings and output weights are shared;
-    - ``linear_qkv`` (column-parallel): (heads + 2 * query groups) * kv_channels / tp;
+    - ``linear_qkv`` (column-parallel): (heads + 2 * query groups) * kv_channels / tp, with
+      ``attention_output_gate`` heads * kv_channels more (a gate head per query head);
     - ``linear_fc1`` (column-parallel): ffn / tp, twice that with SwiGLU (gate and up rows);
     - ``linear_proj``, ``linear_fc2`` (row-parallel, TP splits dim 1): hidden, whatever the TP;
     - routed experts' ``linear_fc1`` / ``linear_fc2`` only under expert GTP

@@ -30,7 +30,8 @@ def check(cfg, parallel_dims) -> None:
             ``beta_fast`` or ``beta_slow`` <= 0 (megatron divides by them at the first
             forward); fields
             MLA does not use or computes otherwise (``position_embedding_type`` other than
-            rope, ``rope_scaling``, query groups, ``kv_channels``, ``add_qkv_bias``);
+            rope, ``rope_scaling``, query groups, ``kv_channels``, ``add_qkv_bias``,
+            ``attention_output_gate``);
             ``qk_layernorm`` without ``q_lora_rank`` (megatron's local spec has no norm before
             ``linear_q_proj``); ranks tensor parallelism cannot split (``q_lora_rank``,
             ``kv_lora_rank + qk_pos_emb_head_dim``); TransformerEngine layers (their MLA
@@ -108,6 +109,9 @@ def _check_unused_fields(m) -> None:
         (bool(m.get("add_qkv_bias", False)),
          "model.add_qkv_bias=true: megatron's MLA projections have no bias; set "
          "add_qkv_bias=false"),
+        (bool(m.get("attention_output_gate", False)),
+         "model.attention_output_gate=true: megatron-core 0.19.2's MLATransformerConfig raises "
+         "NotImplementedError (no output gate for MLA); set attention_output_gate=false"),
     )
     for refused, why in refusals:
         if refused:

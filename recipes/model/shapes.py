@@ -51,8 +51,12 @@ def kv_channels(m) -> int:
 
 def qkv_rows(m) -> int:
     """Full dim 0 of ``linear_qkv``: ``(heads + 2 * groups) * kv_channels`` (megatron
-    ``SelfAttention``: per query group, its query heads then K then V)."""
-    return (m.num_attention_heads + 2 * query_groups(m)) * kv_channels(m)
+    ``SelfAttention``: per query group, its query heads then K then V); with
+    ``attention_output_gate``, ``(2 * heads + 2 * groups) * kv_channels`` (per query group, its
+    query heads, then as many gate heads, then K then V: megatron's
+    ``SelfAttention.get_query_key_value_tensors``)."""
+    heads = m.num_attention_heads * (2 if getter(m)("attention_output_gate", False) else 1)
+    return (heads + 2 * query_groups(m)) * kv_channels(m)
 
 
 def count(shapes: list[ParamShape]) -> int:

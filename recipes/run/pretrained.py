@@ -39,7 +39,7 @@ from recipes.families import family_name  # also gives ckpt/ the importable fami
 # Model fields fixed by the source's tensors (their shapes, or which tensors exist).
 TENSOR_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                  "kv_channels", "ffn_hidden_size", "swiglu", "normalization", "add_bias_linear",
-                 "add_qkv_bias", "qk_layernorm", "position_embedding_type",
+                 "add_qkv_bias", "qk_layernorm", "attention_output_gate", "position_embedding_type",
                  "share_embeddings_and_output_weights", "num_moe_experts", "moe_ffn_hidden_size",
                  "moe_shared_expert_intermediate_size", "moe_layer_freq")
 # Fields the source's experts were trained with: another value computes another model from the
@@ -128,6 +128,9 @@ def apply_source(cfg, overrides: list[str] | None = None, requeued: bool = False
             f"give one of them")
     overrides = given_overrides() if overrides is None else overrides
     model, data = source_config(src)
+    # A source without the field has no gate rows in its QKV projection: a Hugging Face model (its
+    # import maps none) or a checkpoint saved before the field existed.
+    model.setdefault("attention_output_gate", False)
     model["family"] = family_name(model)  # an HF source or older checkpoint names none
     given, chosen = given_fields(overrides, "model")
     if chosen:  # model=NAME gives every field of that group

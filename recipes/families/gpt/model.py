@@ -32,6 +32,7 @@ def transformer_config_fields(m, dims) -> dict:
         gated_linear_unit=m.swiglu,
         activation_func=activation(m),
         qk_layernorm=bool(m.get("qk_layernorm", False)),
+        attention_output_gate=bool(m.get("attention_output_gate", False)),
     )
     if m.get("kv_channels"):
         out["kv_channels"] = int(m.kv_channels)

@@ -92,7 +92,8 @@ def _layer(m, layer: str, index: int, add: Callable[[ParamShape], None], norm, m
 
 def attention_shapes(m, layer: str, add: Callable[[ParamShape], None], norm) -> None:
     """Add a layer's ``input_layernorm`` and ``self_attention`` under ``layer`` (``linear_qkv``
-    with its bias when ``add_bias_linear`` or ``add_qkv_bias``, the q/k norms when
+    of :func:`recipes.model.shapes.qkv_rows` rows, the gate's included under
+    ``attention_output_gate``, with its bias when ``add_bias_linear`` or ``add_qkv_bias``, the q/k norms when
     ``qk_layernorm``, ``linear_proj`` with its bias when ``add_bias_linear``; with
     ``multi_latent_attention``, megatron's ``MLASelfAttention``: :func:`mla_shapes`);
     ``norm(prefix, width)`` adds a norm's weight (and LayerNorm bias)."""

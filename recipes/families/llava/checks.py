@@ -20,7 +20,8 @@ def check(cfg, parallel_dims) -> None:
             that tensor parallelism cannot split; text too short for the image token and one
             caption token; data without images (``data.source`` other than ``shapes``); and
             what is not run here, each named with the reason: pipeline (and virtual pipeline),
-            context or sequence parallelism, multi-token prediction, TransformerEngine
+            context or sequence parallelism, multi-token prediction, gated attention
+            (``attention_output_gate``), TransformerEngine
             layers, Muon, a
             Hugging Face ``checkpoint.pretrained``, ``logger.grad_norm_detail``.
     """
@@ -83,6 +84,10 @@ def _check_run(cfg, parallel_dims, key: str) -> None:
          "TransformerEngine's attention for it; use false"),
         (bool(m.get("mtp_num_layers")), f"model.mtp_num_layers={m.get('mtp_num_layers')}: "
          f"LLaVAModel's language model is built without MTP layers; use null"),
+        (bool(m.get("attention_output_gate", False)),
+         "model.attention_output_gate=true: the family's stock-format dims of the language "
+         "model know no gate rows in linear_qkv (gated attention is run by the gpt, moe and "
+         "hybrid families); use false"),
         (m.get("transformer_impl") == "transformer_engine",
          "model.transformer_impl='transformer_engine': the family builds megatron's local "
          "layers (their weights are its parameter table); use 'local' or null"),
