@@ -11,9 +11,8 @@ import torch
 from gtp import alignment, expert_grads
 from gtp.alignment import validate_gtp_dims
 from recipes.config.errors import ConfigError
-from recipes.families import gtp_weight_dims
+from recipes.families import gtp_weight_dims, parameter_shapes
 from recipes.families.moe.model import is_moe
-from recipes.families.moe.params import is_moe_layer
 from recipes.model.mtp import mtp_num_layers
 
 DISPATCHERS = ("allgather", "alltoall")
@@ -70,10 +69,17 @@ def reduce_aux_loss(model_cfg, num_microbatches: int) -> dict:
     if entry.needs_dp_avg:
         avg(ps.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False))
     # megatron's MoEMetricsTracker.report counts every MTP layer as an MoE layer.
-    moe_layers = sum(is_moe_layer(model_cfg, i) for i in range(int(model_cfg.num_layers))) + mtp
+    moe_layers = moe_decoder_layers(model_cfg) + mtp
     value = float(v.sum()) / num_microbatches / max(moe_layers, 1)
     tracker.clear()
     return {name: value}
+
+
+def moe_decoder_layers(model_cfg) -> int:
+    """How many decoder layers of the model are MoE layers, from its family's parameter table
+    (one router each): those ``moe_layer_freq`` makes MoE, a hybrid pattern's ``E`` layers."""
+    return sum(p.name.startswith("decoder.") and p.name.endswith(".mlp.router.weight")
+               for p in parameter_shapes(model_cfg, 1))
 
 
 def check(cfg, parallel_dims) -> None:
