@@ -35,7 +35,10 @@ def test_hybrid_moe_tiny_is_counted_by_hand_with_its_active_parameters():
     assert total == 112_258
     # A token goes through top-2 of the 4 experts of each MoE layer.
     assert parameter_counts(m, 320) == (total, total - 2 * 4 * EXPERT + 2 * 2 * EXPERT)
+    # The load-balancing loss averages over these (recipes.model.moe.reduce_aux_loss): the
+    # pattern's E layers, as moe_layer_freq's layers for the moe family.
     assert moe_decoder_layers(m) == 2
+    assert moe_decoder_layers(make_cfg("model=moe_tiny", "model.moe_layer_freq=2").model) == 1
 
 
 def test_megatron_gets_the_moe_fields_and_the_moe_layer_spec():

@@ -27,8 +27,9 @@ def check(cfg, parallel_dims) -> None:
             ``num_moe_experts`` without them, and with them what the MoE family refuses
             (``recipes.families.moe.checks``), a ``moe_layer_freq`` (the pattern places them),
             tensor parallelism (megatron's ``MoELayer`` trains at TP > 1 only with sequence
-            parallelism) and the stock checkpoint format; with Mamba layers, a Mamba size < 1 and sizes that tensor
-            parallelism cannot split (``nheads``, ``mamba_num_groups``); with GatedDeltaNet
+            parallelism) and the stock checkpoint format; with Mamba layers, a Mamba size < 1
+            and sizes that tensor parallelism cannot split (``nheads``, ``mamba_num_groups``);
+            with GatedDeltaNet
             layers, a ``linear_*`` size < 1, value heads not a multiple of key heads, heads
             that tensor parallelism cannot split, and an activation other than SiLU
             (``model.swiglu=false``);
