@@ -99,7 +99,7 @@ def test_a_gated_delta_net_model_is_not_exported():
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (["model.hybrid_layer_pattern=ME*-M-"], "'E': MoE layers"),
+    (["model.hybrid_layer_pattern=MS*-M-"], "'S': DeepSeek sparse attention"),
     (["model.hybrid_layer_pattern=MX*-M-"], "'X': not a layer symbol"),
     (["model.hybrid_layer_pattern=M*-|M*-"], "'|' stage boundaries are not supported"),
     (["model.num_layers=5"], "has 6 layers but model.num_layers=5"),

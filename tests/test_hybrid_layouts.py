@@ -75,3 +75,58 @@ def test_bf16_main_params_and_moments_load_exactly_across_optimizer_kinds(tmp_pa
     results = run_distributed(save_and_load_pairs, WORLD, str(tmp_path), cfgs, timeout=1200)
     problems = pair_problems(results)
     assert not problems, "\n".join(problems[:40])
+
+
+# MoE layers (model=hybrid_moe_tiny, "ME*E": Mamba, MoE, attention, MoE; 4 SwiGLU experts of
+# width 40, sigmoid routing with the expert bias, a shared expert of width 32) at the expert
+# layouts (its MoE layers refuse TP > 1: tests/test_hybrid_moe_config.py): every pair loads,
+# each router's expert_bias included, and megatron built the family's table at each layout.
+_EP2 = "parallelism.expert_model_parallel_size=2"
+_EGTP2 = ("gtp.expert_gtp_remat_size=2", "gtp.pad_for_alignment=16")
+MOE_LAYOUTS = {
+    "moe ep1": (1, 1, None, ()),
+    "moe ep2do": (1, 1, None, (_EP2, _DISTOPT)),
+    "moe ep2etp2": (1, 1, None, (_EP2, "parallelism.expert_tensor_parallel_size=2")),
+    "moe ep2egtp2": (1, 1, None, (_EP2, *_EGTP2)),  # expert fc1 80 -> 96 rows, fc2 48 -> 64
+    "moe g2egtp2do": (1, 2, 16, (*_EGTP2, _DISTOPT)),  # dense and expert GTP 2
+}
+
+
+def table_problems(model, cfg) -> list[str]:
+    """The built parameters of this rank (global names, full logical shapes) against the
+    family's table: every name and shape, every table entry this rank holds (its experts); and
+    one router ``expert_bias`` per MoE layer."""
+    from megatron.core import parallel_state as ps
+
+    from layout_goldens import full_shape, global_names
+    from recipes.families import parameter_shapes
+    from recipes.model.shapes import padded_vocab_size
+
+    local = int(cfg.model.num_moe_experts) // ps.get_expert_model_parallel_world_size()
+    first = ps.get_expert_model_parallel_rank() * local
+    want = {}
+    vocab = padded_vocab_size(257, cfg.model.make_vocab_size_divisible_by, 1)
+    for entry in parameter_shapes(cfg.model, vocab):
+        name = entry.name.replace(".local_experts.", ".experts.")  # global_names' form
+        if entry.expert and not first <= int(name.split(".experts.experts.")[1].split(".")[0]) \
+                < first + local:
+            continue  # another EP rank's expert
+        want[name] = tuple(entry.shape)
+    got = {name: full_shape(p, name) for name, p in global_names(model).values()}
+    biases = len(global_names(model, buffers=True))
+    return [f"{n}: built {got.get(n)}, table {want.get(n)}"
+            for n in sorted(got.keys() | want.keys()) if got.get(n) != want.get(n)] + (
+        [] if biases == cfg.model.hybrid_layer_pattern.count("E") else [f"{biases} biases"])
+
+
+def test_moe_layers_load_exactly_at_every_expert_layout(tmp_path):
+    cfgs = {name: make_cfg("hybrid_moe_tiny", tp, g, pad, WORLD, "logical", *extra)
+            for name, (tp, g, pad, extra) in MOE_LAYOUTS.items()}
+    results = run_distributed(save_and_load_pairs, WORLD, str(tmp_path), cfgs, table_problems,
+                              timeout=1200)
+    problems = pair_problems(results)
+    assert not problems, "\n".join(problems[:40])
+    for rank, res in enumerate(results):
+        assert all(not p for p in res["inspected"].values()), (rank, res["inspected"])
+        for (source, target), (n, _) in res["loads"].items():
+            assert n > 0, (source, target)

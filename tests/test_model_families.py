@@ -22,10 +22,12 @@ from recipes.families.family import ModelFamily
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
 MOE_PRESETS = {"moe_tiny", "mixtral_8x7b", "qwen3_30b_a3b", "deepseek_v3", "deepseek_v3_tiny"}
-HYBRID_PRESETS = {"hybrid_tiny", "hybrid_gdn_tiny"}
+HYBRID_PRESETS = {"hybrid_tiny", "hybrid_gdn_tiny", "hybrid_moe_tiny"}
 LLAVA_PRESETS = {"llava_tiny"}
-# What a family may take from another family's folder: the one it builds on.
-BUILDS_ON = {"moe": {"gpt"}}
+# What a family may take from another family's folder: the one it builds on, and those whose
+# fields it takes (ModelFamily.takes_fields_of: the hybrid family's MoE layers).
+BUILDS_ON = {"moe": {"gpt"}, **{f.name: set(f.takes_fields_of) for f in FAMILIES
+                               if f.takes_fields_of}}
 
 
 def _family(preset: str) -> str:
@@ -188,8 +190,10 @@ def test_the_moe_family_extends_the_gpt_family_config_fields():
     assert extended["num_moe_experts"] == 4 and extended["expert_model_parallel_size"] == 1
 
 
-# Dense tiny presets (moe_tiny's built experts are checked by tests/test_moe_layouts.py).
+# Dense tiny presets (moe_tiny's built experts are checked by tests/test_moe_layouts.py) and
+# hybrid_moe_tiny, at tp1 (its MoE layers refuse TP; its expert layouts: test_hybrid_moe_layouts).
 TINY_PRESETS = [p for p in PRESETS if p.endswith("tiny") and p not in MOE_PRESETS]
+TP1_PRESETS = {"hybrid_moe_tiny"}
 
 
 def _build_each(cfg_yamls: dict) -> dict:
@@ -223,7 +227,7 @@ def test_every_tiny_preset_builds_the_parameters_of_its_table():
     from layout_goldens import make_cfg as layout_cfg
     from multiproc import run_distributed
 
-    cfgs = {p: layout_cfg(p, 2, 1, None, 2, "logical",
+    cfgs = {p: layout_cfg(p, 1 if p in TP1_PRESETS else 2, 1, None, 2, "logical",
                           *(["data=shapes"] if p in LLAVA_PRESETS else [])) for p in TINY_PRESETS}
     # The hybrid table's optional parameters: biases, q/k norms, a learned position embedding;
     # and the gate rows of gated attention's linear_qkv.

@@ -7,6 +7,9 @@
   where Megatron-LM #7165 found expert gradients mis-scaled);
 * each expert-GTP gradient fix of ``gtp.expert_grads``, switched off in turn, moves the first
   step's ``grad-norm`` away from the same model without expert GTP (the fixes are needed);
+* a hybrid stack's MoE layers (``model=hybrid_moe_tiny``: Mamba, MoE, attention, MoE; sigmoid
+  routing with the expert bias, a shared expert) at ep2, expert TP 2 and expert GTP 2 compute
+  what they do at ep1;
 * dense ``tp2`` with sequence parallelism computes what ``tp2`` without it does (the norm's
   ``sequence_parallel`` tag of ``mcore_compat.moe_cpu`` included: without it the norm gradients,
   hence the grad norm, differ), and the iterations after Adam steps agree too.
@@ -21,7 +24,7 @@ import pytest
 from compose import make_cfg
 from multiproc import run_distributed
 from omegaconf import OmegaConf
-from tolerance import LLAMA_TINY, MOE_TINY, assert_fp32_close
+from tolerance import HYBRID_MOE_TINY, LLAMA_TINY, MOE_TINY, assert_fp32_close
 
 COMMON = ("checkpoint=none", "logger=none", "optim.lr_warmup_iters=0", "train.train_iters=2",
           "data.micro_batch_size=2", "data.global_batch_size=8")
@@ -86,6 +89,15 @@ def _cfg(*overrides):
     return OmegaConf.to_container(make_cfg(*COMMON, *overrides), resolve=True)
 
 
+HYBRID = ("model=hybrid_moe_tiny", "parallelism=tp1", "parallelism.nproc_per_node=2")
+HYBRID_CASES = {
+    "ep1": (),
+    "ep2": ("parallelism.expert_model_parallel_size=2",),
+    "etp2": ("parallelism.expert_tensor_parallel_size=2",),
+    "egtp2": ("gtp.expert_gtp_remat_size=2", "gtp.pad_for_alignment=16"),
+}
+
+
 @pytest.fixture(scope="module")
 def results():
     egtp = ("model=moe_tiny", "gtp.expert_gtp_remat_size=2", "gtp.pad_for_alignment=16",
@@ -98,6 +110,7 @@ def results():
                               "parallelism=tp1", "parallelism.nproc_per_node=2"), None),
         "moe egtp2, no expert tag": (_cfg(*egtp), "tag_expert_params"),
         "moe egtp2, no expert scale": (_cfg(*egtp), "scale_expert_gradients"),
+        **{f"hybrid {name}": (_cfg(*HYBRID, *extra), None) for name, extra in HYBRID_CASES.items()},
         "dense tp2": (_cfg("model=llama_tiny", "parallelism=tp2"), None),
         "dense tp2+sp": (_cfg("model=llama_tiny", "parallelism=tp2",
                               "parallelism.sequence_parallel=true"), None),
@@ -133,6 +146,17 @@ def test_each_expert_gtp_fix_is_needed(results, broken):
     (loss, gn), ref = results[f"moe egtp2, {broken}"][0], results["moe ep1"][0]
     assert_fp32_close(loss, ref[0], 1, MOE_TINY)  # the forward is right either way
     assert abs(gn - ref[1]) > 1e-3 * ref[1], (broken, gn, ref)
+
+
+@pytest.mark.parametrize("layout", ["ep2", "etp2", "egtp2"])
+def test_hybrid_moe_layers_compute_the_same_at_every_expert_layout(results, layout):
+    """A hybrid stack's MoE layers: ``lm loss`` and ``grad-norm`` over 3 steps (Adam steps and
+    expert-bias updates between them) equal ep1's, experts split by EP, expert TP or expert
+    GTP."""
+    pairs = zip(results[f"hybrid {layout}"], results["hybrid ep1"])
+    for step, ((loss, gn), (ref_loss, ref_gn)) in enumerate(pairs, 1):  # `step` from one init
+        assert_fp32_close(loss, ref_loss, step, HYBRID_MOE_TINY, what=(step, "loss"))
+        assert_fp32_close(gn, ref_gn, step, HYBRID_MOE_TINY, what=(step, "grad norm"))
 
 
 def test_sequence_parallel_changes_no_math(results):

@@ -71,13 +71,16 @@ def family_of(m) -> ModelFamily:
 
 def check_family_fields(m) -> None:
     """The ``model`` config's fields agree with the family it names: each field another family
-    ``requires`` is null, and each this family requires is set (the family's ``check`` judges
-    its value). Runs before the family's ``check``, so no family's rules name another's fields.
+    ``requires`` is null (unless this family takes that family's fields,
+    ``ModelFamily.takes_fields_of``: its ``check`` judges them), and each this family requires
+    is set (the family's ``check`` judges its value). Runs before the family's ``check``, so no
+    family's rules name the fields of a family it does not take.
 
     Raises:
         ConfigError: one line naming the field, the family named and the family that takes it.
     """
     get, family = getter(m), family_of(m)
+    taken = family.takes_fields_of
     for other in FAMILIES:
         for key in other.requires:
             value = get(key)
@@ -85,7 +88,7 @@ def check_family_fields(m) -> None:
                 raise ConfigError(
                     f"model.family={family.name!r} needs model.{key} (it is {value!r}): set it, "
                     f"or choose another family (valid are {list(NAMES)})")
-            if other is not family and value is not None:
+            if other is not family and value is not None and other.name not in taken:
                 raise ConfigError(
                     f"model.{key}={value!r} is a field of the {other.name!r} family, not of "
                     f"model.family={family.name!r}: set model.family={other.name} or "

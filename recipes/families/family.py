@@ -31,8 +31,14 @@ class ModelFamily:
         fields: the dataclass of the family's own ``model`` fields (its ``schema.py``), merged
             into the run's ``model`` schema (``recipes.config.schema.ModelConfig``).
         requires: its fields set (not null) in each of its configs and in no other
-            family's: a config naming another family with one of them set, or this family
-            without one, is refused (``recipes.families.check_family_fields``).
+            family's (but one that takes them, ``takes_fields_of``): a config naming another
+            family with one of them set, or this family without one, is refused
+            (``recipes.families.check_family_fields``).
+        takes_fields_of: the names of other families whose fields this family's configs may
+            set too, their ``requires`` included, because it builds their layers (the hybrid
+            family takes the MoE family's: its ``E`` layers are MoE layers). Its own ``check``
+            says when they must and must not be set; its ``shape_fields`` list the taken ones
+            that size its parameters.
         shape_fields: its fields that size a parameter beyond the shared ones
             (``recipes.config.schema.SHAPE_FIELDS``): a resume refuses a checkpoint of the same
             family whose value differs (``recipes.config.prelaunch.changed_shape_fields``).
@@ -49,5 +55,6 @@ class ModelFamily:
     check: Optional[Callable[[Any, Any], None]] = None
     fields: Optional[type] = None
     requires: tuple[str, ...] = ()
+    takes_fields_of: tuple[str, ...] = ()
     shape_fields: tuple[str, ...] = ()
     formats: Any = None

@@ -19,7 +19,7 @@ import torch
 from gtp.collectives import collective_device
 from recipes.metrics.logger import add_to_each_step
 from recipes.model.build import model_chunks
-from recipes.model.moe import aux_loss_name, is_moe, reduce_aux_loss
+from recipes.model.moe import aux_loss_name, is_moe, moe_decoder_layers, reduce_aux_loss
 from recipes.model.mtp import mtp_num_layers
 
 
@@ -108,13 +108,15 @@ def attach_metrics(cfg, state, logger) -> None:
     tokens = TokensPerExpert(model_chunks(state.model), int(cfg.model.num_layers),
                              int(cfg.model.num_moe_experts), mtp_num_layers(cfg.model))
     with_aux = aux_loss_name(cfg.model) is not None
+    moe_layers = moe_decoder_layers(cfg.model)  # once: the table of a large model is long
 
     def clear():
         get_moe_metrics_tracker().clear()
         tokens.clear()
 
     def reduce():
-        aux = reduce_aux_loss(cfg.model, state.num_microbatches) if with_aux else {}
+        aux = (reduce_aux_loss(cfg.model, state.num_microbatches, moe_layers) if with_aux
+               else {})
         return {**aux, **tokens.reduce()}
 
     add_to_each_step(state.optimizer, logger, clear, reduce)

@@ -11,9 +11,8 @@ import torch
 from gtp import alignment, expert_grads
 from gtp.alignment import validate_gtp_dims
 from recipes.config.errors import ConfigError
-from recipes.families import gtp_weight_dims
+from recipes.families import gtp_weight_dims, parameter_shapes
 from recipes.families.moe.model import is_moe
-from recipes.families.moe.params import is_moe_layer
 from recipes.model.mtp import mtp_num_layers
 
 DISPATCHERS = ("allgather", "alltoall")
@@ -30,7 +29,7 @@ def aux_loss_name(model_cfg) -> str | None:
     return AUX_LOSS_NAMES.get(model_cfg.get("moe_router_load_balancing_type"))
 
 
-def reduce_aux_loss(model_cfg, num_microbatches: int) -> dict:
+def reduce_aux_loss(model_cfg, num_microbatches: int, moe_layers: int | None = None) -> dict:
     """The iteration's load-balancing loss from megatron's MoE metrics tracker
     (``moe_logging.get_moe_metrics_tracker``), then the tracker cleared. Collective: every rank
     calls it after each step.
@@ -39,7 +38,8 @@ def reduce_aux_loss(model_cfg, num_microbatches: int) -> dict:
     the entry's reduce group, averaged over its average group and the data group (gloo has no
     ``AVG`` reduction: a sum divided by the group size), times ``1 / num_microbatches``, then
     the mean over MoE layers (and the MTP layers, which megatron's ``report`` always counts).
-    Megatron records the loss without ``moe_aux_loss_coeff``.
+    Megatron records the loss without ``moe_aux_loss_coeff``. ``moe_layers``: the decoder's
+    MoE layers (:func:`moe_decoder_layers`, counted here when None).
 
     Returns:
         ``{"load_balancing_loss": float}`` (megatron's name for ``aux_loss``), empty without one.
@@ -70,10 +70,18 @@ def reduce_aux_loss(model_cfg, num_microbatches: int) -> dict:
     if entry.needs_dp_avg:
         avg(ps.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False))
     # megatron's MoEMetricsTracker.report counts every MTP layer as an MoE layer.
-    moe_layers = sum(is_moe_layer(model_cfg, i) for i in range(int(model_cfg.num_layers))) + mtp
-    value = float(v.sum()) / num_microbatches / max(moe_layers, 1)
+    if moe_layers is None:
+        moe_layers = moe_decoder_layers(model_cfg)
+    value = float(v.sum()) / num_microbatches / max(moe_layers + mtp, 1)
     tracker.clear()
     return {name: value}
+
+
+def moe_decoder_layers(model_cfg) -> int:
+    """How many decoder layers of the model are MoE layers, from its family's parameter table
+    (one router each): those ``moe_layer_freq`` makes MoE, a hybrid pattern's ``E`` layers."""
+    return sum(p.name.startswith("decoder.") and p.name.endswith(".mlp.router.weight")
+               for p in parameter_shapes(model_cfg, 1))
 
 
 def check(cfg, parallel_dims) -> None:

@@ -3,15 +3,19 @@
 Each parameter's *full logical* tensor holds ``k*1024 + row + col/256`` (``k``: the parameter's
 index in sorted global-name order; exact in fp32), ``exp_avg = golden + 0.5``,
 ``exp_avg_sq = golden * 2``, ``step = 7``. A rank's expected local tensor is cut from the full
-one by plain slicing: the TP chunk (gated fc1: gate rows then up rows of the TP rank), then
-megatron's GTP tail padding with zeros and the rank's shard rows; a distributed optimizer's
-flat range of it. :func:`fill` writes them (or a sentinel), :func:`check` compares exactly.
+one by plain slicing: the TP chunk (gated fc1: gate rows then up rows of the TP rank; a routed
+expert's: its expert-TP chunk), then megatron's GTP tail padding with zeros and the rank's shard
+rows; a distributed optimizer's flat range of it. A routed expert is named by its global index
+(``experts.<ep_rank * local experts + i>``), and a router's ``expert_bias`` buffer (no optimizer
+state) holds ``(16 * layer + expert + 1) / 64``, exact in bf16. :func:`fill` writes them (or a
+sentinel), :func:`check` compares exactly.
 Used by tests/test_checkpoint_layouts.py, tests/test_roundtrip_property.py and
 tests/test_checkpoint_compat.py (whose committed checkpoints were written with them).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -28,6 +32,8 @@ register_configs()
 
 SENTINEL = -999.0
 STEP = 7.0
+_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+_LAYER = re.compile(r"layers\.(\d+)\.")
 
 
 def make_cfg(model: str, tp: int, g: int, pad, nproc: int, checkpoint_layout: str = "logical",
@@ -67,19 +73,35 @@ def is_gtp(p) -> bool:
 
 def gated(name: str, cfg) -> bool:
     """Whether ``name`` is a gated (SwiGLU) fc1: the run's ``model.swiglu`` applies to the
-    language model's MLPs, not to a LLaVA model's ViT (``vision_model.``, CLIP's GeLU MLP)."""
-    return (cfg is not None and bool(cfg.model.swiglu) and ".mlp.linear_fc1." in name
-            and not name.startswith("vision_model."))
+    language model's MLPs (an MoE layer's experts and shared expert included), not to a LLaVA
+    model's ViT (``vision_model.``, CLIP's GeLU MLP)."""
+    return (cfg is not None and bool(cfg.model.swiglu) and ".mlp." in name
+            and ".linear_fc1." in name and not name.startswith("vision_model."))
 
 
-def full_shape(p) -> tuple:
+def is_expert(name: str) -> bool:
+    """Whether ``name`` is a routed expert's (local or global name)."""
+    return ".local_experts." in name or ".experts.experts." in name
+
+
+def tp_split(p, name: str) -> tuple[int, int]:
+    """(size, rank) of the group that splits ``p`` along ``partition_dim``: expert tensor
+    parallelism for a routed expert, tensor parallelism otherwise; (1, 0) for a whole param."""
     from megatron.core import parallel_state as ps
 
+    if not getattr(p, "tensor_model_parallel", False):
+        return 1, 0
+    if is_expert(name):
+        return ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+
+
+def full_shape(p, name: str = "") -> tuple:
     shape = list(p.shape)
     if is_gtp(p):
         shape[0] = p._unsharded_shape[0]
     if getattr(p, "tensor_model_parallel", False):
-        shape[p.partition_dim] *= ps.get_tensor_model_parallel_world_size()
+        shape[p.partition_dim] *= tp_split(p, name)[0]
     return tuple(shape)
 
 
@@ -98,20 +120,18 @@ def local(full: torch.Tensor, p, name: str, cfg) -> torch.Tensor:
     rows of the TP rank; a weight packing components, megatron's ``partition_sizes``: each
     component's TP chunk in turn), then GTP pad + shard. ``cfg``: the run config, or None for
     a module without gated MLPs."""
-    from megatron.core import parallel_state as ps
-
-    tp, k = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    tp, k = tp_split(p, name)
     t = full
     sizes = getattr(p, "partition_sizes", None) or gdn_partition_sizes(name, cfg, tp)
     if gated(name, cfg):
         n = t.shape[0] // 2
         h = n // tp
         t = torch.cat([t[k * h:(k + 1) * h], t[n + k * h:n + (k + 1) * h]])
-    elif getattr(p, "tensor_model_parallel", False) and sizes is not None:
+    elif tp > 1 and sizes is not None:
         dim = p.partition_dim
         parts = torch.split(t, [n * tp for n in sizes], dim=dim)
         t = torch.cat([part.narrow(dim, k * n, n) for part, n in zip(parts, sizes)], dim=dim)
-    elif getattr(p, "tensor_model_parallel", False):
+    elif tp > 1:
         t = t.chunk(tp, dim=p.partition_dim)[k]
     t = gtp_shard(t, p)
     assert t.shape == p.shape, (name, t.shape, p.shape)
@@ -166,9 +186,11 @@ def diff(what: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
 # exp_avg_sq hold the exact golden. With the distributed optimizer a rank holds a flat slice of
 # each param's main param and moments: the golden is cut the same way (flatten, then slice).
 # --------------------------------------------------------------------------------------------
-def global_names(model) -> dict:
-    """{id(param): global name} for this rank's chunks. The layer offset is computed here, not
-    taken from megatron: chunk v of stage p holds layers from (v * pp + p) * num_layers / (pp * vpp)."""
+def global_names(model, buffers: bool = False) -> dict:
+    """{id(param): (global name, param)} for this rank's chunks (``buffers``: of their routers'
+    ``expert_bias`` buffers instead). The layer offset is computed here, not taken from
+    megatron: chunk v of stage p holds layers from (v * pp + p) * num_layers / (pp * vpp); a
+    routed expert ``local_experts.<i>`` is ``experts.<ep_rank * local experts + i>``."""
     from megatron.core import parallel_state as ps
 
     from recipes.model.build import model_chunks
@@ -180,15 +202,27 @@ def global_names(model) -> dict:
         gpt = chunk.module
         gpt = getattr(gpt, "module", gpt)  # Float16Module
         offset = (v * pp + p_rank) * (gpt.config.num_layers // (pp * len(chunks)))
-        for name, p in gpt.named_parameters():
+        first = ps.get_expert_model_parallel_rank() * (
+            (gpt.config.num_moe_experts or 0) // ps.get_expert_model_parallel_world_size())
+        named = gpt.named_buffers() if buffers else gpt.named_parameters()
+        for name, p in named:
+            if buffers and not name.endswith(".router.expert_bias"):
+                continue
             if name.startswith("decoder.layers."):
                 parts = name.split(".")
                 parts[2] = str(int(parts[2]) + offset)
                 name = ".".join(parts)
             elif name == "output_layer.weight" and gpt.share_embeddings_and_output_weights:
                 name = "embedding.word_embeddings.weight"
+            name = _LOCAL_EXPERT.sub(lambda m: f".experts.{first + int(m.group(1))}.", name)
             out[id(p)] = (name, p)
     return out
+
+
+def bias_golden(name: str, experts: int) -> torch.Tensor:
+    """The golden of the router ``expert_bias`` of global ``name``: ``(16 layer + e + 1) / 64``."""
+    layer = int(_LAYER.search(name).group(1))
+    return (16 * layer + torch.arange(experts, dtype=torch.float32) + 1) / 64
 
 
 def layout_goldens(model, cfg) -> dict:
@@ -201,7 +235,7 @@ def layout_goldens(model, cfg) -> dict:
     assert len(index) < 64, len(index)  # k * 1024 + 1023 + 255/256 exact in fp32
     out = {}
     for pid, (name, p) in names.items():
-        full = golden_full(index[name], full_shape(p))
+        full = golden_full(index[name], full_shape(p, name))
         out[pid] = (p, name, tuple(local(t, p, name, cfg) for t in (full, full + 0.5, full * 2)))
     return out
 
@@ -215,6 +249,8 @@ def fill(model, optimizer, cfg, sentinel: bool) -> int:
     gold = layout_goldens(model, cfg)
     for p, _, (want, _, _) in gold.values():
         p.copy_(torch.full_like(p, SENTINEL) if sentinel else want)
+    for name, buf in global_names(model, buffers=True).values():
+        buf.copy_(torch.full_like(buf, SENTINEL) if sentinel else bias_golden(name, buf.numel()))
     n = 0
     for opt, p, main, sl in main_param_entries(optimizer):
         want, m, v = gold[id(p)][2]
@@ -234,6 +270,9 @@ def check(model, optimizer, cfg) -> tuple[int, list[str]]:
     for p, name, (want, _, _) in gold.values():
         problems.append(diff(f"{name} weight", p.detach(), want.to(p.dtype)))
         n += 1
+    for name, buf in global_names(model, buffers=True).values():  # fp32 under bf16 weights
+        problems.append(diff(name, buf, bias_golden(name, buf.numel())))
+        n += 1
     for opt, p, main, sl in main_param_entries(optimizer):
         _, name, (want, m, v) = gold[id(p)]
         st = opt.state[main]
@@ -246,19 +285,23 @@ def check(model, optimizer, cfg) -> tuple[int, list[str]]:
     return n, [x for x in problems if x]
 
 
-def save_and_load_pairs(root: str, cfgs: dict) -> dict:
+def save_and_load_pairs(root: str, cfgs: dict, inspect=None) -> dict:
     """In a worker of a gloo world: build each layout of ``cfgs`` (name -> :func:`make_cfg`
     YAML), fill it with the goldens and save it under ``root/name`` through
     ``ckpt.io``; then load every save into every layout pre-filled with a sentinel.
+    ``inspect``: ``(model, cfg) -> value`` called on each layout's built model first.
 
     Returns:
-        ``{"filled": {name: tensors filled}, "loads": {(source, target): check()}}``.
+        ``{"filled": {name: tensors filled}, "loads": {(source, target): check()},
+        "inspected": {name: inspect's value}}``.
     """
     from ckpt import io as checkpoint
 
-    out = {"filled": {}, "loads": {}}
+    out = {"filled": {}, "loads": {}, "inspected": {}}
     for name, cfg_yaml in cfgs.items():
         model, opt, sched, record, cfg = build(cfg_yaml)
+        if inspect is not None:
+            out["inspected"][name] = inspect(model, cfg)
         out["filled"][name] = fill(model, opt, cfg, sentinel=False)
         checkpoint.save_checkpoint(Path(root) / name, 1, model, opt, sched,
                                    {"consumed_samples": 0}, record)

@@ -105,15 +105,18 @@ def reset_model_parallel() -> None:
     ``destroy_model_parallel`` only drops its references), each with its own I/O threads that
     keep waking up: hundreds of them slow every later collective. megatron-core 0.19.2 also
     keeps every GTP param ever built in ``generalized_tensor_parallelism._GTP_PARAMS`` (written,
-    never read), and with them their gtp_remat groups: cleared here too.
+    never read), and with them their gtp_remat groups: cleared here too. So is its global MoE
+    metrics tracker, whose per-layer entries keep the first MoE model's layer count.
     """
     import gc
 
     import torch.distributed as dist
     from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
     from torch.distributed import distributed_c10d as c10d
 
     reset_gtp_globals()
+    destroy_moe_metrics_tracker()
     gc.collect()  # the last layout's model and optimizer hold their groups
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

@@ -32,6 +32,7 @@ TINY_SWIGLU = 180_800
 TINY_TIED_4_LAYERS = 229_328  # model.num_layers=4, shared embedding and output weights
 LLAMA_TINY = 160_488
 MOE_TINY = 250_920
+HYBRID_MOE_TINY = 112_258
 
 
 def fp32_rtol(steps: int, terms: int = TINY) -> float:

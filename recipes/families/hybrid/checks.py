@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 from recipes.config.errors import ConfigError
-from recipes.families.hybrid.model import GDN, GDN_FIELDS, MAMBA, PIPE, SUPPORTED, UNSUPPORTED
+from recipes.families.hybrid.model import (
+    GDN,
+    GDN_FIELDS,
+    MAMBA,
+    MOE,
+    PIPE,
+    SUPPORTED,
+    UNSUPPORTED,
+)
 from recipes.families.hybrid.params import mamba_dims
+from recipes.families.moe import checks as moe_checks
 from recipes.config.parallel_dims import check_positive
 
 
@@ -12,10 +21,15 @@ def check(cfg, parallel_dims) -> None:
     """What a hybrid ``model`` needs of itself and of the run.
 
     Raises:
-        ConfigError: an empty pattern, a layer symbol other than ``M``, ``G``, ``*``, ``-``
-            (MoE ``E``, ... named with the reason), a pattern whose length is not
-            ``num_layers``; with Mamba layers, a Mamba size < 1 and sizes that tensor
-            parallelism cannot split (``nheads``, ``mamba_num_groups``); with GatedDeltaNet
+        ConfigError: an empty pattern, a layer symbol other than ``M``, ``G``, ``*``, ``-``,
+            ``E`` (DeepSeek sparse attention, ... named with the reason), a pattern whose length
+            is not ``num_layers``; MoE layers (``E``) without ``num_moe_experts`` or
+            ``num_moe_experts`` without them, and with them what the MoE family refuses
+            (``recipes.families.moe.checks``), a ``moe_layer_freq`` (the pattern places them),
+            tensor parallelism (megatron's ``MoELayer`` trains at TP > 1 only with sequence
+            parallelism) and the stock checkpoint format; with Mamba layers, a Mamba size < 1
+            and sizes that tensor parallelism cannot split (``nheads``, ``mamba_num_groups``);
+            with GatedDeltaNet
             layers, a ``linear_*`` size < 1, value heads not a multiple of key heads, heads
             that tensor parallelism cannot split, and an activation other than SiLU
             (``model.swiglu=false``);
@@ -42,11 +56,44 @@ def check(cfg, parallel_dims) -> None:
     if len(pattern) != m.num_layers:
         raise ConfigError(f"{key} has {len(pattern)} layers but model.num_layers={m.num_layers}: "
                           f"one symbol a layer")
+    _check_moe(cfg, parallel_dims, pattern, key)
     if MAMBA in pattern:
         _check_mamba_sizes(m, parallel_dims.tensor_model_parallel_size)
     if GDN in pattern:
         _check_gdn(m, parallel_dims.tensor_model_parallel_size)
     _check_run(cfg, parallel_dims, key)
+
+
+def _check_moe(cfg, parallel_dims, pattern: str, key: str) -> None:
+    """``E`` layers and the MoE family's fields (this family takes them) agree; then the MoE
+    family's own rules (the expert layout rules follow in ``recipes.model.moe.check``)."""
+    m = cfg.model
+    experts = m.get("num_moe_experts")
+    if MOE not in pattern:
+        if experts is not None:
+            raise ConfigError(f"model.num_moe_experts={experts} with no MoE layer ('E') in "
+                              f"{key}: add 'E' layers or set model.num_moe_experts=null")
+        return
+    if experts is None:
+        raise ConfigError(f"{key} has MoE layers ('E'): set model.num_moe_experts (the routed "
+                          f"experts of each)")
+    freq = m.get("moe_layer_freq", 1)
+    tp = parallel_dims.tensor_model_parallel_size
+    refusals = (
+        (freq != 1, f"model.moe_layer_freq={freq!r}: the pattern's 'E' symbols place a hybrid "
+                    f"model's MoE layers; leave model.moe_layer_freq=1"),
+        (tp > 1, f"parallelism.tensor_model_parallel_size={tp} with MoE layers: megatron's "
+                 f"MoELayer trains at TP > 1 only with sequence parallelism, which this family "
+                 f"does not run; split the experts instead "
+                 f"(parallelism.expert_model_parallel_size, expert_tensor_parallel_size)"),
+        (cfg.checkpoint.get("format", "logical") == "stock",
+         "checkpoint.format=stock with MoE layers: not tested in a hybrid stack; use "
+         "checkpoint.format=logical"),
+    )
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"{key}: {why}")
+    moe_checks.check(cfg, parallel_dims)
 
 
 def _check_mamba_sizes(m, tp: int) -> None:

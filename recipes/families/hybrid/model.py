@@ -1,22 +1,24 @@
 """The hybrid family's megatron side: config fields, the local hybrid stack spec and
-``HybridModel`` (Mamba, GatedDeltaNet, attention and MLP layers mixed, as NVIDIA's Nemotron-H
-and Qwen3-Next)."""
+``HybridModel`` (Mamba, GatedDeltaNet, attention, MLP and MoE layers mixed, as NVIDIA's
+Nemotron-H and Qwen3-Next). Its MoE layers are the MoE family's (its fields, config fields,
+experts and their initialization)."""
 
 from __future__ import annotations
 
 import contextlib
 
 from recipes.families.gpt import model as gpt_model
+from recipes.families.moe import model as moe_model
 
 # megatron's layer symbols (megatron.core.models.hybrid.hybrid_layer_allocation.Symbols).
-MAMBA, GDN, ATTENTION, MLP, PIPE = "M", "G", "*", "-", "|"
-SUPPORTED = {MAMBA: "Mamba", GDN: "GatedDeltaNet", ATTENTION: "attention", MLP: "MLP"}
+MAMBA, GDN, ATTENTION, MLP, MOE, PIPE = "M", "G", "*", "-", "E", "|"
+SUPPORTED = {MAMBA: "Mamba", GDN: "GatedDeltaNet", ATTENTION: "attention", MLP: "MLP",
+             MOE: "MoE"}
 # megatron's TransformerConfig fields of GatedDeltaNet layers (the family's schema has them).
 GDN_FIELDS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
               "linear_num_key_heads", "linear_num_value_heads")
 # Other symbols megatron knows, refused here with the reason.
 UNSUPPORTED = {
-    "E": "MoE layers in a hybrid stack are not in this family yet",
     "S": "DeepSeek sparse attention is not in this family",
     "D": "DeepSeek sparse attention is not in this family",
     "/": "multi-token prediction in a hybrid stack is not in this family yet",
@@ -35,10 +37,12 @@ def layer_symbols(pattern: str) -> str:
 
 
 def transformer_config_fields(m, dims) -> dict:
-    """The GPT fields (attention and MLP layers are GPT's) plus megatron's Mamba fields
+    """The GPT fields (attention and MLP layers are GPT's), with ``E`` layers the MoE family's
+    (its fields and the expert parallel sizes of ``dims``), plus megatron's Mamba fields
     ``mamba_state_dim``, ``mamba_head_dim``, ``mamba_num_groups`` and ``mamba_num_heads`` and
     its GatedDeltaNet fields (:data:`GDN_FIELDS`)."""
-    out = gpt_model.transformer_config_fields(m, dims)
+    has_moe = MOE in str(m.hybrid_layer_pattern)
+    out = (moe_model if has_moe else gpt_model).transformer_config_fields(m, dims)
     out.update(mamba_state_dim=int(m.mamba_state_dim), mamba_head_dim=int(m.mamba_head_dim),
                mamba_num_groups=int(m.mamba_num_groups))
     out.update({name: int(m[name]) for name in GDN_FIELDS})
@@ -63,7 +67,10 @@ def local_stack_spec(m):
     ``self_attention`` is ``GatedDeltaNet``) with its input norm apart, as the attention layer's,
     the same linears and as ``out_norm`` :class:`~recipes.families.hybrid.gdn_norm.TPSummedNorm`
     (megatron's TE spec fuses the input norm into ``in_proj``); an attention layer and an MLP layer are the local GPT layer's
-    attention and MLP halves (``get_gpt_layer_local_spec``), each with its own input norm."""
+    attention and MLP halves (``get_gpt_layer_local_spec``), each with its own input norm; an
+    MoE layer is megatron's ``MoETransformerLayer`` (as its TE spec) holding the MLP half of the
+    local GPT MoE layer (``get_gpt_layer_local_spec`` with ``num_moe_experts``: ``TopKRouter``,
+    ``SequentialMLP`` experts, the shared expert), present with ``E`` in the pattern only."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
@@ -75,6 +82,7 @@ def local_stack_spec(m):
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_layer import (
+        MoETransformerLayer,
         TransformerLayer,
         TransformerLayerSubmodules,
     )
@@ -99,8 +107,15 @@ def local_stack_spec(m):
         self_attn_bda=gpt.self_attn_bda))
     mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
         pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=gpt.mlp, mlp_bda=gpt.mlp_bda))
-    return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
-        mamba_layer=mamba, gdn_layer=gdn, attention_layer=attention, mlp_layer=mlp))
+    layers = dict(mamba_layer=mamba, gdn_layer=gdn, attention_layer=attention, mlp_layer=mlp)
+    if MOE in str(m.hybrid_layer_pattern):
+        moe = get_gpt_layer_local_spec(num_experts=int(m.num_moe_experts), moe_grouped_gemm=False,
+                                       normalization=m.get("normalization", "LayerNorm")).submodules
+        layers["moe_layer"] = ModuleSpec(module=MoETransformerLayer,
+                                         submodules=TransformerLayerSubmodules(
+                                             pre_mlp_layernorm=moe.pre_mlp_layernorm,
+                                             mlp=moe.mlp, mlp_bda=moe.mlp_bda))
+    return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(**layers))
 
 
 def build(m, config, spec, vocab: int, pre: bool, post: bool, vp_stage, tied: bool):
@@ -121,8 +136,10 @@ def building():
     """While chunks are built: megatron's ``MambaMixer`` on the torch kernels where
     ``mamba_ssm`` cannot run and ``HybridStack``'s final norm without TransformerEngine
     (``mcore_compat.mamba_cpu``), ``GatedDeltaNet`` on torch where flash-linear-attention
-    cannot run (``mcore_compat.gdn_cpu``), and both packed ``in_proj`` weights in the logical
-    checkpoint format (``ckpt.format.mamba_format``, ``ckpt.format.gdn_format``)."""
+    cannot run (``mcore_compat.gdn_cpu``), both packed ``in_proj`` weights in the logical
+    checkpoint format (``ckpt.format.mamba_format``, ``ckpt.format.gdn_format``), and MoE
+    layers' experts built without drawing from torch's generator (the MoE family's
+    ``experts_leave_rng_alone``; ``init_experts`` gives them their weights)."""
     from ckpt.format import gdn_format, mamba_format
     from mcore_compat import gdn_cpu, mamba_cpu
 
@@ -131,4 +148,5 @@ def building():
     gdn_cpu.install()
     mamba_format.install()
     gdn_format.install()
-    yield
+    with moe_model.experts_leave_rng_alone():
+        yield

@@ -4,7 +4,8 @@ building it (a multi-process test compares the table with built models at severa
 from __future__ import annotations
 
 from recipes.families.gpt.params import attention_shapes, embedding_shapes, mlp_shapes
-from recipes.families.hybrid.model import ATTENTION, GDN, MAMBA, MLP, layer_symbols
+from recipes.families.hybrid.model import ATTENTION, GDN, MAMBA, MLP, MOE, layer_symbols
+from recipes.families.moe.params import moe_shapes
 from recipes.model.shapes import ParamShape, getter
 
 
@@ -52,7 +53,9 @@ def parameter_shapes(m, padded_vocab: int) -> list[ParamShape]:
     ``in_proj`` column-parallel and ``out_proj`` row-parallel, both GTP-sharded, ``out_norm``
     over one value head, whole on every rank; no biases: megatron's default), an attention
     layer's norm and attention, an MLP layer's norm and MLP, as the GPT family's (biases when
-    ``add_bias_linear``); the embedding as the GPT family's (a position embedding when
+    ``add_bias_linear``), an MoE layer's ``pre_mlp_layernorm`` and ``MoELayer`` as the MoE
+    family's (router, ``num_moe_experts`` routed experts with ``expert=True``, the optional
+    shared expert); the embedding as the GPT family's (a position embedding when
     ``position_embedding_type=learned_absolute``).
 
     Args:
@@ -100,6 +103,9 @@ def parameter_shapes(m, padded_vocab: int) -> list[ParamShape]:
         elif symbol == MLP:
             norm(f"{layer}.pre_mlp_layernorm")
             mlp_shapes(m, f"{layer}.mlp", m.ffn_hidden_size, out.append)
+        elif symbol == MOE:
+            norm(f"{layer}.pre_mlp_layernorm")
+            moe_shapes(m, layer, out.append)
     norm("decoder.final_norm")
     if not m.share_embeddings_and_output_weights:
         out.append(ParamShape("output_layer.weight", (padded_vocab, h), 0, True))

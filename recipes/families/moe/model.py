@@ -125,7 +125,8 @@ def init_experts(chunk, config, seed: int) -> int:
     ep_rank = ps.get_expert_model_parallel_rank()
     n = 0
     for layer, transformer_layer in _layers_with_numbers(chunk, config):
-        module = getattr(transformer_layer.mlp, "experts", None)
+        # (a hybrid stack's Mamba layers have no mlp)
+        module = getattr(getattr(transformer_layer, "mlp", None), "experts", None)
         if not isinstance(module, SequentialMLP):
             continue
         for i, expert in enumerate(module.local_experts):

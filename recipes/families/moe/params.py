@@ -31,11 +31,19 @@ def is_moe_layer(m, layer: int) -> bool:
 
 
 def moe_mlp_shapes(m, i: int, layer: str, add) -> bool:
-    """megatron's ``MoELayer`` of 0-based layer ``i`` under ``layer``: ``TopKRouter`` (weight
-    ``[experts, hidden]``, replicated), ``SequentialMLP`` (``local_experts.<e>``, an ``MLP``
-    each), then the optional ``SharedExpertMLP``. False (a dense MLP) off the MoE layers."""
+    """:func:`moe_shapes` for 0-based layer ``i`` under ``layer`` when ``moe_layer_freq`` makes
+    it an MoE layer; False (a dense MLP) off the MoE layers."""
     if not is_moe_layer(m, i):
         return False
+    moe_shapes(m, layer, add)
+    return True
+
+
+def moe_shapes(m, layer: str, add) -> None:
+    """megatron's ``MoELayer`` under ``layer`` (``<layer>.mlp``), each ``ParamShape`` passed to
+    ``add``: ``TopKRouter`` (weight ``[experts, hidden]``, replicated), ``SequentialMLP``
+    (``local_experts.<e>``, an ``MLP`` each, ``expert=True``), then the optional
+    ``SharedExpertMLP``. The router's ``expert_bias`` is a buffer, not listed."""
     get = getter(m)
     experts = int(get("num_moe_experts"))
     add(ParamShape(f"{layer}.mlp.router.weight", (experts, m.hidden_size)))
@@ -45,7 +53,6 @@ def moe_mlp_shapes(m, i: int, layer: str, add) -> bool:
     shared = get("moe_shared_expert_intermediate_size")
     if shared:
         mlp_shapes(m, f"{layer}.mlp.shared_experts", shared, add)
-    return True
 
 
 def parameter_shapes(m, padded_vocab: int) -> list[ParamShape]:
