@@ -209,8 +209,8 @@ def for_export(model: dict) -> HFArchitecture:
                           "(ckpt.families.install's family_name; gtp-recipes gives it when "
                           "recipes.families is imported)")
     if model.get("attention_output_gate"):
-        raise ExportError("model.attention_output_gate=True: no export maps linear_qkv's gate "
-                          "rows (gated attention, Qwen3-Next's) to a transformers class yet")
+        raise ExportError("model.attention_output_gate=True: no export maps the gate rows of the "
+                          "attention projection (gated attention) to a transformers class yet")
     name = _GIVEN["family_name"](model)  # the family the model names exports it
     family = next((f for f in families() if f.name == name), None)
     if family is None:
