@@ -11,6 +11,10 @@ add one.
 
 from __future__ import annotations
 
+import json
+
+from omegaconf import DictConfig, OmegaConf
+
 from ckpt import families as checkpoint_formats
 from recipes.config.errors import ConfigError
 from recipes.families import gpt, hybrid, llava, moe
@@ -107,8 +111,22 @@ def parameter_shapes(m, padded_vocab: int) -> list[ParamShape]:
     TP splits, whether GTP shards it, whether it is a routed expert's).
 
     The pre-launch GTP checks, the dry run and the published parameter counts of the presets
-    read it; a multi-process test compares it with built models at several layouts."""
-    return family_of(m).parameter_shapes(m, padded_vocab)
+    read it; a multi-process test compares it with built models at several layouts.
+
+    The last few tables are kept, by the model's fields: a dry run reads a table several times,
+    and DeepSeek-V3's has 30,428 entries."""
+    if not isinstance(m, DictConfig):
+        return family_of(m).parameter_shapes(m, padded_vocab)
+    key = (json.dumps(OmegaConf.to_container(m, resolve=True), sort_keys=True), padded_vocab)
+    if key not in _TABLES:
+        _TABLES[key] = tuple(family_of(m).parameter_shapes(m, padded_vocab))
+        while len(_TABLES) > _TABLES_KEPT:
+            _TABLES.pop(next(iter(_TABLES)))
+    return list(_TABLES[key])
+
+
+_TABLES: dict = {}
+_TABLES_KEPT = 4
 
 
 def parameter_counts(m, padded_vocab: int) -> tuple[int, int]:

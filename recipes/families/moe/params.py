@@ -3,6 +3,7 @@ of the layers ``moe_layer_freq`` makes MoE (every N-th, or a 0/1 list per layer)
 
 from __future__ import annotations
 
+
 from recipes.families.gpt.params import mlp_shapes, parameter_shapes as gpt_parameter_shapes
 from recipes.model.shapes import ParamShape, getter
 
@@ -48,8 +49,14 @@ def moe_shapes(m, layer: str, add) -> None:
     experts = int(get("num_moe_experts"))
     add(ParamShape(f"{layer}.mlp.router.weight", (experts, m.hidden_size)))
     width = get("moe_ffn_hidden_size") or m.ffn_hidden_size
+    # One expert's entries, renamed per expert: a config read per entry is slow (DeepSeek-V3's
+    # 58 layers of 256 experts).
+    expert: list[ParamShape] = []
+    mlp_shapes(m, "", width, expert.append, expert=True)
     for e in range(experts):
-        mlp_shapes(m, f"{layer}.mlp.experts.local_experts.{e}", width, add, expert=True)
+        prefix = f"{layer}.mlp.experts.local_experts.{e}"
+        for entry in expert:
+            add(ParamShape(prefix + entry.name, entry.shape, entry.tp_axis, entry.gtp, True))
     shared = get("moe_shared_expert_intermediate_size")
     if shared:
         mlp_shapes(m, f"{layer}.mlp.shared_experts", shared, add)
