@@ -226,18 +226,25 @@ RECIPES = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf/ex
 
 
 @pytest.mark.parametrize("experiment", RECIPES)
-def test_every_named_recipe_fits_its_own_target(experiment, monkeypatch):
+def test_every_named_recipe_fits_its_own_target(experiment, monkeypatch, capsys, tmp_path):
     """As shipped, as ``python train.py experiment=NAME train.dry_run=true`` checks it (no
     WORLD_SIZE: the world is the recipe's parallelism.nproc_per_node; the layout from
     ``recipes.config.prelaunch.check``), on a machine without TransformerEngine: each recipe's
-    dry run fits train.gpu_memory_gib, says what it assumed and what a save and a load cost."""
+    dry run fits train.gpu_memory_gib, says what it assumed and what a save and a load cost,
+    and writes nothing (through the launcher's ``run``, as train.py runs it)."""
     from recipes.config import prelaunch
     from recipes.model import te
+    from recipes.run.launch import run
 
     monkeypatch.setattr(te, "transformer_engine_usable", lambda: False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    cfg = make_cfg(f"experiment={experiment}", "train.dry_run=true")
-    out = report(cfg, prelaunch.check(cfg, choices={"experiment": experiment}))
+    cfg = make_cfg(f"experiment={experiment}", "train.dry_run=true", f"output_dir={tmp_path}")
+    prelaunch.check_choices({"experiment": experiment})
+    run(cfg)
+    out = capsys.readouterr().out
+    assert "> dry run: config valid" in out, out
+    assert "> per rank" in out and "optimizer state" in out, out  # pp: "(most loaded stage):"
+    assert not list(tmp_path.iterdir()), "a dry run writes nothing"
     assert "does not fit" not in out and "fits train.gpu_memory_gib=" in out, out
     assert "> assumed: attention " in out and "recompute " in out and "optimizer" in out, out
     assert f"checked against train.gpu_memory_gib={cfg.train.gpu_memory_gib:g}" in out, out
