@@ -127,3 +127,11 @@ def test_the_80b_recipe_fits_with_gated_delta_net_activations(monkeypatch):
     gdn = 5 + (2 * 12352 + 2 * 8192 + 4 * 2048 + 6 * 32 + 4 * 32 * 64 + 4 * 4096) / 2048
     block = 3 * gdn + (5 + 9 + 8) + 4 * (5 + 10 * 3 + 1)
     assert _hybrid_sublayers(cfg.model, 1, 1) == (pytest.approx(12 * block), 12)
+
+
+def test_a_shared_expert_gate_without_a_shared_expert_is_refused():
+    cfg = make_cfg("model=qwen3_next_tiny", "model.moe_shared_expert_intermediate_size=null",
+                   "parallelism=dp2")
+    with pytest.raises(ConfigError, match="model.moe_shared_expert_gate=true without a shared "
+                                          "expert"):
+        validate(cfg, 2)
