@@ -22,7 +22,8 @@ from recipes.families.family import ModelFamily
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
 MOE_PRESETS = {"moe_tiny", "mixtral_8x7b", "qwen3_30b_a3b", "deepseek_v3", "deepseek_v3_tiny"}
-HYBRID_PRESETS = {"hybrid_tiny", "hybrid_gdn_tiny", "hybrid_moe_tiny"}
+HYBRID_PRESETS = {"hybrid_tiny", "hybrid_gdn_tiny", "hybrid_moe_tiny", "qwen3_next_tiny",
+                  "qwen3_next_80b_a3b"}
 LLAVA_PRESETS = {"llava_tiny"}
 # What a family may take from another family's folder: the one it builds on, and those whose
 # fields it takes (ModelFamily.takes_fields_of: the hybrid family's MoE layers).
@@ -193,7 +194,7 @@ def test_the_moe_family_extends_the_gpt_family_config_fields():
 # Dense tiny presets (moe_tiny's built experts are checked by tests/test_moe_layouts.py) and
 # hybrid_moe_tiny, at tp1 (its MoE layers refuse TP; its expert layouts: test_hybrid_moe_layouts).
 TINY_PRESETS = [p for p in PRESETS if p.endswith("tiny") and p not in MOE_PRESETS]
-TP1_PRESETS = {"hybrid_moe_tiny"}
+TP1_PRESETS = {"hybrid_moe_tiny", "qwen3_next_tiny"}
 
 
 def _build_each(cfg_yamls: dict) -> dict:

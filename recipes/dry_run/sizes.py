@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from recipes.config.errors import ConfigError
 from recipes.data import build_tokenizer
 from recipes.families import parameter_counts, parameter_shapes
+from recipes.families.hybrid.model import ATTENTION, GDN, MLP, MOE, is_hybrid, layer_symbols
+from recipes.families.hybrid.params import gdn_dims
 from recipes.metrics.logger import format_bytes
 from recipes.model import te
 from recipes.model.mtp import mtp_num_layers
@@ -196,6 +198,65 @@ def _attention_terms(m) -> tuple[float, float]:
     return split, extra
 
 
+# Steps of a chunk of the gated delta rule (flash-linear-attention's chunk_gated_delta_rule,
+# megatron's torch_chunk_gated_delta_rule: 64).
+GDN_CHUNK = 64
+
+
+def _hybrid_sublayers(m, t: int, sp: int) -> tuple[float, float]:
+    """A hybrid stack's activations per ``s b h`` (16-bit units of 2 bytes, as Korthikanti's
+    constants): ``(the sublayers' sum without attention scores, the attention layers' count)``
+    (the caller adds ``5 a s / h / t`` per attention layer when scores are stored). Each
+    sublayer keeps its norm's input, the norm's output and the residual dropout's mask
+    (``5``, split by sequence parallelism ``sp``), then:
+
+    * ``*`` attention, the attention half of the GPT layer, Q and the projection's input of
+      ``a`` heads and K and V of the query groups, ``d`` = kv_channels wide (``4 (a + groups) d /
+      h``: Korthikanti's ``8`` with ``a`` groups of ``h / a``; :func:`_attention_terms` with
+      multi-latent attention), with ``attention_output_gate`` the gate's logits and the attention output it multiplies
+      (``4 a d / h``, ``d`` = kv_channels), over ``t``;
+    * ``-`` MLP, the MLP half, ``4 f / h`` over ``t``;
+    * ``E`` MoE, each token's ``moe_router_topk`` dispatched copies, each with its expert's
+      input and ``4 F / h`` (``F`` = moe_ffn_hidden_size), and the shared expert's ``4 S / h``
+      (experts split by expert TP, not ``t``: MoE layers run at tp 1 in this family);
+    * ``G`` GatedDeltaNet (megatron's ``GatedDeltaNet.forward`` with flash-linear-attention's
+      ``chunk_gated_delta_rule``, which keeps q, k, v, g, beta and the chunk-local ``A`` and
+      recomputes the chunk states in the backward): ``in_proj``'s output ``2 P / h``
+      (:func:`~recipes.families.hybrid.params.gdn_dims` ``in_proj`` rows), ``conv1d``'s
+      SiLU output over q, k, v ``2 C / h``, L2-normalized q and k ``4 qk / h``, the fp32 decay
+      ``g`` and bf16 ``beta`` per value head ``6 H / h``, ``A`` (fp32, ``H x 64`` a token)
+      ``4 H 64 / h``, the rule's output and the gated ``out_norm``'s (``out_proj``'s input)
+      ``4 v / h``, all over ``t``;
+    * ``M`` Mamba: the whole transformer layer's formula (not a Mamba layer's)."""
+    h, f, a = m.hidden_size, m.ffn_hidden_size, m.num_attention_heads
+    layer_attention, latent = _attention_terms(m)
+    attention = layer_attention
+    if not m.get("multi_latent_attention"):  # Q and the projection's input of a heads, K and V
+        d = m.get("kv_channels") or h // a  # of the groups: 8 for a = groups, d = h / a
+        attention = 4 * (a + (m.get("num_query_groups") or a)) * d / h
+    if m.get("attention_output_gate"):
+        attention += 4 * a * (m.get("kv_channels") or h // a) / h
+    total, attention_layers = 0.0, 0
+    for symbol in layer_symbols(str(m.hybrid_layer_pattern)):
+        if symbol == ATTENTION:
+            total += (5 + latent) / sp + attention / t
+            attention_layers += 1
+        elif symbol == MLP:
+            total += 5 / sp + 4 * f / h / t
+        elif symbol == MOE:
+            width = m.get("moe_ffn_hidden_size") or f
+            shared = m.get("moe_shared_expert_intermediate_size") or 0
+            total += 5 / sp + int(m.moe_router_topk) * (2 + 4 * width / h) + 4 * shared / h
+        elif symbol == GDN:
+            g = gdn_dims(m)
+            total += 5 / sp + (2 * g["in_proj"] + 2 * g["conv"] + 4 * g["qk"] + 6 * g["heads"]
+                               + 4 * g["heads"] * GDN_CHUNK + 4 * g["v"]) / h / t
+        else:  # Mamba
+            total += (10 + latent) / sp + (layer_attention + 4 * f / h) / t
+            attention_layers += 1
+    return total, attention_layers
+
+
 def activation_bytes(cfg, parallel_dims, padded_vocab: int, scores: bool | None = None) -> int:
     """Activation bytes on a rank of the first pipeline stage (the most in flight).
 
@@ -211,6 +272,9 @@ def activation_bytes(cfg, parallel_dims, padded_vocab: int, scores: bool | None 
       too: ``s b h (10 + 8 + 4 f / h) / t``;
     * ``model.recompute_granularity=selective``: the same without the ``5 a s^2 b / t`` term;
     * ``full``: ``2 s b h`` (each layer's input; ``/ t`` with sequence parallelism).
+
+    A hybrid model (``model.hybrid_layer_pattern``) sums its sublayers' own terms instead
+    (:func:`_hybrid_sublayers`; ``full``: ``2 s b h`` each).
 
     Times ``num_layers`` (pp stages of num_layers / pp layers, pp micro-batches in flight on the
     first), plus the embedding's ``8 s b pp + s b h pp``; then Megatron-LM's pipeline factors
@@ -239,7 +303,13 @@ def activation_bytes(cfg, parallel_dims, padded_vocab: int, scores: bool | None 
         layer = s * b * h * ((10 + latent) / sp + (attention + 4 * f / h) / t)
         if recompute is None and scores:
             layer += 5 * a * s * s * b / t
-    act = layer * L + (8 * s * b * pp + s * b * h * pp) / sp
+    layers = layer * L
+    if is_hybrid(m) and recompute != "full":
+        per_sbh, attention_layers = _hybrid_sublayers(m, t, sp)
+        layers = s * b * h * per_sbh
+        if recompute is None and scores:
+            layers += attention_layers * 5 * a * s * s * b / t
+    act = layers + (8 * s * b * pp + s * b * h * pp) / sp
     if vpp:
         act *= 1 + (pp - 1) / (pp * vpp)
     elif pp > 1:

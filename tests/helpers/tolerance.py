@@ -33,6 +33,8 @@ TINY_TIED_4_LAYERS = 229_328  # model.num_layers=4, shared embedding and output 
 LLAMA_TINY = 160_488
 MOE_TINY = 250_920
 HYBRID_MOE_TINY = 112_258
+HYBRID_GDN_TINY = 105_620
+QWEN3_NEXT_TINY = 142_304
 
 
 def fp32_rtol(steps: int, terms: int = TINY) -> float:

@@ -20,8 +20,7 @@ def check(cfg, parallel_dims) -> None:
 
     Raises:
         ConfigError: the first problem, naming the value and what is valid: a shared-expert
-            width < 1; a score function
-            other than softmax / sigmoid; expert bias without sigmoid, a negative bias update
+            gate without a shared expert, a shared-expert width < 1; a score function other than softmax / sigmoid; expert bias without sigmoid, a negative bias update
             rate; ``moe_router_pre_softmax`` with sigmoid (megatron ignores it); a scaling factor
             <= 0; a group count without a group top-k (or the reverse), groups that do not divide
             the experts, a group top-k outside ``[1, min(groups, topk)]`` or whose groups hold
@@ -35,6 +34,10 @@ def check(cfg, parallel_dims) -> None:
     if shared is not None and shared < 1:
         raise ConfigError(f"model.moe_shared_expert_intermediate_size={shared} must be >= 1 "
                           f"(the shared expert's width), or null: no shared expert")
+    if m.get("moe_shared_expert_gate", False) and not shared:
+        raise ConfigError("model.moe_shared_expert_gate=true without a shared expert: set "
+                          "model.moe_shared_expert_intermediate_size or "
+                          "model.moe_shared_expert_gate=false")
     _check_scores(m)
     _check_groups(m)
     _check_layer_freq(m)

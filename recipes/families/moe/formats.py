@@ -55,7 +55,7 @@ from recipes.families.moe import hf_deepseek, hf_import, hf_table
 
 # The fields that size or count stored tensors (ckpt.format.records.unbounded_size).
 SIZE_FIELDS = ("num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-               "moe_layer_freq")
+               "moe_shared_expert_gate", "moe_layer_freq")
 
 CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
            **hf_deepseek.CLASSES}
@@ -69,6 +69,7 @@ _EXPORTABLE = (
     ("moe_router_group_topk", None, lambda v: v is None, "null"),
     ("moe_expert_capacity_factor", None, lambda v: v is None, "null (dropless)"),
     ("moe_shared_expert_intermediate_size", None, lambda v: not v, "null (no shared expert)"),
+    ("moe_shared_expert_gate", False, lambda v: not v, "false (no shared-expert gate)"),
     ("moe_layer_freq", 1, lambda v: v in (None, 1), "1 (every layer MoE)"),
     ("rope_scaling", False, lambda v: not v, "false"),
 )
@@ -123,6 +124,7 @@ _DEEPSEEK_EXPORTABLE = (
     ("moe_router_enable_expert_bias", False, bool, "true (e_score_correction_bias)"),
     ("moe_router_pre_softmax", False, lambda v: not v, "false"),
     ("moe_expert_capacity_factor", None, lambda v: v is None, "null (dropless)"),
+    ("moe_shared_expert_gate", False, lambda v: not v, "false (no shared-expert gate)"),
     ("rope_scaling", False, lambda v: not v, "false (Llama-3 scaling)"),
     ("swiglu", False, bool, "true"),
     ("normalization", "LayerNorm", lambda v: v == "RMSNorm", "'RMSNorm'"),
