@@ -38,6 +38,7 @@ def transformer_config_fields(m, dims) -> dict:
         moe_router_group_topk=_int_or_none(m.get("moe_router_group_topk")),
         moe_ffn_hidden_size=int(m.get("moe_ffn_hidden_size") or m.ffn_hidden_size),
         moe_shared_expert_intermediate_size=m.get("moe_shared_expert_intermediate_size"),
+        moe_shared_expert_gate=bool(m.get("moe_shared_expert_gate", False)),
         moe_router_load_balancing_type=m.moe_router_load_balancing_type,
         moe_aux_loss_coeff=float(m.moe_aux_loss_coeff),
         moe_token_dispatcher_type=m.moe_token_dispatcher_type,

@@ -43,7 +43,8 @@ def moe_shapes(m, layer: str, add) -> None:
     """megatron's ``MoELayer`` under ``layer`` (``<layer>.mlp``), each ``ParamShape`` passed to
     ``add``: ``TopKRouter`` (weight ``[experts, hidden]``, replicated), ``SequentialMLP``
     (``local_experts.<e>``, an ``MLP`` each, ``expert=True``), then the optional
-    ``SharedExpertMLP``. The router's ``expert_bias`` is a buffer, not listed."""
+    ``SharedExpertMLP`` (with ``moe_shared_expert_gate`` its ``gate_weight`` ``[1, hidden]``,
+    replicated). The router's ``expert_bias`` is a buffer, not listed."""
     get = getter(m)
     experts = int(get("num_moe_experts"))
     add(ParamShape(f"{layer}.mlp.router.weight", (experts, m.hidden_size)))
@@ -53,6 +54,8 @@ def moe_shapes(m, layer: str, add) -> None:
     shared = get("moe_shared_expert_intermediate_size")
     if shared:
         mlp_shapes(m, f"{layer}.mlp.shared_experts", shared, add)
+        if get("moe_shared_expert_gate"):
+            add(ParamShape(f"{layer}.mlp.shared_experts.gate_weight", (1, m.hidden_size)))
 
 
 def parameter_shapes(m, padded_vocab: int) -> list[ParamShape]:
