@@ -105,6 +105,20 @@ def test_config_both_ways():
     assert architecture(dict(m, family="hybrid")) == "qwen3_next"
 
 
+def test_the_gated_shared_expert_is_in_the_parameter_table():
+    from omegaconf import OmegaConf
+
+    from recipes.families.hybrid.params import parameter_shapes
+
+    m = OmegaConf.create(q3.fields(_config()))
+    shapes = {p.name: tuple(p.shape) for p in parameter_shapes(m, 320)}
+    assert shapes["decoder.layers.3.mlp.shared_experts.gate_weight"] == (1, 32)
+    assert "decoder.layers.1.mlp.shared_experts.gate_weight" not in shapes  # a dense layer
+    m.moe_shared_expert_gate = False
+    assert not any(n.endswith("gate_weight") for n in
+                   (p.name for p in parameter_shapes(m, 320)))
+
+
 @pytest.mark.parametrize("change, match", [
     ({"hybrid_layer_pattern": "MG*E", "num_layers": 4},
      r"^model.hybrid_layer_pattern='MG\*E': layer symbols .* NemotronHForCausalLM .* "
