@@ -25,7 +25,11 @@ The mappings (inverse of :mod:`ckpt.hf.hf_export`, same megatron names) are the 
 table of its weight names (:mod:`ckpt.hf.mapping`), from which the weight plan and the sizes to
 check are derived (gtp-recipes: ``recipes/families/gpt/hf_import.py`` and ``hf_table.py`` for
 ``GPT2LMHeadModel`` and ``LlamaForCausalLM``, ``recipes/families/moe/hf_import.py`` and
-``hf_table.py`` for ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM``).
+``hf_table.py`` for ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM``,
+``recipes/families/hybrid/hf_qwen3_next.py`` for ``Qwen3NextForCausalLM``). Weights the
+transformers class ignores on load (a Hub checkpoint's multi-token prediction layers) are left
+out (``HFImport.left_out``, ``left_out_names``; the named ones counted under ``left_out`` in
+the import record).
 
 Every file read must lie inside ``HF_DIR`` (symlinks resolved) and every size of
 ``config.json`` is checked against the safetensors headers before anything is planned
