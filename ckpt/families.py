@@ -51,6 +51,9 @@ class HFImport:
         left_out: ``transformers config -> n``: the weights may hold ``n`` layers after the
             decoder's (multi-token prediction layers, numbered from ``num_layers``) that the
             transformers class ignores on load and the import leaves out; None: none.
+        left_out_names: ``weight names -> names``: more weights the import leaves out, by name
+            (Qwen3-Next's ``mtp.*``, which transformers ignores on load); recorded in the
+            checkpoint's import record; None: none.
     """
 
     fields: Callable[[Any], dict]
@@ -61,6 +64,7 @@ class HFImport:
     buffers: tuple[str, ...] = ()
     sizes: Optional[Callable[[dict], dict]] = None
     left_out: Optional[Callable[[Any], int]] = None
+    left_out_names: Optional[Callable[[set], list]] = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,8 @@ class HFArchitecture:
         notes: ``model dict -> dict`` that an export records under ``notes`` in
             ``gtp_recipes_export.json`` (e.g. a config setting it had to write, and why);
             None: nothing to note.
+        output_gate: its ``build`` maps the gate rows of gated attention
+            (``attention_output_gate``); other architectures refuse such a model.
     """
 
     model_type: str
@@ -88,6 +94,7 @@ class HFArchitecture:
     build: Callable[[dict, dict, int, dict], tuple]
     imports: Optional[HFImport] = None
     notes: Optional[Callable[[dict], dict]] = None
+    output_gate: bool = False
 
 
 @dataclass(frozen=True)
@@ -200,17 +207,15 @@ def for_export(model: dict) -> HFArchitecture:
     """The architecture that computes the recorded ``model`` config exactly.
 
     Raises:
-        ExportError: gated attention (``attention_output_gate``: no family maps its gate rows
-            yet); the family the model names refuses a setting (its message), or is not
-            registered, or no family-name reader was given.
+        ExportError: gated attention (``attention_output_gate``) for an architecture that does
+            not map its gate rows (:attr:`HFArchitecture.output_gate`); the family the model
+            names refuses a setting (its message), or is not registered, or no family-name
+            reader was given.
     """
     if _GIVEN["family_name"] is None:
         raise ExportError("no reader of a model config's family was given to ckpt/ "
                           "(ckpt.families.install's family_name; gtp-recipes gives it when "
                           "recipes.families is imported)")
-    if model.get("attention_output_gate"):
-        raise ExportError("model.attention_output_gate=True: no export maps the gate rows of the "
-                          "attention projection (gated attention) to a transformers class yet")
     name = _GIVEN["family_name"](model)  # the family the model names exports it
     family = next((f for f in families() if f.name == name), None)
     if family is None:
@@ -220,7 +225,11 @@ def for_export(model: dict) -> HFArchitecture:
     if arch is None:
         raise ExportError(f"model.family={name!r}: the family exports no model of these fields "
                           f"(its own fields are unset)")
-    return next(a for a in family.architectures if a.model_type == arch)
+    found = next(a for a in family.architectures if a.model_type == arch)
+    if model.get("attention_output_gate") and not found.output_gate:
+        raise ExportError(f"model.attention_output_gate=True: no export maps the gate rows of the "
+                          f"attention projection (gated attention) to {found.hf_class}")
+    return found
 
 
 @functools.cache

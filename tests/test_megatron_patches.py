@@ -43,6 +43,7 @@ EXPECTED = {
     "mcore_compat.mamba_cpu.hybrid_stack_without_te",
     "ckpt.format.mamba_format.install",
     "mcore_compat.gdn_cpu.install",
+    "mcore_compat.zero_centered_norm.install",
     "ckpt.format.gdn_format.install",
     "mcore_compat.vision_cpu.install",
 }

@@ -74,7 +74,7 @@ def test_each_importable_model_type_is_one_familys():
                 owners.setdefault(a.model_type, []).append(f.name)
     assert owners == {"gpt2": ["gpt"], "llama": ["gpt"], "mistral": ["gpt"], "qwen2": ["gpt"],
                       "qwen3": ["gpt"], "mixtral": ["moe"], "qwen3_moe": ["moe"],
-                      "deepseek_v3": ["moe"], "glm4_moe": ["moe"]}
+                      "deepseek_v3": ["moe"], "glm4_moe": ["moe"], "qwen3_next": ["hybrid"]}
     assert importable() == sorted(owners)
     for model_type in owners:
         assert for_model_type(model_type).model_type == model_type

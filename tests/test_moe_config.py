@@ -116,6 +116,9 @@ def test_mixtral_recipe_layout_dry_run(capsys):
     (["model.moe_router_topk=1"], 2,
      "model.moe_router_topk=1 needs model.moe_router_pre_softmax=true"),
     (["model.moe_aux_loss_coeff=-1"], 2, "model.moe_aux_loss_coeff=-1.0 must be >= 0"),
+    (["model.moe_shared_expert_gate=true"], 2,
+     "model.moe_shared_expert_gate=true without a shared expert: set "
+     "model.moe_shared_expert_intermediate_size"),
     # DeepSeek-V3 routing (recipes/families/moe/checks.py)
     (["model.moe_router_score_function=sqrtsoftplus"], 2,
      "model.moe_router_score_function='sqrtsoftplus': valid are ('softmax', 'sigmoid')"),

@@ -11,7 +11,7 @@ The mappings are the model families' (:mod:`ckpt.families`): the family that cla
 ``model`` config picks the transformers class and builds its config and tensors (gtp-recipes:
 ``recipes/families/gpt/hf_export.py`` for ``GPT2LMHeadModel`` and ``LlamaForCausalLM``,
 ``recipes/families/moe/formats.py`` for ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM``,
-``recipes/families/hybrid/formats.py`` for ``NemotronHForCausalLM``).
+``recipes/families/hybrid/formats.py`` for ``NemotronHForCausalLM`` and ``Qwen3NextForCausalLM``).
 The padded vocabulary rows (``make_vocab_size_divisible_by``) are not exported.
 """
 

@@ -25,7 +25,11 @@ The mappings (inverse of :mod:`ckpt.hf.hf_export`, same megatron names) are the 
 table of its weight names (:mod:`ckpt.hf.mapping`), from which the weight plan and the sizes to
 check are derived (gtp-recipes: ``recipes/families/gpt/hf_import.py`` and ``hf_table.py`` for
 ``GPT2LMHeadModel`` and ``LlamaForCausalLM``, ``recipes/families/moe/hf_import.py`` and
-``hf_table.py`` for ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM``).
+``hf_table.py`` for ``MixtralForCausalLM`` and ``Qwen3MoeForCausalLM``,
+``recipes/families/hybrid/hf_qwen3_next.py`` for ``Qwen3NextForCausalLM``). Weights the
+transformers class ignores on load (a Hub checkpoint's multi-token prediction layers) are left
+out (``HFImport.left_out``, ``left_out_names``; the named ones counted under ``left_out`` in
+the import record).
 
 Every file read must lie inside ``HF_DIR`` (symlinks resolved) and every size of
 ``config.json`` is checked against the safetensors headers before anything is planned
@@ -244,7 +248,7 @@ def _write_dcp(path: Path, plan: dict, weights: Weights, common: dict) -> int:
     return total
 
 
-def _common(kind: str, model: dict, config, hf_dir: Path, vocab: int) -> dict:
+def _common(kind: str, model: dict, config, hf_dir: Path, vocab: int, left_out: list) -> dict:
     ids = token_ids(config)
     eos = ids["eos_token_id"]
     eod = eos[0] if isinstance(eos, (list, tuple)) else eos
@@ -266,7 +270,8 @@ def _common(kind: str, model: dict, config, hf_dir: Path, vocab: int) -> dict:
         "train_state": {"consumed_samples": 0, "config": {"model": model, "data": data}},
         IMPORTED_KEY: {"source": str(hf_dir.resolve()), "model_type": kind,
                        "architectures": list(getattr(config, "architectures", None) or []),
-                       **ids},
+                       **ids, **({"left_out": {"tensors": len(left_out), "first": left_out[:8]}}
+                                 if left_out else {})},
     }
 
 
@@ -280,6 +285,14 @@ def _leave_out_extra_layers(arch: families.HFImport, m: dict, config, weights: W
     layer = re.compile(re.escape(_prefix(arch, weights.names())) + arch.layer)
     weights.leave_out([n for n in weights.names() if (hit := layer.match(n))
                        and first <= int(hit.group(1)) < first + extra])
+
+
+def _leave_out_named(arch: families.HFImport, weights: Weights) -> list:
+    """Drop (and return, sorted) the tensors ``arch.left_out_names`` names (e.g. Qwen3-Next's
+    ``mtp.*``, which transformers ignores on load)."""
+    names = sorted(arch.left_out_names(weights.names())) if arch.left_out_names else []
+    weights.leave_out(names)
+    return names
 
 
 def import_hf(hf_dir, out_root) -> Path:
@@ -302,6 +315,7 @@ def import_hf(hf_dir, out_root) -> Path:
     model = {"name": f"hf_{kind}", **arch.fields(config)}
     weights = Weights(hf_dir)  # every file inside hf_dir
     _leave_out_extra_layers(arch, model, config, weights)
+    left_out = _leave_out_named(arch, weights)
     # Every size of config.json against the tensors' shapes, before anything is planned; the
     # embedding's rows among them, so config.json's vocab_size is the embedding's.
     check_sizes(arch, model, config.vocab_size, weights, _prefix(arch, weights.names()))
@@ -317,7 +331,7 @@ def import_hf(hf_dir, out_root) -> Path:
         shutil.rmtree(staged)
     staged.mkdir()
     try:
-        _write_dcp(staged, plan, weights, _common(kind, model, config, hf_dir, vocab))
+        _write_dcp(staged, plan, weights, _common(kind, model, config, hf_dir, vocab, left_out))
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise

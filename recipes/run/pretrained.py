@@ -36,13 +36,19 @@ from recipes.config.schema import OptimConfig, given_fields, given_overrides
 from recipes.config.errors import ConfigError
 from recipes.families import family_name  # also gives ckpt/ the importable families
 
-# Model fields fixed by the source's tensors (their shapes, or which tensors exist).
+# Model fields fixed by the source's tensors (their shapes, which tensors exist, or what a
+# tensor means: zero-centred norm weights).
 TENSOR_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                  "kv_channels", "ffn_hidden_size", "swiglu", "normalization", "add_bias_linear",
                  "add_qkv_bias", "qk_layernorm", "attention_output_gate", "position_embedding_type",
                  "share_embeddings_and_output_weights", "num_moe_experts", "moe_ffn_hidden_size",
+<<<<<<< ours
                  "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
                  "moe_layer_freq")
+=======
+                 "moe_shared_expert_intermediate_size", "moe_layer_freq",
+                 "moe_shared_expert_gate", "layernorm_zero_centered_gamma")
+>>>>>>> theirs
 # Fields the source's experts were trained with: another value computes another model from the
 # same tensors (which experts a token reaches, and with what weights).
 ROUTING_FIELDS = ("moe_router_topk", "moe_router_pre_softmax", "moe_router_score_function",

@@ -35,7 +35,8 @@ def check(cfg, parallel_dims) -> None:
             (``model.swiglu=false``);
             and what is not run here: the stock checkpoint format under GTP (it cannot place
             ``in_proj``'s optimizer moments), context or sequence parallelism, virtual pipeline
-            stages, multi-token prediction, TransformerEngine layers.
+            stages, multi-token prediction, TransformerEngine layers, zero-centred norms other
+            than RMSNorm (``layernorm_zero_centered_gamma``).
     """
     m = cfg.model
     pattern = str(m.hybrid_layer_pattern)
@@ -156,6 +157,10 @@ def _check_run(cfg, parallel_dims, key: str) -> None:
          f"take; use virtual_pipeline_model_parallel_size=null"),
         (bool(m.get("mtp_num_layers")), f"model.mtp_num_layers={m.get('mtp_num_layers')}: "
          f"multi-token prediction in a hybrid stack is not in this family yet"),
+        (bool(m.get("layernorm_zero_centered_gamma"))
+         and m.get("normalization", "LayerNorm") != "RMSNorm",
+         f"model.layernorm_zero_centered_gamma=true with model.normalization="
+         f"{m.get('normalization', 'LayerNorm')!r}: zero-centred norms are RMSNorm here"),
         (m.get("transformer_impl") == "transformer_engine",
          "model.transformer_impl='transformer_engine': the hybrid family builds megatron's "
          "local layers (its TransformerEngine spec fuses the norms into in_proj and linear_qkv, "

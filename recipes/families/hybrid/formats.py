@@ -1,6 +1,10 @@
 """The hybrid family's formats as ``ckpt/`` reads and writes them (given to it
 by :mod:`recipes.families.formats`): the export to
-transformers' ``NemotronHForCausalLM``.
+transformers' ``NemotronHForCausalLM`` (Mamba, attention and MLP layers), and both ways with
+``Qwen3NextForCausalLM`` (GatedDeltaNet or gated attention, then MoE or MLP:
+:mod:`recipes.families.hybrid.hf_qwen3_next`). Which class: a pattern of ``M``, ``*``, ``-``
+without gated attention and zero-centred norms is NemotronH's, any other Qwen3-Next's (each
+refuses what it does not compute, named).
 
 megatron's ``HybridModel`` (the family's local stack spec) and NemotronH compute the same
 function: a pre-norm residual block per layer symbol (``M`` -> ``linear_attention``, NemotronH's
@@ -34,8 +38,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ckpt.families import ExportError, FamilyFormats, HFArchitecture
+from ckpt.families import ExportError, FamilyFormats, HFArchitecture, HFImport
 from ckpt.hf.mapping import split_qkv
+from recipes.families.hybrid import hf_qwen3_next
 from recipes.families.hybrid.model import ATTENTION, GDN, GDN_FIELDS, MAMBA, MLP
 from recipes.families.hybrid.params import mamba_dims
 
@@ -73,11 +78,13 @@ STORED_LOGICAL = (
 
 
 def architecture(model: dict) -> str | None:
-    """``"nemotron_h"`` for a hybrid ``model`` config dict, None for one without
-    ``hybrid_layer_pattern``.
+    """``"nemotron_h"`` or ``"qwen3_next"`` for a hybrid ``model`` config dict (the module doc's
+    rule), None for one without ``hybrid_layer_pattern``.
 
     Raises:
-        ExportError: a setting NemotronH does not compute (named with what it computes):
+        ExportError: a setting Qwen3-Next does not compute
+            (:func:`recipes.families.hybrid.hf_qwen3_next.check_export`), or one NemotronH does
+            not compute (named with what it computes):
             normalization other than RMSNorm, linear biases, a position embedding, SwiGLU,
             q/k norms or QKV biases, ``layernorm_epsilon`` other than the mixer's 1e-5, a layer
             symbol other than ``M``, ``*``, ``-`` (GatedDeltaNet ``G`` included: NemotronH has no
@@ -86,6 +93,18 @@ def architecture(model: dict) -> str | None:
     pattern = model.get("hybrid_layer_pattern")
     if pattern is None:
         return None
+    if (any(s not in LAYER_TYPES for s in pattern) or model.get("attention_output_gate")
+            or model.get("layernorm_zero_centered_gamma")):
+        try:
+            hf_qwen3_next.pairs(pattern)
+        except ExportError:
+            raise ExportError(
+                f"model.hybrid_layer_pattern={pattern!r}: layer symbols {sorted(LAYER_TYPES)} are "
+                f"exported to NemotronHForCausalLM (it has no GatedDeltaNet layer, no MoE "
+                f"layer); Qwen3NextForCausalLM takes pairs of a token mixer ('G' or '*') and an "
+                f"MLP ('E' or '-'), e.g. 'GEGEGE*E' (no Mamba layer)") from None
+        hf_qwen3_next.check_export(model)
+        return "qwen3_next"
     refusals = (  # the layers first: a model with other layers is refused for them
         (any(s not in LAYER_TYPES for s in pattern), "hybrid_layer_pattern",
          f"layer symbols {sorted(LAYER_TYPES)} are exported (NemotronH has no GatedDeltaNet "
@@ -202,6 +221,13 @@ def nemotron_h_build(t: dict, m: dict, vocab: int, ids: dict) -> tuple[Any, dict
 NEMOTRON_H = HFArchitecture(model_type="nemotron_h", hf_class="NemotronHForCausalLM",
                             embedding="model.embeddings.weight", build=nemotron_h_build,
                             notes=notes)
+QWEN3_NEXT = HFArchitecture(
+    model_type="qwen3_next", hf_class="Qwen3NextForCausalLM",
+    embedding="model.embed_tokens.weight", build=hf_qwen3_next.build, output_gate=True,
+    imports=HFImport(fields=hf_qwen3_next.fields, table=hf_qwen3_next.table,
+                     prefixes=("model.",), size_fields=hf_qwen3_next.SIZE_FIELDS,
+                     layer=r"layers\.(\d+)\.", buffers=(".rotary_emb.inv_freq",),
+                     sizes=hf_qwen3_next.sizes, left_out_names=hf_qwen3_next.left_out))
 
 def sizes(model) -> list[tuple[str, object]]:
     """The Mamba sizes, the GatedDeltaNet sizes (with ``G`` layers) and the layer pattern's
@@ -216,5 +242,6 @@ def sizes(model) -> list[tuple[str, object]]:
     return out
 
 
-FORMATS = FamilyFormats(name="hybrid", architectures=(NEMOTRON_H,), architecture=architecture,
+FORMATS = FamilyFormats(name="hybrid", architectures=(NEMOTRON_H, QWEN3_NEXT),
+                        architecture=architecture,
                         gtp_patterns=GTP_PATTERNS, stored_logical=STORED_LOGICAL, sizes=sizes)

@@ -40,12 +40,13 @@ def transformer_config_fields(m, dims) -> dict:
     """The GPT fields (attention and MLP layers are GPT's), with ``E`` layers the MoE family's
     (its fields and the expert parallel sizes of ``dims``), plus megatron's Mamba fields
     ``mamba_state_dim``, ``mamba_head_dim``, ``mamba_num_groups`` and ``mamba_num_heads`` and
-    its GatedDeltaNet fields (:data:`GDN_FIELDS`)."""
+    its GatedDeltaNet fields (:data:`GDN_FIELDS`) and ``layernorm_zero_centered_gamma``."""
     has_moe = MOE in str(m.hybrid_layer_pattern)
     out = (moe_model if has_moe else gpt_model).transformer_config_fields(m, dims)
     out.update(mamba_state_dim=int(m.mamba_state_dim), mamba_head_dim=int(m.mamba_head_dim),
                mamba_num_groups=int(m.mamba_num_groups))
     out.update({name: int(m[name]) for name in GDN_FIELDS})
+    out["layernorm_zero_centered_gamma"] = bool(m.get("layernorm_zero_centered_gamma", False))
     if m.get("mamba_num_heads"):
         out["mamba_num_heads"] = int(m.mamba_num_heads)
     return out
@@ -136,14 +137,16 @@ def building():
     """While chunks are built: megatron's ``MambaMixer`` on the torch kernels where
     ``mamba_ssm`` cannot run and ``HybridStack``'s final norm without TransformerEngine
     (``mcore_compat.mamba_cpu``), ``GatedDeltaNet`` on torch where flash-linear-attention
-    cannot run (``mcore_compat.gdn_cpu``), both packed ``in_proj`` weights in the logical
+    cannot run (``mcore_compat.gdn_cpu``), megatron's local norm zero-centred where the config
+    says so (``mcore_compat.zero_centered_norm``), both packed ``in_proj`` weights in the logical
     checkpoint format (``ckpt.format.mamba_format``, ``ckpt.format.gdn_format``), and MoE
     layers' experts built without drawing from torch's generator (the MoE family's
     ``experts_leave_rng_alone``; ``init_experts`` gives them their weights)."""
     from ckpt.format import gdn_format, mamba_format
-    from mcore_compat import gdn_cpu, mamba_cpu
+    from mcore_compat import gdn_cpu, mamba_cpu, zero_centered_norm
 
     mamba_cpu.install()
+    zero_centered_norm.install()
     mamba_cpu.hybrid_stack_without_te()
     gdn_cpu.install()
     mamba_format.install()

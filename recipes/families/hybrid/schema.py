@@ -30,6 +30,10 @@ class HybridFields:
     linear_value_head_dim: int = 128
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
+    # Zero-centred norms (megatron's TransformerConfig field; Qwen3-Next's): every RMSNorm but
+    # GatedDeltaNet's out_norm computes norm(x) * (1 + weight), weight starting at 0
+    # (mcore_compat.zero_centered_norm for megatron's local norm).
+    layernorm_zero_centered_gamma: bool = False
 
 
 # The family's fields set in every one of its configs and in no other family's.
