@@ -42,13 +42,8 @@ TENSOR_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_
                  "kv_channels", "ffn_hidden_size", "swiglu", "normalization", "add_bias_linear",
                  "add_qkv_bias", "qk_layernorm", "attention_output_gate", "position_embedding_type",
                  "share_embeddings_and_output_weights", "num_moe_experts", "moe_ffn_hidden_size",
-<<<<<<< ours
-                 "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
-                 "moe_layer_freq")
-=======
                  "moe_shared_expert_intermediate_size", "moe_layer_freq",
                  "moe_shared_expert_gate", "layernorm_zero_centered_gamma")
->>>>>>> theirs
 # Fields the source's experts were trained with: another value computes another model from the
 # same tensors (which experts a token reaches, and with what weights).
 ROUTING_FIELDS = ("moe_router_topk", "moe_router_pre_softmax", "moe_router_score_function",

@@ -34,16 +34,9 @@ def check(cfg, parallel_dims) -> None:
     if shared is not None and shared < 1:
         raise ConfigError(f"model.moe_shared_expert_intermediate_size={shared} must be >= 1 "
                           f"(the shared expert's width), or null: no shared expert")
-<<<<<<< ours
-    if m.get("moe_shared_expert_gate", False) and not shared:
-        raise ConfigError("model.moe_shared_expert_gate=true without a shared expert: set "
-                          "model.moe_shared_expert_intermediate_size or "
-                          "model.moe_shared_expert_gate=false")
-=======
     if m.get("moe_shared_expert_gate") and not shared:
         raise ConfigError("model.moe_shared_expert_gate=true without a shared expert: set "
                           "model.moe_shared_expert_intermediate_size (its width), or false")
->>>>>>> theirs
     _check_scores(m)
     _check_groups(m)
     _check_layer_freq(m)

@@ -69,11 +69,7 @@ _EXPORTABLE = (
     ("moe_router_group_topk", None, lambda v: v is None, "null"),
     ("moe_expert_capacity_factor", None, lambda v: v is None, "null (dropless)"),
     ("moe_shared_expert_intermediate_size", None, lambda v: not v, "null (no shared expert)"),
-<<<<<<< ours
-    ("moe_shared_expert_gate", False, lambda v: not v, "false (no shared-expert gate)"),
-=======
     ("moe_shared_expert_gate", False, lambda v: not v, "false"),
->>>>>>> theirs
     ("moe_layer_freq", 1, lambda v: v in (None, 1), "1 (every layer MoE)"),
     ("rope_scaling", False, lambda v: not v, "false"),
 )
@@ -129,7 +125,6 @@ _DEEPSEEK_EXPORTABLE = (
     ("moe_router_pre_softmax", False, lambda v: not v, "false"),
     ("moe_shared_expert_gate", False, lambda v: not v, "false (an ungated shared expert)"),
     ("moe_expert_capacity_factor", None, lambda v: v is None, "null (dropless)"),
-    ("moe_shared_expert_gate", False, lambda v: not v, "false (no shared-expert gate)"),
     ("rope_scaling", False, lambda v: not v, "false (Llama-3 scaling)"),
     ("swiglu", False, bool, "true"),
     ("normalization", "LayerNorm", lambda v: v == "RMSNorm", "'RMSNorm'"),

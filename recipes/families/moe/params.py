@@ -61,11 +61,7 @@ def moe_shapes(m, layer: str, add) -> None:
     shared = get("moe_shared_expert_intermediate_size")
     if shared:
         mlp_shapes(m, f"{layer}.mlp.shared_experts", shared, add)
-<<<<<<< ours
-        if get("moe_shared_expert_gate", False):
-=======
         if get("moe_shared_expert_gate"):
->>>>>>> theirs
             add(ParamShape(f"{layer}.mlp.shared_experts.gate_weight", (1, m.hidden_size)))
 
 

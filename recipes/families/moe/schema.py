@@ -34,13 +34,8 @@ class MoEFields:
     moe_ffn_hidden_size: Optional[int] = None
     # Width of the shared expert every token goes through (DeepSeek, Qwen2-MoE); null: none.
     moe_shared_expert_intermediate_size: Optional[int] = None
-<<<<<<< ours
-    # The shared expert's output times sigmoid(gate_weight . x), a [1, hidden] weight per layer
-    # (megatron's SharedExpertMLP.gate_weight; Qwen2-MoE's and Qwen3-Next's shared_expert_gate).
-=======
     # A sigmoid gate on the shared expert's output, sigmoid(x @ gate_weight.T) (Qwen2-MoE,
     # Qwen3-Next; megatron's SharedExpertMLP.gate_weight [1, hidden_size]); needs a shared expert.
->>>>>>> theirs
     moe_shared_expert_gate: bool = False
     moe_router_load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | global_aux_loss | none
     moe_aux_loss_coeff: float = 0.0
@@ -56,9 +51,4 @@ REQUIRES = ("num_moe_experts",)
 # Its fields that size a parameter (beyond the shared ones, recipes.config.schema.SHAPE_FIELDS);
 # moe_router_enable_expert_bias adds a stored tensor per MoE layer (the router's expert_bias).
 SHAPE_FIELDS = ("num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-<<<<<<< ours
-                "moe_shared_expert_gate",
-                "moe_layer_freq", "moe_router_enable_expert_bias")
-=======
                 "moe_layer_freq", "moe_router_enable_expert_bias", "moe_shared_expert_gate")
->>>>>>> theirs
