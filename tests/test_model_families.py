@@ -27,8 +27,12 @@ HYBRID_PRESETS = {"hybrid_tiny", "hybrid_gdn_tiny", "hybrid_moe_tiny", "qwen3_ne
 LLAVA_PRESETS = {"llava_tiny"}
 # What a family may take from another family's folder: the one it builds on, and those whose
 # fields it takes (ModelFamily.takes_fields_of: the hybrid family's MoE layers).
-BUILDS_ON = {"moe": {"gpt"}, **{f.name: set(f.takes_fields_of) for f in FAMILIES
-                               if f.takes_fields_of}}
+# The families whose fields another may name: the MoE family builds GPT's model; the hybrid
+# family builds GPT's attention and MLP layers (gpt.model.transformer_config_fields, its MLA and
+# rope fields refused or exported by name) and takes the MoE family's fields.
+BUILDS_ON = {"moe": {"gpt"}, "hybrid": {"gpt"}}
+for _f in FAMILIES:
+    BUILDS_ON[_f.name] = BUILDS_ON.get(_f.name, set()) | set(_f.takes_fields_of)
 
 
 def _family(preset: str) -> str:
