@@ -3,10 +3,10 @@ and MLP layers, "MG*-MG") across layouts, through the recipe's own model, optimi
 checkpoint code: every weight and Adam moment exact, padding rows included.
 
 One 4-process gloo world hosts every layout of the three matrices below in turn. Each builds
-the model through ``recipes.run.worker.setup``, sets every weight, fp32 main param and Adam moment to a golden built
-by hand (tests/helpers/layout_goldens.py: each parameter's full tensor holds
-``k*1024 + row + (index in row)/256``, cut to a rank by slicing, the packed ``in_proj`` and
-``conv1d`` weights component by component), saves through ``ckpt.io``, then loads every
+the model through ``recipes.run.worker.setup``, sets every weight, fp32 main param and Adam
+moment to a golden built by hand (tests/helpers/layout_goldens.py: each parameter's full tensor
+holds ``k*1024 + row + (index in row)/256``, cut to a rank by slicing, the packed ``in_proj``
+and ``conv1d`` weights component by component), saves through ``ckpt.io``, then loads every
 checkpoint into each layout pre-filled with a sentinel and compares exactly.
 
 Where the GTP shards fall. Mamba's ``in_proj`` (230 rows, ``z96 | x96 | B16 | C16 | dt6``, 115
