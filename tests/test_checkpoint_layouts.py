@@ -233,8 +233,10 @@ def _save_and_load_all(root: Path, cfgs: dict, prefix: str, out: dict) -> None:
         out["coverage"][name] = _set_golden(model, opt, cfg)
         checkpoint.save_checkpoint(root / f"{prefix}{name}", 1, model, opt, sched,
                                    {"consumed_samples": 0}, record)
-    for name, cfg_yaml in cfgs.items():
-        model, opt, sched, record, cfg = _build(cfg_yaml)
+    # Targets last-saved first: the last layout's build serves as its own target.
+    for i, (name, cfg_yaml) in enumerate(reversed(cfgs.items())):
+        if i > 0:
+            model, opt, sched, record, cfg = _build(cfg_yaml)
         for src in cfgs:
             _fill_sentinel(model, opt)
             checkpoint.load_checkpoint(root / f"{prefix}{src}", model, opt, sched, record)
@@ -266,8 +268,10 @@ def _matrix_worker(root: str, cfgs: dict, plain: dict, llama: dict,
     out["timing"]["save"] = time.time() - t0
 
     t0 = time.time()
-    for name, cfg_yaml in cfgs.items():
-        model, opt, sched, record, cfg = _build(cfg_yaml)
+    # Targets last-saved first: the last layout's build serves as its own target.
+    for i, (name, cfg_yaml) in enumerate(reversed(cfgs.items())):
+        if i > 0:
+            model, opt, sched, record, cfg = _build(cfg_yaml)
         for src in cfgs:
             _fill_sentinel(model, opt)
             common = checkpoint.load_checkpoint(root / src, model, opt, sched, record)
@@ -346,8 +350,10 @@ def _pp_pairs(root: Path, cfgs: dict, out: dict) -> dict:
         checkpoint.save_checkpoint(root / name, 1, model, opt, sched, {"consumed_samples": 0},
                                    record)
         out["records"][name] = record
-    for name, cfg_yaml in cfgs.items():
-        model, opt, sched, record, cfg = _build(cfg_yaml)
+    # Targets last-saved first: the last layout's build serves as its own target.
+    for i, (name, cfg_yaml) in enumerate(reversed(cfgs.items())):
+        if i > 0:
+            model, opt, sched, record, cfg = _build(cfg_yaml)
         for src in cfgs:
             _pp_fill(model, opt, cfg, sentinel=True)
             checkpoint.load_checkpoint(root / src, model, opt, sched, record)

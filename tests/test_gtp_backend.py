@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-from multiproc import reset_gtp_globals, run_distributed
+from multiproc import reset_model_parallel, run_distributed
 from tolerance import fp32_rtol
 
 WORLD = 4
@@ -71,9 +71,9 @@ def _build(tp, g, pad, calculate_per_token_loss=False):
 
     cpu_compat.install()
     assert backend.install() is True
-    reset_gtp_globals()  # chains and buffer tickets of the previous layout's model
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    # The previous layout's GTP chains and buffer tickets, and its process groups (reused by
+    # this layout where megatron asks for the same ranks; a fresh set per layout would pile up).
+    reset_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, gtp_remat_size=g)
     # The recipe order: megatron's hook, then our alignment override, then the model.
     gtp_api.configure_gtp_remat_from_recipe(calculate_per_token_loss=calculate_per_token_loss)

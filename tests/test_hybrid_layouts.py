@@ -2,11 +2,11 @@
 and MLP layers, "MG*-MG") across layouts, through the recipe's own model, optimizer and
 checkpoint code: every weight and Adam moment exact, padding rows included.
 
-One 4-process gloo world hosts every layout in turn. Each builds the model through
-``recipes.run.worker.setup``, sets every weight, fp32 main param and Adam moment to a golden built
-by hand (tests/helpers/layout_goldens.py: each parameter's full tensor holds
-``k*1024 + row + (index in row)/256``, cut to a rank by slicing, the packed ``in_proj`` and
-``conv1d`` weights component by component), saves through ``ckpt.io``, then loads every
+One 4-process gloo world hosts every layout of the three matrices below in turn. Each builds
+the model through ``recipes.run.worker.setup``, sets every weight, fp32 main param and Adam
+moment to a golden built by hand (tests/helpers/layout_goldens.py: each parameter's full tensor
+holds ``k*1024 + row + (index in row)/256``, cut to a rank by slicing, the packed ``in_proj``
+and ``conv1d`` weights component by component), saves through ``ckpt.io``, then loads every
 checkpoint into each layout pre-filled with a sentinel and compares exactly.
 
 Where the GTP shards fall. Mamba's ``in_proj`` (230 rows, ``z96 | x96 | B16 | C16 | dt6``, 115
@@ -52,11 +52,8 @@ LAYOUTS = {
 # with GTP are the bf16 test's, below, and tests/test_mamba_layouts.py's.)
 
 
-def test_every_weight_and_moment_of_the_hybrid_model_loads_exactly_at_every_layout(tmp_path):
-    cfgs = {name: make_cfg(MODEL, tp, g, pad, WORLD, "logical", *extra)
-            for name, (tp, g, pad, extra) in LAYOUTS.items()}
-    results = run_distributed(save_and_load_pairs, WORLD, str(tmp_path), cfgs, timeout=1200)
-    problems = pair_problems(results)
+def test_every_weight_and_moment_of_the_hybrid_model_loads_exactly_at_every_layout(matrices):
+    problems = pair_problems(matrices["gdn"])
     assert not problems, "\n".join(problems[:40])
 
 
@@ -69,11 +66,8 @@ BF16_LAYOUTS = {
 }
 
 
-def test_bf16_main_params_and_moments_load_exactly_across_optimizer_kinds(tmp_path):
-    cfgs = {name: make_cfg(MODEL, tp, g, pad, WORLD, "logical", "precision=bf16", *extra)
-            for name, (tp, g, pad, extra) in BF16_LAYOUTS.items()}
-    results = run_distributed(save_and_load_pairs, WORLD, str(tmp_path), cfgs, timeout=1200)
-    problems = pair_problems(results)
+def test_bf16_main_params_and_moments_load_exactly_across_optimizer_kinds(matrices):
+    problems = pair_problems(matrices["bf16"])
     assert not problems, "\n".join(problems[:40])
 
 
@@ -119,11 +113,33 @@ def table_problems(model, cfg) -> list[str]:
         [] if biases == cfg.model.hybrid_layer_pattern.count("E") else [f"{biases} biases"])
 
 
-def test_moe_layers_load_exactly_at_every_expert_layout(tmp_path):
-    cfgs = {name: make_cfg("hybrid_moe_tiny", tp, g, pad, WORLD, "logical", *extra)
-            for name, (tp, g, pad, extra) in MOE_LAYOUTS.items()}
-    results = run_distributed(save_and_load_pairs, WORLD, str(tmp_path), cfgs, table_problems,
-                              timeout=1200)
+def _matrices(root: str, cfgs: dict) -> dict:
+    """The three matrices of this file, one after another in one world."""
+    return {kind: save_and_load_pairs(f"{root}/{kind}", kind_cfgs,
+                                      table_problems if kind == "moe" else None)
+            for kind, kind_cfgs in cfgs.items()}
+
+
+@pytest.fixture(scope="module")
+def matrices(tmp_path_factory):
+    """{"gdn" | "bf16" | "moe": per-rank save_and_load_pairs results}, from one 4-rank world."""
+    root = tmp_path_factory.mktemp("hybrid_layouts")
+    cfgs = {
+        "gdn": {name: make_cfg(MODEL, tp, g, pad, WORLD, "logical", *extra)
+                for name, (tp, g, pad, extra) in LAYOUTS.items()},
+        "bf16": {name: make_cfg(MODEL, tp, g, pad, WORLD, "logical", "precision=bf16", *extra)
+                 for name, (tp, g, pad, extra) in BF16_LAYOUTS.items()},
+        "moe": {name: make_cfg("hybrid_moe_tiny", tp, g, pad, WORLD, "logical", *extra)
+                for name, (tp, g, pad, extra) in MOE_LAYOUTS.items()},
+    }
+    for kind in cfgs:
+        (root / kind).mkdir()
+    results = run_distributed(_matrices, WORLD, str(root), cfgs, timeout=2400)
+    return {kind: [res[kind] for res in results] for kind in cfgs}
+
+
+def test_moe_layers_load_exactly_at_every_expert_layout(matrices):
+    results = matrices["moe"]
     problems = pair_problems(results)
     assert not problems, "\n".join(problems[:40])
     for rank, res in enumerate(results):

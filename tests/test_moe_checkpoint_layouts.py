@@ -439,9 +439,11 @@ def _matrix_worker(root: str, cfgs: dict, pairs: list) -> dict:
         checkpoint.save_checkpoint(Path(root) / name, 1, model, opt, sched,
                                    {"consumed_samples": 0,
                                     "config": OmegaConf.to_container(cfg, resolve=True)}, record)
-    for name, cfg_yaml in cfgs.items():
+    # Targets last-saved first: the last layout's build serves as its own target.
+    for i, (name, cfg_yaml) in enumerate(reversed(cfgs.items())):
         sources = [src for src, dst in pairs if dst == name]
-        model, opt, sched, record, cfg = _build(cfg_yaml)
+        if i > 0:
+            model, opt, sched, record, cfg = _build(cfg_yaml)
         for src in sources:
             _fill(model, opt, cfg, sentinel=True)
             _fill_biases(model, cfg, sentinel=True)

@@ -2,7 +2,8 @@
 parallelism and the distributed optimizer resume at other layouts.
 
 A chain of runs of the tiny SwiGLU GPT. Run i resumes from run i-1's checkpoint of iteration i,
-trains to iteration i + 4 and saves every iteration, so each link compares the three
+trains to iteration i + 4 and saves the iteration the next run loads (i + 1; a save every
+i + 1 iterations, none at the end), so each link compares the three
 iterations after the resume (i+1..i+3) with the previous run, which trained them without
 interruption:
 
@@ -34,7 +35,10 @@ from tolerance import TINY_SWIGLU, TINY_TIED_4_LAYERS, assert_fp32_close, assert
 pytestmark = pytest.mark.e2e
 
 COMMON = ["optim.lr_warmup_iters=2", "optim.lr_decay_iters=10", "logger=none",
-          "checkpoint.save_interval=1"]
+          "checkpoint.save_at_end=false"]
+# Only the iteration a later job loads is needed on disk: a save every `k` iterations, where
+# `k` is that iteration (none for a job nothing loads).
+NO_SAVE = "checkpoint.save_interval=0"
 SWIGLU = ["model=tiny_swiglu"]
 TIED = ["model=tiny", "model.num_layers=4", "model.share_embeddings_and_output_weights=true"]
 VPP2 = ["parallelism=pp2", "parallelism.virtual_pipeline_model_parallel_size=2"]
@@ -59,24 +63,29 @@ def chain(train_jobs, tmp_path_factory):
     for i, (name, overrides) in enumerate(CHAIN):
         load = [] if prev is None else [f"checkpoint.load={prev}/checkpoints",
                                         f"checkpoint.load_iteration={i}"]
+        loaded = i + 1 if i + 1 < len(CHAIN) else 0  # the next job loads iteration i + 1
         jobs.append((dirs[name], [*COMMON, *SWIGLU, *overrides, f"train.train_iters={i + 4}",
-                                  *load]))
+                                  f"checkpoint.save_interval={loaded}", *load]))
         prev = dirs[name]
     dirs.update({name: root / name for name in ("tied_pp2", "tied_pp2vpp2", "tied_tp1",
                                                 "tied_vpp_tp1", *FIRST_ITERATION)})
     # Grouped by world size (one world per group): 2 processes, then 1.
-    jobs += [(dirs["tied_pp2"], [*COMMON, *TIED, "parallelism=pp2", "train.train_iters=4"]),
-             (dirs["tied_pp2vpp2"], [*COMMON, *TIED, *VPP2, "train.train_iters=4"]),
+    loaded = "checkpoint.save_interval=1"  # iteration 1
+    jobs += [(dirs["tied_pp2"], [*COMMON, *TIED, "parallelism=pp2", "train.train_iters=4",
+                                 loaded]),
+             (dirs["tied_pp2vpp2"], [*COMMON, *TIED, *VPP2, "train.train_iters=4", loaded]),
              (dirs["tied_dp2_distopt_it1"], [*COMMON, *TIED, *FIRST_ITERATION["tied_dp2_distopt_it1"],
-                                             "train.train_iters=1"]),
+                                             "train.train_iters=1", NO_SAVE]),
              (dirs["tied_tp1"], [*COMMON, *TIED, "parallelism=tp1", "train.train_iters=4",
+                                 NO_SAVE,
                                  f"checkpoint.load={dirs['tied_pp2']}/checkpoints",
                                  "checkpoint.load_iteration=1"]),
              (dirs["tied_vpp_tp1"], [*COMMON, *TIED, "parallelism=tp1", "train.train_iters=4",
+                                     NO_SAVE,
                                      f"checkpoint.load={dirs['tied_pp2vpp2']}/checkpoints",
                                      "checkpoint.load_iteration=1"]),
              (dirs["tied_tp1_it1"], [*COMMON, *TIED, *FIRST_ITERATION["tied_tp1_it1"],
-                                     "train.train_iters=1"])]
+                                     "train.train_iters=1", NO_SAVE])]
     train_jobs(jobs)
     return dirs
 

@@ -299,14 +299,17 @@ def save_and_load_pairs(root: str, cfgs: dict, inspect=None) -> dict:
 
     out = {"filled": {}, "loads": {}, "inspected": {}}
     for name, cfg_yaml in cfgs.items():
-        model, opt, sched, record, cfg = build(cfg_yaml)
+        built = build(cfg_yaml)
+        model, opt, sched, record, cfg = built
         if inspect is not None:
             out["inspected"][name] = inspect(model, cfg)
         out["filled"][name] = fill(model, opt, cfg, sentinel=False)
         checkpoint.save_checkpoint(Path(root) / name, 1, model, opt, sched,
                                    {"consumed_samples": 0}, record)
-    for name, cfg_yaml in cfgs.items():
-        model, opt, sched, record, cfg = build(cfg_yaml)
+    # Targets last-saved first: the last layout's build serves as its own target (every load
+    # starts from a sentinel fill of every tensor check() reads).
+    for i, (name, cfg_yaml) in enumerate(reversed(cfgs.items())):
+        model, opt, sched, record, cfg = built if i == 0 else build(cfg_yaml)
         for source in cfgs:
             fill(model, opt, cfg, sentinel=True)
             checkpoint.load_checkpoint(Path(root) / source, model, opt, sched, record)

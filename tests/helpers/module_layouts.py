@@ -168,10 +168,12 @@ def save_and_load_all(builder: str, root: str, layouts: dict, fmt: str = "logica
         records[name] = sharding_record(ddp, state["model"], logical=fmt == "logical")["tensors"]
         dist_checkpointing.save(state, path)
     out = {"records": records}
-    for name, (tp, g, pad, do) in layouts.items():
-        # One build per target: each load starts from a fresh sentinel fill of every tensor.
-        setup(builder, tp, g, pad, fmt)
-        module, ddp, opt = build(builder, tp, g, do)
+    # One build per target, the last saved layout's reused as its target (built last, so
+    # megatron's state is still its own): each load starts from a sentinel fill of every tensor.
+    for i, (name, (tp, g, pad, do)) in enumerate(reversed(layouts.items())):
+        if i > 0:
+            setup(builder, tp, g, pad, fmt)
+            module, ddp, opt = build(builder, tp, g, do)
         for source in (s for s, lay in layouts.items() if lay[3] == do):
             out[(source, name)] = load_and_check(module, ddp, opt, os.path.join(root, source))
     return out

@@ -98,8 +98,47 @@ def reset_gtp_globals() -> None:
     gtp_mod._inflight_comm_params.clear()
 
 
+# megatron's groups of this rank's world, by (ranks, backend, group_desc, timeout, local sync),
+# and the keys the current layout asked for.
+_GROUPS: dict = {}
+_ASKED: set = set()
+
+
+def _reuse_megatron_groups() -> None:
+    """Make megatron-core 0.19.2's ``parallel_state.create_group`` (every group of
+    ``initialize_model_parallel``) hand back the group it made for the same ranks, backend and
+    name under the previous layout of this world, as a fresh process would have one: creating a
+    gloo group (a store rendezvous of its ranks) and shutting it down again cost a few hundredths
+    of a second each, about 24 of them per layout on 4 ranks. Every rank builds the same layouts
+    in the same order, so every rank skips the same creations. Groups with ``pg_options`` are
+    made afresh. (A reused group is not added again to megatron's list for
+    ``update_pg_timeout``, which no test calls.)"""
+    from megatron.core import parallel_state as ps
+
+    create = ps.create_group
+    if getattr(create, "reuses_groups", False):
+        return
+
+    def create_group(ranks=None, timeout=None, backend=None, pg_options=None,
+                     use_local_synchronization=False, group_desc=None):
+        if pg_options is not None or ranks is None:
+            return create(ranks, timeout, backend, pg_options, use_local_synchronization,
+                          group_desc)
+        key = (tuple(ranks), backend, group_desc, timeout, use_local_synchronization)
+        if key not in _GROUPS:
+            _GROUPS[key] = create(ranks, timeout, backend, None, use_local_synchronization,
+                                  group_desc)
+        _ASKED.add(key)
+        return _GROUPS[key]
+
+    create_group.reuses_groups = True
+    ps.create_group = create_group
+
+
 def reset_model_parallel() -> None:
-    """Destroy megatron's parallel state and every process group but the world.
+    """Destroy megatron's parallel state and every process group but the world and the ones
+    of the last layout, which megatron's next layout reuses where it asks for the same ranks
+    and name (:func:`_reuse_megatron_groups`, installed here).
 
     A world reused across many layouts would otherwise keep every layout's gloo groups (megatron's
     ``destroy_model_parallel`` only drops its references), each with its own I/O threads that
@@ -120,9 +159,16 @@ def reset_model_parallel() -> None:
     gc.collect()  # the last layout's model and optimizer hold their groups
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    # Kept: the groups the last layout asked for (the next one likely asks for most of them).
+    # Every live gloo group costs its ranks CPU while idle (its threads wake up), so no more.
+    for key in [k for k in _GROUPS if k not in _ASKED]:
+        del _GROUPS[key]
+    _ASKED.clear()
+    kept = {id(group) for group in _GROUPS.values()}
     for group in list(c10d._world.pg_map):
-        if group is not c10d.GroupMember.WORLD:
+        if group is not c10d.GroupMember.WORLD and id(group) not in kept:
             dist.destroy_process_group(group)
+    _reuse_megatron_groups()
 
 
 def _free_port() -> int:
