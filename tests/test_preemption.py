@@ -50,12 +50,10 @@ def _rows(out) -> dict:
 
 @pytest.fixture(scope="module")
 def preempted(train_jobs, data_cache, tmp_path_factory):
-    """The run through train.py sent SIGTERM after iteration 4 (its launcher only, as
-    ``kill -TERM`` of train.py); then, in one world as torchrun's workers run them
-    (tests/helpers/inworld.py), an uninterrupted run and the command it printed to continue:
-    its overrides as Hydra parses them, ``checkpoint.load=auto`` resolved by the same
-    ``launch.run_job`` (the launcher's own resolution through train.py: the submitit test's
-    requeue below)."""
+    """The run through train.py sent SIGTERM after iteration 4 (its launcher only, as ``kill
+    -TERM`` of train.py); then in one world (tests/helpers/inworld.py) an uninterrupted run and
+    the printed command's overrides (``checkpoint.load=auto`` resolved by the same
+    ``launch.run_job``; through train.py: the submitit test's requeue)."""
     base = tmp_path_factory.mktemp("preempt")
     out = base / "run"
     args = [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={out}",
