@@ -1,5 +1,7 @@
-"""End to end: ``train.py gtp=tp2_align16`` on 2 CPU processes (tp1 x gtp2 x dp1), through
-megatron's own GTP code paths, against ``gtp=off`` (tp1 x dp2) in one Hydra sweep.
+"""End to end: ``gtp=tp2_align16`` on 2 ranks (tp1 x gtp2 x dp1), through megatron's own GTP code
+paths, against ``gtp=off`` (tp1 x dp2): two jobs of a sweep dir, run in one world as
+torchrun's workers run them (tests/helpers/inworld.py; a multirun through train.py itself:
+tests/test_train_cli.py, the report's labels from Hydra's overrides: tests/test_report.py).
 
 Both jobs read the same global batches (GTP peers read different micro-batches of the full data
 group) from the same initial logical weights, so they compute the same function: per iteration,
@@ -26,16 +28,15 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def sweep(train_run, tmp_path_factory):
+def sweep(train_jobs, tmp_path_factory):
     root = tmp_path_factory.mktemp("gtp_sweep")
-    proc = train_run(root, "gtp=off,tp2_align16", "hydra.sweep.subdir=${hydra.job.num}",
-                     multirun=True)
+    done = train_jobs([(root / "0", ["gtp=off"]), (root / "1", ["gtp=tp2_align16"])])
     jobs = {}
     for job_dir in find_job_dirs([root]):
         rows, events = read_metrics(job_dir)
         layout = next(e["layout"] for e in events if e["event"] == "start")
         jobs["off" if layout["gtp_remat_size"] == 1 else "gtp"] = (job_dir, rows, events)
-    return root, proc.stdout, jobs
+    return root, "".join(job.stdout for job in done), jobs
 
 
 def test_gtp_job_ran_with_the_resolved_alignment_on_the_model(sweep):
@@ -85,6 +86,6 @@ def test_report_draws_the_sweep(sweep, tmp_path):
     png, table, summaries = report([root], tmp_path / "sweep.png")
     assert png.stat().st_size > 10_000
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert [s["job"] for s in summaries] == ["gtp=off", "gtp=tp2_align16"]
+    assert [s["job"] for s in summaries] == ["0", "1"]  # no Hydra record: the dir names
     assert "tp1 x gtp2(pad 16) x dp1" in table and "tp1 x dp2" in table
     assert summaries[1]["max_loss_diff_vs_first"] <= 1e-4

@@ -380,22 +380,23 @@ def test_first_loss_equals_transformers_loss(hf, world, name):
     assert_fp32_close(res["step"]["lm loss"], expected, 1, LLAMA_TINY, what=(name,))
 
 
-def test_pretrained_fine_tune_with_zero_lr_exports_the_source(hf, tmp_path, train_run):
-    """``train.py checkpoint.pretrained=HF_DIR`` at tp2 x gtp2 (pad 16) in bf16 with the
-    distributed optimizer, lr 0, one iteration: the saved checkpoint exports to the source's
-    tensors bit for bit (the fp32 main params were refreshed from the loaded weights, not left
-    at the random init); the run starts at iteration 0 with the source's model fields, and the
-    export of this byte-tokenizer run has eos_token_id 256."""
+def test_pretrained_fine_tune_with_zero_lr_exports_the_source(hf, tmp_path, train_jobs):
+    """``checkpoint.pretrained=HF_DIR`` at tp2 x gtp2 (pad 16) in bf16 with the distributed
+    optimizer, lr 0, one iteration, on 4 ranks (in one world, as torchrun's workers run it:
+    tests/helpers/inworld.py; nothing here is the launcher's): the saved checkpoint exports to
+    the source's tensors bit for bit (the fp32 main params were refreshed from the loaded
+    weights, not left at the random init); the run starts at iteration 0 with the source's
+    model fields, and the export of this byte-tokenizer run has eos_token_id 256."""
     from recipes.metrics.logger import read_metrics
 
     out = tmp_path / "job"
-    proc = train_run(out, f"checkpoint.pretrained={hf / 'llama_bf16'}", "parallelism=tp2",
-                     "parallelism.nproc_per_node=4", "gtp.gtp_remat_size=2",
-                     "gtp.pad_for_alignment=16", "precision=bf16",
-                     "optim.use_distributed_optimizer=true", "optim.lr=0", "optim.min_lr=0",
-                     "train.train_iters=1", "optim.lr_warmup_iters=0", "train.eval_iters=0",
-                     f"hydra.run.dir={out}", "checkpoint.save=" + str(out / "ckpt"))
-    assert "imported" in proc.stdout
+    job, = train_jobs([(out, [
+        f"checkpoint.pretrained={hf / 'llama_bf16'}", "parallelism=tp2",
+        "parallelism.nproc_per_node=4", "gtp.gtp_remat_size=2", "gtp.pad_for_alignment=16",
+        "precision=bf16", "optim.use_distributed_optimizer=true", "optim.lr=0", "optim.min_lr=0",
+        "train.train_iters=1", "optim.lr_warmup_iters=0", "train.eval_iters=0",
+        "checkpoint.save=" + str(out / "ckpt")])])
+    assert "imported" in job.stdout
     resolved = OmegaConf.load(out / "resolved_config.yaml")
     assert resolved.model.num_query_groups == 2 and resolved.model.rope_scaling is True
     rows, events = read_metrics(out)

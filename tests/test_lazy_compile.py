@@ -36,21 +36,30 @@ print(json.dumps({"dynamo": "torch._dynamo" in sys.modules,
 """
 
 
-def _probe(install: bool) -> dict:
-    out = subprocess.run([sys.executable, "-c", f"INSTALL = {install}" + _PROBE], cwd=ROOT,
-                         capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+@pytest.fixture(scope="module")
+def probes() -> dict:
+    """``{install: the probe's result}`` for both, in two interpreters at once (each imports
+    on one core for seconds)."""
+    procs = {install: subprocess.Popen([sys.executable, "-c", f"INSTALL = {install}" + _PROBE],
+                                       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True) for install in (True, False)}
+    results = {}
+    for install, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        results[install] = json.loads(out.strip().splitlines()[-1])
+    return results
 
 
-def test_megatron_imports_without_dynamo_once_installed():
-    assert _probe(install=True) == {"dynamo": False, "inductor": False,
-                                    "jit_fuser": "lazy_compile", "restored": True}
+def test_megatron_imports_without_dynamo_once_installed(probes):
+    assert probes[True] == {"dynamo": False, "inductor": False, "jit_fuser": "lazy_compile",
+                            "restored": True}
 
 
-def test_without_the_deferral_megatron_imports_dynamo():
+def test_without_the_deferral_megatron_imports_dynamo(probes):
     """The control: what the deferral removes is there without it."""
-    assert _probe(install=False) == {"dynamo": True, "inductor": True, "jit_fuser": "compile",
-                                     "restored": True}
+    assert probes[False] == {"dynamo": True, "inductor": True, "jit_fuser": "compile",
+                             "restored": True}
 
 
 def test_a_deferred_function_compiles_once_with_its_options_on_the_first_call(monkeypatch):
