@@ -2,7 +2,9 @@
 
 With ``expert_gtp_remat_size`` (EGTP) > 1, megatron shards routed-expert weights over their own
 remat group; its stock gradients are right only where the dense and the expert data-parallel
-groups coincide (expert parallel size 1 and EGTP equal to the dense GTP size):
+groups coincide (expert parallel size 1 and EGTP equal to the dense GTP size). Fix 2 is needed
+with dense GTP alone too (GTP > 1, EGTP 1), wherever the experts have their own buckets (expert
+parallel size > 1 or expert TP differing from TP):
 
 1. **Expert tag** (:func:`tag_expert_params`). ``ColumnParallelLinear.__init__`` /
    ``RowParallelLinear.__init__`` mark an expert weight ``allreduce = False`` (reduced over the
@@ -15,13 +17,15 @@ groups coincide (expert parallel size 1 and EGTP equal to the dense GTP size):
    False`` back.
 2. **Expert gradient scale** (:func:`scale_expert_gradients`). ``GTPShardedParam`` divides an
    expert weight gradient by the EGTP size before its reduce-scatter
-   (``_prescale_wgrads_for_mean_rs``), and ``DistributedDataParallel.__init__`` gives the expert
-   buckets ``1 / dp_cp`` (the dense replicate size, which excludes the dense GTP group but holds
-   the EGTP peers when GTP < EGTP): ``1 / (EGTP x dp)`` in all, where the mean over the data group
-   is ``1 / (GTP x dp)``. Fix: after DDP, the expert buckets' ``gradient_scaling_factor`` is
-   multiplied by ``EGTP / GTP``. Under per-token loss (``calculate_per_token_loss``) neither
-   scale is applied (both reductions sum; ``finalize_model_grads`` divides by the token count)
-   and nothing is changed.
+   (``_prescale_wgrads_for_mean_rs``; ``finalize_model_grads`` averages a replicated one over
+   the EGTP group), and ``DistributedDataParallel.__init__`` gives the expert buckets
+   ``1 / dp_cp`` (the dense replicate size, which excludes the dense GTP group but holds the EGTP
+   peers when GTP < EGTP): ``1 / (EGTP x dp)`` in all, where the mean over the data group is
+   ``1 / (GTP x dp)``. With EGTP 1 that is ``1 / dp``: at GTP 2 x EP 2 the expert gradients came
+   out twice ep2's (``lm loss`` unchanged under Adam, ``grad-norm`` not). Fix: after DDP, the
+   expert buckets' ``gradient_scaling_factor`` is multiplied by ``EGTP / GTP``. Under per-token
+   loss (``calculate_per_token_loss``) neither scale is applied (both reductions sum;
+   ``finalize_model_grads`` divides by the token count) and nothing is changed.
 
 Both are needed; tests/test_moe_layouts.py breaks each and sees the gradient norm
 move.
@@ -62,13 +66,16 @@ def tag_expert_params(model, expert_gtp_remat_size: int) -> int:
 @megatron_patch("distributed.DistributedDataParallel's expert buckets' gradient_scaling_factor")
 def scale_expert_gradients(ddp_model, expert_gtp_remat_size: int, gtp_remat_size: int) -> int:
     """Fix 2: multiply the gradient scaling factor of each expert bucket of ``ddp_model`` (a
-    megatron ``DistributedDataParallel``) by ``expert_gtp_remat_size / gtp_remat_size``.
+    megatron ``DistributedDataParallel``) by ``expert_gtp_remat_size / gtp_remat_size``: also
+    with dense GTP and no expert GTP (then ``1 / gtp_remat_size``).
 
     Returns:
-        The number of buckets rescaled (0 without expert GTP or under per-token loss).
+        The number of buckets rescaled (0 where the two GTP sizes are equal, where the experts
+        share the dense buckets (no expert bucket), or under per-token loss).
 
     """
-    if expert_gtp_remat_size <= 1 or getattr(ddp_model.config, "calculate_per_token_loss", False):
+    if expert_gtp_remat_size == gtp_remat_size \
+            or getattr(ddp_model.config, "calculate_per_token_loss", False):
         return 0
     factor = expert_gtp_remat_size / gtp_remat_size
     n = 0

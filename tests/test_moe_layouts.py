@@ -4,7 +4,8 @@
 
 * expert GTP computes what ep1 without GTP does (``lm loss`` and ``grad-norm``), with the dense
   and expert GTP degrees equal (egtp2) or not (g2 x egtp1; ep2 x egtp2 with dense GTP off:
-  where Megatron-LM #7165 found expert gradients mis-scaled);
+  where Megatron-LM #7165 found expert gradients mis-scaled; g2 x ep2 without expert GTP, where
+  megatron's expert buckets' scale missed the dense GTP factor: expert gradients doubled);
 * each expert-GTP gradient fix of ``gtp.expert_grads``, switched off in turn, moves the first
   step's ``grad-norm`` away from the same model without expert GTP (the fixes are needed);
 * a hybrid stack's MoE layers (``model=hybrid_moe_tiny``: Mamba, MoE, attention, MoE; sigmoid
@@ -108,6 +109,10 @@ def results():
         # Dense GTP without expert GTP: the dense weights sharded, the experts whole.
         "moe g2 egtp1": (_cfg("model=moe_tiny", "gtp.gtp_remat_size=2", "gtp.pad_for_alignment=16",
                               "parallelism=tp1", "parallelism.nproc_per_node=2"), None),
+        # Dense GTP over expert parallelism: the experts in their own buckets, not GTP-sharded.
+        "moe g2 ep2": (_cfg("model=moe_tiny", "gtp.gtp_remat_size=2", "gtp.pad_for_alignment=16",
+                            "parallelism=tp1", "parallelism.expert_model_parallel_size=2",
+                            "parallelism.nproc_per_node=2"), None),
         "moe egtp2, no expert tag": (_cfg(*egtp), "tag_expert_params"),
         "moe egtp2, no expert scale": (_cfg(*egtp), "scale_expert_gradients"),
         **{f"hybrid {name}": (_cfg(*HYBRID, *extra), None) for name, extra in HYBRID_CASES.items()},
@@ -129,12 +134,12 @@ def results4():
     return run_distributed(_world, 4, cases, timeout=600)[0]
 
 
-@pytest.mark.parametrize("layout", ["moe egtp2", "moe g2 egtp1", "moe ep2 egtp2"])
+@pytest.mark.parametrize("layout", ["moe egtp2", "moe g2 egtp1", "moe ep2 egtp2", "moe g2 ep2"])
 def test_expert_gtp_equals_no_gtp(results, results4, layout):
     """``lm loss`` and ``grad-norm`` over 3 steps equal ep1 without GTP (the same global batch:
     micro-batch j of step s is the same whatever rank reads it), with the dense and the expert
     GTP degrees equal (egtp2) and different (g2 x egtp1; ep2 x egtp2 with the dense weights
-    whole)."""
+    whole; g2 x ep2 with the expert weights whole)."""
     pairs = zip({**results, **results4}[layout], results["moe ep1"])
     for step, ((loss, gn), (ref_loss, ref_gn)) in enumerate(pairs, 1):  # `step` from one init
         assert_fp32_close(loss, ref_loss, step, MOE_TINY, what=(step, "loss"))

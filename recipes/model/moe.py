@@ -206,6 +206,7 @@ def after_model(chunk, parallel_dims) -> None:
 
 
 def after_ddp(ddp_chunk, parallel_dims) -> None:
-    """After DDP: expert GTP's second gradient fix (``gtp.expert_grads.scale_expert_gradients``)."""
+    """After DDP: the expert buckets' gradient scale (``gtp.expert_grads.scale_expert_gradients``),
+    wherever the dense and the expert GTP sizes differ."""
     expert_grads.scale_expert_gradients(ddp_chunk, parallel_dims.expert_gtp_remat_size,
                                         parallel_dims.gtp_remat_size)
