@@ -29,7 +29,7 @@ def aux_loss_name(model_cfg) -> str | None:
     return AUX_LOSS_NAMES.get(model_cfg.get("moe_router_load_balancing_type"))
 
 
-def reduce_aux_loss(model_cfg, num_microbatches: int, moe_layers: int | None = None) -> dict:
+def reduce_aux_loss(model_cfg, num_microbatches: int, moe_layers: int) -> dict:
     """The iteration's load-balancing loss from megatron's MoE metrics tracker
     (``moe_logging.get_moe_metrics_tracker``), then the tracker cleared. Collective: every rank
     calls it after each step.
@@ -39,7 +39,7 @@ def reduce_aux_loss(model_cfg, num_microbatches: int, moe_layers: int | None = N
     ``AVG`` reduction: a sum divided by the group size), times ``1 / num_microbatches``, then
     the mean over MoE layers (and the MTP layers, which megatron's ``report`` always counts).
     Megatron records the loss without ``moe_aux_loss_coeff``. ``moe_layers``: the decoder's
-    MoE layers (:func:`moe_decoder_layers`, counted here when None).
+    MoE layers (:func:`moe_decoder_layers`, counted once per run by the caller).
 
     Returns:
         ``{"load_balancing_loss": float}`` (megatron's name for ``aux_loss``), empty without one.
@@ -70,8 +70,6 @@ def reduce_aux_loss(model_cfg, num_microbatches: int, moe_layers: int | None = N
     if entry.needs_dp_avg:
         avg(ps.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False))
     # megatron's MoEMetricsTracker.report counts every MTP layer as an MoE layer.
-    if moe_layers is None:
-        moe_layers = moe_decoder_layers(model_cfg)
     value = float(v.sum()) / num_microbatches / max(moe_layers + mtp, 1)
     tracker.clear()
     return {name: value}
