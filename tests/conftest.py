@@ -47,6 +47,15 @@ def data_cache(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def checkpoint_matrix(tmp_path_factory):
+    """``(root, results)`` of the checkpoint layout matrix (tests/helpers/checkpoint_matrix.py):
+    one 4-process world, run once for the test files that read it."""
+    import checkpoint_matrix as matrix
+
+    return matrix.run(tmp_path_factory.mktemp("layouts"))
+
+
+@pytest.fixture(scope="session")
 def train_run(data_cache):
     """``train_run(out_dir, *overrides, rc=0)``: run ``train.py`` into ``out_dir``.
 

@@ -2,9 +2,10 @@
 
 Each example runs one 4-process gloo world: build the model at layout A, set every weight and
 Adam moment to a golden computed from the full logical tensor by plain slicing (helpers of
-tests/helpers/layout_goldens.py and tests/test_checkpoint_layouts.py), save, rebuild at layout B, pre-fill with a sentinel, load, and
-compare with the golden at B (rtol=0, atol=0). Few examples per run (each costs a process
-launch); hypothesis prints the failing shapes and layouts if one is found.
+tests/helpers/layout_goldens.py and tests/helpers/checkpoint_matrix.py), save, rebuild at layout B,
+pre-fill with a sentinel, load, and compare with the golden at B (rtol=0, atol=0). Few examples
+per run (each costs a process launch); hypothesis prints the failing shapes and layouts if one
+is found.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from multiproc import run_distributed
 from recipes.config.validate import ConfigError, validate
 from layout_goldens import build as _build, make_cfg
-from test_checkpoint_layouts import WORLD, _check, _fill_sentinel, _set_golden
+from checkpoint_matrix import WORLD, check_goldens, fill_sentinel, set_golden
 
 # (tensor_model_parallel_size, gtp_remat_size) that fit a world of 4 (dp fills the rest).
 GRIDS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (1, 4)]
@@ -27,12 +28,12 @@ def _roundtrip(root: str, save_yaml: str, load_yaml: str):
     from ckpt import io as checkpoint
 
     model, opt, sched, record, cfg = _build(save_yaml)
-    _set_golden(model, opt, cfg)
+    set_golden(model, opt, cfg)
     checkpoint.save_checkpoint(root, 1, model, opt, sched, {"consumed_samples": 0}, record)
     model, opt, sched, record, cfg = _build(load_yaml)
-    _fill_sentinel(model, opt)
+    fill_sentinel(model, opt)
     checkpoint.load_checkpoint(root, model, opt, sched, record)
-    result = _check(model, opt, cfg)
+    result = check_goldens(model, opt, cfg)
     parallel_state.destroy_model_parallel()
     return result
 

@@ -8,13 +8,10 @@ hand with torch slicing (each row holds its own index), never through ``gtp.shar
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
-from hypothesis import strategies as st
 
 from gtp.shards import Piece, GTPShard, gtp_padding, logical_pieces, logical_rows
 from gtp.shards import stock_0192_offsets
@@ -25,52 +22,10 @@ with warnings.catch_warnings():
     from megatron.core.tensor_parallel import generalized_tensor_parallelism as mgtp
     from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
-SENTINEL = -999.0
-COLS = 3  # local dim 1 of every test weight
-
-
-class _Group:
-    """Stand-in for a process group: megatron's GTP helpers only call size() and rank()."""
-
-    def __init__(self, size: int, rank: int = 0):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
-
-
-@contextlib.contextmanager
-def _megatron_pad(a: int):
-    old = mgtp.GTP_CONFIG.pad_for_alignment
-    mgtp.GTP_CONFIG.pad_for_alignment = a
-    try:
-        yield
-    finally:
-        mgtp.GTP_CONFIG.pad_for_alignment = old
-
-
-def _hand_shards(tp_local: torch.Tensor, g: int, a: int) -> list[torch.Tensor]:
-    """Pad the tail of dim 0 to a multiple of a*g and cut it in g equal slices (by hand)."""
-    L = tp_local.shape[0]
-    if a > 0:
-        P = -(-L // (a * g)) * (a * g)
-    else:
-        assert L % g == 0
-        P = L
-    padded = torch.zeros((P, *tp_local.shape[1:]), dtype=tp_local.dtype)
-    padded[:L] = tp_local
-    s = P // g
-    return [padded[r * s:(r + 1) * s].clone() for r in range(g)]
-
-
-def _write(out: dict, counts: dict, key: str, piece: Piece, rows: torch.Tensor, col0: int = 0):
-    """Place ``rows`` (piece.rows x cols) at the piece's global offset of ``out[key]``."""
-    cols = rows.shape[1]
-    out[key][piece.global_offset:piece.global_offset + piece.rows, col0:col0 + cols] = rows
-    counts[key][piece.global_offset:piece.global_offset + piece.rows, col0:col0 + cols] += 1
+from shard_goldens import (
+    COLS, SENTINEL, Group, assert_tp_local_is_megatron_layout, hand_shards, megatron_pad,
+    non_gtp_disk, reassemble, tp_local, write_piece,
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,8 +52,8 @@ def test_spec_table(L, g, a, pad, shard, rows):
         rows_r = GTPShard(L, g=g, gtp_rank=r, pad_for_alignment=a)
         assert (rows_r.pad, rows_r.shard_rows, rows_r.n_logical) == (pad, shard, rows[r])
     # megatron agrees (it returns (shard, pad))
-    with _megatron_pad(a):
-        assert mgtp.gtp_remat_shard_dim0(L, _Group(g)) == (shard, pad)
+    with megatron_pad(a):
+        assert mgtp.gtp_remat_shard_dim0(L, Group(g)) == (shard, pad)
 
 
 def test_all_padding_rank_is_empty_at_end():
@@ -109,8 +64,8 @@ def test_all_padding_rank_is_empty_at_end():
 def test_unpadded_not_divisible_raises_like_megatron():
     with pytest.raises(ValueError, match=r"L=10.*g=4"):
         gtp_padding(10, 4, 0)
-    with _megatron_pad(0), pytest.raises(AssertionError, match="dim0=10"):
-        mgtp.gtp_remat_shard_dim0(10, _Group(4))
+    with megatron_pad(0), pytest.raises(AssertionError, match="dim0=10"):
+        mgtp.gtp_remat_shard_dim0(10, Group(4))
     assert gtp_padding(12, 4, 0) == (0, 3)
 
 
@@ -133,10 +88,10 @@ def test_hand_sharding_matches_megatron_slice():
     """The golden's hand-written sharding is what ``_gtp_slice_one_param`` does."""
     for L, g, a, *_ in TABLE[:5]:
         w = torch.arange(L * COLS, dtype=torch.float32).reshape(L, COLS)
-        hand = _hand_shards(w, g, a)
-        with _megatron_pad(a):
+        hand = hand_shards(w, g, a)
+        with megatron_pad(a):
             for r in range(g):
-                shard = mgtp._gtp_slice_one_param(torch.nn.Parameter(w.clone()), _Group(g, r))
+                shard = mgtp._gtp_slice_one_param(torch.nn.Parameter(w.clone()), Group(g, r))
                 assert torch.equal(shard.detach(), hand[r]), (L, g, a, r)
 
 
@@ -269,64 +224,6 @@ def test_stock_gated_odd_shard_refused():
 # Golden: every row holds its own index; reassemble through the pieces
 
 
-def _non_gtp_disk(lay: GTPShard) -> dict[str, torch.Tensor]:
-    """On-disk tensors of the non-GTP model at the same TP, row i (per key) holding i."""
-    if lay.gated and lay.singleton_local_shards:
-        n = lay.tp * lay.L // 2
-        return {k: torch.arange(n, dtype=torch.float32)[:, None].repeat(1, COLS) + off
-                for k, off in (("w_w", 0.0), ("w_v", 0.5))}
-    cols = COLS * lay.tp if lay.tp_axis == 1 else COLS
-    rows = lay.L if lay.tp_axis == 1 else lay.L * lay.tp
-    disk = torch.arange(rows, dtype=torch.float32)[:, None].repeat(1, cols)
-    disk += torch.arange(cols, dtype=torch.float32)[None, :] / 100
-    return {"w": disk}
-
-
-def _tp_local(disk: dict[str, torch.Tensor], lay: GTPShard, k: int) -> torch.Tensor:
-    """The TP-local weight of TP rank k, sliced by hand from the non-GTP on-disk tensors."""
-    L, tp = lay.L, lay.tp
-    if lay.tp_axis == 1:
-        return disk["w"][:, k * COLS:(k + 1) * COLS]
-    if not lay.gated:
-        return disk["w"][k * L:(k + 1) * L]
-    h = L // 2
-    if lay.singleton_local_shards:
-        return torch.cat([disk["w_w"][k * h:(k + 1) * h], disk["w_v"][k * h:(k + 1) * h]])
-    return torch.cat([disk["w"][k * h:(k + 1) * h], disk["w"][tp * h + k * h:tp * h + (k + 1) * h]])
-
-
-def _assert_tp_local_is_megatron_layout(disk, lay):
-    """Saving each hand-made TP-local tensor the non-GTP megatron way reproduces ``disk``."""
-    out = {k: torch.full_like(v, SENTINEL) for k, v in disk.items()}
-    for k in range(lay.tp):
-        local = _tp_local(disk, lay, k)
-        sh = ShardedTensor.from_rank_offsets("w", local, (lay.tp_axis, k, lay.tp),
-                                             replica_id=(0, 0, 0))
-        shs = (apply_swiglu_sharded_factory(sh, (), lay.singleton_local_shards).build()
-               if lay.gated else [sh])
-        for s in shs:
-            out[s.key][tuple(slice(o, o + n) for o, n in zip(s.global_offset, s.local_shape))] = (
-                s.data)
-    for key in disk:
-        assert torch.equal(out[key], disk[key]), key
-
-
-def _reassemble(lay_kw: dict, disk: dict[str, torch.Tensor], pieces_fn) -> dict:
-    """Shard every TP-local tensor by hand (pad + slice), place rows through ``pieces_fn``."""
-    out = {k: torch.full_like(v, SENTINEL) for k, v in disk.items()}
-    counts = {k: torch.zeros_like(v, dtype=torch.int32) for k, v in disk.items()}
-    proto = GTPShard(**lay_kw)
-    for k in range(proto.tp):
-        shards = _hand_shards(_tp_local(disk, proto, k), proto.g, proto.pad_for_alignment)
-        for r, shard in enumerate(shards):
-            lay = GTPShard(tp_rank=k, gtp_rank=r, **lay_kw)
-            for p in pieces_fn(lay):
-                key = "w" + p.key_suffix
-                assert p.global_size == disk[key].shape[0]
-                col0 = k * COLS if lay.tp_axis == 1 else 0
-                _write(out, counts, key, p, shard[p.lo:p.hi], col0)
-    return out, counts
-
 
 GOLDEN_LAYOUTS = [
     dict(L=100, tp=2, g=2, pad_for_alignment=16),  # spec measured case (fc1, non-gated)
@@ -346,9 +243,9 @@ GOLDEN_LAYOUTS = [
 @pytest.mark.parametrize("kw", GOLDEN_LAYOUTS, ids=_ids)
 def test_golden_logical_pieces_reproduce_non_gtp_disk(kw):
     proto = GTPShard(**kw)
-    disk = _non_gtp_disk(proto)
-    _assert_tp_local_is_megatron_layout(disk, proto)
-    out, counts = _reassemble(kw, disk, logical_pieces)
+    disk = non_gtp_disk(proto)
+    assert_tp_local_is_megatron_layout(disk, proto)
+    out, counts = reassemble(kw, disk, logical_pieces)
     for key in disk:
         assert torch.equal(out[key], disk[key]), key
         assert torch.all(counts[key] == 1), key
@@ -359,10 +256,10 @@ def test_golden_logical_pieces_reproduce_non_gtp_disk(kw):
 def test_golden_stock_layout_differs(kw):
     """Stock 0.19.2 offsets do not reproduce the non-GTP file (padded shape or scrambled rows)."""
     proto = GTPShard(**kw)
-    disk = _non_gtp_disk(proto)
+    disk = non_gtp_disk(proto)
     stock_disk = {}
     for k in range(proto.tp):
-        shards = _hand_shards(_tp_local(disk, proto, k), proto.g, proto.pad_for_alignment)
+        shards = hand_shards(tp_local(disk, proto, k), proto.g, proto.pad_for_alignment)
         for r, shard in enumerate(shards):
             lay = GTPShard(tp_rank=k, gtp_rank=r, **kw)
             for p in stock_0192_offsets(lay):
@@ -385,7 +282,7 @@ def test_golden_stock_layout_differs(kw):
                 shard[p.lo:p.hi] = stock_disk["w" + p.key_suffix][
                     p.global_offset:p.global_offset + p.rows, col0:col0 + COLS]
             for p in logical_pieces(lay):
-                _write(recovered, counts, "w" + p.key_suffix, p, shard[p.lo:p.hi], col0)
+                write_piece(recovered, counts, "w" + p.key_suffix, p, shard[p.lo:p.hi], col0)
     for key in disk:
         assert torch.equal(recovered[key], disk[key]) and torch.all(counts[key] == 1)
 
@@ -421,122 +318,3 @@ def test_empty_pieces_sit_at_the_end():
     lay = GTPShard(20, tp=2, g=8, gtp_rank=7, pad_for_alignment=4, gated=True,
                    singleton_local_shards=True)
     assert logical_pieces(lay) == [Piece(0, 0, "_v", 20, 20, "up")]
-
-
-# --------------------------------------------------------------------------------------------
-# Properties
-
-PROPS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-@st.composite
-def _lga(draw):
-    g = draw(st.integers(1, 8))
-    a = draw(st.integers(0, 128))
-    if a == 0:
-        L = g * draw(st.integers(1, 4096 // g))
-    else:
-        L = draw(st.integers(1, 4096))
-    return L, g, a
-
-
-@PROPS
-@given(_lga())
-def test_prop_padding_and_coverage(lga):
-    L, g, a = lga
-    pad, s = gtp_padding(L, g, a)
-    assert g * s == L + pad
-    if a == 0:
-        assert pad == 0
-    else:
-        assert 0 <= pad < a * g and (L + pad) % (a * g) == 0
-    prev = 0
-    for r in range(g):
-        start, stop = logical_rows(L, g, a, r)
-        assert start == prev and start <= stop and stop - start <= s
-        assert start == min(r * s, L)  # the prefix of padded rows [r*s, (r+1)*s)
-        prev = stop
-    assert prev == L
-    with _megatron_pad(a):
-        assert mgtp.gtp_remat_shard_dim0(L, _Group(g)) == (s, pad)
-
-
-def _tiles(kw: dict) -> None:
-    """Union of all pieces tiles each key's [0, global_rows) exactly once; local ranges are a
-    disjoint cover of each shard's logical prefix; empty pieces sit at the end."""
-    proto = GTPShard(**kw)
-    intervals: dict[str, list[tuple[int, int]]] = {}
-    for k in range(proto.tp):
-        for r in range(proto.g):
-            lay = GTPShard(tp_rank=k, gtp_rank=r, **kw)
-            pieces = logical_pieces(lay)
-            assert pieces
-            assert pieces[0].lo == 0 and pieces[-1].hi == lay.n_logical
-            for a, b in zip(pieces, pieces[1:]):
-                assert a.hi == b.lo and a.rows > 0 and b.rows > 0
-            for p in pieces:
-                assert p.global_size == lay.global_rows and not p.allow_shape_mismatch
-                if p.rows == 0:
-                    assert p.global_offset == p.global_size
-                    continue
-                # row-parallel: TP ranks tile dim 0 each in their own dim-1 column block
-                block = (p.key_suffix, k if lay.tp_axis == 1 else None)
-                intervals.setdefault(block, []).append(
-                    (p.global_offset, p.global_offset + p.rows))
-    keys = {"_w", "_v"} if proto.gated and proto.singleton_local_shards else {""}
-    blocks = range(proto.tp) if proto.tp_axis == 1 else [None]
-    assert set(intervals) == {(key, b) for key in keys for b in blocks}
-    for key, ivs in intervals.items():
-        ivs.sort()
-        pos = 0
-        for lo, hi in ivs:
-            assert lo == pos, (key, ivs)
-            pos = hi
-        assert pos == proto.global_rows
-
-
-@PROPS
-@given(_lga(), st.sampled_from([1, 2, 4, 8]), st.sampled_from([0, 1]))
-def test_prop_pieces_tile_global_tensor(lga, tp, tp_axis):
-    L, g, a = lga
-    _tiles(dict(L=L, tp=tp, g=g, pad_for_alignment=a, tp_axis=tp_axis))
-
-
-@PROPS
-@given(_lga(), st.sampled_from([1, 2, 4, 8]), st.booleans())
-def test_prop_gated_pieces_tile_and_land_where_non_gtp_puts_them(lga, tp, singleton):
-    L, g, a = lga
-    L += L % 2
-    assume(a > 0 or L % g == 0)
-    kw = dict(L=L, tp=tp, g=g, pad_for_alignment=a, gated=True, singleton_local_shards=singleton)
-    _tiles(kw)
-    # every TP-local logical row x of TP rank k: non-GTP megatron puts gate row x (< h) at
-    # k*h + x and up row x (>= h) at tp*h + k*h + x - h (singleton: key _v at k*h + x - h)
-    h = L // 2
-    for k in range(tp):
-        for r in range(g):
-            lay = GTPShard(tp_rank=k, gtp_rank=r, **kw)
-            start, _ = lay.logical
-            for p in logical_pieces(lay):
-                for x in {start + p.lo, start + p.hi - 1} if p.rows else ():
-                    if x < h:
-                        assert p.part == "gate"
-                        want = ("_w" if singleton else "", k * h + x)
-                    else:
-                        assert p.part == "up"
-                        want = ("_v", k * h + x - h) if singleton else ("", tp * h + k * h + x - h)
-                    assert (p.key_suffix, p.global_offset + (x - start - p.lo)) == want
-
-
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(1, 64), st.sampled_from([1, 2, 4]), st.integers(1, 6), st.integers(0, 9),
-       st.sampled_from(["col", "row", "gated", "gated_singleton"]))
-def test_prop_golden_torch(half, tp, g, a, kind):
-    L = 2 * half if kind.startswith("gated") else half
-    assume(a > 0 or L % g == 0)
-    kw = dict(L=L, tp=tp, g=g, pad_for_alignment=a, tp_axis=1 if kind == "row" else 0,
-              gated=kind.startswith("gated"), singleton_local_shards=kind == "gated_singleton")
-    disk = _non_gtp_disk(GTPShard(**kw))
-    out, counts = _reassemble(kw, disk, logical_pieces)
-    for key in disk:
-        assert torch.equal(out[key], disk[key]) and torch.all(counts[key] == 1)

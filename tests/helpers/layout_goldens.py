@@ -9,7 +9,7 @@ rows; a distributed optimizer's flat range of it. A routed expert is named by it
 (``experts.<ep_rank * local experts + i>``), and a router's ``expert_bias`` buffer (no optimizer
 state) holds ``(16 * layer + expert + 1) / 64``, exact in bf16. :func:`fill` writes them (or a
 sentinel), :func:`check` compares exactly.
-Used by tests/test_checkpoint_layouts.py, tests/test_roundtrip_property.py and
+Used by tests/helpers/checkpoint_matrix.py, tests/test_roundtrip_property.py and
 tests/test_checkpoint_compat.py (whose committed checkpoints were written with them).
 """
 
