@@ -1,6 +1,6 @@
 """``python -m gtp inspect / compare / convert`` on the checkpoints of tests/test_stock_format.py.
 
-The checkpoints (built once per session by ``test_stock_format.stock_checkpoints``, 4 gloo ranks):
+The checkpoints (built once per session by ``stock_goldens.stock_checkpoints``, 4 gloo ranks):
 ``stock`` (stock 0.19.2 writer, tp2 x gtp2, pad_for_alignment 16), ``logical_twin`` (same
 model, ckpt.format.logical_format's logical writer), ``tp2`` (loaded from ``stock`` into a non-GTP tp2 model
 and saved by megatron), ``perturbed`` (``tp2`` with logical fc1 row 110 of layer 1 changed), and
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from test_stock_format import ITER, PERTURB_LAYER, PERTURB_ROW, stock_checkpoints
+from stock_goldens import ITER, PERTURB_LAYER, PERTURB_ROW, stock_checkpoints
 
 pytestmark = pytest.mark.multiprocess
 
