@@ -240,3 +240,13 @@ def test_a_tensor_the_recorded_config_does_not_describe_is_refused_by_name():
                                           r"config's NemotronHForCausalLM has no place for: "
                                           r"\['decoder.layers.4.input_layernorm.weight'"):
         build_state(for_export(m), _logical_tensors(saved), m, 257, {}, "ckpt")
+
+
+def test_a_stages_prefix_build_takes_the_first_layers_in_its_own_segment():
+    """recipes.model.build replays the layers before a pipeline stage with the pattern's first
+    symbols in the stage's own ``|`` segment (megatron's select_pipeline_segment picks segment
+    ``stage``), MTP left out; tests/test_moe_layouts.py's hybrid pp2 case shows the weights."""
+    from recipes.families.hybrid.model import prefix_pattern
+
+    assert prefix_pattern("GEGE*E", 3, 1, 2) == "|GEG"
+    assert prefix_pattern("M*M*M*M*/*E", 4, 2, 4) == "||M*M*|"

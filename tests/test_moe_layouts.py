@@ -10,7 +10,7 @@
   step's ``grad-norm`` away from the same model without expert GTP (the fixes are needed);
 * a hybrid stack's MoE layers (``model=hybrid_moe_tiny``: Mamba, MoE, attention, MoE; sigmoid
   routing with the expert bias, a shared expert) at ep2, expert TP 2 and expert GTP 2 compute
-  what they do at ep1;
+  what they do at ep1, and so does the stack over two pipeline stages;
 * dense ``tp2`` with sequence parallelism computes what ``tp2`` without it does (the norm's
   ``sequence_parallel`` tag of ``mcore_compat.moe_cpu`` included: without it the norm gradients,
   hence the grad norm, differ), and the iterations after Adam steps agree too.
@@ -96,6 +96,8 @@ HYBRID_CASES = {
     "ep2": ("parallelism.expert_model_parallel_size=2",),
     "etp2": ("parallelism.expert_tensor_parallel_size=2",),
     "egtp2": ("gtp.expert_gtp_remat_size=2", "gtp.pad_for_alignment=16"),
+    # Stage 1 ("*E") starts from pp1's weights only if the draws of "ME" before it are replayed.
+    "pp2": ("parallelism.pipeline_model_parallel_size=2",),
 }
 
 
@@ -153,11 +155,11 @@ def test_each_expert_gtp_fix_is_needed(results, broken):
     assert abs(gn - ref[1]) > 1e-3 * ref[1], (broken, gn, ref)
 
 
-@pytest.mark.parametrize("layout", ["ep2", "etp2", "egtp2"])
+@pytest.mark.parametrize("layout", ["ep2", "etp2", "egtp2", "pp2"])
 def test_hybrid_moe_layers_compute_the_same_at_every_expert_layout(results, layout):
     """A hybrid stack's MoE layers: ``lm loss`` and ``grad-norm`` over 3 steps (Adam steps and
     expert-bias updates between them) equal ep1's, experts split by EP, expert TP or expert
-    GTP."""
+    GTP, and the stack split over two pipeline stages (from pp1's initial weights)."""
     pairs = zip(results[f"hybrid {layout}"], results["hybrid ep1"])
     for step, ((loss, gn), (ref_loss, ref_gn)) in enumerate(pairs, 1):  # `step` from one init
         assert_fp32_close(loss, ref_loss, step, HYBRID_MOE_TINY, what=(step, "loss"))

@@ -120,16 +120,42 @@ def local_stack_spec(m):
 
 
 def build(m, config, spec, vocab: int, pre: bool, post: bool, vp_stage, tied: bool):
-    """One chunk of megatron's ``HybridModel`` (arguments as the GPT family's ``build``)."""
+    """One chunk of megatron's ``HybridModel`` (arguments as the GPT family's ``build``).
+
+    Under pipeline parallelism, ``recipes.model.build`` first builds, and drops, the layers
+    before this stage (a config of ``pipeline_model_parallel_size=1`` and ``num_layers`` those
+    layers) so that every layout starts from pp1's weights: that build takes the pattern's first
+    ``num_layers`` symbols (:func:`prefix_pattern`), where megatron would split the whole pattern
+    by the pipeline rank and draw this stage's layers instead."""
+    from megatron.core import parallel_state
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
+    pattern = str(m.hybrid_layer_pattern)
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    if config.pipeline_model_parallel_size == 1 and stages > 1:
+        pattern = prefix_pattern(pattern, config.num_layers,
+                                 parallel_state.get_pipeline_model_parallel_rank(), stages)
     return HybridModel(
         config=config, hybrid_stack_spec=spec, vocab_size=vocab,
-        max_sequence_length=m.seq_length, hybrid_layer_pattern=m.hybrid_layer_pattern,
+        max_sequence_length=m.seq_length, hybrid_layer_pattern=pattern,
         pre_process=pre, post_process=post, share_embeddings_and_output_weights=tied,
         position_embedding_type=m.position_embedding_type,
         rotary_base=m.get("rotary_base", 10000), rotary_percent=m.get("rotary_percent", 1.0),
         vp_stage=vp_stage)
+
+
+def prefix_pattern(pattern: str, num_layers: int, stage: int, stages: int) -> str:
+    """The pattern that makes pipeline stage ``stage`` of ``stages`` build the first
+    ``num_layers`` layers of ``pattern`` and nothing else: those symbols in the stage's own
+    ``|``-delimited segment, every other segment empty (megatron's
+    ``hybrid_layer_allocation.select_pipeline_segment`` picks segment ``stage``). Multi-token
+    prediction layers (after ``/``) are left out, as the GPT family's prefix leaves them.
+
+    >>> prefix_pattern("GEGE*E", 3, 1, 2)
+    '|GEG'
+    """
+    main = layer_symbols(pattern.split("/")[0])
+    return PIPE * stage + main[:num_layers] + PIPE * (stages - 1 - stage)
 
 
 @contextlib.contextmanager
