@@ -25,7 +25,9 @@ parallelism                                                                 ``se
 
 The norm fix tags the norm's params ``sequence_parallel = True`` as megatron's fused norms do, so
 ``finalize_model_grads`` sums their gradients over the tensor-parallel group (each TP rank saw
-only its share of the sequence); without the tag norm gradients are wrong.
+only its share of the sequence); without the tag norm gradients are wrong. It is the one patch
+here that holds with CUDA too (:func:`torch_norm_under_sequence_parallel`, which the hybrid
+family installs on any device).
 """
 
 from __future__ import annotations
@@ -92,12 +94,20 @@ def _patch_split_sizes(token_dispatcher) -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
-def _patch_torch_norm(torch_norm) -> None:
+@megatron_patch("transformer.torch_norm.WrappedTorchNorm.__new__ (asserts no sequence "
+                "parallelism)")
+def torch_norm_under_sequence_parallel() -> None:
     """``WrappedTorchNorm.__new__`` under sequence parallelism: the torch norm is built from a
     copy of the config with ``sequence_parallel`` off, and its params are tagged
-    ``sequence_parallel`` (megatron's ``FusedLayerNorm`` does the same)."""
-    cls = torch_norm.WrappedTorchNorm
+    ``sequence_parallel`` (megatron's ``FusedLayerNorm`` does the same), so that
+    ``finalize_model_grads`` sums their gradients over the TP group. Idempotent; with CUDA too
+    (:func:`install` calls it on CPU; the hybrid family, whose local spec builds this norm
+    where apex is missing and for every Mamba layer, on any device). Without sequence
+    parallelism the norm is megatron's, untagged."""
+    cls = importlib.import_module("megatron.core.transformer.torch_norm").WrappedTorchNorm
     original = cls.__new__
+    if hasattr(original, "__wrapped__"):
+        return
 
     def __new__(klass, config, hidden_size, eps=1e-5, **kwargs):
         sp = bool(config.sequence_parallel)
@@ -135,7 +145,7 @@ def install(force: bool = False) -> bool:
         _patch_uneven_gather(importlib.import_module("megatron.core.tensor_parallel.mappings"))
         _patch_split_sizes(
             importlib.import_module("megatron.core.transformer.moe.token_dispatcher"))
-        _patch_torch_norm(importlib.import_module("megatron.core.transformer.torch_norm"))
+        torch_norm_under_sequence_parallel()
         _INSTALLED = True
     return _INSTALLED
 

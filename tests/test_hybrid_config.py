@@ -112,7 +112,6 @@ def test_a_gated_delta_net_model_is_not_exported():
     (["model.mamba_head_dim=40"], r"model.mamba_head_dim=40 must divide 2 \* model.hidden_size"),
     (["model.mtp_num_layers=1"], "multi-token prediction in a hybrid stack"),
     (["model.transformer_impl=transformer_engine"], "builds megatron's local layers"),
-    (["parallelism.sequence_parallel=true", "parallelism=tp2dp2"], "sequence_parallel"),
     (["model.hybrid_layer_pattern=''"], r"model.hybrid_layer_pattern='' is empty: .* or "
                                         r"model.family=gpt model.hybrid_layer_pattern=null"),
     (["model.mamba_head_dim=0"], r"model.mamba_head_dim=0 is invalid: it must be an integer"),
@@ -128,6 +127,15 @@ def test_what_the_family_does_not_run_is_refused_before_launch(overrides, match)
     world = cfg.parallelism.nproc_per_node
     with pytest.raises(ConfigError, match=match):
         validate(cfg, world)
+
+
+@pytest.mark.parametrize("model", ["hybrid_tiny", "hybrid_gdn_tiny"])
+def test_sequence_parallelism_is_accepted(model):
+    """Mamba and GatedDeltaNet layers at tp2 with sequence parallelism, with GTP: their in_proj
+    gathers the sequence, their out_proj reduce-scatters it (megatron's linears)."""
+    cfg = make_cfg(f"model={model}", "parallelism=tp2dp2", "parallelism.sequence_parallel=true",
+                   "gtp.gtp_remat_size=2", "gtp.pad_for_alignment=16")
+    assert validate(cfg, cfg.parallelism.nproc_per_node).sequence_parallel
 
 
 def test_bf16_is_accepted():

@@ -80,8 +80,9 @@ def test_the_stack_spec_has_a_moe_layer_only_with_e_in_the_pattern():
      r"'M\*-M\*-': add 'E' layers or set model.num_moe_experts=null"),
     # What the hybrid path cannot run.
     (["model.moe_layer_freq=2"], r"model.moe_layer_freq=2: the pattern's 'E' symbols place"),
-    (["parallelism=tp2"], r"parallelism.tensor_model_parallel_size=2 with MoE layers: "
-                          r"megatron's MoELayer trains at TP > 1 only with sequence parallelism"),
+    # megatron's MoELayer trains at TP > 1 only with sequence parallelism (recipes.model.moe).
+    (["parallelism=tp2"], r"an MoE model at parallelism.tensor_model_parallel_size=2 needs "
+                          r"sequence parallelism .*: set parallelism.sequence_parallel=true"),
     (["checkpoint.format=stock"], r"checkpoint.format=stock with MoE layers"),
     # The MoE family's rules and the expert layout rules (recipes.model.moe).
     (["model.moe_router_score_function=softmax"],
@@ -101,6 +102,21 @@ def test_what_the_hybrid_moe_path_cannot_run_is_refused_before_launch(overrides,
     with pytest.raises(ConfigError, match=match) as info:
         validate(cfg, cfg.parallelism.nproc_per_node)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["parallelism=tp2"],
+    ["parallelism=tp2", "gtp.gtp_remat_size=2", "gtp.pad_for_alignment=16",
+     "gtp.expert_gtp_remat_size=2", "parallelism.expert_model_parallel_size=2",
+     "parallelism.expert_tensor_parallel_size=1", "optim.use_distributed_optimizer=true"],
+    ["parallelism=tp2pp2", "parallelism.expert_tensor_parallel_size=1",
+     "parallelism.expert_model_parallel_size=2"],
+])
+def test_moe_layers_run_at_tp2_with_sequence_parallelism(overrides):
+    """MoE layers at TP > 1 with sequence parallelism, alone and with GTP, EP, expert TP, pipeline
+    stages and the distributed optimizer (trained: tests/test_moe_layouts.py)."""
+    cfg = make_cfg("model=hybrid_moe_tiny", *overrides, "parallelism.sequence_parallel=true")
+    assert validate(cfg, cfg.parallelism.nproc_per_node).sequence_parallel
 
 
 def test_the_moe_family_still_refuses_a_hybrid_pattern():

@@ -25,16 +25,16 @@ def check(cfg, parallel_dims) -> None:
             ``E`` (DeepSeek sparse attention, ... named with the reason), a pattern whose length
             is not ``num_layers``; MoE layers (``E``) without ``num_moe_experts`` or
             ``num_moe_experts`` without them, and with them what the MoE family refuses
-            (``recipes.families.moe.checks``), a ``moe_layer_freq`` (the pattern places them),
-            tensor parallelism (megatron's ``MoELayer`` trains at TP > 1 only with sequence
-            parallelism) and the stock checkpoint format; with Mamba layers, a Mamba size < 1
+            (``recipes.families.moe.checks``; TP > 1 without sequence parallelism:
+            ``recipes.model.moe.check``), a ``moe_layer_freq`` (the pattern places them) and the
+            stock checkpoint format; with Mamba layers, a Mamba size < 1
             and sizes that tensor parallelism cannot split (``nheads``, ``mamba_num_groups``);
             with GatedDeltaNet
             layers, a ``linear_*`` size < 1, value heads not a multiple of key heads, heads
             that tensor parallelism cannot split, and an activation other than SiLU
             (``model.swiglu=false``);
             and what is not run here: the stock checkpoint format under GTP (it cannot place
-            ``in_proj``'s optimizer moments), context or sequence parallelism, virtual pipeline
+            ``in_proj``'s optimizer moments), context parallelism, virtual pipeline
             stages, multi-token prediction, TransformerEngine layers, zero-centred norms other
             than RMSNorm (``layernorm_zero_centered_gamma``).
     """
@@ -79,14 +79,9 @@ def _check_moe(cfg, parallel_dims, pattern: str, key: str) -> None:
         raise ConfigError(f"{key} has MoE layers ('E'): set model.num_moe_experts (the routed "
                           f"experts of each)")
     freq = m.get("moe_layer_freq", 1)
-    tp = parallel_dims.tensor_model_parallel_size
     refusals = (
         (freq != 1, f"model.moe_layer_freq={freq!r}: the pattern's 'E' symbols place a hybrid "
                     f"model's MoE layers; leave model.moe_layer_freq=1"),
-        (tp > 1, f"parallelism.tensor_model_parallel_size={tp} with MoE layers: megatron's "
-                 f"MoELayer trains at TP > 1 only with sequence parallelism, which this family "
-                 f"does not run; split the experts instead "
-                 f"(parallelism.expert_model_parallel_size, expert_tensor_parallel_size)"),
         (cfg.checkpoint.get("format", "logical") == "stock",
          "checkpoint.format=stock with MoE layers: not tested in a hybrid stack; use "
          "checkpoint.format=logical"),
@@ -149,7 +144,6 @@ def _check_run(cfg, parallel_dims, key: str) -> None:
         (parallel_dims.context_parallel_size > 1,
          f"parallelism.context_parallel_size={parallel_dims.context_parallel_size}: not run here "
          f"(context_parallel_size=1)"),
-        (parallel_dims.sequence_parallel, "parallelism.sequence_parallel=true: not run here"),
         (bool(parallel_dims.virtual_pipeline_model_parallel_size),
          f"parallelism.virtual_pipeline_model_parallel_size="
          f"{parallel_dims.virtual_pipeline_model_parallel_size}: megatron-core 0.19.2 places a "

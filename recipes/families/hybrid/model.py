@@ -164,14 +164,18 @@ def building():
     ``mamba_ssm`` cannot run and ``HybridStack``'s final norm without TransformerEngine
     (``mcore_compat.mamba_cpu``), ``GatedDeltaNet`` on torch where flash-linear-attention
     cannot run (``mcore_compat.gdn_cpu``), megatron's local norm zero-centred where the config
-    says so (``mcore_compat.zero_centered_norm``), both packed ``in_proj`` weights in the logical
+    says so (``mcore_compat.zero_centered_norm``) and built under sequence parallelism on any
+    device (``mcore_compat.moe_cpu.torch_norm_under_sequence_parallel``: the Mamba layers' norm,
+    the final norm, and without apex every input and q/k norm are megatron's
+    ``WrappedTorchNorm``, which refuses it), both packed ``in_proj`` weights in the logical
     checkpoint format (``ckpt.format.mamba_format``, ``ckpt.format.gdn_format``), and MoE
     layers' experts built without drawing from torch's generator (the MoE family's
     ``experts_leave_rng_alone``; ``init_experts`` gives them their weights)."""
     from ckpt.format import gdn_format, mamba_format
-    from mcore_compat import gdn_cpu, mamba_cpu, zero_centered_norm
+    from mcore_compat import gdn_cpu, mamba_cpu, moe_cpu, zero_centered_norm
 
     mamba_cpu.install()
+    moe_cpu.torch_norm_under_sequence_parallel()
     zero_centered_norm.install()
     mamba_cpu.hybrid_stack_without_te()
     gdn_cpu.install()
