@@ -73,7 +73,8 @@ def test_bf16_main_params_and_moments_load_exactly_across_optimizer_kinds(matric
 
 # MoE layers (model=hybrid_moe_tiny, "ME*E": Mamba, MoE, attention, MoE; 4 SwiGLU experts of
 # width 40, sigmoid routing with the expert bias, a shared expert of width 32) at the expert
-# layouts (its MoE layers refuse TP > 1: tests/test_hybrid_moe_config.py): every pair loads,
+# layouts and at tp2 with sequence parallelism (megatron's MoE layers need it at TP > 1): every
+# pair loads,
 # each router's expert_bias included, and megatron built the family's table at each layout.
 _EP2 = "parallelism.expert_model_parallel_size=2"
 _EGTP2 = ("gtp.expert_gtp_remat_size=2", "gtp.pad_for_alignment=16")
@@ -83,6 +84,8 @@ MOE_LAYOUTS = {
     "moe ep2etp2": (1, 1, None, (_EP2, "parallelism.expert_tensor_parallel_size=2")),
     "moe ep2egtp2": (1, 1, None, (_EP2, *_EGTP2)),  # expert fc1 80 -> 96 rows, fc2 48 -> 64
     "moe g2egtp2do": (1, 2, 16, (*_EGTP2, _DISTOPT)),  # dense and expert GTP 2
+    # MoE layers at TP 2 with sequence parallelism, experts split by EP 2 and expert TP 2.
+    "moe tp2sp ep2": (2, 1, None, ("parallelism.sequence_parallel=true", _EP2)),
 }
 
 
