@@ -23,8 +23,9 @@
   hence the grad norm, differ), and the iterations after Adam steps agree too.
 
 Every layout reads the same global batch (one synthetic micro-batch per data-parallel rank and
-step) from the same initial weights (CPU initialization; experts: ``recipes.families.moe.model.init_experts``;
-at tp > 1 for hybrid stacks: the tp1 model's, cut to each rank).
+step) from the same initial weights (CPU initialization; experts:
+``recipes.families.moe.model.init_experts``; at tp > 1 for hybrid stacks: the tp1 model's, cut to
+each rank).
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def _tp1_reference(cfg_dict):
     cfg.gtp.gtp_remat_size = cfg.gtp.expert_gtp_remat_size = 1
     cfg.optim.use_distributed_optimizer = False
     try:
-        _, model, optimizer, scheduler = setup(cfg, validate(cfg, torch.distributed.get_world_size()))
+        parallel_dims = validate(cfg, torch.distributed.get_world_size())
+        _, model, optimizer, scheduler = setup(cfg, parallel_dims)
         names = global_names(model).values()
         weights = {name: p.detach().clone() for name, p in names}
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
@@ -107,8 +109,8 @@ def _start_from(model, optimizer, cfg, full) -> None:
 
 def _grad_differences(model, cfg, ref) -> dict:
     """``{global name: |g - g_tp1| / |G_tp1|}`` for every tp1 parameter over every rank's pieces
-    (the largest where ranks share one; infinity where no rank holds it): the step-1 gradient after ``finalize_model_grads`` (DP, TP and GTP sums)
-    against this rank's piece of the tp1 one, relative to the norm of tp1's whole gradient
+    (the largest where ranks share one; infinity where no rank holds it): the step-1 gradient
+    after ``finalize_model_grads`` (DP, TP and GTP sums) against this rank's piece of the tp1 one, relative to the norm of tp1's whole gradient
     (the grad-norm: its rounding bound covers every part of the vector)."""
     import math
 
