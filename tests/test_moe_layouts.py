@@ -110,8 +110,9 @@ def _start_from(model, optimizer, cfg, full) -> None:
 def _grad_differences(model, cfg, ref) -> dict:
     """``{global name: |g - g_tp1| / |G_tp1|}`` for every tp1 parameter over every rank's pieces
     (the largest where ranks share one; infinity where no rank holds it): the step-1 gradient
-    after ``finalize_model_grads`` (DP, TP and GTP sums) against this rank's piece of the tp1 one, relative to the norm of tp1's whole gradient
-    (the grad-norm: its rounding bound covers every part of the vector)."""
+    after ``finalize_model_grads`` (DP, TP and GTP sums) against this rank's piece of the tp1
+    one, relative to the norm of tp1's whole gradient (the grad-norm: its rounding bound covers
+    every part of the vector)."""
     import math
 
     import torch
