@@ -98,11 +98,34 @@ def test_a_gated_delta_net_model_is_not_exported():
         for_export(dict(make_cfg("model=hybrid_gdn_tiny").model))
 
 
+# hybrid_tiny with one MTP depth of attention and MLP layers (megatron's unified pattern).
+_MTP_PATTERN = "model.hybrid_layer_pattern='M*-M*-/*-'"
+
+
+def test_an_mtp_part_is_counted_by_hand_and_megatron_gets_its_depths():
+    """One MTP depth ``*-``: enorm, hnorm, eh_proj (48 x 96), an attention and an MLP layer and
+    the final norm, after the decoder's 6 layers (num_layers counts the part before '/')."""
+    cfg = make_cfg("model=hybrid_tiny", _MTP_PATTERN, "model.mtp_num_layers=1")
+    validate(cfg, cfg.parallelism.nproc_per_node)
+    mtp = 48 + 48 + 48 * 96 + ATTENTION + MLP + 48
+    assert parameter_counts(cfg.model, 320) == (105_332 + mtp,) * 2
+    fields = family_of(cfg.model).transformer_config_fields(cfg.model,
+                                                          ParallelDims.from_config(cfg, 2))
+    assert (fields["num_layers"], fields["mtp_num_layers"]) == (6, 1)
+
+
+def test_a_hybrid_mtp_model_is_not_exported():
+    cfg = make_cfg("model=hybrid_tiny", _MTP_PATTERN, "model.mtp_num_layers=1")
+    with pytest.raises(ExportError, match=r"model.mtp_num_layers=1 .*multi-token prediction "
+                                          r"layers are not exported"):
+        for_export(dict(cfg.model))
+
+
 @pytest.mark.parametrize("overrides,match", [
     (["model.hybrid_layer_pattern=MS*-M-"], "'S': DeepSeek sparse attention"),
     (["model.hybrid_layer_pattern=MX*-M-"], "'X': not a layer symbol"),
     (["model.hybrid_layer_pattern=M*-|M*-"], "'|' stage boundaries are not supported"),
-    (["model.num_layers=5"], "has 6 layers but model.num_layers=5"),
+    (["model.num_layers=5"], "has 6 decoder layers but model.num_layers=5"),
     (["parallelism=tp2dp2", "gtp.gtp_remat_size=2", "gtp.pad_for_alignment=16",
       "checkpoint.format=stock"], "checkpoint.format=stock under GTP"),
     (["parallelism=tp2dp2", "model.mamba_num_groups=3", "model.mamba_num_heads=6"],
@@ -110,7 +133,26 @@ def test_a_gated_delta_net_model_is_not_exported():
     (["model.mamba_num_groups=4"], r"Mamba heads = 6 must be divisible by "
                                    r"model.mamba_num_groups=4"),
     (["model.mamba_head_dim=40"], r"model.mamba_head_dim=40 must divide 2 \* model.hidden_size"),
-    (["model.mtp_num_layers=1"], "multi-token prediction in a hybrid stack"),
+    (["model.mtp_num_layers=1"], r"0 MTP depths but model.mtp_num_layers=1: give one '/'"),
+    ([_MTP_PATTERN], "1 MTP depths but model.mtp_num_layers=None"),
+    ([_MTP_PATTERN, "model.mtp_num_layers=2"], "1 MTP depths but model.mtp_num_layers=2"),
+    (["model.hybrid_layer_pattern='M*-M*-/*-/-*'", "model.mtp_num_layers=2"],
+     "MTP parts differ"),
+    (["model.hybrid_layer_pattern='M*-M*-/'", "model.mtp_num_layers=1"], "an empty MTP part"),
+    (["model.hybrid_layer_pattern='M*-M*-/*|-'", "model.mtp_num_layers=1"],
+     r"'\|' in the MTP part"),
+    (["model.hybrid_layer_pattern='/*-'", "model.mtp_num_layers=1"],
+     "no decoder layer before '/'"),
+    (["model.hybrid_layer_pattern='M*-M*-/*X'", "model.mtp_num_layers=1"],
+     "'X': not a layer symbol"),
+    (["model.hybrid_layer_pattern='M*-M*-M/*-'", "model.mtp_num_layers=1"],
+     r"has 7 decoder layers but model.num_layers=6: .* \(the MTP part after '/' not counted\)"),
+    ([_MTP_PATTERN, "model.mtp_num_layers=1", "checkpoint.format=stock"],
+     "checkpoint.format=stock with MTP layers: not tested in a hybrid stack"),
+    ([_MTP_PATTERN, "model.mtp_num_layers=1", "parallelism=pp2",
+      "model.position_embedding_type=learned_absolute"],
+     "model.mtp_num_layers=1 at pipeline_model_parallel_size=2 needs "
+     "model.position_embedding_type=rope"),
     (["model.transformer_impl=transformer_engine"], "builds megatron's local layers"),
     (["model.hybrid_layer_pattern=''"], r"model.hybrid_layer_pattern='' is empty: .* or "
                                         r"model.family=gpt model.hybrid_layer_pattern=null"),
@@ -258,3 +300,20 @@ def test_a_stages_prefix_build_takes_the_first_layers_in_its_own_segment():
 
     assert prefix_pattern("GEGE*E", 3, 1, 2) == "|GEG"
     assert prefix_pattern("M*M*M*M*/*E", 4, 2, 4) == "||M*M*|"
+
+
+def test_the_dry_run_counts_an_mtp_part_by_its_own_layers():
+    """bf16, pp 1, no attention scores: the MTP depth ``-`` adds its MLP sublayer (5 + 4 x 120
+    / 48 = 15 per s b h; a whole transformer layer would be 28), and the MTP head's 13 s b h +
+    its logits 4 s b v; its parameters on the model line."""
+    from recipes.dry_run import activation_bytes, report
+
+    base = make_cfg("model=hybrid_tiny", "precision=bf16", "data.micro_batch_size=2")
+    mtp = make_cfg("model=hybrid_tiny", "precision=bf16", "data.micro_batch_size=2",
+                   "model.hybrid_layer_pattern='M*-M*-/-'", "model.mtp_num_layers=1")
+    s, b, h, v = 64, 2, 48, 320
+    got = [activation_bytes(cfg, validate(cfg, 2), v, scores=False) for cfg in (base, mtp)]
+    assert got[1] - got[0] == s * b * h * 15 + 13 * s * b * h + 4 * s * b * v
+    mtp.train.dry_run = True
+    out = report(mtp, validate(mtp, 2))
+    assert "1 MTP layer included" in out and f"{105_332 + 4_752 + MLP:,}" in out, out

@@ -1,6 +1,6 @@
 """Qwen3-Next without processes: the 80B-A3B preset's parameter count against transformers'
 ``Qwen3NextForCausalLM`` built on the meta device and the published figures, its MTP layer
-counted apart (refused in a hybrid stack), the tiny preset's GTP padding, and the 80B recipe's
+counted as megatron's MTP part ('/*E'), the tiny preset's GTP padding, and the 80B recipe's
 dry run with GatedDeltaNet's activations."""
 
 from __future__ import annotations
@@ -74,18 +74,23 @@ def test_qwen3_next_80b_counts_what_transformers_builds(hf_model):
             round((active - embeddings) / 1e9)) == (80, 79, 3)
 
 
-def test_its_mtp_layer_is_counted_apart_and_refused(hf_model):
+def test_its_mtp_layer_is_counted_as_transformers_builds_its_layer(hf_model):
     """Qwen3-Next's checkpoint adds one MTP layer (``mtp.*``, which transformers drops): ``fc``
     ``[h, 2h]`` over [embedding; hidden], the norms of both and its final norm, and one
     decoder layer of full attention with an MoE block (as HF layer 3), sharing the model's
-    embedding and output layer: 1,650,471,424 parameters. megatron's MTP in a hybrid stack is
-    refused before launch (not in this family yet)."""
+    embedding and output layer: 1,650,471,424 parameters. In megatron's unified pattern it is
+    the MTP part ``/*E`` with ``mtp_num_layers=1``; the table counts it exactly, its rows under
+    ``mtp.layers.0``."""
     mtp = 2 * H * H + 3 * H + _layer_sum(hf_model, 3)
     assert mtp == 1_650_471_424
-    cfg = make_cfg("model=qwen3_next_80b_a3b", "model.mtp_num_layers=1",
-                   "parallelism.expert_model_parallel_size=2")
-    with pytest.raises(ConfigError, match="multi-token prediction in a hybrid stack"):
-        validate(cfg, 2)
+    pattern = make_cfg("model=qwen3_next_80b_a3b").model.hybrid_layer_pattern
+    cfg = make_cfg("model=qwen3_next_80b_a3b", f"model.hybrid_layer_pattern='{pattern}/*E'",
+                   "model.mtp_num_layers=1", "parallelism.expert_model_parallel_size=2")
+    validate(cfg, 2)
+    total, _ = parameter_counts(cfg.model, VOCAB)
+    assert total == PUBLISHED[0] + mtp
+    assert sum(torch.Size(p.shape).numel() for p in parameter_shapes(cfg.model, VOCAB)
+               if p.name.startswith("mtp.layers.0.")) == mtp
 
 
 def test_the_tiny_preset_is_qwen3_next_shaped_and_gtp_pads_it():
@@ -126,7 +131,8 @@ def test_the_80b_recipe_fits_with_gated_delta_net_activations(monkeypatch):
     # block 5 + 10 (2 + 4 x 512 / 2048) + 4 x 512 / 2048; twelve of GEGEGE*E.
     gdn = 5 + (2 * 12352 + 2 * 8192 + 4 * 2048 + 6 * 32 + 4 * 32 * 64 + 4 * 4096) / 2048
     block = 3 * gdn + (5 + 9 + 8) + 4 * (5 + 10 * 3 + 1)
-    assert _hybrid_sublayers(cfg.model, 1, 1) == (pytest.approx(12 * block), 12)
+    assert _hybrid_sublayers(cfg.model, 1, 1, cfg.model.hybrid_layer_pattern) == (
+        pytest.approx(12 * block), 12)
 
 
 def test_a_shared_expert_gate_without_a_shared_expert_is_refused():

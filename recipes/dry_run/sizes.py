@@ -26,7 +26,15 @@ from dataclasses import dataclass
 from recipes.config.errors import ConfigError
 from recipes.data import build_tokenizer
 from recipes.families import parameter_counts, parameter_shapes
-from recipes.families.hybrid.model import ATTENTION, GDN, MLP, MOE, is_hybrid, layer_symbols
+from recipes.families.hybrid.model import (
+    ATTENTION,
+    GDN,
+    MLP,
+    MOE,
+    is_hybrid,
+    layer_symbols,
+    mtp_symbols,
+)
 from recipes.families.hybrid.params import gdn_dims
 from recipes.metrics.logger import format_bytes
 from recipes.model import te
@@ -203,9 +211,9 @@ def _attention_terms(m) -> tuple[float, float]:
 GDN_CHUNK = 64
 
 
-def _hybrid_sublayers(m, t: int, sp: int) -> tuple[float, float]:
-    """A hybrid stack's activations per ``s b h`` (16-bit units of 2 bytes, as Korthikanti's
-    constants): ``(the sublayers' sum without attention scores, the attention layers' count)``
+def _hybrid_sublayers(m, t: int, sp: int, symbols: str) -> tuple[float, float]:
+    """A hybrid stack's activations per ``s b h`` (the layers of ``symbols``; 16-bit units of
+    2 bytes, as Korthikanti's constants): ``(the sublayers' sum without attention scores, the attention layers' count)``
     (the caller adds ``5 a s / h / t`` per attention layer when scores are stored). Each
     sublayer keeps its norm's input, the norm's output and the residual dropout's mask
     (``5``, split by sequence parallelism ``sp``), then:
@@ -237,7 +245,7 @@ def _hybrid_sublayers(m, t: int, sp: int) -> tuple[float, float]:
     if m.get("attention_output_gate"):
         attention += 4 * a * (m.get("kv_channels") or h // a) / h
     total, attention_layers = 0.0, 0
-    for symbol in layer_symbols(str(m.hybrid_layer_pattern)):
+    for symbol in symbols:
         if symbol == ATTENTION:
             total += (5 + latent) / sp + attention / t
             attention_layers += 1
@@ -274,7 +282,7 @@ def activation_bytes(cfg, parallel_dims, padded_vocab: int, scores: bool | None 
     * ``full``: ``2 s b h`` (each layer's input; ``/ t`` with sequence parallelism).
 
     A hybrid model (``model.hybrid_layer_pattern``) sums its sublayers' own terms instead
-    (:func:`_hybrid_sublayers`; ``full``: ``2 s b h`` each).
+    (:func:`_hybrid_sublayers`; ``full``: ``2 s b h`` each), an MTP layer its MTP part's.
 
     Times ``num_layers`` (pp stages of num_layers / pp layers, pp micro-batches in flight on the
     first), plus the embedding's ``8 s b pp + s b h pp``; then Megatron-LM's pipeline factors
@@ -305,10 +313,17 @@ def activation_bytes(cfg, parallel_dims, padded_vocab: int, scores: bool | None 
             layer += 5 * a * s * s * b / t
     layers = layer * L
     if is_hybrid(m) and recompute != "full":
-        per_sbh, attention_layers = _hybrid_sublayers(m, t, sp)
-        layers = s * b * h * per_sbh
-        if recompute is None and scores:
-            layers += attention_layers * 5 * a * s * s * b / t
+        def stack(symbols: str) -> float:
+            per_sbh, attention_layers = _hybrid_sublayers(m, t, sp, symbols)
+            out = s * b * h * per_sbh
+            if recompute is None and scores:
+                out += attention_layers * 5 * a * s * s * b / t
+            return out
+
+        layers = stack(layer_symbols(str(m.hybrid_layer_pattern)))
+        layer = stack(mtp_symbols(str(m.hybrid_layer_pattern)))  # an MTP depth's layers
+    elif is_hybrid(m):
+        layer *= len(mtp_symbols(str(m.hybrid_layer_pattern)))  # each input kept
     act = layers + (8 * s * b * pp + s * b * h * pp) / sp
     if vpp:
         act *= 1 + (pp - 1) / (pp * vpp)

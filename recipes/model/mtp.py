@@ -1,7 +1,8 @@
 """Multi-token prediction in a run: the checks before launch and the ``mtp_N loss`` metrics.
 
 The MTP layers themselves are megatron's (``MultiTokenPredictionBlock``, built by the GPT
-family's ``GPTModel`` on the last pipeline stage); their loss reaches the gradients through
+family's ``GPTModel``, or the hybrid family's ``HybridModel`` from the pattern's ``/`` parts, on
+the last pipeline stage); their loss reaches the gradients through
 megatron's ``MTPLossAutoScaler``, whose scale megatron's schedule sets. ``docs/mtp.md`` says
 more.
 """

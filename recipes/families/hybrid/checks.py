@@ -8,9 +8,12 @@ from recipes.families.hybrid.model import (
     GDN_FIELDS,
     MAMBA,
     MOE,
+    MTP,
     PIPE,
     SUPPORTED,
     UNSUPPORTED,
+    layer_symbols,
+    mtp_parts,
 )
 from recipes.families.hybrid.params import mamba_dims
 from recipes.families.moe import checks as moe_checks
@@ -35,8 +38,11 @@ def check(cfg, parallel_dims) -> None:
             (``model.swiglu=false``);
             and what is not run here: the stock checkpoint format under GTP (it cannot place
             ``in_proj``'s optimizer moments), context parallelism, virtual pipeline
-            stages, multi-token prediction, TransformerEngine layers, zero-centred norms other
-            than RMSNorm (``layernorm_zero_centered_gamma``).
+            stages, TransformerEngine layers, zero-centred norms other
+            than RMSNorm (``layernorm_zero_centered_gamma``); with an MTP part (``/``, megatron's
+            unified pattern ``<main>/<mtp>/<mtp>...``): no decoder layer before it, ``|`` in it,
+            an empty part, parts that differ, ``mtp_num_layers`` other than the parts' count
+            (also without ``/``), the stock checkpoint format (not tested here).
     """
     m = cfg.model
     pattern = str(m.hybrid_layer_pattern)
@@ -46,23 +52,53 @@ def check(cfg, parallel_dims) -> None:
         raise ConfigError(f"{key} is empty: give one symbol a layer ({valid}), or "
                           f"model.family=gpt model.hybrid_layer_pattern=null for a transformer-only "
                           f"model")
+    _check_mtp(cfg, pattern, key)
     for symbol in dict.fromkeys(pattern):
-        if symbol in SUPPORTED:
+        if symbol in SUPPORTED or symbol == MTP:
             continue
         if symbol == PIPE:
             raise ConfigError(f"{key}: '|' stage boundaries are not supported here; the layers "
                               f"split evenly over pipeline stages (valid symbols: {valid})")
         why = UNSUPPORTED.get(symbol, "not a layer symbol")
         raise ConfigError(f"{key}: {symbol!r}: {why} (valid symbols: {valid})")
-    if len(pattern) != m.num_layers:
-        raise ConfigError(f"{key} has {len(pattern)} layers but model.num_layers={m.num_layers}: "
-                          f"one symbol a layer")
+    if len(layer_symbols(pattern)) != m.num_layers:
+        raise ConfigError(f"{key} has {len(layer_symbols(pattern))} decoder layers but "
+                          f"model.num_layers={m.num_layers}: one symbol a layer (the MTP part "
+                          f"after '/' not counted)")
     _check_moe(cfg, parallel_dims, pattern, key)
     if MAMBA in pattern:
         _check_mamba_sizes(m, parallel_dims.tensor_model_parallel_size)
     if GDN in pattern:
         _check_gdn(m, parallel_dims.tensor_model_parallel_size)
     _check_run(cfg, parallel_dims, key)
+
+
+def _check_mtp(cfg, pattern: str, key: str) -> None:
+    """The MTP part (after ``/``) as megatron's ``parse_hybrid_pattern`` takes it, and
+    ``mtp_num_layers`` equal to its depths (megatron's training arguments infer it from the
+    pattern and override a different one: here both are said)."""
+    m = cfg.model
+    parts, n = mtp_parts(pattern), int(m.get("mtp_num_layers") or 0)
+    example = f"e.g. model.hybrid_layer_pattern='{layer_symbols(pattern) or 'GE*E'}/*E'"
+    refusals = (
+        (bool(parts) and not layer_symbols(pattern), "no decoder layer before '/'"),
+        (any(PIPE in part for part in parts), "'|' in the MTP part: megatron places the MTP "
+                                              "layers on the last pipeline stage"),
+        (any(not part for part in parts), "an empty MTP part: each '/' is followed by one MTP "
+                                          f"depth's layers ({example})"),
+        (len(set(parts)) > 1, "MTP parts differ: megatron builds every MTP depth from one "
+                              "pattern, repeated once a depth (e.g. '.../*E/*E')"),
+        (n != len(parts), f"{len(parts)} MTP depths but model.mtp_num_layers="
+                          f"{m.get('mtp_num_layers')}: give one '/' part per MTP layer and "
+                          f"set model.mtp_num_layers to their count ({example} "
+                          f"model.mtp_num_layers=1)"),
+        (bool(parts) and cfg.checkpoint.get("format", "logical") == "stock",
+         "checkpoint.format=stock with MTP layers: not tested in a hybrid stack; use "
+         "checkpoint.format=logical"),
+    )
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"{key}: {why}")
 
 
 def _check_moe(cfg, parallel_dims, pattern: str, key: str) -> None:
@@ -149,8 +185,6 @@ def _check_run(cfg, parallel_dims, key: str) -> None:
          f"{parallel_dims.virtual_pipeline_model_parallel_size}: megatron-core 0.19.2 places a "
          f"hybrid model's virtual stages by '|' in the pattern, which this family does not "
          f"take; use virtual_pipeline_model_parallel_size=null"),
-        (bool(m.get("mtp_num_layers")), f"model.mtp_num_layers={m.get('mtp_num_layers')}: "
-         f"multi-token prediction in a hybrid stack is not in this family yet"),
         (bool(m.get("layernorm_zero_centered_gamma"))
          and m.get("normalization", "LayerNorm") != "RMSNorm",
          f"model.layernorm_zero_centered_gamma=true with model.normalization="

@@ -41,7 +41,7 @@ from typing import Any
 from ckpt.families import ExportError, FamilyFormats, HFArchitecture, HFImport
 from ckpt.hf.mapping import split_qkv
 from recipes.families.hybrid import hf_qwen3_next
-from recipes.families.hybrid.model import ATTENTION, GDN, GDN_FIELDS, MAMBA, MLP
+from recipes.families.hybrid.model import ATTENTION, GDN, GDN_FIELDS, MAMBA, MLP, MTP
 from recipes.families.hybrid.params import mamba_dims
 
 # The fields that size stored tensors (ckpt.format.records.unbounded_size), with the pattern's
@@ -82,7 +82,8 @@ def architecture(model: dict) -> str | None:
     rule), None for one without ``hybrid_layer_pattern``.
 
     Raises:
-        ExportError: a setting Qwen3-Next does not compute
+        ExportError: multi-token prediction layers (an MTP part after ``/``; their mapping to
+            Qwen3-Next's ``mtp.*`` weights is not written), a setting Qwen3-Next does not compute
             (:func:`recipes.families.hybrid.hf_qwen3_next.check_export`), or one NemotronH does
             not compute (named with what it computes):
             normalization other than RMSNorm, linear biases, a position embedding, SwiGLU,
@@ -93,6 +94,11 @@ def architecture(model: dict) -> str | None:
     pattern = model.get("hybrid_layer_pattern")
     if pattern is None:
         return None
+    if MTP in pattern:
+        raise ExportError(f"model.mtp_num_layers={model.get('mtp_num_layers')!r} "
+                          f"(model.hybrid_layer_pattern={pattern!r}): a hybrid model's "
+                          f"multi-token prediction layers are not exported (no mapping to "
+                          f"Qwen3-Next's mtp.* weights here); export a model without them")
     if (any(s not in LAYER_TYPES for s in pattern) or model.get("attention_output_gate")
             or model.get("layernorm_zero_centered_gamma")):
         try:

@@ -10,8 +10,9 @@ import contextlib
 from recipes.families.gpt import model as gpt_model
 from recipes.families.moe import model as moe_model
 
-# megatron's layer symbols (megatron.core.models.hybrid.hybrid_layer_allocation.Symbols).
-MAMBA, GDN, ATTENTION, MLP, MOE, PIPE = "M", "G", "*", "-", "E", "|"
+# megatron's layer symbols (megatron.core.models.hybrid.hybrid_layer_allocation.Symbols); MTP
+# the separator of the multi-token prediction part ("<main>/<mtp>/<mtp>...", one per depth).
+MAMBA, GDN, ATTENTION, MLP, MOE, PIPE, MTP = "M", "G", "*", "-", "E", "|", "/"
 SUPPORTED = {MAMBA: "Mamba", GDN: "GatedDeltaNet", ATTENTION: "attention", MLP: "MLP",
              MOE: "MoE"}
 # megatron's TransformerConfig fields of GatedDeltaNet layers (the family's schema has them).
@@ -21,7 +22,6 @@ GDN_FIELDS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_hea
 UNSUPPORTED = {
     "S": "DeepSeek sparse attention is not in this family",
     "D": "DeepSeek sparse attention is not in this family",
-    "/": "multi-token prediction in a hybrid stack is not in this family yet",
 }
 
 
@@ -32,8 +32,21 @@ def is_hybrid(m) -> bool:
 
 
 def layer_symbols(pattern: str) -> str:
-    """The pattern's layer symbols, pipeline separators ``|`` left out."""
-    return pattern.replace(PIPE, "")
+    """The main decoder's layer symbols: the pattern before its first ``/`` (the MTP part),
+    pipeline separators ``|`` left out (megatron's ``get_hybrid_total_layer_count``)."""
+    return pattern.split(MTP)[0].replace(PIPE, "")
+
+
+def mtp_parts(pattern: str) -> list[str]:
+    """The pattern's MTP parts, one per depth (megatron's ``parse_hybrid_pattern``: each part
+    after a ``/``; all must be alike); [] without ``/``."""
+    return pattern.split(MTP)[1:]
+
+
+def mtp_symbols(pattern: str) -> str:
+    """The layer symbols of one MTP depth (the first MTP part; '' without MTP)."""
+    parts = mtp_parts(pattern)
+    return parts[0] if parts else ""
 
 
 def transformer_config_fields(m, dims) -> dict:
@@ -71,7 +84,9 @@ def local_stack_spec(m):
     attention and MLP halves (``get_gpt_layer_local_spec``), each with its own input norm; an
     MoE layer is megatron's ``MoETransformerLayer`` (as its TE spec) holding the MLP half of the
     local GPT MoE layer (``get_gpt_layer_local_spec`` with ``num_moe_experts``: ``TopKRouter``,
-    ``SequentialMLP`` experts, the shared expert), present with ``E`` in the pattern only."""
+    ``SequentialMLP`` experts, the shared expert), present with ``E`` in the pattern only.
+    With an MTP part (``/``), the MTP block of :func:`local_mtp_block_spec`: megatron builds each
+    depth's layers as a nested ``HybridStack`` of this spec's layers."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
@@ -116,7 +131,35 @@ def local_stack_spec(m):
                                          submodules=TransformerLayerSubmodules(
                                              pre_mlp_layernorm=moe.pre_mlp_layernorm,
                                              mlp=moe.mlp, mlp_bda=moe.mlp_bda))
+    if mtp_parts(str(m.hybrid_layer_pattern)):
+        layers["mtp_block_spec"] = local_mtp_block_spec(gpt.input_layernorm)
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(**layers))
+
+
+def local_mtp_block_spec(norm):
+    """megatron's hybrid MTP block spec without TransformerEngine (0.19.2 has only the TE one,
+    ``hybrid_layer_specs._hybrid_mtp_block_spec``): a ``MultiTokenPredictionBlock`` of
+    ``MultiTokenPredictionLayer`` s with ``enorm``, ``hnorm`` and the final ``layer_norm`` the
+    ``norm`` of the main stack's layers (the local spec's, the config's normalization), ``eh_proj``
+    a ``ColumnParallelLinear`` (as megatron's local MTP layer, ``get_mtp_layer_spec_for_backend``)
+    and ``mtp_model_layer=None``: ``HybridModel`` builds each depth's layers from the pattern's
+    MTP part as a nested ``HybridStack`` of the main stack's layer specs
+    (``mtp.layers.<depth>.mtp_model_layer.layers.<j>``)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlock,
+        MultiTokenPredictionBlockSubmodules,
+        MultiTokenPredictionLayer,
+        MultiTokenPredictionLayerSubmodules,
+    )
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    layer = ModuleSpec(module=MultiTokenPredictionLayer,
+                       submodules=MultiTokenPredictionLayerSubmodules(
+                           enorm=norm, hnorm=norm, eh_proj=ColumnParallelLinear,
+                           mtp_model_layer=None, layer_norm=norm))
+    return ModuleSpec(module=MultiTokenPredictionBlock,
+                      submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[layer]))
 
 
 def build(m, config, spec, vocab: int, pre: bool, post: bool, vp_stage, tied: bool):
@@ -126,7 +169,10 @@ def build(m, config, spec, vocab: int, pre: bool, post: bool, vp_stage, tied: bo
     before this stage (a config of ``pipeline_model_parallel_size=1`` and ``num_layers`` those
     layers) so that every layout starts from pp1's weights: that build takes the pattern's first
     ``num_layers`` symbols (:func:`prefix_pattern`), where megatron would split the whole pattern
-    by the pipeline rank and draw this stage's layers instead."""
+    by the pipeline rank and draw this stage's layers instead. With MTP layers, a chunk without
+    the first layer builds megatron's copy of the word embedding drawing nothing (the GPT
+    family's ``mtp_embedding_copy_draws_nothing``: ``HybridModel`` builds it as ``GPTModel``
+    does)."""
     from megatron.core import parallel_state
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
@@ -135,13 +181,15 @@ def build(m, config, spec, vocab: int, pre: bool, post: bool, vp_stage, tied: bo
     if config.pipeline_model_parallel_size == 1 and stages > 1:
         pattern = prefix_pattern(pattern, config.num_layers,
                                  parallel_state.get_pipeline_model_parallel_rank(), stages)
-    return HybridModel(
-        config=config, hybrid_stack_spec=spec, vocab_size=vocab,
-        max_sequence_length=m.seq_length, hybrid_layer_pattern=pattern,
-        pre_process=pre, post_process=post, share_embeddings_and_output_weights=tied,
-        position_embedding_type=m.position_embedding_type,
-        rotary_base=m.get("rotary_base", 10000), rotary_percent=m.get("rotary_percent", 1.0),
-        vp_stage=vp_stage)
+    copy = not pre and bool(config.mtp_num_layers)
+    with gpt_model.mtp_embedding_copy_draws_nothing() if copy else contextlib.nullcontext():
+        return HybridModel(
+            config=config, hybrid_stack_spec=spec, vocab_size=vocab,
+            max_sequence_length=m.seq_length, hybrid_layer_pattern=pattern,
+            pre_process=pre, post_process=post, share_embeddings_and_output_weights=tied,
+            position_embedding_type=m.position_embedding_type,
+            rotary_base=m.get("rotary_base", 10000), rotary_percent=m.get("rotary_percent", 1.0),
+            vp_stage=vp_stage)
 
 
 def prefix_pattern(pattern: str, num_layers: int, stage: int, stages: int) -> str:

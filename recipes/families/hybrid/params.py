@@ -4,7 +4,15 @@ building it (a multi-process test compares the table with built models at severa
 from __future__ import annotations
 
 from recipes.families.gpt.params import attention_shapes, embedding_shapes, mlp_shapes
-from recipes.families.hybrid.model import ATTENTION, GDN, MAMBA, MLP, MOE, layer_symbols
+from recipes.families.hybrid.model import (
+    ATTENTION,
+    GDN,
+    MAMBA,
+    MLP,
+    MOE,
+    layer_symbols,
+    mtp_parts,
+)
 from recipes.families.moe.params import moe_shapes
 from recipes.model.shapes import ParamShape, getter
 
@@ -56,7 +64,12 @@ def parameter_shapes(m, padded_vocab: int) -> list[ParamShape]:
     ``add_bias_linear``), an MoE layer's ``pre_mlp_layernorm`` and ``MoELayer`` as the MoE
     family's (router, ``num_moe_experts`` routed experts with ``expert=True``, the optional
     shared expert); the embedding as the GPT family's (a position embedding when
-    ``position_embedding_type=learned_absolute``).
+    ``position_embedding_type=learned_absolute``). Each MTP depth of the pattern (a part after
+    ``/``) is megatron's ``mtp.layers.<i>``: ``enorm``, ``hnorm``, ``eh_proj`` (hidden x 2
+    hidden, column-parallel, GTP-sharded), the part's layers as above under
+    ``mtp_model_layer.layers.<j>``, and ``final_layernorm``; a pipeline stage holding the MTP
+    layers but not the first layer also holds a copy of ``embedding.word_embeddings.weight``
+    (not listed twice).
 
     Args:
         m: the ``model`` config; padded_vocab: rows of the embedding and output layer.
@@ -71,42 +84,58 @@ def parameter_shapes(m, padded_vocab: int) -> list[ParamShape]:
         if norm_bias:
             out.append(ParamShape(f"{prefix}.bias", (width,)))
 
-    symbols = layer_symbols(m.hybrid_layer_pattern)
-    if MAMBA in symbols:  # without Mamba layers their sizes may be unset
-        d = mamba_dims(m)
-        conv = d["d_inner"] + 2 * d["groups"] * d["state"]
-    for i, symbol in enumerate(symbols):
-        layer = f"decoder.layers.{i}"
-        if symbol == MAMBA:
-            norm(f"{layer}.norm")
-            mixer = f"{layer}.mixer"
-            out += [ParamShape(f"{mixer}.conv1d_weight", (conv, 1, 4), 0),
-                    ParamShape(f"{mixer}.conv1d_bias", (conv,), 0),
-                    ParamShape(f"{mixer}.dt_bias", (d["nheads"],), 0),
-                    ParamShape(f"{mixer}.A_log", (d["nheads"],), 0),
-                    ParamShape(f"{mixer}.D", (d["nheads"],), 0),
-                    ParamShape(f"{mixer}.in_proj.weight", (d["in_proj"], h), 0, True),
-                    ParamShape(f"{mixer}.norm.weight", (d["d_inner"],), 0),
-                    ParamShape(f"{mixer}.out_proj.weight", (h, d["d_inner"]), 1, True)]
-        elif symbol == GDN:
-            g = gdn_dims(m)
-            norm(f"{layer}.input_layernorm")
-            net = f"{layer}.self_attention"
-            out += [ParamShape(f"{net}.dt_bias", (g["heads"],), 0),
-                    ParamShape(f"{net}.A_log", (g["heads"],), 0),
-                    ParamShape(f"{net}.in_proj.weight", (g["in_proj"], h), 0, True),
-                    ParamShape(f"{net}.conv1d.weight", (g["conv"], 1, g["kernel"]), 0)]
-            norm(f"{net}.out_norm", g["head_v"])
-            out.append(ParamShape(f"{net}.out_proj.weight", (h, g["v"]), 1, True))
-        elif symbol == ATTENTION:
-            attention_shapes(m, layer, out.append, norm)
-        elif symbol == MLP:
-            norm(f"{layer}.pre_mlp_layernorm")
-            mlp_shapes(m, f"{layer}.mlp", m.ffn_hidden_size, out.append)
-        elif symbol == MOE:
-            norm(f"{layer}.pre_mlp_layernorm")
-            moe_shapes(m, layer, out.append)
+    pattern = str(m.hybrid_layer_pattern)
+    for i, symbol in enumerate(layer_symbols(pattern)):
+        _sublayer(m, f"decoder.layers.{i}", symbol, out.append, norm)
     norm("decoder.final_norm")
+    for i, part in enumerate(mtp_parts(pattern)):
+        # megatron's MultiTokenPredictionLayer (hybrid path): the norms of the embedding and of
+        # the hidden state, eh_proj ([embedding; hidden] -> hidden, column-parallel), the
+        # depth's layers as a HybridStack without a final norm, then its own final norm.
+        layer = f"mtp.layers.{i}"
+        norm(f"{layer}.enorm")
+        norm(f"{layer}.hnorm")
+        out.append(ParamShape(f"{layer}.eh_proj.weight", (h, 2 * h), 0, True))
+        for j, symbol in enumerate(part):
+            _sublayer(m, f"{layer}.mtp_model_layer.layers.{j}", symbol, out.append, norm)
+        norm(f"{layer}.final_layernorm")
     if not m.share_embeddings_and_output_weights:
         out.append(ParamShape("output_layer.weight", (padded_vocab, h), 0, True))
     return out
+
+
+def _sublayer(m, layer: str, symbol: str, add, norm) -> None:
+    """Add the parameters of one layer of a ``HybridStack`` (``symbol``) under ``layer``."""
+    h = m.hidden_size
+    if symbol == MAMBA:
+        d = mamba_dims(m)
+        conv = d["d_inner"] + 2 * d["groups"] * d["state"]
+        norm(f"{layer}.norm")
+        mixer = f"{layer}.mixer"
+        for entry in (ParamShape(f"{mixer}.conv1d_weight", (conv, 1, 4), 0),
+                      ParamShape(f"{mixer}.conv1d_bias", (conv,), 0),
+                      ParamShape(f"{mixer}.dt_bias", (d["nheads"],), 0),
+                      ParamShape(f"{mixer}.A_log", (d["nheads"],), 0),
+                      ParamShape(f"{mixer}.D", (d["nheads"],), 0),
+                      ParamShape(f"{mixer}.in_proj.weight", (d["in_proj"], h), 0, True),
+                      ParamShape(f"{mixer}.norm.weight", (d["d_inner"],), 0),
+                      ParamShape(f"{mixer}.out_proj.weight", (h, d["d_inner"]), 1, True)):
+            add(entry)
+    elif symbol == GDN:
+        g = gdn_dims(m)
+        norm(f"{layer}.input_layernorm")
+        net = f"{layer}.self_attention"
+        add(ParamShape(f"{net}.dt_bias", (g["heads"],), 0))
+        add(ParamShape(f"{net}.A_log", (g["heads"],), 0))
+        add(ParamShape(f"{net}.in_proj.weight", (g["in_proj"], h), 0, True))
+        add(ParamShape(f"{net}.conv1d.weight", (g["conv"], 1, g["kernel"]), 0))
+        norm(f"{net}.out_norm", g["head_v"])
+        add(ParamShape(f"{net}.out_proj.weight", (h, g["v"]), 1, True))
+    elif symbol == ATTENTION:
+        attention_shapes(m, layer, add, norm)
+    elif symbol == MLP:
+        norm(f"{layer}.pre_mlp_layernorm")
+        mlp_shapes(m, f"{layer}.mlp", m.ffn_hidden_size, add)
+    elif symbol == MOE:
+        norm(f"{layer}.pre_mlp_layernorm")
+        moe_shapes(m, layer, add)

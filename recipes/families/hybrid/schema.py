@@ -11,8 +11,9 @@ from typing import Optional
 class HybridFields:
     """Mamba and GatedDeltaNet layers mixed with attention and MLP layers."""
 
-    # One symbol a layer, "M" Mamba, "G" GatedDeltaNet, "*" attention, "-" MLP ("|" between
-    # pipeline stages).
+    # One symbol a layer, "M" Mamba, "G" GatedDeltaNet, "*" attention, "-" MLP, "E" MoE ("|"
+    # between pipeline stages); "/" then one multi-token prediction depth's layers, once a depth
+    # (megatron's unified pattern, model.mtp_num_layers = the depths).
     hybrid_layer_pattern: Optional[str] = None
     mamba_state_dim: int = 128
     mamba_head_dim: int = 64
