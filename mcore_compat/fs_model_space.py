@@ -257,9 +257,11 @@ def gtp_peer(model_param) -> int:
 
     if is_gtp_param(model_param):
         return 0
+    # megatron tags a routed expert's params ``allreduce = False`` (reduced over the expert
+    # data-parallel group); they have no ``is_expert_parallel`` attribute.
+    expert = not getattr(model_param, "allreduce", True)
     group = (parallel_state.get_expert_gtp_weight_remat_group(check_initialized=False)
-             if getattr(model_param, "is_expert_parallel", False)
-             else parallel_state.get_gtp_weight_remat_group(check_initialized=False))
+             if expert else parallel_state.get_gtp_weight_remat_group(check_initialized=False))
     return group.rank() if group is not None and group.size() > 1 else 0
 
 

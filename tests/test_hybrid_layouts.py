@@ -87,6 +87,10 @@ MOE_LAYOUTS = {
     "moe ep2etp2": (1, 1, None, (_EP2, "parallelism.expert_tensor_parallel_size=2")),
     "moe ep2egtp2": (1, 1, None, (_EP2, *_EGTP2)),  # expert fc1 80 -> 96 rows, fc2 48 -> 64
     "moe g2egtp2do": (1, 2, 16, (*_EGTP2, _DISTOPT)),  # dense and expert GTP 2
+    # Dense GTP 2, the experts whole (expert GTP 1): the distributed optimizer's expert ranges
+    # are each written by one rank (their GTP peers are expert GTP peers, not dense ones).
+    "moe g2do": (1, 2, 16, (_DISTOPT,)),
+    "moe g2ep2do": (1, 2, 16, (_EP2, _DISTOPT)),
     # MoE layers at TP 2 with sequence parallelism, experts split by EP 2 and expert TP 2.
     "moe tp2sp ep2": (2, 1, None, ("parallelism.sequence_parallel=true", _EP2)),
 }
@@ -124,14 +128,15 @@ def table_problems(model, cfg) -> list[str]:
 # mtp.layers.0.mtp_model_layer.layers.{0,1,2}), bf16: its GatedDeltaNet in_proj (120 rows) padded
 # to 128 under g2/a16 inside the MTP stack as in the decoder, eh_proj (48 rows) GTP-sharded, the
 # MTP layer and megatron's copy of the word embedding on the last of two pipeline stages, its
-# experts over ep2; every pair loads and every layout builds the family's table.
+# experts over ep2 (with dense GTP 2 and the distributed optimizer); every pair loads and every
+# layout builds the family's table.
 MTP_MODEL = ("model.hybrid_layer_pattern='GE*E/G*E'", "model.num_layers=4",
              "model.mtp_num_layers=1", "model.num_moe_experts=2", "precision=bf16")
 MTP_LAYOUTS = {
     "mtp tp1": (1, 1, None, ()),
     "mtp g2a16": (1, 2, 16, ()),
     "mtp pp2dp2do": (1, 1, None, (_PP2, _DISTOPT)),
-    "mtp ep2do": (1, 1, None, (_EP2, _DISTOPT)),
+    "mtp g2a16ep2do": (1, 2, 16, (_EP2, _DISTOPT)),
 }
 # And Mamba in the MTP layer under TP (MoE layers refuse TP > 1): hybrid_gdn_tiny as
 # "MG*-MG/M*-", fp32, tp1 and tp2 x g2/a16 (the MTP layer's Mamba in_proj 230 rows, 115 a TP
