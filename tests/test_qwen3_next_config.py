@@ -124,15 +124,19 @@ def test_the_80b_recipe_fits_with_gated_delta_net_activations(monkeypatch):
     cfg = make_cfg(f"experiment={name}", "train.dry_run=true")
     out = report(cfg, prelaunch.check(cfg, choices={"experiment": name}))
     assert "fits train.gpu_memory_gib=" in out and "does not fit" not in out, out
-    assert "79,674,391,296 parameters" in out and "ep16 x etp1 x egtp2" in out, out
+    # the published count plus the MTP layer
+    # (test_its_mtp_layer_is_counted_as_transformers_builds_its_layer)
+    assert "81,324,862,720 parameters" in out and "1 MTP layer included" in out, out
+    assert "ep16 x etp1 x egtp2" in out, out
     # per s b h, by hand from the published sizes (h 2048): a GatedDeltaNet sublayer 5 + (2 x
     # in_proj 12352 + 2 x conv 8192 + 4 x qk 2048 + 6 x 32 heads + 4 x 32 x 64 (A) + 4 x v
     # 4096) / 2048; gated attention 5 + 4 (16 + 2) 256 / 2048 + 4 x 16 x 256 / 2048; an MoE
     # block 5 + 10 (2 + 4 x 512 / 2048) + 4 x 512 / 2048; twelve of GEGEGE*E.
     gdn = 5 + (2 * 12352 + 2 * 8192 + 4 * 2048 + 6 * 32 + 4 * 32 * 64 + 4 * 4096) / 2048
     block = 3 * gdn + (5 + 9 + 8) + 4 * (5 + 10 * 3 + 1)
-    assert _hybrid_sublayers(cfg.model, 1, 1, cfg.model.hybrid_layer_pattern) == (
-        pytest.approx(12 * block), 12)
+    main, mtp = cfg.model.hybrid_layer_pattern.split("/")  # the recipe trains the MTP layer
+    assert _hybrid_sublayers(cfg.model, 1, 1, main) == (pytest.approx(12 * block), 12)
+    assert (mtp, cfg.model.mtp_num_layers) == ("*E", 1)
 
 
 def test_a_shared_expert_gate_without_a_shared_expert_is_refused():
