@@ -213,20 +213,20 @@ GDN_CHUNK = 64
 
 def _hybrid_sublayers(m, t: int, sp: int, symbols: str) -> tuple[float, float]:
     """A hybrid stack's activations per ``s b h`` (the layers of ``symbols``; 16-bit units of
-    2 bytes, as Korthikanti's constants): ``(the sublayers' sum without attention scores, the attention layers' count)``
-    (the caller adds ``5 a s / h / t`` per attention layer when scores are stored). Each
+    2 bytes, as Korthikanti's constants): ``(the sublayers' sum without attention scores, the
+    attention layers' count)`` (the caller adds ``5 a s / h / t`` per attention layer when scores are stored). Each
     sublayer keeps its norm's input, the norm's output and the residual dropout's mask
     (``5``, split by sequence parallelism ``sp``), then:
 
     * ``*`` attention, the attention half of the GPT layer, Q and the projection's input of
       ``a`` heads and K and V of the query groups, ``d`` = kv_channels wide (``4 (a + groups) d /
       h``: Korthikanti's ``8`` with ``a`` groups of ``h / a``; :func:`_attention_terms` with
-      multi-latent attention), with ``attention_output_gate`` the gate's logits and the attention output it multiplies
-      (``4 a d / h``, ``d`` = kv_channels), over ``t``;
+      multi-latent attention), with ``attention_output_gate`` the gate's logits and the
+      attention output it multiplies (``4 a d / h``, ``d`` = kv_channels), over ``t``;
     * ``-`` MLP, the MLP half, ``4 f / h`` over ``t``;
     * ``E`` MoE, each token's ``moe_router_topk`` dispatched copies, each with its expert's
       input and ``4 F / h`` (``F`` = moe_ffn_hidden_size), and the shared expert's ``4 S / h``
-      (experts split by expert TP, not ``t``: MoE layers run at tp 1 in this family);
+      (experts split by expert TP, not ``t``);
     * ``G`` GatedDeltaNet (megatron's ``GatedDeltaNet.forward`` with flash-linear-attention's
       ``chunk_gated_delta_rule``, which keeps q, k, v, g, beta and the chunk-local ``A`` and
       recomputes the chunk states in the backward): ``in_proj``'s output ``2 P / h``
