@@ -31,15 +31,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_moe_checkpoint_layouts import (
-    _all_logical_names,
-    _build,
-    _check,
-    _fill_sentinel,
-    _golden_full,
-    _goldens,
-    _opt_states,
-    _set_golden,
+from layout_goldens import build as _build
+from moe_matrix import (
+    all_logical_names,
+    check_goldens,
+    fill_sentinel,
+    golden_full,
+    goldens,
+    opt_states,
+    set_golden,
     make_cfg,
 )
 
@@ -63,7 +63,7 @@ def _padding(model, optimizer):
     """(padding rows, their row count) of every expert-GTP weight and its Adam moments on this
     rank (views: the tail of the TP-local weight that falls in this rank's shard)."""
     tensors = {id(p): [p] for p in model.module.parameters()}
-    for opt, p in _opt_states(optimizer):
+    for opt, p in opt_states(optimizer):
         tensors[id(p)] += [opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]]
     for p in model.module.parameters():
         if getattr(p, "pad_length", 0) <= 0:
@@ -102,7 +102,7 @@ def _naive_stock_read(model, path, cfg) -> tuple:
     Only fc1: it is stored with the same global shape at A and B, so nothing stops the read."""
     from megatron.core import dist_checkpointing
 
-    gold = _goldens(model, cfg)
+    gold = goldens(model, cfg)
     wanted = {k: v for k, v in model.module.sharded_state_dict().items()
               if ".local_experts." in k and k.endswith("linear_fc1.weight")}
     try:
@@ -128,31 +128,31 @@ def _world(root: str, cfgs: dict) -> dict:
     for name in ("A", "B"):
         model, opt, sched, record, cfg = _build(cfgs[name])
         assert not logical_format.is_installed(), "checkpoint.format=stock must write stock"
-        _set_golden(model, opt, cfg)
+        set_golden(model, opt, cfg)
         out["garbage_rows"][name] = _garbage_padding(model, opt)
         checkpoint.save_checkpoint(root / name, 1, model, opt, sched, {"consumed_samples": 0},
                                    record)
     # still at B (stock): its own file, read as is (ckpt.stock.prepare_load: same layout)
-    _fill_sentinel(model, opt)
+    fill_sentinel(model, opt)
     checkpoint.load_checkpoint(root / "B", model, opt, sched, record)
     out["B_as_is"] = (not (root / "B" / "gtp_converted").exists(),
                       _padding_was_garbage_then_zero(model, opt))
-    out["loads"][("B", "B")] = _check(model, opt, cfg)
+    out["loads"][("B", "B")] = check_goldens(model, opt, cfg)
     # megatron's own read of A; then ckpt.stock's, into the same model in
     # the logical format (a stock run loads only its own layout: recipes.checkpoint.policy refuses)
     out["naive"] = _naive_stock_read(model, root / "A" / "iter_0000001", cfg)
     logical_format.configure("logical")
-    _fill_sentinel(model, opt)
+    fill_sentinel(model, opt)
     checkpoint.load_checkpoint(root / "A", model, opt, sched, record)
-    out["loads"][("A", "B")] = _check(model, opt, cfg)
+    out["loads"][("A", "B")] = check_goldens(model, opt, cfg)
     model, opt, sched, record, cfg = _build(cfgs["C"])
     assert logical_format.is_installed()
     for src in ("A", "B"):
-        _fill_sentinel(model, opt)
+        fill_sentinel(model, opt)
         checkpoint.load_checkpoint(root / src, model, opt, sched, record)
-        out["loads"][(src, "C")] = _check(model, opt, cfg)
+        out["loads"][(src, "C")] = check_goldens(model, opt, cfg)
     # the full logical goldens' index (same at every layout), for the single-process checks
-    out["index"] = {n: k for k, n in enumerate(_all_logical_names(model, cfg), start=1)}
+    out["index"] = {n: k for k, n in enumerate(all_logical_names(model, cfg), start=1)}
     from multiproc import reset_model_parallel
 
     reset_model_parallel()
@@ -175,7 +175,7 @@ def _full_golden(index: dict, key: str, shape: tuple, what: str) -> torch.Tensor
     """The full logical tensor (layers, experts, rows, cols) of a stored expert key."""
     name = key.replace("decoder.layers.", "").replace("mlp.experts.experts.", "")
     full = torch.stack([torch.stack([
-        _golden_full(index[f"decoder.layers.{layer}.mlp.experts.experts.{e}.{name}"], shape)
+        golden_full(index[f"decoder.layers.{layer}.mlp.experts.experts.{e}.{name}"], shape)
         for e in range(4)]) for layer in range(2)])
     return {"": full, "exp_avg": full + 0.5, "exp_avg_sq": full * 2}[what]
 

@@ -136,7 +136,7 @@ def _params(model, cfg) -> list:
     return out
 
 
-def _all_logical_names(model, cfg) -> list:
+def all_logical_names(model, cfg) -> list:
     """Every logical name of the whole model (each expert at every global index, every
     pipeline stage's layers: gathered from all ranks)."""
     names = set()
@@ -172,7 +172,7 @@ def _full_shape(name, p) -> tuple:
     return tuple(shape)
 
 
-def _golden_full(k: int, shape: tuple) -> torch.Tensor:
+def golden_full(k: int, shape: tuple) -> torch.Tensor:
     if len(shape) == 2:
         assert shape[0] < 1024 and shape[1] < 256, shape
         rows = torch.arange(shape[0], dtype=torch.float32)[:, None]
@@ -198,22 +198,22 @@ def _local(full, name, p):
 def _goldens_by_param(model, cfg) -> dict:
     """{id(param): (global name, param, weight, exp_avg, exp_avg_sq)} expected on this rank
     (fp32; bf16 weights hold the weight golden rounded)."""
-    index = {n: k for k, n in enumerate(_all_logical_names(model, cfg), start=1)}
+    index = {n: k for k, n in enumerate(all_logical_names(model, cfg), start=1)}
     out = {}
     for name, glob, p in _params(model, cfg):
-        full = _golden_full(index[glob], _full_shape(name, p))
+        full = golden_full(index[glob], _full_shape(name, p))
         out[id(p)] = (glob, p, *(_local(f, name, p) for f in (full, full + 0.5, full * 2)))
     return out
 
 
-def _goldens(model, cfg) -> dict:
+def goldens(model, cfg) -> dict:
     """{local name: (param, weight, exp_avg, exp_avg_sq)} expected on this rank (pp1;
     tests/test_moe_stock_format.py's form)."""
     gold = _goldens_by_param(model, cfg)
     return {name: gold[id(p)][1:] for name, _, p in _params(model, cfg)}
 
 
-def _opt_states(optimizer):
+def opt_states(optimizer):
     """(torch optimizer, param) of a plain optimizer's states (tests/test_moe_stock_format.py)."""
     for co in getattr(optimizer, "chained_optimizers", [optimizer]):
         co.init_state_fn(co.optimizer, co.config)
@@ -222,12 +222,12 @@ def _opt_states(optimizer):
                 yield co.optimizer, p
 
 
-def _set_golden(model, optimizer, cfg) -> None:
+def set_golden(model, optimizer, cfg) -> None:
     _fill(model, optimizer, cfg, sentinel=False)
 
 
 @torch.no_grad()
-def _fill_sentinel(model, optimizer) -> None:
+def fill_sentinel(model, optimizer) -> None:
     """Every weight, main param, moment and step the sentinel (no goldens needed)."""
     for p in model.parameters():
         p.fill_(SENTINEL)
@@ -279,7 +279,7 @@ def _diff(what, got, want):
 
 
 @torch.no_grad()
-def _check(model, optimizer, cfg) -> tuple:
+def check_goldens(model, optimizer, cfg) -> tuple:
     """(expert tensors compared, all tensors compared, problems)."""
     gold = _goldens_by_param(model, cfg)
     problems, n, experts = [], 0, 0
@@ -404,7 +404,7 @@ def matrix_worker(root: str, cfgs: dict, pairs: list) -> dict:
             _fill(model, opt, cfg, sentinel=True)
             _fill_biases(model, cfg, sentinel=True)
             checkpoint.load_checkpoint(Path(root) / src, model, opt, sched, record)
-            out["loads"][(src, name)] = _check(model, opt, cfg)
+            out["loads"][(src, name)] = check_goldens(model, opt, cfg)
             out["biases"][(src, name)] = _check_biases(model, cfg)
     reset_model_parallel()
     return out
