@@ -18,7 +18,7 @@ from compose import make_cfg
 from ckpt.families import ExportError, for_export
 from ckpt.stock.specs import config_layout, logical_rows_global
 from recipes.config.parallel_dims import ParallelDims
-from recipes.config.prelaunch import changed_shape_fields
+from recipes.config.shape_fields import changed_shape_fields
 from recipes.config.validate import ConfigError, validate
 from recipes.families import family_of, gtp_weight_dims, parameter_counts, parameter_shapes
 

@@ -133,9 +133,13 @@ def test_a_hybrid_mtp_model_is_not_exported():
     (["model.mamba_num_groups=4"], r"Mamba heads = 6 must be divisible by "
                                    r"model.mamba_num_groups=4"),
     (["model.mamba_head_dim=40"], r"model.mamba_head_dim=40 must divide 2 \* model.hidden_size"),
-    (["model.mtp_num_layers=1"], r"0 MTP depths but model.mtp_num_layers=1: give one '/'"),
-    ([_MTP_PATTERN], "1 MTP depths but model.mtp_num_layers=None"),
-    ([_MTP_PATTERN, "model.mtp_num_layers=2"], "1 MTP depths but model.mtp_num_layers=2"),
+    # The example is built of layers this model has (no 'E' here), one part a depth asked for.
+    (["model.mtp_num_layers=1"], r"0 MTP depths but model.mtp_num_layers=1: give one '/'.*"
+                                 r"'M\*-M\*-/\*-' model.mtp_num_layers=1"),
+    (["model.mtp_num_layers=2"], r"'M\*-M\*-/\*-/\*-' model.mtp_num_layers=2"),
+    (["model.mtp_num_layers=-1"], r"model.mtp_num_layers=-1 must be >= 0"),
+    ([_MTP_PATTERN], "1 MTP depth but model.mtp_num_layers=null"),
+    ([_MTP_PATTERN, "model.mtp_num_layers=2"], "1 MTP depth but model.mtp_num_layers=2"),
     (["model.hybrid_layer_pattern='M*-M*-/*-/-*'", "model.mtp_num_layers=2"],
      "MTP parts differ"),
     (["model.hybrid_layer_pattern='M*-M*-/'", "model.mtp_num_layers=1"], "an empty MTP part"),

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from ckpt.families import ExportError, for_export
 from recipes.config.parallel_dims import ParallelDims
-from recipes.config.prelaunch import changed_shape_fields
+from recipes.config.shape_fields import changed_shape_fields
 from recipes.config.validate import ConfigError, validate
 from recipes.families import FAMILIES, family_of, parameter_counts
 from recipes.model.moe import moe_decoder_layers

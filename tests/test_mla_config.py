@@ -9,7 +9,7 @@ import pytest
 from compose import make_cfg
 
 from ckpt.families import ExportError, for_export
-from recipes.config.prelaunch import changed_shape_fields
+from recipes.config.shape_fields import changed_shape_fields
 from recipes.config.validate import ConfigError, validate
 from recipes.families import family_of, gtp_weight_dims, parameter_counts, parameter_shapes
 from recipes.config.parallel_dims import ParallelDims

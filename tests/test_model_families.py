@@ -86,7 +86,7 @@ def test_a_model_config_saved_without_a_family_gets_the_one_its_fields_imply(pre
     ``model.family`` existed holds the same fields without ``family``: it resumes (no shape
     field differs from the preset's) and exports as the preset does."""
     from ckpt.families import ExportError, for_export
-    from recipes.config.prelaunch import changed_shape_fields
+    from recipes.config.shape_fields import changed_shape_fields
     from recipes.config.schema import to_dict
 
     now = to_dict(make_cfg(f"model={preset}").model)
@@ -104,7 +104,7 @@ def test_a_model_config_saved_without_a_family_gets_the_one_its_fields_imply(pre
 
 
 def test_a_resume_into_another_family_names_the_family_first():
-    from recipes.config.prelaunch import changed_shape_fields
+    from recipes.config.shape_fields import changed_shape_fields
     from recipes.config.schema import to_dict
 
     saved = {k: v for k, v in to_dict(make_cfg("model=llama_tiny").model).items()

@@ -73,6 +73,10 @@ CASES = [
     (["+model.hidden_sise=96"], ["model.hidden_sise", "did you mean model.hidden_size"]),
     (["+train.micro_batch_size=2"], ["train.micro_batch_size", "did you mean data.micro_batch_size"]),
     (["+foo=1"], ["foo is not a config field", "valid keys of the config"]),
+    # megatron's scatter to the sequence-parallel region asserted on every rank after launch
+    (["parallelism=tp2", "parallelism.sequence_parallel=true", "model.seq_length=63"],
+     ["model.seq_length=63 must be divisible by tensor_model_parallel_size=2",
+      "model.seq_length=62"]),
     (["data=text", "data.paths=[{t}/one.txt]"],
      ["data.split='98,2,0' gives the validation split none of the 1 document",
       "train.eval_iters=0"]),

@@ -42,6 +42,21 @@ def test_resume_diff_names_every_change_and_refuses_data_changes():
     assert lr.effect.startswith("new value used")
 
 
+
+def test_only_fields_that_shape_tensors_are_said_to_be_checked_against_them():
+    """A loss coefficient changes the training from the resume on; a size is checked against
+    the checkpoint's tensors (the family's shape fields, recipes.config.shape_fields)."""
+    from recipes.config.schema import to_dict
+
+    saved = to_dict(make_cfg("model=qwen3_next_tiny", "parallelism=dp2"))
+    now = to_dict(make_cfg("model=qwen3_next_tiny", "parallelism=dp2",
+                           "model.moe_aux_loss_coeff=0.01", "model.hidden_size=64",
+                           "model.num_moe_experts=8"))
+    effects = {c.field: c.effect for c in checkpointer.resume_changes(saved, now, 0)}
+    assert effects["model.moe_aux_loss_coeff"] == "used from now on", effects
+    tensors = "checked against the checkpoint's tensors at load"
+    assert effects["model.hidden_size"] == effects["model.num_moe_experts"] == tensors, effects
+
 def test_a_data_field_the_checkpoint_does_not_record_is_named_as_unrecorded():
     """A run config without the model section (an edited checkpoint): model.seq_length is
     refused as not recorded, not as a change from None."""

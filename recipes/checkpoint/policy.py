@@ -24,6 +24,7 @@ from ckpt.io import CheckpointError
 from recipes.config.schema import given_fields, given_overrides, to_dict
 from recipes.families import with_family
 from ckpt.adapt.optim_kinds import optimizer_mismatch
+from recipes.config.shape_fields import changed_shape_fields
 
 
 class NothingToTrain(Exception):
@@ -215,7 +216,7 @@ def resume_changes(saved: dict, now: dict, consumed_samples: int) -> list[Change
         flat_saved.setdefault(name, value)
     flat_saved["optim.lr_decay_iters"] = _decay_iters(saved)
     flat_now["optim.lr_decay_iters"] = _decay_iters(now)
-    changes = []
+    changes, shaped = [], changed_shape_fields(saved.get("model") or {}, now.get("model") or {})
     for name in sorted(set(flat_saved) | set(flat_now)):
         old, new = flat_saved.get(name), flat_now.get(name)
         if old == new or name.endswith(".name") or name.split(".")[0] in _NEUTRAL or name in _NEUTRAL:
@@ -243,7 +244,7 @@ def resume_changes(saved: dict, now: dict, consumed_samples: int) -> list[Change
             effect = LAYOUT_EFFECTS[name]
         elif name == "train.train_iters":
             effect = "runs to the new end; samples already planned keep their order"
-        elif name.startswith(("model.", "gtp.")):
+        elif name.startswith("gtp.") or name.removeprefix("model.") in shaped:
             effect = "checked against the checkpoint's tensors at load"
         elif name == "optim.override_opt_param_scheduler":
             effect = "lr schedule policy"

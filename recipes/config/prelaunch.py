@@ -20,12 +20,14 @@ from typing import Optional
 from urllib.parse import urlparse
 
 from ckpt.format.records import CHECKPOINT_FORMATS, unbounded_size
-from recipes.families import FAMILIES, family_name, parameter_shapes
+from recipes.families import family_name, parameter_shapes
 from ckpt.verify import stored_shapes
 from recipes.model import te
 from ckpt.io import CheckpointError
 from recipes.config.errors import ConfigError
 from recipes.config.parallel_dims import ParallelDims, world_size_from_env
+from recipes.config.schema import GROUPS, Config, TrainConfig
+from recipes.config.shape_fields import changed_shape_fields
 from recipes.config.validate import validate
 
 
@@ -115,8 +117,6 @@ def check_keys(cfg) -> None:
     Raises:
         ConfigError: naming the key and the nearest field.
     """
-    from recipes.config.schema import Config
-
     unknown = _unknown_keys(cfg, Config, "")
     if not unknown:
         return
@@ -136,8 +136,6 @@ def check_keys(cfg) -> None:
 
 
 def _all_fields():
-    from recipes.config.schema import GROUPS, TrainConfig
-
     for group, schema in {**GROUPS, "train": TrainConfig}.items():
         for name in _schema_fields(schema):
             yield group, name
@@ -153,8 +151,6 @@ def _schema_at(schema, dotted: str):
 
 
 def _field_schema(f):
-    from recipes.config.schema import GROUPS
-
     if f.name in GROUPS:
         return GROUPS[f.name]
     if f.default_factory is not None and is_dataclass(f.default_factory):  # type: ignore[misc]
@@ -356,26 +352,6 @@ def check_split(cfg) -> None:
             check_split_documents(n, cfg.data.split, validation, what)
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(str(exc)) from None
-
-
-def changed_shape_fields(saved: dict, now: dict) -> list[str]:
-    """The model fields that shape parameters and differ between ``saved`` (a checkpoint's
-    recorded model config) and ``now``, as the families declare them: ``family`` first (a saved
-    config without it: the family its fields imply, ``recipes.families.family_name``), then the
-    fields each family requires (absent from the record: null), then the shared
-    :data:`recipes.config.schema.SHAPE_FIELDS`, then the shape fields of the family both sides
-    are of."""
-    from recipes.config.schema import SHAPE_FIELDS
-
-    mine, theirs = family_name(now), family_name(saved)
-    kinds = [f for family in FAMILIES for f in family.requires if saved.get(f) != now.get(f)]
-    kinds = (["family"] if mine != theirs else []) + kinds
-    fields = [f for f in SHAPE_FIELDS if f in saved and saved.get(f) != now.get(f)]
-    for family in FAMILIES:
-        if family.name == mine == theirs:
-            fields += [f for f in family.shape_fields
-                       if f in saved and f not in kinds and saved.get(f) != now.get(f)]
-    return kinds + fields
 
 
 def check_saved_sizes(path, common: dict, now) -> list[tuple]:

@@ -68,7 +68,7 @@ def validate(cfg, world_size: int, plan=None) -> ParallelDims:
 
 def _check_model(cfg, parallel_dims: ParallelDims) -> None:
     """``model`` and ``precision``: positive sizes, the pipeline split, the options, the sizes
-    tensor parallelism divides."""
+    tensor parallelism divides (the sequence too, under sequence parallelism)."""
     from recipes.model.build import PARAMS_DTYPES
 
     m, tp = cfg.model, parallel_dims.tensor_model_parallel_size
@@ -85,6 +85,15 @@ def _check_model(cfg, parallel_dims: ParallelDims) -> None:
             raise ConfigError(f"{name}={value} must be divisible by {div} (tensor_model_parallel_size={tp})"
                               if div == tp else f"{name}={value} must be divisible by model.num_attention_heads={div}")
     check_positive("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)
+    cp = parallel_dims.context_parallel_size
+    if parallel_dims.sequence_parallel and m.seq_length % (tp * cp):
+        per = f" x context_parallel_size={cp}" if cp > 1 else ""
+        raise ConfigError(
+            f"model.seq_length={m.seq_length} must be divisible by tensor_model_parallel_size="
+            f"{tp}{per} with parallelism.sequence_parallel=true (megatron scatters each "
+            f"sequence's tokens over the TP ranks); e.g. model.seq_length="
+            f"{max(tp * cp, m.seq_length - m.seq_length % (tp * cp))}, or "
+            f"parallelism.sequence_parallel=false")
     if cfg.precision.params_dtype not in PARAMS_DTYPES:
         raise ConfigError(f"precision.params_dtype={cfg.precision.params_dtype!r}: valid are "
                           f"{tuple(PARAMS_DTYPES)}")

@@ -41,7 +41,7 @@ class ModelFamily:
             that size its parameters.
         shape_fields: its fields that size a parameter beyond the shared ones
             (``recipes.config.schema.SHAPE_FIELDS``): a resume refuses a checkpoint of the same
-            family whose value differs (``recipes.config.prelaunch.changed_shape_fields``).
+            family whose value differs (``recipes.config.shape_fields.changed_shape_fields``).
         formats: its Hugging Face and stock-format names (its ``formats.py``), given to ``ckpt/``.
     """
 

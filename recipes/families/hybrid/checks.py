@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from recipes.config.errors import ConfigError
 from recipes.families.hybrid.model import (
+    ATTENTION,
     GDN,
     GDN_FIELDS,
     MAMBA,
+    MLP,
     MOE,
     MTP,
     PIPE,
@@ -78,20 +80,27 @@ def _check_mtp(cfg, pattern: str, key: str) -> None:
     ``mtp_num_layers`` equal to its depths (megatron's training arguments infer it from the
     pattern and override a different one: here both are said)."""
     m = cfg.model
-    parts, n = mtp_parts(pattern), int(m.get("mtp_num_layers") or 0)
-    example = f"e.g. model.hybrid_layer_pattern='{layer_symbols(pattern) or 'GE*E'}/*E'"
+    value = m.get("mtp_num_layers")
+    parts, n = mtp_parts(pattern), int(value or 0)
+    if n < 0:
+        raise ConfigError(f"model.mtp_num_layers={n} must be >= 0 (null or 0: no MTP)")
+    main = layer_symbols(pattern)
+    # An example from what this model builds: attention, then its MoE layer or else an MLP.
+    part = ATTENTION + (MOE if MOE in main else MLP)
+    example = (f"e.g. model.hybrid_layer_pattern='{main or 'GE*E'}{(MTP + part) * max(n, 1)}' "
+               f"model.mtp_num_layers={max(n, 1)}")
+    depths = f"{len(parts)} MTP depth{'s' if len(parts) != 1 else ''}"
     refusals = (
-        (bool(parts) and not layer_symbols(pattern), "no decoder layer before '/'"),
+        (bool(parts) and not main, "no decoder layer before '/'"),
         (any(PIPE in part for part in parts), "'|' in the MTP part: megatron places the MTP "
                                               "layers on the last pipeline stage"),
         (any(not part for part in parts), "an empty MTP part: each '/' is followed by one MTP "
                                           f"depth's layers ({example})"),
         (len(set(parts)) > 1, "MTP parts differ: megatron builds every MTP depth from one "
                               "pattern, repeated once a depth (e.g. '.../*E/*E')"),
-        (n != len(parts), f"{len(parts)} MTP depths but model.mtp_num_layers="
-                          f"{m.get('mtp_num_layers')}: give one '/' part per MTP layer and "
-                          f"set model.mtp_num_layers to their count ({example} "
-                          f"model.mtp_num_layers=1)"),
+        (n != len(parts), f"{depths} but model.mtp_num_layers="
+                          f"{'null' if value is None else value}: give one '/' part per MTP "
+                          f"layer and set model.mtp_num_layers to their count ({example})"),
         (bool(parts) and cfg.checkpoint.get("format", "logical") == "stock",
          "checkpoint.format=stock with MTP layers: not tested in a hybrid stack; use "
          "checkpoint.format=logical"),
