@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint_matrix import check_goldens, fill_sentinel, opt_states, set_golden
+from checkpoint_matrix import check_goldens, fill_sentinel, set_golden
+from optimizer_entries import opt_states
 from layout_goldens import SENTINEL, build as _build, make_cfg
 from multiproc import run_distributed
 

@@ -38,10 +38,10 @@ from moe_matrix import (
     fill_sentinel,
     golden_full,
     goldens,
-    opt_states,
     set_golden,
     make_cfg,
 )
+from optimizer_entries import opt_states
 
 pytestmark = pytest.mark.multiprocess
 

@@ -37,6 +37,7 @@ from layout_goldens import (
     fill as _pp_fill, check as _pp_check,
 )
 from multiproc import run_distributed
+from optimizer_entries import opt_states
 
 WORLD = 4
 # name: (tp, g, pad_for_alignment)
@@ -102,15 +103,6 @@ def goldens(model, cfg, real_vocab: int | None = None) -> dict:
                 f[real_vocab:] = 0
         out[name] = (p, *(_local(f, p, name, cfg) for f in fulls))
     return out
-
-
-def opt_states(optimizer):
-    """(torch optimizer, param) for every param of megatron's (chained) optimizer."""
-    for co in getattr(optimizer, "chained_optimizers", [optimizer]):
-        co.init_state_fn(co.optimizer, co.config)
-        for group in co.optimizer.param_groups:
-            for p in group["params"]:
-                yield co.optimizer, p
 
 
 @torch.no_grad()

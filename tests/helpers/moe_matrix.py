@@ -213,15 +213,6 @@ def goldens(model, cfg) -> dict:
     return {name: gold[id(p)][1:] for name, _, p in _params(model, cfg)}
 
 
-def opt_states(optimizer):
-    """(torch optimizer, param) of a plain optimizer's states (tests/test_moe_stock_format.py)."""
-    for co in getattr(optimizer, "chained_optimizers", [optimizer]):
-        co.init_state_fn(co.optimizer, co.config)
-        for group in co.optimizer.param_groups:
-            for p in group["params"]:
-                yield co.optimizer, p
-
-
 def set_golden(model, optimizer, cfg) -> None:
     _fill(model, optimizer, cfg, sentinel=False)
 

@@ -39,3 +39,13 @@ def main_param_entries(optimizer):
             for group in co.optimizer.param_groups:
                 for p in group["params"]:
                     yield co.optimizer, p, p, None
+
+
+def opt_states(optimizer):
+    """(torch optimizer, param) for every param of megatron's (chained) optimizer, each
+    optimizer's state initialized first (megatron's ``init_state_fn``)."""
+    for co in getattr(optimizer, "chained_optimizers", [optimizer]):
+        co.init_state_fn(co.optimizer, co.config)
+        for group in co.optimizer.param_groups:
+            for p in group["params"]:
+                yield co.optimizer, p
