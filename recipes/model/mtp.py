@@ -46,9 +46,9 @@ def check(cfg, parallel_dims) -> None:
     pp = f"pipeline_model_parallel_size={parallel_dims.pipeline_model_parallel_size}"
     if m.position_embedding_type == "learned_absolute":
         raise ConfigError(
-            f"model.mtp_num_layers={n} at {pp} needs model.position_embedding_type=rope: the MTP "
-            f"layers on the last stage would train their own copy of the learned position "
-            f"embedding, which megatron-core 0.19.2 never syncs with the first stage's")
+            f"model.mtp_num_layers={n} at {pp} needs model.position_embedding_type=rope (or "
+            f"none): the MTP layers on the last stage would train their own copy of the learned "
+            f"position embedding, which megatron-core 0.19.2 never syncs with the first stage's")
     if m.share_embeddings_and_output_weights:
         raise ConfigError(
             f"model.mtp_num_layers={n} at {pp} needs model.share_embeddings_and_output_weights="
