@@ -42,6 +42,7 @@ from ckpt.hf.hf_weights import HFImportError
 from ckpt.hf.mapping import Direct, Entry, Experts, GatedFC1, state_dict
 from recipes.families.gpt.hf_import import rope_parameters
 from recipes.families.hybrid.model import ATTENTION, GDN, MLP, MOE
+from recipes.families.moe.formats import ROUTER_EXPORTABLE
 
 MIXERS = {GDN: "linear_attention", ATTENTION: "full_attention"}
 MTP_PREFIX = "mtp."  # the Hub's multi-token prediction weights: left out of an import
@@ -342,12 +343,7 @@ ATTENTION_EXPORTABLE = (
     ("qk_layernorm", False, bool, "true (q_norm, k_norm)"),
     ("attention_output_gate", False, bool, "true (q_proj's gate rows)"),
 )
-MOE_EXPORTABLE = (
-    ("moe_router_score_function", "softmax", lambda v: v == "softmax", "'softmax'"),
-    ("moe_router_topk_scaling_factor", None, lambda v: v in (None, 1, 1.0), "null or 1.0"),
-    ("moe_router_enable_expert_bias", False, lambda v: not v, "false"),
-    ("moe_router_num_groups", None, lambda v: v in (None, 1), "null"),
-    ("moe_expert_capacity_factor", None, lambda v: v is None, "null (dropless)"),
+MOE_EXPORTABLE = ROUTER_EXPORTABLE + (
     ("moe_shared_expert_intermediate_size", None, bool,
      "a width (Qwen3NextSparseMoeBlock always has a shared expert)"),
     ("moe_shared_expert_gate", False, bool, "true (shared_expert_gate)"),

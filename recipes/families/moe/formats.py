@@ -60,14 +60,18 @@ SIZE_FIELDS = ("num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_inte
 CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
            **hf_deepseek.CLASSES}
 
-# Settings neither class expresses: (field, default, whether a value is exportable, what is).
-_EXPORTABLE = (
+# Router settings no Hugging Face class of softmax top-k routing expresses (Mixtral's,
+# Qwen3-MoE's, Qwen3-Next's): (field, default, whether a value is exportable, what is).
+ROUTER_EXPORTABLE = (
     ("moe_router_score_function", "softmax", lambda v: v == "softmax", "'softmax'"),
     ("moe_router_topk_scaling_factor", None, lambda v: v in (None, 1, 1.0), "null or 1.0"),
     ("moe_router_enable_expert_bias", False, lambda v: not v, "false"),
     ("moe_router_num_groups", None, lambda v: v in (None, 1), "null"),
     ("moe_router_group_topk", None, lambda v: v is None, "null"),
     ("moe_expert_capacity_factor", None, lambda v: v is None, "null (dropless)"),
+)
+# Settings neither class expresses: (field, default, whether a value is exportable, what is).
+_EXPORTABLE = ROUTER_EXPORTABLE + (
     ("moe_shared_expert_intermediate_size", None, lambda v: not v, "null (no shared expert)"),
     ("moe_shared_expert_gate", False, lambda v: not v, "false"),
     ("moe_layer_freq", 1, lambda v: v in (None, 1), "1 (every layer MoE)"),
