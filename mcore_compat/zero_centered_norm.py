@@ -11,7 +11,9 @@ transformers does.
 
 :func:`install` makes ``WrappedTorchNorm(config, ...)`` build :class:`ZeroCenteredRMSNorm`
 when ``config.layernorm_zero_centered_gamma`` (``normalization`` RMSNorm only; LayerNorm
-raises), megatron's own class otherwise.
+raises), megatron's own class otherwise. Its weight carries ``sequence_parallel`` from the
+config, as megatron's own norms' do, whichever of this patch and
+``mcore_compat.moe_cpu.torch_norm_under_sequence_parallel`` wraps the other.
 """
 
 from __future__ import annotations
@@ -61,7 +63,10 @@ def install() -> None:
         if config.normalization != "RMSNorm":
             raise ValueError(f"normalization={config.normalization!r} with "
                              f"layernorm_zero_centered_gamma: only RMSNorm here")
-        return ZeroCenteredRMSNorm(hidden_size, eps=eps)
+        norm = ZeroCenteredRMSNorm(hidden_size, eps=eps)
+        for param in norm.parameters():  # as megatron's own norms: summed over TP under SP
+            param.sequence_parallel = bool(config.sequence_parallel)
+        return norm
 
     wrapped.__new__ = staticmethod(new)
     wrapped._mcore_compat_zero_centered = True

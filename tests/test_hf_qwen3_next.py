@@ -69,6 +69,26 @@ def test_zero_centred_norm_is_transformers():
     torch.testing.assert_close(ours(x), theirs(x), rtol=1e-6, atol=0)
 
 
+
+@pytest.mark.parametrize("sp", [True, False])
+def test_a_zero_centred_norm_is_tagged_for_sequence_parallelism_whatever_the_patch_order(sp):
+    """On CPU the worker installs the sequence-parallel norm patch (mcore_compat.moe_cpu) before
+    the hybrid family's build installs this one over it: the zero-centred norm must still carry
+    megatron's ``sequence_parallel`` tag, or finalize_model_grads leaves its gradient unsummed
+    over TP (a fresh train.py run at tp2+sp builds once: nothing re-wraps the patches)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mcore_compat import moe_cpu, zero_centered_norm
+
+    moe_cpu.torch_norm_under_sequence_parallel()
+    zero_centered_norm.install()
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                               normalization="RMSNorm", layernorm_zero_centered_gamma=True)
+    config.sequence_parallel = sp
+    norm = WrappedTorchNorm(config, 8)
+    assert [getattr(p, "sequence_parallel", None) for p in norm.parameters()] == [sp]
+
 def _config():
     from transformers import Qwen3NextConfig
 
