@@ -105,9 +105,9 @@ def torch_norm_under_sequence_parallel() -> None:
     where apex is missing and for every Mamba layer, on any device). Without sequence
     parallelism the norm is megatron's, untagged."""
     cls = importlib.import_module("megatron.core.transformer.torch_norm").WrappedTorchNorm
+    if getattr(cls, "_mcore_compat_sequence_parallel", False):
+        return  # a class flag: another patch may wrap this one's __new__ (zero_centered_norm)
     original = cls.__new__
-    if hasattr(original, "__wrapped__"):
-        return
 
     def __new__(klass, config, hidden_size, eps=1e-5, **kwargs):
         sp = bool(config.sequence_parallel)
@@ -122,6 +122,7 @@ def torch_norm_under_sequence_parallel() -> None:
 
     __new__.__wrapped__ = original
     cls.__new__ = __new__
+    cls._mcore_compat_sequence_parallel = True
 
 
 @megatron_patch("the module-global torch of PATCHED_MODULES (MoE router, token dispatchers, "
